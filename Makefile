@@ -1,0 +1,38 @@
+# The two commands: `make demo` runs the main job, `make test` runs every test.
+# Both set up what they need on a fresh machine (virtual environment, system packages).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test agent system venv benchmarks clean lint
+
+demo: $(STAMP)
+	$(PY) -m mscale demo $(ARGS)
+
+test: system $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+agent: $(STAMP)
+	$(PY) -m mscale agent --simulate mscale/sim/timelines/default.yaml $(ARGS)
+
+system:
+	@bash scripts/setup-system.sh
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[hook,dev]'
+	# BCC is Debian's python3-bpfcc: make its module importable from the venv.
+	# Link only the bcc package, not all of dist-packages, so nothing else leaks in.
+	mkdir -p $(VENV)/debian-bcc && ln -sfn /usr/lib/python3/dist-packages/bcc $(VENV)/debian-bcc/bcc
+	echo $(abspath $(VENV))/debian-bcc > $$($(PY) -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')/debian_bcc.pth
+	touch $(STAMP)
+
+benchmarks: $(STAMP)
+	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache mscale-demo

@@ -1,0 +1,5 @@
+import sys
+
+from mscale.cli import main
+
+sys.exit(main())

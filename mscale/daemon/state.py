@@ -1,0 +1,106 @@
+"""The agent's live model: latest probe snapshots, probe status, events, jobs.
+
+Probes publish immutable snapshots; collectors and the API only read them, so a scrape
+never touches hardware. `EventLog.emit` is thread-safe (probes run in worker threads).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import structlog
+
+from mscale.findings import Finding, Severity
+
+log = structlog.get_logger("mscale.events")
+
+_LOG_METHOD = {Severity.CRITICAL: "error", Severity.WARNING: "warning", Severity.INFO: "info"}
+
+
+@dataclass
+class ProbeStatus:
+    name: str
+    enabled: bool = True
+    up: bool | None = None  # None: not sampled yet
+    reason: str = ""
+    last_success_time: float = 0.0
+    last_duration_s: float = 0.0
+    samples_total: int = 0
+    errors_total: int = 0
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+class EventLog:
+    """Bounded history of findings, a counter per (source, reason, severity), subscribers."""
+
+    def __init__(self, maxlen: int = 1000) -> None:
+        self._lock = threading.Lock()
+        self._items: deque[tuple[int, Finding]] = deque(maxlen=maxlen)
+        self._seq = itertools.count(1)
+        self.counts: Counter[tuple[str, str, str]] = Counter()
+        self._subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        self._sync_subscribers: list[Callable[[Finding], None]] = []
+
+    def emit(self, finding: Finding) -> int:
+        with self._lock:
+            seq = next(self._seq)
+            self._items.append((seq, finding))
+            self.counts[(finding.source, finding.reason.value, finding.severity.value)] += 1
+            subs = list(self._subscribers)
+            sync_subs = list(self._sync_subscribers)
+        getattr(log, _LOG_METHOD[finding.severity])(
+            finding.reason.value, source=finding.source, message=finding.message, seq=seq, **dict(finding.labels))
+        for loop, queue in subs:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, finding)
+            except RuntimeError:  # loop closed
+                pass
+        for fn in sync_subs:
+            fn(finding)
+        return seq
+
+    def subscribe(self, loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Queue:
+        """An unbounded queue receiving every finding emitted from now on."""
+        loop = loop or asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._subscribers.append((loop, queue))
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue) -> None:
+        with self._lock:
+            self._subscribers = [(l, q) for l, q in self._subscribers if q is not queue]
+
+    def on_emit(self, fn: Callable[[Finding], None]) -> None:
+        """Call `fn` synchronously (in the emitting thread) for every finding."""
+        with self._lock:
+            self._sync_subscribers.append(fn)
+
+    def since(self, seq: int = 0, limit: int = 1000) -> list[tuple[int, Finding]]:
+        with self._lock:
+            items = [(s, f) for s, f in self._items if s > seq]
+        return items[-limit:]
+
+
+@dataclass
+class AgentState:
+    node: str
+    events: EventLog = field(default_factory=EventLog)
+    started_at: float = field(default_factory=time.time)
+    # probe name -> latest immutable snapshot the probe published
+    snapshots: dict[str, Any] = field(default_factory=dict)
+    probe_status: dict[str, ProbeStatus] = field(default_factory=dict)
+    # job id -> the link's per-job state (mscale.daemon.link)
+    jobs: dict[str, Any] = field(default_factory=dict)
+    # refused or dropped input, by (where, why): webhook, socket, chaos API
+    refused: Counter = field(default_factory=Counter)
+
+    def publish(self, probe: str, snapshot: Any) -> None:
+        self.snapshots[probe] = snapshot

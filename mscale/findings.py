@@ -1,0 +1,84 @@
+"""Findings: the one typed record every detector, probe and action reports.
+
+Metrics, the event API, logs and the healing policy all consume the same `Finding`, so a
+fault seen by two paths can be recognised as one (see `Finding.fault_key`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Mapping
+
+
+class Severity(str, Enum):
+    CRITICAL = "critical"  # P0
+    WARNING = "warning"  # P1
+    INFO = "info"  # P2
+
+
+class Reason(str, Enum):
+    """Reason codes. One enum for the whole project: policy tables key on these."""
+
+    # GPU and driver (probes/gpu, probes/dcgm, sim)
+    GPU_XID = "gpu_xid"
+    GPU_ECC_DBE = "gpu_ecc_dbe"
+    GPU_ECC_SBE_STORM = "gpu_ecc_sbe_storm"
+    GPU_TEMPERATURE = "gpu_temperature"
+    GPU_NVLINK_DOWN = "gpu_nvlink_down"
+    GPU_PCIE_REPLAY = "gpu_pcie_replay"
+    GPU_LOST = "gpu_lost"
+    GPU_HEALTH_CHANGED = "gpu_health_changed"
+    GPU_RECOVERED = "gpu_recovered"
+    # CUDA driver uprobes (probes/ebpf)
+    TRAINING_HANG = "training_hang"
+    TRAINING_HANG_CLEARED = "training_hang_cleared"
+    SYNC_STALL = "sync_stall"
+    CUDA_ALLOC_FAILURE = "cuda_alloc_failure"
+    # In-process detectors (probes/checksum, probes/loss)
+    CHECKSUM_FAILURE = "checksum_failure"
+    CHECKSUM_L1_TRIGGER = "checksum_l1_trigger"
+    NONFINITE_OUTPUT = "nonfinite_output"
+    LOSS_NONFINITE = "loss_nonfinite"
+    LOSS_SPIKE_WARN = "loss_spike_warn"
+    LOSS_SPIKE_ACTION = "loss_spike_action"
+    LOSS_JUMP = "loss_jump"
+    GRAD_NORM_SPIKE = "grad_norm_spike"
+    # Agent and link
+    PROBE_DOWN = "probe_down"
+    PROBE_UP = "probe_up"
+    JOB_REGISTERED = "job_registered"
+    JOB_GONE = "job_gone"
+    ALERT_FIRING = "alert_firing"
+    ALERT_RESOLVED = "alert_resolved"
+    CHAOS_INJECTED = "chaos_injected"
+    # Healing actions and snapshots
+    HEAL_ACTION = "heal_action"
+    SNAPSHOT_WRITTEN = "snapshot_written"
+    SNAPSHOT_FAILED = "snapshot_failed"
+    ROLLBACK = "rollback"
+
+
+@dataclass(frozen=True)
+class Finding:
+    source: str
+    reason: Reason
+    severity: Severity
+    message: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    time: float = field(default_factory=time.time)
+
+    def fault_key(self, *label_names: str) -> tuple:
+        """Identity of the underlying fault, for idempotence across report paths."""
+        names = label_names or ("gpu_uuid", "mpu_id", "job")
+        return (self.reason.value,) + tuple(self.labels.get(n, "") for n in names)
+
+    def to_dict(self) -> dict:
+        return {
+            "source": self.source,
+            "reason": self.reason.value,
+            "severity": self.severity.value,
+            "message": self.message,
+            "labels": dict(self.labels),
+            "time": self.time,
+        }

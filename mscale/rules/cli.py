@@ -1,0 +1,16 @@
+"""`mscale rules` (filled in by its issue)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "rules (not built yet)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    print("mscale rules: not built yet", file=sys.stderr)
+    return 1

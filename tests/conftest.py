@@ -1,0 +1,43 @@
+"""Shared test helpers. System tools are required in CI (CI=true): missing means fail."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require_tool(name: str, *, why: str = "") -> str:
+    """Path of a system tool; skips locally when absent, fails in CI."""
+    path = shutil.which(name)
+    if path is None:
+        msg = f"system tool {name!r} not found{': ' + why if why else ''} (make test installs it via scripts/setup-system.sh)"
+        if IN_CI:
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return path
+
+
+def require(condition: bool, reason: str) -> None:
+    """Skip locally / fail in CI when a machine capability the test needs is absent."""
+    if not condition:
+        if IN_CI:
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def python_exe() -> str:
+    return sys.executable
