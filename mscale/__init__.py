@@ -1,10 +1,47 @@
 """MegaScale-Omni: observability and self-healing for multimodal LLM training.
 
-Importing `mscale` has no side effects; the hook library's public API is re-exported here
-lazily so that the agent never imports torch.
+Importing `mscale` has no side effects and does not import torch: the hook library's public
+API is re-exported lazily (module `__getattr__`), so the agent never loads it.
+
+    import mscale
+    guard = mscale.attach(model, optimizer, job_id="run-42")
 """
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
 
-__all__: list[str] = ["__version__"]
+# public name -> module defining it (imported on first use)
+_LAZY: dict[str, str] = {
+    "attach": "mscale.hook.guard",
+    "Guard": "mscale.hook.guard",
+    "NullGuard": "mscale.hook.guard",
+    "ModelInputs": "mscale.hook.guard",
+    "Mpu": "mscale.hook.mpu",
+    "MpuLayoutError": "mscale.hook.mpu",
+    "Plugin": "mscale.hook.plugin",
+    "CmsaConfig": "mscale.hook.cmsa",
+    "ChecksumConfig": "mscale.probes.checksum",
+    "LossConfig": "mscale.probes.loss",
+    "MscaleCallback": "mscale.hook.hf",
+    "Finding": "mscale.findings",
+    "Reason": "mscale.findings",
+    "Severity": "mscale.findings",
+}
+
+__all__: list[str] = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mscale' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -30,6 +30,7 @@ class Reason(str, Enum):
     GPU_LOST = "gpu_lost"
     GPU_HEALTH_CHANGED = "gpu_health_changed"
     GPU_RECOVERED = "gpu_recovered"
+    GPU_RESET_REQUIRED = "gpu_reset_required"  # row remap / page retirement pending or failed
     # CUDA driver uprobes (probes/ebpf)
     TRAINING_HANG = "training_hang"
     TRAINING_HANG_CLEARED = "training_hang_cleared"
@@ -44,6 +45,8 @@ class Reason(str, Enum):
     LOSS_SPIKE_ACTION = "loss_spike_action"
     LOSS_JUMP = "loss_jump"
     GRAD_NORM_SPIKE = "grad_norm_spike"
+    GRAD_NORM_NONFINITE = "grad_norm_nonfinite"
+    GRAD_NORM_JUMP = "grad_norm_jump"
     # Agent and link
     PROBE_DOWN = "probe_down"
     PROBE_UP = "probe_up"
@@ -54,6 +57,7 @@ class Reason(str, Enum):
     CHAOS_INJECTED = "chaos_injected"
     # Healing actions and snapshots
     HEAL_ACTION = "heal_action"
+    FUSE_STATE = "fuse_state"  # a fuse state-machine transition of an MPU
     SNAPSHOT_WRITTEN = "snapshot_written"
     SNAPSHOT_FAILED = "snapshot_failed"
     ROLLBACK = "rollback"

@@ -1,0 +1,167 @@
+"""CMSA: per-MPU gradient clipping that gives noisy modalities proportionally more room.
+
+    clip_i = base * mult_i * (1 + alpha * GVC_i)      GVC_i = std(g_i) / mean(|g_i|)
+
+g_i is every gradient element of MPU i, GVC_i its gradient variation coefficient, mult_i 1
+unless raised (`raise_threshold`, used by the L2 fuse to absorb a degraded MPU's noisier
+gradients). When ||g_i|| > clip_i the MPU's gradients are scaled to clip_i.
+
+Cold start (`warmup_steps`, default 10): the first half unclipped (alpha unknown), the
+second half with a small alpha (`probe_alpha`), then alpha is fitted once: rho is the
+Pearson correlation, over the warm-up steps, between the mean GVC of a step and the loss
+improvement that followed it (loss_t - loss_t+1). Noisy gradients that went with progress
+earn room: alpha = probe_alpha + (alpha_max - probe_alpha) * max(0, rho); noisy gradients
+that went with no progress or with worse loss keep alpha at probe_alpha * (1 + min(0, rho))
+(down to 0). The clip ratio of an MPU is the share of its clipped steps since the fit began
+(`cmsa_clip_ratio{mpu_id}`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from mscale.hook.mpu import Mpu, by_key
+
+
+@dataclass(frozen=True)
+class CmsaConfig:
+    base: float = 1.0
+    warmup_steps: int = 10
+    probe_alpha: float = 0.1
+    alpha_max: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.base > 0:
+            raise ValueError(f"base: expected > 0, got {self.base}")
+        if self.warmup_steps < 4:
+            raise ValueError(f"warmup_steps: expected >= 4 (two unclipped, two probing), got {self.warmup_steps}")
+        if not 0 <= self.probe_alpha <= self.alpha_max:
+            raise ValueError(f"probe_alpha/alpha_max: expected 0 <= probe <= max, got {self.probe_alpha}, {self.alpha_max}")
+
+
+def grad_stats(mpus: Sequence[Mpu], params: Iterable[torch.nn.Parameter]) -> tuple[float, dict[str, tuple[float, float]]]:
+    """(global gradient norm over `params`, {mpu_id: (grad norm, GVC)}) with one device sync."""
+    rows: list[torch.Tensor] = []
+    counts: list[int] = []
+    for m in mpus:
+        grads = [p.grad for p in m.parameters() if p.grad is not None]
+        n = sum(g.numel() for g in grads)
+        counts.append(n)
+        if not grads:
+            rows.append(torch.zeros(3, dtype=torch.float64))
+            continue
+        l1 = torch.stack(torch._foreach_norm(grads, 1)).to(torch.float64).sum()
+        l2sq = torch.stack(torch._foreach_norm(grads, 2)).to(torch.float64).square().sum()
+        s = torch.stack([g.sum(dtype=torch.float32) for g in grads]).to(torch.float64).sum()
+        rows.append(torch.stack((l1, l2sq, s)).cpu())
+    all_grads = [p.grad for p in params if p.grad is not None]
+    if all_grads:
+        total = torch.stack(torch._foreach_norm(all_grads, 2)).to(torch.float64).square().sum().cpu()
+    else:
+        total = torch.zeros((), dtype=torch.float64)
+    values = torch.cat([torch.stack(rows).flatten(), total.reshape(1)]).tolist() if rows else [total.item()]
+    out: dict[str, tuple[float, float]] = {}
+    for i, m in enumerate(mpus):
+        l1, l2sq, s = values[3 * i: 3 * i + 3]
+        n = counts[i]
+        if n == 0:
+            out[m.mpu_id] = (0.0, 0.0)
+            continue
+        mean = s / n
+        var = max(l2sq / n - mean * mean, 0.0) if math.isfinite(l2sq) else math.nan
+        mean_abs = l1 / n
+        gvc = math.sqrt(var) / mean_abs if mean_abs > 0 else 0.0
+        out[m.mpu_id] = (math.sqrt(l2sq) if l2sq >= 0 else math.nan, gvc)
+    return math.sqrt(values[-1]) if values[-1] >= 0 else math.nan, out
+
+
+class Cmsa:
+    def __init__(self, mpus: Sequence[Mpu], config: CmsaConfig | None = None) -> None:
+        self.mpus = list(mpus)
+        self.config = config or CmsaConfig()
+        self.alpha: float | None = None  # None: unclipped cold start
+        self.rho: float | None = None
+        self.multiplier: dict[str, float] = {m.mpu_id: 1.0 for m in self.mpus}
+        self.clip: dict[str, float] = {}
+        self.steps = 0  # steps with clipping active
+        self.clipped: dict[str, int] = {m.mpu_id: 0 for m in self.mpus}
+        self._seen = 0
+        self._warm: list[tuple[float, float]] = []  # (mean GVC, loss) per warm-up step
+
+    # --- API for the fuse --------------------------------------------------------------
+
+    def raise_threshold(self, mpu: Mpu | str, factor: float) -> float:
+        """Multiply an MPU's clip threshold by `factor` (> 0); returns the new multiplier."""
+        if not factor > 0:
+            raise ValueError(f"factor: expected > 0, got {factor}")
+        key = mpu.mpu_id if isinstance(mpu, Mpu) else by_key(self.mpus, mpu).mpu_id
+        self.multiplier[key] *= factor
+        return self.multiplier[key]
+
+    def reset_threshold(self, mpu: Mpu | str) -> None:
+        key = mpu.mpu_id if isinstance(mpu, Mpu) else by_key(self.mpus, mpu).mpu_id
+        self.multiplier[key] = 1.0
+
+    def clip_ratio(self, mpu_id: str) -> float:
+        return self.clipped.get(mpu_id, 0) / self.steps if self.steps else 0.0
+
+    def threshold(self, mpu: Mpu) -> float:
+        alpha = self.alpha or 0.0
+        gvc = mpu.gvc if math.isfinite(mpu.gvc) else 0.0
+        return self.config.base * self.multiplier[mpu.mpu_id] * (1.0 + alpha * gvc)
+
+    # --- per step (called by the Guard after grad_stats filled mpu.grad_norm / mpu.gvc) --
+
+    def apply(self, step: int, loss: float | None) -> dict[str, bool]:
+        c = self.config
+        i = self._seen
+        self._seen += 1
+        if i < c.warmup_steps:
+            gvcs = [m.gvc for m in self.mpus if math.isfinite(m.gvc)]
+            if loss is not None and math.isfinite(loss) and gvcs:
+                self._warm.append((sum(gvcs) / len(gvcs), loss))
+            if i < c.warmup_steps // 2:
+                return {}  # unclipped: alpha unknown
+            if self.alpha is None:
+                self.alpha = c.probe_alpha
+        elif self.rho is None:
+            self._fit()
+        self.steps += 1
+        out: dict[str, bool] = {}
+        for m in self.mpus:
+            clip = self.threshold(m)
+            self.clip[m.mpu_id] = clip
+            norm = m.grad_norm
+            hit = math.isfinite(norm) and norm > clip
+            out[m.mpu_id] = hit
+            if hit:
+                self.clipped[m.mpu_id] += 1
+                grads = [p.grad for p in m.parameters() if p.grad is not None]
+                torch._foreach_mul_(grads, clip / (norm + 1e-6))
+        return out
+
+    def _fit(self) -> None:
+        c = self.config
+        pairs = [(g, self._warm[i][1] - self._warm[i + 1][1]) for i, (g, _) in enumerate(self._warm[:-1])]
+        rho = _pearson(pairs)
+        self.rho = rho if rho is not None else 0.0
+        if self.rho >= 0:
+            self.alpha = c.probe_alpha + (c.alpha_max - c.probe_alpha) * self.rho
+        else:
+            self.alpha = c.probe_alpha * (1.0 + self.rho)
+
+
+def _pearson(pairs: list[tuple[float, float]]) -> float | None:
+    if len(pairs) < 3:
+        return None
+    xs, ys = zip(*pairs)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxy = sum((x - mx) * (y - my) for x, y in pairs)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    if sxx <= 0 or syy <= 0:
+        return None
+    return max(-1.0, min(1.0, sxy / math.sqrt(sxx * syy)))

@@ -1,0 +1,472 @@
+"""The Guard: attaches the detectors, CMSA, the plugins and the agent link to a model and
+its optimizer, riding on calls the training loop already makes.
+
+    guard = mscale.attach(model, optimizer, job_id="run-42")
+    ...                                  # the loop is unchanged: forward, backward,
+    optimizer.step()                     # optimizer.step() (or guard.step(loss))
+
+Hooks: a forward pre-hook on the model begins a step (first training-mode forward after the
+previous optimizer step), forward hooks on each MPU time it and run the checksums, tensor
+hooks time its backward, and optimizer step pre/post hooks run the gradient statistics,
+CMSA and the end of the step. Nothing here raises into the training loop: detectors make
+findings, plugin errors are logged and counted. `attach(..., enabled=False)` (or the
+environment variable MSCALE_GUARD=0) returns a `NullGuard` and leaves model and optimizer
+untouched.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
+
+import structlog
+import torch
+from torch import nn
+
+from mscale.daemon.config import parse_bool
+from mscale.findings import Finding, Reason, Severity
+from mscale.hook import mpu as mpumod
+from mscale.hook.cmsa import Cmsa, CmsaConfig, grad_stats
+from mscale.hook.mpu import Mpu
+from mscale.hook.plugin import HOOKS
+from mscale.probes.checksum import ChecksumConfig, ChecksumDetector, output_tensors
+from mscale.probes.loss import LossConfig, LossDetector
+
+log = structlog.get_logger("mscale.hook")
+
+DEFAULT_SOCKET = "/run/mscale/agent.sock"
+
+
+class ModelInputs(NamedTuple):
+    """What a module was called with: the batch, as the model (or an MPU) saw it."""
+
+    args: tuple
+    kwargs: dict
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent in the guard's own work during the last step, by part (benchmarks)."""
+
+    checksum_s: float = 0.0
+    grad_stats_s: float = 0.0
+    loss_s: float = 0.0
+    cmsa_s: float = 0.0
+    report_s: float = 0.0
+    plugins_s: float = 0.0
+
+    def reset(self) -> None:
+        for k in self.__dataclass_fields__:
+            setattr(self, k, 0.0)
+
+
+class Guard:
+    """Watches one model + optimizer. Public, stable surface for plugins:
+
+    - `job_id`, `rank`, `model`, `optimizer`, `mpus` (list of `Mpu`), `mpu(key)` by id or name
+    - `current_step` (the step in progress, or the next one), `set_step(n)` after a restore
+    - `checksum` (ChecksumDetector), `loss_detector` (LossDetector), `cmsa` (Cmsa or None)
+    - `emit(finding)`, `request_skip(reason)`, `rebind(mpu, gpu, ...)`, `send_to_agent(msg)`
+    - `add_plugin(p)`, `plugins`, `plugin_errors`, `findings` (recent), `link` (or None)
+    """
+
+    enabled = True
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, job_id: str,
+                 rank: int = 0, mpus: Mapping[str, nn.Module | str] | None = None,
+                 gpus: Mapping[str, int] | None = None, checksum: ChecksumConfig | None = None,
+                 loss: LossConfig | None = None, cmsa: CmsaConfig | bool | None = True,
+                 plugins: Iterable[Any] = (), socket_path: str | None = None, connect: bool = True,
+                 report_queue: int = 256) -> None:
+        if not isinstance(job_id, str) or not job_id:
+            raise ValueError("job_id: expected a non-empty string naming the training job")
+        self.job_id, self.rank = job_id, int(rank)
+        self.model, self.optimizer = model, optimizer
+        self.mpus: list[Mpu] = mpumod.discover(model, mpus, gpus)
+        self.log = log.bind(job_id=job_id, rank=self.rank)
+        self.log.info("mpus_found", mpus=[f"{m.mpu_id}={m.name}@{m.path or '<root>'} gpu={m.gpu}" for m in self.mpus])
+        self.current_step = 0
+        self.plugins: list[Any] = []
+        self.plugin_errors = 0
+        self.findings: collections.deque[Finding] = collections.deque(maxlen=1000)
+        self.times = StepTimes()
+        self.checksum = ChecksumDetector(checksum or ChecksumConfig(), emit=self.emit, step=lambda: self.current_step)
+        self.loss_detector = LossDetector(loss or LossConfig())
+        if cmsa is True:
+            cmsa = CmsaConfig()
+        self.cmsa: Cmsa | None = Cmsa(self.mpus, cmsa) if cmsa else None
+        self._handles: list[Any] = []
+        self._commands: collections.deque[dict] = collections.deque(maxlen=1024)
+        self._in_step = False
+        self._losses: list[torch.Tensor] = []
+        self._skip_reason = ""
+        self._step_findings: list[Finding] = []
+        self._last: dict[str, Any] = {}
+        self._mpu_by_module = {id(m.module): m for m in self.mpus}
+        self._main_thread = threading.get_ident()
+        self._install()
+        self.link = None
+        if connect:
+            from mscale.hook.link import LinkClient
+            path = socket_path or os.environ.get("MSCALE_SOCKET", DEFAULT_SOCKET)
+            self.link = LinkClient(path, registration=self.registration, on_command=self._commands.append,
+                                   queue_max=report_queue)
+            self.link.start()
+        for p in plugins:
+            self.add_plugin(p)
+
+    # --- public surface --------------------------------------------------------------
+
+    def mpu(self, key: str) -> Mpu:
+        return mpumod.by_key(self.mpus, key)
+
+    def add_plugin(self, plugin: Any) -> None:
+        if not any(hasattr(plugin, h) for h in HOOKS):
+            raise TypeError(f"{type(plugin).__name__} has none of the plugin methods {', '.join(HOOKS)}")
+        self.plugins.append(plugin)
+        self._call(plugin, "on_attach", self)
+
+    def remove_plugin(self, plugin: Any) -> None:
+        self.plugins.remove(plugin)
+        self._call(plugin, "on_detach", self)
+
+    def set_step(self, step: int) -> None:
+        """The step to run next (a restored snapshot continues at its step + 1)."""
+        self.current_step = int(step)
+
+    def emit(self, finding: Finding) -> None:
+        """Record a finding: log it, tell the plugins, send it to the agent with the step's report."""
+        labels = {"job_id": self.job_id, "step": str(self.current_step), **finding.labels}
+        if "mpu_id" in labels and "gpu" not in labels:
+            try:
+                labels["gpu"] = str(self.mpu(labels["mpu_id"]).gpu)
+            except KeyError:
+                pass
+        finding = Finding(finding.source, finding.reason, finding.severity, finding.message, labels, finding.time)
+        self.findings.append(finding)
+        self._step_findings.append(finding)
+        method = {Severity.CRITICAL: "error", Severity.WARNING: "warning"}.get(finding.severity, "info")
+        getattr(self.log, method)(finding.reason.value, source=finding.source, message=finding.message, **labels)
+        self._dispatch("on_finding", finding)
+
+    def request_skip(self, reason: str) -> None:
+        """Make this step's optimizer update a no-op (its gradients are dropped). For plugins
+        reacting to a finding before the optimizer step."""
+        self._skip_reason = reason or "requested"
+
+    def rebind(self, mpu: Mpu | str, gpu: int, *, gpu_uuid: str = "", device: torch.device | str | None = None) -> Mpu:
+        """Bind an MPU to another GPU index (and move it to `device` if given). On CPU only
+        the simulated binding changes; the agent is told at once."""
+        m = mpu if isinstance(mpu, Mpu) else self.mpu(mpu)
+        if device is not None:
+            m.module.to(device)
+        old = m.gpu
+        m.gpu, m.gpu_uuid = int(gpu), gpu_uuid
+        self.checksum.forget(m)
+        self.log.info("mpu_rebound", mpu_id=m.mpu_id, mpu=m.name, gpu_from=old, gpu=m.gpu, device=str(m.device))
+        if self.link is not None:
+            self.link.update_registration()
+        return m
+
+    def send_to_agent(self, message: dict) -> bool:
+        """Queue a message (a dict with "type") for the agent; False without a link."""
+        if self.link is None:
+            return False
+        self.link.send(message)
+        return True
+
+    def registration(self) -> dict:
+        return {"type": "register", "job_id": self.job_id, "rank": self.rank, "pid": os.getpid(),
+                "step": self.current_step, "mpus": [m.describe() for m in self.mpus]}
+
+    def observe(self, loss: torch.Tensor | float) -> None:
+        """Tell the guard the step's loss (when the model's output carries none)."""
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach()
+        self._losses.append(loss)
+
+    def step(self, loss: torch.Tensor | float | None = None) -> None:
+        """`optimizer.step()` with the loss given: the three-line alternative to auto-capture."""
+        if loss is not None:
+            self._losses.clear()
+            self.observe(loss)
+        if self.optimizer is None:
+            self._pre_step()
+            self._end_step()
+        else:
+            self.optimizer.step()
+
+    def poll_commands(self) -> int:
+        """Dispatch the agent's queued commands now (the guard does it at step boundaries)."""
+        n = 0
+        while self._commands:
+            command = self._commands.popleft()
+            n += 1
+            if command.get("type") == "ping":
+                self.send_to_agent({"type": "pong", "id": command.get("id")})
+                continue
+            for p in list(self.plugins):
+                reply = self._call(p, "on_command", command)
+                if isinstance(reply, dict) and self.link is not None:
+                    self.link.send({"type": "reply", "id": command.get("id"), **reply})
+        return n
+
+    def detach(self) -> None:
+        """Remove every hook and stop the link: the model and optimizer are as before."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.checksum.detach()
+        for p in list(self.plugins):
+            self._call(p, "on_detach", self)
+        if self.link is not None:
+            self.link.stop()
+            self.link = None
+
+    def summary(self) -> dict:
+        """The last step's figures (what the report carries)."""
+        return dict(self._last)
+
+    # --- hooks -----------------------------------------------------------------------
+
+    def _install(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._model_post))
+        for m in self.mpus:
+            self._handles.append(m.module.register_forward_pre_hook(self._mpu_pre, with_kwargs=True))
+            self._handles.append(m.module.register_forward_hook(self._mpu_post, with_kwargs=True))
+            for p in m.parameters():
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    lambda _p, m=m: m._mark_backward_end()))
+            self.checksum.attach(m)
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_pre_hook(lambda opt, a, k: self._pre_step()))
+            self._handles.append(self.optimizer.register_step_post_hook(lambda opt, a, k: self._end_step()))
+
+    def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if module.training and not self._in_step and not self.checksum.replaying:
+            self._begin_step(ModelInputs(args, kwargs))
+
+    def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.checksum.replaying or not module.training:
+            return
+        loss = _loss_of(output)
+        if loss is not None:
+            self._losses.append(loss.detach())
+
+    def _begin_step(self, batch: ModelInputs) -> None:
+        self._in_step = True
+        self.times.reset()
+        self._step_findings = []
+        self._skip_reason = ""
+        for m in self.mpus:
+            m._reset_step()
+        self.poll_commands()
+        self._dispatch("on_step_begin", self.current_step, batch)
+
+    def _mpu_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.checksum.replaying:
+            return
+        m = self._mpu_by_module[id(module)]
+        m._fwd_start = time.perf_counter()
+        self.checksum.before_forward(m)
+
+    def _mpu_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self.checksum.replaying:
+            return None
+        m = self._mpu_by_module[id(module)]
+        t0 = time.perf_counter()
+        m.forward_s += t0 - getattr(m, "_fwd_start", t0)
+        inputs = ModelInputs(args, kwargs)
+        try:
+            self.checksum.after_forward(m, inputs, output)
+        except Exception as e:  # a detector bug must not stop training
+            self.log.exception("checksum_error", mpu_id=m.mpu_id, error=str(e))
+        t1 = time.perf_counter()
+        self.times.checksum_s += t1 - t0
+        replaced = None
+        for p in list(self.plugins):
+            r = self._call(p, "on_mpu_output", m, inputs, output)
+            if r is not None:
+                replaced = output = r
+        self.times.plugins_s += time.perf_counter() - t1
+        if torch.is_grad_enabled():
+            for t in output_tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda g, m=m: m._mark_backward_start())
+        return replaced
+
+    def _pre_step(self) -> None:
+        try:
+            self._statistics()
+        except Exception as e:
+            self.log.exception("guard_error", where="pre_step", error=str(e))
+        if self._skip_reason and self.optimizer is not None:
+            self.log.warning("step_skipped", step=self.current_step, reason=self._skip_reason)
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+    def _statistics(self) -> None:
+        for m in self.mpus:
+            if m._bwd_start and m._bwd_end >= m._bwd_start:
+                m.backward_s = m._bwd_end - m._bwd_start
+        t0 = time.perf_counter()
+        params = [p for g in self.optimizer.param_groups for p in g["params"]] if self.optimizer else \
+            [p for p in self.model.parameters()]
+        global_norm, per_mpu = grad_stats(self.mpus, params)
+        for m in self.mpus:
+            m.grad_norm, m.gvc = per_mpu[m.mpu_id]
+        loss = self._step_loss()
+        t1 = time.perf_counter()
+        self.times.grad_stats_s += t1 - t0
+        for f in self.loss_detector.observe(self.current_step, loss, global_norm,
+                                            {m.mpu_id: m.grad_norm for m in self.mpus}):
+            self.emit(f)
+        t2 = time.perf_counter()
+        self.times.loss_s += t2 - t1
+        clipped: dict[str, bool] = {}
+        if self.cmsa is not None and not self._skip_reason:
+            clipped = self.cmsa.apply(self.current_step, loss)
+        self.times.cmsa_s += time.perf_counter() - t2
+        self._last = {"step": self.current_step, "time": time.time(), "loss": loss, "grad_norm": global_norm,
+                      "clipped": clipped}
+
+    def _end_step(self) -> None:
+        if self.optimizer is None or not self._last or self._last.get("step") != self.current_step:
+            self._statistics_safe()
+        step, loss = self.current_step, self._last.get("loss")
+        t0 = time.perf_counter()
+        self._dispatch("on_step_end", step, loss)
+        t1 = time.perf_counter()
+        self.times.plugins_s += t1 - t0
+        if self.link is not None:
+            try:
+                self.link.report(self._report())
+            except Exception as e:
+                self.log.exception("report_error", error=str(e))
+        self.times.report_s += time.perf_counter() - t1
+        self._losses.clear()
+        self._in_step = False
+        self.current_step = step + 1
+        self.poll_commands()
+
+    def _statistics_safe(self) -> None:
+        try:
+            self._statistics()
+        except Exception as e:
+            self.log.exception("guard_error", where="end_step", error=str(e))
+
+    def _step_loss(self) -> float | None:
+        if not self._losses:
+            return None
+        vals = [float(v) for v in self._losses]
+        return sum(vals) / len(vals)
+
+    def _report(self) -> dict:
+        last = self._last
+        mpus = {}
+        for m in self.mpus:
+            mpus[m.mpu_id] = {
+                "forward_s": m.forward_s, "backward_s": m.backward_s, "grad_norm": _num(m.grad_norm),
+                "gvc": _num(m.gvc), "checksum_ok": m.last_checksum_ok,
+                "checksum_consecutive_failures": m.consecutive_failures,
+                "checksum_failures_total": m.checksum_failures_total,
+                "clip_ratio": self.cmsa.clip_ratio(m.mpu_id) if self.cmsa else 0.0,
+                "clipped": bool(last.get("clipped", {}).get(m.mpu_id, False)),
+                "gpu": m.gpu, "fuse_level": m.fuse_level, **_memory(m),
+            }
+        return {"step": self.current_step, "time": last.get("time", time.time()), "loss": _num(last.get("loss")),
+                "grad_norm": _num(last.get("grad_norm")), "skipped": bool(self._skip_reason), "mpus": mpus,
+                "findings": [f.to_dict() for f in self._step_findings]}
+
+    def _dispatch(self, hook: str, *args: Any) -> None:
+        for p in list(self.plugins):
+            self._call(p, hook, *args)
+
+    def _call(self, plugin: Any, hook: str, *args: Any) -> Any:
+        fn = getattr(plugin, hook, None)
+        if fn is None:
+            return None
+        try:
+            return fn(*args)
+        except Exception as e:  # a plugin must never break the training step
+            self.plugin_errors += 1
+            self.log.exception("plugin_error", plugin=type(plugin).__name__, hook=hook, error=str(e))
+            return None
+
+
+class NullGuard:
+    """What `attach(..., enabled=False)` returns: the same calls, no hooks, nothing changed."""
+
+    enabled = False
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, **_: Any) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.mpus: list[Mpu] = []
+        self.plugins: list[Any] = []
+        self.link = None
+        self.cmsa = None
+        self.current_step = 0
+
+    def step(self, loss: Any = None) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step()
+
+    def observe(self, loss: Any) -> None:
+        pass
+
+    def add_plugin(self, plugin: Any) -> None:
+        self.plugins.append(plugin)
+
+    def emit(self, finding: Finding) -> None:
+        pass
+
+    def poll_commands(self) -> int:
+        return 0
+
+    def detach(self) -> None:
+        pass
+
+
+def attach(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, job_id: str,
+           enabled: bool | None = None, **kwargs: Any) -> Guard | NullGuard:
+    """Guard `model` (and `optimizer`). See `Guard` for the keyword arguments. Disabled
+    (enabled=False, or MSCALE_GUARD=0 in the environment) returns a NullGuard."""
+    if enabled is None:
+        enabled = parse_bool(os.environ.get("MSCALE_GUARD", "1"))
+    if not enabled:
+        return NullGuard(model, optimizer)
+    return Guard(model, optimizer, job_id=job_id, **kwargs)
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output if output.dim() == 0 else None
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    else:
+        loss = getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
+
+
+def _num(v: Any) -> float | None:
+    if v is None:
+        return None
+    v = float(v)
+    return v if math.isfinite(v) else (str(v))  # "nan", "inf": JSON has no non-finite numbers
+
+
+def _memory(m: Mpu) -> dict:
+    dev = m.device
+    if dev.type != "cuda":
+        return {}
+    try:
+        free, total = torch.cuda.mem_get_info(dev)
+        return {"memory_used_bytes": total - free, "memory_total_bytes": total}
+    except RuntimeError:
+        return {}

@@ -1,0 +1,199 @@
+"""The hook library's side of the link to the node agent.
+
+A daemon thread runs its own asyncio loop with an aiohttp websocket over the agent's Unix
+socket. The training thread only appends to a bounded queue (`report`, `send`): when the
+queue is full the oldest report is dropped and counted, so the step never waits for the
+agent. The thread registers (job id, rank, PID, MPUs with their devices and GPU bindings),
+sends the queued reports in batches, hands commands to `on_command`, and reconnects by itself
+with a capped backoff; while the agent is down, training and in-process detection go on.
+
+Wire format (JSON text frames, one object each, all with "type"):
+  hook -> agent  {"type": "register", job_id, rank, pid, step, mpus: [{mpu_id, name, path,
+                  device, gpu, gpu_uuid, fuse_level, params}]}
+                 {"type": "report", job_id, dropped, reports: [{step, time, loss, grad_norm,
+                  skipped, mpus: {mpu_id: {...}}, findings: [...]}]}
+                 any other message the guard sends (reply, pong, plugin messages)
+  agent -> hook  commands: {"type": ..., ...}; {"type": "error", ...} for a refused message
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import threading
+from typing import Any, Callable
+
+import aiohttp
+import structlog
+
+log = structlog.get_logger("mscale.hook.link")
+
+PATH = "/v1/link"
+MAX_BATCH = 64  # reports per message: keeps each message far below the agent's size limit
+
+
+class LinkClient:
+    def __init__(self, socket_path: str, *, registration: Callable[[], dict],
+                 on_command: Callable[[dict], Any], queue_max: int = 256,
+                 backoff_s: tuple[float, float] = (0.05, 2.0), connect_timeout_s: float = 2.0) -> None:
+        if queue_max < 1:
+            raise ValueError(f"queue_max: expected >= 1, got {queue_max}")
+        self.socket_path = socket_path
+        self.registration = registration
+        self.on_command = on_command
+        self.backoff_s = backoff_s
+        self.connect_timeout_s = connect_timeout_s
+        self.queue: collections.deque[dict] = collections.deque()
+        self.queue_max = queue_max
+        self.dropped = 0  # reports dropped (queue full), reported to the agent
+        self.sent = 0  # reports sent
+        self.connects = 0  # successful (re)connections
+        self.connected = False
+        self.commands_received = 0
+        self.last_error = ""
+        self._messages: collections.deque[dict] = collections.deque(maxlen=1024)
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._stop: asyncio.Event | None = None
+        self._reregister = False
+        self._job_id = ""
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+
+    # --- training thread ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="mscale-link", daemon=True)
+        self._thread.start()
+        self._started.wait(5.0)
+
+    def report(self, report: dict) -> None:
+        """Queue one step's report; never blocks. Drops the oldest when full."""
+        with self._lock:
+            if len(self.queue) >= self.queue_max:
+                self.queue.popleft()
+                self.dropped += 1
+            self.queue.append(report)
+        self._poke()
+
+    def send(self, message: dict) -> None:
+        """Queue any other message (reply, pong, plugin message); oldest dropped past 1024."""
+        self._messages.append(message)
+        self._poke()
+
+    def update_registration(self) -> None:
+        """Send the registration again (an MPU was rebound)."""
+        self._reregister = True
+        self._poke()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _poke(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # loop closed: the link is stopping
+                pass
+
+    # --- link thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        finally:
+            loop.close()
+
+    async def _main(self) -> None:
+        self._wake, self._stop = asyncio.Event(), asyncio.Event()
+        self._started.set()
+        delay = self.backoff_s[0]
+        while not self._stop.is_set():
+            try:
+                await self._session()
+                delay = self.backoff_s[0]
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
+                self.last_error = f"{type(e).__name__}: {e}"
+            except Exception as e:  # never let the link thread die
+                self.last_error = f"{type(e).__name__}: {e}"
+                log.exception("link_error", error=self.last_error)
+            if self.connected:
+                self.connected = False
+                log.warning("agent_disconnected", socket=self.socket_path, error=self.last_error)
+            try:
+                await asyncio.wait_for(self._stop.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+            delay = min(delay * 2, self.backoff_s[1])
+
+    async def _session(self) -> None:
+        connector = aiohttp.UnixConnector(path=self.socket_path)
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            async with session.ws_connect(f"http://localhost{PATH}", heartbeat=10.0) as ws:
+                reg = self.registration()
+                self._job_id = reg["job_id"]
+                await ws.send_str(json.dumps(reg))
+                self._reregister = False
+                self.connected = True
+                self.connects += 1
+                log.info("agent_connected", socket=self.socket_path, connects=self.connects)
+                receiver = asyncio.ensure_future(self._receive(ws))
+                try:
+                    await self._send_loop(ws, receiver)
+                finally:
+                    receiver.cancel()
+                    await asyncio.gather(receiver, return_exceptions=True)
+
+    async def _send_loop(self, ws: aiohttp.ClientWebSocketResponse, receiver: asyncio.Future) -> None:
+        assert self._wake is not None and self._stop is not None
+        while not self._stop.is_set() and not receiver.done() and not ws.closed:
+            self._wake.clear()
+            if self._reregister:
+                self._reregister = False
+                await ws.send_str(json.dumps(self.registration()))
+            while self._messages:
+                await ws.send_str(json.dumps(self._messages.popleft()))
+            while True:
+                with self._lock:
+                    batch = [self.queue.popleft() for _ in range(min(MAX_BATCH, len(self.queue)))]
+                    dropped = self.dropped
+                if not batch:
+                    break
+                await ws.send_str(json.dumps({"type": "report", "job_id": self._job_id, "dropped": dropped,
+                                              "reports": batch}))
+                self.sent += len(batch)
+            waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(self._stop.wait())]
+            await asyncio.wait(waits + [receiver], return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+        if self._stop.is_set():
+            await ws.close()
+
+    async def _receive(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        async for msg in ws:
+            if msg.type != aiohttp.WSMsgType.TEXT:
+                break
+            try:
+                command = json.loads(msg.data)
+            except ValueError:
+                log.warning("agent_message_not_json")
+                continue
+            if not isinstance(command, dict) or not isinstance(command.get("type"), str):
+                continue
+            if command["type"] == "error":
+                log.warning("agent_refused_message", error=command.get("error"))
+                continue
+            self.commands_received += 1
+            self.on_command(command)

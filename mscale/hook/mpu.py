@@ -1,0 +1,191 @@
+"""MPUs (modality processing units): the named sub-modules the guard watches.
+
+Given explicitly as a mapping of names to sub-modules, or found by module name for the
+common multimodal layouts wherever they sit in the tree (Hugging Face nests them under
+`model.`). Each MPU has an id ("001", "002", ...), a torch device and the index of the GPU
+it is bound to: on a GPU node the device's index, on a CPU machine a simulated index of the
+agent's simulated node, so a fault injected on simulated GPU k hits exactly its MPUs.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import torch
+from torch import nn
+
+# attribute name in the module tree -> MPU name. First match per MPU name wins (shallowest).
+KNOWN_NAMES: dict[str, str] = {
+    "vision_tower": "vision",
+    "visual": "vision",
+    "vision_model": "vision",
+    "audio_tower": "audio",
+    "multi_modal_projector": "aligner",
+    "mm_projector": "aligner",
+    "mlp1": "aligner",
+    "language_model": "text",
+}
+# reporting and id order: encoders, then the aligner, then the text model
+_ORDER = ("vision", "audio", "aligner", "text")
+
+
+class MpuLayoutError(ValueError):
+    """The model's MPUs could not be found (or the given mapping is wrong)."""
+
+
+@dataclass(eq=False)
+class Mpu:
+    """One MPU and what the guard and its plugins know about it.
+
+    Plugins may read every field; they change the binding only through `Guard.rebind`,
+    and `fuse_level` is theirs to set (the fuse plugin), reported to the agent as is.
+    """
+
+    mpu_id: str
+    name: str
+    module: nn.Module
+    path: str  # dotted path in the model, "" for the root
+    gpu: int  # bound GPU index (simulated on CPU machines)
+    gpu_uuid: str = ""
+    fuse_level: str = "ok"
+    # checksum state (maintained by the checksum detector)
+    consecutive_failures: int = 0
+    checksum_failures_total: int = 0
+    checksum_checks_total: int = 0
+    last_checksum_ok: bool = True
+    # per-step measurements (reset at each step's begin)
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    grad_norm: float = 0.0
+    gvc: float = 0.0
+    _bwd_start: float = field(default=0.0, repr=False)
+    _bwd_end: float = field(default=0.0, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        for p in self.module.parameters():
+            return p.device
+        for b in self.module.buffers():
+            return b.device
+        return torch.device("cpu")
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def describe(self) -> dict:
+        """The registration record sent to the agent."""
+        return {"mpu_id": self.mpu_id, "name": self.name, "path": self.path, "device": str(self.device),
+                "gpu": self.gpu, "gpu_uuid": self.gpu_uuid, "fuse_level": self.fuse_level,
+                "params": sum(p.numel() for p in self.module.parameters())}
+
+    def _reset_step(self) -> None:
+        self.forward_s = self.backward_s = 0.0
+        self._bwd_start = self._bwd_end = 0.0
+
+    def _mark_backward_start(self) -> None:
+        if not self._bwd_start:
+            self._bwd_start = time.perf_counter()
+
+    def _mark_backward_end(self) -> None:
+        self._bwd_end = time.perf_counter()
+
+
+def _find(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
+    found: dict[str, tuple[str, nn.Module]] = {}
+    # named_modules is breadth-unaware; prefer the shallowest match per MPU name
+    candidates = sorted(((path.count("."), path, m) for path, m in model.named_modules() if path),
+                        key=lambda t: t[0])
+    for _, path, module in candidates:
+        attr = path.rsplit(".", 1)[-1]
+        name = KNOWN_NAMES.get(attr)
+        if name is None or name in found:
+            continue
+        # a match nested inside an MPU already found is part of it, not another MPU
+        if any(path.startswith(p + ".") for p, _ in found.values()):
+            continue
+        found[name] = (path, module)
+    return found
+
+
+def _path_of(model: nn.Module, module: nn.Module) -> str:
+    for path, m in model.named_modules():
+        if m is module:
+            return path
+    raise MpuLayoutError(f"MPU module {type(module).__name__} is not a sub-module of the model")
+
+
+def _default_gpu(module: nn.Module, position: int) -> int:
+    for p in module.parameters():
+        if p.device.type == "cuda":
+            return p.device.index or 0
+        break
+    return position  # CPU: simulated GPU index, one per MPU in order
+
+
+def _uuid(gpu: int, module: nn.Module) -> str:
+    for p in module.parameters():
+        if p.device.type == "cuda":
+            try:
+                return "GPU-" + str(torch.cuda.get_device_properties(p.device).uuid)
+            except (RuntimeError, AttributeError):
+                return ""
+        break
+    return ""
+
+
+def discover(model: nn.Module, mpus: Mapping[str, nn.Module | str] | None = None,
+             gpus: Mapping[str, int] | None = None) -> list[Mpu]:
+    """The model's MPUs: `mpus` maps names to sub-modules (or dotted paths); None finds
+    them by module name. `gpus` maps MPU names to GPU indices (default: the parameters'
+    CUDA device, else simulated index = position)."""
+    if mpus is None:
+        found = _find(model)
+        if not found:
+            children = ", ".join(n for n, _ in model.named_children()) or "none"
+            raise MpuLayoutError(
+                f"no MPUs found in {type(model).__name__}: none of the module names "
+                f"{', '.join(sorted(KNOWN_NAMES))} occur (top-level children: {children}); "
+                "pass mpus={'vision': model.encoder, 'text': model.decoder, ...} to name them")
+        order = sorted(found, key=lambda n: _ORDER.index(n))
+        named = [(n, found[n][0], found[n][1]) for n in order]
+    else:
+        if not mpus:
+            raise MpuLayoutError("mpus is empty: give at least one name -> sub-module")
+        named = []
+        for name, m in mpus.items():
+            if isinstance(m, str):
+                try:
+                    module = model.get_submodule(m)
+                except AttributeError:
+                    raise MpuLayoutError(f"MPU {name!r}: no sub-module at path {m!r}") from None
+                named.append((name, m, module))
+            elif isinstance(m, nn.Module):
+                named.append((name, _path_of(model, m), m))
+            else:
+                raise MpuLayoutError(f"MPU {name!r}: expected an nn.Module or a dotted path, got {type(m).__name__}")
+        seen: dict[int, str] = {}
+        for name, _, module in named:
+            if id(module) in seen:
+                raise MpuLayoutError(f"MPUs {seen[id(module)]!r} and {name!r} are the same module")
+            seen[id(module)] = name
+    gpus = dict(gpus or {})
+    unknown = set(gpus) - {n for n, _, _ in named}
+    if unknown:
+        raise MpuLayoutError(f"gpus names unknown MPUs: {', '.join(sorted(unknown))}")
+    out = []
+    for i, (name, path, module) in enumerate(named):
+        gpu = gpus.get(name, _default_gpu(module, i))
+        if not isinstance(gpu, int) or gpu < 0:
+            raise MpuLayoutError(f"gpus[{name!r}]: expected a GPU index >= 0, got {gpu!r}")
+        out.append(Mpu(mpu_id=f"{i + 1:03d}", name=name, module=module, path=path, gpu=gpu,
+                       gpu_uuid=_uuid(gpu, module)))
+    return out
+
+
+def by_key(mpus: Iterable[Mpu], key: str) -> Mpu:
+    """An MPU by id or name."""
+    for m in mpus:
+        if key in (m.mpu_id, m.name):
+            return m
+    raise KeyError(f"no MPU {key!r} (known: {', '.join(f'{m.mpu_id}={m.name}' for m in mpus)})")
