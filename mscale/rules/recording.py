@@ -1,0 +1,37 @@
+"""Recording rules: what alerts and dashboards share. Names follow level:metric:operation;
+the window in a name comes from params.yaml (`$rate`, `$event`, `$band`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mscale.rules.alerts import mpu_with_gpu
+
+
+@dataclass(frozen=True)
+class Record:
+    name: str
+    expr: str
+
+
+def new_or_increase(counter: str) -> str:
+    """Increase of a counter over the event window that also counts a series born inside it.
+
+    Counters of rare events (Xid codes) only appear with their first error, at value 1, and
+    increase() cannot see a rise it has no earlier sample for. A series absent a window ago
+    counts with its whole value."""
+    sel = f"{counter}{{$agent}}"
+    return f"({sel} unless {sel} offset $event) or increase({sel}[$event])"
+
+
+RECORDS: tuple[Record, ...] = (
+    Record("gpu:mscale_gpu_xid_errors:increase$event", new_or_increase("mscale_gpu_xid_errors_total")),
+    Record("gpu:mscale_gpu_ecc_errors:increase$event", new_or_increase("mscale_gpu_ecc_errors_total")),
+    Record("job_mpu:mpu_health_score:min", mpu_with_gpu("min without (phase) (mpu_health_score{$agent})")),
+    Record("job_pid:mscale_cuda_sync_seconds:rate$rate", "rate(mscale_cuda_sync_seconds_sum{$agent}[$rate])"),
+    Record("job:mscale_cuda_kernel_launches:rate$rate",
+           "sum without (pid) (rate(mscale_cuda_kernel_launches_total{$agent}[$rate]))"),
+    Record("job:mscale_training_loss:avg$band", "avg_over_time(mscale_training_loss{$agent}[$band])"),
+    Record("job:mscale_training_loss:stddev$band", "stddev_over_time(mscale_training_loss{$agent}[$band])"),
+    Record("node:mscale_heal_actions:increase$event",
+           "sum by (node, level, action, result) (increase(mscale_heal_actions_total{$agent}[$event]))"),
+)
