@@ -87,6 +87,8 @@ class HealthSection:
     sbe_per_hour_degraded: float = opt(100.0, "single-bit ECC errors per hour above this is degraded", min=0)
     pcie_replays_per_min_degraded: float = opt(100.0, "PCIe replays per minute above this (a replay storm) is degraded", min=0)
     xid_table: str = opt("", "CSV of Xid code, class (fatal|degrading|info), description (empty: the shipped table)")
+    rate_window_s: float = opt(300.0, "window over which the single-bit ECC and PCIe replay rates are measured", min=60, max=86400)
+    xid_degraded_hold_s: float = opt(3600.0, "a degrading Xid keeps its GPU degraded this long after it last occurred (or until a GPU reset)", min=0, max=30 * 86400)
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,12 @@ def open_nvml(cfg: configmod.Config, clock) -> Any:
         from mscale.sim.nvml import SimNvml
         return SimNvml.from_timeline_file(cfg.agent.simulate, clock=clock)
     if cfg.probes.gpu.backend == "nvml":
+        from mscale.probes.base import ProbeUnavailable
         from mscale.probes.nvml_api import open_real_nvml
-        return open_real_nvml()
+        try:
+            return open_real_nvml()
+        except ProbeUnavailable as e:  # no driver here: serve anyway, the GPU probe says why
+            log.warning("nvml_unavailable", reason=str(e))
     return None
 
 
@@ -104,8 +108,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logs.configure(cfg.agent.log_level)
     try:
+        from mscale.probes.gpu_health import load_xid_table
+        load_xid_table(cfg.health.xid_table or None)  # a data file, checked before anything starts
         nvml = open_nvml(cfg, time.time)
-    except ValueError as e:  # a malformed timeline (TimelineError) names the line at fault
+    except ValueError as e:  # a malformed timeline (TimelineError) or Xid table names the line at fault
         print(f"mscale agent: {e}", file=sys.stderr)
         return 2
     asyncio.run(serve(cfg, nvml))

@@ -1,0 +1,267 @@
+"""GPU health: healthy, degraded or failed, with the reasons, from one GPU's readings.
+
+Rules (thresholds from the [health] config section):
+  failed   - the GPU is lost (fallen off the bus); any double-bit ECC error since the last
+             reset; row remapping failed; a fatal Xid since the last reset.
+  degraded - temperature at or above health.temperature_degraded_c; single-bit ECC rate
+             above health.sbe_per_hour_degraded; PCIe replays above
+             health.pcie_replays_per_min_degraded; an NVLink link that was up is down; a
+             row remap or page retirement pending (reset needed); a degrading Xid.
+The Xid classes come from a validated data file (xid_table.csv, or health.xid_table).
+Readers (NVML, dcgm-exporter) feed the same model, so both backends judge alike.
+"""
+from __future__ import annotations
+
+import csv
+import functools
+import io
+from collections import deque
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+from mscale.findings import Reason
+
+if TYPE_CHECKING:
+    from mscale.daemon.config import HealthSection
+
+HEALTHY, DEGRADED, FAILED = "healthy", "degraded", "failed"
+STATES: tuple[str, ...] = (HEALTHY, DEGRADED, FAILED)
+_RANK = {HEALTHY: 0, DEGRADED: 1, FAILED: 2}
+XID_CLASSES = ("fatal", "degrading", "info")
+_CLASS_STATE = {"fatal": FAILED, "degrading": DEGRADED}
+# Rates over a shorter span are computed as if this much time had passed, so one early
+# error after start-up is not a storm.
+MIN_RATE_SPAN_S = 60.0
+
+
+def worst(*states: str) -> str:
+    return max(states, key=_RANK.__getitem__, default=HEALTHY)
+
+
+# --- the Xid catalogue --------------------------------------------------------------------
+
+class XidTableError(ValueError):
+    """A malformed Xid table; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class XidInfo:
+    code: int
+    cls: str  # fatal | degrading | info
+    description: str
+
+
+class XidTable:
+    def __init__(self, entries: dict[int, XidInfo]) -> None:
+        self.entries = dict(entries)
+
+    def classify(self, code: int) -> XidInfo:
+        # Unknown codes are degrading: worth a look, not worth draining the GPU for.
+        return self.entries.get(code) or XidInfo(code, "degrading", "Xid not in the table")
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def parse_xid_table(text: str, source: str = "xid_table.csv") -> XidTable:
+    entries: dict[int, XidInfo] = {}
+    header_seen = False
+    for no, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        cells = [c.strip() for c in next(csv.reader(io.StringIO(line)))]
+        where = f"{source} line {no}"
+        if not header_seen:
+            if cells != ["code", "class", "description"]:
+                raise XidTableError(f"{where}: expected the header 'code,class,description', got {line!r}")
+            header_seen = True
+            continue
+        if len(cells) != 3:
+            raise XidTableError(f"{where}: expected 3 columns (code,class,description), got {len(cells)}")
+        code_s, cls, desc = cells
+        if not code_s.isdigit() or not 1 <= int(code_s) <= 65535:
+            raise XidTableError(f"{where}: code: expected an integer 1..65535, got {code_s!r}")
+        if cls not in XID_CLASSES:
+            raise XidTableError(f"{where}: class: expected one of {', '.join(XID_CLASSES)}, got {cls!r}")
+        if not desc:
+            raise XidTableError(f"{where}: description: expected text, got nothing")
+        code = int(code_s)
+        if code in entries:
+            raise XidTableError(f"{where}: code {code} is listed twice")
+        entries[code] = XidInfo(code, cls, desc)
+    if not header_seen:
+        raise XidTableError(f"{source}: empty table (expected the header 'code,class,description')")
+    return XidTable(entries)
+
+
+def load_xid_table(path: str | None = None) -> XidTable:
+    """The table at `path`, or the shipped one when path is empty/None."""
+    if not path:
+        return shipped_xid_table()
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise XidTableError(f"{p}: cannot read the Xid table: {e.strerror}") from None
+    return parse_xid_table(text, str(p))
+
+
+@functools.lru_cache(maxsize=1)
+def shipped_xid_table() -> XidTable:
+    text = resources.files("mscale.probes").joinpath("xid_table.csv").read_text()
+    return parse_xid_table(text, "xid_table.csv")
+
+
+# --- rates ----------------------------------------------------------------------------------
+
+class RateWindow:
+    """Rate (per second) of a monotonic counter over a sliding window. A counter that goes
+    down (a GPU reset clears volatile counters) restarts the window."""
+
+    def __init__(self, window_s: float, min_span_s: float = MIN_RATE_SPAN_S) -> None:
+        self.window_s, self.min_span_s = window_s, min_span_s
+        self._points: deque[tuple[float, int]] = deque()
+
+    def update(self, now: float, value: int | None) -> float | None:
+        if value is None:
+            return None
+        if self._points and value < self._points[-1][1]:
+            self._points.clear()
+        self._points.append((now, value))
+        while len(self._points) > 1 and self._points[0][0] < now - self.window_s:
+            self._points.popleft()
+        t0, v0 = self._points[0]
+        return (value - v0) / max(now - t0, self.min_span_s)
+
+
+# --- the model --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HealthReason:
+    key: str  # stable identity across samples: "temperature", "nvlink:2", "xid:79", ...
+    reason: Reason
+    state: str  # the state this reason alone implies (degraded | failed)
+    text: str
+
+
+@dataclass(frozen=True)
+class Health:
+    state: str
+    reasons: tuple[HealthReason, ...] = ()
+
+    @property
+    def texts(self) -> tuple[str, ...]:
+        return tuple(r.text for r in self.reasons)
+
+
+@dataclass
+class _GpuMemory:
+    sbe: RateWindow
+    replay: RateWindow
+    links_seen_up: set[int] = field(default_factory=set)
+    xids: dict[int, float] = field(default_factory=dict)  # active code -> last time seen
+    recovery_action: int | None = None
+    lost: bool = False
+    health: Health = field(default_factory=lambda: Health(HEALTHY))
+
+
+@dataclass(frozen=True)
+class Update:
+    """The outcome of one reading: the GPU's health, the reasons that are new since the
+    previous reading, the previous state, and the measured rates."""
+    health: Health
+    new_reasons: tuple[HealthReason, ...]
+    previous: str
+    sbe_per_hour: float | None
+    pcie_replays_per_min: float | None
+    reset_seen: bool
+
+
+class HealthModel:
+    """Per-GPU health with the little memory the rules need (rates, links seen up, Xids
+    since the last reset). Not thread-safe: one probe thread drives it."""
+
+    def __init__(self, cfg: "HealthSection", xids: XidTable | None = None) -> None:
+        self.cfg = cfg
+        self.xids = xids if xids is not None else load_xid_table(cfg.xid_table or None)
+        self._gpus: dict[int, _GpuMemory] = {}
+
+    def _mem(self, gpu: int) -> _GpuMemory:
+        if gpu not in self._gpus:
+            self._gpus[gpu] = _GpuMemory(RateWindow(self.cfg.rate_window_s), RateWindow(self.cfg.rate_window_s))
+        return self._gpus[gpu]
+
+    def observe_xid(self, gpu: int, code: int, now: float) -> XidInfo:
+        info = self.xids.classify(code)
+        if info.cls in _CLASS_STATE:
+            self._mem(gpu).xids[code] = now
+        return info
+
+    def update(self, gpu: int, r: Any, now: float) -> Update:
+        """`r` is a GpuSample's readings (mscale.probes.gpu.GpuSample, health not yet set)."""
+        m = self._mem(gpu)
+        # A GPU reset clears the Xid-based reasons: the driver's recovery action falls back
+        # to none, or a lost GPU answers again.
+        reset = (m.recovery_action not in (None, 0) and r.recovery_action == 0) or (m.lost and not r.lost)
+        if reset:
+            m.xids.clear()
+            m.links_seen_up.clear()
+        if r.recovery_action is not None:
+            m.recovery_action = r.recovery_action
+        m.lost = r.lost
+        hold = self.cfg.xid_degraded_hold_s
+        for code, seen in list(m.xids.items()):
+            if self.xids.classify(code).cls == "degrading" and now - seen > hold:
+                del m.xids[code]
+
+        sbe_rate = m.sbe.update(now, r.ecc_sbe_volatile)
+        replay_rate = m.replay.update(now, r.pcie_replay_count)
+        sbe_per_hour = sbe_rate * 3600 if sbe_rate is not None else None
+        replays_per_min = replay_rate * 60 if replay_rate is not None else None
+
+        reasons: list[HealthReason] = []
+        add = reasons.append
+        if r.lost:
+            add(HealthReason("lost", Reason.GPU_LOST, FAILED, f"GPU is lost: {r.lost_reason or 'fallen off the bus'}"))
+        if r.ecc_dbe_volatile:
+            add(HealthReason("ecc_dbe", Reason.GPU_ECC_DBE, FAILED,
+                             f"{r.ecc_dbe_volatile} double-bit ECC error(s) since the last reset"))
+        if r.remapped_rows_failed:
+            add(HealthReason("remap_failed", Reason.GPU_RESET_REQUIRED, FAILED, "row remapping failed"))
+        for code in sorted(m.xids):
+            info = self.xids.classify(code)
+            add(HealthReason(f"xid:{code}", Reason.GPU_XID, _CLASS_STATE[info.cls],
+                             f"Xid {code} ({info.cls}): {info.description}"))
+        t = self.cfg.temperature_degraded_c
+        if r.temperature_c is not None and r.temperature_c >= t:
+            add(HealthReason("temperature", Reason.GPU_TEMPERATURE, DEGRADED,
+                             f"temperature {r.temperature_c:g} C >= {t:g} C"))
+        if sbe_per_hour is not None and sbe_per_hour > self.cfg.sbe_per_hour_degraded:
+            add(HealthReason("sbe_rate", Reason.GPU_ECC_SBE_STORM, DEGRADED,
+                             f"single-bit ECC errors at {sbe_per_hour:.0f}/h > {self.cfg.sbe_per_hour_degraded:g}/h"))
+        if replays_per_min is not None and replays_per_min > self.cfg.pcie_replays_per_min_degraded:
+            add(HealthReason("pcie_replay", Reason.GPU_PCIE_REPLAY, DEGRADED,
+                             f"PCIe replays at {replays_per_min:.0f}/min > {self.cfg.pcie_replays_per_min_degraded:g}/min"))
+        for link in r.nvlinks:
+            if link.up:
+                m.links_seen_up.add(link.link)
+            elif link.link in m.links_seen_up:
+                add(HealthReason(f"nvlink:{link.link}", Reason.GPU_NVLINK_DOWN, DEGRADED,
+                                 f"NVLink link {link.link} is down"))
+        if r.remapped_rows_pending or r.retired_pages_pending:
+            what = "row remap" if r.remapped_rows_pending else "page retirement"
+            add(HealthReason("reset_pending", Reason.GPU_RESET_REQUIRED, DEGRADED,
+                             f"{what} pending: the GPU needs a reset"))
+
+        health = Health(worst(*(x.state for x in reasons)), tuple(reasons))
+        before = {x.key for x in m.health.reasons}
+        new = tuple(x for x in reasons if x.key not in before)
+        previous, m.health = m.health.state, health
+        return Update(health, new, previous, sbe_per_hour, replays_per_min, reset)
+
+
+def state_of(reasons: Iterable[HealthReason]) -> str:
+    return worst(*(r.state for r in reasons))
