@@ -25,6 +25,7 @@ FEATURES: tuple[str, ...] = (
     "mscale.daemon.webhook",
     "mscale.daemon.link",
     "mscale.daemon.chaos",
+    "mscale.daemon.status_api",
     "mscale.healing.service",
 )
 

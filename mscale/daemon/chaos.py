@@ -1,8 +1,182 @@
-"""The chaos feature of the agent (filled in by its issue)."""
+"""POST /api/v1/chaos: inject a fault into this agent's simulated node and its jobs.
+
+Loopback peers only (anything else is refused 403 and counted). A JSON body names the kind:
+
+    corrupt     {mpu | gpu, mode: bitflip|noise|nan, steps, job_id?}  MPU output corruption
+    loss_spike  {factor: 25, steps: 1, job_id?}                        the loss multiplied
+    nan_loss    {steps: 1, job_id?}                                    the loss made NaN
+    xid         {gpu, code: 79, corrupt?: noise|nan|none}              an Xid on a simulated GPU
+    ecc         {gpu, corrupt?}                                        a double-bit ECC error
+    hang        {seconds, job_id?}                                     the training loop stalls
+    agent_kill  {}                                                     the agent dies (SIGKILL)
+
+GPU faults go to the simulated GPUs (`SimNvml.inject`), so the GPU probe sees them as it
+would a real one, and to the jobs, whose injector corrupts the outputs of the MPUs bound to
+that GPU. Job faults go to the jobs as `{"type": "chaos", ...}` commands (the job's
+`mscale.healing.chaos_job.ChaosPlugin` carries them out).
+"""
 from __future__ import annotations
 
+import asyncio
+import ipaddress
+import json
+import os
+import signal
+from typing import Any
+
+import structlog
 from aiohttp import web
+
+from mscale.daemon import keys
+from mscale.findings import Finding, Reason, Severity
+
+log = structlog.get_logger("mscale.chaos")
+WHERE = "chaos"
+MODES = ("bitflip", "noise", "nan")
+KINDS = ("corrupt", "loss_spike", "nan_loss", "xid", "ecc", "hang", "agent_kill")
+
+
+class ChaosError(ValueError):
+    pass
+
+
+def _int(body: dict, key: str, default: Any = None, lo: int = 0, hi: int = 1_000_000) -> int:
+    v = body.get(key, default)
+    if v is None:
+        raise ChaosError(f"{key}: missing")
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ChaosError(f"{key}: expected an integer {lo}..{hi}, got {v!r}")
+    return v
+
+
+def _num(body: dict, key: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise ChaosError(f"{key}: expected a number {lo:g}..{hi:g}, got {v!r}")
+    return float(v)
+
+
+def gpu_count(nvml: Any) -> int:
+    for attr in ("gpu_count", "gpus"):
+        v = getattr(nvml, attr, None)
+        if isinstance(v, int):
+            return v
+    timeline = getattr(nvml, "timeline", None)
+    if timeline is not None:
+        return int(timeline.gpus)
+    return int(nvml.device_count())
+
+
+def command_for(body: Any, nvml: Any = None) -> tuple[str, dict, Any]:
+    """Validate a chaos request: (kind, the job command or {}, the simulated GPU event or None)."""
+    if not isinstance(body, dict):
+        raise ChaosError("body: expected a JSON object")
+    kind = body.get("kind")
+    if kind not in KINDS:
+        raise ChaosError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+    known = {"kind", "job_id", "mpu", "gpu", "mode", "steps", "factor", "code", "corrupt", "seconds"}
+    extra = sorted(set(body) - known)
+    if extra:
+        raise ChaosError(f"unknown field(s): {', '.join(extra)}")
+    cmd: dict[str, Any] = {"type": "chaos", "kind": kind}
+    event = None
+    if kind == "corrupt":
+        mode = body.get("mode", "noise")
+        if mode not in MODES:
+            raise ChaosError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+        if ("mpu" in body) == ("gpu" in body):
+            raise ChaosError("corrupt needs exactly one of mpu (id or name) or gpu (index)")
+        if "mpu" in body:
+            if not isinstance(body["mpu"], str) or not body["mpu"]:
+                raise ChaosError("mpu: expected an MPU id or name")
+            cmd["mpu"] = body["mpu"]
+        else:
+            cmd["gpu"] = _int(body, "gpu", hi=1023)
+        cmd.update(mode=mode, steps=_int(body, "steps", 20, 1))
+    elif kind == "loss_spike":
+        cmd.update(factor=_num(body, "factor", 25.0, 1.0, 1e9), steps=_int(body, "steps", 1, 1))
+    elif kind == "nan_loss":
+        cmd.update(steps=_int(body, "steps", 1, 1))
+    elif kind == "hang":
+        cmd.update(seconds=_num(body, "seconds", 5.0, 0.0, 3600.0))
+    elif kind in ("xid", "ecc"):
+        if nvml is None or not hasattr(nvml, "inject"):
+            raise ChaosError(f"{kind}: this agent has no simulated GPUs (start it with --simulate)")
+        from mscale.sim.timeline import event_from_dict
+
+        gpu = _int(body, "gpu", hi=1023)
+        spec = {"fault": "xid", "gpu": gpu, "code": _int(body, "code", 79, 1, 65535)} if kind == "xid" \
+            else {"fault": "ecc_dbe", "gpu": gpu}
+        try:
+            event = event_from_dict(spec, gpus=gpu_count(nvml))
+        except ValueError as e:
+            raise ChaosError(str(e)) from None
+        corrupt = body.get("corrupt", "noise")
+        if corrupt not in MODES + ("none",):
+            raise ChaosError(f"corrupt: expected one of {', '.join(MODES)}, none; got {corrupt!r}")
+        cmd = {"type": "chaos", "kind": "gpu_fault", "gpu": gpu, "mode": corrupt, "fault": kind} \
+            if corrupt != "none" else {}
+    if "job_id" in body:
+        if not isinstance(body["job_id"], str):
+            raise ChaosError("job_id: expected a string")
+        if cmd:
+            cmd["job_id"] = body["job_id"]
+    return kind, cmd, event
+
+
+def _loopback(request: web.Request) -> bool:
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    if peer is None:
+        return False
+    if isinstance(peer, str) or peer == "":  # a Unix socket peer is local
+        return True
+    try:
+        return ipaddress.ip_address(peer[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _refuse(request: web.Request, status: int, why: str, reason: str) -> web.Response:
+    request.app[keys.STATE].refused[(WHERE, why)] += 1
+    log.warning("chaos_refused", why=why, reason=reason, peer=request.remote)
+    return web.json_response({"error": reason}, status=status)
+
+
+async def inject(request: web.Request) -> web.Response:
+    if not _loopback(request):
+        return _refuse(request, 403, "not_loopback", "chaos is accepted from loopback peers only")
+    try:
+        body = json.loads(await request.read())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return _refuse(request, 400, "malformed", f"body is not JSON: {e}")
+    app = request.app
+    try:
+        kind, cmd, event = command_for(body, app[keys.NVML])
+    except ChaosError as e:
+        return _refuse(request, 400, "malformed", str(e))
+    state = app[keys.STATE]
+    labels = {k: str(v) for k, v in body.items() if k != "kind"}
+    state.events.emit(Finding(WHERE, Reason.CHAOS_INJECTED, Severity.WARNING, f"chaos: {kind} {labels}",
+                              {"kind": kind, **labels}, app[keys.CLOCK]()))
+    result: dict[str, Any] = {"injected": kind}
+    if event is not None:
+        await asyncio.to_thread(app[keys.NVML].inject, event)
+        result["gpu_event"] = event.describe()
+    if cmd:
+        link = app.get(keys.LINK)
+        job_id = cmd.pop("job_id", None)
+        if link is None:
+            result["delivered"] = 0
+        elif job_id:
+            result["delivered"] = int(bool(await link.send(job_id, cmd)))
+        else:
+            result["delivered"] = await link.broadcast(cmd)
+    if kind == "agent_kill":
+        # answer first, then die the hard way: the jobs must keep training without us
+        asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGKILL)
+        result["pid"] = os.getpid()
+    return web.json_response(result)
 
 
 def setup(app: web.Application) -> None:
-    pass
+    app.router.add_post("/api/v1/chaos", inject)

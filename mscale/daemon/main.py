@@ -110,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         from mscale.probes.gpu_health import load_xid_table
         load_xid_table(cfg.health.xid_table or None)  # a data file, checked before anything starts
+        from mscale.healing.policy import load as load_policy
+        load_policy(cfg.healing.policy)  # so is the healing policy
         nvml = open_nvml(cfg, time.time)
     except ValueError as e:  # a malformed timeline (TimelineError) or Xid table names the line at fault
         print(f"mscale agent: {e}", file=sys.stderr)

@@ -1,16 +1,69 @@
-"""`mscale status` (filled in by its issue)."""
+"""`mscale status`: the running agent's GPUs, jobs, MPUs, health, fuse levels and last events."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
+import urllib.error
+import urllib.request
 
-HELP = "status (not built yet)"
+HELP = "show GPUs, jobs, MPUs, health scores, fuse levels and the last events of the running agent"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    pass
+    p.add_argument("--agent", default="http://127.0.0.1:9400", metavar="URL", help="the agent's HTTP address")
+    p.add_argument("--events", type=int, default=10, metavar="N", help="how many recent events to show")
+    p.add_argument("--json", action="store_true", help="print the raw JSON")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="S")
+
+
+def fetch(agent: str, events: int = 10, timeout: float = 5.0) -> dict:
+    url = f"{agent.rstrip('/')}/api/v1/status?events={events}"
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def table(headers: list[str], rows: list[list[object]]) -> str:
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+def render(view: dict) -> str:
+    out = [f"node {view.get('node', '?')}", ""]
+    gpus = view.get("gpus", [])
+    out.append(table(["GPU", "UUID", "HEALTH", "REASONS"],
+                     [[g["index"], g["uuid"], g["health"], ", ".join(g.get("reasons", [])) or "-"] for g in gpus])
+               if gpus else "no GPU data")
+    out.append("")
+    rows = []
+    cooling = set(view.get("cooling", []))
+    for job in view.get("jobs", []):
+        for m in job.get("mpus", []) or [{}]:
+            score = m.get("health_score")
+            rows.append([job["job_id"] + (" (LR cooled)" if job["job_id"] in cooling else ""), job.get("pid", ""),
+                         job.get("step") if job.get("step") is not None else "-", m.get("mpu_id", "-"),
+                         m.get("name", "-"), m.get("gpu", "-"), "-" if score is None else f"{score:.0f}",
+                         m.get("fuse", "-")])
+    out.append(table(["JOB", "PID", "STEP", "MPU", "NAME", "GPU", "HEALTH", "FUSE"], rows) if rows else "no jobs")
+    out.append("")
+    evs = view.get("events", [])
+    if evs:
+        out.append(table(["TIME", "SOURCE", "REASON", "SEVERITY", "MESSAGE"],
+                         [[time.strftime("%H:%M:%S", time.localtime(e["time"])), e["source"], e["reason"],
+                           e["severity"], e["message"][:80]] for e in evs]))
+    else:
+        out.append("no events")
+    return "\n".join(out)
 
 
 def run(args: argparse.Namespace) -> int:
-    print("mscale status: not built yet", file=sys.stderr)
-    return 1
+    try:
+        view = fetch(args.agent, args.events, args.timeout)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        print(f"mscale status: cannot reach the agent at {args.agent}: {getattr(e, 'reason', e)}", file=sys.stderr)
+        return 1
+    print(json.dumps(view, indent=2) if args.json else render(view))
+    return 0

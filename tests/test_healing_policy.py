@@ -1,0 +1,178 @@
+"""The healing policy file, the fuse state machine and the engine's books (no torch)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mscale.daemon.config import HealingSection
+from mscale.findings import Finding, Reason, Severity
+from mscale.healing import actions, policy as policymod
+from mscale.healing.engine import Condition, HealingEngine, Target
+from mscale.healing.fsm import IllegalTransition, Level, MpuFuse
+from mscale.healing.policy import PolicyError
+
+
+def test_shipped_policy_loads_and_names_only_known_actions():
+    pol = policymod.load("")
+    assert {r.name for r in pol.rules} >= {"mpu_output_corrupt", "gpu_fatal", "loss_spike", "loss_nonfinite"}
+    for r in pol.rules:
+        for acts in r.actions.values():
+            assert set(acts) <= set(actions.NAMES)
+    for name in actions.NAMES:  # every registered action module imports without torch and names itself
+        assert actions.get(name).name == name
+    rule = pol.match("reason", "checksum_l1_trigger")
+    assert rule.actions_at("healthy") == ("l1_swap",)
+    assert rule.actions_at("l1_swapped") == ("l2_degrade",)
+    assert rule.actions_at("l2_degraded") == ("l3_distill",)
+    assert pol.match("alert", "MscaleGpuFatalXid").name == "gpu_fatal"
+    assert pol.match("reason", "gpu_xid", "warning") is None  # a non-fatal Xid is not a GPU fault
+    assert pol.match("reason", "probe_down") is None
+
+
+BAD = [
+    ("version: 1\nrules:\n  - name: a\n    target: mpu\n    reasons: [no_such_reason]\n    actions: {any: [l1_swap]}\n",
+     "line 5", "unknown 'no_such_reason'"),
+    ("version: 1\nrules:\n  - name: a\n    target: mpu\n    reasons: [gpu_xid]\n    actions: {any: [reboot]}\n",
+     "line 6", "unknown 'reboot'"),
+    ("version: 1\nrules:\n  - name: a\n    target: moon\n    reasons: [gpu_xid]\n    actions: {}\n",
+     "line 4", "target"),
+    ("version: 1\nrules:\n  - name: a\n    target: job\n    reasons: [gpu_xid]\n    actions:\n      l2_degraded: [rollback]\n",
+     "line 7", "unknown level 'l2_degraded'"),
+    ("version: 1\nrules:\n  - name: a\n    target: mpu\n    actions: {any: []}\n", "line 3", "needs reasons or alerts"),
+    ("version: 1\nrules:\n  - name: a\n    targte: mpu\n", "line 4", "unknown key 'targte'"),
+    ("version: 2\nrules: []\n", "line 1", "version"),
+    ("version: 1\nrules:\n  - name: a\n    target: [\n", "line", "not valid YAML"),
+    ("version: 1\ndedup_window_s: soon\nrules: []\n", "line 2", "dedup_window_s"),
+]
+
+
+@pytest.mark.parametrize("text,line,words", BAD)
+def test_malformed_policy_names_the_line(text, line, words):
+    with pytest.raises(PolicyError) as e:
+        policymod.parse(text, "p.yaml")
+    assert f"p.yaml: {line}" in str(e.value) or (line == "line" and "line" in str(e.value))
+    assert words in str(e.value)
+
+
+def test_agent_refuses_to_start_on_a_malformed_policy(tmp_path: Path):
+    bad = tmp_path / "policy.yaml"
+    bad.write_text("version: 1\nrules:\n  - name: a\n    target: mpu\n    reasons: [gpu_xid]\n    actions: {any: [explode]}\n")
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(f'[healing]\npolicy = "{bad}"\n[agent]\nlisten = "127.0.0.1:0"\nsocket_path = "{tmp_path}/s.sock"\n')
+    r = subprocess.run([sys.executable, "-m", "mscale", "agent", "--config", str(cfg)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "line 6" in r.stderr and "explode" in r.stderr
+
+
+def test_state_machine_walks_the_fuse_and_needs_a_clean_stretch():
+    f = MpuFuse("j", "001", clean_steps=3)
+    f.to(Level.SUSPECT)
+    f.to(Level.L1_SWAPPED)
+    f.to(Level.L2_DEGRADED)
+    f.to(Level.L3_DISTILLING)
+    with pytest.raises(IllegalTransition):
+        f.to(Level.L1_SWAPPED)
+    assert f.clean_step(1) is None and f.clean_step(2) is None
+    f.failed()  # a failure resets the stretch
+    assert f.clean_step(3) is None and f.clean_step(4) is None
+    tr = f.clean_step(5)
+    assert tr and tr.after is Level.RECOVERED
+    assert [f.clean_step(s) for s in (6, 7)] == [None, None]
+    assert f.clean_step(8).after is Level.HEALTHY
+    assert [t.after for t in f.history] == [Level.SUSPECT, Level.L1_SWAPPED, Level.L2_DEGRADED,
+                                            Level.L3_DISTILLING, Level.RECOVERED, Level.HEALTHY]
+    with pytest.raises(IllegalTransition):
+        MpuFuse("j", "1").to(Level.L3_DISTILLING)  # no skipping to L3 from healthy
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _engine(**cfg):
+    clock, events = Clock(), []
+    eng = HealingEngine(policymod.load(""), HealingSection(**cfg), clock=clock, emit=events.append)
+    return eng, clock, events
+
+
+def test_engine_escalates_per_level_and_books_every_decision():
+    eng, clock, events = _engine()
+    tgt = lambda rule, cond: [Target("j1", "001", "0")]
+    for step, expect in ((10, "l1_swap"), (20, "l2_degrade"), (30, "l3_distill")):
+        (d,) = eng.decide(Condition("reason", "checksum_l1_trigger", {"mpu_id": "001"}, step=step), tgt)
+        assert d.action == expect
+        eng.record(d, "applied")
+    assert eng.fuse("j1", "001").level is Level.L3_DISTILLING
+    assert eng.decide(Condition("reason", "checksum_l1_trigger", {}, step=40), tgt) == []  # last level: keep
+    assert eng.drift[("j1", "001")] == 1
+    assert eng.actions[("L1", "l1_swap", "001", "applied")] == 1
+    assert eng.actions[("L3", "l3_distill", "001", "applied")] == 1
+    heal = [e for e in events if e.reason is Reason.HEAL_ACTION]
+    states = [e.labels["state"] for e in events if e.reason is Reason.FUSE_STATE]
+    assert [e.labels["action"] for e in heal] == ["l1_swap", "l2_degrade", "l3_distill"]
+    assert states == ["l1_swapped", "l2_degraded", "l3_distilling"]
+
+
+def test_same_fault_from_probe_and_alert_acts_once_within_the_window():
+    eng, clock, events = _engine()
+    tgt = lambda rule, cond: [Target("j1", "002", "3", "GPU-x")]
+    probe = Condition("reason", "gpu_xid", {"gpu_uuid": "GPU-x"}, severity="critical")
+    alert = Condition("alert", "MscaleGpuFatalXid", {"gpu_uuid": "GPU-x"})
+    first = eng.decide(probe, tgt)
+    assert [d.action for d in first] == ["emergency_snapshot", "quarantine_gpu", "l1_swap"]
+    clock.t += 30
+    assert eng.decide(alert, tgt) == []  # the alert for the same Xid: a duplicate
+    assert eng.actions[("none", "emergency_snapshot", "002", "duplicate")] == 1
+    clock.t += 61
+    assert len(eng.decide(alert, tgt)) == 3  # past the window it is a new fault
+
+
+def test_loss_spike_cools_then_a_persisting_spike_rolls_back():
+    eng, clock, events = _engine(lr_cool_steps=5)
+    tgt = lambda rule, cond: [Target("j1")]
+    (d,) = eng.decide(Condition("reason", "loss_spike_action", {}, step=100), tgt)
+    assert d.action == "lr_cool"
+    # the ratio detector fires for the same step: one fault, acted on once
+    assert eng.decide(Condition("reason", "loss_jump", {}, step=100), tgt) == []
+    eng.job("j1").cooling_until = 105
+    (d,) = eng.decide(Condition("reason", "loss_spike_action", {}, step=101), tgt)
+    assert d.action == "rollback"
+    (d,) = eng.decide(Condition("reason", "loss_nonfinite", {}, step=300), tgt)
+    assert d.action == "rollback"
+
+
+def test_swap_rate_limit_escalates_to_l2():
+    eng, clock, events = _engine(max_swaps_per_hour=2)
+    tgt = lambda rule, cond: [Target("j1", "001", "0")]
+    for step in (1, 2):
+        (d,) = eng.decide(Condition("alert", "MscaleGpuFatalXid", {}, step=step), tgt)[-1:]
+        assert d.action == "l1_swap"
+        eng.record(d, "applied")
+        clock.t += 1
+    decisions = eng.decide(Condition("alert", "MscaleGpuFatalXid", {}, step=3), tgt)
+    assert decisions[-1].action == "l2_degrade" and "swaps in the last hour" in decisions[-1].why
+    assert eng.actions[("L1", "l1_swap", "001", "rate_limited")] == 1
+
+
+def test_disabled_engine_records_but_does_not_act():
+    eng, clock, events = _engine(enabled=False)
+    out = eng.decide(Condition("reason", "loss_nonfinite", {}, step=1), lambda r, c: [Target("j")])
+    assert out == [] and eng.actions[("none", "rollback", "", "disabled")] == 1
+
+
+def test_observing_a_jobs_own_action_makes_the_alert_a_duplicate():
+    eng, clock, events = _engine()
+    eng.observe(Finding("fuse", Reason.HEAL_ACTION, Severity.WARNING, "l1_swap applied",
+                        {"rule": "mpu_output_corrupt", "action": "l1_swap", "level": "L1", "result": "applied",
+                         "job_id": "j1", "mpu_id": "001", "state": "l1_swapped"}))
+    assert eng.fuse("j1", "001").level is Level.L1_SWAPPED and eng.drift[("j1", "001")] == 1
+    tgt = lambda rule, cond: [Target("j1", "001")]
+    assert eng.decide(Condition("alert", "MscaleChecksumFailures", {"job_id": "j1", "mpu_id": "001"}), tgt) == []
