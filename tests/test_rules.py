@@ -130,3 +130,12 @@ def test_rules_are_package_data():
     from importlib import resources
     for name in (render.ALERTS_FILE, render.RECORDING_FILE, render.ALERTMANAGER_FILE, "params.yaml"):
         assert resources.files("mscale.rules").joinpath(name).is_file(), name
+
+
+def test_fatal_xids_match_the_agents_xid_table():
+    """The alert's fatal Xid codes are the ones the agent's health model treats as fatal."""
+    import csv
+    table = REPO / "mscale" / "probes" / "xid_table.csv"
+    rows = csv.reader(line for line in table.read_text().splitlines() if line.strip() and not line.startswith("#"))
+    fatal = {int(code) for code, cls, *_ in rows if cls.strip() == "fatal"}
+    assert set(paramsmod.load()["alerts"]["MscaleGpuFatalXid"]["xids"]) == fatal

@@ -179,7 +179,7 @@ weights predict. The fuse swaps the MPU to a standby GPU after 3 failures in a r
     ),
     Alert(
         "MscaleFuseL2Engaged", "training",
-        mpu_with_gpu('mscale_mpu_fuse_level{$agent} == 2'),
+        mpu_with_gpu('mscale_fuse_level{$agent} == 2'),
         "MPU {{ $labels.mpu_id }} of job {{ $labels.job_id }} runs degraded (fuse L2)",
         "MPU {{ $labels.mpu_id }} of job {{ $labels.job_id }} on node {{ $labels.node }} kept "
         "failing after a swap; it now runs degraded (fallback device or precision, reduced input "
@@ -193,7 +193,7 @@ weights predict. The fuse swaps the MPU to a standby GPU after 3 failures in a r
     ),
     Alert(
         "MscaleFuseL3Engaged", "training",
-        mpu_with_gpu('mscale_mpu_fuse_level{$agent} >= 3'),
+        mpu_with_gpu('mscale_fuse_level{$agent} >= 3'),
         "MPU {{ $labels.mpu_id }} of job {{ $labels.job_id }} is being distilled (fuse L3)",
         "MPU {{ $labels.mpu_id }} of job {{ $labels.job_id }} on node {{ $labels.node }} keeps "
         "failing even degraded; the text MPU now supervises it through a distillation term.",

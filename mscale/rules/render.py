@@ -222,7 +222,8 @@ def main() -> int:
     readme = REPO_DIR / "README.md"
     readme.write_text(render_readme(readme.read_text(), params))
     print("updated README.md sections alerts, runbooks")
-    return 0
+    from mscale.dashboards import build  # the dashboards read the same params
+    return build.main()
 
 
 if __name__ == "__main__":
