@@ -1,12 +1,105 @@
-"""Collector for the gpu room (filled in by its issue)."""
+"""GPU metrics from the GPU probe's latest snapshot: mscale_gpu_*, base units, labelled
+with `gpu` (the index) and `gpu_uuid`. A field the GPU does not report has no series."""
 from __future__ import annotations
 
 from typing import Iterable
 
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from mscale.daemon.state import AgentState
+from mscale.probes.gpu_health import STATES
+from mscale.probes.nvml_api import RECOVERY_ACTIONS, THROTTLE_REASONS
+
+L = ["gpu", "gpu_uuid"]
+
+# (metric, help, GpuSample field) for the plain per-GPU gauges
+GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("mscale_gpu_temperature_celsius", "GPU core temperature", "temperature_c"),
+    ("mscale_gpu_power_watts", "power draw", "power_w"),
+    ("mscale_gpu_power_limit_watts", "enforced power limit", "power_limit_w"),
+    ("mscale_gpu_memory_used_bytes", "framebuffer memory in use", "memory_used_bytes"),
+    ("mscale_gpu_memory_total_bytes", "framebuffer memory in all", "memory_total_bytes"),
+    ("mscale_gpu_utilization_ratio", "share of time a kernel ran (0-1)", "utilization_gpu_ratio"),
+    ("mscale_gpu_memory_utilization_ratio", "share of time memory was read or written (0-1)", "utilization_memory_ratio"),
+    ("mscale_gpu_sm_clock_hertz", "SM clock", "sm_clock_hz"),
+    ("mscale_gpu_memory_clock_hertz", "memory clock", "memory_clock_hz"),
+    ("mscale_gpu_recovery_action", "what the driver says the GPU needs: "
+     + ", ".join(f"{k} {v}" for k, v in RECOVERY_ACTIONS.items()), "recovery_action"),
+)
+
+
+def _n(v: object) -> float:
+    return float(v)  # bools too
 
 
 def collect(state: AgentState) -> Iterable[Metric]:
-    return ()
+    snap = state.snapshots.get("gpu")
+    if snap is None:
+        return
+    info = GaugeMetricFamily("mscale_gpu_info", "one series per GPU: its name and backend", labels=L + ["name", "backend"])
+    health = GaugeMetricFamily("mscale_gpu_health", "1 for the GPU's current health state, 0 for the others",
+                               labels=L + ["state"])
+    lost = GaugeMetricFamily("mscale_gpu_lost", "1 if the GPU has fallen off the bus (NVML: GPU is lost)", labels=L)
+    gauges = {field: GaugeMetricFamily(name, help_, labels=L) for name, help_, field in GAUGES}
+    throttle = GaugeMetricFamily("mscale_gpu_clocks_throttled", "1 if clocks are held back for this reason",
+                                 labels=L + ["reason"])
+    ecc = CounterMetricFamily("mscale_gpu_ecc_errors", "ECC errors; volatile since the last reset, aggregate over the GPU's life",
+                              labels=L + ["type", "counter"])
+    retired = GaugeMetricFamily("mscale_gpu_retired_pages", "memory pages retired, by cause", labels=L + ["cause"])
+    retired_pending = GaugeMetricFamily("mscale_gpu_retired_pages_pending", "1 if a page retirement waits for a reset", labels=L)
+    rows = GaugeMetricFamily("mscale_gpu_remapped_rows", "memory rows remapped, by the kind of error", labels=L + ["type"])
+    rows_pending = GaugeMetricFamily("mscale_gpu_remapped_rows_pending", "1 if a row remap waits for a reset", labels=L)
+    rows_failed = GaugeMetricFamily("mscale_gpu_remapped_rows_failed", "1 if a row remap failed", labels=L)
+    replays = CounterMetricFamily("mscale_gpu_pcie_replays", "PCIe replays", labels=L)
+    pcie = GaugeMetricFamily("mscale_gpu_pcie_throughput_bytes_per_second", "PCIe throughput", labels=L + ["direction"])
+    link_up = GaugeMetricFamily("mscale_gpu_nvlink_up", "1 if the NVLink link is active", labels=L + ["link"])
+    link_err = CounterMetricFamily("mscale_gpu_nvlink_errors", "NVLink data-link errors", labels=L + ["link", "type"])
+    xid = CounterMetricFamily("mscale_gpu_xid_errors", "Xid errors received since the agent started", labels=L + ["xid"])
+
+    for g in snap.gpus:
+        lv = [str(g.index), g.uuid]
+        info.add_metric(lv + [g.name, snap.backend], 1.0)
+        for s in STATES:
+            health.add_metric(lv + [s], 1.0 if g.health == s else 0.0)
+        lost.add_metric(lv, 1.0 if g.lost else 0.0)
+        for fld, fam in gauges.items():
+            v = getattr(g, fld)
+            if v is not None:
+                fam.add_metric(lv, _n(v))
+        if g.throttle_reasons is not None:
+            for reason in THROTTLE_REASONS:
+                throttle.add_metric(lv + [reason], 1.0 if reason in g.throttle_reasons else 0.0)
+        for typ, counter, v in (("single_bit", "volatile", g.ecc_sbe_volatile), ("double_bit", "volatile", g.ecc_dbe_volatile),
+                                ("single_bit", "aggregate", g.ecc_sbe_aggregate), ("double_bit", "aggregate", g.ecc_dbe_aggregate)):
+            if v is not None:
+                ecc.add_metric(lv + [typ, counter], v)
+        if g.retired_pages_sbe is not None:
+            retired.add_metric(lv + ["single_bit"], g.retired_pages_sbe)
+            retired.add_metric(lv + ["double_bit"], g.retired_pages_dbe or 0)
+        if g.retired_pages_pending is not None:
+            retired_pending.add_metric(lv, _n(g.retired_pages_pending))
+        if g.remapped_rows_correctable is not None:
+            rows.add_metric(lv + ["correctable"], g.remapped_rows_correctable)
+            rows.add_metric(lv + ["uncorrectable"], g.remapped_rows_uncorrectable or 0)
+        if g.remapped_rows_pending is not None:
+            rows_pending.add_metric(lv, _n(g.remapped_rows_pending))
+        if g.remapped_rows_failed is not None:
+            rows_failed.add_metric(lv, _n(g.remapped_rows_failed))
+        if g.pcie_replay_count is not None:
+            replays.add_metric(lv, g.pcie_replay_count)
+        if g.pcie_tx_bytes_per_second is not None:
+            pcie.add_metric(lv + ["tx"], g.pcie_tx_bytes_per_second)
+        if g.pcie_rx_bytes_per_second is not None:
+            pcie.add_metric(lv + ["rx"], g.pcie_rx_bytes_per_second)
+        for link in g.nvlinks:
+            ll = lv + [str(link.link)]
+            link_up.add_metric(ll, 1.0 if link.up else 0.0)
+            for typ, v in (("replay", link.replay_errors), ("recovery", link.recovery_errors),
+                           ("crc_flit", link.crc_flit_errors), ("crc_data", link.crc_data_errors)):
+                if v is not None:
+                    link_err.add_metric(ll + [typ], v)
+        for code, count in g.xid_errors:
+            xid.add_metric(lv + [str(code)], count)
+
+    yield from (info, health, lost, *gauges.values(), throttle, ecc, retired, retired_pending, rows, rows_pending,
+                rows_failed, replays, pcie, link_up, link_err, xid)

@@ -1,0 +1,146 @@
+"""Fault timelines: the format, durations, and malformed files refused with the line at fault
+(directly and through the real `mscale agent` CLI, exit status 2)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from importlib import resources
+
+import pytest
+
+from mscale.sim.timeline import TimelineError, event_from_dict, load_timeline, parse_duration, parse_timeline
+
+ISSUE_EXAMPLE = """\
+gpus: 8                 # default 8
+events:
+  - at: 2s              # seconds after start; "500ms" and "1m" also accepted
+    gpu: 3              # index
+    fault: xid
+    code: 79            # for xid
+  - {at: 5s, gpu: 1, fault: temperature, celsius: 88, ramp: 3s}
+  - {at: 6s, gpu: 2, fault: ecc_sbe_storm, per_hour: 500}
+  - {at: 7s, gpu: 4, fault: nvlink_down, link: 2}
+  - {at: 9s, gpu: 1, fault: recover}
+"""
+
+
+def test_issue_example_parses() -> None:
+    tl = parse_timeline(ISSUE_EXAMPLE)
+    assert tl.gpus == 8
+    assert [(e.at_s, e.gpu, e.fault) for e in tl.events] == [
+        (2.0, 3, "xid"), (5.0, 1, "temperature"), (6.0, 2, "ecc_sbe_storm"), (7.0, 4, "nvlink_down"), (9.0, 1, "recover")]
+    xid, temp, sbe, link, _ = tl.events
+    assert xid.code == 79 and xid.line == 3
+    assert temp.celsius == 88 and temp.ramp_s == 3.0
+    assert sbe.per_hour == 500
+    assert link.link == 2
+
+
+@pytest.mark.parametrize("text,seconds", [("2s", 2.0), ("500ms", 0.5), ("1m", 60.0), ("1.5s", 1.5), ("1h", 3600.0),
+                                          (3, 3.0), (0.25, 0.25), ("7", 7.0)])
+def test_durations(text, seconds) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["2 sec", "-1s", "soon", -3, True, None, "1d"])
+def test_bad_durations(bad) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(bad)
+
+
+def test_defaults_and_empty() -> None:
+    assert parse_timeline("").gpus == 8
+    tl = parse_timeline("events:\n")
+    assert tl.gpus == 8 and tl.events == ()
+    assert parse_timeline("gpus: 2\nmodel: h200\n").model == "h200"
+
+
+def test_events_sorted_by_time_keeping_file_order_for_ties() -> None:
+    tl = parse_timeline("events:\n  - {at: 3s, gpu: 0, fault: gpu_lost}\n  - {at: 1s, gpu: 1, fault: recover}\n"
+                        "  - {at: 3s, gpu: 0, fault: recover}\n")
+    assert [(e.at_s, e.fault) for e in tl.events] == [(1.0, "recover"), (3.0, "gpu_lost"), (3.0, "recover")]
+
+
+BAD = [
+    # (text, line at fault, words the message must contain)
+    ("gpus: 8\nevents:\n  - {at: 2s, gpu: 3, fault: xid}\n", 3, ["events[0].code", "missing"]),
+    ("gpus: 8\nevents:\n  - at: 2s\n    gpu: 9\n    fault: recover\n", 4, ["events[0].gpu", "0..7"]),
+    ("events:\n  - {at: 1s, gpu: 0, fault: recover}\n  - {at: 2x, gpu: 0, fault: recover}\n", 3, ["events[1].at", "duration"]),
+    ("events:\n  - {at: 1s, gpu: 0, fault: meltdown}\n", 2, ["events[0].fault", "xid | ecc_dbe".split(" | ")[0]]),
+    ("events:\n  - {at: 1s, gpu: 0, fault: xid, code: 79, colour: red}\n", 2, ["events[0].colour", "unknown key"]),
+    ("events:\n  - at: 1s\n    gpu: 0\n    fault: temperature\n    celsius: hot\n", 5, ["events[0].celsius", "number"]),
+    ("events:\n  - {at: 1s, gpu: 0, fault: nvlink_down, link: 40}\n", 2, ["events[0].link", "0..17"]),
+    ("gpus: 8\ncolour: red\n", 2, ["colour", "unknown key"]),
+    ("gpus: lots\n", 1, ["gpus", "integer"]),
+    ("gpus: 8\nevents:\n  - {at: 1s, gpu: 0\n", 4, ["not valid YAML"]),
+    ("gpus: 8\nevents: 3\n", 2, ["events", "list"]),
+    ("gpus: 8\nevents:\n  - 5\n", 3, ["events[0]", "mapping"]),
+    ("- 1\n- 2\n", 1, ["expected a mapping"]),
+    ("model: a100\n", 1, ["model", "h100"]),
+]
+
+
+@pytest.mark.parametrize("text,line,words", BAD)
+def test_malformed_timelines_name_the_line(text, line, words) -> None:
+    with pytest.raises(TimelineError) as err:
+        parse_timeline(text, "t.yaml")
+    msg = str(err.value)
+    assert msg.startswith(f"t.yaml line {line}"), msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_event_from_dict_for_chaos() -> None:
+    ev = event_from_dict({"gpu": 2, "fault": "xid", "code": 48}, gpus=8)
+    assert (ev.gpu, ev.fault, ev.code, ev.at_s) == (2, "xid", 48, 0.0)
+    with pytest.raises(TimelineError, match=r"event\.gpu"):
+        event_from_dict({"gpu": 8, "fault": "recover"}, gpus=8)
+    with pytest.raises(TimelineError, match="mapping"):
+        event_from_dict(["xid"], gpus=8)
+
+
+def test_shipped_timelines_parse() -> None:
+    folder = resources.files("mscale.sim") / "timelines"
+    names = sorted(p.name for p in folder.iterdir() if p.name.endswith(".yaml"))
+    assert "default.yaml" in names and "xid79_gpu3.yaml" in names
+    for name in names:
+        assert load_timeline(str(folder / name)).events
+    must = load_timeline(str(folder / "xid79_gpu3.yaml")).events
+    assert [(e.at_s, e.gpu, e.fault, e.code) for e in must] == [(2.0, 3, "xid", 79)]
+
+
+def test_missing_file() -> None:
+    with pytest.raises(TimelineError, match="cannot read"):
+        load_timeline("/nonexistent/timeline.yaml")
+
+
+@pytest.mark.parametrize("text,line,word", [
+    ("gpus: 8\nevents:\n  - {at: 2s, gpu: 3, fault: xid}\n", 3, "events[0].code"),
+    ("gpus: 8\nevents:\n  - {at: 1s, gpu: 0\n", 4, "not valid YAML"),
+])
+def test_agent_refuses_bad_timeline_with_exit_2(tmp_path, text, line, word) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "mscale", "agent", "--simulate", str(path), "--listen", "127.0.0.1:0",
+                           "--socket", str(tmp_path / "a.sock")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"line {line}" in proc.stderr and word in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_agent_refuses_bad_xid_table_with_exit_2(tmp_path) -> None:
+    table = tmp_path / "xids.csv"
+    table.write_text(textwrap.dedent("""\
+        code,class,description
+        79,fatal,GPU has fallen off the bus
+        48,catastrophic,Double-bit ECC error
+        """))
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(f'[health]\nxid_table = "{table}"\n')
+    timeline = resources.files("mscale.sim") / "timelines" / "xid79_gpu3.yaml"
+    proc = subprocess.run([sys.executable, "-m", "mscale", "agent", "--config", str(cfg), "--simulate", str(timeline),
+                           "--listen", "127.0.0.1:0", "--socket", str(tmp_path / "a.sock")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "line 3" in proc.stderr and "class" in proc.stderr and "catastrophic" in proc.stderr, proc.stderr
