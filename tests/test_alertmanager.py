@@ -1,0 +1,246 @@
+"""The Alertmanager example: amtool checks it, amtool routes each severity, and a real
+Alertmanager on 127.0.0.1 applies the inhibition rules and delivers to a webhook with the token."""
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import subprocess
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from aiohttp import web
+
+from conftest import REPO, free_port, require_tool
+from mscale.rules import params as paramsmod, render
+
+SHIPPED = REPO / "mscale" / "rules" / "alertmanager.yml"
+DEPLOY = REPO / "deploy" / "alertmanager.yml"
+TOKEN = "s3cret-test-token"
+
+
+def adapted_config(webhook_url: str, token_file: Path, *, group_wait: str = "0s", group_interval: str = "1s") -> str:
+    """The shipped routing with the receivers pointed at a test URL and token, and timings short
+    enough for a test. Routes, grouping, matchers and inhibition stay as shipped."""
+    cfg = yaml.safe_load(SHIPPED.read_text())
+    for r in cfg["receivers"]:
+        for hook in r["webhook_configs"]:
+            hook["url"] = webhook_url
+            hook["http_config"]["authorization"]["credentials_file"] = str(token_file)
+    for route in [cfg["route"], *cfg["route"]["routes"]]:
+        route.update(group_wait=group_wait, group_interval=group_interval)
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
+class Alertmanager:
+    """A real Alertmanager on 127.0.0.1 with its own temp dir, stopped by PID."""
+
+    def __init__(self, config_text: str, tmp: Path) -> None:
+        self.binary = require_tool("prometheus-alertmanager")
+        self.dir = tmp / "am"
+        self.dir.mkdir()
+        (self.dir / "alertmanager.yml").write_text(config_text)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "Alertmanager":
+        self.log = open(self.dir / "log", "w")
+        self.proc = subprocess.Popen(
+            [self.binary, f"--config.file={self.dir / 'alertmanager.yml'}", f"--storage.path={self.dir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address=", "--log.level=debug"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def logs(self) -> str:
+        return (self.dir / "log").read_text()[-4000:]
+
+    async def wait_ready(self, session: aiohttp.ClientSession, timeout_s: float = 20) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"alertmanager exited: {self.logs()}"
+            try:
+                async with session.get(f"{self.url}/-/ready") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"alertmanager not ready: {self.logs()}")
+
+
+class WebhookSink:
+    """Records what Alertmanager POSTs, with the Authorization header."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict]] = []
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api/v1/alerts"
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.calls.append((request.headers.get("Authorization", ""), await request.json()))
+        return web.json_response({"ok": True})
+
+    async def __aenter__(self) -> "WebhookSink":
+        app = web.Application()
+        app.router.add_post("/api/v1/alerts", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.runner.cleanup()
+
+    def delivered(self) -> set[tuple]:
+        return {(a["labels"]["alertname"], a["labels"].get("node"), a["labels"].get("gpu_uuid"), a["labels"].get("mpu_id"))
+                for _, body in self.calls for a in body["alerts"] if a["status"] == "firing"}
+
+
+def rule_labels(name: str) -> dict[str, str]:
+    doc = yaml.safe_load((REPO / "mscale" / "rules" / render.ALERTS_FILE).read_text())
+    return next(r["labels"] for g in doc["groups"] for r in g["rules"] if r["alert"] == name)
+
+
+def alert(name: str, **labels: str) -> dict:
+    now = dt.datetime.now(dt.timezone.utc)
+    return {"labels": {"alertname": name, **rule_labels(name), **labels},
+            "annotations": {"summary": name},
+            "startsAt": now.isoformat(), "endsAt": (now + dt.timedelta(minutes=10)).isoformat()}
+
+
+# --- static checks -------------------------------------------------------------------
+
+def test_deploy_copy_is_the_shipped_file():
+    assert DEPLOY.read_text() == SHIPPED.read_text()
+
+
+@pytest.mark.parametrize("path", [SHIPPED, DEPLOY], ids=["package", "deploy"])
+def test_amtool_check_config(path: Path):
+    amtool = require_tool("amtool")
+    out = subprocess.run([amtool, "check-config", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "3 inhibit rules" in out.stdout
+
+
+ROUTE_CASES = [
+    ({"alertname": "MscaleGpuFatalXid", "severity": "critical", "node": "node-a"}, "mscale-p0"),
+    ({"alertname": "MscaleAgentDown", "severity": "critical", "node": "node-a"}, "mscale-p0"),
+    ({"alertname": "MscaleMpuHealthLow", "severity": "warning", "node": "node-a", "job_id": "j1"}, "mscale-p1"),
+    ({"alertname": "MscaleGpuDegraded", "severity": "info", "node": "node-a"}, "mscale-p2"),
+    ({"alertname": "SomethingElse", "node": "node-a"}, "mscale-default"),
+    ({"alertname": "SomethingElse", "severity": "page"}, "mscale-default"),
+]
+
+
+@pytest.mark.parametrize("labels,receiver", ROUTE_CASES, ids=[f"{l.get('severity', 'none')}-{l['alertname']}" for l, _ in ROUTE_CASES])
+def test_amtool_routes_each_severity(labels: dict, receiver: str):
+    amtool = require_tool("amtool")
+    args = [f"{k}={v}" for k, v in labels.items()]
+    out = subprocess.run([amtool, "config", "routes", "test", f"--config.file={SHIPPED}",
+                          f"--verify.receivers={receiver}", *args], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip() == receiver
+
+
+def test_amtool_route_test_can_fail():
+    amtool = require_tool("amtool")
+    out = subprocess.run([amtool, "config", "routes", "test", f"--config.file={SHIPPED}", "--verify.receivers=mscale-p2",
+                          "severity=critical"], capture_output=True, text=True)
+    assert out.returncode != 0
+
+
+def test_every_rule_severity_has_its_route_and_timings_escalate():
+    cfg = yaml.safe_load(SHIPPED.read_text())
+    routes = {r["matchers"][0]: r for r in cfg["route"]["routes"]}
+    severities = {rule_labels(a)["severity"] for a in paramsmod.load()["alerts"]}
+    assert {f'severity="{s}"' for s in severities} == set(routes)
+    assert cfg["route"]["group_by"] == ["alertname", "node", "job_id"]
+    secs = {"s": 1, "m": 60, "h": 3600}
+    p0, p1, p2 = (routes[f'severity="{s}"'] for s in ("critical", "warning", "info"))
+    for key in ("group_wait", "group_interval", "repeat_interval"):
+        v0, v1, v2 = (int(r[key][:-1]) * secs[r[key][-1]] for r in (p0, p1, p2))
+        assert v0 <= v1 <= v2 and v0 < v2, key  # P0 at once and often, P2 batched
+    for r in cfg["receivers"]:
+        hook = r["webhook_configs"][0]
+        assert hook["url"].endswith("/api/v1/alerts") and hook["send_resolved"] is True
+        assert hook["http_config"]["authorization"]["type"] == "Bearer"
+    inhibited_sources = {a for rule in cfg["inhibit_rules"] for m in rule["source_matchers"]
+                         for a in m.split('"')[1].split("|")}
+    assert inhibited_sources <= set(paramsmod.load()["alerts"]), "an inhibition names an alert the rules lack"
+
+
+# --- a real Alertmanager ---------------------------------------------------------------
+
+async def test_real_alertmanager_inhibits_symptoms_and_delivers_the_rest_with_the_token(tmp_path: Path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    async with WebhookSink() as sink, aiohttp.ClientSession() as session:
+        with Alertmanager(adapted_config(sink.url, token_file), tmp_path) as am:
+            await am.wait_ready(session)
+            sent = [
+                # a GPU hardware failure and the training alerts it explains (same gpu_uuid) or not
+                alert("MscaleGpuFatalXid", node="node-a", gpu="3", gpu_uuid="GPU-3", xid="79"),
+                alert("MscaleMpuHealthLow", node="node-a", job_id="j1", mpu_id="001", gpu="3", gpu_uuid="GPU-3"),
+                alert("MscaleChecksumFailures", node="node-a", job_id="j1", mpu_id="001", gpu="3", gpu_uuid="GPU-3"),
+                alert("MscaleMpuHealthLow", node="node-a", job_id="j1", mpu_id="002", gpu="5", gpu_uuid="GPU-5"),
+                alert("MscaleGpuTemperatureHigh", node="node-a", gpu="3", gpu_uuid="GPU-3"),
+                # an agent down hides its probe alerts, not another node's
+                alert("MscaleAgentDown", node="node-b", instance="node-b:9400"),
+                alert("MscaleProbeDown", node="node-b", probe="gpu"),
+                alert("MscaleProbeDown", node="node-a", probe="ebpf"),
+                # a node down hides everything else on that node
+                alert("MscaleNodeDown", node="node-c"),
+                alert("MscaleAgentDown", node="node-c", instance="node-c:9400"),
+                alert("MscaleGpuTemperatureHigh", node="node-c", gpu="0", gpu_uuid="GPU-C0"),
+                alert("MscaleMpuHealthLow", node="node-c", job_id="j9", mpu_id="001", gpu="0", gpu_uuid="GPU-C0"),
+            ]
+            async with session.post(f"{am.url}/api/v2/alerts", json=sent) as r:
+                assert r.status == 200, await r.text()
+
+            deadline = time.monotonic() + 30
+            while True:  # until Alertmanager has routed and judged every alert
+                async with session.get(f"{am.url}/api/v2/alerts") as r:
+                    got = await r.json()
+                if len(got) == len(sent) and all(a["status"]["state"] != "unprocessed" for a in got):
+                    break
+                assert time.monotonic() < deadline, f"alerts not processed: {got}\n{am.logs()}"
+                await asyncio.sleep(0.2)
+
+            def key(a: dict) -> tuple:
+                l = a["labels"]
+                return (l["alertname"], l.get("node"), l.get("gpu_uuid"), l.get("mpu_id"))
+
+            inhibited = {key(a) for a in got if a["status"]["inhibitedBy"]}
+            assert inhibited == {
+                ("MscaleMpuHealthLow", "node-a", "GPU-3", "001"),
+                ("MscaleChecksumFailures", "node-a", "GPU-3", "001"),
+                ("MscaleProbeDown", "node-b", None, None),
+                ("MscaleAgentDown", "node-c", None, None),
+                ("MscaleGpuTemperatureHigh", "node-c", "GPU-C0", None),
+                ("MscaleMpuHealthLow", "node-c", "GPU-C0", "001"),
+            }
+            active = {key(a) for a in got} - inhibited
+
+            while sink.delivered() != active:  # every alert left active reaches the webhook
+                assert time.monotonic() < deadline, f"delivered {sink.delivered()} != {active}\n{am.logs()}"
+                await asyncio.sleep(0.2)
+            assert {auth for auth, _ in sink.calls} == {f"Bearer {TOKEN}"}
+            receivers = {body["receiver"] for _, body in sink.calls}
+            assert receivers == {"mscale-p0", "mscale-p1"}
+            for _, body in sink.calls:  # grouped by alertname, node, job_id
+                assert set(body["groupLabels"]) <= {"alertname", "node", "job_id"}
+                assert {a["labels"]["severity"] for a in body["alerts"]} == {
+                    {"mscale-p0": "critical", "mscale-p1": "warning"}[body["receiver"]]}
