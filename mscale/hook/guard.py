@@ -137,6 +137,7 @@ class Guard:
     def set_step(self, step: int) -> None:
         """The step to run next (a restored snapshot continues at its step + 1)."""
         self.current_step = int(step)
+        self._step_set = True
 
     def emit(self, finding: Finding) -> None:
         """Record a finding: log it, tell the plugins, send it to the agent with the step's report."""
@@ -340,6 +341,7 @@ class Guard:
         if self.optimizer is None or not self._last or self._last.get("step") != self.current_step:
             self._statistics_safe()
         step, loss = self.current_step, self._last.get("loss")
+        self._step_set = False
         t0 = time.perf_counter()
         self._dispatch("on_step_end", step, loss)
         t1 = time.perf_counter()
@@ -352,7 +354,9 @@ class Guard:
         self.times.report_s += time.perf_counter() - t1
         self._losses.clear()
         self._in_step = False
-        self.current_step = step + 1
+        if not getattr(self, "_step_set", False):  # a plugin's rollback in on_step_end sets it
+            self.current_step = step + 1
+        self._step_set = False
         self.poll_commands()
 
     def _statistics_safe(self) -> None:
