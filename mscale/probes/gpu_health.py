@@ -265,3 +265,13 @@ class HealthModel:
 
 def state_of(reasons: Iterable[HealthReason]) -> str:
     return worst(*(r.state for r in reasons))
+
+
+def xid_markdown(table: XidTable | None = None) -> str:
+    """The README's Xid table, generated from the shipped CSV (a test keeps them in step)."""
+    table = table or shipped_xid_table()
+    rows = ["| Xid | class | health | meaning |", "|---|---|---|---|"]
+    for code in sorted(table.entries):
+        x = table.entries[code]
+        rows.append(f"| {code} | {x.cls} | {_CLASS_STATE.get(x.cls, 'unchanged')} | {x.description} |")
+    return "\n".join(rows) + "\n"

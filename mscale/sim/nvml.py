@@ -133,7 +133,8 @@ class SimNvml:
         """Apply every timeline event whose time has come (call with the lock held)."""
         now = self.elapsed()
         while self._pending and self._pending[0].at_s <= now:
-            self._apply(self._pending.popleft(), now)
+            ev = self._pending.popleft()
+            self._apply(ev, ev.at_s)  # as of its own time, so ramps and storms start on schedule
 
     def _next_due_in(self) -> float | None:
         if not self._pending:
