@@ -45,7 +45,9 @@ def parse_page(text: str) -> dict[int, dict[str, object]]:
             if s.name == "DCGM_EXP_XID_ERRORS_COUNT" and s.labels.get("xid", "").isdigit():
                 g["xid_counts"][int(s.labels["xid"])] = int(s.value)  # type: ignore[index]
             else:
-                g[s.name] = s.value
+                # The parser appends _total to counters; dcgm-exporter's names are its own.
+                name = s.name[:-6] if fam.type == "counter" and s.name.endswith("_total") else s.name
+                g[name] = s.value
     return dict(gpus)
 
 

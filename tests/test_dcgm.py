@@ -1,0 +1,175 @@
+"""dcgm-exporter input: fixture pages in dcgm-exporter's exposition format, served by a real
+aiohttp server on 127.0.0.1, read by the GPU probe (backend = "dcgm") into the same samples
+and health model as NVML."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from mscale.daemon.config import from_dict
+from mscale.daemon.state import AgentState
+from mscale.findings import Finding, Reason
+from mscale.probes import gpu as gpu_probe
+from mscale.probes.base import ProbeContext
+from mscale.probes.dcgm import DcgmError, DcgmReader
+
+FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
+MiB = 1 << 20
+UUID0 = "GPU-604ac76c-d9cf-fef3-62e9-d92044ab6e52"
+UUID1 = "GPU-9a3f1e2b-7c41-4d8e-a1b0-5e6f7a8b9c0d"
+
+XID_COUNT_PAGE = """\
+# HELP DCGM_EXP_XID_ERRORS_COUNT Count of XID Errors within user-specified time window (see xid-count-window-size param).
+# TYPE DCGM_EXP_XID_ERRORS_COUNT gauge
+DCGM_EXP_XID_ERRORS_COUNT{gpu="0",UUID="%s",device="nvidia0",modelName="NVIDIA H100 80GB HBM3",window_size_in_ms="300000",xid="%s"} %d
+# HELP DCGM_FI_DEV_GPU_TEMP GPU temperature (in C).
+# TYPE DCGM_FI_DEV_GPU_TEMP gauge
+DCGM_FI_DEV_GPU_TEMP{gpu="0",UUID="%s",device="nvidia0",modelName="NVIDIA H100 80GB HBM3"} 55
+"""
+
+
+class Exporter:
+    """A real HTTP server on 127.0.0.1 (its own thread and loop) serving `self.page`."""
+
+    def __init__(self) -> None:
+        self.page = ""
+        self.url = ""
+        self._ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text=self.page, content_type="text/plain")
+
+        async def start() -> None:
+            app = web.Application()
+            app.router.add_get("/metrics", metrics)
+            self._runner = web.AppRunner(app)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]
+            self.url = f"http://127.0.0.1:{port}/metrics"
+            self._ready.set()
+
+        self._loop.run_until_complete(start())
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._runner.cleanup())
+
+    def __enter__(self) -> "Exporter":
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture
+def exporter():
+    with Exporter() as e:
+        e.page = (FIXTURES / "page1.prom").read_text()
+        yield e
+
+
+def make_probe(url: str) -> tuple[gpu_probe.GpuProbe, list[Finding]]:
+    cfg = from_dict({"probes": {"gpu": {"backend": "dcgm", "dcgm_url": url}}})
+    found: list[Finding] = []
+    state = AgentState(node="n")
+    probe = gpu_probe.SPEC.factory(ProbeContext(config=cfg, state=state, emit=found.append, clock=lambda: 1000.0))
+    return probe, found
+
+
+def test_fields_from_the_fixture(exporter) -> None:
+    probe, found = make_probe(exporter.url)
+    try:
+        snap = probe.sample()
+    finally:
+        probe.close()
+    assert snap.backend == "dcgm" and [g.index for g in snap.gpus] == [0, 1]
+    g0, g1 = snap.gpus
+    assert (g0.uuid, g1.uuid) == (UUID0, UUID1) and g0.name == "NVIDIA H100 80GB HBM3"
+    assert g0.temperature_c == 61 and g0.power_w == 512.25 and g0.power_limit_w == 700
+    assert g0.memory_used_bytes == 70780 * MiB and g0.memory_total_bytes == (70780 + 10240 + 539) * MiB
+    assert (g0.utilization_gpu_ratio, g0.utilization_memory_ratio) == (0.97, 0.61)
+    assert (g0.sm_clock_hz, g0.memory_clock_hz) == (1980e6, 2619e6)
+    assert g0.throttle_reasons == () and set(g1.throttle_reasons) == {"sw_power_cap", "sw_thermal_slowdown"}
+    assert (g1.ecc_sbe_volatile, g1.ecc_dbe_volatile, g1.ecc_sbe_aggregate, g1.ecc_dbe_aggregate) == (2, 0, 17, 1)
+    assert (g0.retired_pages_sbe, g0.retired_pages_dbe, g0.retired_pages_pending) == (0, 0, False)
+    assert (g1.remapped_rows_correctable, g1.remapped_rows_uncorrectable, g1.remapped_rows_pending,
+            g1.remapped_rows_failed) == (2, 1, False, False)
+    assert g1.pcie_replay_count == 3
+    assert (g0.pcie_tx_bytes_per_second, g0.pcie_rx_bytes_per_second) == (3276800000, 5222400000)
+    # Health from the same model: GPU 1 at 84 C is degraded; the aggregate DBE from its past is not a failure.
+    assert g0.health == "healthy" and g1.health == "degraded"
+    assert g1.reasons == ("temperature 84 C >= 83 C",)
+    assert [f.reason for f in found] == [Reason.GPU_TEMPERATURE]
+
+
+def test_xid_and_double_bit_error_fail_the_gpu(exporter) -> None:
+    probe, found = make_probe(exporter.url)
+    try:
+        probe.sample()
+        exporter.page = (FIXTURES / "page2.prom").read_text()
+        snap = probe.sample()
+        again = probe.sample()  # the same last-Xid value is not a new Xid
+    finally:
+        probe.close()
+    g1 = snap.gpus[1]
+    assert g1.health == "failed" and g1.xid_errors == ((48, 1),) and g1.last_xid == 48
+    assert any("Xid 48" in r for r in g1.reasons) and any("double-bit" in r for r in g1.reasons)
+    assert g1.remapped_rows_pending is True
+    assert snap.gpus[0].health == "healthy"
+    assert again.gpus[1].xid_errors == ((48, 1),)
+    xids = [f for f in found if f.reason is Reason.GPU_XID]
+    assert len(xids) == 1 and xids[0].labels["gpu_uuid"] == UUID1 and xids[0].labels["xid"] == "48"
+    assert {f.reason for f in found} >= {Reason.GPU_ECC_DBE, Reason.GPU_RESET_REQUIRED}
+
+
+def test_xid_count_collector_counts_each(exporter) -> None:
+    exporter.page = XID_COUNT_PAGE % (UUID0, 79, 1, UUID0)
+    probe, found = make_probe(exporter.url)
+    try:
+        assert probe.sample().gpus[0].xid_errors == ((79, 1),)
+        exporter.page = XID_COUNT_PAGE % (UUID0, 79, 3, UUID0)
+        snap = probe.sample()
+    finally:
+        probe.close()
+    assert snap.gpus[0].xid_errors == ((79, 3),) and snap.gpus[0].health == "failed"
+    assert len([f for f in found if f.reason is Reason.GPU_XID]) == 3
+
+
+def test_gpu_gone_from_the_page_is_lost(exporter) -> None:
+    probe, found = make_probe(exporter.url)
+    try:
+        probe.sample()
+        exporter.page = "\n".join(line for line in (FIXTURES / "page1.prom").read_text().splitlines()
+                                  if 'gpu="1"' not in line) + "\n"
+        snap = probe.sample()
+    finally:
+        probe.close()
+    g1 = snap.gpus[1]
+    assert g1.lost and g1.health == "failed" and g1.uuid == UUID1
+    assert any(f.reason is Reason.GPU_LOST for f in found)
+
+
+def test_unreachable_endpoint_is_an_error_naming_it() -> None:
+    with Exporter() as e:
+        url = e.url
+    reader = DcgmReader(url, timeout_s=2)  # the server is stopped: nothing listens there now
+    with pytest.raises(DcgmError, match="cannot read dcgm-exporter at http://127.0.0.1"):
+        reader.read()
+
+
+def test_garbage_page_is_an_error(exporter) -> None:
+    exporter.page = "this is { not prometheus\n"
+    with pytest.raises(DcgmError, match="exposition"):
+        DcgmReader(exporter.url).read()
