@@ -35,6 +35,7 @@ class Reason(str, Enum):
     TRAINING_HANG = "training_hang"
     TRAINING_HANG_CLEARED = "training_hang_cleared"
     SYNC_STALL = "sync_stall"
+    SYNC_STALL_CLEARED = "sync_stall_cleared"
     CUDA_ALLOC_FAILURE = "cuda_alloc_failure"
     # In-process detectors (probes/checksum, probes/loss)
     CHECKSUM_FAILURE = "checksum_failure"
@@ -60,6 +61,8 @@ class Reason(str, Enum):
     FUSE_STATE = "fuse_state"  # a fuse state-machine transition of an MPU
     SNAPSHOT_WRITTEN = "snapshot_written"
     SNAPSHOT_FAILED = "snapshot_failed"
+    SNAPSHOT_REFUSED = "snapshot_refused"  # on load: a file fails its manifest check, or does not fit
+    SNAPSHOT_RESUMED = "snapshot_resumed"  # start-up restore from disk
     ROLLBACK = "rollback"
 
 

@@ -1,16 +1,229 @@
-"""`mscale snapshot` (filled in by its issue)."""
+"""`mscale snapshot list|verify|inspect DIR`: look at training snapshots on disk.
+
+DIR is a snapshot directory (`step_00000120`), a directory of them, or one with a
+`rank_NNNNN/` subdirectory per rank. `verify` checks every file against the manifest (size
+and SHA-256) and shows a progress bar on a terminal; exit status 1 when any snapshot fails,
+naming the file at fault, 2 when DIR holds no snapshot.
+"""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import threading
+import time
+from pathlib import Path
 
-HELP = "snapshot (not built yet)"
+HELP = "list, verify or inspect training snapshots on disk"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    pass
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    ls = sub.add_parser("list", help="snapshots under DIR: step, rank, size, complete or not")
+    ls.add_argument("dir", metavar="DIR")
+    ls.add_argument("--json", action="store_true", help="one JSON object per snapshot")
+    v = sub.add_parser("verify", help="check every file of every snapshot against its manifest")
+    v.add_argument("dir", metavar="DIR")
+    v.add_argument("--step", type=int, default=None, help="only the snapshot(s) of this step")
+    v.add_argument("--newest", action="store_true", help="only the newest complete snapshot (per rank)")
+    i = sub.add_parser("inspect", help="what a snapshot holds (the newest under DIR unless --step)")
+    i.add_argument("dir", metavar="DIR")
+    i.add_argument("--step", type=int, default=None)
+    i.add_argument("--rank", type=int, default=None, help="with rank subdirectories: which rank (default 0)")
+    i.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
-    print("mscale snapshot: not built yet", file=sys.stderr)
-    return 1
+    from mscale.healing import snapshot as snap  # imports torch: only when the command runs
+
+    root = Path(args.dir)
+    if not root.exists():
+        print(f"mscale snapshot: {root}: no such directory", file=sys.stderr)
+        return 2
+    return {"list": _list, "verify": _verify, "inspect": _inspect}[args.action](snap, root, args)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _list(snap, root: Path, args: argparse.Namespace) -> int:
+    infos = snap.list_snapshots(root, include_incomplete=True)
+    if not infos:
+        print(f"mscale snapshot: no snapshots under {root}", file=sys.stderr)
+        return 2
+    if args.json:
+        for i in infos:
+            m = i.manifest or {}
+            print(json.dumps({"path": str(i.path), "step": i.step, "rank": i.rank, "complete": i.complete, "bytes": i.nbytes,
+                              "created_unix": m.get("created_unix"), "files": len(m.get("files", {}))}))
+        return 0
+    print(f"{'RANK':>4}  {'STEP':>10}  {'STATUS':<10}  {'SIZE':>10}  {'CREATED (UTC)':<19}  {'FILES':>5}  PATH")
+    for i in infos:
+        m = i.manifest or {}
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m["created_unix"])) if "created_unix" in m else "-"
+        status = "complete" if i.complete else "incomplete"
+        rank = "-" if i.rank is None else str(i.rank)
+        print(f"{rank:>4}  {i.step:>10}  {status:<10}  {_size(i.nbytes) if i.complete else '-':>10}  {created:<19}  {len(m.get('files', {})):>5}  {i.path}")
+    return 0
+
+
+class _Progress:
+    """A byte-count progress bar on stderr, drawn only on a terminal; thread-safe."""
+
+    def __init__(self, total: int, stream=None) -> None:
+        self.stream = stream or sys.stderr
+        self.enabled = hasattr(self.stream, "isatty") and self.stream.isatty() and total > 0
+        self.total, self.done = total, 0
+        self.t0 = self.last = time.monotonic()
+        self.lock = threading.Lock()
+
+    def __call__(self, n: int) -> None:
+        with self.lock:
+            self.done += n
+            now = time.monotonic()
+            if self.enabled and (now - self.last >= 0.1 or self.done >= self.total):
+                self.last = now
+                self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        frac = min(1.0, self.done / self.total)
+        width = 30
+        bar = "#" * int(frac * width) + "." * (width - int(frac * width))
+        rate = self.done / max(now - self.t0, 1e-9)
+        self.stream.write(f"\rverifying [{bar}] {frac * 100:5.1f}%  {_size(self.done)} / {_size(self.total)}  {_size(rate)}/s ")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        if self.enabled:
+            with self.lock:
+                self._draw(time.monotonic())
+                self.stream.write("\n")
+                self.stream.flush()
+
+
+def _verify(snap, root: Path, args: argparse.Namespace) -> int:
+    infos = snap.list_snapshots(root, include_incomplete=True)
+    # Temporary directories are writes a crash interrupted: never loaded, so only counted. A
+    # step_ directory whose manifest is bad is a failed snapshot, verified (and failed) below.
+    incomplete = [i for i in infos if i.path.name.startswith(snap.TEMP_PREFIX)]
+    complete = [i for i in infos if snap.STEP_DIR.match(i.path.name)]
+    if args.step is not None:
+        complete = [i for i in complete if i.step == args.step]
+    if args.newest:
+        newest: dict = {}
+        for i in complete:
+            if i.rank not in newest or i.step > newest[i.rank].step:
+                newest[i.rank] = i
+        complete = list(newest.values())
+    if not complete:
+        print(f"mscale snapshot: no snapshot to verify under {root}", file=sys.stderr)
+        return 2
+    progress = _Progress(sum(i.nbytes for i in complete))
+    failed = 0
+    results = []
+    for i in complete:
+        try:
+            snap.verify_snapshot(i.path, progress=progress)
+            results.append(f"OK      step {i.step}{'' if i.rank is None else f' rank {i.rank}'}  {i.path}  ({_size(i.nbytes)})")
+        except snap.SnapshotInvalid as e:
+            failed += 1
+            results.append(f"FAILED  step {i.step}{'' if i.rank is None else f' rank {i.rank}'}  {i.path}: {e.file}: {e.why}")
+    progress.finish()
+    for line in results:
+        print(line)
+    if incomplete:
+        print(f"({len(incomplete)} incomplete snapshot(s) left by an interrupted write, ignored: {', '.join(i.path.name for i in incomplete)})")
+    return 1 if failed else 0
+
+
+def _inspect(snap, root: Path, args: argparse.Namespace) -> int:
+    infos = [i for i in snap.list_snapshots(root) if i.complete]
+    if args.rank is not None:
+        infos = [i for i in infos if i.rank == args.rank]
+    elif any(i.rank is not None for i in infos):
+        infos = [i for i in infos if i.rank == 0]
+    if args.step is not None:
+        infos = [i for i in infos if i.step == args.step]
+    if not infos:
+        print(f"mscale snapshot: no complete snapshot{'' if args.step is None else f' of step {args.step}'} under {root}", file=sys.stderr)
+        return 2
+    info = max(infos, key=lambda i: i.step)
+    manifest = info.manifest
+    import torch
+
+    # Read only what verified: the train state is hashed before torch.load (weights_only).
+    ts = info.path / snap.TRAIN_STATE
+    meta = manifest["files"].get(snap.TRAIN_STATE)
+    import hashlib
+
+    if meta is None or not ts.exists() or hashlib.sha256(ts.read_bytes()).hexdigest() != meta["sha256"]:
+        print(f"mscale snapshot: {ts}: does not match the manifest; run `mscale snapshot verify`", file=sys.stderr)
+        return 1
+    objects = torch.load(ts, weights_only=True, map_location="cpu")
+    binding = {}
+    if (info.path / snap.BINDING).exists():
+        binding = json.loads((info.path / snap.BINDING).read_text())
+    summary = {
+        "path": str(info.path),
+        "step": manifest["step"],
+        "rank": manifest.get("rank"),
+        "world_size": manifest.get("world_size"),
+        "job_id": manifest.get("job_id"),
+        "created_unix": manifest.get("created_unix"),
+        "why": manifest.get("why"),
+        "versions": manifest.get("versions"),
+        "files": {n: {"size": m["size"], "sha256": m["sha256"]} for n, m in sorted(manifest["files"].items())},
+        "mpus": binding.get("mpus", manifest.get("mpus", {})),
+        "optimizer": _optimizer_summary(objects.get("optimizer")),
+        "scaler": _plain(objects.get("scaler")),
+        "scheduler": _plain({k: v for k, v in (objects.get("scheduler") or {}).items() if k in ("last_epoch", "_last_lr", "_step_count", "base_lrs")}) or None,
+        "data": _plain({k: v for k, v in (objects.get("data") or {}).items() if k != "skip"}) or None,
+        "rng": sorted((objects.get("rng") or {}).keys()),
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    print(f"snapshot   {summary['path']}")
+    print(f"step       {summary['step']}   rank {summary['rank']} of {summary['world_size']}   job {summary['job_id'] or '-'}   written: {summary['why']}")
+    if summary["created_unix"]:
+        print(f"created    {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(summary['created_unix']))}")
+    print(f"versions   {', '.join(f'{k} {v}' for k, v in (summary['versions'] or {}).items())}")
+    print("mpus")
+    for mpu_id, m in sorted(summary["mpus"].items()):
+        where = f"gpu {m.get('gpu')} {m.get('gpu_uuid') or ''}".strip() if m.get("gpu") is not None else m.get("device", "-")
+        print(f"  {mpu_id}  {m.get('name', '-'):<10} {where}")
+    print("files")
+    for name, m in summary["files"].items():
+        print(f"  {name:<40} {_size(m['size']):>10}  sha256 {m['sha256'][:16]}…")
+    for key in ("optimizer", "scaler", "scheduler", "data"):
+        if summary[key] is not None:
+            print(f"{key:<10} {json.dumps(summary[key], default=str)}")
+    print(f"rng        {', '.join(summary['rng'])}")
+    return 0
+
+
+def _optimizer_summary(opt: dict | None) -> dict | None:
+    if not opt:
+        return None
+    groups = [{k: _plain(v) for k, v in g.items() if k != "params"} | {"params": len(g["params"])} for g in opt["param_groups"]]
+    return {"class": opt.get("class"), "param_groups": groups}
+
+
+def _plain(obj):
+    """JSON-friendly copy (tensors as lists or scalars)."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        torch = None
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return obj.item() if obj.numel() == 1 else f"tensor{tuple(obj.shape)}"
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
