@@ -72,6 +72,7 @@ class EbpfProbeSection:
     sync_stall_window_s: float = opt(30.0, "window over which the sync-stall share is measured", min=0.5, max=3600)
     duty_window_s: float = opt(1.0, "high-rate probes (launch, copy) stay attached this long ...", min=0.01, max=3600)
     duty_period_s: float = opt(10.0, "... once every this many seconds (equal to the window: always on)", min=0.01, max=3600)
+    max_processes: int = opt(256, "processes traced at once (sizes the BPF maps)", min=1, max=65536)
 
 
 @dataclass(frozen=True)
