@@ -1,0 +1,521 @@
+"""The eBPF CUDA-driver probe, with real BCC uprobes on a stub libcuda.so.1.
+
+The stub (fixtures/libcuda_stub.c) and a driver program (fixtures/cuda_caller.c) are
+compiled with gcc into a temp dir. The caller answers each stdin command once its calls
+have returned, so the tests know what happened without sleeping; conditions on the probe
+are polled with deadlines.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import math
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import REPO, require, require_tool
+from mscale.daemon.config import from_dict
+from mscale.daemon.state import AgentState
+from mscale.exporters import make_registry
+from mscale.findings import Reason
+from mscale.probes import spec
+from mscale.probes.base import ProbeContext, ProbeUnavailable
+from mscale.probes.ebpf_detect import BlockedShare, LaunchWatch
+from mscale.probes.ebpf_loader import SOURCE, specialise
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DEADLINE_S = 20.0
+
+
+# --- pure logic: no BPF needed ------------------------------------------------------------
+
+def test_specialise_fills_tokens_and_refuses_leftovers() -> None:
+    assert specialise("a @@X@@ b @@Y@@", {"X": 1, "Y": "two"}) == "a 1 b two"
+    with pytest.raises(ValueError, match="no value: Y"):
+        specialise("@@X@@ @@Y@@", {"X": 1})
+    with pytest.raises(ValueError, match="not used.*Z"):
+        specialise("@@X@@", {"X": 1, "Z": 2})
+    with pytest.raises(ValueError, match="left after"):
+        specialise("@@X@@", {"X": "@@W@@"})
+    # the shipped source takes exactly the tokens the loader gives it
+    specialise(SOURCE.read_text(), {"MAX_PIDS": 8, "MAX_THREADS": 64})
+
+
+def test_launch_watch_judges_only_over_attached_time() -> None:
+    # always on: attached from t=0, last launch at 10
+    w = LaunchWatch(hang_timeout_s=5, min_evidence_s=math.inf)
+    w.attached(0.0)
+    assert not w.hung(100.0)  # never launched: not judged
+    w.launched(10.0)
+    assert not w.hung(14.9)
+    assert w.hung(15.1)
+    w.launched(15.0)
+    assert not w.hung(15.2)
+
+    # duty-cycled, window 1 s every 10 s: a launch at 0.5 in the first window
+    d = LaunchWatch(hang_timeout_s=5, min_evidence_s=1.0)
+    d.attached(0.0)
+    d.launched(0.5)
+    d.detached(1.0)
+    assert d.evidence_s(9.0) == pytest.approx(0.5)
+    assert not d.hung(9.0)  # 8.5 s quiet, but only 0.5 s of it observed
+    d.attached(10.0)
+    assert not d.hung(10.4)  # 0.9 s observed
+    assert d.hung(10.6)  # a whole window's worth of observed silence
+    d.detached(11.0)
+    d.attached(20.0)
+    d.launched(20.1)
+    d.detached(21.0)
+    assert d.quiet_s(30.0) == pytest.approx(9.9) and not d.hung(30.0)  # 0.9 s observed since
+
+
+def test_blocked_share_needs_a_whole_window() -> None:
+    s = BlockedShare(window_s=10)
+    s.add(0.0, 0.0)
+    s.add(5.0, 5.0)
+    assert s.ratio() is None
+    s.add(10.0, 8.0)
+    assert s.ratio() == pytest.approx(0.8)
+    s.add(20.0, 8.0)  # nothing blocked in the last 10 s
+    assert s.ratio() == pytest.approx(0.0)
+    s.add(30.0, 48.0)  # four threads blocked all the time: capped
+    assert s.ratio() == 1.0
+
+
+# --- fixtures ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cuda_bins(tmp_path_factory) -> types.SimpleNamespace:
+    gcc = require_tool("gcc", why="compiles the stub libcuda.so.1")
+    d = tmp_path_factory.mktemp("cuda")
+    lib = d / "libcuda.so.1"
+    subprocess.run([gcc, "-O2", "-fno-ipa-icf", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib),
+                    str(FIXTURES / "libcuda_stub.c")], check=True)
+    caller = d / "cuda_caller"
+    subprocess.run([gcc, "-O2", "-o", str(caller), str(FIXTURES / "cuda_caller.c"), f"-L{d}", "-l:libcuda.so.1",
+                    f"-Wl,-rpath,{d}", "-pthread"], check=True)
+    return types.SimpleNamespace(lib=str(lib), caller=str(caller), dir=d)
+
+
+@pytest.fixture(scope="module")
+def bpf_ok() -> None:
+    require(importlib.util.find_spec("bcc") is not None, "BCC (python3-bpfcc) is not importable")
+    require(os.geteuid() == 0, "BPF uprobes need root (CAP_BPF, CAP_PERFMON)")
+
+
+class Caller:
+    """One cuda_caller process; `cmd` waits for its answer, never a sleep."""
+
+    def __init__(self, path: str, *args: str) -> None:
+        self.proc = subprocess.Popen([path, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.pending: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.expect("ready")
+        self.pid = self.proc.pid
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def expect(self, prefix: str, timeout: float = DEADLINE_S) -> str:
+        for i, line in enumerate(self.pending):
+            if line.startswith(prefix):
+                return self.pending.pop(i)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"caller never said {prefix!r}; it said {self.pending}") from None
+            if line.startswith(prefix):
+                return line
+            assert not line.startswith("err"), line
+            self.pending.append(line)
+
+    def cmd(self, line: str) -> str:
+        self.send(line)
+        return self.expect(f"ok {line}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def callers(cuda_bins):
+    made: list[Caller] = []
+
+    def start(*args: str) -> Caller:
+        c = Caller(cuda_bins.caller, *args)
+        made.append(c)
+        return c
+
+    yield start
+    for c in made:
+        c.stop()
+
+
+@pytest.fixture
+def make_probe(bpf_ok):
+    made = []
+
+    def build(**ebpf) -> tuple:
+        cfg = from_dict({"probes": {"ebpf": {"duty_window_s": 1.0, "duty_period_s": 1.0, **ebpf}}})
+        state = AgentState(node="test")
+        probe = spec("ebpf").factory(ProbeContext(config=cfg, state=state, emit=state.events.emit, clock=time.time))
+        made.append(probe)
+        return probe, state
+
+    yield build
+    for p in made:
+        p.close()
+
+
+def register(state: AgentState, job_id: str, pid: int) -> None:
+    # the hook-link room's JobState carries more; the probe reads .pid and .job_id
+    state.jobs[job_id] = types.SimpleNamespace(job_id=job_id, pid=pid, rank=0, mpus={})
+
+
+def poll(probe, cond, what: str, timeout: float = DEADLINE_S):
+    deadline = time.monotonic() + timeout
+    snap = None
+    while time.monotonic() < deadline:
+        snap = probe.sample()
+        if cond(snap):
+            return snap
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}; last snapshot {snap}")
+
+
+def proc_of(snap, pid: int):
+    return next((p for p in snap.processes if p.pid == pid), None)
+
+
+def events(state: AgentState, reason: Reason) -> list:
+    return [f for _, f in state.events.since(0) if f.reason is reason]
+
+
+def scrape(state: AgentState) -> dict:
+    """name -> list of samples, from the cuda exporter through prometheus_client."""
+    text = generate_latest(make_registry(state, ("mscale.exporters.cuda",))).decode()
+    return {m.name: m.samples for m in text_string_to_metric_families(text)}, text
+
+
+def sample_value(samples, name: str, **labels) -> float:
+    hits = [s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(hits) == 1, (name, labels, samples)
+    return hits[0]
+
+
+def traced(probe, pid: int, what: str = "attached"):
+    return poll(probe, lambda s: proc_of(s, pid) is not None, f"process {pid} {what}")
+
+
+# --- counts (always on) ----------------------------------------------------------------------
+
+def test_exact_counts_bytes_and_alloc_failures(make_probe, callers, tmp_path) -> None:
+    probe, state = make_probe()
+    c = callers()
+    register(state, "job-a", c.pid)
+    snap = traced(probe, c.pid)
+    assert snap.sampled is False and snap.attach_mode in ("uprobe_multi", "perf_event")
+    for line in ("launch 1000", "launch 200 ptsz", "launch 30 ex", "launch 4 graph", "thread 77",
+                 "htod 4096 3", "dtoh 1000 5", "dtod 64 2", "copy 7 11",
+                 "allocfail 2", "alloc 1048576", "alloc 1048576", "alloc 16"):
+        c.cmd(line)
+    snap = poll(probe, lambda s: proc_of(s, c.pid).launches_observed >= 1307, "launch counts")
+    p = proc_of(snap, c.pid)
+    assert p.launches_observed == p.launches == 1000 + 200 + 30 + 77
+    assert p.graph_launches_observed == 4
+    assert dict(p.memcpy_bytes_observed) == {"htod": 4096 * 3, "dtoh": 5000, "dtod": 128, "default": 77}
+    assert dict(p.memcpy_bytes) == dict(p.memcpy_bytes_observed)  # always on: nothing extrapolated
+    assert p.alloc_failures == 2 and p.job_id == "job-a"
+    [fail] = events(state, Reason.CUDA_ALLOC_FAILURE)
+    assert fail.labels["pid"] == str(c.pid) and fail.labels["bytes"] == "1048576" and fail.labels["cuda_error"] == "2"
+
+    state.publish("ebpf", snap)
+    metrics, text = scrape(state)
+    lab = {"pid": str(c.pid), "job_id": "job-a"}
+    assert sample_value(metrics["mscale_cuda_kernel_launches"], "mscale_cuda_kernel_launches_total", **lab) == 1307
+    assert sample_value(metrics["mscale_cuda_memcpy_bytes"], "mscale_cuda_memcpy_bytes_total",
+                        direction="dtoh", **lab) == 5000
+    assert sample_value(metrics["mscale_cuda_alloc_failures"], "mscale_cuda_alloc_failures_total", **lab) == 2
+    assert sample_value(metrics["mscale_cuda_sampled"], "mscale_cuda_sampled") == 0
+    promtool = require_tool("promtool", why="checks the exposition")
+    out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_sync_histogram_buckets_hold_a_known_sleep(make_probe, callers) -> None:
+    probe, state = make_probe()
+    c = callers()
+    register(state, "job-s", c.pid)
+    traced(probe, c.pid)
+    c.cmd("syncsleep 20000")  # 20 ms: log2 slot 25, [2^24, 2^25) ns = [16.8, 33.6) ms
+    c.cmd("sync 3")
+    c.cmd("ctxsync 2")
+    snap = poll(probe, lambda s: proc_of(s, c.pid).sync_calls == 5, "5 sync calls")
+    p = proc_of(snap, c.pid)
+    assert p.sync_hist[25] == 5 and sum(p.sync_hist) == 5
+    assert 0.1 <= p.sync_seconds_sum < 5 * 0.0336
+    state.publish("ebpf", snap)
+    metrics, _ = scrape(state)
+    buckets = {s.labels["le"]: s.value for s in metrics["mscale_cuda_sync_seconds"]
+               if s.name == "mscale_cuda_sync_seconds_bucket"}
+    assert buckets[repr(2.0 ** 24 / 1e9)] == 0
+    assert buckets[repr(2.0 ** 25 / 1e9)] == 5
+    assert buckets["+Inf"] == 5
+
+
+# --- detections ------------------------------------------------------------------------------
+
+def test_hang_detected_when_launches_stop_and_cleared_when_they_resume(make_probe, callers, cuda_bins) -> None:
+    probe, state = make_probe(hang_timeout_s=0.5, libcuda_path=cuda_bins.lib)  # configured path, not maps
+    c = callers()
+    register(state, "job-h", c.pid)
+    traced(probe, c.pid)
+    c.cmd("loop 1000")  # a launch every millisecond
+    snap = poll(probe, lambda s: proc_of(s, c.pid).launches_observed > 0, "launches")
+    # launching steadily for well over the timeout: no hang
+    t_end = time.monotonic() + 1.5
+    while time.monotonic() < t_end:
+        assert not proc_of(probe.sample(), c.pid).hang
+        time.sleep(0.05)
+    assert events(state, Reason.TRAINING_HANG) == []
+
+    c.cmd("stop")
+    snap = poll(probe, lambda s: proc_of(s, c.pid).hang, "hang")
+    [hang] = events(state, Reason.TRAINING_HANG)
+    assert hang.labels == {"pid": str(c.pid), "job_id": "job-h", "cause": "no_launch"}
+    assert proc_of(snap, c.pid).launch_quiet_s > 0.5
+
+    c.cmd("resume")
+    poll(probe, lambda s: not proc_of(s, c.pid).hang, "hang cleared")
+    [cleared] = events(state, Reason.TRAINING_HANG_CLEARED)
+    assert cleared.labels["job_id"] == "job-h"
+
+
+def test_blocked_sync_is_a_hang_while_the_launch_probe_is_detached(make_probe, callers) -> None:
+    # a 50 ms window every 10 minutes: the launch probe is detached for the whole test
+    probe, state = make_probe(hang_timeout_s=0.5, duty_window_s=0.05, duty_period_s=600)
+    c = callers()
+    register(state, "job-b", c.pid)
+    traced(probe, c.pid)
+    poll(probe, lambda s: s.windows_total == 1 and not s.launch_probe_attached, "first window closed")
+    c.cmd("loop 1000")
+    c.cmd("syncsleep 1500000")
+    c.cmd("bgsync")  # one cuStreamSynchronize blocked for 1.5 s
+    snap = poll(probe, lambda s: proc_of(s, c.pid).hang, "hang from the blocked sync")
+    assert not snap.launch_probe_attached
+    [hang] = events(state, Reason.TRAINING_HANG)
+    assert hang.labels["cause"] == "sync_blocked" and "cuStreamSynchronize" in hang.message
+    assert proc_of(snap, c.pid).sync_inflight_s > 0.5
+    c.expect("done bgsync")
+    poll(probe, lambda s: not proc_of(s, c.pid).hang, "hang cleared once the sync returned")
+    assert len(events(state, Reason.TRAINING_HANG_CLEARED)) == 1
+
+
+def test_sync_stall_over_the_window(make_probe, callers) -> None:
+    probe, state = make_probe(sync_stall_window_s=1.0, sync_stall_ratio=0.5)
+    c = callers()
+    register(state, "job-st", c.pid)
+    traced(probe, c.pid)
+    c.cmd("syncsleep 50000")
+    c.send("sync 40")  # 2 s spent in 40 back-to-back 50 ms synchronise calls
+    snap = poll(probe, lambda s: proc_of(s, c.pid).sync_stall, "sync stall")
+    assert proc_of(snap, c.pid).sync_blocked_ratio > 0.5
+    [stall] = events(state, Reason.SYNC_STALL)
+    assert stall.labels == {"pid": str(c.pid), "job_id": "job-st"}
+    c.expect("ok sync 40")
+    poll(probe, lambda s: not proc_of(s, c.pid).sync_stall, "stall cleared")
+    assert len(events(state, Reason.SYNC_STALL_CLEARED)) == 1
+
+
+# --- which processes -----------------------------------------------------------------------
+
+def test_two_processes_are_kept_apart(make_probe, callers) -> None:
+    tag = f"mscale-test-{os.getpid()}"
+    probe, state = make_probe(cmdline_pattern=f"cuda_caller --tag={tag}$")
+    a = callers()
+    b = callers(f"--tag={tag}")  # traced by the pattern only, no job
+    other = callers("--tag=someone-else")  # neither registered nor matching
+    register(state, "job-a", a.pid)
+    poll(probe, lambda s: proc_of(s, a.pid) and proc_of(s, b.pid), "both traced")
+    a.cmd("launch 1234")
+    a.cmd("htod 100 10")
+    b.cmd("launch 567")
+    b.cmd("dtoh 300 2")
+    other.cmd("launch 99")
+    snap = poll(probe, lambda s: proc_of(s, a.pid).launches_observed == 1234
+                and proc_of(s, b.pid).launches_observed == 567, "counts per process")
+    pa, pb = proc_of(snap, a.pid), proc_of(snap, b.pid)
+    assert (pa.job_id, pb.job_id) == ("job-a", "")
+    assert dict(pa.memcpy_bytes_observed) == {"htod": 1000, "dtoh": 0, "dtod": 0, "default": 0}
+    assert dict(pb.memcpy_bytes_observed) == {"htod": 0, "dtoh": 600, "dtod": 0, "default": 0}
+    assert proc_of(snap, other.pid) is None and other.pid not in probe.bpf.map_pids()
+
+
+def test_a_job_without_libcuda_is_reported_not_traced(make_probe) -> None:
+    probe, state = make_probe()
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        register(state, "cpu-job", sleeper.pid)
+        snap = probe.sample()
+        assert snap.processes == ()
+        [pending] = snap.pending
+        assert pending.pid == sleeper.pid and "libcuda not mapped" in pending.reason
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_an_exited_process_is_cleaned_out_of_the_maps(make_probe, callers) -> None:
+    probe, state = make_probe(hang_timeout_s=30)
+    keep, gone = callers(), callers()
+    register(state, "job-keep", keep.pid)
+    register(state, "job-gone", gone.pid)
+    poll(probe, lambda s: proc_of(s, keep.pid) and proc_of(s, gone.pid), "both traced")
+    gone.cmd("launch 10")
+    gone.cmd("syncsleep 30000000")
+    gone.cmd("bgsync")  # dies inside the call: its in-flight entry must go too
+    poll(probe, lambda s: proc_of(s, gone.pid).sync_inflight_s > 0, "sync in flight")
+    assert gone.pid in probe.bpf.map_pids()
+    gone.proc.send_signal(signal.SIGKILL)
+    gone.proc.wait()
+    snap = poll(probe, lambda s: proc_of(s, gone.pid) is None, "exited process dropped")
+    assert gone.pid not in probe.bpf.map_pids()
+    assert probe.bpf.map_pids() == {keep.pid}
+    keep.cmd("launch 5")
+    snap = poll(probe, lambda s: proc_of(s, keep.pid).launches_observed == 5, "the other still counted")
+    # the job is still registered with a dead pid: reported, not traced, maps stay empty of it
+    assert [p.pid for p in snap.pending] == [gone.pid]
+
+
+# --- duty cycle --------------------------------------------------------------------------
+
+def test_duty_cycled_mode_exports_sampled_counts_with_the_window(make_probe, callers) -> None:
+    probe, state = make_probe(duty_window_s=0.3, duty_period_s=0.9)  # scale 3
+    c = callers()
+    register(state, "job-d", c.pid)
+    traced(probe, c.pid)
+    seen = 0
+    for _ in range(3):
+        # inside a window every launch counts; in the gap none does
+        seq, on = _wait_state(probe, True)
+        c.cmd("launch 100")
+        assert probe.duty_state() == (seq, True), "a 100-launch burst outlasted a 0.3 s window"
+        seen += 100
+        seq, on = _wait_state(probe, False)
+        c.cmd("launch 50")
+        assert probe.duty_state() == (seq, False), "a 50-launch burst outlasted a 0.6 s gap"
+    snap = poll(probe, lambda s: proc_of(s, c.pid).launches_observed >= seen, "window counts")
+    p = proc_of(snap, c.pid)
+    assert p.launches_observed == seen == 300
+    assert p.launches == pytest.approx(seen * 3)  # extrapolated by period / window
+    assert snap.sampled and snap.windows_total >= 3
+    state.publish("ebpf", snap)
+    metrics, _ = scrape(state)
+    lab = {"pid": str(c.pid), "job_id": "job-d"}
+    assert sample_value(metrics["mscale_cuda_kernel_launches"], "mscale_cuda_kernel_launches_total", **lab) == 900
+    assert sample_value(metrics["mscale_cuda_kernel_launches_observed"],
+                        "mscale_cuda_kernel_launches_observed_total", **lab) == 300
+    assert sample_value(metrics["mscale_cuda_sampled"], "mscale_cuda_sampled") == 1
+    assert sample_value(metrics["mscale_cuda_duty_window_seconds"], "mscale_cuda_duty_window_seconds") == 0.3
+    assert sample_value(metrics["mscale_cuda_duty_period_seconds"], "mscale_cuda_duty_period_seconds") == 0.9
+
+
+def _wait_state(probe, attached: bool) -> tuple[int, bool]:
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        seq, on = probe.duty_state()
+        if on == attached:
+            return seq, on
+        time.sleep(0.002)
+    raise AssertionError(f"duty cycle never {'attached' if attached else 'detached'}")
+
+
+# --- degrading -------------------------------------------------------------------------------
+
+async def test_missing_libcuda_path_marks_the_probe_down_and_the_agent_serves(bpf_ok, tmp_path) -> None:
+    from aiohttp import ClientSession, web
+
+    from mscale.daemon.app import create_app
+
+    cfg = from_dict({"agent": {"listen": "127.0.0.1:0"},
+                     "probes": {"gpu": {"enabled": False}, "host": {"enabled": False},
+                                "ebpf": {"libcuda_path": str(tmp_path / "nope" / "libcuda.so.1"), "interval_s": 0.05}}})
+    app = create_app(cfg, features=("mscale.daemon.api",))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with ClientSession() as http:
+            deadline = time.monotonic() + DEADLINE_S
+            while True:
+                probes = await (await http.get(f"http://127.0.0.1:{port}/api/v1/probes")).json()
+                if probes["ebpf"]["up"] is False or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.02)
+            assert probes["ebpf"]["up"] is False
+            assert "libcuda_path" in probes["ebpf"]["reason"] and "does not exist" in probes["ebpf"]["reason"]
+            text = await (await http.get(f"http://127.0.0.1:{port}/metrics")).text()
+            assert 'mscale_probe_up{probe="ebpf"} 0.0' in text
+    finally:
+        await runner.cleanup()
+
+
+UNPRIVILEGED = r"""
+import time
+from mscale.daemon.config import from_dict
+from mscale.daemon.state import AgentState
+from mscale.probes import spec
+from mscale.probes.base import ProbeContext, ProbeUnavailable
+from mscale.probes.ebpf import EbpfProbe
+cfg = from_dict({})
+st = AgentState(node="t")
+ctx = ProbeContext(config=cfg, state=st, emit=st.events.emit, clock=time.time)
+try:
+    spec("ebpf").factory(ctx)
+    print("factory: ok")
+except ProbeUnavailable as e:
+    print("factory:", e)
+# past the capability check, BCC itself must fail, and say so, on the first sample
+p = EbpfProbe(ctx, cfg.probes.ebpf, None)
+for _ in range(2):
+    try:
+        p.sample()
+        print("sample: ok")
+    except ProbeUnavailable as e:
+        print("sample:", e)
+"""
+
+
+def test_without_bpf_capabilities_the_probe_says_why(bpf_ok) -> None:
+    setpriv = require_tool("setpriv", why="drops every capability for the child")
+    out = subprocess.run([setpriv, "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-c", UNPRIVILEGED],
+                         capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    lines = [l for l in out.stdout.splitlines() if l.startswith(("factory:", "sample:"))]
+    assert len(lines) == 3, out.stdout + out.stderr
+    assert "CAP_BPF" in lines[0] and "CAP_PERFMON" in lines[0], lines
+    assert lines[1].startswith("sample: BPF program failed to load"), lines
+    assert lines[2] == lines[1]  # remembered, not recompiled every interval
