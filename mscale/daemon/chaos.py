@@ -57,6 +57,9 @@ def _num(body: dict, key: str, default: float, lo: float, hi: float) -> float:
 
 
 def gpu_count(nvml: Any) -> int:
+    uuids = getattr(nvml, "uuids", None)
+    if uuids is not None:
+        return len(uuids)
     for attr in ("gpu_count", "gpus"):
         v = getattr(nvml, attr, None)
         if isinstance(v, int):

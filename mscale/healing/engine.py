@@ -182,6 +182,8 @@ class HealingEngine:
         for target in targets(rule, cond):
             ident = (rule.name,) + target.key(rule.target)
             level = self.level_of(rule, target, cond.step)
+            if not rule.actions_at(level):
+                continue  # nothing to do at this level (e.g. already suspect): not a decision
             if self._duplicate(ident, cond, now):
                 self._record_duplicate(rule, target, level, cond, now)
                 continue
@@ -246,10 +248,12 @@ class HealingEngine:
     def _count(self, level: str, action: str, mpu_id: str, result: str) -> None:
         self.actions[(level, action, mpu_id, result)] += 1
 
-    def record(self, d: Decision, result: str, *, detail: str = "", step: int | None = None) -> Finding:
+    def record(self, d: Decision, result: str, *, detail: str = "", step: int | None = None,
+               labels: Mapping[str, str] | None = None) -> Finding:
         """Book a decision's outcome: counters, state machine, an event. `result` is
         applied / sent / noop / duplicate / rate_limited / disabled / failed."""
         t = d.target
+        extra = labels
         self._count(d.level, d.action, t.mpu_id, result)
         state = ""
         if result in DONE and d.action != "none":
@@ -268,9 +272,7 @@ class HealingEngine:
                   "reason": d.reason, "fault_key": d.fault_key}
         if state:
             labels["state"] = state
-        s = d.step if step is None else step
-        if s is not None:
-            labels["step"] = str(s)
+        labels.update(extra or {})
         msg = f"{d.action} {result}: {d.why}" + (f" ({detail})" if detail else "")
         finding = Finding(self.source, Reason.HEAL_ACTION, severity, msg,
                           {k: v for k, v in labels.items() if v != ""}, self.clock())
@@ -302,8 +304,6 @@ class HealingEngine:
 
     def _emit_transition(self, job_id: str, mpu_id: str, tr: Transition) -> None:
         labels = {"job_id": job_id, "mpu_id": mpu_id, "before": tr.before.value, "state": tr.after.value}
-        if tr.step >= 0:
-            labels["step"] = str(tr.step)
         self.emit(Finding(self.source, Reason.FUSE_STATE,
                           Severity.WARNING if _RANK[tr.after] >= 2 else Severity.INFO,
                           f"mpu {mpu_id}: {tr.before.value} -> {tr.after.value}: {tr.why}", labels, self.clock()))

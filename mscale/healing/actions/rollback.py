@@ -9,7 +9,7 @@ from mscale.healing.actions.base import ActionSpec
 def apply(fuse, d) -> str:
     fuse.guard.request_skip(f"{d.reason}: rollback")
     fuse.schedule_rollback(d)
-    return "applied"
+    return "step_dropped"  # the restore after the step books "applied" (or why not)
 
 
 ACTION = ActionSpec("rollback", "none", None, apply, "drop the step, restore the last good snapshot, skip the batch")

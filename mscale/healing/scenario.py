@@ -1,0 +1,193 @@
+"""A guarded training run of the tiny multimodal model on CPU, with faults on a schedule.
+
+Shared by the demo, the scenario tests and the heal-latency benchmark, so all three run the
+same loop: TinyMultimodal + AdamW, the hook library's Guard, the snapshot engine (in memory,
+optionally on disk), the fuse and the chaos plugin. `run(RunConfig(...))` returns what
+happened; the same config without faults is the reference run.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from mscale.daemon.config import HealingSection
+from mscale.findings import Finding
+
+
+@dataclass(frozen=True)
+class Fault:
+    step: int  # injected at the start of this training step (first time it is reached)
+    kind: str  # a ChaosPlugin kind: corrupt, gpu_fault, loss_spike, nan_loss, hang
+    args: dict = field(default_factory=dict)
+    label: str = ""  # what the demo calls it
+
+
+@dataclass
+class RunConfig:
+    steps: int = 120
+    seed: int = 0
+    batch_size: int = 16
+    lr: float = 3e-3
+    faults: tuple[Fault, ...] = ()
+    healing: HealingSection = field(default_factory=lambda: HealingSection(recovery_clean_steps=20, lr_cool_steps=10))
+    job_id: str = "tinymm"
+    snapshot_dir: str | None = None
+    memory_every: int = 5
+    disk_every: int = 0
+    socket_path: str | None = None  # connect the guard to an agent here
+    gpu_count: int = 8
+    eval_batches: int = 4
+    on_step: Callable[[dict], None] | None = None  # called after every step with its figures
+    before_step: Callable[[Any], None] | None = None  # called with the Run before every step
+    model_config: Any = None
+
+
+@dataclass
+class RunResult:
+    losses: list[tuple[int, float]]  # (training step, loss) in the order run
+    eval_loss: float  # held-out loss of the final weights
+    steps: int  # training steps completed
+    steps_run: int  # steps executed, counting those redone after a rollback and dropped ones
+    wall_s: float
+    findings: list[Finding]
+    fuse: Any
+    chaos: Any
+    guard: Any
+    snapshots: Any
+    health: list[tuple[int, dict]] = field(default_factory=list)  # (step, {mpu name: health})
+    levels: list[tuple[int, dict]] = field(default_factory=list)  # (step, {mpu name: fuse state})
+    nonfinite_weights: bool = False  # a NaN/Inf ever reached the weights
+
+    @property
+    def steps_lost(self) -> int:
+        return self.steps_run - self.steps
+
+    def events(self, reason: str) -> list[Finding]:
+        return [f for f in self.findings if f.reason.value == reason]
+
+    def actions(self, action: str, result: str = "applied") -> list[Finding]:
+        return [f for f in self.findings if f.reason.value == "heal_action"
+                and f.labels.get("action") == action and f.labels.get("result") == result]
+
+
+class _Recorder:
+    """Keeps every finding of the run (the guard keeps only the recent ones)."""
+
+    def __init__(self, out: list) -> None:
+        self.out = out
+
+    def on_finding(self, f: Finding) -> None:
+        self.out.append(f)
+
+
+class Run:
+    """The objects of one run, built by `setup` (the demo and the benchmark poke at them)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        from mscale.healing.chaos_job import ChaosPlugin
+        from mscale.healing.data import ResumableLoader
+        from mscale.healing.fuse import Fuse
+        from mscale.healing.snapshot import SnapshotEngine
+        from mscale.hook.guard import Guard
+        from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
+
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        mcfg = cfg.model_config or TinyConfig()
+        self.model = TinyMultimodal(mcfg)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
+        self.data = ResumableLoader(SyntheticCaptions(mcfg, size=4096, seed=cfg.seed), batch_size=cfg.batch_size,
+                                    seed=cfg.seed)
+        held = SyntheticCaptions(mcfg, size=cfg.eval_batches * cfg.batch_size, seed=cfg.seed + 7919)
+        self.eval_data = [torch.utils.data.default_collate([held[i] for i in range(b * cfg.batch_size,
+                                                                                   (b + 1) * cfg.batch_size)])
+                          for b in range(cfg.eval_batches)]
+        self.guard = Guard(self.model, self.optimizer, job_id=cfg.job_id, connect=cfg.socket_path is not None,
+                           socket_path=cfg.socket_path)
+        g = self.guard
+        self.snapshots = SnapshotEngine(
+            self.model, self.optimizer, mpus={m.name: (m.mpu_id, m.module) for m in g.mpus}, data=self.data,
+            directory=cfg.snapshot_dir, memory_every=cfg.memory_every, disk_every=cfg.disk_every,
+            binding=lambda: {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid} for m in g.mpus},
+            emit=g.emit, job_id=cfg.job_id)
+        self.fuse = Fuse(config=cfg.healing, snapshots=self.snapshots, gpu_count=cfg.gpu_count)
+        self.chaos = ChaosPlugin(seed=cfg.seed)
+        self.findings: list[Finding] = []
+        g.add_plugin(_Recorder(self.findings))
+        g.add_plugin(self.fuse)
+        g.add_plugin(self.chaos)
+        self.snapshots.snapshot(step=-1)  # the initial state: a rollback target from the start
+        self.fired: set[int] = set()
+        self.losses: list[tuple[int, float]] = []
+        self.health: list[tuple[int, dict]] = []
+        self.levels: list[tuple[int, dict]] = []
+        self.steps_run = 0
+        self.nonfinite_weights = False
+
+    def fire_due(self) -> None:
+        step = self.guard.current_step
+        for i, f in enumerate(self.cfg.faults):
+            if f.step == step and i not in self.fired:
+                self.fired.add(i)
+                self.chaos.inject(f.kind, **f.args)
+
+    def one_step(self) -> dict:
+        g = self.guard
+        self.fire_due()
+        step = g.current_step
+        batch = self.data.next_batch()
+        self.optimizer.zero_grad(set_to_none=True)
+        out = self.model(batch["images"], batch["tokens"])
+        out["loss"].backward()
+        self.optimizer.step()  # the guard's hooks: statistics, CMSA, the plugins' step end
+        self.steps_run += 1
+        loss = float(out["loss"].detach())
+        self.losses.append((step, loss))
+        if not all(torch.isfinite(p).all() for p in self.model.parameters()):
+            self.nonfinite_weights = True
+        levels = {m.name: m.fuse_level for m in g.mpus}
+        self.levels.append((step, levels))
+        info = {"step": step, "next": g.current_step, "loss": loss, "levels": levels,
+                "gpus": {m.name: m.gpu for m in g.mpus}, "cooling": self.fuse.cooling}
+        return info
+
+    def evaluate(self) -> float:
+        self.model.eval()
+        with torch.no_grad():
+            vals = [float(self.model(b["images"], b["tokens"])["loss"]) for b in self.eval_data]
+        self.model.train()
+        return sum(vals) / len(vals)
+
+    def close(self) -> None:
+        try:
+            self.snapshots.close(timeout=30)
+        finally:
+            self.guard.detach()
+
+
+def run(cfg: RunConfig) -> RunResult:
+    r = Run(cfg)
+    t0 = time.perf_counter()
+    try:
+        while r.guard.current_step < cfg.steps:
+            if cfg.before_step is not None:
+                cfg.before_step(r)
+            info = r.one_step()
+            if cfg.on_step is not None:
+                cfg.on_step(info)
+            if r.steps_run > cfg.steps * 3:  # a fault loop that never heals: stop, the result says so
+                break
+        wall = time.perf_counter() - t0
+        ev = r.evaluate()
+    finally:
+        r.close()
+    return RunResult(r.losses, ev, r.guard.current_step, r.steps_run, wall, r.findings, r.fuse,
+                     r.chaos, r.guard, r.snapshots, r.health, r.levels, r.nonfinite_weights)
+
+
+def relative_gap(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b and math.isfinite(a) and math.isfinite(b) else float("inf")
