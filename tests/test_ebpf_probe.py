@@ -230,12 +230,13 @@ def traced(probe, pid: int, what: str = "attached"):
 
 # --- counts (always on) ----------------------------------------------------------------------
 
-def test_exact_counts_bytes_and_alloc_failures(make_probe, callers, tmp_path) -> None:
-    probe, state = make_probe()
+@pytest.mark.parametrize("mode", ["uprobe_multi", "perf_event"])
+def test_exact_counts_bytes_and_alloc_failures(make_probe, callers, mode) -> None:
+    probe, state = make_probe(attach_mode=mode)
     c = callers()
     register(state, "job-a", c.pid)
     snap = traced(probe, c.pid)
-    assert snap.sampled is False and snap.attach_mode in ("uprobe_multi", "perf_event")
+    assert snap.sampled is False and snap.attach_mode == mode
     for line in ("launch 1000", "launch 200 ptsz", "launch 30 ex", "launch 4 graph", "thread 77",
                  "htod 4096 3", "dtoh 1000 5", "dtod 64 2", "copy 7 11",
                  "allocfail 2", "alloc 1048576", "alloc 1048576", "alloc 16"):
@@ -263,8 +264,9 @@ def test_exact_counts_bytes_and_alloc_failures(make_probe, callers, tmp_path) ->
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_sync_histogram_buckets_hold_a_known_sleep(make_probe, callers) -> None:
-    probe, state = make_probe()
+@pytest.mark.parametrize("mode", ["uprobe_multi", "perf_event"])
+def test_sync_histogram_buckets_hold_a_known_sleep(make_probe, callers, mode) -> None:
+    probe, state = make_probe(attach_mode=mode)
     c = callers()
     register(state, "job-s", c.pid)
     traced(probe, c.pid)
@@ -282,6 +284,27 @@ def test_sync_histogram_buckets_hold_a_known_sleep(make_probe, callers) -> None:
     assert buckets[repr(2.0 ** 24 / 1e9)] == 0
     assert buckets[repr(2.0 ** 25 / 1e9)] == 5
     assert buckets["+Inf"] == 5
+
+
+@pytest.mark.parametrize("multi", [True, False], ids=["uprobe_multi", "perf_event"])
+def test_both_attach_modes_count_exactly_and_detach_stops_counting(bpf_ok, callers, cuda_bins, multi) -> None:
+    from mscale.probes.ebpf_loader import ROLES, CudaBpf
+
+    bpf = CudaBpf(max_pids=4, max_threads=64, attach_mode="uprobe_multi" if multi else "perf_event")
+    try:
+        c = callers()
+        offsets = bpf.offsets(cuda_bins.lib)
+        launch = next(r for r in ROLES if r.prog == "on_launch")
+        bpf.add_pid(c.pid)
+        link = bpf.attach(c.pid, cuda_bins.lib, launch, offsets["on_launch"])
+        assert bpf.attach_mode == ("uprobe_multi" if multi else "perf_event")
+        c.cmd("launch 100")
+        c.cmd("launch 10 ex")
+        bpf.detach(link)
+        c.cmd("launch 1000")  # detached: not seen
+        assert bpf.read_stats()[c.pid].launches == 110
+    finally:
+        bpf.close()
 
 
 # --- detections ------------------------------------------------------------------------------

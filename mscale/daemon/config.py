@@ -73,6 +73,9 @@ class EbpfProbeSection:
     duty_window_s: float = opt(1.0, "high-rate probes (launch, copy) stay attached this long ...", min=0.01, max=3600)
     duty_period_s: float = opt(10.0, "... once every this many seconds (equal to the window: always on)", min=0.01, max=3600)
     max_processes: int = opt(256, "processes traced at once (sizes the BPF maps)", min=1, max=65536)
+    attach_mode: str = opt("auto", "how uprobes are attached: uprobe_multi links (Linux 6.6+, fast to detach), "
+                           "perf_event (one per symbol), or auto (the first that works)",
+                           choices=("auto", "uprobe_multi", "perf_event"))
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,8 @@ class EbpfProbe:
         from mscale.probes.ebpf_loader import CudaBpf
 
         try:
-            self.bpf = CudaBpf(max_pids=self.cfg.max_processes, max_threads=self.cfg.max_processes * 64)
+            self.bpf = CudaBpf(max_pids=self.cfg.max_processes, max_threads=self.cfg.max_processes * 64,
+                               attach_mode=self.cfg.attach_mode)
         except Exception as e:  # compile or load refused: not there, and it will not be
             self._unavailable = f"BPF program failed to load: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
             raise ProbeUnavailable(self._unavailable) from None

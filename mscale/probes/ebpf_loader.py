@@ -186,7 +186,7 @@ class Link:
 class CudaBpf:
     """The compiled program, its maps, and attach/detach by (pid, library, role)."""
 
-    def __init__(self, *, max_pids: int = 256, max_threads: int = 8192) -> None:
+    def __init__(self, *, max_pids: int = 256, max_threads: int = 8192, attach_mode: str = "auto") -> None:
         from bcc import BPF  # the caller ran preflight()
 
         self._BPF = BPF
@@ -195,7 +195,11 @@ class CudaBpf:
         self.stats = self.bpf[b"stats"]
         self.inflight = self.bpf[b"inflight"]
         self.alloc_req = self.bpf[b"alloc_req"]
-        self.multi: bool | None = None  # uprobe_multi links: None until the first attach says
+        if attach_mode not in ("auto", "uprobe_multi", "perf_event"):
+            raise ValueError(f"attach_mode: expected auto, uprobe_multi or perf_event, got {attach_mode!r}")
+        # None: the first attach finds out whether the kernel has uprobe_multi links
+        self.multi: bool | None = False if attach_mode == "perf_event" else None
+        self.strict = attach_mode == "uprobe_multi"  # no fallback: an error says why
         self.fallback_reason = ""
         self._symbols: dict[tuple, dict[str, list[int]]] = {}
 
@@ -238,21 +242,22 @@ class CudaBpf:
                 self.multi = True
                 return Link(role, fd=fd)
             except OSError as e:
-                if self.multi or e.errno not in _FALLBACK_ERRNOS:
+                if self.multi or self.strict or e.errno not in _FALLBACK_ERRNOS:
                     raise
                 self._fall_back(f"uprobe_multi link refused: {e.strerror}")
             except Exception as e:  # BCC: the kernel refused the attach type at load
-                if self.multi:
+                if self.multi or self.strict:
                     raise
                 self._fall_back(f"uprobe_multi program load refused: {e}")
         link = Link(role)
         try:
             for off in offsets:
+                before = set(self.bpf.uprobe_fds)  # BCC names the event after the path it resolved
                 if role.retprobe:
                     self.bpf.attach_uretprobe(name=path.encode(), addr=off, fn_name=role.prog.encode(), pid=pid)
                 else:
                     self.bpf.attach_uprobe(name=path.encode(), addr=off, fn_name=role.prog.encode(), pid=pid)
-                link.events.append(self.bpf._get_uprobe_evname(b"r" if role.retprobe else b"p", path.encode(), off, pid))
+                link.events.extend(set(self.bpf.uprobe_fds) - before)
         except Exception:
             self.detach(link)
             raise
