@@ -1,12 +1,59 @@
-"""Collector for the jobs room (filled in by its issue)."""
+"""Training jobs and their MPUs, from the hook library's reports (mscale.daemon.jobs)."""
 from __future__ import annotations
 
 from typing import Iterable
 
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from mscale.daemon.jobs import PHASES, gpus_by_index
 from mscale.daemon.state import AgentState
 
 
 def collect(state: AgentState) -> Iterable[Metric]:
-    return ()
+    up = GaugeMetricFamily("mscale_job_up", "1 while the training job is connected to the agent", labels=["job_id", "rank"])
+    step = GaugeMetricFamily("mscale_job_step", "last step the job reported", labels=["job_id"])
+    loss = GaugeMetricFamily("mscale_job_loss", "training loss of the last reported step", labels=["job_id"])
+    gnorm = GaugeMetricFamily("mscale_job_grad_norm", "global gradient norm of the last reported step (before clipping)",
+                              labels=["job_id"])
+    reports = CounterMetricFamily("mscale_job_reports", "step reports received from the job", labels=["job_id"])
+    dropped = CounterMetricFamily("mscale_job_reports_dropped", "step reports the job dropped (queue full, agent slow or down)",
+                                  labels=["job_id"])
+    skipped = CounterMetricFamily("mscale_job_steps_skipped", "optimizer steps skipped by the guard", labels=["job_id"])
+    health = GaugeMetricFamily("mpu_health_score", "MPU health 0-100 (latency vs own baseline, checksums, memory, GPU health)",
+                               labels=["job_id", "mpu_id", "mpu", "phase"])
+    info = GaugeMetricFamily("mscale_mpu_info", "MPU binding: always 1", labels=["job_id", "mpu_id", "mpu", "gpu", "gpu_uuid",
+                                                                             "device", "fuse_level"])
+    clip = GaugeMetricFamily("cmsa_clip_ratio", "share of steps whose gradients CMSA clipped, per MPU", labels=["job_id", "mpu_id"])
+    mnorm = GaugeMetricFamily("mscale_mpu_grad_norm", "gradient norm of the MPU in the last reported step",
+                              labels=["job_id", "mpu_id"])
+    lat = GaugeMetricFamily("mscale_mpu_latency_seconds", "MPU forward/backward time in the last reported step",
+                            labels=["job_id", "mpu_id", "phase"])
+    base = GaugeMetricFamily("mscale_mpu_latency_baseline_seconds", "the MPU's own latency baseline (median of its first steps)",
+                             labels=["job_id", "mpu_id", "phase"])
+    fails = CounterMetricFamily("mscale_mpu_checksum_failures", "failed output checksums (ABFT, replay, non-finite)",
+                                labels=["job_id", "mpu_id"])
+    consec = GaugeMetricFamily("mscale_mpu_checksum_consecutive_failures", "checksum failures in a row now",
+                               labels=["job_id", "mpu_id"])
+    gpus = gpus_by_index(state)
+    for job_id, job in sorted(state.jobs.items()):
+        job.refresh(gpus)  # the bound GPU's health may have changed since the last report
+        up.add_metric([job_id, str(job.rank)], 1.0 if job.connected else 0.0)
+        step.add_metric([job_id], float(job.step))
+        loss.add_metric([job_id], job.loss)
+        gnorm.add_metric([job_id], job.grad_norm)
+        reports.add_metric([job_id], job.reports_total)
+        dropped.add_metric([job_id], job.reports_dropped)
+        skipped.add_metric([job_id], job.steps_skipped)
+        for mpu_id, m in sorted(job.mpus.items()):
+            info.add_metric([job_id, mpu_id, m.name, str(m.gpu), m.gpu_uuid, m.device, m.fuse_level], 1.0)
+            clip.add_metric([job_id, mpu_id], m.clip_ratio)
+            mnorm.add_metric([job_id, mpu_id], m.grad_norm)
+            fails.add_metric([job_id, mpu_id], m.checksum_failures_total)
+            consec.add_metric([job_id, mpu_id], m.checksum_consecutive_failures)
+            for phase in PHASES:
+                health.add_metric([job_id, mpu_id, m.name, phase], m.health[phase])
+                lat.add_metric([job_id, mpu_id, phase], m.latency[phase].last_s)
+                b = m.latency[phase].baseline_s
+                if b is not None:
+                    base.add_metric([job_id, mpu_id, phase], b)
+    yield from (up, step, loss, gnorm, reports, dropped, skipped, health, info, clip, mnorm, lat, base, fails, consec)

@@ -13,7 +13,8 @@ Wire format (JSON text frames, one object each, all with "type"):
                  {"type": "report", job_id, dropped, reports: [{step, time, loss, grad_norm,
                   skipped, mpus: {mpu_id: {...}}, findings: [...]}]}
                  any other message the guard sends (reply, pong, plugin messages)
-  agent -> hook  commands: {"type": ..., ...}; {"type": "error", ...} for a refused message
+  agent -> hook  {"type": "registered", job_id, node}; {"type": "error", error} for a refused
+                 message; anything else is a command for the guard's plugins
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ class LinkClient:
         self.connected = False
         self.commands_received = 0
         self.last_error = ""
+        self.node = ""  # the agent's node name, once registered
         self._messages: collections.deque[dict] = collections.deque(maxlen=1024)
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -194,6 +196,9 @@ class LinkClient:
                 continue
             if command["type"] == "error":
                 log.warning("agent_refused_message", error=command.get("error"))
+                continue
+            if command["type"] == "registered":
+                self.node = str(command.get("node", ""))
                 continue
             self.commands_received += 1
             self.on_command(command)

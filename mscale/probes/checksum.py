@@ -158,18 +158,23 @@ class ChecksumDetector:
             return
         x = args[0]
         acc = _acc(out.dtype)
+        # under autocast the GEMM saw x and W rounded to the output dtype: predict from those
         w = module.weight
+        cast = out.dtype if out.dtype != w.dtype and out.dtype in (torch.bfloat16, torch.float16) else None
         key = id(module)
         cached = self._wcache.get(key)
-        if cached is None or cached[0] != (w._version, w.data_ptr(), acc):
-            wd = w.detach()
-            b = module.bias.detach() if module.bias is not None else None
+        if cached is None or cached[0] != (w._version, w.data_ptr(), acc, cast):
+            wd = w.detach() if cast is None else w.detach().to(cast)
+            b = module.bias
+            b = None if b is None else (b.detach() if cast is None else b.detach().to(cast))
+            zero = torch.zeros((), dtype=acc, device=w.device)
             sums = (wd.sum(0, dtype=acc), wd.abs().sum(0, dtype=acc),
-                    b.sum(dtype=acc) if b is not None else torch.zeros((), dtype=acc, device=w.device),
-                    b.abs().sum(dtype=acc) if b is not None else torch.zeros((), dtype=acc, device=w.device))
-            cached = ((w._version, w.data_ptr(), acc), sums)
+                    b.sum(dtype=acc) if b is not None else zero, b.abs().sum(dtype=acc) if b is not None else zero)
+            cached = ((w._version, w.data_ptr(), acc, cast), sums)
             self._wcache[key] = cached
         wc, wa, bs, ba = cached[1]
+        if x.dtype != out.dtype and out.dtype in (torch.bfloat16, torch.float16):
+            x = x.detach().to(out.dtype)
         with torch.no_grad():
             x2 = x.detach().reshape(-1, x.shape[-1])
             n = x2.shape[0]

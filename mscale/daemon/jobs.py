@@ -1,0 +1,222 @@
+"""The agent's per-job, per-MPU state, fed by the hook library's reports, and the MPU health score.
+
+Health score (0-100, per MPU and phase, forward or backward), recomputed on every report
+and every scrape:
+
+    score = max(0, 100 - latency - checksum - memory - gpu)
+
+    latency  = 40 * clamp((r - 1.1) / (3 - 1.1), 0, 1)   r = median of the last 5 latencies of
+               the phase / the MPU's own baseline (median of its first 20 measured steps after
+               the first 3, warm-up excluded); 0 until the baseline exists
+    checksum = min(60, 20 * consecutive failures) + min(20, 2 * failures in the last 100 reports)
+    memory   = 15 * clamp((used/total - 0.85) / 0.15, 0, 1), of the GPU the MPU is bound to
+               (the agent's GPU snapshot, else the job's own report)
+    gpu      = 0 healthy, 25 degraded, 100 failed (the bound GPU's health in state.snapshots["gpu"])
+
+So one checksum failure costs 22 points, the three in a row that trigger an L1 swap 66
+(score 34, below the 60 that means "act"), a 3x slowdown 40, a failed GPU all 100.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+BASELINE_SKIP = 3
+BASELINE_STEPS = 20
+RECENT = 5
+PHASES = ("forward", "backward")
+
+
+def _clamp01(v: float) -> float:
+    return 0.0 if v < 0 else 1.0 if v > 1 else v
+
+
+def _num(v: Any) -> float:
+    """A report number: finite float, or NaN for null / "nan" / "inf" strings."""
+    if isinstance(v, bool) or v is None:
+        return math.nan
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return math.nan
+    return math.nan
+
+
+@dataclass
+class Latency:
+    """One phase's latency history: the MPU's own baseline and its recent samples."""
+
+    seen: int = 0
+    baseline_samples: list[float] = field(default_factory=list)
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    last_s: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        if not (seconds > 0 and math.isfinite(seconds)):
+            return
+        self.seen += 1
+        self.last_s = seconds
+        self.recent.append(seconds)
+        if self.seen > BASELINE_SKIP and len(self.baseline_samples) < BASELINE_STEPS:
+            self.baseline_samples.append(seconds)
+
+    @property
+    def baseline_s(self) -> float | None:
+        if len(self.baseline_samples) < BASELINE_STEPS:
+            return None
+        return statistics.median(self.baseline_samples)
+
+    def ratio(self) -> float | None:
+        base = self.baseline_s
+        if base is None or not self.recent or base <= 0:
+            return None
+        return statistics.median(self.recent) / base
+
+
+@dataclass
+class MpuState:
+    mpu_id: str
+    name: str
+    gpu: int
+    gpu_uuid: str = ""
+    device: str = ""
+    path: str = ""
+    params: int = 0
+    fuse_level: str = "ok"
+    health_score: float = 100.0  # the lower of the two phases
+    health: dict[str, float] = field(default_factory=lambda: {p: 100.0 for p in PHASES})
+    latency: dict[str, Latency] = field(default_factory=lambda: {p: Latency() for p in PHASES})
+    grad_norm: float = math.nan
+    gvc: float = math.nan
+    clip_ratio: float = 0.0
+    checksum_ok: bool = True
+    checksum_consecutive_failures: int = 0
+    checksum_failures_total: int = 0
+    recent_failures: deque = field(default_factory=lambda: deque(maxlen=100))
+    memory_used_bytes: float = math.nan
+    memory_total_bytes: float = math.nan
+
+    def update(self, r: dict) -> None:
+        self.latency["forward"].add(_num(r.get("forward_s")))
+        self.latency["backward"].add(_num(r.get("backward_s")))
+        self.grad_norm = _num(r.get("grad_norm"))
+        self.gvc = _num(r.get("gvc"))
+        cr = _num(r.get("clip_ratio"))
+        self.clip_ratio = cr if math.isfinite(cr) else self.clip_ratio
+        self.checksum_ok = bool(r.get("checksum_ok", True))
+        self.checksum_consecutive_failures = int(r.get("checksum_consecutive_failures", 0) or 0)
+        total = int(r.get("checksum_failures_total", self.checksum_failures_total) or 0)
+        self.recent_failures.append(max(0, total - self.checksum_failures_total))
+        self.checksum_failures_total = max(total, self.checksum_failures_total)
+        if isinstance(r.get("gpu"), int) and not isinstance(r.get("gpu"), bool):
+            if r["gpu"] != self.gpu:
+                self.gpu_uuid = ""  # rebound: the UUID comes from the agent's snapshot again
+            self.gpu = r["gpu"]
+        if isinstance(r.get("fuse_level"), str):
+            self.fuse_level = r["fuse_level"][:32]
+        self.memory_used_bytes = _num(r.get("memory_used_bytes"))
+        self.memory_total_bytes = _num(r.get("memory_total_bytes"))
+
+    def score(self, gpu_sample: Any = None) -> dict[str, float]:
+        """Recompute the health per phase (see the module docstring) and return it."""
+        checksum = min(60.0, 20.0 * self.checksum_consecutive_failures) + min(20.0, 2.0 * sum(self.recent_failures))
+        used, total = self.memory_used_bytes, self.memory_total_bytes
+        if gpu_sample is not None:
+            g_used = _num(getattr(gpu_sample, "memory_used_bytes", None))
+            g_total = _num(getattr(gpu_sample, "memory_total_bytes", None))
+            if math.isfinite(g_used) and math.isfinite(g_total):
+                used, total = g_used, g_total
+        memory = 15.0 * _clamp01((used / total - 0.85) / 0.15) if math.isfinite(used) and total and total > 0 else 0.0
+        health = getattr(gpu_sample, "health", "healthy") if gpu_sample is not None else "healthy"
+        gpu = {"healthy": 0.0, "degraded": 25.0, "failed": 100.0}.get(health, 0.0)
+        for phase in PHASES:
+            ratio = self.latency[phase].ratio()
+            latency = 40.0 * _clamp01((ratio - 1.1) / (3.0 - 1.1)) if ratio is not None else 0.0
+            self.health[phase] = max(0.0, 100.0 - latency - checksum - memory - gpu)
+        self.health_score = min(self.health.values())
+        return dict(self.health)
+
+    def to_dict(self) -> dict:
+        return {"mpu_id": self.mpu_id, "name": self.name, "gpu": self.gpu, "gpu_uuid": self.gpu_uuid,
+                "device": self.device, "fuse_level": self.fuse_level, "health_score": self.health_score,
+                "health": dict(self.health), "forward_s": self.latency["forward"].last_s,
+                "backward_s": self.latency["backward"].last_s,
+                "forward_baseline_s": self.latency["forward"].baseline_s,
+                "backward_baseline_s": self.latency["backward"].baseline_s,
+                "grad_norm": self.grad_norm, "clip_ratio": self.clip_ratio,
+                "checksum_consecutive_failures": self.checksum_consecutive_failures,
+                "checksum_failures_total": self.checksum_failures_total}
+
+
+@dataclass
+class JobState:
+    job_id: str
+    rank: int
+    pid: int
+    mpus: dict[str, MpuState] = field(default_factory=dict)
+    connected: bool = True
+    registered_at: float = field(default_factory=time.time)
+    last_report_at: float = 0.0
+    step: int = -1
+    loss: float = math.nan
+    grad_norm: float = math.nan
+    reports_total: int = 0
+    reports_dropped: int = 0  # dropped by the hook's bounded queue (agent slow or down)
+    steps_skipped: int = 0
+    connects: int = 1
+
+    def register(self, msg: dict) -> None:
+        """Apply a (re-)registration: MPUs added or rebound keep their history."""
+        self.rank, self.pid = msg["rank"], msg["pid"]
+        mpus = {}
+        for d in msg["mpus"]:
+            old = self.mpus.get(d["mpu_id"])
+            m = old or MpuState(mpu_id=d["mpu_id"], name=d["name"], gpu=d["gpu"])
+            if old is not None and old.gpu != d["gpu"]:
+                m.gpu_uuid = ""
+            m.name, m.gpu = d["name"], d["gpu"]
+            m.gpu_uuid = d.get("gpu_uuid") or m.gpu_uuid
+            m.device, m.path = str(d.get("device", "")), str(d.get("path", ""))
+            m.params = int(d.get("params", 0) or 0)
+            m.fuse_level = str(d.get("fuse_level", m.fuse_level))[:32]
+            mpus[m.mpu_id] = m
+        self.mpus = mpus
+
+    def apply_report(self, r: dict, gpus: dict[int, Any]) -> None:
+        self.reports_total += 1
+        self.last_report_at = time.time()
+        self.step = max(self.step, int(r.get("step", self.step)))
+        self.loss = _num(r.get("loss"))
+        self.grad_norm = _num(r.get("grad_norm"))
+        self.steps_skipped += 1 if r.get("skipped") else 0
+        for mpu_id, mr in (r.get("mpus") or {}).items():
+            m = self.mpus.get(mpu_id)
+            if m is not None and isinstance(mr, dict):
+                m.update(mr)
+        self.refresh(gpus)
+
+    def refresh(self, gpus: dict[int, Any]) -> None:
+        for m in self.mpus.values():
+            sample = gpus.get(m.gpu)
+            if sample is not None and not m.gpu_uuid:
+                m.gpu_uuid = str(getattr(sample, "uuid", "") or "")
+            m.score(sample)
+
+    def to_dict(self) -> dict:
+        return {"job_id": self.job_id, "rank": self.rank, "pid": self.pid, "connected": self.connected,
+                "step": self.step, "loss": self.loss, "grad_norm": self.grad_norm,
+                "reports_total": self.reports_total, "reports_dropped": self.reports_dropped,
+                "mpus": {k: m.to_dict() for k, m in sorted(self.mpus.items())}}
+
+
+def gpus_by_index(state: Any) -> dict[int, Any]:
+    """The latest GPU samples by index, from the GPU probe's snapshot (empty without one)."""
+    snap = state.snapshots.get("gpu")
+    return {g.index: g for g in getattr(snap, "gpus", ())} if snap is not None else {}

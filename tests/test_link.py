@@ -1,0 +1,297 @@
+"""The link between the hook library and a real agent app on a temporary Unix socket."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+from aiohttp import web
+
+from conftest import free_port, require
+from mscale.daemon import keys
+from mscale.daemon.app import create_app
+from mscale.daemon.config import Config, SocketSection, AgentSection
+from mscale.hook.guard import attach
+from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
+
+FEATURES = ("mscale.daemon.api", "mscale.daemon.link")
+
+
+def metric(text: str, series: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{series} not in /metrics")
+
+
+def wait_for(cond, timeout_s: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Agent:
+    """A real agent app (API + link) served from its own thread and event loop."""
+
+    def __init__(self, socket_path: str, **socket_cfg) -> None:
+        self.socket_path = socket_path
+        self.port = free_port()
+        self.config = Config(agent=AgentSection(listen=f"127.0.0.1:{self.port}", socket_path=socket_path),
+                             socket=SocketSection(**socket_cfg))
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.ready.wait(20), "agent did not start"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def main():
+            self.app = create_app(self.config, probes=[], features=FEATURES)
+            self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+            await self.runner.setup()
+            await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+            self.stopping = asyncio.Event()
+            self.ready.set()
+            await self.stopping.wait()
+            await self.runner.cleanup()
+
+        self.loop.run_until_complete(main())
+
+    @property
+    def state(self):
+        return self.app[keys.STATE]
+
+    @property
+    def link(self):
+        return self.app[keys.LINK]
+
+    def call(self, coro, timeout_s: float = 10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def metrics(self) -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.stopping.set)
+        self.thread.join(20)
+
+
+def make_job(socket_path: str, job_id: str, seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    cfg = TinyConfig()
+    model = TinyMultimodal(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = attach(model, opt, job_id=job_id, socket_path=socket_path, **kw)
+    data = SyntheticCaptions(cfg, size=10_000, seed=seed)
+    it = iter(torch.utils.data.DataLoader(data, batch_size=4))
+
+    def train(n: int) -> None:
+        for _ in range(n):
+            b = next(it)
+            model(b["images"], b["tokens"])["loss"].backward()
+            opt.step()
+            opt.zero_grad()
+
+    return guard, train
+
+
+@pytest.fixture
+def sock(tmp_path: Path) -> str:
+    return str(tmp_path / "run" / "agent.sock")
+
+
+def test_register_reports_and_metrics(sock: str) -> None:
+    agent = Agent(sock)
+    guard, train = make_job(sock, "job-a")
+    try:
+        train(25)
+        job = wait_for(lambda: agent.state.jobs.get("job-a"), what="registration")
+        assert job.pid == os.getpid() and job.rank == 0
+        assert [(m.mpu_id, m.name, m.gpu) for m in job.mpus.values()] == [("001", "vision", 0), ("002", "aligner", 1), ("003", "text", 2)]
+        wait_for(lambda: job.step == 24, what="the last report")
+        assert job.reports_total == 25 and job.reports_dropped == 0
+        assert job.mpus["001"].latency["forward"].last_s > 0 and job.mpus["003"].latency["backward"].last_s > 0
+        text = agent.metrics()
+        for mpu_id, name in (("001", "vision"), ("002", "aligner"), ("003", "text")):
+            for phase in ("forward", "backward"):
+                value = metric(text, f'mpu_health_score{{job_id="job-a",mpu="{name}",mpu_id="{mpu_id}",phase="{phase}"}}')
+                assert 60 <= value <= 100  # healthy (latency may wobble on a shared CPU; no checksum, GPU or memory penalty)
+        assert 'cmsa_clip_ratio{job_id="job-a",mpu_id="003"}' in text
+        assert 'mscale_job_up{job_id="job-a",rank="0"} 1.0' in text
+        assert 'mscale_job_loss{job_id="job-a"}' in text
+        assert 'mscale_mpu_checksum_failures_total{job_id="job-a",mpu_id="002"} 0.0' in text
+        # a command reaches the plugins at the next step boundary
+        got = []
+
+        class P:
+            def on_command(self, command):
+                got.append(command)
+                return {"ok": True}
+
+        guard.add_plugin(P())
+        assert agent.call(agent.link.send("job-a", {"type": "probe", "id": 7}))
+        wait_for(lambda: guard.link._messages or guard._commands, what="the command to arrive")
+        train(1)
+        assert got == [{"type": "probe", "id": 7}]
+        assert agent.call(agent.link.send("nope", {"type": "probe"})) is False
+        assert agent.call(agent.link.broadcast({"type": "ping", "id": 1})) == 1
+    finally:
+        guard.detach()
+        agent.stop()
+
+
+def test_checksum_findings_reach_the_agent(sock: str) -> None:
+    from mscale.sim.inject import inject
+
+    agent = Agent(sock)
+    guard, train = make_job(sock, "job-f")
+    try:
+        train(2)
+        inject(guard, kind="exponent_flip", mpu="aligner", steps=3)
+        train(3)
+        wait_for(lambda: agent.state.jobs.get("job-f") and agent.state.jobs["job-f"].step == 4, what="reports")
+        job = agent.state.jobs["job-f"]
+        assert job.mpus["002"].checksum_consecutive_failures == 3
+        assert job.mpus["002"].health["forward"] <= 40  # 3 in a row: below the "act" line of 60
+        assert job.mpus["001"].health["forward"] == 100
+        events = [f for _, f in agent.state.events.since(0)]
+        l1 = [f for f in events if f.reason.value == "checksum_l1_trigger"]
+        assert l1 and l1[0].labels["job_id"] == "job-f" and l1[0].labels["mpu_id"] == "002" and l1[0].source == "hook:checksum"
+        assert 'mscale_mpu_checksum_consecutive_failures{job_id="job-f",mpu_id="002"} 3.0' in agent.metrics()
+    finally:
+        guard.detach()
+        agent.stop()
+
+
+def test_agent_down_and_restarted_training_goes_on_and_reconnects(sock: str) -> None:
+    agent = Agent(sock)
+    guard, train = make_job(sock, "job-r", report_queue=8)
+    try:
+        train(3)
+        wait_for(lambda: guard.link.connected, what="connection")
+        agent.stop()
+        wait_for(lambda: not guard.link.connected, what="the link to notice")
+        train(20)  # the agent is down: nothing raises, the queue drops the oldest
+        assert guard.current_step == 23
+        assert guard.link.dropped >= 20 - 8
+        agent = Agent(sock)
+        wait_for(lambda: guard.link.connects >= 2, what="reconnection")
+        train(2)
+        job = wait_for(lambda: agent.state.jobs.get("job-r"), what="re-registration")
+        wait_for(lambda: job.step == 24, what="reports after reconnecting")
+        assert job.reports_dropped == guard.link.dropped
+        assert 'mscale_job_reports_dropped_total{job_id="job-r"}' in agent.metrics()
+    finally:
+        guard.detach()
+        agent.stop()
+
+
+async def _raw(sock: str, frames: list) -> list:
+    replies = []
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=sock)) as s:
+        async with s.ws_connect("http://localhost/v1/link", max_msg_size=0) as ws:
+            for f in frames:
+                await (ws.send_bytes(f) if isinstance(f, bytes) else ws.send_str(f))
+                msg = await ws.receive(timeout=10)
+                replies.append(msg.data if msg.type == aiohttp.WSMsgType.TEXT else msg.type)
+    return replies
+
+
+def test_malformed_and_oversized_messages_refused_and_counted_other_job_undisturbed(sock: str) -> None:
+    agent = Agent(sock, max_message_bytes=4096)
+    guard, train = make_job(sock, "job-ok")
+    try:
+        train(2)
+        wait_for(lambda: "job-ok" in agent.state.jobs and agent.state.jobs["job-ok"].step == 1, what="first job")
+        reg = {"type": "register", "job_id": "bad", "rank": 0, "pid": 1,
+               "mpus": [{"mpu_id": "001", "name": "vision", "gpu": 0}]}
+        replies = asyncio.run(_raw(sock, [
+            "not json", json.dumps([1, 2]), json.dumps({"type": "report", "job_id": "bad", "reports": []}),
+            json.dumps({**reg, "rank": -1}), json.dumps(reg),
+            json.dumps({"type": "report", "job_id": "bad", "reports": [{"step": "x"}]}),
+            json.dumps({"type": "teleport"}), b"\x00\x01",
+        ]))
+        answers = [json.loads(r) for r in replies]
+        assert answers[4] == {"type": "registered", "job_id": "bad", "node": agent.state.node}
+        errors = [a["error"] for a in answers if a["type"] == "error"]
+        assert len(errors) == 8 - 1  # every frame but the valid register was answered with an error
+        assert any("not JSON" in e for e in errors) and any("register first" in e for e in errors)
+        assert any("rank" in e for e in errors) and any("step" in e for e in errors)
+        oversized = asyncio.run(_raw(sock, ["x" * 10_000]))
+        assert oversized[0] in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING)
+        refused = agent.state.refused
+        assert refused[("socket", "malformed")] == 5
+        assert refused[("socket", "unregistered")] == 1 and refused[("socket", "unknown_type")] == 1
+        wait_for(lambda: refused[("socket", "oversized")] == 1, what="the oversized count")
+        train(3)  # the first job never noticed
+        wait_for(lambda: agent.state.jobs["job-ok"].step == 4, what="first job's reports")
+        assert agent.state.jobs["job-ok"].connected and guard.link.connects == 1
+        assert 'mscale_refused_messages_total{where="socket",why="oversized"} 1.0' in agent.metrics()
+    finally:
+        guard.detach()
+        agent.stop()
+
+
+PEER = """
+import asyncio, os, sys, aiohttp
+os.setgid(65534); os.setuid(65534)
+async def main():
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=sys.argv[1])) as s:
+        try:
+            async with s.ws_connect("http://localhost/v1/link") as ws:
+                print("connected")
+        except aiohttp.WSServerHandshakeError as e:
+            print("refused", e.status)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_peer_credentials(allowed: bool) -> None:
+    require(os.getuid() == 0, "needs root to run a peer as another user")
+    # the socket's directory must be reachable by the other user (pytest's tmp_path is not)
+    tmp = tempfile.mkdtemp(prefix="mscale-link-")
+    os.chmod(tmp, 0o755)
+    sock = os.path.join(tmp, "agent.sock")
+    agent = Agent(sock, mode=0o666, allowed_uids=[65534] if allowed else [])
+    try:
+        out = subprocess.run([sys.executable, "-c", PEER, sock], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        if allowed:
+            assert out.stdout.strip() == "connected"
+            assert agent.state.refused[("socket", "peer_uid")] == 0
+        else:
+            assert out.stdout.strip() == "refused 403"
+            assert agent.state.refused[("socket", "peer_uid")] == 1
+    finally:
+        agent.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_socket_in_use_is_not_stolen(sock: str) -> None:
+    first = Agent(sock)
+    second = Agent(sock)
+    try:
+        assert "in use" in second.link.error
+        assert first.link.error == "" and os.path.exists(sock)
+    finally:
+        second.stop()
+        first.stop()
