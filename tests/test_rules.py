@@ -139,3 +139,15 @@ def test_fatal_xids_match_the_agents_xid_table():
     rows = csv.reader(line for line in table.read_text().splitlines() if line.strip() and not line.startswith("#"))
     fatal = {int(code) for code, cls, *_ in rows if cls.strip() == "fatal"}
     assert set(paramsmod.load()["alerts"]["MscaleGpuFatalXid"]["xids"]) == fatal
+
+
+def test_example_prometheus_config_is_valid_and_labels_the_node():
+    promtool = require_tool("promtool")
+    path = REPO / "deploy" / "prometheus.yml"
+    out = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    cfg = yaml.safe_load(path.read_text())
+    agent_sel = paramsmod.load()["selectors"]["agent"]  # job="mscale-agent"
+    for job in cfg["scrape_configs"]:
+        assert any(r.get("target_label") == "node" for r in job.get("relabel_configs", [])), job["job_name"]
+    assert f'job="{next(j["job_name"] for j in cfg["scrape_configs"] if "agent" in j["job_name"])}"' == agent_sel

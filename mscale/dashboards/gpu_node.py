@@ -29,8 +29,9 @@ def build(ctx: Ctx):
             Panel("Temperature", [(f"mscale_gpu_temperature_celsius{s}", GPU)], unit="celsius",
                   threshold=ctx.alert("MscaleGpuTemperatureHigh")["celsius"]),
             Panel("Power", [(f"mscale_gpu_power_watts{s}", GPU)], unit="watt"),
-            Panel("Clock throttle reasons", [(f"mscale_gpu_clock_throttle{s} == 1", GPU + " {{reason}}")],
-                  description="1 while the reason holds the clocks down."),
+            Panel("GPUs throttled, by reason", [(f"sum by (node, reason) (mscale_gpu_clocks_throttled{s})",
+                                                  "{{node}} {{reason}}")],
+                  description="How many of the selected GPUs have their clocks held back, for each reason."),
             Panel("SM clock", [(f"mscale_gpu_sm_clock_hertz{s}", GPU)], unit="hertz"),
         ]),
         ("Memory and utilisation", [
@@ -44,8 +45,8 @@ def build(ctx: Ctx):
         ]),
         ("PCIe and NVLink", [
             Panel("PCIe replays per second", [(f"rate(mscale_gpu_pcie_replays_total{s}[{rate}])", GPU)]),
-            Panel("PCIe throughput", [(f"mscale_gpu_pcie_tx_bytes_per_second{s}", GPU + " tx"),
-                                      (f"mscale_gpu_pcie_rx_bytes_per_second{s}", GPU + " rx")], unit="Bps"),
+            Panel("PCIe throughput", [(f"mscale_gpu_pcie_throughput_bytes_per_second{s}", GPU + " {{direction}}")],
+                  unit="Bps"),
             Panel("NVLink links up", [(f"sum by (node, gpu) (mscale_gpu_nvlink_up{s})", GPU)]),
             Panel("NVLink errors per second", [(f"sum by (node, gpu, type) (rate(mscale_gpu_nvlink_errors_total{s}[{rate}]))",
                                                 GPU + " {{type}}")]),

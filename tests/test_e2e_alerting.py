@@ -1,0 +1,335 @@
+"""End to end on 127.0.0.1: the agent on simulated GPUs, a real Prometheus scraping it every
+second with the shipped rules, a real Alertmanager with the shipped routing. An Xid 79 is
+injected: the alert fires, Alertmanager delivers it to the agent's webhook, the healing engine
+acts. Then every PromQL expression of every dashboard panel and every rule is evaluated
+against that live Prometheus."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+from conftest import REPO, free_port, require_tool
+from mscale.dashboards import build as dashboards
+from mscale.rules import render
+from test_alertmanager import Alertmanager, adapted_config
+
+RULES_DIR = REPO / "mscale" / "rules"
+TOKEN = "e2e-token-0123456789"
+GPU = 3
+
+
+# --- plumbing --------------------------------------------------------------------------
+
+def http(url: str, *, data: Any = None, headers: dict | None = None, timeout: float = 5) -> Any:
+    body = None if data is None else json.dumps(data).encode()
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"null")
+
+
+def poll(what: str, fn: Callable[[], Any], timeout_s: float = 60, logs: Callable[[], str] = lambda: "") -> Any:
+    """fn() until it returns something truthy; fail with `what` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+            if last:
+                return last
+        except (urllib.error.URLError, ConnectionError, OSError) as e:
+            last = e
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}\n{logs()}")
+
+
+class Proc:
+    """A service we start on 127.0.0.1 with its own dir, stopped by PID."""
+
+    def __init__(self, name: str, argv: list[str], workdir: Path) -> None:
+        self.name, self.argv, self.dir = name, argv, workdir
+        self.logfile = workdir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Proc":
+        self.log = open(self.logfile, "w")
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=self.dir)
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def logs(self) -> str:
+        return f"--- {self.name} log (tail) ---\n" + self.logfile.read_text()[-3000:]
+
+
+class Stack:
+    """Agent + Prometheus + Alertmanager, wired as deploy/ ships them, on 127.0.0.1."""
+
+    def __init__(self, tmp: Path, *, policy: Path | None = None) -> None:
+        self.tmp = tmp
+        self.policy = policy
+        self.agent_port, self.prom_port = free_port(), free_port()
+        self.agent_url = f"http://127.0.0.1:{self.agent_port}"
+        self.prom_url = f"http://127.0.0.1:{self.prom_port}"
+        self.procs: list[Proc] = []
+        self.am: Alertmanager | None = None
+
+    def logs(self) -> str:
+        return "\n".join(p.logs() for p in self.procs) + (self.am.logs() if self.am else "")
+
+    def __enter__(self) -> "Stack":
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _start(self) -> None:
+        prometheus = require_tool("prometheus")
+        tmp = self.tmp
+        # the agent: 8 simulated GPUs, faults injected later through its chaos API
+        (tmp / "timeline.yaml").write_text("gpus: 8\nevents: []\n")
+        healing = f'policy = "{self.policy}"\n' if self.policy else ""
+        (tmp / "agent.toml").write_text(
+            f'[agent]\nlisten = "127.0.0.1:{self.agent_port}"\nsocket_path = "{tmp / "agent.sock"}"\n'
+            f'node = "e2e-node"\nsimulate = "{tmp / "timeline.yaml"}"\n'
+            f'[probes.ebpf]\nenabled = false\n'  # nothing to trace here, and BCC's compile costs seconds of CPU
+            f'[webhook]\ntoken = "{TOKEN}"\n[healing]\n{healing}')
+        agent = Proc("agent", [sys.executable, "-m", "mscale", "agent", "--config", str(tmp / "agent.toml")], tmp).start()
+        self.procs.append(agent)
+
+        token_file = tmp / "token"
+        token_file.write_text(TOKEN)
+        self.am = Alertmanager(adapted_config(f"{self.agent_url}/api/v1/alerts", token_file), tmp).__enter__()
+
+        # Prometheus: deploy/prometheus.yml with this test's targets, 1 s intervals, the shipped rules
+        cfg = yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())
+        cfg["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+        cfg["rule_files"] = [str(RULES_DIR / render.RECORDING_FILE), str(RULES_DIR / render.ALERTS_FILE)]
+        cfg["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] = [f"127.0.0.1:{self.am.port}"]
+        job = next(j for j in cfg["scrape_configs"] if j["job_name"] == "mscale-agent")
+        job["static_configs"] = [{"targets": [f"127.0.0.1:{self.agent_port}"]}]
+        cfg["scrape_configs"] = [job]
+        (tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+        prom = Proc("prometheus", [prometheus, f"--config.file={tmp / 'prometheus.yml'}",
+                                   f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.prom_port}",
+                                   "--log.level=warn"], tmp).start()
+        self.procs.append(prom)
+
+        poll("the agent", lambda: http(f"{self.agent_url}/healthz")["status"] == "ok", logs=self.logs)
+        poll("alertmanager", lambda: urllib.request.urlopen(f"{self.am.url}/-/ready", timeout=2).status == 200, logs=self.logs)
+        poll("prometheus", lambda: urllib.request.urlopen(f"{self.prom_url}/-/ready", timeout=2).status == 200, logs=self.logs)
+        poll("the agent scraped", lambda: self.query(f'up{{job="mscale-agent"}} == 1'), logs=self.logs)
+        poll("GPU metrics in Prometheus", lambda: len(self.query("mscale_gpu_temperature_celsius")) == 8, logs=self.logs)
+
+    def __exit__(self, *exc) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        if self.am:
+            self.am.__exit__()
+
+    def query(self, expr: str) -> list[dict]:
+        out = http(f"{self.prom_url}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+        assert out["status"] == "success", out
+        return out["data"]["result"]
+
+    def events(self) -> list[dict]:
+        return http(f"{self.agent_url}/api/v1/events?limit=10000")["events"]
+
+    def inject_xid(self, gpu: int, code: int) -> None:
+        http(f"{self.agent_url}/api/v1/chaos", data={"kind": "xid", "gpu": gpu, "code": code})
+
+
+def gpu_uuid(stack: Stack, index: int) -> str:
+    return next(g["uuid"] for g in http(f"{stack.agent_url}/api/v1/gpus")["gpus"] if g["index"] == index)
+
+
+def alerts_only_policy(tmp: Path) -> Path:
+    """The shipped healing policy, with the GPU-fault rule fed by the alert only: the agent's
+    own Xid finding then does nothing, so an action can only come through Alertmanager."""
+    doc = yaml.safe_load((REPO / "mscale" / "healing" / "policy.yaml").read_text())
+    rule = next(r for r in doc["rules"] if "MscaleGpuFatalXid" in r.get("alerts", []))
+    rule.pop("reasons", None)
+    rule.pop("severities", None)
+    path = tmp / "policy.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """The shipped configuration throughout (healing policy included), shared by the tests below."""
+    with Stack(tmp_path_factory.mktemp("e2e")) as s:
+        yield s
+
+
+# --- the alert path ------------------------------------------------------------------
+
+def test_xid79_alert_reaches_the_webhook_and_the_healing_action_runs(tmp_path: Path):
+    with Stack(tmp_path, policy=alerts_only_policy(tmp_path)) as s:
+        uuid = gpu_uuid(s, GPU)
+        assert not s.query("ALERTS{alertname=\"MscaleGpuFatalXid\"}")
+        t0 = time.monotonic()
+        s.inject_xid(GPU, 79)
+
+        def acted() -> dict | None:
+            return next((e for e in s.events() if e["reason"] == "heal_action"
+                         and e["labels"].get("reason") == "MscaleGpuFatalXid"), None)
+
+        action = poll("a healing action triggered by the alert", acted, timeout_s=60, logs=s.logs)
+        elapsed = time.monotonic() - t0
+        print(f"\nXid 79 injected -> healing action through Prometheus, Alertmanager and the webhook: {elapsed:.2f} s "
+              f"(1 s probe, scrape and evaluation intervals, group_wait 0s)")
+
+        # the alert as Prometheus fired it, with the labels the rules promise
+        firing = s.query('ALERTS{alertname="MscaleGpuFatalXid",alertstate="firing"}')
+        assert len(firing) == 1, firing
+        labels = firing[0]["metric"]
+        assert (labels["gpu"], labels["gpu_uuid"], labels["xid"], labels["node"], labels["severity"]) == \
+            (str(GPU), uuid, "79", "127.0.0.1", "critical")
+        # Alertmanager delivered it to the agent, with the token (a refused call leaves no event)
+        delivered = [e for e in s.events() if e["reason"] == "alert_firing"]
+        assert {e["labels"]["alertname"] for e in delivered} >= {"MscaleGpuFatalXid"}
+        assert all(e["labels"]["gpu_uuid"] == uuid for e in delivered if e["labels"]["alertname"] == "MscaleGpuFatalXid")
+        # the engine decided on the GPU of the alert (the gpu_fatal rule: snapshot, quarantine, swap)
+        assert action["labels"]["rule"] == "gpu_fatal"
+        assert action["labels"]["gpu_uuid"] == uuid
+        actions = {e["labels"]["action"] for e in s.events() if e["reason"] == "heal_action"
+                   and e["labels"].get("reason") == "MscaleGpuFatalXid"}
+        assert actions == {"emergency_snapshot", "quarantine_gpu", "l1_swap"}
+        # and the other GPUs raise nothing
+        assert {a["metric"]["gpu"] for a in s.query('ALERTS{component="gpu",severity="critical"}')} == {str(GPU)}
+
+
+def test_shipped_policy_acts_once_for_the_probe_and_the_alert(stack: Stack):
+    """With the shipped policy the agent acts on its own Xid finding at once; the alert that
+    follows through Alertmanager is recognised as the same fault and booked as a duplicate."""
+    uuid = gpu_uuid(stack, GPU)
+    t0 = time.monotonic()
+    stack.inject_xid(GPU, 79)
+
+    def heal(reason: str) -> list[dict]:
+        return [e for e in stack.events() if e["reason"] == "heal_action" and e["labels"].get("reason") == reason]
+
+    poll("the agent's own action", lambda: heal("gpu_xid"), logs=stack.logs)
+    t_probe = time.monotonic() - t0
+    poll("the alert handled", lambda: heal("MscaleGpuFatalXid"), logs=stack.logs)
+    t_alert = time.monotonic() - t0
+    print(f"\nXid 79 -> action on the probe's finding {t_probe:.2f} s; the same fault through the alert {t_alert:.2f} s")
+    assert {e["labels"]["result"] for e in heal("MscaleGpuFatalXid")} == {"duplicate"}
+    assert all(e["labels"]["gpu_uuid"] == uuid for e in heal("gpu_xid"))
+
+
+# --- every query against the live Prometheus -------------------------------------------
+
+# Metrics that a query uses but that the agent does not export in this set-up, and why.
+# The test fails if one of these turns up (then delete the line), or if anything else is missing.
+_JOB = "needs a training job linked to the agent (hook library; issue 4's agent-side link and jobs exporter)"
+_EBPF = "needs a process traced by the eBPF probe (issue 3); the probe is off here, nothing to trace"
+_SNAP = "needs a job taking snapshots (snapshot engine)"
+PENDING: dict[str, str] = {
+    **dict.fromkeys(["mpu_health_score", "mscale_mpu_info", "mscale_job_info", "cmsa_clip_ratio",
+                     "mscale_mpu_checksum_failures_total", "mscale_mpu_grad_norm", "mscale_training_grad_norm",
+                     "mscale_training_loss", "mscale_loss_nonfinite_total", "mscale_loss_spikes_total",
+                     "mscale_rollbacks_total", "mscale_skipped_batches_total", "mscale_lr_cooling", "mpu_drift_count_total",
+                     "job_mpu:mpu_health_score:min", "job:mscale_training_loss:avg10m",
+                     "job:mscale_training_loss:stddev10m"], _JOB),
+    **dict.fromkeys(["mscale_cuda_hang", "mscale_cuda_kernel_launches_total", "mscale_cuda_sync_seconds_sum",
+                     "job:mscale_cuda_kernel_launches:rate5m", "job_pid:mscale_cuda_sync_seconds:rate5m"], _EBPF),
+    **dict.fromkeys(["mscale_snapshot_duration_seconds_bucket", "mscale_snapshot_failures_total",
+                     "mscale_snapshot_last_success_timestamp_seconds", "mscale_snapshot_size_bytes",
+                     "checkpoint_recovery_time_seconds"], _SNAP),
+}
+
+KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset",
+            "inf", "nan"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names a PromQL expression reads (strings, label matchers, ranges and grouping removed)."""
+    e = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    e = re.sub(r"\{[^}]*\}", " ", e)
+    e = re.sub(r"\[[^\]]*\]", " ", e)
+    e = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", e)
+    names = set()
+    for m in re.finditer(r"(?<![\w.])[a-zA-Z_:][a-zA-Z0-9_:]*", e):  # not the unit of a number (10m)
+        word = m.group(0)
+        if word.lower() in KEYWORDS or e[m.end():].lstrip().startswith("("):
+            continue
+        names.add(word)
+    return names
+
+
+def test_metric_names_are_read_from_promql():
+    assert metric_names('sum by (node, gpu) (mscale_gpu_health{job="a",state="failed"}) + 2 * x:y:z offset 5m') == \
+        {"mscale_gpu_health", "x:y:z"}
+    assert metric_names('histogram_quantile(0.5, sum by (le) (rate(h_bucket{a="b"}[5m]))) or vector(0)') == {"h_bucket"}
+
+
+def all_queries() -> list[tuple[str, str, bool]]:
+    """(where, PromQL, must return data itself) for every dashboard query and every rule."""
+    out = []
+    for path in sorted(dashboards.JSON_DIR.glob("*.json")):
+        d = json.loads(path.read_text())
+        for title, expr in dashboards.panel_exprs(d):
+            out.append((f"{path.stem}: {title}", dashboards.instantiate(expr), True))
+        for name, expr in dashboards.variable_exprs(d):
+            out.append((f"{path.stem}: variable {name}", dashboards.instantiate(expr), True))
+    for file in (render.RECORDING_FILE, render.ALERTS_FILE):
+        for g in yaml.safe_load((RULES_DIR / file).read_text())["groups"]:
+            for r in g["rules"]:
+                # a recording rule's result must exist; an alert's condition is empty while all is
+                # well, so for alerts each metric it reads must exist
+                out.append((f"{file}: {r.get('record') or r.get('alert')}", r["expr"], "record" in r))
+    return out
+
+
+def test_every_dashboard_and_rule_query_returns_data(stack: Stack):
+    stack.inject_xid(GPU, 79)  # the scenario: a fault, so the fault series exist
+    poll("the Xid in Prometheus", lambda: stack.query("mscale_gpu_xid_errors_total"), logs=stack.logs)
+    queries = all_queries()
+    for where, expr, _ in queries:
+        stack.query(expr)  # each evaluates without error
+        assert metric_names(expr), f"{where}: no metric in {expr}"
+
+    def check() -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
+        missing: dict[str, set[str]] = {}
+        for where, expr, _ in queries:
+            for name in metric_names(expr):
+                if name in missing or not stack.query(f'count({{__name__="{name}"}})'):
+                    missing.setdefault(name, set()).add(where)
+        empty = [(w, e) for w, e, must in queries if must and not metric_names(e) & set(missing) and not stack.query(e)]
+        return missing, empty
+
+    # counters need a second sample before rate() or increase() (and the rules over them) say
+    # anything, so look again for a while before judging
+    deadline = time.monotonic() + 30
+    missing, empty = check()
+    while (set(missing) - set(PENDING) or empty) and time.monotonic() < deadline:
+        time.sleep(1)
+        missing, empty = check()
+    unexplained = {n: sorted(w) for n, w in missing.items() if n not in PENDING}
+    arrived = sorted(set(PENDING) - set(missing))
+    report = "\n".join(f"  {n}: used by {', '.join(w[:3])}{' ...' if len(w) > 3 else ''}" for n, w in sorted(unexplained.items()))
+    assert not unexplained, f"queries read metrics the agent does not export:\n{report}"
+    assert not arrived, f"now exported, remove from PENDING: {arrived}"
+    assert not empty, "queries over exported metrics that return nothing:\n" + "\n".join(f"{w}: {e}" for w, e in empty)
