@@ -444,6 +444,8 @@ def test_exporter_series(make_rig) -> None:
     assert {lb["gpu"]: v for lb, v in m["mscale_gpu_memory_total_bytes"]}["0"] == 81559 * MiB
     assert {lb["gpu"]: v for lb, v in m["mscale_gpu_sm_clock_hertz"]}["0"] == 1980e6
     assert {lb["link"]: v for lb, v in m["mscale_gpu_nvlink_up"] if lb["gpu"] == "1"}["2"] == 0
+    link_errors = {(lb["gpu"], lb["type"]): v for lb, v in m["mscale_gpu_nvlink_errors_total"]}
+    assert link_errors[("1", "recovery")] == 1 and link_errors[("0", "recovery")] == 0 and len(link_errors) == 4 * 4
     throttled = {lb["reason"] for lb, v in m["mscale_gpu_clocks_throttled"] if lb["gpu"] == "2" and v == 1}
     assert throttled == {"sw_thermal_slowdown", "hw_thermal_slowdown"}
     ecc = {(lb["type"], lb["counter"]) for lb, _ in m["mscale_gpu_ecc_errors_total"]}

@@ -53,7 +53,10 @@ def collect(state: AgentState) -> Iterable[Metric]:
     replays = CounterMetricFamily("mscale_gpu_pcie_replays", "PCIe replays", labels=L)
     pcie = GaugeMetricFamily("mscale_gpu_pcie_throughput_bytes_per_second", "PCIe throughput", labels=L + ["direction"])
     link_up = GaugeMetricFamily("mscale_gpu_nvlink_up", "1 if the NVLink link is active", labels=L + ["link"])
-    link_err = CounterMetricFamily("mscale_gpu_nvlink_errors", "NVLink data-link errors", labels=L + ["link", "type"])
+    # Errors summed over the GPU's links (as dcgm-exporter does): per link they would be 4 x 18
+    # series per GPU, most of the page; the per-link figures are in /api/v1/gpus.
+    link_err = CounterMetricFamily("mscale_gpu_nvlink_errors", "NVLink data-link errors, summed over the GPU's links",
+                                   labels=L + ["type"])
     xid = CounterMetricFamily("mscale_gpu_xid_errors", "Xid errors received since the agent started", labels=L + ["xid"])
 
     for g in snap.gpus:
@@ -91,13 +94,15 @@ def collect(state: AgentState) -> Iterable[Metric]:
             pcie.add_metric(lv + ["tx"], g.pcie_tx_bytes_per_second)
         if g.pcie_rx_bytes_per_second is not None:
             pcie.add_metric(lv + ["rx"], g.pcie_rx_bytes_per_second)
+        totals: dict[str, int] = {}
         for link in g.nvlinks:
-            ll = lv + [str(link.link)]
-            link_up.add_metric(ll, 1.0 if link.up else 0.0)
+            link_up.add_metric(lv + [str(link.link)], 1.0 if link.up else 0.0)
             for typ, v in (("replay", link.replay_errors), ("recovery", link.recovery_errors),
                            ("crc_flit", link.crc_flit_errors), ("crc_data", link.crc_data_errors)):
                 if v is not None:
-                    link_err.add_metric(ll + [typ], v)
+                    totals[typ] = totals.get(typ, 0) + v
+        for typ, v in totals.items():
+            link_err.add_metric(lv + [typ], v)
         for code, count in g.xid_errors:
             xid.add_metric(lv + [str(code)], count)
 
