@@ -66,6 +66,7 @@ __all__ = [
     "verify_snapshot",
     "read_manifest",
     "load_snapshot",
+    "SnapshotPlugin",
 ]
 
 FORMAT = "mscale-snapshot/1"
@@ -899,8 +900,9 @@ class SnapshotEngine:
         opt = self.optimizer
         params = [p for g in opt.param_groups for p in g["params"]]
         wanted = {}
-        for fqn in set(opt_tensors) | set(saved["scalars"]):
-            wanted[fqn] = {**saved["scalars"].get(fqn, {}), **opt_tensors.get(fqn, {})}
+        for fqn in self._opt_names:  # index order, as the optimizer itself would hold it
+            if fqn in opt_tensors or fqn in saved["scalars"]:
+                wanted[fqn] = {**saved["scalars"].get(fqn, {}), **opt_tensors.get(fqn, {})}
         # In place when the live state has the same structure (a rollback): no allocation, and
         # the snapshot's buffers are never aliased by the optimizer.
         in_place = True
@@ -966,8 +968,9 @@ class SnapshotEngine:
         self._record_recovery("memory", seconds, snap.step)
         self._emit(
             Reason.ROLLBACK, Severity.WARNING,
-            f"rolled back from step {from_step} to the in-memory snapshot of step {snap.step} in {seconds:.3f} s" + (" (skipping the faulty batch)" if bad is not None else ""),
-            step=snap.step, from_step=from_step,
+            f"rolled back to the in-memory snapshot of step {snap.step} (last completed step {from_step}) in {seconds:.3f} s"
+            + (", the faulty batch will be skipped" if bad is not None else ""),
+            step=snap.step, from_step=from_step, tag="memory", recovery_seconds=f"{seconds:.6f}",
         )
         return snap.step
 
@@ -997,7 +1000,9 @@ class SnapshotEngine:
         if self.rank_dir is None:
             return None
         t0 = time.perf_counter()
-        mine = sorted((i.step for i in self.disk_snapshots()), reverse=True)
+        # Every step_ directory counts, a bad manifest included: it exists only after the
+        # rename, so a bad one is corruption to report, not an interrupted write.
+        mine = sorted({i.step for i in list_snapshots(self.rank_dir) if i.path.parent == self.rank_dir}, reverse=True)
         steps = mdist.common_steps(mine, self.group) if self.world_size > 1 else mine
         for step in steps:
             path = self.rank_dir / f"step_{step:08d}"
@@ -1022,7 +1027,8 @@ class SnapshotEngine:
             snap.disk_path = path
             seconds = time.perf_counter() - t0
             self._record_recovery("disk", seconds, step)
-            self._emit(Reason.SNAPSHOT_RESUMED, Severity.INFO, f"resumed from {path} (step {step}) in {seconds:.3f} s; training continues at step {step + 1}", step=step)
+            self._emit(Reason.SNAPSHOT_RESUMED, Severity.INFO, f"resumed from {path} (step {step}) in {seconds:.3f} s; training continues at step {step + 1}",
+                       step=step, tag="disk", recovery_seconds=f"{seconds:.6f}")
             return step
         if steps:
             self._emit(Reason.SNAPSHOT_REFUSED, Severity.CRITICAL, f"no valid snapshot in {self.rank_dir}: starting from scratch")
@@ -1060,3 +1066,110 @@ class SnapshotEngine:
             "last_write": dict(self.last_write),
             "recovery_seconds": dict(self.recovery_seconds),
         }
+
+
+class SnapshotPlugin:
+    """The engine as a Guard plugin, for jobs that use the guard without the Fuse (the Fuse
+    drives the engine itself: give it the engine, not this plugin).
+
+        plugin = SnapshotPlugin(directory="/ckpt", scheduler=sched, data=loader)
+        guard.add_plugin(plugin)          # builds the engine from the guard's model and MPUs
+        plugin.resume()                   # start-up: newest valid snapshot, guard step set
+
+    - on_step_end: `engine.step_end(step)`, or, when a finding in `rollback_on` came during
+      the step (its update was dropped with guard.request_skip), a rollback with the batch
+      skipped; the guard continues at the restored step + 1.
+    - on_command: {"type": "emergency_snapshot"}, {"type": "snapshot"} (on demand),
+      {"type": "rollback", "skip_batch": bool}; each answers {"ok": ..., ...}.
+    - Findings the writer thread makes reach guard.emit in the training thread (at the next
+      hook call), as the guard expects; ROLLBACK and SNAPSHOT_RESUMED carry the labels
+      `tag` and `recovery_seconds` (checkpoint_recovery_time_seconds{tag}).
+    """
+
+    def __init__(self, engine: SnapshotEngine | None = None, *, rollback_on: Iterable[Reason] = (), skip_batch: bool = True,
+                 **engine_kwargs: Any) -> None:
+        if engine is not None and engine_kwargs:
+            raise TypeError("give either an engine or the engine's keyword arguments, not both")
+        self.engine, self._kwargs = engine, engine_kwargs
+        self.rollback_on, self.skip_batch = frozenset(rollback_on), skip_batch
+        self.guard: Any = None
+        self._thread: threading.Thread | None = None
+        self._pending: deque[Finding] = deque()
+        self._fault: Finding | None = None
+        self.rollbacks: list[dict] = []
+
+    def on_attach(self, guard: Any) -> None:
+        self.guard, self._thread = guard, threading.current_thread()
+        if self.engine is None:
+            mpus = {m.name: (m.mpu_id, m.module) for m in guard.mpus}
+            self.engine = SnapshotEngine(guard.model, guard.optimizer, mpus=mpus, job_id=guard.job_id, emit=self._emit,
+                                         binding=self._binding, **self._kwargs)
+        else:
+            self.engine._emit_fn = self.engine._emit_fn or self._emit
+            self.engine._binding_fn = self.engine._binding_fn or self._binding
+
+    def on_detach(self, guard: Any) -> None:
+        self._drain()
+
+    def _binding(self) -> dict:
+        return {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None} for m in self.guard.mpus}
+
+    def _emit(self, finding: Finding) -> None:
+        if threading.current_thread() is self._thread:
+            self.guard.emit(finding)
+        else:
+            self._pending.append(finding)
+
+    def _drain(self) -> None:
+        while self._pending:
+            self.guard.emit(self._pending.popleft())
+
+    def on_step_begin(self, step: int, batch: Any) -> None:
+        self._drain()
+
+    def on_finding(self, finding: Finding) -> None:
+        if finding.reason in self.rollback_on and finding.source != "snapshot" and self._fault is None:
+            self._fault = finding
+            self.guard.request_skip(f"{finding.reason.value}: rollback")
+
+    def on_step_end(self, step: int, loss: Any = None) -> None:
+        self._drain()
+        fault, self._fault = self._fault, None
+        if fault is None:
+            self.engine.step_end(step)
+            return
+        self.rollback(skip_batch=self.skip_batch, why=fault.reason.value, at_step=step)
+
+    def rollback(self, *, skip_batch: bool | None = None, why: str = "", at_step: int | None = None) -> int | None:
+        """Rolls back to the newest in-memory snapshot; the guard goes on at its step + 1."""
+        try:
+            to = self.engine.rollback(skip_batch=self.skip_batch if skip_batch is None else skip_batch)
+        except SnapshotError as e:
+            self.rollbacks.append({"step": at_step, "to": None, "why": why, "error": str(e)})
+            self.engine._emit(Reason.ROLLBACK, Severity.CRITICAL, f"rollback ({why}) failed: {e}")
+            return None
+        self.guard.set_step(to + 1)
+        self.rollbacks.append({"step": at_step, "to": to, "why": why})
+        return to
+
+    def resume(self) -> int | None:
+        step = self.engine.resume()
+        if step is not None:
+            self.guard.set_step(step + 1)
+        self._drain()
+        return step
+
+    def on_command(self, command: Mapping[str, Any]) -> dict | None:
+        self._drain()
+        kind = command.get("type")
+        if kind == "emergency_snapshot":
+            latest = self.engine.latest()
+            self.engine.emergency(why=str(command.get("reason") or "agent command"))
+            return {"ok": latest is not None, "step": latest.step if latest else None}
+        if kind == "snapshot":
+            self.engine.save()
+            return {"ok": True, "step": self.engine.step}
+        if kind == "rollback":
+            to = self.rollback(skip_batch=bool(command.get("skip_batch", self.skip_batch)), why="agent command")
+            return {"ok": to is not None, "step": to}
+        return None
