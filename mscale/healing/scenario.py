@@ -44,6 +44,8 @@ class RunConfig:
     on_step: Callable[[dict], None] | None = None  # called after every step with its figures
     before_step: Callable[[Any], None] | None = None  # called with the Run before every step
     model_config: Any = None
+    threads: int = 1  # torch intra-op threads: the tiny model gains nothing from more, and
+    # on a shared 2-core machine a second spinning thread makes it 10x slower
 
 
 @dataclass
@@ -61,6 +63,8 @@ class RunResult:
     health: list[tuple[int, dict]] = field(default_factory=list)  # (step, {mpu name: health})
     levels: list[tuple[int, dict]] = field(default_factory=list)  # (step, {mpu name: fuse state})
     nonfinite_weights: bool = False  # a NaN/Inf ever reached the weights
+    lrs: list[tuple[int, float]] = field(default_factory=list)  # (step, LR of its update)
+    batches: list[tuple[int, list[int]]] = field(default_factory=list)  # (step, sample indices)
 
     @property
     def steps_lost(self) -> int:
@@ -77,11 +81,19 @@ class RunResult:
 class _Recorder:
     """Keeps every finding of the run (the guard keeps only the recent ones)."""
 
-    def __init__(self, out: list) -> None:
-        self.out = out
+    def __init__(self, out: list, lrs: list) -> None:
+        self.out, self.lrs = out, lrs
+        self.guard: Any = None
+
+    def on_attach(self, guard: Any) -> None:
+        self.guard = guard
 
     def on_finding(self, f: Finding) -> None:
         self.out.append(f)
+
+    def on_step_end(self, step: int, loss: Any) -> None:
+        # runs before the fuse's step end: the LR the step's update was made with
+        self.lrs.append((step, self.guard.optimizer.param_groups[0]["lr"]))
 
 
 class Run:
@@ -96,6 +108,8 @@ class Run:
         from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
         self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         mcfg = cfg.model_config or TinyConfig()
         self.model = TinyMultimodal(mcfg)
@@ -117,7 +131,9 @@ class Run:
         self.fuse = Fuse(config=cfg.healing, snapshots=self.snapshots, gpu_count=cfg.gpu_count)
         self.chaos = ChaosPlugin(seed=cfg.seed)
         self.findings: list[Finding] = []
-        g.add_plugin(_Recorder(self.findings))
+        self.lrs: list[tuple[int, float]] = []
+        self.batches: list[tuple[int, list[int]]] = []  # (step, sample indices) in the order run
+        g.add_plugin(_Recorder(self.findings, self.lrs))
         g.add_plugin(self.fuse)
         g.add_plugin(self.chaos)
         self.snapshots.snapshot(step=-1)  # the initial state: a rollback target from the start
@@ -140,6 +156,7 @@ class Run:
         self.fire_due()
         step = g.current_step
         batch = self.data.next_batch()
+        self.batches.append((step, batch["index"].tolist()))
         self.optimizer.zero_grad(set_to_none=True)
         out = self.model(batch["images"], batch["tokens"])
         out["loss"].backward()
@@ -186,7 +203,7 @@ def run(cfg: RunConfig) -> RunResult:
     finally:
         r.close()
     return RunResult(r.losses, ev, r.guard.current_step, r.steps_run, wall, r.findings, r.fuse,
-                     r.chaos, r.guard, r.snapshots, r.health, r.levels, r.nonfinite_weights)
+                     r.chaos, r.guard, r.snapshots, r.health, r.levels, r.nonfinite_weights, r.lrs, r.batches)
 
 
 def relative_gap(a: float, b: float) -> float:
