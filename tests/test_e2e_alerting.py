@@ -27,6 +27,27 @@ from test_alertmanager import Alertmanager, adapted_config
 RULES_DIR = REPO / "mscale" / "rules"
 TOKEN = "e2e-token-0123456789"
 GPU = 3
+JOB = "e2e-job"
+# A real training job: the tiny multimodal model on CPU with the hook library, its vision MPU
+# bound to simulated GPU 3. Paced so that it stays light on a shared machine.
+JOB_SCRIPT = """
+import sys, time, torch
+from mscale.hook import attach
+from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
+torch.manual_seed(0)
+torch.set_num_threads(1)
+cfg = TinyConfig()
+model = TinyMultimodal(cfg)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+attach(model, opt, job_id=sys.argv[2], socket_path=sys.argv[1], gpus={"vision": 3, "aligner": 4, "text": 5})
+batches = iter(torch.utils.data.DataLoader(SyntheticCaptions(cfg, size=1_000_000, seed=0), batch_size=4))
+while True:
+    b = next(batches)
+    model(b["images"], b["tokens"])["loss"].backward()
+    opt.step()
+    opt.zero_grad()
+    time.sleep(0.05)  # pacing, not synchronisation: about 15 steps a second
+"""
 
 
 # --- plumbing --------------------------------------------------------------------------
@@ -134,12 +155,18 @@ class Stack:
                                    f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.prom_port}",
                                    "--log.level=warn"], tmp).start()
         self.procs.append(prom)
+        (tmp / "job.py").write_text(JOB_SCRIPT)
+        poll("the agent's socket", lambda: (tmp / "agent.sock").exists(), logs=self.logs)
+        job = Proc("job", [sys.executable, str(tmp / "job.py"), str(tmp / "agent.sock"), JOB], tmp).start()
+        self.procs.append(job)
 
         poll("the agent", lambda: http(f"{self.agent_url}/healthz")["status"] == "ok", logs=self.logs)
         poll("alertmanager", lambda: urllib.request.urlopen(f"{self.am.url}/-/ready", timeout=2).status == 200, logs=self.logs)
         poll("prometheus", lambda: urllib.request.urlopen(f"{self.prom_url}/-/ready", timeout=2).status == 200, logs=self.logs)
         poll("the agent scraped", lambda: self.query(f'up{{job="mscale-agent"}} == 1'), logs=self.logs)
         poll("GPU metrics in Prometheus", lambda: len(self.query("mscale_gpu_temperature_celsius")) == 8, logs=self.logs)
+        poll("the job's MPUs in Prometheus", lambda: len(self.query(f'mscale_mpu_info{{job_id="{JOB}"}}')) == 3,
+             timeout_s=120, logs=self.logs)
 
     def __exit__(self, *exc) -> None:
         for p in reversed(self.procs):
@@ -210,12 +237,14 @@ def test_xid79_alert_reaches_the_webhook_and_the_healing_action_runs(tmp_path: P
         delivered = [e for e in s.events() if e["reason"] == "alert_firing"]
         assert {e["labels"]["alertname"] for e in delivered} >= {"MscaleGpuFatalXid"}
         assert all(e["labels"]["gpu_uuid"] == uuid for e in delivered if e["labels"]["alertname"] == "MscaleGpuFatalXid")
-        # the engine decided on the GPU of the alert (the gpu_fatal rule: snapshot, quarantine, swap)
+        # the engine acted on the MPU bound to that GPU (the gpu_fatal rule: snapshot, quarantine,
+        # swap), and the commands went to the training job
         assert action["labels"]["rule"] == "gpu_fatal"
         assert action["labels"]["gpu_uuid"] == uuid
-        actions = {e["labels"]["action"] for e in s.events() if e["reason"] == "heal_action"
-                   and e["labels"].get("reason") == "MscaleGpuFatalXid"}
-        assert actions == {"emergency_snapshot", "quarantine_gpu", "l1_swap"}
+        acted = [e["labels"] for e in s.events() if e["reason"] == "heal_action"
+                 and e["labels"].get("reason") == "MscaleGpuFatalXid"]
+        assert {a["action"] for a in acted} == {"emergency_snapshot", "quarantine_gpu", "l1_swap"}
+        assert {(a["job_id"], a["mpu_id"], a["result"]) for a in acted} == {(JOB, "001", "sent")}
         # and the other GPUs raise nothing
         assert {a["metric"]["gpu"] for a in s.query('ALERTS{component="gpu",severity="critical"}')} == {str(GPU)}
 
@@ -243,21 +272,20 @@ def test_shipped_policy_acts_once_for_the_probe_and_the_alert(stack: Stack):
 
 # Metrics that a query uses but that the agent does not export in this set-up, and why.
 # The test fails if one of these turns up (then delete the line), or if anything else is missing.
-_JOB = "needs a training job linked to the agent (hook library; issue 4's agent-side link and jobs exporter)"
-_EBPF = "needs a process traced by the eBPF probe (issue 3); the probe is off here, nothing to trace"
-_SNAP = "needs a job taking snapshots (snapshot engine)"
+_EBPF = "needs a process traced by the eBPF probe (issue 3): off here, the job runs on CPU without libcuda"
+_SNAP = "needs the snapshot engine's metrics (not exported yet)"
 PENDING: dict[str, str] = {
-    **dict.fromkeys(["mpu_health_score", "mscale_mpu_info", "mscale_job_info", "cmsa_clip_ratio",
-                     "mscale_mpu_checksum_failures_total", "mscale_mpu_grad_norm", "mscale_training_grad_norm",
-                     "mscale_training_loss", "mscale_loss_nonfinite_total", "mscale_loss_spikes_total",
-                     "mscale_rollbacks_total", "mscale_skipped_batches_total", "mscale_lr_cooling", "mpu_drift_count_total",
-                     "job_mpu:mpu_health_score:min", "job:mscale_training_loss:avg10m",
-                     "job:mscale_training_loss:stddev10m"], _JOB),
-    **dict.fromkeys(["mscale_cuda_hang", "mscale_cuda_kernel_launches_total", "mscale_cuda_sync_seconds_sum",
-                     "job:mscale_cuda_kernel_launches:rate5m", "job_pid:mscale_cuda_sync_seconds:rate5m"], _EBPF),
+    **dict.fromkeys(["mscale_cuda_hang", "mscale_cuda_kernel_launches_total", "mscale_cuda_sync_blocked_ratio",
+                     "mscale_cuda_sync_seconds_bucket", "job:mscale_cuda_kernel_launches:rate5m"], _EBPF),
     **dict.fromkeys(["mscale_snapshot_duration_seconds_bucket", "mscale_snapshot_failures_total",
                      "mscale_snapshot_last_success_timestamp_seconds", "mscale_snapshot_size_bytes",
                      "checkpoint_recovery_time_seconds"], _SNAP),
+    "mscale_lr_cooling": "exported only while a job's LR is cooled (issue 6: no 0 series otherwise)",
+    "mpu_drift_count_total": "exported once an L1 swap is applied: the job applies swaps once the fuse plugin lands (issue 6)",
+}
+# Queries over exported metrics that stay empty in this scenario, and why (same rule as PENDING).
+EMPTY_OK: dict[str, str] = {
+    "mscale-training: Rollbacks": "no rollback in this scenario: a NaN loss needs the job-side chaos plugin (issue 6)",
 }
 
 KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset",
@@ -312,11 +340,11 @@ def test_every_dashboard_and_rule_query_returns_data(stack: Stack):
         assert metric_names(expr), f"{where}: no metric in {expr}"
 
     def check() -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
-        missing: dict[str, set[str]] = {}
+        users: dict[str, set[str]] = {}
         for where, expr, _ in queries:
             for name in metric_names(expr):
-                if name in missing or not stack.query(f'count({{__name__="{name}"}})'):
-                    missing.setdefault(name, set()).add(where)
+                users.setdefault(name, set()).add(where)
+        missing = {n: w for n, w in users.items() if not stack.query(f'count({{__name__="{n}"}})')}
         empty = [(w, e) for w, e, must in queries if must and not metric_names(e) & set(missing) and not stack.query(e)]
         return missing, empty
 
@@ -324,7 +352,7 @@ def test_every_dashboard_and_rule_query_returns_data(stack: Stack):
     # anything, so look again for a while before judging
     deadline = time.monotonic() + 30
     missing, empty = check()
-    while (set(missing) - set(PENDING) or empty) and time.monotonic() < deadline:
+    while (set(missing) - set(PENDING) or {w for w, _ in empty} - set(EMPTY_OK)) and time.monotonic() < deadline:
         time.sleep(1)
         missing, empty = check()
     unexplained = {n: sorted(w) for n, w in missing.items() if n not in PENDING}
@@ -332,4 +360,7 @@ def test_every_dashboard_and_rule_query_returns_data(stack: Stack):
     report = "\n".join(f"  {n}: used by {', '.join(w[:3])}{' ...' if len(w) > 3 else ''}" for n, w in sorted(unexplained.items()))
     assert not unexplained, f"queries read metrics the agent does not export:\n{report}"
     assert not arrived, f"now exported, remove from PENDING: {arrived}"
-    assert not empty, "queries over exported metrics that return nothing:\n" + "\n".join(f"{w}: {e}" for w, e in empty)
+    unexpected = [f"{w}: {e}" for w, e in empty if w not in EMPTY_OK]
+    assert not unexpected, "queries over exported metrics that return nothing:\n" + "\n".join(unexpected)
+    filled = sorted(set(EMPTY_OK) - {w for w, _ in empty})
+    assert not filled, f"these return data now, remove from EMPTY_OK: {filled}"

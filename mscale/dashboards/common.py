@@ -49,7 +49,7 @@ def variables(ctx: Ctx, *, job: bool = False, gpu: bool = False) -> g.Templating
         _query_var("node", "Node", f"label_values(up{{{agent}}}, node)"),
     ]
     if job:
-        out.append(_query_var("job_id", "Training job", f'label_values(mscale_job_info{{{agent},node=~"$node"}}, job_id)'))
+        out.append(_query_var("job_id", "Training job", f'label_values(mscale_job_up{{{agent},node=~"$node"}}, job_id)'))
     if gpu:
         out.append(_query_var("gpu", "GPU", f'label_values(mscale_gpu_temperature_celsius{{{agent},node=~"$node"}}, gpu)'))
     return g.Templating(list=out)

@@ -20,8 +20,8 @@ def build(ctx: Ctx):
             Panel("Actions", [(f"sum by (level, action, result) (increase(mscale_heal_actions_total{n}[$__rate_interval]))",
                                "{{level}} {{action}} {{result}}")], stack=True),
             Panel("Fuse state per MPU", [(f"mscale_fuse_state{s} == 1", "{{job_id}} {{mpu_id}} {{state}}")]),
-            Panel("Findings by reason", [(f"sum by (reason, severity) (increase(mscale_events_total{n}[$__rate_interval]))",
-                                          "{{reason}} ({{severity}})")], stack=True),
+            Panel(f"Findings by reason (last {ctx.window('event')})",
+                  [(f'sum by (reason) ({ctx.record("node:mscale_events:increase$event")}{{node=~"$node"}})', "{{reason}}")]),
         ]),
         ("Snapshots", [
             Panel("Snapshot duration (p50, p99)", [

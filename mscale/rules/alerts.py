@@ -230,11 +230,11 @@ or a fuse at L2 raising the threshold).
     ),
     Alert(
         "MscaleLossNonFinite", "training",
-        'increase(mscale_loss_nonfinite_total{$agent}[$event]) > 0',
-        "Job {{ $labels.job_id }} produced a NaN or infinite loss",
-        "Job {{ $labels.job_id }} on node {{ $labels.node }} computed a non-finite loss "
-        "{{ $value }} times in $event. The healing engine rolls back to the last good snapshot and "
-        "skips the batch.",
+        'node:mscale_events:increase$event{reason="loss_nonfinite"} > 0',
+        "A training job on {{ $labels.node }} produced a NaN or infinite loss",
+        "A training job on node {{ $labels.node }} computed a non-finite loss {{ $value }} times in "
+        "$event (reported by {{ $labels.source }}). The healing engine rolls back to the last good "
+        "snapshot and skips the batch; the agent's events (GET /api/v1/events) name the job.",
         """A NaN or Inf loss must never reach the weights. The engine rolls back and skips the
 offending batch.
 
@@ -244,10 +244,11 @@ offending batch.
     ),
     Alert(
         "MscaleLossSpike", "training",
-        'increase(mscale_loss_spikes_total{$agent,level="action"}[$event]) > 0',
-        "Job {{ $labels.job_id }}: loss spike",
-        "The loss of job {{ $labels.job_id }} on node {{ $labels.node }} jumped beyond the action "
-        "threshold {{ $value }} times in $event; the healing engine cooled the learning rate.",
+        'node:mscale_events:increase$event{reason=~"loss_spike_action|loss_jump"} > 0',
+        "Loss spike in a training job on {{ $labels.node }}",
+        "The loss of a training job on node {{ $labels.node }} jumped beyond the action threshold "
+        "({{ $labels.reason }}) {{ $value }} times in $event; the healing engine cooled the learning "
+        "rate. The agent's events (GET /api/v1/events) name the job.",
         """A spike beyond the action threshold (6 sigma of the rolling window by default). The
 engine multiplies the LR by 0.1 for a cooling window, and rolls back if the spike persists.
 
@@ -272,7 +273,7 @@ returns. Usually a collective waiting for a dead or slow peer rank, or a deadloc
     ),
     Alert(
         "MscaleSyncStall", "training",
-        'job_pid:mscale_cuda_sync_seconds:rate$rate > $ratio',
+        'mscale_cuda_sync_blocked_ratio{$agent} > $ratio',
         "Job {{ $labels.job_id }} (pid {{ $labels.pid }}) spends most of its time in CUDA synchronise",
         "Process {{ $labels.pid }} of job {{ $labels.job_id }} on node {{ $labels.node }} has been "
         "blocked in cuStreamSynchronize/cuCtxSynchronize for more than $ratio of wall time for $for: "
@@ -312,16 +313,19 @@ weights is impossible.
     # --- the agent and its probes ------------------------------------------------------
     Alert(
         "MscaleJobMetricsAbsent", "probe",
-        'mscale_job_info{$agent} unless on (instance, job_id) mpu_health_score{$agent}',
-        "Job {{ $labels.job_id }} is registered but reports no metrics",
-        "Job {{ $labels.job_id }} registered with the agent on node {{ $labels.node }}, but no MPU "
-        "metrics have come from it for $for: its link to the agent is broken or it stopped stepping.",
+        '(mscale_job_up{$agent} == 0) or (mscale_job_up{$agent} == 1 unless on (instance, job_id) '
+        '(increase(mscale_job_reports_total{$agent}[$rate]) > 0))',
+        "Job {{ $labels.job_id }} (rank {{ $labels.rank }}) is registered but reports no metrics",
+        "Job {{ $labels.job_id }} (rank {{ $labels.rank }}) registered with the agent on node "
+        "{{ $labels.node }}, but no step report has come from it for $rate and $for: its link to the "
+        "agent is down or it stopped stepping.",
         """The hook library registered the job, but its per-step reports are not arriving.
 
-1. `mscale status`: the job's last report time.
+1. `mscale status`: is the job connected (`mscale_job_up`), what step did it report last?
 2. The job's log: reconnect attempts of the hook library (it keeps training and guarding
    in-process while the agent is unreachable).
-3. Reports dropped at the socket show in `mscale_refused_messages_total`.""",
+3. Reports dropped by the job's bounded queue show in `mscale_job_reports_dropped_total`, messages
+   the agent refused in `mscale_refused_messages_total`.""",
     ),
     Alert(
         "MscaleProbeDown", "probe",
