@@ -260,13 +260,13 @@ class Guard:
             self._losses.append(loss.detach())
 
     def _begin_step(self, batch: ModelInputs) -> None:
+        self.poll_commands()  # between steps: plugins may rebind or restore before this one
         self._in_step = True
         self.times.reset()
         self._step_findings = []
         self._skip_reason = ""
         for m in self.mpus:
             m._reset_step()
-        self.poll_commands()
         self._dispatch("on_step_begin", self.current_step, batch)
 
     def _mpu_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
