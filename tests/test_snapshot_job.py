@@ -14,6 +14,12 @@ step, so a restore that missed any part of the state would show in the final par
 
 Each batch drawn is logged to --seen as "step i,j,k..." (appended, flushed), so the sequence
 of samples a run used is the last line for each step across all its incarnations.
+
+    python tests/test_snapshot_job.py --zygote
+
+imports torch once, then reads commands on stdin: "run ARGS..." forks a child running the job
+with ARGS and prints "PID n"; "wait n" reaps it and prints "EXIT n CODE" (-9: SIGKILL). The
+tests start many short-lived jobs this way without paying for the torch import each time.
 """
 from __future__ import annotations
 
@@ -84,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
+
+    from mscale import logs
+
+    logs.configure(args.log_level, json=True, stream=sys.stderr)
 
     torch.set_num_threads(1)  # bitwise identity across processes: one fixed reduction order
     if args.world > 1:
@@ -101,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = SnapshotEngine(model, optimizer, mpus=mpus, scaler=scaler, scheduler=scheduler, data=loader, directory=args.dir,
                             memory_every=args.memory_every, disk_every=args.disk_every, disk_keep=args.disk_keep, job_id="snapshot-test")
     resumed = engine.resume()
-    print(f"STARTED {resumed}", flush=True)
+    print(f"STARTED {resumed} {os.getpid()}", flush=True)
     seen = open(args.seen, "a") if args.seen else None
     rollbacks: list[list[int]] = []
     faulted = False
@@ -127,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.step_end(step)
         if step == args.durable_at:
             engine.save(wait=True)
-            print(f"DURABLE {step}", flush=True)
+            print(f"DURABLE {step} {os.getpid()}", flush=True)
         if args.durable_at and step > args.durable_at:
             time.sleep(0.02)  # widen the window in which the parent's SIGKILL lands mid-training
         step += 1
@@ -155,5 +166,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def zygote() -> int:
+    """Forks jobs on command (see the module docstring). Single-threaded until each fork: it
+    runs no torch operation itself, so the children start clean."""
+    import shlex
+
+    import torch._dynamo  # noqa: F401  (imported by the first optimizer: ~1 s each child otherwise)
+
+    for line in sys.stdin:
+        cmd, _, rest = line.strip().partition(" ")
+        if cmd == "run":
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    code = main(shlex.split(rest))
+                finally:
+                    sys.stdout.flush()
+                    os._exit(code)
+            print(f"PID {pid}", flush=True)
+        elif cmd == "wait":
+            pid = int(rest)
+            _, status = os.waitpid(pid, 0)
+            print(f"EXIT {pid} {os.waitstatus_to_exitcode(status)}", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(zygote() if sys.argv[1:] == ["--zygote"] else main())

@@ -728,7 +728,10 @@ class SnapshotEngine:
                 fut.set_result(None)
                 continue
             if kind == "prune_after":
-                self._prune_after(snap)
+                try:
+                    self._prune_after(snap)
+                except OSError as e:
+                    log.error("could not remove snapshots of the abandoned timeline", error=str(e))
                 fut.set_result(None)
                 continue
             if kind == "emergency":
@@ -819,20 +822,30 @@ class SnapshotEngine:
         total = sum(f["size"] for f in files.values())
         self.last_write = {"step": snap.step, "bytes": total, "seconds": seconds, "path": str(final)}
         self._emit(Reason.SNAPSHOT_WRITTEN, Severity.INFO, f"snapshot of step {snap.step} written to {final} ({total} bytes, {seconds:.3f} s)", step=snap.step, why=why)
-        self._prune()
+        try:
+            self._prune()
+        except OSError as e:
+            log.error("could not remove old snapshots", error=str(e), keep=self.disk_keep)
         return final
 
+    def _remove(self, path: Path) -> None:
+        # Renamed away first (atomic), so a crash mid-delete never leaves a step_ directory
+        # with some files gone; leftovers are removed at the next start.
+        aside = self.rank_dir / f"{ASIDE_PREFIX}{path.name}-{os.urandom(4).hex()}"
+        os.rename(path, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+
     def _prune(self) -> None:
-        complete = [i for i in list_snapshots(self.rank_dir) if i.rank in (None, self.rank) and i.complete]
+        complete = [i for i in list_snapshots(self.rank_dir) if i.path.parent == self.rank_dir and i.complete]
         for info in sorted(complete, key=lambda i: i.step)[: -self.disk_keep]:
-            shutil.rmtree(info.path, ignore_errors=True)
+            self._remove(info.path)
         _fsync_dir(self.rank_dir)
 
     def _prune_after(self, step: int) -> None:
         # Snapshots newer than a rollback target belong to the abandoned timeline.
-        for info in list_snapshots(self.rank_dir, include_incomplete=False):
+        for info in list_snapshots(self.rank_dir):
             if info.step > step and info.path.parent == self.rank_dir:
-                shutil.rmtree(info.path, ignore_errors=True)
+                self._remove(info.path)
                 log.info("removed snapshot of the abandoned timeline", step=info.step, path=str(info.path))
         _fsync_dir(self.rank_dir)
 
