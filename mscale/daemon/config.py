@@ -70,7 +70,7 @@ class EbpfProbeSection:
     hang_timeout_s: float = opt(60.0, "no kernel launch, or one sync call blocked, for this long is a hang", min=0.1, max=86400)
     sync_stall_ratio: float = opt(0.5, "share of wall time blocked in synchronise calls that is a sync stall", min=0.01, max=1.0)
     sync_stall_window_s: float = opt(30.0, "window over which the sync-stall share is measured", min=0.5, max=3600)
-    duty_window_s: float = opt(1.0, "high-rate probes (launch, copy) stay attached this long ...", min=0.01, max=3600)
+    duty_window_s: float = opt(0.5, "high-rate probes (launch, copy) stay attached this long ...", min=0.01, max=3600)
     duty_period_s: float = opt(10.0, "... once every this many seconds (equal to the window: always on)", min=0.01, max=3600)
     max_processes: int = opt(256, "processes traced at once (sizes the BPF maps)", min=1, max=65536)
     attach_mode: str = opt("auto", "how uprobes are attached: uprobe_multi links (Linux 6.6+, fast to detach), "
