@@ -1,0 +1,126 @@
+"""CMSA: per-MPU clipping clip_i = base * mult_i * (1 + alpha * GVC_i), alpha fitted at cold start."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from mscale.hook.cmsa import Cmsa, CmsaConfig, grad_stats
+from mscale.hook.guard import attach
+from mscale.hook.mpu import discover
+from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def two_mpus():
+    model = nn.Module()
+    model.vision_tower = nn.Linear(4, 3)
+    model.language_model = nn.Linear(3, 2)
+    return model, discover(model)
+
+
+def set_grads(model, vision: torch.Tensor, text: torch.Tensor) -> None:
+    for p in model.vision_tower.parameters():
+        p.grad = vision[: p.numel()].reshape(p.shape).clone()
+    for p in model.language_model.parameters():
+        p.grad = text[: p.numel()].reshape(p.shape).clone()
+
+
+def test_grad_stats_match_the_definition() -> None:
+    torch.manual_seed(0)
+    model, mpus = two_mpus()
+    set_grads(model, torch.randn(20) + 0.3, torch.randn(20) * 5)
+    total, per = grad_stats(mpus, model.parameters())
+    for m in mpus:
+        g = torch.cat([p.grad.flatten() for p in m.parameters()]).double()
+        norm, gvc = per[m.mpu_id]
+        assert norm == pytest.approx(g.norm().item(), rel=1e-6)
+        # GVC = std / mean(|g|), population std
+        assert gvc == pytest.approx((g.std(unbiased=False) / g.abs().mean()).item(), rel=1e-6)
+    every = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+    assert total == pytest.approx(every.norm().item(), rel=1e-6)
+
+
+def test_cold_start_then_fit_then_clip() -> None:
+    model, mpus = two_mpus()
+    cmsa = Cmsa(mpus, CmsaConfig(base=1.0, warmup_steps=10, probe_alpha=0.1, alpha_max=1.0))
+    big = torch.full((20,), 3.0)
+    for step in range(10):
+        set_grads(model, big, big)
+        for m in mpus:
+            m.grad_norm, m.gvc = grad_stats(mpus, model.parameters())[1][m.mpu_id]
+            m.gvc = 0.5 + 0.1 * step  # GVC rising with...
+        loss = 5.0 - 0.01 * step * step  # ...bigger loss improvements: noisy gradients went with progress
+        clipped = cmsa.apply(step, loss)
+        if step < 5:
+            assert clipped == {} and cmsa.alpha is None  # unclipped
+            assert all(torch.equal(p.grad, big[: p.numel()].reshape(p.shape)) for p in model.parameters())
+        else:
+            assert cmsa.alpha == 0.1 and all(clipped.values())
+    set_grads(model, big, big)
+    for m in mpus:
+        m.grad_norm = grad_stats(mpus, model.parameters())[1][m.mpu_id][0]
+        m.gvc = 2.0
+    cmsa.apply(10, 2.0)
+    assert cmsa.rho == pytest.approx(1.0) and cmsa.alpha == pytest.approx(1.0)
+    for m in mpus:
+        clip = 1.0 * (1 + 1.0 * 2.0)
+        assert cmsa.clip[m.mpu_id] == clip
+        norm = torch.cat([p.grad.flatten() for p in m.parameters()]).norm().item()
+        assert norm == pytest.approx(clip, rel=1e-5)  # scaled down to the threshold
+    assert cmsa.clip_ratio("001") == 1.0  # clipped at every step since clipping began
+
+
+def test_fit_negative_correlation_keeps_alpha_small() -> None:
+    model, mpus = two_mpus()
+    cmsa = Cmsa(mpus, CmsaConfig(warmup_steps=6))
+    for step in range(7):
+        for m in mpus:
+            m.grad_norm, m.gvc = 0.0, 1.0 + step
+        cmsa.apply(step, 1.0 + 0.1 * step * step)  # noisier gradients went with a worsening loss
+    assert cmsa.rho == pytest.approx(-1.0) and cmsa.alpha == pytest.approx(0.0)
+
+
+def test_raise_threshold_for_the_l2_fuse() -> None:
+    model, mpus = two_mpus()
+    cmsa = Cmsa(mpus, CmsaConfig(warmup_steps=4))
+    for m in mpus:
+        m.gvc = 1.0
+    before = cmsa.threshold(mpus[1])
+    assert cmsa.raise_threshold("text", 4.0) == 4.0
+    assert cmsa.threshold(mpus[1]) == pytest.approx(4 * before) and cmsa.threshold(mpus[0]) == pytest.approx(before)
+    cmsa.reset_threshold(mpus[1])
+    assert cmsa.threshold(mpus[1]) == pytest.approx(before)
+    with pytest.raises(ValueError, match="factor"):
+        cmsa.raise_threshold("text", 0)
+    with pytest.raises(KeyError, match="no MPU 'audio'"):
+        cmsa.raise_threshold("audio", 2)
+
+
+def test_cmsa_in_training_reports_clip_ratio() -> None:
+    torch.manual_seed(0)
+    cfg = TinyConfig()
+    model = TinyMultimodal(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = attach(model, opt, job_id="c", connect=False, cmsa=CmsaConfig(base=0.05))
+    data = SyntheticCaptions(cfg)
+    for i in range(30):
+        b = torch.utils.data.default_collate([data[i * 4 + j] for j in range(4)])
+        model(b["images"], b["tokens"])["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+    assert guard.cmsa.alpha is not None and guard.cmsa.steps == 25
+    report = guard._report()
+    ratios = {k: v["clip_ratio"] for k, v in report["mpus"].items()}
+    assert ratios["003"] > 0.5  # the text model's gradients are far above a 0.05 base
+    assert all(0.0 <= r <= 1.0 for r in ratios.values())
+    assert not math.isnan(guard.mpu("text").gvc)
