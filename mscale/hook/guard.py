@@ -263,7 +263,7 @@ class Guard:
         self.poll_commands()  # between steps: plugins may rebind or restore before this one
         self._in_step = True
         self.times.reset()
-        self._step_findings = []
+        # (findings made between steps, e.g. by commands polled after the last report, stay queued)
         self._skip_reason = ""
         for m in self.mpus:
             m._reset_step()
@@ -351,6 +351,7 @@ class Guard:
                 self.link.report(self._report())
             except Exception as e:
                 self.log.exception("report_error", error=str(e))
+        self._step_findings = []  # reported (or no link): the next report starts afresh
         self.times.report_s += time.perf_counter() - t1
         self._losses.clear()
         self._in_step = False
