@@ -71,7 +71,10 @@ def collect(state: AgentState) -> Iterable[Metric]:
         inflight.add_metric(lv, p.sync_inflight_s)
         if p.sync_blocked_ratio is not None:
             ratio.add_metric(lv, p.sync_blocked_ratio)
-    yield from (launches, launches_seen, graphs, copied, copied_seen, sync, alloc, hang, inflight, ratio)
+    if snap.processes:  # no traced process: no per-process families (rather than empty ones)
+        yield from (launches, launches_seen, graphs, copied, copied_seen, sync, alloc, hang, inflight)
+    if ratio.samples:
+        yield ratio
 
     sampled = GaugeMetricFamily("mscale_cuda_sampled", "1 when launch/copy counts are extrapolated from duty "
                                 "windows, 0 when the probes are always attached (exact counts)")
