@@ -1,22 +1,38 @@
-"""`mscale demo`: the main job. Until the full demo lands it runs the agent on a simulated
-8-GPU node with the default fault timeline and prints where its metrics are."""
+"""`mscale demo`: the main job, on an embedded default.
+
+An agent on a simulated 8-GPU node (in this process, its own thread: probes, link socket,
+webhook, chaos API, healing engine, /metrics on the printed address) and the tiny multimodal
+model trained on CPU with the hook library attached (guard, snapshot engine, fuse). A scripted
+fault sequence, injected through the agent's chaos API as an operator would, walks through
+the fuse: L1 (SDC on the vision MPU's GPU), L2 and L3 (the corruption follows the MPU to its
+standby), a 25x loss spike, a NaN loss and an Xid 79 on a GPU, each healed. A progress bar and
+a live line of health and fuse levels while it runs; at the end a summary table (faults
+injected, detected, actions, steps lost, final loss against a fault-free reference run) and a
+plot of loss and health over the steps with the faults marked, under ./mscale-demo/.
+"""
 from __future__ import annotations
 
 import argparse
-from importlib import resources
+import sys
 
-HELP = "run the demo: a simulated 8-GPU node (and, once built, a faulted training run healed live)"
+HELP = "run the demo: a simulated 8-GPU node and a small multimodal model trained on CPU, faults injected and healed"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", default="127.0.0.1:9400", metavar="HOST:PORT")
-    p.add_argument("--out", default="mscale-demo", metavar="DIR")
+    p.add_argument("--listen", default="127.0.0.1:9400", metavar="HOST:PORT",
+                   help="where the agent serves /metrics and its API (busy: a free port is used)")
+    p.add_argument("--out", default="mscale-demo", metavar="DIR", help="where the summary and the plot go")
+    p.add_argument("--steps", type=int, default=360, help="training steps (the fault script scales with it)")
+    p.add_argument("--short", action="store_true", help="a short run (120 steps) for tests and a quick look")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hold", action="store_true", help="keep the agent serving after the run until Ctrl-C")
 
 
 def run(args: argparse.Namespace) -> int:
-    from mscale.daemon import main as agent_main
+    from mscale.healing.demo_run import main
 
-    timeline = resources.files("mscale.sim") / "timelines" / "default.yaml"
-    ns = argparse.Namespace(config=None, simulate=str(timeline), listen=args.listen, socket=None, log_level=None)
-    print(f"mscale demo: simulated 8-GPU node; metrics at http://{args.listen}/metrics (Ctrl-C stops)")
-    return agent_main.run(ns)
+    steps = 120 if args.short else args.steps
+    if steps < 100:
+        print("mscale demo: --steps must be at least 100 (the fault script needs room)", file=sys.stderr)
+        return 2
+    return main(steps=steps, out=args.out, listen=args.listen, seed=args.seed, hold=args.hold)

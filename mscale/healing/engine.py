@@ -261,7 +261,7 @@ class HealingEngine:
             if d.action == "l1_swap" and result == "applied":
                 self.drift[(t.job_id, t.mpu_id)] += 1
                 self.fuse(t.job_id, t.mpu_id).swap_times.append(self.clock())
-            if spec.moves_to is not None and t.mpu_id:
+            if spec.moves_to is not None and t.mpu_id and result == "applied":  # "sent": the job reports its move
                 tr = self.move(t.job_id, t.mpu_id, spec.moves_to, step=d.step if step is None else step,
                                why=f"{d.action} ({d.reason})")
                 state = (tr.after.value if tr else self.fuse(t.job_id, t.mpu_id).level.value)

@@ -18,7 +18,9 @@ batch on the standby (the guard's on_mpu_output hook), so the step completes cor
 from __future__ import annotations
 
 import math
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -96,11 +98,14 @@ class Fuse:
         self._fingerprints: dict[str, torch.Tensor] = {}
         self._captured: dict[str, torch.Tensor] = {}
         self._handles: list[Any] = []
+        self._thread = threading.get_ident()
+        self._foreign: deque[Finding] = deque()
 
     # --- plugin hooks --------------------------------------------------------------------
 
     def on_attach(self, guard: Any) -> None:
         self.guard = guard
+        self._thread = threading.get_ident()
         self.engine = HealingEngine(self.policy, self.cfg, source=SOURCE, clock=self.clock, emit=guard.emit,
                                     publish=self._published)
         for m in guard.mpus:
@@ -108,8 +113,9 @@ class Fuse:
             self.engine.fuse(guard.job_id, m.mpu_id)
             self._fingerprints[m.mpu_id] = self._fingerprint(m)
         self.engine.publish()
-        # prepend: the guard's own model hook must see the loss with the L3 term in it
-        self._handles.append(guard.model.register_forward_hook(self._model_output, prepend=True))
+        # appended after the guard's own model hook: the loss detector watches the task loss,
+        # backward gets the task loss plus the L3 term (a step up by design, not a spike)
+        self._handles.append(guard.model.register_forward_hook(self._model_output))
 
     def on_detach(self, guard: Any) -> None:
         for mpu_id in list(self.distilling):
@@ -119,7 +125,20 @@ class Fuse:
         self._handles.clear()
         self.degraded.clear()
 
+    def snapshot_emit(self, f: Finding) -> None:
+        """`emit` for the snapshot engine: its writer thread's findings reach the guard in the
+        training thread, at the next hook call, as the guard expects."""
+        if self.guard is not None and threading.get_ident() == self._thread:
+            self.guard.emit(f)
+        else:
+            self._foreign.append(f)
+
+    def _drain(self) -> None:
+        while self._foreign:
+            self.guard.emit(self._foreign.popleft())
+
     def on_step_begin(self, step: int, batch: Any) -> None:
+        self._drain()
         self.seq += 1
         self.failed_step = set()
         self.pending_rerun = set()
@@ -158,6 +177,7 @@ class Fuse:
         return out
 
     def on_step_end(self, step: int, loss: float | None) -> None:
+        self._drain()
         if self._saved_lr is not None:
             self._uncool()
         if self._cool_until >= 0 and self.seq >= self._cool_until:
@@ -199,15 +219,17 @@ class Fuse:
                 m = self.guard.mpu(d.target.mpu_id)
             except KeyError as e:
                 return {"ok": False, "error": str(e)}
-            d = Decision(d.rule, d.action, d.level, self._target(m, gpu=d.target.gpu), m.fuse_level, d.reason,
+            d = Decision(d.rule, d.action, d.level, self._target(m, d.target.gpu, d.target.gpu_uuid), m.fuse_level, d.reason,
                          d.why, self.seq, d.time)
         result = self._run(d)
         return {"ok": result in ("applied", "noop"), "result": result}
 
     # --- deciding and acting -------------------------------------------------------------
 
-    def _target(self, m: Any, gpu: str | None = None) -> Target:
-        return Target(self.guard.job_id, m.mpu_id, str(m.gpu) if gpu in (None, "") else gpu, m.gpu_uuid)
+    def _target(self, m: Any, gpu: str | None = None, gpu_uuid: str = "") -> Target:
+        if gpu in (None, ""):
+            return Target(self.guard.job_id, m.mpu_id, str(m.gpu), m.gpu_uuid)
+        return Target(self.guard.job_id, m.mpu_id, gpu, gpu_uuid or (m.gpu_uuid if gpu == str(m.gpu) else ""))
 
     def _targets(self, rule: Rule, cond: Condition) -> list[Target]:
         if rule.target == "job":
@@ -297,8 +319,9 @@ class Fuse:
         return self._gpu_count
 
     def standby_for(self, m: Any) -> int | None:
-        """A healthy GPU for `m`: not quarantined, not failed on by it, preferably unused."""
-        bad = self.quarantined | self.failed_on.get(m.mpu_id, set()) | {m.gpu}
+        """A healthy GPU for `m`: not quarantined, no MPU of this job failed on it (an SDC
+        there may hit any MPU), preferably unused."""
+        bad = self.quarantined | set().union(*self.failed_on.values()) | {m.gpu}
         used = {o.gpu for o in self.guard.mpus if o is not m}
         free = [g for g in range(self.gpu_count) if g not in bad and g not in used]
         shared = [g for g in range(self.gpu_count) if g not in bad and g in used]
@@ -486,11 +509,11 @@ class Fuse:
             self.rollbacks.append({"step": step, "to": None, "error": str(e)})
             self.engine.record(d, "failed", detail=f"rollback: {e}")
             return
-        self.guard.set_step(to + 1)  # the restored state continues at its next step
         self.rollbacks.append({"step": step, "to": to})
         for m in self.guard.mpus:
             self._fingerprints[m.mpu_id] = self._fingerprint(m)
         self.engine.record(d, "applied", detail=f"restored step {to}, batch of step {step} skipped")
+        self.guard.set_step(to + 1)  # the restored state continues at its next step
 
     def emergency_snapshot(self, d: Decision) -> None:
         """Queue the newest in-memory snapshot for disk now; the writer reports when done."""

@@ -123,12 +123,13 @@ class Run:
         self.guard = Guard(self.model, self.optimizer, job_id=cfg.job_id, connect=cfg.socket_path is not None,
                            socket_path=cfg.socket_path)
         g = self.guard
+        self.fuse = Fuse(config=cfg.healing, gpu_count=cfg.gpu_count)
         self.snapshots = SnapshotEngine(
             self.model, self.optimizer, mpus={m.name: (m.mpu_id, m.module) for m in g.mpus}, data=self.data,
             directory=cfg.snapshot_dir, memory_every=cfg.memory_every, disk_every=cfg.disk_every,
             binding=lambda: {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid} for m in g.mpus},
-            emit=g.emit, job_id=cfg.job_id)
-        self.fuse = Fuse(config=cfg.healing, snapshots=self.snapshots, gpu_count=cfg.gpu_count)
+            emit=self.fuse.snapshot_emit, job_id=cfg.job_id)
+        self.fuse.snapshots = self.snapshots
         self.chaos = ChaosPlugin(seed=cfg.seed)
         self.findings: list[Finding] = []
         self.lrs: list[tuple[int, float]] = []

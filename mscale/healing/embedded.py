@@ -1,0 +1,147 @@
+"""The agent in a background thread of this process, on simulated GPUs.
+
+The demo and the agent-path tests run the real agent (create_app: probes, link socket,
+webhook, chaos API, healing engine) on its own asyncio loop in a daemon thread, serving on
+127.0.0.1 (port 0 picks one) with its socket in a temporary directory, while the training
+loop runs in the main thread and connects to it like any job.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from mscale.daemon import config as configmod, keys
+
+
+def agent_config(*, socket_path: str, listen: str = "127.0.0.1:0", token: str = "", gpu_interval_s: float = 0.2,
+                 healing: dict | None = None) -> configmod.Config:
+    return configmod.from_dict({
+        "agent": {"listen": listen, "socket_path": socket_path, "node": "sim-node", "log_level": "warning"},
+        "probes": {"gpu": {"interval_s": gpu_interval_s}, "host": {"enabled": False}, "ebpf": {"enabled": False}},
+        "webhook": {"token": token or secrets.token_hex(16)},
+        "healing": healing or {},
+    })
+
+
+class EmbeddedAgent:
+    """`with EmbeddedAgent() as agent:` ... agent.url, agent.socket_path, agent.app, agent.nvml."""
+
+    def __init__(self, *, gpus: int = 8, listen: str = "127.0.0.1:0", workdir: str | None = None,
+                 gpu_interval_s: float = 0.2, healing: dict | None = None) -> None:
+        from mscale.sim.nvml import SimNvml
+
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="mscale-agent-")
+        base = Path(workdir or self._tmp.name)
+        base.mkdir(parents=True, exist_ok=True)
+        self.socket_path = str(base / "agent.sock")
+        self.token = secrets.token_hex(16)
+        self.config = agent_config(socket_path=self.socket_path, listen=listen, token=self.token,
+                                   gpu_interval_s=gpu_interval_s, healing=healing)
+        self.nvml = SimNvml(gpus)
+        self.url = ""
+        self.app: web.Application | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    def start(self, timeout: float = 30.0) -> "EmbeddedAgent":
+        self._thread = threading.Thread(target=self._main, name="mscale-agent", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError(f"the embedded agent did not start within {timeout:g} s")
+        if self._error is not None:
+            raise RuntimeError(f"the embedded agent failed to start: {self._error}") from self._error
+        return self
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as e:  # reported to start(); the thread ends
+            self._error = e
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        from mscale.daemon.app import create_app
+        from mscale.daemon.main import parse_listen
+
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self.app = create_app(self.config, nvml=self.nvml)
+        runner = web.AppRunner(self.app, handle_signals=False, access_log=None)
+        await runner.setup()
+        host, port = parse_listen(self.config.agent.listen)
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()
+        self.url = f"http://{bound[0]}:{bound[1]}"
+        self._ready.set()
+        try:
+            await self._stop.wait()
+        finally:
+            await runner.cleanup()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> "EmbeddedAgent":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # --- talking to it (as any client would, over HTTP) ------------------------------------
+
+    def get(self, path: str, timeout: float = 10.0) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            body = r.read()
+        return json.loads(body) if path.startswith("/api/") else body.decode()
+
+    def post(self, path: str, body: dict, *, token: str | None = None, timeout: float = 10.0) -> tuple[int, Any]:
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def events(self, since: int = 0) -> list[dict]:
+        return self.get(f"/api/v1/events?since={since}&limit=10000")["events"]
+
+    def wait_for(self, predicate, timeout: float = 30.0, interval: float = 0.05) -> Any:
+        """Poll the agent's events until predicate(events) is truthy; its value, or TimeoutError."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate(self.events())
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"condition not met within {timeout:g} s")
+            time.sleep(interval)
+
+    def call(self, fn, *args: Any, timeout: float = 10.0) -> Any:
+        """Run fn(app, *args) on the agent's loop (a coroutine function or a plain one)."""
+        async def go() -> Any:
+            r = fn(self.app, *args)
+            return await r if asyncio.iscoroutine(r) else r
+        return asyncio.run_coroutine_threadsafe(go(), self._loop).result(timeout)
+
