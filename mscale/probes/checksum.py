@@ -169,14 +169,15 @@ class ChecksumDetector:
         cast = out.dtype if out.dtype != w.dtype and out.dtype in (torch.bfloat16, torch.float16) else None
         key = id(module)
         cached = self._wcache.get(key)
-        if cached is None or cached[0] != (w._version, w.data_ptr(), acc, cast):
+        # once per step: fused optimizers update weights without bumping _version
+        if cached is None or cached[0] != (self._step(), w._version, w.data_ptr(), acc, cast):
             wd = w.detach() if cast is None else w.detach().to(cast)
             b = module.bias
             b = None if b is None else (b.detach() if cast is None else b.detach().to(cast))
             zero = torch.zeros((), dtype=acc, device=w.device)
             sums = (wd.sum(0, dtype=acc), wd.abs().sum(0, dtype=acc),
                     b.sum(dtype=acc) if b is not None else zero, b.abs().sum(dtype=acc) if b is not None else zero)
-            cached = ((w._version, w.data_ptr(), acc, cast), sums)
+            cached = ((self._step(), w._version, w.data_ptr(), acc, cast), sums)
             self._wcache[key] = cached
         wc, wa, bs, ba = cached[1]
         if x.dtype != out.dtype and out.dtype in (torch.bfloat16, torch.float16):
