@@ -127,16 +127,20 @@ def command_for(body: Any, nvml: Any = None) -> tuple[str, dict, Any]:
     return kind, cmd, event
 
 
-def _loopback(request: web.Request) -> bool:
-    peer = request.transport.get_extra_info("peername") if request.transport else None
+def is_loopback_peer(peer: Any) -> bool:
+    """A TCP peer (host, port, ...) on a loopback address, or a Unix socket peer."""
     if peer is None:
         return False
-    if isinstance(peer, str) or peer == "":  # a Unix socket peer is local
+    if isinstance(peer, (str, bytes)):  # a Unix socket peer is local
         return True
     try:
-        return ipaddress.ip_address(peer[0]).is_loopback
-    except ValueError:
+        return ipaddress.ip_address(str(peer[0]).split("%")[0]).is_loopback
+    except (ValueError, IndexError, TypeError):
         return False
+
+
+def _loopback(request: web.Request) -> bool:
+    return is_loopback_peer(request.transport.get_extra_info("peername") if request.transport else None)
 
 
 def _refuse(request: web.Request, status: int, why: str, reason: str) -> web.Response:

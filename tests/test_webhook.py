@@ -1,0 +1,133 @@
+"""POST /api/v1/alerts on a real agent (in-process, 127.0.0.1, simulated GPUs) with a real
+training job connected: an Alertmanager v4 payload acts on the job; no token, a wrong token
+and malformed bodies are refused and counted; the same alert twice acts once."""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import structlog
+
+from mscale.healing.embedded import EmbeddedAgent
+from mscale.healing.scenario import Run, RunConfig
+
+FIXTURE = Path(__file__).parent / "fixtures" / "webhook" / "xid79_firing.json"
+
+
+@pytest.fixture(scope="module")
+def agent():
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+    with EmbeddedAgent(healing={"lr_cool_steps": 1000}) as a:
+        yield a
+    structlog.reset_defaults()
+
+
+@pytest.fixture(scope="module")
+def job(agent):
+    r = Run(RunConfig(steps=50, socket_path=agent.socket_path, job_id="hooked"))
+    agent.wait_for(lambda evs: any(e["reason"] == "job_registered" and e["labels"].get("job_id") == "hooked"
+                                   for e in evs))
+    yield r
+    r.close()
+
+
+def refused(agent, why):
+    for line in agent.get("/metrics").splitlines():
+        if line.startswith(f'mscale_refused_messages_total{{where="webhook",why="{why}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def sent(agent, action):
+    return [e for e in agent.events() if e["reason"] == "heal_action" and e["source"] == "healing"
+            and e["labels"].get("action") == action and e["labels"].get("result") == "sent"]
+
+
+def test_payload_fixture_names_the_simulated_gpu(agent):
+    body = json.loads(FIXTURE.read_text())
+    assert agent.nvml.uuids[0] == body["alerts"][0]["labels"]["gpu_uuid"]
+
+
+def test_refused_without_the_token_and_with_a_wrong_one(agent):
+    body = json.loads(FIXTURE.read_text())
+    before = refused(agent, "unauthorised")
+    status, reply = agent.post("/api/v1/alerts", body)
+    assert status == 401 and "missing bearer token" in reply["error"]
+    status, reply = agent.post("/api/v1/alerts", body, token="not-the-token")
+    assert status == 401 and "wrong bearer token" in reply["error"]
+    assert refused(agent, "unauthorised") == before + 2
+    assert not sent(agent, "l1_swap")  # nothing acted on
+
+
+@pytest.mark.parametrize("mutate,words", [
+    (lambda b: b.update(version="3"), "version"),
+    (lambda b: b.update(alerts={}), "alerts: expected a list"),
+    (lambda b: b["alerts"][0].update(status="pending"), "alerts[0].status"),
+    (lambda b: b["alerts"][0]["labels"].update(gpu=0), "alerts[0].labels: expected an object of strings"),
+    (lambda b: b["alerts"][0]["labels"].pop("alertname"), "alertname: missing"),
+])
+def test_malformed_payloads_get_400_with_the_reason(agent, mutate, words):
+    body = json.loads(FIXTURE.read_text())
+    mutate(body)
+    before = refused(agent, "malformed")
+    status, reply = agent.post("/api/v1/alerts", body, token=agent.token)
+    assert status == 400 and words in reply["error"]
+    assert refused(agent, "malformed") == before + 1
+
+
+def test_not_json_gets_400(agent):
+    import urllib.request, urllib.error
+    req = urllib.request.Request(agent.url + "/api/v1/alerts", data=b"{nope", method="POST",
+                                 headers={"Authorization": f"Bearer {agent.token}"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 400 and b"not JSON" in e.value.read()
+
+
+def test_firing_xid_alert_acts_on_the_job_once(agent, job):
+    body = json.loads(FIXTURE.read_text())
+    status, reply = agent.post("/api/v1/alerts", body, token=agent.token)
+    assert status == 200, reply
+    assert {a["action"] for a in reply["actions"]} == {"emergency_snapshot", "quarantine_gpu", "l1_swap"}
+    assert all(a["result"] == "sent" and a["job_id"] == "hooked" and a["mpu_id"] == "001" for a in reply["actions"])
+    # Alertmanager repeats the firing alert: acted on once
+    status, again = agent.post("/api/v1/alerts", body, token=agent.token)
+    assert status == 200 and again["duplicates"] == 1 and again["actions"] == []
+    # the same fault under a new fingerprint (e.g. the probe's own finding): the engine's window
+    other = copy.deepcopy(body)
+    other["alerts"][0]["fingerprint"] = "another"
+    status, third = agent.post("/api/v1/alerts", other, token=agent.token)
+    assert status == 200 and third["actions"] == []
+    assert len(sent(agent, "l1_swap")) == 1
+    dups = [e for e in agent.events() if e["reason"] == "heal_action" and e["labels"].get("result") == "duplicate"]
+    assert len(dups) >= 2
+    # the job carries the commands out at its next step: the vision MPU leaves GPU 0
+    job.one_step()
+    agent.wait_for(lambda evs: [e for e in evs if e["source"] == "hook:fuse" and e["labels"].get("action") == "l1_swap"
+                                and e["labels"].get("result") == "applied"])
+    assert job.guard.mpu("vision").gpu != 0 and 0 in job.fuse.quarantined
+    metrics = agent.get("/metrics")
+    assert 'mscale_heal_actions_total{action="l1_swap",level="L1",mpu_id="001",result="sent"} 1.0' in metrics
+    assert 'mscale_heal_actions_total{action="l1_swap",level="L1",mpu_id="001",result="applied"} 1.0' in metrics
+
+
+def test_loss_spike_alert_cools_and_its_resolution_ends_the_window(agent, job):
+    alert = {"status": "firing", "labels": {"alertname": "MscaleLossSpike", "job_id": "hooked", "severity": "warning"},
+             "annotations": {}, "startsAt": "2026-11-30T05:00:00Z", "fingerprint": "spike1"}
+    body = {"version": "4", "status": "firing", "alerts": [alert], "receiver": "mscale-p1"}
+    status, reply = agent.post("/api/v1/alerts", body, token=agent.token)
+    assert status == 200 and [a["action"] for a in reply["actions"]] == ["lr_cool"]
+    job.one_step()
+    agent.wait_for(lambda evs: [e for e in evs if e["source"] == "hook:fuse" and e["labels"].get("action") == "lr_cool"])
+    assert job.fuse.cooling
+    resolved = {"version": "4", "status": "resolved", "receiver": "mscale-p1",
+                "alerts": [{**alert, "status": "resolved", "endsAt": "2026-11-30T05:02:00Z"}]}
+    status, reply = agent.post("/api/v1/alerts", resolved, token=agent.token)
+    assert status == 200 and reply["cooling_ended"] == 1
+    job.one_step()
+    assert not job.fuse.cooling
+    ended = [f for f in job.findings if f.labels.get("action") == "lr_cool" and f.labels.get("result") == "ended"]
+    assert ended and "resolved" in ended[-1].message
