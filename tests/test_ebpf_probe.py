@@ -506,6 +506,13 @@ async def test_missing_libcuda_path_marks_the_probe_down_and_the_agent_serves(bp
         await runner.cleanup()
 
 
+def test_a_bad_cmdline_pattern_is_reported_not_raised() -> None:
+    cfg = from_dict({"probes": {"ebpf": {"cmdline_pattern": "train(("}}})
+    state = AgentState(node="test")
+    with pytest.raises(ProbeUnavailable, match="cmdline_pattern is not a valid regular expression"):
+        spec("ebpf").factory(ProbeContext(config=cfg, state=state, emit=state.events.emit, clock=time.time))
+
+
 UNPRIVILEGED = r"""
 import time
 from mscale.daemon.config import from_dict
