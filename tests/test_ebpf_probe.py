@@ -310,14 +310,14 @@ def test_both_attach_modes_count_exactly_and_detach_stops_counting(bpf_ok, calle
 # --- detections ------------------------------------------------------------------------------
 
 def test_hang_detected_when_launches_stop_and_cleared_when_they_resume(make_probe, callers, cuda_bins) -> None:
-    probe, state = make_probe(hang_timeout_s=0.5, libcuda_path=cuda_bins.lib)  # configured path, not maps
+    probe, state = make_probe(hang_timeout_s=1.0, libcuda_path=cuda_bins.lib)  # configured path, not maps
     c = callers()
     register(state, "job-h", c.pid)
     traced(probe, c.pid)
     c.cmd("loop 1000")  # a launch every millisecond
     snap = poll(probe, lambda s: proc_of(s, c.pid).launches_observed > 0, "launches")
-    # launching steadily for well over the timeout: no hang
-    t_end = time.monotonic() + 1.5
+    # launching steadily for twice the timeout: no hang
+    t_end = time.monotonic() + 2.0
     while time.monotonic() < t_end:
         assert not proc_of(probe.sample(), c.pid).hang
         time.sleep(0.05)
@@ -327,7 +327,7 @@ def test_hang_detected_when_launches_stop_and_cleared_when_they_resume(make_prob
     snap = poll(probe, lambda s: proc_of(s, c.pid).hang, "hang")
     [hang] = events(state, Reason.TRAINING_HANG)
     assert hang.labels == {"pid": str(c.pid), "job_id": "job-h", "cause": "no_launch"}
-    assert proc_of(snap, c.pid).launch_quiet_s > 0.5
+    assert proc_of(snap, c.pid).launch_quiet_s > 1.0
 
     c.cmd("resume")
     poll(probe, lambda s: not proc_of(s, c.pid).hang, "hang cleared")
@@ -438,27 +438,32 @@ def test_duty_cycled_mode_exports_sampled_counts_with_the_window(make_probe, cal
     c = callers()
     register(state, "job-d", c.pid)
     traced(probe, c.pid)
-    seen = 0
-    for _ in range(3):
-        # inside a window every launch counts; in the gap none does
-        seq, on = _wait_state(probe, True)
-        c.cmd("launch 100")
-        assert probe.duty_state() == (seq, True), "a 100-launch burst outlasted a 0.3 s window"
-        seen += 100
-        seq, on = _wait_state(probe, False)
-        c.cmd("launch 50")
-        assert probe.duty_state() == (seq, False), "a 50-launch burst outlasted a 0.6 s gap"
-    snap = poll(probe, lambda s: proc_of(s, c.pid).launches_observed >= seen, "window counts")
+    expected = 0  # launches the probe must have seen
+    clean = {True: 0, False: 0}  # bursts known to lie wholly inside a window / a gap
+    deadline = time.monotonic() + 3 * DEADLINE_S
+    while min(clean.values()) < 3:
+        assert time.monotonic() < deadline, f"no clean bursts: {clean}"
+        attached = clean[True] <= clean[False]
+        seq, _ = _wait_state(probe, attached)
+        n = 100 if attached else 50
+        c.cmd(f"launch {n}")
+        if probe.duty_state() == (seq, attached):
+            clean[attached] += 1
+            expected += n if attached else 0  # inside a window every launch counts; in a gap none
+        else:  # the burst straddled a switch (a slow machine): re-baseline on what was seen
+            expected = proc_of(probe.sample(), c.pid).launches_observed
+    snap = poll(probe, lambda s: proc_of(s, c.pid).launches_observed >= expected, "window counts")
     p = proc_of(snap, c.pid)
-    assert p.launches_observed == seen == 300
-    assert p.launches == pytest.approx(seen * 3)  # extrapolated by period / window
+    assert p.launches_observed == expected >= 300
+    assert p.launches == pytest.approx(p.launches_observed * 3)  # extrapolated by period / window
     assert snap.sampled and snap.windows_total >= 3
     state.publish("ebpf", snap)
     metrics, _ = scrape(state)
     lab = {"pid": str(c.pid), "job_id": "job-d"}
-    assert sample_value(metrics["mscale_cuda_kernel_launches"], "mscale_cuda_kernel_launches_total", **lab) == 900
+    assert sample_value(metrics["mscale_cuda_kernel_launches"], "mscale_cuda_kernel_launches_total",
+                        **lab) == pytest.approx(3 * expected)
     assert sample_value(metrics["mscale_cuda_kernel_launches_observed"],
-                        "mscale_cuda_kernel_launches_observed_total", **lab) == 300
+                        "mscale_cuda_kernel_launches_observed_total", **lab) == expected
     assert sample_value(metrics["mscale_cuda_sampled"], "mscale_cuda_sampled") == 1
     assert sample_value(metrics["mscale_cuda_duty_window_seconds"], "mscale_cuda_duty_window_seconds") == 0.3
     assert sample_value(metrics["mscale_cuda_duty_period_seconds"], "mscale_cuda_duty_period_seconds") == 0.9
