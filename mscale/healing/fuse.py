@@ -91,6 +91,7 @@ class Fuse:
         self.skipped_steps: list[int] = []
         self.distill_shares: list[tuple[int, str, float, float]] = []  # (step, mpu_id, share of loss, weight)
         self.emergencies: list[Any] = []  # futures of emergency writes
+        self.reruns: list[tuple[int, str, int, float]] = []  # (step, mpu_id, gpu, when done) of each re-run
         self._rerunning: str | None = None
         self._pending_rollback: Decision | None = None
         self._cool_until = -1  # last seq of the LR cooling window
@@ -173,6 +174,7 @@ class Fuse:
                 self._rerunning = None
         if out is not None:
             self._capture(mpu, out)
+            self.reruns.append((self.guard.current_step, mpu.mpu_id, mpu.gpu, time.time()))
             log.info("mpu_rerun", mpu_id=mpu.mpu_id, gpu=mpu.gpu, step=self.guard.current_step)
         return out
 

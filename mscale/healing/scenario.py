@@ -65,6 +65,7 @@ class RunResult:
     nonfinite_weights: bool = False  # a NaN/Inf ever reached the weights
     lrs: list[tuple[int, float]] = field(default_factory=list)  # (step, LR of its update)
     batches: list[tuple[int, list[int]]] = field(default_factory=list)  # (step, sample indices)
+    cpu_s: float = 0.0  # CPU time of the process over the run (steadier than wall on a shared box)
 
     @property
     def steps_lost(self) -> int:
@@ -189,7 +190,7 @@ class Run:
 
 def run(cfg: RunConfig) -> RunResult:
     r = Run(cfg)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
         while r.guard.current_step < cfg.steps:
             if cfg.before_step is not None:
@@ -200,11 +201,12 @@ def run(cfg: RunConfig) -> RunResult:
             if r.steps_run > cfg.steps * 3:  # a fault loop that never heals: stop, the result says so
                 break
         wall = time.perf_counter() - t0
+        cpu = time.process_time() - c0
         ev = r.evaluate()
     finally:
         r.close()
     return RunResult(r.losses, ev, r.guard.current_step, r.steps_run, wall, r.findings, r.fuse,
-                     r.chaos, r.guard, r.snapshots, r.health, r.levels, r.nonfinite_weights, r.lrs, r.batches)
+                     r.chaos, r.guard, r.snapshots, r.health, r.levels, r.nonfinite_weights, r.lrs, r.batches, cpu)
 
 
 def relative_gap(a: float, b: float) -> float:
