@@ -77,7 +77,7 @@ class Finding:
 
     def fault_key(self, *label_names: str) -> tuple:
         """Identity of the underlying fault, for idempotence across report paths."""
-        names = label_names or ("gpu_uuid", "mpu_id", "job")
+        names = label_names or ("gpu_uuid", "mpu_id", "job_id")
         return (self.reason.value,) + tuple(self.labels.get(n, "") for n in names)
 
     def to_dict(self) -> dict:
