@@ -2,7 +2,8 @@
 
     clip_i = base * mult_i * (1 + alpha * GVC_i)      GVC_i = std(g_i) / mean(|g_i|)
 
-g_i is every gradient element of MPU i, GVC_i its gradient variation coefficient, mult_i 1
+g_i is every gradient element of MPU i (GVC estimated from one row in 8 of each gradient
+matrix, see `grad_stats`), GVC_i its gradient variation coefficient, mult_i 1
 unless raised (`raise_threshold`, used by the L2 fuse to absorb a degraded MPU's noisier
 gradients). When ||g_i|| > clip_i the MPU's gradients are scaled to clip_i.
 
@@ -42,40 +43,58 @@ class CmsaConfig:
             raise ValueError(f"probe_alpha/alpha_max: expected 0 <= probe <= max, got {self.probe_alpha}, {self.alpha_max}")
 
 
+GVC_ROWS = 8  # GVC is estimated from one row in this many of each gradient matrix
+
+
+def _sample(g: torch.Tensor) -> torch.Tensor:
+    return g[::GVC_ROWS] if g.dim() >= 2 and g.shape[0] >= 8 * GVC_ROWS else g
+
+
 def grad_stats(mpus: Sequence[Mpu], params: Iterable[torch.nn.Parameter]) -> tuple[float, dict[str, tuple[float, float]]]:
-    """(global gradient norm over `params`, {mpu_id: (grad norm, GVC)}) with one device sync."""
+    """(global gradient norm over `params`, {mpu_id: (grad norm, GVC)}) with one device sync.
+
+    Norms are exact (one pass over the gradients). GVC is a statistic for CMSA's thresholds:
+    it is estimated from every GVC_ROWS-th row of each gradient matrix (vectors whole), which
+    keeps its cost to a fraction of a pass."""
     rows: list[torch.Tensor] = []
     counts: list[int] = []
+    in_mpus: set[int] = set()
     for m in mpus:
         grads = [p.grad for p in m.parameters() if p.grad is not None]
-        n = sum(g.numel() for g in grads)
-        counts.append(n)
+        in_mpus.update(id(p) for p in m.parameters())
         if not grads:
-            rows.append(torch.zeros(3, dtype=torch.float64))
+            counts.append(0)
+            rows.append(torch.zeros(4, dtype=torch.float64))
             continue
-        l1 = torch.stack(torch._foreach_norm(grads, 1)).to(torch.float64).sum()
+        sample = [_sample(g) for g in grads]
+        counts.append(sum(g.numel() for g in sample))
         l2sq = torch.stack(torch._foreach_norm(grads, 2)).to(torch.float64).square().sum()
-        s = torch.stack([g.sum(dtype=torch.float32) for g in grads]).to(torch.float64).sum()
-        rows.append(torch.stack((l1, l2sq, s)).cpu())
-    all_grads = [p.grad for p in params if p.grad is not None]
-    if all_grads:
-        total = torch.stack(torch._foreach_norm(all_grads, 2)).to(torch.float64).square().sum().cpu()
+        s_l1 = torch.stack(torch._foreach_norm(sample, 1)).to(torch.float64).sum()
+        s_l2sq = torch.stack(torch._foreach_norm(sample, 2)).to(torch.float64).square().sum()
+        s_sum = torch.stack([g.sum(dtype=torch.float32) for g in sample]).to(torch.float64).sum()
+        rows.append(torch.stack((l2sq, s_l1, s_l2sq, s_sum)).cpu())
+    # the rest of the model (outside every MPU) only adds to the global norm
+    rest = [p.grad for p in params if p.grad is not None and id(p) not in in_mpus]
+    if rest:
+        other = torch.stack(torch._foreach_norm(rest, 2)).to(torch.float64).square().sum().cpu()
     else:
-        total = torch.zeros((), dtype=torch.float64)
-    values = torch.cat([torch.stack(rows).flatten(), total.reshape(1)]).tolist() if rows else [total.item()]
+        other = torch.zeros((), dtype=torch.float64)
+    values = torch.cat([torch.stack(rows).flatten(), other.reshape(1)]).tolist() if rows else [other.item()]
     out: dict[str, tuple[float, float]] = {}
+    total = values[-1]
     for i, m in enumerate(mpus):
-        l1, l2sq, s = values[3 * i: 3 * i + 3]
+        l2sq, s_l1, s_l2sq, s_sum = values[4 * i: 4 * i + 4]
+        total += l2sq
         n = counts[i]
         if n == 0:
             out[m.mpu_id] = (0.0, 0.0)
             continue
-        mean = s / n
-        var = max(l2sq / n - mean * mean, 0.0) if math.isfinite(l2sq) else math.nan
-        mean_abs = l1 / n
-        gvc = math.sqrt(var) / mean_abs if mean_abs > 0 else 0.0
+        mean = s_sum / n
+        var = max(s_l2sq / n - mean * mean, 0.0) if math.isfinite(s_l2sq) else math.nan
+        mean_abs = s_l1 / n
+        gvc = math.sqrt(var) / mean_abs if mean_abs > 0 else (0.0 if math.isfinite(mean_abs) else math.nan)
         out[m.mpu_id] = (math.sqrt(l2sq) if l2sq >= 0 else math.nan, gvc)
-    return math.sqrt(values[-1]) if values[-1] >= 0 else math.nan, out
+    return (math.sqrt(total) if total >= 0 else math.nan), out
 
 
 class Cmsa:
