@@ -34,6 +34,15 @@ def job(agent):
     r.close()
 
 
+def step_until(job, cond, timeout=30.0):
+    """Train until cond() holds: commands reach the job over its socket, at a step boundary."""
+    import time
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met while training"
+        job.one_step()
+
+
 def refused(agent, why):
     for line in agent.get("/metrics").splitlines():
         if line.startswith(f'mscale_refused_messages_total{{where="webhook",why="{why}"}}'):
@@ -105,7 +114,7 @@ def test_firing_xid_alert_acts_on_the_job_once(agent, job):
     dups = [e for e in agent.events() if e["reason"] == "heal_action" and e["labels"].get("result") == "duplicate"]
     assert len(dups) >= 2
     # the job carries the commands out at its next step: the vision MPU leaves GPU 0
-    job.one_step()
+    step_until(job, lambda: job.guard.mpu("vision").gpu != 0)
     agent.wait_for(lambda evs: [e for e in evs if e["source"] == "hook:fuse" and e["labels"].get("action") == "l1_swap"
                                 and e["labels"].get("result") == "applied"])
     assert job.guard.mpu("vision").gpu != 0 and 0 in job.fuse.quarantined
@@ -120,14 +129,26 @@ def test_loss_spike_alert_cools_and_its_resolution_ends_the_window(agent, job):
     body = {"version": "4", "status": "firing", "alerts": [alert], "receiver": "mscale-p1"}
     status, reply = agent.post("/api/v1/alerts", body, token=agent.token)
     assert status == 200 and [a["action"] for a in reply["actions"]] == ["lr_cool"]
-    job.one_step()
+    step_until(job, lambda: job.fuse.cooling)
     agent.wait_for(lambda evs: [e for e in evs if e["source"] == "hook:fuse" and e["labels"].get("action") == "lr_cool"])
-    assert job.fuse.cooling
     resolved = {"version": "4", "status": "resolved", "receiver": "mscale-p1",
                 "alerts": [{**alert, "status": "resolved", "endsAt": "2026-11-30T05:02:00Z"}]}
     status, reply = agent.post("/api/v1/alerts", resolved, token=agent.token)
     assert status == 200 and reply["cooling_ended"] == 1
-    job.one_step()
-    assert not job.fuse.cooling
+    step_until(job, lambda: not job.fuse.cooling)
     ended = [f for f in job.findings if f.labels.get("action") == "lr_cool" and f.labels.get("result") == "ended"]
     assert ended and "resolved" in ended[-1].message
+
+
+def test_actions_from_alerts_are_rate_limited():
+    with EmbeddedAgent(webhook={"max_actions_per_minute": 2}) as a:
+        def alert(i):
+            return {"version": "4", "status": "firing", "receiver": "mscale-p0", "alerts": [{
+                "status": "firing", "startsAt": "2026-11-30T06:00:00Z", "fingerprint": f"gpu{i}",
+                "labels": {"alertname": "MscaleGpuEccDoubleBit", "gpu": str(i), "severity": "critical"}}]}
+        replies = [a.post("/api/v1/alerts", alert(i), token=a.token)[1] for i in range(3)]
+        assert [r["rate_limited"] for r in replies] == [0, 0, 1]
+        assert [len(r["actions"]) for r in replies] == [3, 3, 0]  # no job on those GPUs: booked as noop
+        metrics = a.get("/metrics")
+        assert 'mscale_refused_messages_total{where="webhook",why="rate_limited"} 1.0' in metrics
+        assert 'result="rate_limited"} 1.0' in metrics

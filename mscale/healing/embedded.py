@@ -24,11 +24,11 @@ from mscale.daemon import config as configmod, keys
 
 
 def agent_config(*, socket_path: str, listen: str = "127.0.0.1:0", token: str = "", gpu_interval_s: float = 0.2,
-                 healing: dict | None = None) -> configmod.Config:
+                 healing: dict | None = None, webhook: dict | None = None) -> configmod.Config:
     return configmod.from_dict({
         "agent": {"listen": listen, "socket_path": socket_path, "node": "sim-node", "log_level": "warning"},
         "probes": {"gpu": {"interval_s": gpu_interval_s}, "host": {"enabled": False}, "ebpf": {"enabled": False}},
-        "webhook": {"token": token or secrets.token_hex(16)},
+        "webhook": {"token": token or secrets.token_hex(16), **(webhook or {})},
         "healing": healing or {},
     })
 
@@ -37,7 +37,7 @@ class EmbeddedAgent:
     """`with EmbeddedAgent() as agent:` ... agent.url, agent.socket_path, agent.app, agent.nvml."""
 
     def __init__(self, *, gpus: int = 8, listen: str = "127.0.0.1:0", workdir: str | None = None,
-                 gpu_interval_s: float = 0.2, healing: dict | None = None) -> None:
+                 gpu_interval_s: float = 0.2, healing: dict | None = None, webhook: dict | None = None) -> None:
         from mscale.sim.nvml import SimNvml
 
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="mscale-agent-")
@@ -46,7 +46,7 @@ class EmbeddedAgent:
         self.socket_path = str(base / "agent.sock")
         self.token = secrets.token_hex(16)
         self.config = agent_config(socket_path=self.socket_path, listen=listen, token=self.token,
-                                   gpu_interval_s=gpu_interval_s, healing=healing)
+                                   gpu_interval_s=gpu_interval_s, healing=healing, webhook=webhook)
         self.nvml = SimNvml(gpus)
         self.url = ""
         self.app: web.Application | None = None
