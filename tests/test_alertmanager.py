@@ -190,27 +190,36 @@ async def test_real_alertmanager_inhibits_symptoms_and_delivers_the_rest_with_th
     async with WebhookSink() as sink, aiohttp.ClientSession() as session:
         with Alertmanager(adapted_config(sink.url, token_file), tmp_path) as am:
             await am.wait_ready(session)
-            sent = [
-                # a GPU hardware failure and the training alerts it explains (same gpu_uuid) or not
+            # the root causes first, as the rules' for-durations make them fire first (see
+            # test_inhibition_sources_fire_before_their_targets)
+            causes = [
                 alert("MscaleGpuFatalXid", node="node-a", gpu="3", gpu_uuid="GPU-3", xid="79"),
+                alert("MscaleAgentDown", node="node-b", instance="node-b:9400"),
+                alert("MscaleNodeDown", node="node-c"),
+            ]
+            async with session.post(f"{am.url}/api/v2/alerts", json=causes) as r:
+                assert r.status == 200, await r.text()
+            deadline = time.monotonic() + 30
+            while len(sink.delivered()) < len(causes):
+                assert time.monotonic() < deadline, f"causes not delivered: {sink.delivered()}\n{am.logs()}"
+                await asyncio.sleep(0.1)
+            sent = causes + [
+                # training alerts the GPU failure explains (same gpu_uuid), and one it does not
                 alert("MscaleMpuHealthLow", node="node-a", job_id="j1", mpu_id="001", gpu="3", gpu_uuid="GPU-3"),
                 alert("MscaleChecksumFailures", node="node-a", job_id="j1", mpu_id="001", gpu="3", gpu_uuid="GPU-3"),
                 alert("MscaleMpuHealthLow", node="node-a", job_id="j1", mpu_id="002", gpu="5", gpu_uuid="GPU-5"),
                 alert("MscaleGpuTemperatureHigh", node="node-a", gpu="3", gpu_uuid="GPU-3"),
                 # an agent down hides its probe alerts, not another node's
-                alert("MscaleAgentDown", node="node-b", instance="node-b:9400"),
                 alert("MscaleProbeDown", node="node-b", probe="gpu"),
                 alert("MscaleProbeDown", node="node-a", probe="ebpf"),
                 # a node down hides everything else on that node
-                alert("MscaleNodeDown", node="node-c"),
                 alert("MscaleAgentDown", node="node-c", instance="node-c:9400"),
                 alert("MscaleGpuTemperatureHigh", node="node-c", gpu="0", gpu_uuid="GPU-C0"),
                 alert("MscaleMpuHealthLow", node="node-c", job_id="j9", mpu_id="001", gpu="0", gpu_uuid="GPU-C0"),
             ]
-            async with session.post(f"{am.url}/api/v2/alerts", json=sent) as r:
+            async with session.post(f"{am.url}/api/v2/alerts", json=sent[len(causes):]) as r:
                 assert r.status == 200, await r.text()
 
-            deadline = time.monotonic() + 30
             while True:  # until Alertmanager has routed and judged every alert
                 async with session.get(f"{am.url}/api/v2/alerts") as r:
                     got = await r.json()
@@ -244,3 +253,15 @@ async def test_real_alertmanager_inhibits_symptoms_and_delivers_the_rest_with_th
                 assert set(body["groupLabels"]) <= {"alertname", "node", "job_id"}
                 assert {a["labels"]["severity"] for a in body["alerts"]} == {
                     {"mscale-p0": "critical", "mscale-p1": "warning"}[body["receiver"]]}
+
+
+def test_inhibition_sources_fire_before_their_targets():
+    """Alertmanager can only hide an alert whose cause it already holds: a cause must not need
+    longer to fire (`for`) than the symptoms it inhibits, else the symptom pages first."""
+    secs = {"s": 1, "m": 60, "h": 3600}
+    params = paramsmod.load()["alerts"]
+    wait = {a: int(p["for"][:-1]) * secs[p["for"][-1]] for a, p in params.items()}
+    assert wait["MscaleNodeDown"] < wait["MscaleAgentDown"]
+    gpu_causes = [a for a in params if rule_labels(a)["component"] == "gpu" and params[a]["severity"] == "critical"]
+    training = [a for a in params if rule_labels(a)["component"] == "training"]
+    assert max(wait[a] for a in gpu_causes) <= min(wait[a] for a in training)
