@@ -17,6 +17,8 @@ from mscale.probes import gpu as gpu_probe
 from mscale.probes.base import ProbeContext
 from mscale.probes.dcgm import DcgmError, DcgmReader
 
+from conftest import free_port
+
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
 MiB = 1 << 20
 UUID0 = "GPU-604ac76c-d9cf-fef3-62e9-d92044ab6e52"
@@ -162,9 +164,8 @@ def test_gpu_gone_from_the_page_is_lost(exporter) -> None:
 
 
 def test_unreachable_endpoint_is_an_error_naming_it() -> None:
-    with Exporter() as e:
-        url = e.url
-    reader = DcgmReader(url, timeout_s=2)  # the server is stopped: nothing listens there now
+    url = f"http://127.0.0.1:{free_port()}/metrics"  # a port nothing listens on
+    reader = DcgmReader(url, timeout_s=2)
     with pytest.raises(DcgmError, match="cannot read dcgm-exporter at http://127.0.0.1"):
         reader.read()
 

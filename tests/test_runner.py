@@ -6,10 +6,15 @@ import asyncio
 import threading
 import time
 
+import io
+
 import aiohttp
+import pytest
+import structlog
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from mscale import logs
 from mscale.daemon import keys
 from mscale.daemon.app import create_app
 from mscale.daemon.config import from_dict
@@ -20,6 +25,15 @@ from mscale.probes.base import ProbeUnavailable
 from mscale.probes.gpu import GpuProbe, NvmlReader
 from mscale.probes.gpu_health import HealthModel
 from mscale.sim.nvml import SimNvml
+
+
+@pytest.fixture(autouse=True)
+def agent_logging():
+    """Log as the agent does (info, JSON): structlog's unconfigured default renders every
+    debug traceback richly, which a probe failing every 50 ms turns into the bottleneck."""
+    logs.configure("info", json=True, stream=io.StringIO())
+    yield
+    structlog.reset_defaults()
 
 
 class Boom:
