@@ -130,14 +130,12 @@ class _RealXidEvents:
 
     def __init__(self, handles: list) -> None:
         self._set = pynvml.nvmlEventSetCreate()
-        self._index = {}
-        for i, h in enumerate(handles):
+        for h in handles:
             try:
                 pynvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, self._set)
-            except NVMLError as e:
+            except NVMLError as e:  # a GPU without Xid events, or already gone: listen to the rest
                 if not is_not_supported(e) and not is_gpu_lost(e):
                     raise
-            self._index[pynvml.nvmlDeviceGetIndex(h)] = i
         self._lock = threading.Lock()
 
     def wait(self, timeout_ms: int) -> XidEvent | None:
@@ -211,7 +209,12 @@ class RealNvml:
                 pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM))
 
     def throttle_reasons(self, gpu: int) -> int:
-        return pynvml.nvmlDeviceGetCurrentClocksEventReasons(self._h(gpu))
+        try:
+            return pynvml.nvmlDeviceGetCurrentClocksEventReasons(self._h(gpu))
+        except NVMLError as e:  # drivers before the rename only have the old name
+            if getattr(e, "value", None) != pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
+                raise
+            return pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(self._h(gpu))
 
     def ecc_errors(self, gpu: int, *, uncorrected: bool, aggregate: bool) -> int:
         kind = pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED if uncorrected else pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED
