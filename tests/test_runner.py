@@ -172,3 +172,17 @@ async def test_gpu_probe_without_nvml_reports_why() -> None:
                     assert r.status == 200 and (await r.json())["probes"]["gpu"] is False
     finally:
         await runner.cleanup()
+
+
+async def test_disabled_probe_exports_no_up_series() -> None:
+    """A probe switched off in config is 'no data', not 'down': no alert may fire on it."""
+    cfg = from_dict({"probes": {"host": {"enabled": False}, "ebpf": {"enabled": False}, "gpu": {"enabled": False}}})
+    app = create_app(cfg, features=("mscale.daemon.api",))
+    runner, url = await serve(app)
+    try:
+        async with aiohttp.ClientSession() as session:
+            m = await scrape(session, url)
+        assert not [k for k in m if k[0] == "mscale_probe_up"]
+        assert app[keys.STATE].probe_status["host"].enabled is False
+    finally:
+        await runner.cleanup()

@@ -15,6 +15,8 @@ def collect(state: AgentState) -> Iterable[Metric]:
                              "Unix time of the probe's last successful sample", labels=["probe"])
     errors = CounterMetricFamily("mscale_probe_errors", "samples that raised or timed out", labels=["probe"])
     for name, st in sorted(state.probe_status.items()):
+        if not st.enabled:  # switched off in config: no data, not a failure
+            continue
         up.add_metric([name], 1.0 if st.up else 0.0)
         dur.add_metric([name], st.last_duration_s)
         last.add_metric([name], st.last_success_time)
@@ -33,6 +35,7 @@ def collect(state: AgentState) -> Iterable[Metric]:
         refused.add_metric([where, why], n)
     yield refused
 
-    info = GaugeMetricFamily("mscale_agent_start_time_seconds", "Unix time the agent started", labels=["node"])
-    info.add_metric([state.node], state.started_at)
+    # No node label here: the scrape config sets `node` on every series of the target.
+    info = GaugeMetricFamily("mscale_agent_start_time_seconds", "Unix time the agent started")
+    info.add_metric([], state.started_at)
     yield info
