@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from conftest import require
 from mscale.findings import Reason
 from mscale.healing.snapshot import (
-    MANIFEST, NONMPU_FILE, TRAIN_STATE, RollbackUnavailable, SnapshotEngine, SnapshotInvalid, SnapshotPlugin,
+    MANIFEST, NONMPU_FILE, NONMPU_OPTIM_FILE, TRAIN_STATE, RollbackUnavailable, SnapshotEngine, SnapshotInvalid, SnapshotPlugin,
     list_snapshots, load_snapshot, verify_snapshot,
 )
 from test_snapshot_job import build, train_step
@@ -35,7 +35,7 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-MPU_FILES = ["mpu_001_vision_state.safetensors", "mpu_002_aligner_state.safetensors", "mpu_003_text_state.safetensors"]
+MPU_FILES = [f"mpu_{m}_{kind}.safetensors" for m in ("001_vision", "002_aligner", "003_text") for kind in ("state", "optim")]
 
 
 class Job:
@@ -164,7 +164,7 @@ def test_disk_layout_manifest_and_binding(tmp_path):
     assert [i.step for i in infos] == [30, 40] and all(i.complete for i in infos)  # keep last 2
     snap = tmp_path / "step_00000040"
     names = sorted(p.name for p in snap.iterdir())
-    assert names == sorted(MPU_FILES + [NONMPU_FILE, TRAIN_STATE, "resource_binding.json", MANIFEST])
+    assert names == sorted(MPU_FILES + [NONMPU_FILE, NONMPU_OPTIM_FILE, TRAIN_STATE, "resource_binding.json", MANIFEST])
     manifest = json.loads((snap / MANIFEST).read_text())
     assert manifest["step"] == 40 and manifest["versions"]["torch"] == torch.__version__ and manifest["versions"]["mscale"]
     for name in names:
@@ -175,11 +175,13 @@ def test_disk_layout_manifest_and_binding(tmp_path):
     binding = json.loads((snap / "resource_binding.json").read_text())
     assert {k: v["name"] for k, v in binding["mpus"].items()} == {"001": "vision", "002": "aligner", "003": "text"}
     assert binding["mpus"]["001"]["device"] == "cpu"
-    # per MPU: its own parameters and their Adam moments, nothing else
+    # per MPU: its own parameters, and in a second file their Adam moments; nothing else
     text = load_file(snap / "mpu_003_text_state.safetensors")
-    assert "model/language_model.lm_head.weight" in text
-    assert {"optim/language_model.lm_head.weight/exp_avg", "optim/language_model.lm_head.weight/exp_avg_sq"} <= text.keys()
-    assert not any("vision_tower" in k for k in text)
+    text_optim = load_file(snap / "mpu_003_text_optim.safetensors")
+    assert "model/language_model.lm_head.weight" in text and all(k.startswith("model/language_model.") for k in text)
+    assert {"optim/language_model.lm_head.weight/exp_avg", "optim/language_model.lm_head.weight/exp_avg_sq"} <= text_optim.keys()
+    assert all(k.startswith("optim/language_model.") for k in text_optim)
+    assert len(text_optim) == 3 * sum(1 for _ in job.model.language_model.parameters())  # exp_avg, exp_avg_sq, step
     assert torch.equal(text["model/language_model.lm_head.weight"], job.model.language_model.lm_head.weight.detach())
     objects = torch.load(snap / TRAIN_STATE, weights_only=True)
     assert objects["step"] == 40 and objects["data"]["index"] == 40 * 8 % 256
@@ -197,8 +199,15 @@ def test_resume_from_disk_restores_the_state_written(tmp_path):
     fresh = Job(tmp_path)
     assert fresh.engine.resume() == 30
     assert_same_state(fresh.state(), at30)
-    assert fresh.engine.memory_steps == [30]  # the restored state is the first rollback target
     assert fresh.engine.recovery_seconds["disk"] > 0
+    # until the first in-memory snapshot, a rollback goes back to the disk snapshot resumed from
+    assert fresh.engine.memory_steps == [] and fresh.engine.held_steps == [30]
+    fresh.run(31, 33)
+    assert fresh.engine.rollback() == 30
+    assert_same_state(fresh.state(), at30)
+    assert [f.labels["tag"] for f in fresh.engine.findings if f.reason is Reason.ROLLBACK] == ["disk"]
+    fresh.run(31, 40)
+    assert fresh.engine.held_steps == [40]
     fresh.close()
     empty = Job(tmp_path / "none")
     assert empty.engine.resume() is None
@@ -220,8 +229,9 @@ def test_parameters_outside_every_mpu_have_their_own_file(tmp_path):
     engine = SnapshotEngine(model, opt, mpus={"text": ("007", model.inner)}, directory=tmp_path, disk_every=1)
     engine.step_end(1)
     engine.flush()
-    rest = load_file(tmp_path / "step_00000001" / NONMPU_FILE)
-    assert set(rest) == {"model/scale", "model/calls", "optim/scale/exp_avg", "optim/scale/exp_avg_sq", "optim/scale/step"}
+    assert set(load_file(tmp_path / "step_00000001" / NONMPU_FILE)) == {"model/scale", "model/calls"}
+    rest = load_file(tmp_path / "step_00000001" / NONMPU_OPTIM_FILE)
+    assert set(rest) == {"optim/scale/exp_avg", "optim/scale/exp_avg_sq", "optim/scale/step"}
     assert "model/inner.weight" in load_file(tmp_path / "step_00000001" / "mpu_007_text_state.safetensors")
     want = model.scale.detach().clone()
     with torch.no_grad():

@@ -18,9 +18,10 @@ running step N+1 continues exactly as the uninterrupted run would have.
 Layout of a snapshot directory (`DIR/step_00000120`, or `DIR/rank_00003/step_00000120` when
 several ranks share DIR):
 
-    mpu_<id>_<name>_state.safetensors   model tensors ("model/<fqn>") and optimizer tensors
-                                        ("optim/<fqn>/<key>") of the MPU's parameters
-    nonmpu_state.safetensors            the same for parameters and buffers outside any MPU
+    mpu_<id>_<name>_state.safetensors   model tensors of the MPU ("model/<fqn>")
+    mpu_<id>_<name>_optim.safetensors   optimizer tensors of its parameters ("optim/<fqn>/<key>")
+    nonmpu_state.safetensors            the same two for parameters and buffers outside any MPU
+    nonmpu_optim.safetensors
     train_state.pt                      optimizer groups and scalars, scaler, scheduler, RNG,
                                         data position, step (weights_only-loadable objects)
     resource_binding.json               MPU -> device index and UUID
@@ -44,6 +45,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -74,12 +76,14 @@ MANIFEST = "manifest.json"
 BINDING = "resource_binding.json"
 TRAIN_STATE = "train_state.pt"
 NONMPU_FILE = "nonmpu_state.safetensors"
+NONMPU_OPTIM_FILE = "nonmpu_optim.safetensors"
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
 RANK_DIR = re.compile(r"^rank_(\d{5,})$")
 TEMP_PREFIX = ".tmp-"
 ASIDE_PREFIX = ".old-"
 _REF = "__mscale_tensor__"
 _CHUNK = 16 << 20  # write and hash granularity: large enough for syscall overhead to vanish
+_WRITERS = 2  # files written (and hashed) at once
 
 log = structlog.get_logger("mscale.snapshot")
 
@@ -149,9 +153,10 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def _write_file(path: Path, parts: Iterable[memoryview | bytes], hasher_pool: ThreadPoolExecutor) -> tuple[int, str]:
-    """Writes parts to a new file, fsyncs it; returns (size, sha256). The hash of each chunk
-    runs in a helper thread while the chunk is written (both release the GIL)."""
+def _write_file(path: Path, parts: Iterable[memoryview | bytes], hasher_pool: ThreadPoolExecutor, *, fsync: bool = True) -> tuple[int, str]:
+    """Writes parts to a new file (and fsyncs it unless told not to); returns (size, sha256).
+    The hash of each chunk runs in a helper thread while the chunk is written (both release
+    the GIL)."""
     sha = hashlib.sha256()
     size = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -164,7 +169,8 @@ def _write_file(path: Path, parts: Iterable[memoryview | bytes], hasher_pool: Th
                 _write_all(fd, chunk)
                 pending.result()
                 size += len(chunk)
-        os.fsync(fd)
+        if fsync:
+            os.fsync(fd)
     finally:
         os.close(fd)
     return size, sha.hexdigest()
@@ -396,6 +402,7 @@ class SnapshotEngine:
     by default read from the device of each MPU's first parameter.
     emit: called with every Finding (from the training thread or the writer thread).
     group: the torch.distributed process group (default: the world, when initialised).
+    copy_threads: threads for host copies (default: min(4, CPUs)).
     """
 
     def __init__(
@@ -417,6 +424,7 @@ class SnapshotEngine:
         emit: Callable[[Finding], None] | None = None,
         job_id: str = "",
         group: Any = None,
+        copy_threads: int | None = None,
     ) -> None:
         if memory_every < 0 or disk_every < 0:
             raise ValueError("memory_every and disk_every must be >= 0 (0: never)")
@@ -437,7 +445,7 @@ class SnapshotEngine:
         self.last_capture_seconds = 0.0
         self.last_write: dict = {}
         self._mpus = self._check_mpus(mpus or {})
-        self._prefixes = sorted(((prefix, f) for prefix, f in self._mpus.values()), key=lambda pf: -len(pf[0]))
+        self._prefixes = sorted(self._mpus.values(), key=lambda pf: -len(pf[0]))
         self._opt_names = self._optimizer_names() if optimizer is not None else []
         self._lock = threading.Lock()
         self._kept: list[MemorySnapshot] = []  # oldest first
@@ -455,6 +463,9 @@ class SnapshotEngine:
         self._hasher: ThreadPoolExecutor | None = None
         self._closed = False
         self._prev_handler: Any = None
+        self._resumed: tuple[int, Path] | None = None
+        self.copy_threads = copy_threads if copy_threads is not None else min(4, os.cpu_count() or 1)
+        self._copy_pool: ThreadPoolExecutor | None = None
         if self.directory is not None:
             self._start_writer()
 
@@ -474,11 +485,13 @@ class SnapshotEngine:
         self._mpu_modules = {mpu_id: module for name, (mpu_id, module) in mpus.items()}
         return out
 
-    def _file_of(self, key: str) -> str:
+    def _file_of(self, key: str, *, optim: bool = False) -> str:
+        """The file a model key (or, optim, the optimizer state of a parameter) goes to.
+        Model and optimizer state are separate files: more files hash in parallel."""
         for prefix, fname in self._prefixes:
             if prefix == "" or key == prefix or key.startswith(prefix + "."):
-                return fname
-        return NONMPU_FILE
+                return fname.replace("_state.safetensors", "_optim.safetensors") if optim else fname
+        return NONMPU_OPTIM_FILE if optim else NONMPU_FILE
 
     def _optimizer_names(self) -> list[str]:
         """Fully qualified name of each optimizer parameter, in state_dict index order."""
@@ -516,8 +529,11 @@ class SnapshotEngine:
     # -- capture ----------------------------------------------------------------------
     def _live_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
         """References to the live tensors per file, and a host copy of everything else."""
-        files: dict[str, dict[str, torch.Tensor]] = {f: {} for _, f in self._mpus.values()}
-        files[NONMPU_FILE] = {}
+        files: dict[str, dict[str, torch.Tensor]] = {}
+        for _, f in [*self._mpus.values(), ("", NONMPU_FILE)]:
+            files[f] = {}
+            if self.optimizer is not None:
+                files[f.replace("_state.safetensors", "_optim.safetensors")] = {}
         for key, t in self.model.state_dict().items():
             files[self._file_of(key)]["model/" + key] = t
         objects: dict[str, Any] = {"format": FORMAT, "step": self.step}
@@ -526,7 +542,7 @@ class SnapshotEngine:
             scalars: dict[str, dict] = {}
             for idx, st in osd["state"].items():
                 fqn = self._opt_names[idx]
-                f = self._file_of(fqn)
+                f = self._file_of(fqn, optim=True)
                 for k, v in st.items():
                     if isinstance(v, torch.Tensor):
                         files[f][f"optim/{fqn}/{k}"] = v
@@ -559,9 +575,17 @@ class SnapshotEngine:
         return {"rank": self.rank, "world_size": self.world_size, "host": platform.node(), "job_id": self.job_id, "mpus": mpus}
 
     def _buffers_for(self, files: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
-        """Host buffers shaped like `files`: a retired snapshot's, reused where they fit."""
+        """Host buffers shaped like `files`, reused where they fit: those of the oldest kept
+        snapshot when keeping this one would evict it anyway (so `memory_keep` sets of buffers
+        suffice), else of a retired one. Fresh host memory costs page faults on first touch,
+        often more than the copy itself."""
         with self._lock:
-            old = self._spare.pop() if self._spare else None
+            old = None
+            if len(self._kept) >= self.memory_keep and self._kept[0].pins == 0:
+                old = self._kept.pop(0)
+                old.retired = True
+            elif self._spare:
+                old = self._spare.pop()
         pin = any(t.is_cuda for d in files.values() for t in d.values())
         out: dict[str, dict[str, torch.Tensor]] = {}
         for fname, d in files.items():
@@ -579,6 +603,7 @@ class SnapshotEngine:
         (the default stream waits for it before touching the sources again). Returns the
         CUDA events marking completion (none on CPU)."""
         started: set = set()
+        host: list[tuple[torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():
             for fname, d in files.items():
                 for key, src in d.items():
@@ -593,7 +618,8 @@ class SnapshotEngine:
                         with torch.cuda.stream(stream):
                             dst.copy_(src, non_blocking=True)
                     else:
-                        dst.copy_(src)
+                        host.append((dst, src))
+        self._parallel_copy(host)
         events = []
         for dev in started:
             ev = torch.cuda.Event()
@@ -601,6 +627,32 @@ class SnapshotEngine:
             torch.cuda.current_stream(dev).wait_event(ev)
             events.append(ev)
         return events
+
+    def _parallel_copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """dst.copy_(src) for every pair, spread over a few threads by bytes (copy_ releases
+        the GIL). Measured here: steadier than torch's intra-op threads, which degrade badly
+        when other processes hold the cores."""
+        n = min(self.copy_threads, len(pairs))
+        if n <= 1:
+            with torch.no_grad():
+                for dst, src in pairs:
+                    dst.copy_(src)
+            return
+        if self._copy_pool is None:
+            self._copy_pool = ThreadPoolExecutor(max_workers=self.copy_threads, thread_name_prefix="mscale-snapshot-copy")
+        buckets: list[list] = [[] for _ in range(n)]
+        loads = [0] * n
+        for dst, src in sorted(pairs, key=lambda p: -p[0].numel() * p[0].element_size()):
+            i = loads.index(min(loads))
+            buckets[i].append((dst, src))
+            loads[i] += dst.numel() * dst.element_size()
+
+        def run(bucket: list) -> None:
+            with torch.no_grad():
+                for dst, src in bucket:
+                    dst.copy_(src)
+
+        list(self._copy_pool.map(run, buckets))
 
     def snapshot(self, step: int | None = None) -> MemorySnapshot:
         """Takes an in-memory snapshot of the current state now (at a step boundary)."""
@@ -656,7 +708,10 @@ class SnapshotEngine:
     def _start_writer(self) -> None:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mscale-snapshot-hash")
+        # Two files are written at once, each hashed chunk by chunk in a helper thread while
+        # the chunk is written: SHA-256 (~1.5 GB/s a core) would otherwise bound the write.
+        self._hasher = ThreadPoolExecutor(max_workers=_WRITERS, thread_name_prefix="mscale-snapshot-hash")
+        self._file_writers = ThreadPoolExecutor(max_workers=_WRITERS, thread_name_prefix="mscale-snapshot-write")
         self._writer = threading.Thread(target=self._writer_loop, name="mscale-snapshot-writer", daemon=True)
         self._writer.start()
 
@@ -739,6 +794,9 @@ class SnapshotEngine:
                     snap = self._kept[-1] if self._kept else None
                     if snap is not None:
                         snap.pins += 1
+                if snap is None and self._resumed is not None:  # the newest state saved is on disk already
+                    fut.set_result(self._resumed[1])
+                    continue
                 if snap is None:
                     self._emit(Reason.SNAPSHOT_FAILED, Severity.CRITICAL, f"emergency snapshot ({why}): no in-memory snapshot to write", why=why)
                     fut.set_exception(SnapshotError("no in-memory snapshot to write"))
@@ -777,9 +835,22 @@ class SnapshotEngine:
             tmp.mkdir()
             files: dict[str, dict] = {}
             meta = {"format": FORMAT, "step": str(snap.step)}
-            for fname in sorted(snap.tensors):
-                size, sha = _write_file(tmp / fname, _safetensors_parts(snap.tensors[fname], meta), self._hasher)
+            def write(fname: str) -> tuple[str, tuple[int, str]]:
+                return fname, _write_file(tmp / fname, _safetensors_parts(snap.tensors[fname], meta), self._hasher, fsync=False)
+
+            by_size = sorted(snap.tensors, key=lambda f: -sum(t.numel() * t.element_size() for t in snap.tensors[f].values()))
+            futures = [self._file_writers.submit(write, f) for f in by_size]
+            wait_futures(futures)  # all of them, even when one failed: then the cleanup is whole
+            for fname, (size, sha) in sorted(f.result() for f in futures):
                 files[fname] = {"size": size, "sha256": sha}
+            # One fsync per file after all are written: the kernel writes back behind the
+            # writes meanwhile, instead of the disk idling while each fsync waits.
+            for fname in files:
+                fd = os.open(tmp / fname, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             size, sha = _write_file(tmp / TRAIN_STATE, [train_state.getbuffer()], self._hasher)
             files[TRAIN_STATE] = {"size": size, "sha256": sha}
             raw = json.dumps(snap.binding, indent=2, sort_keys=True).encode()
@@ -794,7 +865,8 @@ class SnapshotEngine:
                 "created_unix": snap.created,
                 "why": why,
                 "versions": {"mscale": __version__, "torch": torch.__version__, "python": platform.python_version()},
-                "mpus": {mpu_id: {"name": self.mpu_names[mpu_id], "file": f} for mpu_id, (_, f) in self._mpus.items()},
+                "mpus": {mpu_id: {"name": self.mpu_names[mpu_id], "file": f, "optim_file": f.replace("_state.", "_optim.")}
+                         for mpu_id, (_, f) in self._mpus.items()},
                 "files": files,
             }
             # Written last: a directory with a manifest had every other file fsynced first.
@@ -883,7 +955,9 @@ class SnapshotEngine:
             if name not in objects.get("extra", {}):
                 raise SnapshotError(f"{where} holds no state for {name!r}")
 
-    def _apply(self, tensors: dict[str, dict[str, torch.Tensor]], objects: dict, *, where: str) -> None:
+    def _apply(self, tensors: dict[str, dict[str, torch.Tensor]], objects: dict, *, where: str, owned: bool = False) -> None:
+        """Restores the live objects from a snapshot's tensors and objects. owned: the tensors
+        are fresh (read from disk) and may become the optimizer's state without a copy."""
         self._check_fits(tensors, objects, where)
         if self.data is not None:  # first: it validates before it changes anything
             self.data.load_state_dict(copy.deepcopy(objects["data"]))
@@ -896,10 +970,14 @@ class SnapshotEngine:
                 elif k.startswith("optim/"):
                     fqn, _, name = k[6:].rpartition("/")
                     opt_tensors.setdefault(fqn, {})[name] = t
-        with torch.no_grad():
-            self.model.load_state_dict(model_sd, strict=True)
+        if any(m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks for m in self.model.modules()):
+            with torch.no_grad():  # the model customises loading: go through it
+                self.model.load_state_dict(model_sd, strict=True)
+        else:  # keys and shapes were checked: copy in place, in parallel
+            live = self.model.state_dict()
+            self._parallel_copy([(live[k], t) for k, t in model_sd.items()])
         if self.optimizer is not None:
-            self._restore_optimizer(opt_tensors, objects["optimizer"])
+            self._restore_optimizer(opt_tensors, objects["optimizer"], owned=owned)
         if self.scaler is not None:
             self.scaler.load_state_dict(copy.deepcopy(objects["scaler"]))
         if self.scheduler is not None:
@@ -909,7 +987,7 @@ class SnapshotEngine:
         _set_rng_state(objects["rng"])
         self.step = int(objects["step"])
 
-    def _restore_optimizer(self, opt_tensors: dict[str, dict[str, torch.Tensor]], saved: dict) -> None:
+    def _restore_optimizer(self, opt_tensors: dict[str, dict[str, torch.Tensor]], saved: dict, *, owned: bool = False) -> None:
         opt = self.optimizer
         params = [p for g in opt.param_groups for p in g["params"]]
         wanted = {}
@@ -930,20 +1008,24 @@ class SnapshotEngine:
                 break
         with torch.no_grad():
             if in_place:
+                pairs = []
                 for p, fqn in zip(params, self._opt_names):
                     cur = opt.state.get(p)
                     for k, v in wanted.get(fqn, {}).items():
                         if isinstance(v, torch.Tensor):
-                            cur[k].copy_(v)
+                            pairs.append((cur[k], v))
                         else:
                             cur[k] = copy.deepcopy(v)
+                self._parallel_copy(pairs)
                 for g, sg in zip(opt.param_groups, saved["param_groups"]):
                     for k, v in sg.items():
                         if k != "params":
                             g[k] = copy.deepcopy(v) if not isinstance(v, torch.Tensor) else v.clone()
                 return
         index = {fqn: i for i, fqn in enumerate(self._opt_names)}
-        state = {index[fqn]: {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in want.items()} for fqn, want in wanted.items()}
+        # In-memory buffers are cloned (the optimizer would otherwise update them in place).
+        state = {index[fqn]: {k: ((v if owned else v.clone()) if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in want.items()}
+                 for fqn, want in wanted.items()}
         groups = [{**copy.deepcopy({k: v for k, v in sg.items() if k != "params"}), "params": [index[n] for n in sg["params"]]} for sg in saved["param_groups"]]
         opt.load_state_dict({"state": state, "param_groups": groups})
 
@@ -957,35 +1039,52 @@ class SnapshotEngine:
             snap = candidates[-1] if candidates else None
             if snap is not None:
                 snap.pins += 1
-        if snap is None:
-            raise RollbackUnavailable(f"no in-memory snapshot{'' if step is None else f' of step {step}'} (held: {self.memory_steps})")
+        resumed = self._resumed if snap is None and self._resumed and step in (None, self._resumed[0]) else None
+        if snap is None and resumed is None:
+            raise RollbackUnavailable(f"no in-memory snapshot{'' if step is None else f' of step {step}'} (held: {self.held_steps})")
         from_step = self.step
         bad = getattr(self.data, "last_batch_position", None) if skip_batch else None
         if skip_batch and (bad is None or not hasattr(self.data, "skip_batch_at")):
-            self._unpin(snap)
+            if snap is not None:
+                self._unpin(snap)
             raise SnapshotError("skip_batch needs a data object with last_batch_position and skip_batch_at()")
-        try:
-            snap.wait_ready()
-            self._apply(snap.tensors, snap.objects, where=f"in-memory snapshot of step {snap.step}")
-        finally:
-            self._unpin(snap)
+        if snap is not None:
+            tag, target = "memory", snap.step
+            try:
+                snap.wait_ready()
+                self._apply(snap.tensors, snap.objects, where=f"in-memory snapshot of step {snap.step}")
+            finally:
+                self._unpin(snap)
+        else:  # no in-memory copy yet since the start-up resume: back to that disk snapshot
+            tag, (target, path) = "disk", resumed
+            tensors, objects, _ = load_snapshot(path)
+            self._apply(tensors, objects, where=str(path), owned=True)
         if bad is not None:
             self.data.skip_batch_at(bad)
         with self._lock:  # snapshots newer than the target belong to the abandoned timeline
-            for s in [s for s in self._kept if s.step > snap.step]:
+            for s in [s for s in self._kept if s.step > target]:
                 self._kept.remove(s)
                 self._retire(s)
         if self.directory is not None:
-            self._post(("prune_after", snap.step, Future(), ""))
+            self._post(("prune_after", target, Future(), ""))
         seconds = time.perf_counter() - t0
-        self._record_recovery("memory", seconds, snap.step)
+        self._record_recovery(tag, seconds, target)
         self._emit(
             Reason.ROLLBACK, Severity.WARNING,
-            f"rolled back to the in-memory snapshot of step {snap.step} (last completed step {from_step}) in {seconds:.3f} s"
+            f"rolled back to the {'in-memory' if tag == 'memory' else 'disk'} snapshot of step {target} (last completed step {from_step}) in {seconds:.3f} s"
             + (", the faulty batch will be skipped" if bad is not None else ""),
-            step=snap.step, from_step=from_step, tag="memory", recovery_seconds=f"{seconds:.6f}",
+            step=target, from_step=from_step, tag=tag, recovery_seconds=f"{seconds:.6f}",
         )
-        return snap.step
+        return target
+
+    @property
+    def held_steps(self) -> list[int]:
+        """Steps a rollback can go to: the in-memory snapshots, and the disk snapshot resumed
+        from until the first in-memory one replaces it."""
+        steps = self.memory_steps
+        if self._resumed and not steps:
+            steps = [self._resumed[0]]
+        return steps
 
     def agree_rollback(self, fault: bool, *, skip_batch: bool = False) -> int | None:
         """Collective commit point: every rank calls it at the same point of each step with its
@@ -995,7 +1094,7 @@ class SnapshotEngine:
             return self.rollback(skip_batch=skip_batch) if fault else None
         if not mdist.any_flag(fault, self.group):
             return None
-        target = mdist.newest_common(self.memory_steps, self.group)
+        target = mdist.newest_common(self.held_steps, self.group)
         if target is None:
             self._emit(Reason.ROLLBACK, Severity.CRITICAL, "a rank reported a fault but no in-memory snapshot is held by every rank: no rank rolls back", step=self.step)
             raise RollbackUnavailable("no in-memory snapshot common to every rank")
@@ -1034,10 +1133,11 @@ class SnapshotEngine:
                 continue
             if loaded is None:
                 continue
-            self._apply(*loaded, where=str(path))
-            loaded = tensors = objects = None  # the mmapped files can go
-            snap = self.snapshot()  # the restored state is the first rollback target
-            snap.disk_path = path
+            self._apply(*loaded, where=str(path), owned=True)
+            loaded = tensors = objects = None
+            # Until the first in-memory snapshot, a rollback goes back to this one on disk:
+            # copying 3x the parameter bytes again at start-up would double the restore time.
+            self._resumed = (step, path)
             seconds = time.perf_counter() - t0
             self._record_recovery("disk", seconds, step)
             self._emit(Reason.SNAPSHOT_RESUMED, Severity.INFO, f"resumed from {path} (step {step}) in {seconds:.3f} s; training continues at step {step + 1}",
@@ -1064,6 +1164,9 @@ class SnapshotEngine:
             os.close(self._wake_r)
             os.close(self._wake_w)
             self._hasher.shutdown(wait=False)
+            self._file_writers.shutdown(wait=False)
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown(wait=False)
 
     def __enter__(self) -> "SnapshotEngine":
         return self
