@@ -294,13 +294,15 @@ def load_snapshot(path: str | os.PathLike, *, verify: bool = True) -> tuple[dict
 
     path = Path(path)
     manifest = verify_snapshot(path) if verify else read_manifest(path)
-    tensors: dict[str, dict[str, torch.Tensor]] = {}
-    for name in manifest["files"]:
-        if name.endswith(".safetensors"):
-            try:
-                tensors[name] = load_file(path / name, backend="pread")
-            except Exception as e:  # a file that passed its hash but does not parse: refuse it
-                raise SnapshotInvalid(path, name, f"not a readable safetensors file: {e}") from None
+    def read(name: str) -> tuple[str, dict[str, torch.Tensor]]:
+        try:  # pread into fresh memory (not a file mapping): the optimizer may keep these
+            return name, load_file(path / name, backend="pread")
+        except Exception as e:  # a file that passed its hash but does not parse: refuse it
+            raise SnapshotInvalid(path, name, f"not a readable safetensors file: {e}") from None
+
+    names = sorted((n for n in manifest["files"] if n.endswith(".safetensors")), key=lambda n: -int(manifest["files"][n]["size"]))
+    with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
+        tensors = dict(pool.map(read, names))
     try:
         objects = torch.load(path / TRAIN_STATE, weights_only=True, map_location="cpu")
     except Exception as e:
@@ -336,6 +338,10 @@ class MemorySnapshot:
     def wait_ready(self) -> None:
         for ev in self.ready:
             ev.synchronize()
+
+    def is_ready(self) -> bool:
+        """Whether its device-to-host copies have completed (never blocks)."""
+        return all(ev.query() for ev in self.ready)
 
 
 def _to_host(obj: Any) -> Any:
@@ -504,6 +510,11 @@ class SnapshotEngine:
                 names.append(name_of[id(p)])
         return names
 
+    def _refresh_names(self) -> None:
+        # Parameter groups added after the engine was made (add_param_group) join the names.
+        if len(self._opt_names) != sum(len(g["params"]) for g in self.optimizer.param_groups):
+            self._opt_names = self._optimizer_names()
+
     def _clean_leftovers(self) -> None:
         # Temporary directories of writers that died (kill -9, power loss): never complete.
         for p in self.rank_dir.iterdir():
@@ -538,6 +549,7 @@ class SnapshotEngine:
             files[self._file_of(key)]["model/" + key] = t
         objects: dict[str, Any] = {"format": FORMAT, "step": self.step}
         if self.optimizer is not None:
+            self._refresh_names()
             osd = self.optimizer.state_dict()
             scalars: dict[str, dict] = {}
             for idx, st in osd["state"].items():
@@ -718,6 +730,9 @@ class SnapshotEngine:
     def _post(self, job: tuple) -> None:
         # Lock-free, so it is safe from a signal handler: deque.append is atomic, and the
         # pipe write end is non-blocking (a full pipe already means a wake-up is pending).
+        if self._closed:
+            job[2].set_exception(SnapshotError("the snapshot engine is closed"))
+            return
         self._jobs.append(job)
         try:
             os.write(self._wake_w, b"!")
@@ -791,7 +806,10 @@ class SnapshotEngine:
                 continue
             if kind == "emergency":
                 with self._lock:
-                    snap = self._kept[-1] if self._kept else None
+                    # The newest whose copies have landed: a GPU that stopped answering never
+                    # completes the copy in flight, and waiting for it would hang the writer.
+                    ready = [s for s in self._kept if s.is_ready()]
+                    snap = ready[-1] if ready else None
                     if snap is not None:
                         snap.pins += 1
                 if snap is None and self._resumed is not None:  # the newest state saved is on disk already
@@ -836,21 +854,15 @@ class SnapshotEngine:
             files: dict[str, dict] = {}
             meta = {"format": FORMAT, "step": str(snap.step)}
             def write(fname: str) -> tuple[str, tuple[int, str]]:
-                return fname, _write_file(tmp / fname, _safetensors_parts(snap.tensors[fname], meta), self._hasher, fsync=False)
+                # fsync in the writer: the device flushes one file while the other writer
+                # thread is still hashing and copying the next.
+                return fname, _write_file(tmp / fname, _safetensors_parts(snap.tensors[fname], meta), self._hasher)
 
             by_size = sorted(snap.tensors, key=lambda f: -sum(t.numel() * t.element_size() for t in snap.tensors[f].values()))
             futures = [self._file_writers.submit(write, f) for f in by_size]
             wait_futures(futures)  # all of them, even when one failed: then the cleanup is whole
             for fname, (size, sha) in sorted(f.result() for f in futures):
                 files[fname] = {"size": size, "sha256": sha}
-            # One fsync per file after all are written: the kernel writes back behind the
-            # writes meanwhile, instead of the disk idling while each fsync waits.
-            for fname in files:
-                fd = os.open(tmp / fname, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
             size, sha = _write_file(tmp / TRAIN_STATE, [train_state.getbuffer()], self._hasher)
             files[TRAIN_STATE] = {"size": size, "sha256": sha}
             raw = json.dumps(snap.binding, indent=2, sort_keys=True).encode()
@@ -937,6 +949,7 @@ class SnapshotEngine:
             if tuple(model_keys[k].shape) != tuple(t.shape):
                 raise SnapshotError(f"{where} does not fit the model: {k} has shape {tuple(model_keys[k].shape)}, the model {tuple(t.shape)}")
         if self.optimizer is not None:
+            self._refresh_names()
             saved = objects.get("optimizer")
             if saved is None:
                 raise SnapshotError(f"{where} holds no optimizer state")
@@ -1152,7 +1165,6 @@ class SnapshotEngine:
         """Finishes queued writes and stops the writer thread."""
         if self._closed:
             return
-        self._closed = True
         if self._prev_handler is not None:
             signum, prev = self._prev_handler
             if threading.current_thread() is threading.main_thread():
@@ -1160,6 +1172,7 @@ class SnapshotEngine:
         if self._writer is not None:
             fut: Future = Future()
             self._post(("stop", None, fut, ""))
+            self._closed = True
             self._writer.join(timeout)
             os.close(self._wake_r)
             os.close(self._wake_w)
@@ -1167,6 +1180,7 @@ class SnapshotEngine:
             self._file_writers.shutdown(wait=False)
         if self._copy_pool is not None:
             self._copy_pool.shutdown(wait=False)
+        self._closed = True
 
     def __enter__(self) -> "SnapshotEngine":
         return self
