@@ -2,7 +2,6 @@
 of corrupted or unsafe snapshots, disk full, emergency writes, and the Guard plugin."""
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os

@@ -16,7 +16,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
