@@ -109,6 +109,7 @@ class Guard:
         self._step_findings: list[Finding] = []
         self._last: dict[str, Any] = {}
         self._mpu_by_module = {id(m.module): m for m in self.mpus}
+        self._gvc_buffers: dict[str, tuple] = {}  # grad_stats' sample buffers, reused
         self._main_thread = threading.get_ident()
         self._install()
         self.link = None
@@ -323,7 +324,7 @@ class Guard:
         t0 = time.perf_counter()
         params = [p for g in self.optimizer.param_groups for p in g["params"]] if self.optimizer else \
             [p for p in self.model.parameters()]
-        global_norm, per_mpu = grad_stats(self.mpus, params)
+        global_norm, per_mpu = grad_stats(self.mpus, params, self._gvc_buffers)
         for m in self.mpus:
             m.grad_norm, m.gvc = per_mpu[m.mpu_id]
         loss = self._step_loss()
