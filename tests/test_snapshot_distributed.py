@@ -66,3 +66,18 @@ def test_nan_on_one_rank_rolls_every_rank_back_to_the_same_step(tmp_path, world)
         assert refused and refused[0]["labels"]["file"] == victim.name
     finally:
         z.close()
+
+
+def test_guard_plugin_rolls_every_rank_back_together(tmp_path):
+    """Through the hook library: rank 1's NaN loss is its guard's LOSS_NONFINITE finding; the
+    SnapshotPlugins of both ranks agree at step end and both roll back to guard step 20."""
+    z = Zygote(tmp_path / "jobs.log")
+    try:
+        results = run_ranks(z, tmp_path, "guard", 2, "--guard", "--steps", "40", "--disk-every", "0",
+                            "--fault-at", "25", "--fault-rank", "1")
+    finally:
+        z.close()
+    assert [r["rollbacks"] for r in results] == [[[25, 20]]] * 2
+    ranks = finals(tmp_path, "guard", 2)
+    assert same(ranks[0], ranks[1])
+    assert all(torch.isfinite(t).all() for t in ranks[0].values())

@@ -72,6 +72,32 @@ def train_step(model, batch, step: int, *, fault: bool, nan_batch: bool):
     return model(images, tokens)["loss"]
 
 
+def guarded(args, model, net, optimizer, scheduler, scaler, loader, engine) -> tuple[int | None, list[list[int]]]:
+    """The same training through the Guard (steps counted from 0 there): the NaN loss is the
+    guard's LOSS_NONFINITE finding, and the SnapshotPlugin rolls every rank back at step end."""
+    from mscale.findings import Reason
+    from mscale.healing.snapshot import SnapshotPlugin
+    from mscale.hook import attach
+
+    plugin = SnapshotPlugin(engine, rollback_on={Reason.LOSS_NONFINITE})
+    guard = attach(model, optimizer, job_id=f"snapshot-test-{args.rank}", rank=args.rank, connect=False, cmsa=False, plugins=[plugin])
+    resumed = plugin.resume()
+    print(f"STARTED {resumed} {os.getpid()}", flush=True)
+    faulted = False
+    while guard.current_step < args.steps:
+        step = guard.current_step
+        batch = loader.next_batch()
+        inject = args.fault_at == step and not faulted and args.fault_rank in (-1, args.rank)
+        faulted = faulted or args.fault_at == step
+        loss = train_step(net, batch, step, fault=inject and args.fault_rank == -1, nan_batch=inject and args.fault_rank != -1)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # no grad scaler here: it skips optimizer.step() on inf, and the guard with it
+        optimizer.step()  # the guard's step hooks: findings, then on_step_end (the rollback)
+        scheduler.step()  # after a rollback this steps the restored schedule, as the first run did
+    guard.detach()
+    return resumed, [[r["step"], r["to"]] for r in plugin.rollbacks]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", required=True)
@@ -91,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--log-level", default="info")
+    ap.add_argument("--guard", action="store_true", help="drive the engine through the hook library's Guard and SnapshotPlugin")
     args = ap.parse_args(argv)
 
     from mscale import logs
@@ -111,12 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         net = DistributedDataParallel(model)
     engine = SnapshotEngine(model, optimizer, mpus=mpus, scaler=scaler, scheduler=scheduler, data=loader, directory=args.dir,
                             memory_every=args.memory_every, disk_every=args.disk_every, disk_keep=args.disk_keep, job_id="snapshot-test")
-    resumed = engine.resume()
-    print(f"STARTED {resumed} {os.getpid()}", flush=True)
+    if args.guard:
+        resumed, rollbacks = guarded(args, model, net, optimizer, scheduler, scaler, loader, engine)
+        step = args.steps + 1
+    else:
+        resumed = engine.resume()
+        print(f"STARTED {resumed} {os.getpid()}", flush=True)
+        rollbacks = []
+        step = (resumed or 0) + 1
     seen = open(args.seen, "a") if args.seen else None
-    rollbacks: list[list[int]] = []
     faulted = False
-    step = (resumed or 0) + 1
     while step <= args.steps:
         batch = loader.next_batch()
         if seen:

@@ -1210,7 +1210,8 @@ class SnapshotPlugin:
 
     - on_step_end: `engine.step_end(step)`, or, when a finding in `rollback_on` came during
       the step (its update was dropped with guard.request_skip), a rollback with the batch
-      skipped; the guard continues at the restored step + 1.
+      skipped; the guard continues at the restored step + 1. With several ranks this is the
+      collective `agree_rollback` on every rank at every step end.
     - on_command: {"type": "emergency_snapshot"}, {"type": "snapshot"} (on demand),
       {"type": "rollback", "skip_batch": bool}; each answers {"ok": ..., ...}.
     - Findings the writer thread makes reach guard.emit in the training thread (at the next
@@ -1267,10 +1268,20 @@ class SnapshotPlugin:
     def on_step_end(self, step: int, loss: Any = None) -> None:
         self._drain()
         fault, self._fault = self._fault, None
-        if fault is None:
-            self.engine.step_end(step)
+        if self.engine.world_size > 1:  # a collective every step: all ranks roll back, or none
+            try:
+                to = self.engine.agree_rollback(fault is not None, skip_batch=self.skip_batch)
+            except SnapshotError as e:
+                self.rollbacks.append({"step": step, "to": None, "why": fault.reason.value if fault else "another rank", "error": str(e)})
+                return
+            if to is not None:
+                self.guard.set_step(to + 1)
+                self.rollbacks.append({"step": step, "to": to, "why": fault.reason.value if fault else "another rank"})
+                return
+        elif fault is not None:
+            self.rollback(skip_batch=self.skip_batch, why=fault.reason.value, at_step=step)
             return
-        self.rollback(skip_batch=self.skip_batch, why=fault.reason.value, at_step=step)
+        self.engine.step_end(step)
 
     def rollback(self, *, skip_batch: bool | None = None, why: str = "", at_step: int | None = None) -> int | None:
         """Rolls back to the newest in-memory snapshot; the guard goes on at its step + 1."""
