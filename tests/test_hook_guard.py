@@ -235,3 +235,34 @@ def test_importing_mscale_does_not_import_torch() -> None:
     assert mscale.attach is attach
     with pytest.raises(AttributeError):
         mscale.nothing_here  # noqa: B018
+
+
+def test_grad_scaler_overflow_still_ends_the_step_without_a_fault() -> None:
+    """A GradScaler skips optimizer.step() on inf gradients; the guard ends such a step at
+    scaler.update(). A finite loss with overflowing gradients is the scaler's business (it
+    lowers the scale): no finding, the loss detector still sees the loss."""
+    model = nn.Module()
+    model.vision_tower = nn.Linear(8, 8)
+    model.language_model = nn.Linear(8, 2)
+    model.forward = lambda x: model.language_model(torch.relu(model.vision_tower(x)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    # the first scale overflows fp32 gradients; the back-off brings it to a usable one
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, backoff_factor=2.0**-100)
+    rec = Recorder()
+    guard = attach(model, opt, job_id="scaler", connect=False, plugins=[rec], scaler=scaler)
+    steps_of_adam = []
+    for _ in range(3):
+        loss = 1000 * model(torch.randn(4, 8)).pow(2).mean()
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        guard.observe(loss)
+        scaler.step(opt)
+        scaler.update()
+        steps_of_adam.append(int(opt.state[next(model.parameters())].get("step", 0)) if opt.state else 0)
+    assert steps_of_adam == [0, 1, 2]  # the first step was skipped by the scaler
+    assert [c[1] for c in rec.calls if c[0] == "end"] == [0, 1, 2]  # and still ended
+    assert not [c for c in rec.calls if c[0] == "finding"]
+    assert scaler.get_scale() == 2.0**27
+    assert len(guard.loss_detector.series["loss"].values) == 3
+    guard.detach()
+    assert "update" not in scaler.__dict__ and not opt._optimizer_step_post_hooks

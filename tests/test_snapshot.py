@@ -430,3 +430,47 @@ def test_guard_plugin_drives_the_engine_and_rolls_back_on_a_nonfinite_loss(tmp_p
     assert any(f.reason is Reason.SNAPSHOT_WRITTEN for f in guard.findings)
     guard.detach()
     engine.close()
+
+
+def test_guard_with_a_grad_scaler_rolls_back_a_nan_step_the_scaler_skipped(tmp_path):
+    """torch.amp.GradScaler skips optimizer.step() when it finds NaN gradients, so the step's
+    end is observed at scaler.update(): the NaN loss still triggers the rollback, and the
+    scaler's state comes back with the rest."""
+    from mscale.hook import attach
+
+    model, opt, sched, scaler, loader, mpus = build(dataset_size=256)
+    plugin = SnapshotPlugin(memory_every=5, data=loader, scheduler=sched, scaler=scaler,
+                            rollback_on={Reason.LOSS_NONFINITE})
+    guard = attach(model, opt, job_id="scaler-test", connect=False, cmsa=False, plugins=[plugin])
+    steps_run = []
+
+    def one_step(nan=False):
+        steps_run.append(guard.current_step)
+        batch = loader.next_batch()
+        images = batch["images"] * (float("nan") if nan else 1.0)
+        loss = model(images, batch["tokens"])["loss"]
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+
+    for _ in range(10):
+        one_step()
+    assert guard.current_step == 10 and plugin.engine.memory_steps == [0, 5]
+    held = 5
+    scale_at_snapshot = plugin.engine.latest().objects["scaler"]["scale"]
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    one_step(nan=True)
+    assert scaler.get_scale() == scale_at_snapshot  # restored, not the halved scale of the NaN step
+    assert plugin.rollbacks and plugin.rollbacks[-1]["to"] == held
+    assert guard.current_step == held + 1
+    assert [f.reason for f in guard.findings if f.reason in (Reason.LOSS_NONFINITE, Reason.ROLLBACK)] == \
+        [Reason.LOSS_NONFINITE, Reason.ROLLBACK]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    one_step()  # training goes on from the restored step, through the scaler
+    assert guard.current_step == held + 2 and steps_run[-1] == held + 1
+    assert any(not torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    guard.detach()
+    assert "update" not in scaler.__dict__  # the scaler is as it was
+    plugin.engine.close()

@@ -1240,6 +1240,8 @@ class SnapshotPlugin:
         else:
             self.engine._emit_fn = self.engine._emit_fn or self._emit
             self.engine._binding_fn = self.engine._binding_fn or self._binding
+        if self.engine.scaler is not None and hasattr(guard, "watch_scaler"):
+            guard.watch_scaler(self.engine.scaler)  # a step the scaler skips (NaN) must still end here
 
     def on_detach(self, guard: Any) -> None:
         self._drain()

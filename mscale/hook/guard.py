@@ -8,8 +8,10 @@ its optimizer, riding on calls the training loop already makes.
 Hooks: a forward pre-hook on the model begins a step (first training-mode forward after the
 previous optimizer step), forward hooks on each MPU time it and run the checksums, tensor
 hooks time its backward, and optimizer step pre/post hooks run the gradient statistics,
-CMSA and the end of the step. Nothing here raises into the training loop: detectors make
-findings, plugin errors are logged and counted. `attach(..., enabled=False)` (or the
+CMSA and the end of the step. With a `torch.amp.GradScaler` (`scaler=` or `watch_scaler`) the
+step ends at `scaler.update()` instead: the scaler skips `optimizer.step()` when it finds inf/NaN
+gradients, and without it a NaN step would never end (no rollback, no report). Nothing here
+raises into the training loop: detectors make findings, plugin errors are logged and counted. `attach(..., enabled=False)` (or the
 environment variable MSCALE_GUARD=0) returns a `NullGuard` and leaves model and optimizer
 untouched.
 """
@@ -74,6 +76,7 @@ class Guard:
     - `checksum` (ChecksumDetector), `loss_detector` (LossDetector), `cmsa` (Cmsa or None)
     - `emit(finding)`, `request_skip(reason)`, `rebind(mpu, gpu, ...)`, `send_to_agent(msg)`
     - `add_plugin(p)`, `plugins`, `plugin_errors`, `findings` (recent), `link` (or None)
+    - `watch_scaler(scaler)`: end steps at the GradScaler's update (see the module docstring)
     """
 
     enabled = True
@@ -83,7 +86,7 @@ class Guard:
                  gpus: Mapping[str, int] | None = None, checksum: ChecksumConfig | None = None,
                  loss: LossConfig | None = None, cmsa: CmsaConfig | bool | None = True,
                  plugins: Iterable[Any] = (), socket_path: str | None = None, connect: bool = True,
-                 report_queue: int = 256) -> None:
+                 report_queue: int = 256, scaler: Any = None) -> None:
         if not isinstance(job_id, str) or not job_id:
             raise ValueError("job_id: expected a non-empty string naming the training job")
         self.job_id, self.rank = job_id, int(rank)
@@ -111,7 +114,11 @@ class Guard:
         self._mpu_by_module = {id(m.module): m for m in self.mpus}
         self._gvc_buffers: dict[str, tuple] = {}  # grad_stats' sample buffers, reused
         self._main_thread = threading.get_ident()
+        self._scaler: Any = None  # a watched GradScaler: the step ends at its update()
+        self._opt_stepped = False  # optimizer.step() ran in this step (scaler mode)
         self._install()
+        if scaler is not None:
+            self.watch_scaler(scaler)
         self.link = None
         if connect:
             from mscale.hook.link import LinkClient
@@ -183,6 +190,25 @@ class Guard:
         self.link.send(message)
         return True
 
+    def watch_scaler(self, scaler: Any) -> None:
+        """End each step at `scaler.update()` (called once per iteration after `scaler.step`),
+        so a step whose `optimizer.step()` the scaler skipped still ends: the loss detector sees
+        its loss, plugins get `on_step_end` (a NaN rollback), the report says skipped. Snapshots
+        taken at the step end then hold the scale as updated for that step."""
+        if scaler is self._scaler:
+            return
+        if self._scaler is not None:
+            raise ValueError("the guard already watches another GradScaler")
+        original = scaler.update
+
+        def update(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            self._scaler_update()
+            return result
+
+        scaler.update = update  # on the instance; detach() deletes it, uncovering the class's
+        self._scaler, self._scaler_patch = scaler, update
+
     def registration(self) -> dict:
         return {"type": "register", "job_id": self.job_id, "rank": self.rank, "pid": os.getpid(),
                 "step": self.current_step, "mpus": [m.describe() for m in self.mpus]}
@@ -224,6 +250,10 @@ class Guard:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._scaler is not None:
+            if self._scaler.__dict__.get("update") is self._scaler_patch:
+                del self._scaler.update
+            self._scaler = None
         self.checksum.detach()
         for p in list(self.plugins):
             self._call(p, "on_detach", self)
@@ -249,7 +279,7 @@ class Guard:
             self.checksum.attach(m)
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(lambda opt, a, k: self._pre_step()))
-            self._handles.append(self.optimizer.register_step_post_hook(lambda opt, a, k: self._end_step()))
+            self._handles.append(self.optimizer.register_step_post_hook(lambda opt, a, k: self._post_step()))
 
     def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if module.training and not self._in_step and not self.checksum.replaying:
@@ -341,6 +371,36 @@ class Guard:
         self.times.cmsa_s += time.perf_counter() - t2
         self._last = {"step": self.current_step, "time": time.time(), "loss": loss, "grad_norm": global_norm,
                       "clipped": clipped}
+
+    def _post_step(self) -> None:
+        if self._scaler is None:
+            self._end_step()
+        else:
+            self._opt_stepped = True  # the step ends at scaler.update(), after the scale is updated
+
+    def _scaler_update(self) -> None:
+        stepped, self._opt_stepped = self._opt_stepped, False
+        if not self._in_step:
+            return
+        if not stepped:
+            self._scaler_skipped()
+        self._end_step()
+
+    def _scaler_skipped(self) -> None:
+        """The scaler found inf/NaN gradients and skipped optimizer.step(). Only the loss goes
+        to the detector: inf gradients with a finite loss are the scaler's ordinary overflow
+        (it lowers the scale), not a fault to roll back; a NaN loss is one."""
+        self._skip_reason = self._skip_reason or "grad scaler: inf/NaN gradients, optimizer step skipped"
+        for m in self.mpus:
+            m.grad_norm = m.gvc = math.nan
+        loss = self._step_loss()
+        try:
+            for f in self.loss_detector.observe(self.current_step, loss):
+                self.emit(f)
+        except Exception as e:
+            self.log.exception("guard_error", where="scaler_skip", error=str(e))
+        self._last = {"step": self.current_step, "time": time.time(), "loss": loss, "grad_norm": math.nan,
+                      "clipped": {}}
 
     def _end_step(self) -> None:
         self.times.abft_s, self.times.replay_s = self.checksum.abft_s, self.checksum.replay_s
