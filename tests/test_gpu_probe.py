@@ -23,7 +23,7 @@ from mscale.probes.gpu import GpuProbe, GpuSnapshot, NvmlReader
 from mscale.probes.gpu_health import HealthModel, XidTableError, load_xid_table, parse_xid_table, xid_markdown
 from mscale.probes.nvml_api import Nvml, NvmlUnavailable, RealNvml, XidEventSource
 from mscale.sim.nvml import SimNvml
-from mscale.sim.timeline import FaultEvent, event_from_dict
+from mscale.sim.timeline import FaultEvent, event_from_dict, parse_timeline
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -470,3 +470,17 @@ def test_exporter_with_a_lost_gpu(make_rig) -> None:
 
 def test_no_snapshot_no_gpu_series() -> None:
     assert not any(k.startswith("mscale_gpu_") for k in scrape(AgentState(node="n")))
+
+
+@pytest.mark.parametrize("at", ["0s", "0", "1s"])
+def test_timeline_xid_at_start_is_counted(make_rig, at) -> None:
+    """An Xid at 0s is applied by the reader's first NVML call, before the probe listens for
+    Xid events: it must still be heard (it was lost once), and only once."""
+    (ev,) = parse_timeline(f"events:\n  - {{at: {at}, gpu: 2, fault: xid, code: 79}}\n").events
+    rig = make_rig(events=(ev,))
+    rig.clock.advance(1.0)
+    snap = rig.until(lambda s: s.gpus[2].xid_errors == ((79, 1),))
+    assert snap.gpus[2].health == "failed" and len(rig.findings(Reason.GPU_XID)) == 1
+    for _ in range(3):
+        rig.sample()
+    assert rig.sample().gpus[2].xid_errors == ((79, 1),)

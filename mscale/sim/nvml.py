@@ -5,7 +5,9 @@ by a fault timeline as the clock passes each event; `inject(event)` applies one 
 chaos API uses it). Faults change only what they name:
 
   xid            an Xid event through the event-wait interface; a fatal one (per the Xid
-                 table) also sets the recovery action to gpu_reset, as the driver does
+                 table) also sets the recovery action to gpu_reset, as the driver does. An
+                 Xid due before anyone listens (`at: 0s`: the reader's first call applies
+                 it) waits for the first event source instead of being lost
   ecc_dbe        double-bit ECC counters + count, an uncorrectable row remap pending
   ecc_sbe_storm  single-bit ECC counters grow at per_hour
   temperature    ramps to celsius over ramp; clocks throttle from 87 C (sw) and 90 C (hw)
@@ -110,6 +112,7 @@ class SimNvml:
         self._pending: deque[FaultEvent] = deque(sorted(events, key=lambda e: e.at_s))
         self._cond = threading.Condition(threading.RLock())
         self._sources: list[_SimXidEvents] = []
+        self._unheard: deque[XidEvent] = deque()  # Xids applied while no source listened
         self._listeners: list[Callable[[FaultEvent], None]] = []
         self.applied: list[tuple[float, FaultEvent]] = []  # (elapsed s, event), for the demo and tests
         self._gpus = [_Gpu(i, "GPU-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"{seed}/{model}/{i}")))
@@ -167,9 +170,11 @@ class SimNvml:
             from mscale.probes.gpu_health import shipped_xid_table  # the driver's own view of severity
             if shipped_xid_table().classify(ev.code or 0).cls == "fatal":
                 g.recovery_action = nvml_api.RECOVERY_GPU_RESET
-            stamp = self._clock()
+            xid = XidEvent(g.index, int(ev.code or 0), self._clock())
             for src in self._sources:
-                src.queue.append(XidEvent(g.index, int(ev.code or 0), stamp))
+                src.queue.append(xid)
+            if not self._sources:
+                self._unheard.append(xid)
         elif f == "ecc_dbe":
             g.dbe_vol += ev.count
             g.dbe_agg += ev.count
@@ -333,6 +338,8 @@ class SimNvml:
         src = _SimXidEvents(self)
         with self._cond:
             self._sources.append(src)
+            src.queue.extend(self._unheard)  # the first listener hears what came before it
+            self._unheard.clear()
         return src
 
     def close(self) -> None:
