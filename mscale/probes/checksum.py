@@ -139,7 +139,7 @@ class ChecksumDetector:
         for name, m in mpu.module.named_modules():
             if isinstance(m, nn.Linear):
                 self._handles.append(m.register_forward_hook(
-                    lambda mod, args, out, mpu=mpu: self._linear(mpu, mod, args, out)))
+                    lambda mod, args, out, mpu=mpu: self._linear(mpu, mod, args, out), prepend=True))
 
     def detach(self) -> None:
         for h in self._handles:
