@@ -306,3 +306,84 @@ def test_socket_in_use_is_not_stolen(sock: str) -> None:
     finally:
         second.stop()
         first.stop()
+
+
+def test_snapshot_and_loss_findings_become_per_job_metrics(sock: str, tmp_path: Path) -> None:
+    """The job's snapshot engine and loss detector report through the link; the agent exports
+    them per job_id: writes (duration histogram, size, last success), a failed write, the
+    recovery times of a rollback (memory) and a resume (disk), and the findings counter."""
+    from mscale.findings import Reason
+    from mscale.healing.data import ResumableLoader
+    from mscale.healing.snapshot import SnapshotPlugin
+
+    agent = Agent(sock)
+    torch.manual_seed(0)
+    cfg = TinyConfig()
+    model = TinyMultimodal(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = ResumableLoader(SyntheticCaptions(cfg, size=256, seed=0), batch_size=4, seed=0)
+    snaps = tmp_path / "snaps"
+    plugin = SnapshotPlugin(directory=snaps, memory_every=2, disk_every=4, data=loader, rollback_on={Reason.LOSS_NONFINITE})
+    guard = attach(model, opt, job_id="job-s", socket_path=sock, cmsa=False, plugins=[plugin])
+
+    def train(n: int, nan: bool = False) -> None:
+        for _ in range(n):
+            b = loader.next_batch()
+            images = b["images"] * (float("nan") if nan else 1.0)
+            model(images, b["tokens"])["loss"].backward()
+            opt.step()
+            opt.zero_grad()
+
+    def scraped(series: str) -> float | None:
+        try:
+            return metric(agent.metrics(), series)
+        except AssertionError:
+            return None
+
+    try:
+        train(6)  # disk snapshots of steps 0 and 4
+        plugin.engine.flush()
+        assert plugin.resume() == 4  # a start-up resume: recovery from disk
+        train(1, nan=True)  # NaN loss: rollback to the in-memory snapshot of step 4
+        assert plugin.rollbacks[-1]["to"] == 4
+        shutil.rmtree(snaps)
+        snaps.write_text("not a directory any more")  # the next disk write fails
+        train(4)
+        plugin.engine.flush()
+        train(1)  # the writer's findings travel with the next step's report
+        job = 'job_id="job-s"'
+        wait_for(lambda: scraped(f"mscale_snapshot_failures_total{{{job}}}") == 1, what="the failed write")
+        text = agent.metrics()
+        assert metric(text, f'mscale_snapshot_duration_seconds_count{{{job}}}') == 2
+        assert metric(text, f'mscale_snapshot_duration_seconds_bucket{{{job},le="+Inf"}}') == 2
+        assert 0 < metric(text, f'mscale_snapshot_duration_seconds_sum{{{job}}}') < 600
+        assert metric(text, f'mscale_snapshot_size_bytes{{{job}}}') > sum(p.numel() * 4 for p in model.parameters())
+        assert abs(metric(text, f'mscale_snapshot_last_success_timestamp_seconds{{{job}}}') - time.time()) < 600
+        assert metric(text, f'checkpoint_recovery_time_seconds{{{job},tag="memory"}}') > 0
+        assert metric(text, f'checkpoint_recovery_time_seconds{{{job},tag="disk"}}') > 0
+        assert metric(text, f'mscale_job_findings_total{{{job},reason="loss_nonfinite",severity="critical",source="hook:loss"}}') == 1
+        assert metric(text, f'mscale_job_findings_total{{{job},reason="rollback",severity="warning",source="hook:snapshot"}}') == 1
+        assert metric(text, f'mscale_job_findings_total{{{job},reason="snapshot_written",severity="info",source="hook:snapshot"}}') == 2
+    finally:
+        guard.detach()
+        plugin.engine.close()
+        agent.stop()
+
+
+def test_lr_cooling_is_exported_for_every_registered_job() -> None:
+    """0 for a job not cooled (absence would read as "no data"), 1 while cooled."""
+    from prometheus_client import generate_latest
+
+    from mscale.daemon.jobs import JobState
+    from mscale.daemon.state import AgentState
+    from mscale.exporters import make_registry
+    from mscale.healing.engine import HealingSnapshot
+
+    state = AgentState(node="n")
+    state.jobs = {j: JobState(job_id=j, rank=0, pid=1) for j in ("a", "b")}
+    state.publish("healing", HealingSnapshot(time=0.0, actions=(), drift=(), levels=(), cooling=("b",), recent=()))
+    text = generate_latest(make_registry(state)).decode()
+    assert metric(text, 'mscale_lr_cooling{job_id="a"}') == 0 and metric(text, 'mscale_lr_cooling{job_id="b"}') == 1
+    # a new job's snapshot failure counter starts at 0, so that increase() sees its first failure
+    assert metric(text, 'mscale_snapshot_failures_total{job_id="a"}') == 0
+    assert "mscale_snapshot_last_success_timestamp_seconds{" not in text

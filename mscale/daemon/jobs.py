@@ -15,15 +15,21 @@ and every scrape:
 
 So one checksum failure costs 22 points, the three in a row that trigger an L1 swap 66
 (score 34, below the 60 that means "act"), a 3x slowdown 40, a failed GPU all 100.
+
+The findings in a job's reports are counted per job (`JobState.findings`, so alerts on them
+carry `job_id`), and the snapshot engine's among them kept as the job's snapshot figures
+(`SnapshotStats`: failures, last success, write durations and sizes, recovery times).
 """
 from __future__ import annotations
 
 import math
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
+
+from mscale.findings import Finding, Reason, Severity
 
 BASELINE_SKIP = 3
 BASELINE_STEPS = 20
@@ -155,6 +161,44 @@ class MpuState:
                 "checksum_failures_total": self.checksum_failures_total}
 
 
+# Disk snapshot write durations: from a tiny model's milliseconds to a large one's minutes.
+SNAPSHOT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+@dataclass
+class SnapshotStats:
+    """A job's snapshot figures, from its snapshot engine's findings (source hook:snapshot)."""
+
+    failures: int = 0  # writes that failed, snapshots refused on load
+    last_success_time: float | None = None  # Unix time of the last disk snapshot written
+    last_size_bytes: float | None = None
+    bucket_counts: list[int] = field(default_factory=lambda: [0] * len(SNAPSHOT_BUCKETS_S))
+    writes: int = 0
+    seconds_total: float = 0.0
+    recovery_seconds: dict[str, float] = field(default_factory=dict)  # tag (memory, disk) -> last
+
+    def observe(self, f: Finding) -> None:
+        labels = f.labels
+        if f.reason is Reason.SNAPSHOT_WRITTEN:
+            self.last_success_time = f.time
+            size, seconds = _num(labels.get("bytes")), _num(labels.get("seconds"))
+            if math.isfinite(size):
+                self.last_size_bytes = size
+            if math.isfinite(seconds) and seconds >= 0:
+                self.writes += 1
+                self.seconds_total += seconds
+                for i, le in enumerate(SNAPSHOT_BUCKETS_S):
+                    if seconds <= le:
+                        self.bucket_counts[i] += 1
+        elif f.reason is Reason.SNAPSHOT_FAILED or (f.reason is Reason.SNAPSHOT_REFUSED and f.severity is Severity.WARNING):
+            # (a CRITICAL refusal only sums up the refused ones before it: "none valid")
+            self.failures += 1
+        elif f.reason in (Reason.ROLLBACK, Reason.SNAPSHOT_RESUMED):
+            seconds, tag = _num(labels.get("recovery_seconds")), labels.get("tag", "")
+            if tag and math.isfinite(seconds):  # a failed rollback carries neither
+                self.recovery_seconds[tag[:32]] = seconds
+
+
 @dataclass
 class JobState:
     job_id: str
@@ -171,6 +215,8 @@ class JobState:
     reports_dropped: int = 0  # dropped by the hook's bounded queue (agent slow or down)
     steps_skipped: int = 0
     connects: int = 1
+    findings: Counter = field(default_factory=Counter)  # (source, reason, severity) of reported findings
+    snapshots: SnapshotStats = field(default_factory=SnapshotStats)
 
     def register(self, msg: dict) -> None:
         """Apply a (re-)registration: MPUs added or rebound keep their history."""
@@ -201,6 +247,12 @@ class JobState:
             if m is not None and isinstance(mr, dict):
                 m.update(mr)
         self.refresh(gpus)
+
+    def observe_finding(self, f: Finding) -> None:
+        """Count a finding the job reported (source hook:<detector>)."""
+        self.findings[(f.source, f.reason.value, f.severity.value)] += 1
+        if f.source == "hook:snapshot":
+            self.snapshots.observe(f)
 
     def refresh(self, gpus: dict[int, Any]) -> None:
         for m in self.mpus.values():

@@ -275,6 +275,7 @@ class LinkServer:
                 if finding is None:
                     self._refuse("bad_finding", f"finding not understood: {str(f)[:200]}", job_id=job.job_id)
                 else:
+                    job.observe_finding(finding)
                     self.state.events.emit(finding)
 
     def _finding(self, job: JobState, f: Any) -> Finding | None:

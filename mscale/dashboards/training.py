@@ -13,7 +13,7 @@ def build(ctx: Ctx):
     k = ctx.params["dashboards"]["loss_band_sigma"]
     avg = ctx.record("job:mscale_job_loss:avg$band")
     std = ctx.record("job:mscale_job_loss:stddev$band")
-    events = ctx.record("node:mscale_events:increase$event")
+    findings = ctx.record("job:mscale_job_findings:increase$event")
     band, rate, event = ctx.window("band"), ctx.window("rate"), ctx.window("event")
     return dashboard(ctx, uid=UID, title="mscale / Training stability", job=True,
                      description="Loss against its rolling band, gradient norms, spikes and the responses to them.",
@@ -25,8 +25,9 @@ def build(ctx: Ctx):
                 (f"{avg}{s} - {k} * {std}{s}", "{{job_id}} lower"),
             ], width=24),
             Panel(f"Loss findings (last {event}): spikes, jumps, NaN",
-                  [(f'sum by (node, reason) ({events}{{node=~"$node",reason=~"loss_.*"}})', "{{node}} {{reason}}")],
-                  description="From the hook library's loss detector, per node (the events name the job)."),
+                  [(f'sum by (job_id, reason) ({findings}{{node=~"$node",job_id=~"$job_id",reason=~"loss_.*"}})',
+                    "{{job_id}} {{reason}}")],
+                  description="From the hook library's loss detector in each job."),
             Panel("Steps reported per second", [(f"rate(mscale_job_reports_total{s}[{rate}])", "{{job_id}}")]),
         ]),
         ("Gradients", [

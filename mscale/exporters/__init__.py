@@ -16,6 +16,7 @@ MODULES: tuple[str, ...] = (
     "mscale.exporters.host",
     "mscale.exporters.cuda",
     "mscale.exporters.jobs",
+    "mscale.exporters.snapshots",
     "mscale.exporters.healing",
 )
 

@@ -4,7 +4,8 @@
     mpu_drift_count_total{job_id,mpu_id}                    L1 moves of an MPU to a standby
     mscale_fuse_level{job_id,mpu_id}                        fuse level in force: 0 none, 1-3
     mscale_fuse_state{job_id,mpu_id,state}                  1 for the MPU's state-machine state
-    mscale_lr_cooling{job_id}                               1 while the job's LR is cooled
+    mscale_lr_cooling{job_id}                               1 while the job's LR is cooled, else 0
+                                                            (every registered job)
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from mscale.daemon.state import AgentState
 from mscale.healing.fsm import Level
 
 
-def families(snap) -> Iterable[Metric]:
+def families(snap, jobs: Iterable[str] = ()) -> Iterable[Metric]:
     acts = CounterMetricFamily("mscale_heal_actions", "healing decisions by fuse level, action, MPU and result "
                                "(applied, sent, noop, duplicate, rate_limited, disabled, failed, ended)",
                                labels=["level", "action", "mpu_id", "result"])
@@ -40,8 +41,9 @@ def families(snap) -> Iterable[Metric]:
     yield state
     cooling = GaugeMetricFamily("mscale_lr_cooling", "1 while the job's learning rate is cooled after a loss spike",
                                 labels=["job_id"])
-    for job_id in snap.cooling:
-        cooling.add_metric([job_id], 1.0)
+    cooled = set(snap.cooling) if snap is not None else set()
+    for job_id in sorted(cooled | set(jobs)):  # 0 too: "not cooled" is data, not its absence
+        cooling.add_metric([job_id], 1.0 if job_id in cooled else 0.0)
     yield cooling
 
 
@@ -49,4 +51,4 @@ def collect(state: AgentState) -> Iterable[Metric]:
     snap = state.snapshots.get("healing")
     if snap is None:
         return ()
-    return families(snap)
+    return families(snap, state.jobs)

@@ -19,6 +19,9 @@ def collect(state: AgentState) -> Iterable[Metric]:
     dropped = CounterMetricFamily("mscale_job_reports_dropped", "step reports the job dropped (queue full, agent slow or down)",
                                   labels=["job_id"])
     skipped = CounterMetricFamily("mscale_job_steps_skipped", "optimizer steps skipped by the guard", labels=["job_id"])
+    # per job, unlike mscale_events_total: alerts on in-process detections (loss) carry job_id
+    findings = CounterMetricFamily("mscale_job_findings", "findings the job's hook library reported, by detector, reason "
+                                   "and severity", labels=["job_id", "source", "reason", "severity"])
     health = GaugeMetricFamily("mpu_health_score", "MPU health 0-100 (latency vs own baseline, checksums, memory, GPU health)",
                                labels=["job_id", "mpu_id", "mpu", "phase"])
     info = GaugeMetricFamily("mscale_mpu_info", "MPU binding: always 1", labels=["job_id", "mpu_id", "mpu", "gpu", "gpu_uuid",
@@ -44,6 +47,8 @@ def collect(state: AgentState) -> Iterable[Metric]:
         reports.add_metric([job_id], job.reports_total)
         dropped.add_metric([job_id], job.reports_dropped)
         skipped.add_metric([job_id], job.steps_skipped)
+        for (source, reason, severity), n in sorted(job.findings.items()):
+            findings.add_metric([job_id, source, reason, severity], n)
         for mpu_id, m in sorted(job.mpus.items()):
             info.add_metric([job_id, mpu_id, m.name, str(m.gpu), m.gpu_uuid, m.device, m.fuse_level], 1.0)
             clip.add_metric([job_id, mpu_id], m.clip_ratio)
@@ -56,4 +61,4 @@ def collect(state: AgentState) -> Iterable[Metric]:
                 b = m.latency[phase].baseline_s
                 if b is not None:
                     base.add_metric([job_id, mpu_id, phase], b)
-    yield from (up, step, loss, gnorm, reports, dropped, skipped, health, info, clip, mnorm, lat, base, fails, consec)
+    yield from (up, step, loss, gnorm, reports, dropped, skipped, findings, health, info, clip, mnorm, lat, base, fails, consec)

@@ -907,7 +907,8 @@ class SnapshotEngine:
         seconds = time.perf_counter() - t0
         total = sum(f["size"] for f in files.values())
         self.last_write = {"step": snap.step, "bytes": total, "seconds": seconds, "path": str(final)}
-        self._emit(Reason.SNAPSHOT_WRITTEN, Severity.INFO, f"snapshot of step {snap.step} written to {final} ({total} bytes, {seconds:.3f} s)", step=snap.step, why=why)
+        self._emit(Reason.SNAPSHOT_WRITTEN, Severity.INFO, f"snapshot of step {snap.step} written to {final} ({total} bytes, {seconds:.3f} s)",
+                   step=snap.step, why=why, bytes=total, seconds=f"{seconds:.6f}")  # the agent's snapshot metrics
         try:
             self._prune()
         except OSError as e:

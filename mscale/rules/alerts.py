@@ -230,11 +230,11 @@ or a fuse at L2 raising the threshold).
     ),
     Alert(
         "MscaleLossNonFinite", "training",
-        'node:mscale_events:increase$event{reason="loss_nonfinite"} > 0',
-        "A training job on {{ $labels.node }} produced a NaN or infinite loss",
-        "A training job on node {{ $labels.node }} computed a non-finite loss {{ $value }} times in "
-        "$event (reported by {{ $labels.source }}). The healing engine rolls back to the last good "
-        "snapshot and skips the batch; the agent's events (GET /api/v1/events) name the job.",
+        'job:mscale_job_findings:increase$event{reason="loss_nonfinite"} > 0',
+        "Job {{ $labels.job_id }} produced a NaN or infinite loss",
+        "Job {{ $labels.job_id }} on node {{ $labels.node }} computed a non-finite loss {{ $value }} times "
+        "in $event (reported by {{ $labels.source }}). The healing engine rolls back to the last good "
+        "snapshot and skips the batch; the agent's events (GET /api/v1/events) give the steps.",
         """A NaN or Inf loss must never reach the weights. The engine rolls back and skips the
 offending batch.
 
@@ -244,11 +244,11 @@ offending batch.
     ),
     Alert(
         "MscaleLossSpike", "training",
-        'node:mscale_events:increase$event{reason=~"loss_spike_action|loss_jump"} > 0',
-        "Loss spike in a training job on {{ $labels.node }}",
-        "The loss of a training job on node {{ $labels.node }} jumped beyond the action threshold "
-        "({{ $labels.reason }}) {{ $value }} times in $event; the healing engine cooled the learning "
-        "rate. The agent's events (GET /api/v1/events) name the job.",
+        'job:mscale_job_findings:increase$event{reason=~"loss_spike_action|loss_jump"} > 0',
+        "Loss spike in job {{ $labels.job_id }}",
+        "The loss of job {{ $labels.job_id }} on node {{ $labels.node }} jumped beyond the action "
+        "threshold ({{ $labels.reason }}) {{ $value }} times in $event; the healing engine cooled the "
+        "learning rate. The agent's events (GET /api/v1/events) give the steps.",
         """A spike beyond the action threshold (6 sigma of the rolling window by default). The
 engine multiplies the LR by 0.1 for a cooling window, and rolls back if the spike persists.
 

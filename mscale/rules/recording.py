@@ -31,8 +31,10 @@ RECORDS: tuple[Record, ...] = (
            "sum without (pid) (rate(mscale_cuda_kernel_launches_total{$agent}[$rate]))"),
     Record("job:mscale_job_loss:avg$band", "avg_over_time(mscale_job_loss{$agent}[$band])"),
     Record("job:mscale_job_loss:stddev$band", "stddev_over_time(mscale_job_loss{$agent}[$band])"),
-    # findings (loss spikes, NaN, ...) per node, source and reason: the loss alerts read these
+    # every finding per node, source and reason (the healing dashboard)
     Record("node:mscale_events:increase$event", f"sum without (severity) ({new_or_increase('mscale_events_total')})"),
+    # the jobs' own findings (loss spikes, NaN, ...) per job, source and reason: the loss alerts read these
+    Record("job:mscale_job_findings:increase$event", f"sum without (severity) ({new_or_increase('mscale_job_findings_total')})"),
     Record("node:mscale_heal_actions:increase$event",
            "sum by (node, level, action, result) (increase(mscale_heal_actions_total{$agent}[$event]))"),
 )

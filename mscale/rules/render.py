@@ -164,9 +164,10 @@ Notes. Counters of rare events (Xid codes, the agent's findings) appear with the
 the `...:increase{params['windows']['event']}` recording rules count a series born inside the window with its
 whole value (plain `increase()` cannot see that first rise), so a Prometheus started fresh
 beside an agent that already counted errors reports them once, for one window. The loss alerts
-read the findings counter (`mscale_events_total`), which has no `job_id`: they are per node,
-and the agent's events (`GET /api/v1/events`) name the job. A cause fires no later than the
-symptoms it inhibits (`MscaleNodeDown` waits 1m, `MscaleAgentDown` 2m): Alertmanager can only
+read the per-job findings counter (`mscale_job_findings_total`, what each job's hook library
+reported), so they carry `job_id`; `mscale_events_total` counts every finding per node.
+A cause fires no later than the symptoms it inhibits (`MscaleNodeDown` waits 1m,
+`MscaleAgentDown` 2m): Alertmanager can only
 hide an alert whose cause it already holds. Edit `params.yaml`, then `python -m mscale.rules.render`
 rewrites the rules, the Alertmanager example, the dashboards' JSON and this section.
 
