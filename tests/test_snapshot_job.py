@@ -91,7 +91,7 @@ def guarded(args, model, net, optimizer, scheduler, scaler, loader, engine) -> t
         faulted = faulted or args.fault_at == step
         loss = train_step(net, batch, step, fault=inject and args.fault_rank == -1, nan_batch=inject and args.fault_rank != -1)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # no grad scaler here: it skips optimizer.step() on inf, and the guard with it
+        loss.backward()  # no grad scaler here (test_snapshot.py runs the guard with one)
         optimizer.step()  # the guard's step hooks: findings, then on_step_end (the rollback)
         scheduler.step()  # after a rollback this steps the restored schedule, as the first run did
     guard.detach()
