@@ -144,3 +144,20 @@ def test_agent_refuses_bad_xid_table_with_exit_2(tmp_path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert "line 3" in proc.stderr and "class" in proc.stderr and "catastrophic" in proc.stderr, proc.stderr
+
+
+def test_an_event_at_zero_is_kept_and_its_xid_heard_by_a_later_listener() -> None:
+    """`at: 0s` is due at once: the first NVML call applies it, before anyone waits for Xid
+    events; the first event source still gets it, once (a second source does not)."""
+    from mscale.sim.nvml import SimNvml
+
+    tl = parse_timeline("events:\n  - {at: 0s, gpu: 1, fault: xid, code: 79}\n  - {at: 0, gpu: 2, fault: gpu_lost}\n")
+    assert [(e.at_s, e.gpu, e.fault) for e in tl.events] == [(0.0, 1, "xid"), (0.0, 2, "gpu_lost")]
+    sim = SimNvml.from_timeline(tl, clock=lambda: 100.0)
+    assert sim.recovery_action(1) == 1  # applied by this first call (a fatal Xid asks for a reset)
+    first = sim.xid_events()
+    ev = first.wait(0)
+    assert ev is not None and (ev.gpu, ev.xid) == (1, 79) and first.wait(0) is None
+    assert sim.xid_events().wait(0) is None
+    assert [e.fault for _, e in sim.applied] == ["xid", "gpu_lost"]
+    sim.close()
