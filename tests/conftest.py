@@ -7,7 +7,12 @@ import socket
 import sys
 from pathlib import Path
 
-import pytest
+# One intra-op thread per torch process: on a shared 2-core machine two threads spin
+# against each other and make tiny-model steps 10-30x slower. Set before torch is imported,
+# so subprocesses the tests start inherit it too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
