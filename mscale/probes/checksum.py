@@ -9,9 +9,12 @@ weight's column sums, without the GEMM:
     |sum(y) - prediction| <= rtol[dtype] * S        S = sum_n |x_n| . c(|W|) + N * sum|b|
 
 S bounds every product term of the GEMM, so the tolerance scales with the rounding the GEMM
-itself can make. Cost per linear and step: one pass over x for each of its two column sums,
-one over y, one over W for c(W) (weights change every step); c(|W|) only sizes the tolerance
-and is refreshed every 16 steps. The check sums run in float32 (float64 for float64 layers), so a bf16
+itself can make. Cost per linear and step: one pass over x (a GEMV for its column sums), one
+over y, one over W for c(W) (a trained weight changes every step; a frozen one is cached);
+c(|W|) only sizes the tolerance and is refreshed every 16 steps. On CPU, S itself (another
+pass over x) is computed only when the residual exceeds rtol times its lower bound
+|sum_n x_n| . c(|W|): the same decision, paid for only by a fault or cancelling inputs.
+The check sums run in float32 (float64 for float64 layers), so a bf16
 layer's tolerance covers its own output rounding, not the check's. rtol per output dtype
 (`DEFAULT_RTOL`): float32 2e-6, bfloat16 1e-2, float16 2e-3, float64 1e-12. With those, no
 false positive in 1,000 clean fp32 steps of the tiny model (tests/test_checksum.py) nor in
