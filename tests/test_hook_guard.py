@@ -266,3 +266,23 @@ def test_grad_scaler_overflow_still_ends_the_step_without_a_fault() -> None:
     assert len(guard.loss_detector.series["loss"].values) == 3
     guard.detach()
     assert "update" not in scaler.__dict__ and not opt._optimizer_step_post_hooks
+
+
+def test_a_watched_scaler_the_loop_never_calls_changes_nothing() -> None:
+    """A scaler handed over (e.g. only to be snapshotted) but never used by the loop: steps still
+    end at the optimizer step."""
+    model = nn.Module()
+    model.vision_tower = nn.Linear(8, 8)
+    model.language_model = nn.Linear(8, 2)
+    model.forward = lambda x: model.language_model(torch.relu(model.vision_tower(x)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = Recorder()
+    guard = attach(model, opt, job_id="unused-scaler", connect=False, plugins=[rec],
+                   scaler=torch.amp.GradScaler("cpu"))
+    for _ in range(3):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        guard.step(loss)
+        opt.zero_grad()
+    assert [c[1] for c in rec.calls if c[0] == "end"] == [0, 1, 2] and guard.current_step == 3
+    guard.detach()

@@ -9,7 +9,8 @@ Hooks: a forward pre-hook on the model begins a step (first training-mode forwar
 previous optimizer step), forward hooks on each MPU time it and run the checksums, tensor
 hooks time its backward, and optimizer step pre/post hooks run the gradient statistics,
 CMSA and the end of the step. With a `torch.amp.GradScaler` (`scaler=` or `watch_scaler`) the
-step ends at `scaler.update()` instead: the scaler skips `optimizer.step()` when it finds inf/NaN
+step ends at `scaler.update()` instead, once the loop has called it (a loop that never does keeps
+ending at the optimizer step): the scaler skips `optimizer.step()` when it finds inf/NaN
 gradients, and without it a NaN step would never end (no rollback, no report). Nothing here
 raises into the training loop: detectors make findings, plugin errors are logged and counted. `attach(..., enabled=False)` (or the
 environment variable MSCALE_GUARD=0) returns a `NullGuard` and leaves model and optimizer
@@ -116,6 +117,7 @@ class Guard:
         self._main_thread = threading.get_ident()
         self._scaler: Any = None  # a watched GradScaler: the step ends at its update()
         self._opt_stepped = False  # optimizer.step() ran in this step (scaler mode)
+        self._scaler_used = False  # the loop calls scaler.update(): steps end there
         self._install()
         if scaler is not None:
             self.watch_scaler(scaler)
@@ -194,11 +196,13 @@ class Guard:
         """End each step at `scaler.update()` (called once per iteration after `scaler.step`),
         so a step whose `optimizer.step()` the scaler skipped still ends: the loss detector sees
         its loss, plugins get `on_step_end` (a NaN rollback), the report says skipped. Snapshots
-        taken at the step end then hold the scale as updated for that step."""
+        taken at the step end then hold the scale as updated for that step. Until the loop first
+        calls `scaler.update()`, steps still end at the optimizer step."""
         if scaler is self._scaler:
             return
         if self._scaler is not None:
             raise ValueError("the guard already watches another GradScaler")
+        self._scaler_used = False
         original = scaler.update
 
         def update(*args: Any, **kwargs: Any) -> Any:
@@ -373,13 +377,16 @@ class Guard:
                       "clipped": clipped}
 
     def _post_step(self) -> None:
-        if self._scaler is None:
+        if self._scaler is None or not self._scaler_used:
             self._end_step()
         else:
             self._opt_stepped = True  # the step ends at scaler.update(), after the scale is updated
 
     def _scaler_update(self) -> None:
         stepped, self._opt_stepped = self._opt_stepped, False
+        # From now on steps end here. (Not before: a scaler held only to be snapshotted, in a
+        # loop that never calls it, must not leave every step open.)
+        self._scaler_used = True
         if not self._in_step:
             return
         if not stepped:
