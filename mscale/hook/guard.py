@@ -12,9 +12,9 @@ CMSA and the end of the step. With a `torch.amp.GradScaler` (`scaler=` or `watch
 step ends at `scaler.update()` instead, once the loop has called it (a loop that never does keeps
 ending at the optimizer step): the scaler skips `optimizer.step()` when it finds inf/NaN
 gradients, and without it a NaN step would never end (no rollback, no report). Nothing here
-raises into the training loop: detectors make findings, plugin errors are logged and counted. `attach(..., enabled=False)` (or the
-environment variable MSCALE_GUARD=0) returns a `NullGuard` and leaves model and optimizer
-untouched.
+raises into the training loop: detectors make findings, plugin errors are logged and counted.
+`attach(..., enabled=False)` (or the environment variable MSCALE_GUARD=0) returns a `NullGuard`
+and leaves model and optimizer untouched.
 """
 from __future__ import annotations
 
