@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +36,18 @@ def require(condition: bool, reason: str) -> None:
         if IN_CI:
             pytest.fail(reason)
         pytest.skip(reason)
+
+
+def stop_process(proc: "subprocess.Popen", timeout_s: float = 10) -> None:
+    """SIGTERM a service the test started, SIGKILL it if it does not exit in time."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def free_port() -> int:

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from conftest import REPO, free_port, require_tool
+from conftest import REPO, free_port, require_tool, stop_process
 from mscale.rules import params as paramsmod, render
 
 SHIPPED = REPO / "mscale" / "rules" / "alertmanager.yml"
@@ -56,12 +56,7 @@ class Alertmanager:
 
     def __exit__(self, *exc) -> None:
         if self.proc:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_process(self.proc)
         self.log.close()
 
     def logs(self) -> str:

@@ -12,15 +12,6 @@ from mscale.sim.inject import corrupt, inject
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread: on a shared 2-core machine, two OpenMP threads spin against each
-    other and a tiny step takes 10-30x longer."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 CFG = TinyConfig()
 

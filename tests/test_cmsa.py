@@ -13,13 +13,6 @@ from mscale.hook.mpu import discover
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def two_mpus():
     model = nn.Module()

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from conftest import REPO, free_port, require_tool
+from conftest import REPO, free_port, require_tool, stop_process
 from mscale.dashboards import build as dashboards
 from mscale.rules import render
 from test_alertmanager import Alertmanager, adapted_config
@@ -80,13 +80,8 @@ class Proc:
         return self
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc:
+            stop_process(self.proc)
         self.log.close()
 
     def logs(self) -> str:

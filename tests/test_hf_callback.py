@@ -19,13 +19,6 @@ IMAGE_TOKEN = 127
 PATCHES = (16 // 4) ** 2
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def tiny_llava() -> LlavaForConditionalGeneration:
     torch.manual_seed(0)

@@ -17,13 +17,6 @@ from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 CFG = TinyConfig()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def batches(n: int, seed: int = 0, size: int = 4):
     data = SyntheticCaptions(CFG, size=10_000, seed=seed)

@@ -25,14 +25,6 @@ from mscale.healing.snapshot import (
 )
 from test_snapshot_job import build, train_step
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: intra-op threads only add synchronisation on a busy 2-core machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 MPU_FILES = [f"mpu_{m}_{kind}.safetensors" for m in ("001_vision", "002_aligner", "003_text") for kind in ("state", "optim")]
 

@@ -37,6 +37,7 @@ class Zygote:
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1)
         self.lines: queue.Queue[str] = queue.Queue()
         self.pending: list[str] = []
+        self.children: set[int] = set()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -62,15 +63,29 @@ class Zygote:
 
     def run(self, *args: str) -> int:
         self.proc.stdin.write("run " + " ".join(shlex.quote(a) for a in args) + "\n")
-        return int(self.expect("PID")[1])
+        pid = int(self.expect("PID")[1])
+        self.children.add(pid)
+        return pid
 
     def wait(self, pid: int) -> int:
         self.proc.stdin.write(f"wait {pid}\n")
-        return int(self.expect("EXIT", pid)[2])
+        code = int(self.expect("EXIT", pid)[2])
+        self.children.discard(pid)
+        return code
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        # A failed or timed-out test must not leave job processes spinning behind it.
+        for pid in self.children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
         self.log.close()
 
 
