@@ -16,6 +16,7 @@ import yaml
 from mscale.findings import Reason
 from mscale.healing import actions
 from mscale.healing.fsm import Level
+from mscale.textfile import read_text
 
 TARGETS = ("mpu", "gpu", "job")
 DECIDERS = ("in_process", "agent")
@@ -89,12 +90,7 @@ def load(path: str | Path | None = None) -> Policy:
     if not path:
         text, where = default_text()
         return parse(text, where)
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise PolicyError(f"{p}: cannot read healing policy: {e.strerror}") from None
-    return parse(text, str(p))
+    return parse(read_text(path, PolicyError, "healing policy"), str(Path(path)))
 
 
 def parse(text: str, where: str = "<policy>") -> Policy:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from mscale.findings import Reason
+from mscale.textfile import read_text
 
 if TYPE_CHECKING:
     from mscale.daemon.config import HealthSection
@@ -101,12 +102,7 @@ def load_xid_table(path: str | None = None) -> XidTable:
     """The table at `path`, or the shipped one when path is empty/None."""
     if not path:
         return shipped_xid_table()
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise XidTableError(f"{p}: cannot read the Xid table: {e.strerror}") from None
-    return parse_xid_table(text, str(p))
+    return parse_xid_table(read_text(path, XidTableError, "the Xid table"), str(Path(path)))
 
 
 @functools.lru_cache(maxsize=1)

@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import yaml
 
+from mscale.textfile import read_text
+
 MAX_GPUS = 64
 MODELS = ("h100", "h200")
 NVLINKS_PER_GPU = 18  # H100/H200 SXM
@@ -222,9 +224,4 @@ def parse_timeline(text: str, source: str = "<timeline>") -> Timeline:
 
 
 def load_timeline(path: str | Path) -> Timeline:
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise TimelineError(f"{p}: cannot read the timeline: {e.strerror}") from None
-    return parse_timeline(text, str(p))
+    return parse_timeline(read_text(path, TimelineError, "the timeline"), str(Path(path)))
