@@ -8,6 +8,7 @@ import math
 
 import pytest
 import structlog
+import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
@@ -90,6 +91,7 @@ def test_corruption_persisting_on_the_standby_escalates_to_l2(reference):
     assert [s for _, s in states(r)][:3] == ["suspect", "l1_swapped", "l2_degraded"]
     (l2_step, l2), = heal(r, "l2_degrade")
     assert l2_step == 34 and l2.labels["level"] == "L2"
+    assert "fallback" not in l2.labels  # on CPU with l2_precision_fallback off (the default): none
     assert not heal(r, "l3_distill")  # the degraded run came clean: no L3
     (rec_step, _), = heal(r, "recover")  # after a clean stretch the degradation is undone
     assert rec_step > l2_step and "001" not in r.fuse.degraded
@@ -123,6 +125,60 @@ def test_l2_reduces_the_vision_input_resolution_and_raises_the_clip():
         assert all(math.isfinite(l) for _, l in r.losses)
     finally:
         r.close()
+
+
+def test_l2_precision_fallback_runs_the_degraded_mpu_in_bf16_until_recovery():
+    from mscale.daemon.config import HealingSection
+
+    # (step, dtype the vision tower's first Linear computed in): autocast casts its inputs inside
+    # the op, so the hook's args stay fp32 and the output's dtype shows the GEMM's precision
+    seen: list[tuple[int, torch.dtype]] = []
+
+    def watch(r) -> None:
+        if not getattr(r, "_watched", False):  # hooked once, on the first step
+            r._watched = True
+            patch = r.guard.mpu("vision").module.patch_embed
+            patch.register_forward_hook(lambda mod, args, out: seen.append((r.guard.current_step, out.dtype)))
+
+    faults = (Fault(30, "corrupt", {"gpu": 0, "mode": "noise", "steps": 20}),
+              Fault(30, "corrupt", {"gpu": 3, "mode": "noise", "steps": 4}))  # as in the L2 scenario
+    healing = HealingSection(recovery_clean_steps=20, lr_cool_steps=10, l2_precision_fallback=True)
+    r = run(RunConfig(steps=70, faults=faults, healing=healing, before_step=watch))
+    (l2_step, l2), = heal(r, "l2_degrade")
+    assert l2.labels["fallback"] == "bf16" and "bf16" in l2.message
+    (rec_step, _), = heal(r, "recover")
+    assert l2_step < rec_step < 70
+    by_step = {}
+    for step, dtype in seen:
+        by_step.setdefault(step, set()).add(dtype)
+    assert all(by_step[s] == {torch.bfloat16} for s in range(l2_step + 1, rec_step)), by_step
+    assert all(by_step[s] == {torch.float32} for s in range(rec_step + 1, 70))  # fp32 again after recovery
+    assert all(by_step[s] == {torch.float32} for s in range(0, 30))
+    assert "forward" not in r.guard.mpu("vision").module.__dict__  # the wrapper is gone
+    assert all(math.isfinite(l) for _, l in r.losses) and not r.nonfinite_weights
+    assert r.steps_lost == 0 and math.isfinite(r.eval_loss)
+
+
+def test_run_degraded_on_cpu_autocasts_only_when_asked_and_undo_restores_the_forward():
+    from torch import nn
+
+    from mscale.healing.actions.degrade import run_degraded
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.randn(3, 8)
+    inner: list[tuple[torch.dtype, bool]] = []
+    m[0].register_forward_hook(lambda mod, args, out: inner.append((out.dtype, torch.is_autocast_enabled("cpu"))))
+    ref = m(x)
+    assert run_degraded(m) is None and m(x).dtype == torch.float32  # off by default: no fallback on CPU
+    fb = run_degraded(m, precision=True)
+    assert fb.kind == "bf16" and "forward" in m.__dict__
+    out = m(x)
+    assert out.dtype == torch.float32  # cast back to the input dtype
+    assert torch.allclose(out, ref, rtol=0.05, atol=0.05) and not torch.equal(out, ref)
+    fb.undo()
+    assert "forward" not in m.__dict__ and torch.equal(m(x), ref)  # the class forward again, bit-exact
+    assert inner == [(torch.float32, False), (torch.float32, False), (torch.bfloat16, True), (torch.float32, False)]
 
 
 def test_corruption_persisting_in_l2_engages_l3_then_removes_it_after_recovery(reference):

@@ -120,6 +120,9 @@ class HealingSection:
     distill_weight_min: float = opt(0.15, "lower bound of the L3 distillation share of the loss", min=0.0, max=1.0)
     distill_weight_max: float = opt(0.30, "upper bound of the L3 distillation share of the loss", min=0.0, max=1.0)
     policy: str = opt("", "healing policy YAML (empty: the shipped default policy)")
+    l2_precision_fallback: bool = opt(False, "L2 on a CPU MPU also runs its forward in bf16; trades checksum sensitivity "
+                                      "(bf16 tolerance 1e-2 vs 2e-6 in fp32: corruption below it goes unseen while "
+                                      "degraded, so L3 may not engage). An MPU on a GPU moves to the CPU regardless")
 
 
 @dataclass(frozen=True)

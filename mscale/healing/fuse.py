@@ -64,7 +64,8 @@ class Placement:
 class Fuse:
     def __init__(self, *, config: HealingSection | None = None, policy: Policy | str | None = None,
                  snapshots: Any = None, gpu_count: int | None = None, l2_resolution: float = 0.5,
-                 l2_clip_factor: float = 2.0, drive_snapshots: bool = True,
+                 l2_clip_factor: float = 2.0, l2_precision_fallback: bool | None = None,
+                 drive_snapshots: bool = True,
                  clock: Callable[[], float] = time.time) -> None:
         self.cfg = config or HealingSection()
         self.policy = policy if isinstance(policy, Policy) else policymod.load(policy or self.cfg.policy)
@@ -72,6 +73,9 @@ class Fuse:
         self.drive_snapshots = drive_snapshots  # call snapshots.step_end after each good step
         self.l2_resolution = l2_resolution
         self.l2_clip_factor = l2_clip_factor
+        # None: the config's; bf16 on CPU loosens the checksums, so it is opt-in
+        self.l2_precision_fallback = (self.cfg.l2_precision_fallback if l2_precision_fallback is None
+                                      else l2_precision_fallback)
         self.clock = clock
         self._gpu_count = gpu_count
         self.guard: Any = None
@@ -85,7 +89,7 @@ class Fuse:
         self.placement: dict[str, Placement] = {}
         self.pending_rerun: set[str] = set()
         self.failed_step: set[str] = set()
-        self.degraded: dict[str, Any] = {}  # mpu_id -> pre-hook handle
+        self.degraded: dict[str, tuple[Any, Any]] = {}  # mpu_id -> (resolution pre-hook handle, Fallback or None)
         self.distilling: dict[str, Distill] = {}
         self.rollbacks: list[dict] = []  # what each rollback did (tests, demo)
         self.skipped_steps: list[int] = []
@@ -121,9 +125,13 @@ class Fuse:
     def on_detach(self, guard: Any) -> None:
         for mpu_id in list(self.distilling):
             self.distilling.pop(mpu_id)
-        for h in self._handles + list(self.degraded.values()):
+        for h in self._handles:
             h.remove()
         self._handles.clear()
+        for h, fallback in self.degraded.values():
+            h.remove()
+            if fallback is not None:
+                fallback.undo()
         self.degraded.clear()
 
     def snapshot_emit(self, f: Finding) -> None:
@@ -265,6 +273,8 @@ class Fuse:
         extra = {}
         if d.action == "l1_swap" and result == "applied" and d.target.mpu_id in self.last_swap:
             extra["to_gpu"] = str(self.last_swap[d.target.mpu_id][1])
+        if d.action == "l2_degrade" and result == "applied" and d.target.mpu_id in self.fallbacks:
+            extra["fallback"] = self.fallbacks[d.target.mpu_id]
         self.engine.record(d, result, detail=self._detail(d), labels=extra)
         if d.target.mpu_id:
             m = self.guard.mpu(d.target.mpu_id)
@@ -280,6 +290,10 @@ class Fuse:
         if d.action == "l1_swap" and d.target.mpu_id in self.last_swap:
             old, new, restored = self.last_swap[d.target.mpu_id]
             return f"gpu {old} -> {new}" + (", weights restored from the snapshot" if restored else "")
+        if d.action == "l2_degrade" and d.target.mpu_id in self.degraded:
+            kind = self.fallbacks.get(d.target.mpu_id)
+            where = {"cpu": "moved to the CPU, ", "bf16": "forward in bf16, "}.get(kind or "", "")
+            return f"{where}inputs at {self.l2_resolution:g}x resolution"
         return ""
 
     def _in_forward(self) -> bool:
@@ -386,9 +400,15 @@ class Fuse:
 
     # L2 ---------------------------------------------------------------------------------
 
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        """The fallback each degraded MPU runs on: mpu_id -> "cpu" or "bf16"."""
+        return {k: fb.kind for k, (_, fb) in self.degraded.items() if fb is not None}
+
     def degrade(self, m: Any) -> None:
         if m.mpu_id in self.degraded:
             return
+        from mscale.healing.actions.degrade import run_degraded
         scale = self.l2_resolution
 
         def reduce(module: Any, args: tuple, kwargs: dict) -> tuple | None:
@@ -398,15 +418,23 @@ class Fuse:
             size = (max(1, int(x.shape[-2] * scale)), max(1, int(x.shape[-1] * scale)))
             return (F.interpolate(x, size=size, mode="bilinear", align_corners=False), *args[1:]), kwargs
 
-        self.degraded[m.mpu_id] = m.module.register_forward_pre_hook(reduce, with_kwargs=True)
+        fallback = run_degraded(m.module, self.guard.optimizer, precision=self.l2_precision_fallback)
+        if fallback is not None:
+            self.guard.checksum.forget(m)  # its cached weight sums (the weights may have moved)
+        self.degraded[m.mpu_id] = (m.module.register_forward_pre_hook(reduce, with_kwargs=True), fallback)
+        log.warning("mpu_degraded", mpu_id=m.mpu_id, fallback=fallback.kind if fallback else "none",
+                    device=str(m.device))
         if self.guard.cmsa is not None:
             self.guard.cmsa.raise_threshold(m, self.l2_clip_factor)
 
     def undegrade(self, m: Any) -> None:
-        h = self.degraded.pop(m.mpu_id, None)
+        h, fallback = self.degraded.pop(m.mpu_id, (None, None))
         if h is None:
             return
         h.remove()
+        if fallback is not None:
+            fallback.undo()
+            self.guard.checksum.forget(m)
         if self.guard.cmsa is not None:
             self.guard.cmsa.reset_threshold(m)
 

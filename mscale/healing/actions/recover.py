@@ -1,4 +1,4 @@
-"""RECOVERED: a clean stretch after L1/L2/L3. The L2 and L3 measures are undone (resolution,
+"""RECOVERED: a clean stretch after L1/L2/L3. The L2 and L3 measures are undone (fallback, resolution,
 clip threshold, distillation term); an L1 swap stays (the old GPU stays avoided)."""
 from __future__ import annotations
 
