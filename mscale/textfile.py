@@ -12,3 +12,14 @@ def read_text(path: str | os.PathLike, error: type[Exception], what: str) -> str
         return p.read_text()
     except OSError as e:
         raise error(f"{p}: cannot read {what}: {e.strerror}") from None
+
+
+def write_files(directory: str | os.PathLike, files: dict[str, str]) -> list[Path]:
+    """Write each named text into `directory` (created if missing); returns the paths written."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in files.items():
+        (out / name).write_text(text)
+        written.append(out / name)
+    return written

@@ -10,11 +10,12 @@ import dataclasses
 import os
 import re
 import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from mscale.textfile import read_text
 
 DEFAULT_PATH = Path("/etc/mscale/agent.toml")
 ENV_PREFIX = "MSCALE_"
@@ -216,10 +217,7 @@ def load(path: str | os.PathLike | None) -> Config:
             return from_dict({})
         path = DEFAULT_PATH
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read config: {e.strerror}") from None
+    text = read_text(p, ConfigError, "config")
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:

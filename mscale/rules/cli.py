@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
+
+from mscale.textfile import write_files
 
 HELP = "write the Prometheus alert/recording rules and the Alertmanager example"
 
@@ -28,9 +29,6 @@ def run(args: argparse.Namespace) -> int:
     except (paramsmod.ParamsError, render.RenderError) as e:
         print(f"mscale rules: {e}", file=sys.stderr)
         return 2
-    out = Path(args.dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        (out / name).write_text(text)
-        print(out / name)
+    for path in write_files(args.dir, files):
+        print(path)
     return 0
