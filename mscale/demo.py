@@ -19,7 +19,7 @@ HELP = "run the demo: a simulated 8-GPU node and a small multimodal model traine
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", default="127.0.0.1:9400", metavar="HOST:PORT",
+    p.add_argument("--listen", default="127.0.0.1:9477", metavar="HOST:PORT",
                    help="where the agent serves /metrics and its API (busy: a free port is used)")
     p.add_argument("--out", default="mscale-demo", metavar="DIR", help="where the summary and the plot go")
     p.add_argument("--steps", type=int, default=360, help="training steps (the fault script scales with it)")

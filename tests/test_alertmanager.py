@@ -189,7 +189,7 @@ async def test_real_alertmanager_inhibits_symptoms_and_delivers_the_rest_with_th
             # test_inhibition_sources_fire_before_their_targets)
             causes = [
                 alert("MscaleGpuFatalXid", node="node-a", gpu="3", gpu_uuid="GPU-3", xid="79"),
-                alert("MscaleAgentDown", node="node-b", instance="node-b:9400"),
+                alert("MscaleAgentDown", node="node-b", instance="node-b:9477"),
                 alert("MscaleNodeDown", node="node-c"),
             ]
             async with session.post(f"{am.url}/api/v2/alerts", json=causes) as r:
@@ -208,7 +208,7 @@ async def test_real_alertmanager_inhibits_symptoms_and_delivers_the_rest_with_th
                 alert("MscaleProbeDown", node="node-b", probe="gpu"),
                 alert("MscaleProbeDown", node="node-a", probe="ebpf"),
                 # a node down hides everything else on that node
-                alert("MscaleAgentDown", node="node-c", instance="node-c:9400"),
+                alert("MscaleAgentDown", node="node-c", instance="node-c:9477"),
                 alert("MscaleGpuTemperatureHigh", node="node-c", gpu="0", gpu_uuid="GPU-C0"),
                 alert("MscaleMpuHealthLow", node="node-c", job_id="j9", mpu_id="001", gpu="0", gpu_uuid="GPU-C0"),
             ]

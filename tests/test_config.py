@@ -60,7 +60,7 @@ def test_missing_config_file_exits_2(tmp_path) -> None:
 
 def test_defaults_and_overrides() -> None:
     cfg = from_dict({})
-    assert cfg.agent.listen == "127.0.0.1:9400" and cfg.probes.gpu.interval_s == 1.0
+    assert cfg.agent.listen == "127.0.0.1:9477" and cfg.probes.gpu.interval_s == 1.0
     assert cfg.health.temperature_degraded_c == 83.0 and cfg.health.sbe_per_hour_degraded == 100.0
     cfg = from_dict({"probes": {"gpu": {"interval_s": 2}}, "health": {"temperature_degraded_c": 85}})
     assert cfg.probes.gpu.interval_s == 2.0 and isinstance(cfg.probes.gpu.interval_s, float)

@@ -103,7 +103,7 @@ def test_params_override_changes_rules_and_bad_override_is_refused(tmp_path: Pat
 def test_cli_export_writes_valid_files_and_refuses_bad_params(tmp_path: Path):
     promtool = require_tool("promtool")
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "mscale", "rules", "export", str(out), "--agent-url", "http://10.0.0.7:9400",
+    cmd = [sys.executable, "-m", "mscale", "rules", "export", str(out), "--agent-url", "http://10.0.0.7:9477",
            "--token-file", "/run/secrets/token"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr
@@ -113,7 +113,7 @@ def test_cli_export_writes_valid_files_and_refuses_bad_params(tmp_path: Path):
     assert check.returncode == 0, check.stdout + check.stderr
     am = yaml.safe_load((out / render.ALERTMANAGER_FILE).read_text())
     hooks = [w for r in am["receivers"] for w in r["webhook_configs"]]
-    assert {w["url"] for w in hooks} == {"http://10.0.0.7:9400/api/v1/alerts"}
+    assert {w["url"] for w in hooks} == {"http://10.0.0.7:9477/api/v1/alerts"}
     assert {w["http_config"]["authorization"]["credentials_file"] for w in hooks} == {"/run/secrets/token"}
 
     bad = tmp_path / "bad.yaml"

@@ -35,7 +35,7 @@ def opt(default: Any, help: str, *, min: float | None = None, max: float | None 
 
 @dataclass(frozen=True)
 class AgentSection:
-    listen: str = opt("127.0.0.1:9400", "HTTP listen address HOST:PORT for /metrics and the API (port 0 picks one)")
+    listen: str = opt("127.0.0.1:9477", "HTTP listen address HOST:PORT for /metrics and the API (port 0 picks one)")
     socket_path: str = opt("/run/mscale/agent.sock", "Unix socket the hook library connects to")
     node: str = opt("", "node name in labels and events (empty: the host name)")
     simulate: str = opt("", "fault timeline YAML: run on simulated GPUs instead of NVML (empty: real GPUs)")

@@ -24,7 +24,7 @@ log = structlog.get_logger("mscale.agent")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help=f"TOML config (default {configmod.DEFAULT_PATH} if present)")
     p.add_argument("--simulate", metavar="TIMELINE.yaml", help="simulated GPUs driven by this fault timeline")
-    p.add_argument("--listen", metavar="HOST:PORT", help="HTTP listen address (default 127.0.0.1:9400)")
+    p.add_argument("--listen", metavar="HOST:PORT", help="HTTP listen address (default 127.0.0.1:9477)")
     p.add_argument("--socket", metavar="PATH", help="Unix socket for the hook library")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
 

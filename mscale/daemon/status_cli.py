@@ -12,7 +12,7 @@ HELP = "show GPUs, jobs, MPUs, health scores, fuse levels and the last events of
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--agent", default="http://127.0.0.1:9400", metavar="URL", help="the agent's HTTP address")
+    p.add_argument("--agent", default="http://127.0.0.1:9477", metavar="URL", help="the agent's HTTP address")
     p.add_argument("--events", type=int, default=10, metavar="N", help="how many recent events to show")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     p.add_argument("--timeout", type=float, default=5.0, metavar="S")

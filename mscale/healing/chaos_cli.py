@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     inj = sub.add_parser("inject", help="inject one fault", description=__doc__,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     inj.add_argument("kind", choices=KINDS)
-    inj.add_argument("--agent", default="http://127.0.0.1:9400", metavar="URL", help="the agent (loopback only)")
+    inj.add_argument("--agent", default="http://127.0.0.1:9477", metavar="URL", help="the agent (loopback only)")
     inj.add_argument("--job-id", help="only this job (default: every job)")
     inj.add_argument("--mpu", help="corrupt: MPU id or name")
     inj.add_argument("--gpu", type=int, help="corrupt/xid/ecc: simulated GPU index")

@@ -14,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e = sub.add_parser("export", help="write mscale-alerts.yml, mscale-recording.yml and alertmanager.yml into DIR")
     e.add_argument("dir", metavar="DIR", help="output directory (created if missing)")
     e.add_argument("--params", metavar="FILE", help="YAML overrides merged over mscale/rules/params.yaml")
-    e.add_argument("--agent-url", metavar="URL", help="the agent's base URL for the healing webhook (e.g. http://node-a:9400)")
+    e.add_argument("--agent-url", metavar="URL", help="the agent's base URL for the healing webhook (e.g. http://node-a:9477)")
     e.add_argument("--token-file", metavar="PATH", help="file Alertmanager reads the webhook bearer token from")
 
 
