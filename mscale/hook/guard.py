@@ -442,8 +442,13 @@ class Guard:
     def _step_loss(self) -> float | None:
         if not self._losses:
             return None
-        vals = [float(v) for v in self._losses]
-        return sum(vals) / len(vals)
+        if len(self._losses) == 1:
+            return float(self._losses[0])
+        # several forwards (gradient accumulation): one read-back for all their losses
+        vals = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in self._losses]
+        if len({v.device for v in vals}) == 1:
+            return torch.stack([v.reshape(()).to(torch.float64) for v in vals]).mean().item()
+        return sum(float(v) for v in vals) / len(vals)
 
     def _report(self) -> dict:
         last = self._last
