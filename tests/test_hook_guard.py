@@ -202,12 +202,19 @@ def test_on_mpu_output_can_replace_and_request_skip() -> None:
     assert guard._report()["skipped"] is True
 
 
-def test_explicit_step_with_a_plain_loss() -> None:
-    """A model that returns logits: the loop gives the loss with guard.step(loss)."""
+
+def _logits_model() -> nn.Module:
+    """Two MPUs and a forward that returns logits, not a loss: the loop computes the loss."""
     model = nn.Module()
     model.vision_tower = nn.Linear(8, 8)
     model.language_model = nn.Linear(8, 2)
     model.forward = lambda x: model.language_model(torch.relu(model.vision_tower(x)))
+    return model
+
+
+def test_explicit_step_with_a_plain_loss() -> None:
+    """A model that returns logits: the loop gives the loss with guard.step(loss)."""
+    model = _logits_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rec = Recorder()
     guard = attach(model, opt, job_id="plain", connect=False, plugins=[rec])
@@ -234,10 +241,7 @@ def test_grad_scaler_overflow_still_ends_the_step_without_a_fault() -> None:
     """A GradScaler skips optimizer.step() on inf gradients; the guard ends such a step at
     scaler.update(). A finite loss with overflowing gradients is the scaler's business (it
     lowers the scale): no finding, the loss detector still sees the loss."""
-    model = nn.Module()
-    model.vision_tower = nn.Linear(8, 8)
-    model.language_model = nn.Linear(8, 2)
-    model.forward = lambda x: model.language_model(torch.relu(model.vision_tower(x)))
+    model = _logits_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     # the first scale overflows fp32 gradients; the back-off brings it to a usable one
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, backoff_factor=2.0**-100)
@@ -264,10 +268,7 @@ def test_grad_scaler_overflow_still_ends_the_step_without_a_fault() -> None:
 def test_a_watched_scaler_the_loop_never_calls_changes_nothing() -> None:
     """A scaler handed over (e.g. only to be snapshotted) but never used by the loop: steps still
     end at the optimizer step."""
-    model = nn.Module()
-    model.vision_tower = nn.Linear(8, 8)
-    model.language_model = nn.Linear(8, 2)
-    model.forward = lambda x: model.language_model(torch.relu(model.vision_tower(x)))
+    model = _logits_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rec = Recorder()
     guard = attach(model, opt, job_id="unused-scaler", connect=False, plugins=[rec],
