@@ -99,7 +99,7 @@ def loop_overhead(caller_path: str, *, window_s: float, period_s: float, work_ns
                   chunk_s: float, attach_mode: str, trace: bool = True) -> tuple[list[float], list[float], int, int]:
     """([wall, cpu] seconds traced, [wall, cpu] twin, launches seen, launches made) over
     alternating chunks. trace=False registers nobody: the control, both processes bare."""
-    from mscale.daemon.config import from_dict
+    from mscale.config import from_dict
     from mscale.daemon.state import AgentState
     from mscale.probes import spec
     from mscale.probes.base import ProbeContext
@@ -154,7 +154,7 @@ def loop_overhead(caller_path: str, *, window_s: float, period_s: float, work_ns
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mscale.daemon.config import EbpfProbeSection
+    from mscale.config import EbpfProbeSection
 
     d = EbpfProbeSection()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -25,7 +25,7 @@ import structlog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mscale.healing.scenario import Fault, Run, RunConfig, run  # noqa: E402
+from mscale.demo.scenario import Fault, Run, RunConfig, run  # noqa: E402
 
 
 def step_time(r) -> float:
@@ -47,7 +47,7 @@ def checksum_to_swap(reps: int = 5) -> tuple[list[float], list[float], float]:
 
 
 def xid_to_emergency_snapshot(reps: int = 3) -> tuple[list[float], float]:
-    from mscale.healing.embedded import EmbeddedAgent
+    from mscale.demo.embedded import EmbeddedAgent
 
     out, steps = [], []
     for i in range(reps):

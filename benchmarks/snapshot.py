@@ -44,7 +44,7 @@ def median(xs: list[float]) -> float:
 def build(gib: float):
     import torch
 
-    from mscale.healing.data import ResumableLoader
+    from mscale.snapshot.data import ResumableLoader
     from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
     layers = 2
@@ -99,7 +99,7 @@ def main() -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from mscale.healing.snapshot import SnapshotEngine, verify_snapshot
+    from mscale.snapshot.engine import SnapshotEngine, verify_snapshot
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))  # errors only
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

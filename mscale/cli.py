@@ -7,12 +7,12 @@ import sys
 
 COMMANDS: dict[str, str] = {
     "agent": "mscale.daemon.main",
-    "demo": "mscale.demo",
+    "demo": "mscale.demo.cli",
     "status": "mscale.daemon.status_cli",
-    "chaos": "mscale.healing.chaos_cli",
+    "chaos": "mscale.sim.chaos_cli",
     "rules": "mscale.rules.cli",
     "dashboards": "mscale.dashboards.cli",
-    "snapshot": "mscale.healing.snapshot_cli",
+    "snapshot": "mscale.snapshot.cli",
 }
 
 

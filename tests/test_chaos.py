@@ -16,8 +16,8 @@ import pytest
 import structlog
 
 from mscale.daemon.chaos import is_loopback_peer
-from mscale.healing.embedded import EmbeddedAgent
-from mscale.healing.scenario import Run, RunConfig
+from mscale.demo.embedded import EmbeddedAgent
+from mscale.demo.scenario import Run, RunConfig
 from conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ from torch import nn
 
 from mscale.findings import Reason
 from mscale.hook.guard import attach
-from mscale.probes.checksum import DEFAULT_RTOL, ChecksumConfig
+from mscale.hook.checksum import DEFAULT_RTOL, ChecksumConfig
 from mscale.sim.inject import corrupt, inject
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 

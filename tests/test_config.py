@@ -9,8 +9,8 @@ import tomllib
 
 import pytest
 
-from mscale.daemon import config as configmod
-from mscale.daemon.config import ConfigError, from_dict, load, parse_bool, reference_markdown
+from mscale import config as configmod
+from mscale.config import ConfigError, from_dict, load, parse_bool, reference_markdown
 
 from conftest import REPO
 
@@ -93,7 +93,7 @@ def test_readme_config_table_is_generated() -> None:
     m = re.search(r"<!-- config-table:begin[^>]*-->\n(.*?)\n<!-- config-table:end -->", readme, re.S)
     assert m, "README lacks the config-table markers"
     assert m.group(1).strip() == reference_markdown().strip(), \
-        "README config table is stale: regenerate it from mscale.daemon.config.reference_markdown()"
+        "README config table is stale: regenerate it from mscale.config.reference_markdown()"
 
 
 def _keys() -> list[str]:

@@ -28,13 +28,13 @@ RULES_DIR = REPO / "mscale" / "rules"
 TOKEN = "e2e-token-0123456789"
 GPU = 0  # the vision MPU's GPU in the job below
 JOB = "e2e-job"
-# A real training job, built as the demo builds it (mscale.healing.scenario.Run): the tiny
+# A real training job, built as the demo builds it (mscale.demo.scenario.Run): the tiny
 # multimodal model on CPU with the hook library, the fuse, snapshots (in memory, and on disk in
 # its working directory every 20 steps) and the chaos plugin, linked to the agent. Paced so that
 # it stays light on a shared machine.
 JOB_SCRIPT = """
 import sys, time
-from mscale.healing.scenario import Run, RunConfig
+from mscale.demo.scenario import Run, RunConfig
 run = Run(RunConfig(steps=10**9, job_id=sys.argv[2], socket_path=sys.argv[1], snapshot_dir="snapshots", disk_every=20))
 while True:
     run.one_step()

@@ -25,7 +25,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, require, require_tool
-from mscale.daemon.config import from_dict
+from mscale.config import from_dict
 from mscale.daemon.state import AgentState
 from mscale.exporters import make_registry
 from mscale.findings import Reason
@@ -520,7 +520,7 @@ def test_a_bad_cmdline_pattern_is_reported_not_raised() -> None:
 
 UNPRIVILEGED = r"""
 import time
-from mscale.daemon.config import from_dict
+from mscale.config import from_dict
 from mscale.daemon.state import AgentState
 from mscale.probes import spec
 from mscale.probes.base import ProbeContext, ProbeUnavailable

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 from mscale.exporters.healing import families
-from mscale.healing.scenario import Fault, RunConfig, relative_gap, run
+from mscale.demo.scenario import Fault, RunConfig, relative_gap, run
 
 STEPS = 100
 
@@ -106,7 +106,7 @@ def test_corruption_persisting_on_the_standby_escalates_to_l2(reference):
 
 
 def test_l2_reduces_the_vision_input_resolution_and_raises_the_clip():
-    from mscale.healing.scenario import Run
+    from mscale.demo.scenario import Run
 
     r = Run(RunConfig(steps=10))
     try:
@@ -128,7 +128,7 @@ def test_l2_reduces_the_vision_input_resolution_and_raises_the_clip():
 
 
 def test_l2_precision_fallback_runs_the_degraded_mpu_in_bf16_until_recovery():
-    from mscale.daemon.config import HealingSection
+    from mscale.config import HealingSection
 
     # (step, dtype the vision tower's first Linear computed in): autocast casts its inputs inside
     # the op, so the hook's args stay fp32 and the output's dtype shows the GEMM's precision

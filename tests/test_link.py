@@ -22,7 +22,7 @@ from aiohttp import web
 from conftest import free_port, require
 from mscale.daemon import keys
 from mscale.daemon.app import create_app
-from mscale.daemon.config import Config, SocketSection, AgentSection
+from mscale.config import Config, SocketSection, AgentSection
 from mscale.hook.guard import attach
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
@@ -304,8 +304,8 @@ def test_snapshot_and_loss_findings_become_per_job_metrics(sock: str, tmp_path: 
     them per job_id: writes (duration histogram, size, last success), a failed write, the
     recovery times of a rollback (memory) and a resume (disk), and the findings counter."""
     from mscale.findings import Reason
-    from mscale.healing.data import ResumableLoader
-    from mscale.healing.snapshot import SnapshotPlugin
+    from mscale.snapshot.data import ResumableLoader
+    from mscale.snapshot.engine import SnapshotPlugin
 
     agent = Agent(sock)
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from mscale.findings import Reason, Severity
-from mscale.probes.loss import LossConfig, LossDetector
+from mscale.hook.loss import LossConfig, LossDetector
 
 
 def curve(n: int, seed: int = 0, start: float = 4.0, end: float = 2.0, noise: float = 0.02) -> list[float]:

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from conftest import require
 from mscale.findings import Reason
-from mscale.healing.snapshot import (
+from mscale.snapshot.engine import (
     MANIFEST, NONMPU_FILE, NONMPU_OPTIM_FILE, TRAIN_STATE, RollbackUnavailable, SnapshotEngine, SnapshotInvalid, SnapshotPlugin,
     list_snapshots, load_snapshot, verify_snapshot,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mscale.healing.data import ResumableFileStream, ResumableLoader, epoch_order, indices_of
+from mscale.snapshot.data import ResumableFileStream, ResumableLoader, epoch_order, indices_of
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig
 
 DATA = SyntheticCaptions(TinyConfig(), size=100, seed=3)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import free_port
-from mscale.healing.snapshot import list_snapshots, verify_snapshot
+from mscale.snapshot.engine import list_snapshots, verify_snapshot
 from test_snapshot_resume import Zygote
 
 

@@ -37,8 +37,8 @@ if __name__ == "__main__":  # run as a script from the repository root
 import numpy as np
 import torch
 
-from mscale.healing.data import ResumableLoader
-from mscale.healing.snapshot import SnapshotEngine
+from mscale.snapshot.data import ResumableLoader
+from mscale.snapshot.engine import SnapshotEngine
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
 CFG = TinyConfig()
@@ -76,7 +76,7 @@ def guarded(args, model, net, optimizer, scheduler, scaler, loader, engine) -> t
     """The same training through the Guard (steps counted from 0 there): the NaN loss is the
     guard's LOSS_NONFINITE finding, and the SnapshotPlugin rolls every rank back at step end."""
     from mscale.findings import Reason
-    from mscale.healing.snapshot import SnapshotPlugin
+    from mscale.snapshot.engine import SnapshotPlugin
     from mscale.hook import attach
 
     plugin = SnapshotPlugin(engine, rollback_on={Reason.LOSS_NONFINITE})

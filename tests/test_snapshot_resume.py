@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO
-from mscale.healing.snapshot import SnapshotEngine, list_snapshots, verify_snapshot
+from mscale.snapshot.engine import SnapshotEngine, list_snapshots, verify_snapshot
 from mscale.sim.tinymm import TinyConfig
 from test_snapshot_job import build
 

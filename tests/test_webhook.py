@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import structlog
 
-from mscale.healing.embedded import EmbeddedAgent
-from mscale.healing.scenario import Run, RunConfig
+from mscale.demo.embedded import EmbeddedAgent
+from mscale.demo.scenario import Run, RunConfig
 
 FIXTURE = Path(__file__).parent / "fixtures" / "webhook" / "xid79_firing.json"
 

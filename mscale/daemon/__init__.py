@@ -1,1 +1,6 @@
-"""The node agent process."""
+"""AGENT process (`mscale agent`): service loop, HTTP API, webhook, Unix-socket link server,
+job state, the agent's healing service, systemd notify.
+
+May import: findings, config, link, healing (the decision core), probes, exporters, rules.
+Never imports torch, and nothing job-side (hook, snapshot) imports this package.
+"""

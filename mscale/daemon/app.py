@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Callable
 from aiohttp import web
 
 from mscale.daemon import keys
-from mscale.daemon.config import Config
+from mscale.config import Config
 from mscale.daemon.runner import ProbeRunner
 from mscale.daemon.state import AgentState, EventLog, ProbeStatus
 from mscale.exporters import make_registry
@@ -26,7 +26,7 @@ FEATURES: tuple[str, ...] = (
     "mscale.daemon.link",
     "mscale.daemon.chaos",
     "mscale.daemon.status_api",
-    "mscale.healing.service",
+    "mscale.daemon.healing",
 )
 
 

@@ -13,7 +13,7 @@ Loopback peers only (anything else is refused 403 and counted). A JSON body name
 GPU faults go to the simulated GPUs (`SimNvml.inject`), so the GPU probe sees them as it
 would a real one, and to the jobs, whose injector corrupts the outputs of the MPUs bound to
 that GPU. Job faults go to the jobs as `{"type": "chaos", ...}` commands (the job's
-`mscale.healing.chaos_job.ChaosPlugin` carries them out).
+`mscale.sim.chaos_job.ChaosPlugin` carries them out).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from mscale.daemon.config import Config
+from mscale.config import Config
 from mscale.daemon.state import AgentState
 
 CONFIG = web.AppKey("config", Config)

@@ -13,7 +13,8 @@ import structlog
 from aiohttp import web
 
 from mscale import logs
-from mscale.daemon import config as configmod, keys
+from mscale import config as configmod
+from mscale.daemon import keys
 from mscale.daemon.app import create_app, new_state
 from mscale.daemon.notify import Notifier
 

@@ -114,7 +114,7 @@ def _book(app: web.Application, rule, cond, result: str, why: str) -> None:
 
 
 async def alerts(request: web.Request) -> web.Response:
-    from mscale.healing import service
+    from mscale.daemon import healing as service
     from mscale.healing.engine import Condition
 
     why = _authorised(request)

@@ -1,5 +1,9 @@
-"""Exporter registry: one line per collector module. Each exports `collect(state)`
-yielding prometheus_client metric families built from the agent's latest snapshots."""
+"""AGENT: Prometheus collectors over the agent's state. Registry: one line per collector
+module; each exports `collect(state)` yielding prometheus_client metric families built from
+the agent's latest snapshots (a scrape never touches hardware).
+
+May import: daemon.state, daemon.jobs, probes, healing. Never imports torch.
+"""
 from __future__ import annotations
 
 import importlib

@@ -2,7 +2,7 @@
 
 One engine class serves both halves. In the training process the fuse plugin feeds it the
 detectors' findings (with the step they were seen at) and carries the decisions out itself;
-in the agent, `mscale.healing.service` feeds it the node's findings and alerts and sends the
+in the agent, `mscale.daemon.healing` feeds it the node's findings and alerts and sends the
 decisions to jobs as commands. Both keep the same books: per-MPU fuse state machines, the
 dedup ledger, counters for `mscale_heal_actions_total` and `mpu_drift_count_total`.
 
@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import structlog
 
-from mscale.daemon.config import HealingSection
+from mscale.config import HealingSection
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing import actions
 from mscale.healing.fsm import IllegalTransition, JobFuse, Level, MpuFuse, Transition

@@ -1,6 +1,8 @@
-"""The in-process hook library: the Guard, its MPUs, detectors, CMSA and the agent link.
+"""TRAINING JOB: the in-process hook library: the Guard, its MPUs, the checksum and loss
+detectors, CMSA, the fuse plugin, the agent link client and the Hugging Face callback.
 
-Importing this package imports torch; `import mscale` does not (it re-exports lazily).
+May import: findings, config, link, healing (the decision core), snapshot. Never imports
+daemon. Importing this package imports torch; `import mscale` does not (it re-exports lazily).
 """
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ from mscale.hook.cmsa import Cmsa, CmsaConfig
 from mscale.hook.guard import Guard, ModelInputs, NullGuard, attach
 from mscale.hook.mpu import KNOWN_NAMES, Mpu, MpuLayoutError, discover
 from mscale.hook.plugin import Plugin
-from mscale.probes.checksum import ChecksumConfig
-from mscale.probes.loss import LossConfig
+from mscale.hook.checksum import ChecksumConfig
+from mscale.hook.loss import LossConfig
 
 __all__ = ["attach", "Guard", "NullGuard", "ModelInputs", "Mpu", "MpuLayoutError", "discover", "KNOWN_NAMES",
            "Plugin", "Cmsa", "CmsaConfig", "ChecksumConfig", "LossConfig"]

@@ -30,14 +30,14 @@ import structlog
 import torch
 from torch import nn
 
-from mscale.daemon.config import parse_bool
+from mscale.config import parse_bool
 from mscale.findings import Finding, Reason, Severity
 from mscale.hook import mpu as mpumod
 from mscale.hook.cmsa import Cmsa, CmsaConfig, grad_stats
 from mscale.hook.mpu import Mpu
 from mscale.hook.plugin import HOOKS
-from mscale.probes.checksum import ChecksumConfig, ChecksumDetector, output_tensors
-from mscale.probes.loss import LossConfig, LossDetector
+from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, output_tensors
+from mscale.hook.loss import LossConfig, LossDetector
 
 log = structlog.get_logger("mscale.hook")
 

@@ -1,4 +1,8 @@
-"""Probe registry: one line per probe. Modules are imported only when enabled."""
+"""AGENT: the probes (GPU over NVML or dcgm-exporter, eBPF on the CUDA driver, host), one
+module each, registered below, one line per probe; a module is imported only when enabled.
+
+May import: findings, config, textfile. Never imports daemon or torch.
+"""
 from __future__ import annotations
 
 import importlib

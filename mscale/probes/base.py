@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
-    from mscale.daemon.config import Config
+    from mscale.config import Config
     from mscale.daemon.state import AgentState
     from mscale.findings import Finding
 

@@ -29,7 +29,7 @@ from mscale.probes.ebpf_detect import BlockedShare, LaunchWatch
 from mscale.probes.ebpf_loader import DIRECTIONS, HIST_SLOTS, ROLES, Link, PidCounters, preflight
 
 if TYPE_CHECKING:
-    from mscale.daemon.config import EbpfProbeSection
+    from mscale.config import EbpfProbeSection
     from mscale.probes.ebpf_loader import CudaBpf, InflightSync
 
 log = structlog.get_logger("mscale.probes.ebpf")

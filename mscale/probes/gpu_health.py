@@ -25,7 +25,7 @@ from mscale.findings import Reason
 from mscale.textfile import read_text
 
 if TYPE_CHECKING:
-    from mscale.daemon.config import HealthSection
+    from mscale.config import HealthSection
 
 HEALTHY, DEGRADED, FAILED = "healthy", "degraded", "failed"
 STATES: tuple[str, ...] = (HEALTHY, DEGRADED, FAILED)

@@ -1,6 +1,6 @@
 """What a healing action is. One action per module in this folder, listed in __init__.py.
 
-`apply(fuse, decision)` runs inside the training process (the fuse plugin, mscale.healing.fuse)
+`apply(fuse, decision)` runs inside the training process (the fuse plugin, mscale.hook.fuse)
 and returns the result label ("applied", "noop", "failed: why" is raised as ActionFailed).
 The agent only needs the metadata, so action modules import torch inside their functions.
 """

@@ -56,7 +56,7 @@ from torch import nn
 
 from mscale import __version__
 from mscale.findings import Finding, Reason, Severity
-from mscale.healing import distributed as mdist
+from mscale.snapshot import distributed as mdist
 
 __all__ = [
     "SnapshotEngine",
@@ -402,7 +402,7 @@ class SnapshotEngine:
     """Snapshots and restores a training job's state; see the module docstring.
 
     mpus: name -> (mpu_id, module), modules being submodules of `model`.
-    data: an object with state_dict()/load_state_dict() (mscale.healing.data.ResumableLoader,
+    data: an object with state_dict()/load_state_dict() (mscale.snapshot.data.ResumableLoader,
     ResumableFileStream, or e.g. torchdata's StatefulDataLoader); skip_batch rollbacks need its
     `last_batch_position` and `skip_batch_at(position)`.
     extra: name -> object with state_dict()/load_state_dict(), snapshotted alongside.

@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mscale.healing import snapshot as snap  # imports torch: only when the command runs
+    from mscale.snapshot import engine as snap  # imports torch: only when the command runs
 
     root = Path(args.dir)
     if not root.exists():

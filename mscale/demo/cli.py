@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mscale.healing.demo_run import main
+    from mscale.demo.run import main
 
     steps = 120 if args.short else args.steps
     if steps < 100:

@@ -28,7 +28,7 @@ import structlog
 import torch
 from torch.nn import functional as F
 
-from mscale.daemon.config import HealingSection
+from mscale.config import HealingSection
 from mscale.findings import Finding, Reason
 from mscale.healing import actions, policy as policymod
 from mscale.healing.actions.base import ActionFailed
@@ -69,7 +69,7 @@ class Fuse:
                  clock: Callable[[], float] = time.time) -> None:
         self.cfg = config or HealingSection()
         self.policy = policy if isinstance(policy, Policy) else policymod.load(policy or self.cfg.policy)
-        self.snapshots = snapshots  # an mscale.healing.snapshot.SnapshotEngine (or None)
+        self.snapshots = snapshots  # an mscale.snapshot.engine.SnapshotEngine (or None)
         self.drive_snapshots = drive_snapshots  # call snapshots.step_end after each good step
         self.l2_resolution = l2_resolution
         self.l2_clip_factor = l2_clip_factor

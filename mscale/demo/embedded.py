@@ -20,7 +20,8 @@ from typing import Any
 
 from aiohttp import web
 
-from mscale.daemon import config as configmod, keys
+from mscale import config as configmod
+from mscale.daemon import keys
 
 
 def agent_config(*, socket_path: str, listen: str = "127.0.0.1:0", token: str = "", gpu_interval_s: float = 0.2,

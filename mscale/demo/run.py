@@ -1,4 +1,4 @@
-"""The demo's run (see mscale/demo.py): agent, reference run, faulted run, summary, plot."""
+"""The demo's run (see mscale/demo/cli.py): agent, reference run, faulted run, summary, plot."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from mscale.healing.scenario import Run, RunConfig, relative_gap, run as run_plain
+from mscale.demo.scenario import Run, RunConfig, relative_gap, run as run_plain
 
 JOB = "demo-tinymm"
 SHORT = {"vision": "vis", "aligner": "aln", "text": "txt"}
@@ -114,7 +114,7 @@ def _mpu_view(agent: Any, r: Run) -> list[dict]:
 
 def main(*, steps: int, out: str, listen: str, seed: int = 0, hold: bool = False) -> int:
     from mscale import logs
-    from mscale.healing.embedded import EmbeddedAgent
+    from mscale.demo.embedded import EmbeddedAgent
 
     logs.configure("warning", json=False, stream=open(os.devnull, "w"))  # events go to the agent's API
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from mscale.daemon.config import HealingSection
+from mscale.config import HealingSection
 from mscale.findings import Finding
 
 
@@ -101,10 +101,10 @@ class Run:
     """The objects of one run, built by `setup` (the demo and the benchmark poke at them)."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        from mscale.healing.chaos_job import ChaosPlugin
-        from mscale.healing.data import ResumableLoader
-        from mscale.healing.fuse import Fuse
-        from mscale.healing.snapshot import SnapshotEngine
+        from mscale.sim.chaos_job import ChaosPlugin
+        from mscale.snapshot.data import ResumableLoader
+        from mscale.hook.fuse import Fuse
+        from mscale.snapshot.engine import SnapshotEngine
         from mscale.hook.guard import Guard
         from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
