@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test agent system venv benchmarks clean lint
+.PHONY: demo test agent system venv benchmarks clean lint render
 
 demo: $(STAMP)
 	$(PY) -m mscale demo $(ARGS)
@@ -30,6 +30,11 @@ $(STAMP): pyproject.toml
 	mkdir -p $(VENV)/debian-bcc && ln -sfn /usr/lib/python3/dist-packages/bcc $(VENV)/debian-bcc/bcc
 	echo $(abspath $(VENV))/debian-bcc > $$($(PY) -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')/debian_bcc.pth
 	touch $(STAMP)
+
+# Re-render the committed rules, README alert sections and dashboard JSON from params.yaml.
+render: $(STAMP)
+	$(PY) -m mscale.rules.render
+	$(PY) -m mscale.dashboards.build
 
 benchmarks: $(STAMP)
 	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -23,9 +23,9 @@ def committed() -> dict[str, dict]:
 
 def test_committed_json_is_what_the_sources_generate():
     fresh = build.render(paramsmod.load())
-    assert sorted(fresh) == sorted(committed()), "run `python -m mscale.dashboards.build`"
+    assert sorted(fresh) == sorted(committed()), "run `make render`"
     for name, text in fresh.items():
-        assert (build.JSON_DIR / name).read_text() == text, f"{name} is stale: run `python -m mscale.dashboards.build`"
+        assert (build.JSON_DIR / name).read_text() == text, f"{name} is stale: run `make render`"
 
 
 def test_the_four_dashboards_and_their_variables():

@@ -24,15 +24,15 @@ def rule_alerts() -> dict[str, dict]:
 
 def test_committed_files_are_what_params_render():
     """Edit params.yaml or alerts.py without re-rendering and this fails
-    (fix: python -m mscale.rules.render)."""
+    (fix: make render)."""
     stale = [str(p.relative_to(REPO)) for p, text in render.committed_files(paramsmod.load()).items()
              if not p.exists() or p.read_text() != text]
-    assert not stale, f"out of date, run `python -m mscale.rules.render`: {stale}"
+    assert not stale, f"out of date, run `make render`: {stale}"
 
 
 def test_readme_alert_sections_are_rendered():
     readme = (REPO / "README.md").read_text()
-    assert render.render_readme(readme, paramsmod.load()) == readme, "run `python -m mscale.rules.render`"
+    assert render.render_readme(readme, paramsmod.load()) == readme, "run `make render`"
 
 
 def test_promtool_check_rules():

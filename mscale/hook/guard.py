@@ -32,7 +32,7 @@ from torch import nn
 
 from mscale.config import parse_bool
 from mscale.findings import Finding, Reason, Severity
-from mscale.hook import mpu as mpumod
+import mscale.hook.mpu as mpumod
 from mscale.hook.cmsa import Cmsa, CmsaConfig, grad_stats
 from mscale.hook.mpu import Mpu
 from mscale.hook.plugin import HOOKS

@@ -17,7 +17,7 @@ from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from mscale.probes.gpu import MHZ, GpuSample, Reading
+from mscale.probes.gpu_sample import MHZ, GpuSample, Reading
 from mscale.probes.nvml_api import XidEvent, throttle_names
 
 MiB = 1 << 20

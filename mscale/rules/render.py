@@ -1,7 +1,7 @@
 """Render the rule files, the Alertmanager example and the README's alert sections from
 params.yaml and the definitions in alerts.py / recording.py.
 
-`python -m mscale.rules.render` rewrites the committed copies (tests re-render and fail on
+`make render` (this module, then the dashboards) rewrites the committed copies (tests re-render and fail on
 a diff); `mscale rules export DIR` writes them for operators, with their overrides.
 """
 from __future__ import annotations
@@ -168,7 +168,7 @@ read the per-job findings counter (`mscale_job_findings_total`, what each job's 
 reported), so they carry `job_id`; `mscale_events_total` counts every finding per node.
 A cause fires no later than the symptoms it inhibits (`MscaleNodeDown` waits 1m,
 `MscaleAgentDown` 2m): Alertmanager can only
-hide an alert whose cause it already holds. Edit `params.yaml`, then `python -m mscale.rules.render`
+hide an alert whose cause it already holds. Edit `params.yaml`, then `make render`
 rewrites the rules, the Alertmanager example, the dashboards' JSON and this section.
 
 Recording rules shared by alerts and dashboards:
@@ -233,8 +233,7 @@ def main() -> int:
     readme = REPO_DIR / "README.md"
     readme.write_text(render_readme(readme.read_text(), params))
     print("updated README.md sections alerts, runbooks")
-    from mscale.dashboards import build  # the dashboards read the same params
-    return build.main()
+    return 0
 
 
 if __name__ == "__main__":
