@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import free_port, require_tool
+from support import free_port, require_tool
 
 XID_TIMELINE = str(resources.files("mscale.sim") / "timelines" / "xid79_gpu3.yaml")
 

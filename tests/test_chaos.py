@@ -18,7 +18,7 @@ import structlog
 from mscale.daemon.chaos import is_loopback_peer
 from mscale.demo.embedded import EmbeddedAgent
 from mscale.demo.scenario import Run, RunConfig
-from conftest import free_port
+from support import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,7 @@ import pytest
 from mscale import config as configmod
 from mscale.config import ConfigError, from_dict, load, parse_bool, reference_markdown
 
-from conftest import REPO
+from support import REPO
 
 
 def run_agent(tmp_path, toml: str, *, listen: str = "127.0.0.1:0") -> subprocess.CompletedProcess:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from conftest import REPO, require_tool
+from support import REPO, require_tool
 from mscale.dashboards import build
 from mscale.rules import params as paramsmod
 

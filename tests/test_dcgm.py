@@ -17,7 +17,7 @@ from mscale.probes import gpu as gpu_probe
 from mscale.probes.base import ProbeContext
 from mscale.probes.dcgm import DcgmError, DcgmReader
 
-from conftest import free_port
+from support import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
 MiB = 1 << 20

@@ -7,86 +7,32 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
 
 import pytest
 import yaml
 
-from conftest import REPO, free_port, require_tool, stop_process
 from mscale.dashboards import build as dashboards
 from mscale.rules import render
-from test_alertmanager import Alertmanager, adapted_config
+from support import REPO, free_port, require_tool
+from support.alertmanager import Alertmanager, adapted_config
+from support.e2e import JOB, JOB_SCRIPT, Proc, http, poll
 
 RULES_DIR = REPO / "mscale" / "rules"
 TOKEN = "e2e-token-0123456789"
 GPU = 0  # the vision MPU's GPU in the job below
-JOB = "e2e-job"
 # A real training job, built as the demo builds it (mscale.demo.scenario.Run): the tiny
 # multimodal model on CPU with the hook library, the fuse, snapshots (in memory, and on disk in
 # its working directory every 20 steps) and the chaos plugin, linked to the agent. Paced so that
 # it stays light on a shared machine.
-JOB_SCRIPT = """
-import sys, time
-from mscale.demo.scenario import Run, RunConfig
-run = Run(RunConfig(steps=10**9, job_id=sys.argv[2], socket_path=sys.argv[1], snapshot_dir="snapshots", disk_every=20))
-while True:
-    run.one_step()
-    time.sleep(0.05)  # pacing, not synchronisation
-"""
 
 
 # --- plumbing --------------------------------------------------------------------------
-
-def http(url: str, *, data: Any = None, headers: dict | None = None, timeout: float = 5) -> Any:
-    body = None if data is None else json.dumps(data).encode()
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read() or b"null")
-
-
-def poll(what: str, fn: Callable[[], Any], timeout_s: float = 60, logs: Callable[[], str] = lambda: "") -> Any:
-    """fn() until it returns something truthy; fail with `what` at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-            if last:
-                return last
-        except (urllib.error.URLError, ConnectionError, OSError) as e:
-            last = e
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}\n{logs()}")
-
-
-class Proc:
-    """A service we start on 127.0.0.1 with its own dir, stopped by PID."""
-
-    def __init__(self, name: str, argv: list[str], workdir: Path) -> None:
-        self.name, self.argv, self.dir = name, argv, workdir
-        self.logfile = workdir / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "Proc":
-        self.log = open(self.logfile, "w")
-        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=self.dir)
-        return self
-
-    def stop(self) -> None:
-        if self.proc:
-            stop_process(self.proc)
-        self.log.close()
-
-    def logs(self) -> str:
-        return f"--- {self.name} log (tail) ---\n" + self.logfile.read_text()[-3000:]
-
 
 class Stack:
     """Agent + Prometheus + Alertmanager, wired as deploy/ ships them, on 127.0.0.1."""

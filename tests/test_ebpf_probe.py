@@ -24,7 +24,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO, require, require_tool
+from support import REPO, require, require_tool
 from mscale.config import from_dict
 from mscale.daemon.state import AgentState
 from mscale.exporters import make_registry

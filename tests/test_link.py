@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from conftest import free_port, require
+from support import free_port, require
 from mscale.daemon import keys
 from mscale.daemon.app import create_app
 from mscale.config import Config, SocketSection, AgentSection

@@ -5,12 +5,11 @@ from __future__ import annotations
 import re
 import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port
-from test_e2e_alerting import JOB, JOB_SCRIPT, Proc, http, poll
+from support import REPO, free_port
+from support.e2e import JOB, JOB_SCRIPT, Proc, http, poll
 
 ROW = re.compile(r"^\|\s*`?([a-zA-Z_:][a-zA-Z0-9_:]*)`?\s*\|\s*`?(\w+)`?\s*\|([^|]*)\|")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, require_tool
+from support import REPO, require_tool
 from mscale.rules import params as paramsmod, render
 from mscale.rules.alerts import ALERTS
 

@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import pickle
-import random
 import signal
 import subprocess
 import time
@@ -17,64 +16,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import require
 from mscale.findings import Reason
 from mscale.snapshot.engine import (
     MANIFEST, NONMPU_FILE, NONMPU_OPTIM_FILE, TRAIN_STATE, RollbackUnavailable, SnapshotEngine, SnapshotInvalid, SnapshotPlugin,
     list_snapshots, load_snapshot, verify_snapshot,
 )
-from test_snapshot_job import build, train_step
-
+from support import require
+from support.snapshot_inproc import Job
+from support.snapshot_job import build
 
 MPU_FILES = [f"mpu_{m}_{kind}.safetensors" for m in ("001_vision", "002_aligner", "003_text") for kind in ("state", "optim")]
-
-
-class Job:
-    """A small training job in this process, driven step by step."""
-
-    def __init__(self, directory=None, **engine_kwargs):
-        self.model, self.opt, self.sched, self.scaler, self.loader, self.mpus = build(dataset_size=256)
-        engine_kwargs.setdefault("memory_every", 10)
-        self.engine = SnapshotEngine(self.model, self.opt, mpus=self.mpus, scaler=self.scaler, scheduler=self.sched,
-                                     data=self.loader, directory=directory, **engine_kwargs)
-        self.seen: dict[int, list[int]] = {}
-
-    def draw(self, step):
-        batch = self.loader.next_batch()
-        self.seen[step] = [int(i) for i in batch["index"]]
-        return batch
-
-    def step(self, step, *, fault=False):
-        batch = self.draw(step)
-        loss = train_step(self.model, batch, step, fault=fault, nan_batch=False)
-        if not torch.isfinite(loss):
-            return False
-        self.opt.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        self.sched.step()
-        self.engine.step_end(step)
-        return True
-
-    def run(self, first, last):
-        for s in range(first, last + 1):
-            assert self.step(s)
-
-    def state(self):
-        """Everything a restore must bring back, copied."""
-        return {
-            "params": {k: v.clone() for k, v in self.model.state_dict().items()},
-            "optim": {(n, k): v.clone() for n, p in self.model.named_parameters() for k, v in self.opt.state[p].items()},
-            "lr": self.sched.get_last_lr(),
-            "scale": self.scaler.get_scale(),
-            "tracker": self.scaler._get_growth_tracker(),
-            "data": self.loader.position(),
-            "rng": (torch.get_rng_state().clone(), random.getstate(), np.random.get_state()[1].copy()),
-        }
-
-    def close(self):
-        self.engine.close()
 
 
 def assert_same_state(a, b):

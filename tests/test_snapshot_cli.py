@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from support import REPO
 from mscale.cli import main
-from test_snapshot import Job
+from support.snapshot_inproc import Job
 
 
 @pytest.fixture(scope="module")

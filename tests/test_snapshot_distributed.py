@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import free_port
+from support import free_port
 from mscale.snapshot.engine import list_snapshots, verify_snapshot
-from test_snapshot_resume import Zygote
+from support.zygote import Zygote
 
 
 def run_ranks(z: Zygote, tmp_path, name: str, world: int, *extra: str, snaps: str = "snaps") -> list[dict]:

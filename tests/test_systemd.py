@@ -12,9 +12,8 @@ import time
 from importlib import resources
 from pathlib import Path
 
-import pytest
 
-from conftest import REPO, free_port, require_tool
+from support import REPO, free_port, require_tool
 
 UNIT = REPO / "deploy" / "mscale-agent.service"
 

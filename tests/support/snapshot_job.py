@@ -4,7 +4,7 @@ Deterministic CPU training of TinyMultimodal with AdamW, a cosine LR schedule, a
 whose scale changes during the run, and randomness drawn from torch, python and numpy every
 step, so a restore that missed any part of the state would show in the final parameters.
 
-    python tests/test_snapshot_job.py --dir D --steps 200 --out final.safetensors --seen seen.log
+    python tests/support/snapshot_job.py --dir D --steps 200 --out final.safetensors --seen seen.log
         [--fault-at 130]           a parameter turns NaN before step 130's forward (once);
                                    the NaN loss makes every rank roll back
         [--fault-rank R]           only rank R corrupts its batch (with --fault-at)
@@ -15,7 +15,7 @@ step, so a restore that missed any part of the state would show in the final par
 Each batch drawn is logged to --seen as "step i,j,k..." (appended, flushed), so the sequence
 of samples a run used is the last line for each step across all its incarnations.
 
-    python tests/test_snapshot_job.py --zygote
+    python tests/support/snapshot_job.py --zygote
 
 imports torch once, then reads commands on stdin: "run ARGS..." forks a child running the job
 with ARGS and prints "PID n"; "wait n" reaps it and prints "EXIT n CODE" (-9: SIGKILL). The
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 if __name__ == "__main__":  # run as a script from the repository root
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np
 import torch
