@@ -148,3 +148,18 @@ def test_the_import_graph_sees_imports() -> None:
     assert "mscale.healing.engine" in graph["mscale.hook.fuse"]
     assert "mscale.demo.run" in graph["mscale.demo.cli"]  # imported inside run()
     assert any(d.startswith("mscale.daemon") for d in graph["mscale.demo.embedded"])
+
+
+def test_version_is_written_once_and_the_license_file_matches_the_declared_license() -> None:
+    import tomllib
+
+    import mscale
+
+    meta = tomllib.loads((PKG.parent / "pyproject.toml").read_text())
+    project = meta["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert meta["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "mscale.__version__"}
+    assert mscale.__version__.count(".") >= 2
+    assert project["license"] == "Apache-2.0"
+    head = (PKG.parent / "LICENSE").read_text()[:400]
+    assert "Apache License" in head and "Version 2.0" in head
