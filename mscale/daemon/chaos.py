@@ -13,7 +13,8 @@ Loopback peers only (anything else is refused 403 and counted). A JSON body name
 GPU faults go to the simulated GPUs (`SimNvml.inject`), so the GPU probe sees them as it
 would a real one, and to the jobs, whose injector corrupts the outputs of the MPUs bound to
 that GPU. Job faults go to the jobs as `{"type": "chaos", ...}` commands (the job's
-`mscale.sim.chaos_job.ChaosPlugin` carries them out).
+`mscale.sim.chaos_job.ChaosPlugin` carries them out). Kinds, fields, modes and the command are
+`mscale.link`'s, which `mscale chaos` uses too.
 """
 from __future__ import annotations
 
@@ -27,13 +28,13 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from mscale import link as protocol
 from mscale.daemon import keys
 from mscale.findings import Finding, Reason, Severity
+from mscale.link import CHAOS_FIELDS, CHAOS_MODES as MODES, CHAOS_KINDS as KINDS
 
 log = structlog.get_logger("mscale.chaos")
 WHERE = "chaos"
-MODES = ("bitflip", "noise", "nan")
-KINDS = ("corrupt", "loss_spike", "nan_loss", "xid", "ecc", "hang", "agent_kill")
 
 
 class ChaosError(ValueError):
@@ -77,11 +78,10 @@ def command_for(body: Any, nvml: Any = None) -> tuple[str, dict, Any]:
     kind = body.get("kind")
     if kind not in KINDS:
         raise ChaosError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
-    known = {"kind", "job_id", "mpu", "gpu", "mode", "steps", "factor", "code", "corrupt", "seconds"}
-    extra = sorted(set(body) - known)
+    extra = sorted(set(body) - set(CHAOS_FIELDS))
     if extra:
         raise ChaosError(f"unknown field(s): {', '.join(extra)}")
-    cmd: dict[str, Any] = {"type": "chaos", "kind": kind}
+    cmd: dict[str, Any] = protocol.chaos(kind) if kind in protocol.CHAOS_JOB_KINDS else {}
     event = None
     if kind == "corrupt":
         mode = body.get("mode", "noise")
@@ -117,8 +117,7 @@ def command_for(body: Any, nvml: Any = None) -> tuple[str, dict, Any]:
         corrupt = body.get("corrupt", "noise")
         if corrupt not in MODES + ("none",):
             raise ChaosError(f"corrupt: expected one of {', '.join(MODES)}, none; got {corrupt!r}")
-        cmd = {"type": "chaos", "kind": "gpu_fault", "gpu": gpu, "mode": corrupt, "fault": kind} \
-            if corrupt != "none" else {}
+        cmd = protocol.chaos("gpu_fault", gpu=gpu, mode=corrupt, fault=kind) if corrupt != "none" else {}
     if "job_id" in body:
         if not isinstance(body["job_id"], str):
             raise ChaosError("job_id: expected a string")

@@ -8,13 +8,14 @@ HTTP API. Each connection's peer is checked with SO_PEERCRED: root, the agent's 
 the job's labels, so the healing engine sees in-process detections too. Commands go the other
 way (`send`, `broadcast`). A malformed, unknown or oversized message is refused, counted in
 `state.refused[("socket", why)]` and answered with an error frame; other jobs never notice.
+The messages, their validators, the command vocabulary and the limits are `mscale.link`'s,
+which the job's client speaks too; this module only serves them.
 """
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import os
-import re
 import socket
 import stat
 import struct
@@ -24,71 +25,15 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import structlog
 from aiohttp import WSMsgType, web
 
+from mscale import link as protocol
 from mscale.daemon import keys
 from mscale.daemon.jobs import JobState, gpus_by_index
 from mscale.findings import Finding, Reason, Severity
+from mscale.link import BadMessage, Msg
 
 log = structlog.get_logger("mscale.link")
 
-PATH = "/v1/link"
-_JOB_ID = re.compile(r"^[A-Za-z0-9._:@/+-]{1,128}$")
-_REASONS = {r.value: r for r in Reason}
-_SEVERITIES = {s.value: s for s in Severity}
-
 Handler = Callable[[JobState, dict], Awaitable[None] | None]
-
-
-class BadMessage(ValueError):
-    def __init__(self, why: str, detail: str) -> None:
-        super().__init__(detail)
-        self.why = why
-
-
-def _need(cond: bool, detail: str, why: str = "malformed") -> None:
-    if not cond:
-        raise BadMessage(why, detail)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) or v in ("nan", "inf", "-inf")
-
-
-def validate_register(msg: dict) -> None:
-    _need(isinstance(msg.get("job_id"), str) and bool(_JOB_ID.match(msg["job_id"])),
-          "register: job_id must be 1-128 characters of [A-Za-z0-9._:@/+-]")
-    _need(_is_int(msg.get("rank")) and msg["rank"] >= 0, "register: rank must be an integer >= 0")
-    _need(_is_int(msg.get("pid")) and msg["pid"] > 0, "register: pid must be an integer > 0")
-    mpus = msg.get("mpus")
-    _need(isinstance(mpus, list) and 1 <= len(mpus) <= 64, "register: mpus must be a list of 1 to 64 MPUs")
-    seen = set()
-    for i, m in enumerate(mpus):
-        _need(isinstance(m, dict), f"register: mpus[{i}] must be an object")
-        _need(isinstance(m.get("mpu_id"), str) and 1 <= len(m["mpu_id"]) <= 16, f"register: mpus[{i}].mpu_id must be a short string")
-        _need(m["mpu_id"] not in seen, f"register: mpus[{i}].mpu_id {m['mpu_id']!r} repeated")
-        seen.add(m["mpu_id"])
-        _need(isinstance(m.get("name"), str) and 1 <= len(m["name"]) <= 64, f"register: mpus[{i}].name must be a string")
-        _need(_is_int(m.get("gpu")) and 0 <= m["gpu"] < 4096, f"register: mpus[{i}].gpu must be a GPU index")
-        _need(isinstance(m.get("gpu_uuid", ""), str), f"register: mpus[{i}].gpu_uuid must be a string")
-
-
-def validate_report(msg: dict) -> None:
-    reports = msg.get("reports")
-    _need(isinstance(reports, list) and len(reports) <= 4096, "report: reports must be a list")
-    _need(_is_int(msg.get("dropped", 0)) and msg.get("dropped", 0) >= 0, "report: dropped must be an integer >= 0")
-    for i, r in enumerate(reports):
-        _need(isinstance(r, dict), f"report: reports[{i}] must be an object")
-        _need(_is_int(r.get("step")) and r["step"] >= 0, f"report: reports[{i}].step must be an integer >= 0")
-        _need(_is_num(r.get("loss")) and _is_num(r.get("grad_norm")), f"report: reports[{i}] loss/grad_norm must be numbers")
-        _need(isinstance(r.get("mpus", {}), dict), f"report: reports[{i}].mpus must be an object")
-        for mid, mr in r.get("mpus", {}).items():
-            _need(isinstance(mr, dict), f"report: reports[{i}].mpus[{mid!r}] must be an object")
-            for k in ("forward_s", "backward_s", "grad_norm", "gvc", "clip_ratio"):
-                _need(_is_num(mr.get(k)), f"report: reports[{i}].mpus[{mid!r}].{k} must be a number")
-        _need(isinstance(r.get("findings", []), list), f"report: reports[{i}].findings must be a list")
 
 
 def peer_uid(request: web.Request) -> tuple[int, int] | None:
@@ -115,14 +60,14 @@ class LinkServer:
     # --- commands to jobs ----------------------------------------------------------------
 
     async def send(self, job_id: str, command: dict) -> bool:
-        """Send a command (a dict with "type") to a connected job; False if it is not there."""
-        if not isinstance(command, dict) or not isinstance(command.get("type"), str):
-            raise ValueError("command: expected a dict with a string 'type'")
+        """Send a command (a dict with "type", see mscale.link.Command) to a connected job;
+        False if it is not there."""
+        protocol.check_command(command)
         ws = self.connections.get(job_id)
         if ws is None or ws.closed:
             return False
         try:
-            await ws.send_str(json.dumps(command))
+            await ws.send_str(protocol.encode(command))
             return True
         except (ConnectionError, RuntimeError) as e:
             log.warning("command_not_sent", job_id=job_id, error=str(e))
@@ -134,7 +79,7 @@ class LinkServer:
 
     def on_message(self, type_: str, handler: Handler) -> None:
         """Handle another message type from jobs (e.g. a plugin's); handler(job, msg)."""
-        if type_ in ("register", "report"):
+        if type_ in protocol.RESERVED:
             raise ValueError(f"{type_!r} is the link's own message type")
         self.handlers[type_] = handler
 
@@ -151,7 +96,7 @@ class LinkServer:
                     raise OSError(f"{path} is in use by another agent")
                 path.unlink()  # stale, from an agent that died
             link_app = web.Application()
-            link_app.router.add_get(PATH, self._handle)
+            link_app.router.add_get(protocol.PATH, self._handle)
             self._runner = web.AppRunner(link_app, access_log=None, handle_signals=False)
             await self._runner.setup()
             await web.UnixSite(self._runner, str(path)).start()
@@ -196,10 +141,10 @@ class LinkServer:
                         job = await self._message(ws, job, msg.data, cred[0])
                     except BadMessage as e:
                         self._refuse(e.why, str(e), job_id=job.job_id if job else "")
-                        await ws.send_str(json.dumps({"type": "error", "error": str(e)}))
+                        await ws.send_str(protocol.encode(protocol.error(str(e))))
                 elif msg.type == WSMsgType.BINARY:
                     self._refuse("malformed", "binary frame")
-                    await ws.send_str(json.dumps({"type": "error", "error": "binary frames are not accepted"}))
+                    await ws.send_str(protocol.encode(protocol.error("binary frames are not accepted")))
                 elif msg.type == WSMsgType.ERROR:
                     exc = ws.exception()
                     why = "oversized" if "too big" in str(exc).lower() or getattr(exc, "code", 0) == 1009 else "malformed"
@@ -214,29 +159,25 @@ class LinkServer:
         return ws
 
     async def _message(self, ws: web.WebSocketResponse, job: JobState | None, data: str, peer_pid: int) -> JobState | None:
-        if len(data.encode()) > self.config.socket.max_message_bytes:
-            raise BadMessage("oversized", f"message of {len(data)} bytes over socket.max_message_bytes")
-        try:
-            msg = json.loads(data)
-        except ValueError as e:
-            raise BadMessage("malformed", f"not JSON: {e}") from None
-        _need(isinstance(msg, dict) and isinstance(msg.get("type"), str), "expected a JSON object with a string 'type'")
+        msg = protocol.decode(data, self.config.socket.max_message_bytes)
         kind = msg["type"]
-        if kind == "register":
-            validate_register(msg)
+        if kind == Msg.REGISTER:
+            protocol.validate_register(msg)
             job = self._register(ws, msg, peer_pid)
-            await ws.send_str(json.dumps({"type": "registered", "job_id": job.job_id, "node": self.state.node}))
+            await ws.send_str(protocol.encode(protocol.registered(job.job_id, self.state.node)))
             return job
-        _need(job is not None, f"{kind}: register first", "unregistered")
-        if kind == "report":
-            _need(msg.get("job_id") == job.job_id, f"report: job_id {msg.get('job_id')!r} is not this connection's job")
-            validate_report(msg)
+        if job is None:
+            raise BadMessage("unregistered", f"{kind}: register first")
+        if kind == Msg.REPORT:
+            if msg.get("job_id") != job.job_id:
+                raise BadMessage("malformed", f"report: job_id {msg.get('job_id')!r} is not this connection's job")
+            protocol.validate_report(msg)
             self._report(job, msg)
         elif kind in self.handlers:
             result = self.handlers[kind](job, msg)
             if asyncio.iscoroutine(result):
                 await result
-        elif kind not in ("reply", "pong", "bye"):
+        elif kind not in protocol.ACCEPTED_SILENTLY:
             raise BadMessage("unknown_type", f"unknown message type {kind!r}")
         return job
 
@@ -279,23 +220,18 @@ class LinkServer:
                     self.state.events.emit(finding)
 
     def _finding(self, job: JobState, f: Any) -> Finding | None:
-        if not isinstance(f, dict):
+        """A reported finding with the job's labels: its job_id, and the GPU of its MPU."""
+        finding = protocol.finding(f)
+        if finding is None:
             return None
-        reason, severity = _REASONS.get(f.get("reason")), _SEVERITIES.get(f.get("severity"))
-        labels = f.get("labels", {})
-        if reason is None or severity is None or not isinstance(labels, dict):
-            return None
-        labels = {str(k)[:64]: str(v)[:256] for k, v in list(labels.items())[:32]}
+        labels = dict(finding.labels)
         labels["job_id"] = job.job_id
         m = job.mpus.get(labels.get("mpu_id", ""))
         if m is not None:
             labels.setdefault("gpu", str(m.gpu))
             if m.gpu_uuid:
                 labels.setdefault("gpu_uuid", m.gpu_uuid)
-        t = f.get("time")
-        kwargs = {"time": float(t)} if isinstance(t, (int, float)) and not isinstance(t, bool) else {}
-        return Finding(f"hook:{str(f.get('source', ''))[:32]}", reason, severity, str(f.get("message", ""))[:1000],
-                       labels, **kwargs)
+        return dataclasses.replace(finding, labels=labels)
 
 
 async def _in_use(path: str) -> bool:

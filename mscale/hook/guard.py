@@ -30,6 +30,7 @@ import structlog
 import torch
 from torch import nn
 
+from mscale import link as protocol
 from mscale.config import parse_bool
 from mscale.findings import Finding, Reason, Severity
 import mscale.hook.mpu as mpumod
@@ -40,8 +41,6 @@ from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, output_tensor
 from mscale.hook.loss import LossConfig, LossDetector
 
 log = structlog.get_logger("mscale.hook")
-
-DEFAULT_SOCKET = "/run/mscale/agent.sock"
 
 
 class ModelInputs(NamedTuple):
@@ -124,7 +123,7 @@ class Guard:
         self.link = None
         if connect:
             from mscale.hook.link import LinkClient
-            path = socket_path or os.environ.get("MSCALE_SOCKET", DEFAULT_SOCKET)
+            path = protocol.socket_path(socket_path)
             self.link = LinkClient(path, registration=self.registration, on_command=self._commands.append,
                                    queue_max=report_queue)
             self.link.start()
@@ -214,8 +213,8 @@ class Guard:
         self._scaler, self._scaler_patch = scaler, update
 
     def registration(self) -> dict:
-        return {"type": "register", "job_id": self.job_id, "rank": self.rank, "pid": os.getpid(),
-                "step": self.current_step, "mpus": [m.describe() for m in self.mpus]}
+        return protocol.register(job_id=self.job_id, rank=self.rank, pid=os.getpid(), step=self.current_step,
+                                 mpus=[m.describe() for m in self.mpus])
 
     def observe(self, loss: torch.Tensor | float) -> None:
         """Tell the guard the step's loss (when the model's output carries none)."""
@@ -240,13 +239,13 @@ class Guard:
         while self._commands:
             command = self._commands.popleft()
             n += 1
-            if command.get("type") == "ping":
-                self.send_to_agent({"type": "pong", "id": command.get("id")})
+            if command.get("type") == protocol.Command.PING:
+                self.send_to_agent(protocol.pong(command.get("id")))
                 continue
             for p in list(self.plugins):
                 reply = self._call(p, "on_command", command)
                 if isinstance(reply, dict) and self.link is not None:
-                    self.link.send({"type": "reply", "id": command.get("id"), **reply})
+                    self.link.send(protocol.reply(command.get("id"), reply))
         return n
 
     def detach(self) -> None:

@@ -7,30 +7,23 @@ agent. The thread registers (job id, rank, PID, MPUs with their devices and GPU 
 sends the queued reports in batches, hands commands to `on_command`, and reconnects by itself
 with a capped backoff; while the agent is down, training and in-process detection go on.
 
-Wire format (JSON text frames, one object each, all with "type"):
-  hook -> agent  {"type": "register", job_id, rank, pid, step, mpus: [{mpu_id, name, path,
-                  device, gpu, gpu_uuid, fuse_level, params}]}
-                 {"type": "report", job_id, dropped, reports: [{step, time, loss, grad_norm,
-                  skipped, mpus: {mpu_id: {...}}, findings: [...]}]}
-                 any other message the guard sends (reply, pong, plugin messages)
-  agent -> hook  {"type": "registered", job_id, node}; {"type": "error", error} for a refused
-                 message; anything else is a command for the guard's plugins
+What goes over the wire (messages, commands, limits) is `mscale.link`'s, which the agent's
+server speaks too.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import threading
 from typing import Any, Callable
 
 import aiohttp
 import structlog
 
-log = structlog.get_logger("mscale.hook.link")
+from mscale import link as protocol
+from mscale.link import Msg
 
-PATH = "/v1/link"
-MAX_BATCH = 64  # reports per message: keeps each message far below the agent's size limit
+log = structlog.get_logger("mscale.hook.link")
 
 
 class LinkClient:
@@ -143,10 +136,10 @@ class LinkClient:
         connector = aiohttp.UnixConnector(path=self.socket_path)
         timeout = aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            async with session.ws_connect(f"http://localhost{PATH}", heartbeat=10.0) as ws:
+            async with session.ws_connect(f"http://localhost{protocol.PATH}", heartbeat=10.0) as ws:
                 reg = self.registration()
                 self._job_id = reg["job_id"]
-                await ws.send_str(json.dumps(reg))
+                await ws.send_str(protocol.encode(reg))
                 self._reregister = False
                 self.connected = True
                 self.connects += 1
@@ -164,17 +157,16 @@ class LinkClient:
             self._wake.clear()
             if self._reregister:
                 self._reregister = False
-                await ws.send_str(json.dumps(self.registration()))
+                await ws.send_str(protocol.encode(self.registration()))
             while self._messages:
-                await ws.send_str(json.dumps(self._messages.popleft()))
+                await ws.send_str(protocol.encode(self._messages.popleft()))
             while True:
                 with self._lock:
-                    batch = [self.queue.popleft() for _ in range(min(MAX_BATCH, len(self.queue)))]
+                    batch = [self.queue.popleft() for _ in range(min(protocol.MAX_BATCH, len(self.queue)))]
                     dropped = self.dropped
                 if not batch:
                     break
-                await ws.send_str(json.dumps({"type": "report", "job_id": self._job_id, "dropped": dropped,
-                                              "reports": batch}))
+                await ws.send_str(protocol.encode(protocol.report(self._job_id, dropped, batch)))
                 self.sent += len(batch)
             waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(self._stop.wait())]
             await asyncio.wait(waits + [receiver], return_when=asyncio.FIRST_COMPLETED)
@@ -188,16 +180,14 @@ class LinkClient:
             if msg.type != aiohttp.WSMsgType.TEXT:
                 break
             try:
-                command = json.loads(msg.data)
-            except ValueError:
-                log.warning("agent_message_not_json")
+                command = protocol.decode(msg.data)
+            except protocol.BadMessage as e:
+                log.warning("agent_message_not_understood", error=str(e))
                 continue
-            if not isinstance(command, dict) or not isinstance(command.get("type"), str):
-                continue
-            if command["type"] == "error":
+            if command["type"] == Msg.ERROR:
                 log.warning("agent_refused_message", error=command.get("error"))
                 continue
-            if command["type"] == "registered":
+            if command["type"] == Msg.REGISTERED:
                 self.node = str(command.get("node", ""))
                 continue
             self.commands_received += 1

@@ -16,6 +16,8 @@ from typing import Any
 import structlog
 import torch
 
+from mscale.link import Command
+
 log = structlog.get_logger("mscale.chaos")
 # chaos modes -> injector kinds (a bit flip in the top exponent bit: the classic SDC)
 MODES = {"bitflip": "exponent_flip", "exponent_flip": "exponent_flip", "mantissa_flip": "mantissa_flip",
@@ -53,7 +55,7 @@ class ChaosPlugin:
             self.injectors.remove(inj)
 
     def on_command(self, command: dict) -> dict | None:
-        if command.get("type") != "chaos":
+        if command.get("type") != Command.CHAOS:
             return None
         try:
             self.inject(**{k: v for k, v in command.items() if k != "type"})
