@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 	echo $(abspath $(VENV))/debian-bcc > $$($(PY) -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')/debian_bcc.pth
 	touch $(STAMP)
 
-# Re-render the committed rules, README alert sections and dashboard JSON from params.yaml.
+# Re-render the committed rules, docs/alerts.md, docs/runbooks.md and dashboard JSON from params.yaml.
 render: $(STAMP)
 	$(PY) -m mscale.rules.render
 	$(PY) -m mscale.dashboards.build

@@ -23,7 +23,7 @@ class Alert:
     expr: str
     summary: str
     description: str
-    runbook: str  # markdown for the README's Runbooks section
+    runbook: str  # markdown for its entry in docs/runbooks.md
 
 
 def mpu_with_gpu(expr: str) -> str:
@@ -44,7 +44,7 @@ ALERTS: tuple[Alert, ...] = (
         "{{ $labels.xid }}, which the driver only raises for a fault the GPU cannot recover from "
         "without a reset. The agent swaps the MPUs bound to it to a standby GPU.",
         """A fatal Xid (the codes are in `params.yaml`, `alerts.MscaleGpuFatalXid.xids`, and match
-the agent's Xid table) means the GPU needs a reset or replacement.
+the agent's [Xid table](xid.md)) means the GPU needs a reset or replacement.
 
 1. Check the agent acted: `mscale status` on the node shows the GPU `failed` and its MPUs moved
    (fuse level `L1`); `GET /api/v1/events` lists the `heal_action` events.
