@@ -1,5 +1,5 @@
 """Strict configuration: bad files stop `mscale agent` with exit 2 and a message naming the key;
-the README table and the example deploy/agent.toml stay in step with the code."""
+the table in docs/configuration.md and the example deploy/agent.toml stay in step with the code."""
 from __future__ import annotations
 
 import re
@@ -88,12 +88,13 @@ def test_webhook_token_from_environment(monkeypatch) -> None:
     assert from_dict({"webhook": {"token": "file"}}).webhook.token == "file"
 
 
-def test_readme_config_table_is_generated() -> None:
-    readme = (REPO / "README.md").read_text()
-    m = re.search(r"<!-- config-table:begin[^>]*-->\n(.*?)\n<!-- config-table:end -->", readme, re.S)
-    assert m, "README lacks the config-table markers"
-    assert m.group(1).strip() == reference_markdown().strip(), \
-        "README config table is stale: regenerate it from mscale.config.reference_markdown()"
+def test_docs_config_table_is_generated() -> None:
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    m = re.search(r"<!-- config-table:begin[^>]*-->\n(.*?)\n<!-- config-table:end -->", doc, re.S)
+    assert m, "docs/configuration.md lacks the config-table markers"
+    assert m.group(1).strip() == reference_markdown().strip(), (
+        "docs/configuration.md config table is stale: paste the output of "
+        "`python -c 'import mscale.config as c; print(c.reference_markdown())'` between its markers")
 
 
 def _keys() -> list[str]:
