@@ -33,8 +33,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from enum import StrEnum
-from typing import Any, Mapping
+from typing import Any
 
 from mscale.findings import Finding, Reason, Severity
 

@@ -31,7 +31,9 @@ from aiohttp import web
 from mscale import link as protocol
 from mscale.daemon import keys
 from mscale.findings import Finding, Reason, Severity
-from mscale.link import CHAOS_FIELDS, CHAOS_MODES as MODES, CHAOS_KINDS as KINDS
+from mscale.link import CHAOS_FIELDS
+from mscale.link import CHAOS_KINDS as KINDS
+from mscale.link import CHAOS_MODES as MODES
 
 log = structlog.get_logger("mscale.chaos")
 WHERE = "chaos"

@@ -17,6 +17,7 @@ from mscale import config as configmod
 from mscale.daemon import keys
 from mscale.daemon.app import create_app, new_state
 from mscale.daemon.notify import Notifier
+from mscale.link import DEFAULT_HOST, DEFAULT_LISTEN, DEFAULT_SOCKET
 
 HELP = "run the node agent (the daemon systemd starts)"
 log = structlog.get_logger("mscale.agent")
@@ -25,8 +26,8 @@ log = structlog.get_logger("mscale.agent")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help=f"TOML config (default {configmod.DEFAULT_PATH} if present)")
     p.add_argument("--simulate", metavar="TIMELINE.yaml", help="simulated GPUs driven by this fault timeline")
-    p.add_argument("--listen", metavar="HOST:PORT", help="HTTP listen address (default 127.0.0.1:9477)")
-    p.add_argument("--socket", metavar="PATH", help="Unix socket for the hook library")
+    p.add_argument("--listen", metavar="HOST:PORT", help=f"HTTP listen address (default {DEFAULT_LISTEN})")
+    p.add_argument("--socket", metavar="PATH", help=f"Unix socket for the hook library (default {DEFAULT_SOCKET})")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
 
 
@@ -34,7 +35,7 @@ def parse_listen(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise configmod.ConfigError(f"agent.listen: expected HOST:PORT, got {value!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    return host.strip("[]") or DEFAULT_HOST, int(port)
 
 
 def config_from_args(args: argparse.Namespace) -> configmod.Config:

@@ -5,23 +5,18 @@ import argparse
 import json
 import sys
 import time
-import urllib.error
-import urllib.request
+
+from mscale.agent_client import AgentClient, AgentError
+from mscale.link import DEFAULT_URL
 
 HELP = "show GPUs, jobs, MPUs, health scores, fuse levels and the last events of the running agent"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--agent", default="http://127.0.0.1:9477", metavar="URL", help="the agent's HTTP address")
+    p.add_argument("--agent", default=DEFAULT_URL, metavar="URL", help=f"the agent's HTTP address (default {DEFAULT_URL})")
     p.add_argument("--events", type=int, default=10, metavar="N", help="how many recent events to show")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     p.add_argument("--timeout", type=float, default=5.0, metavar="S")
-
-
-def fetch(agent: str, events: int = 10, timeout: float = 5.0) -> dict:
-    url = f"{agent.rstrip('/')}/api/v1/status?events={events}"
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
 
 
 def table(headers: list[str], rows: list[list[object]]) -> str:
@@ -61,9 +56,9 @@ def render(view: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        view = fetch(args.agent, args.events, args.timeout)
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        print(f"mscale status: cannot reach the agent at {args.agent}: {getattr(e, 'reason', e)}", file=sys.stderr)
+        view = AgentClient(args.agent, timeout=args.timeout).status(args.events)
+    except (AgentError, ValueError) as e:
+        print(f"mscale status: {e}", file=sys.stderr)
         return 1
     print(json.dumps(view, indent=2) if args.json else render(view))
     return 0

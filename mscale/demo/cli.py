@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mscale.link import DEFAULT_LISTEN
+
 HELP = "run the demo: a simulated 8-GPU node and a small multimodal model trained on CPU, faults injected and healed"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", default="127.0.0.1:9477", metavar="HOST:PORT",
+    p.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
                    help="where the agent serves /metrics and its API (busy: a free port is used)")
     p.add_argument("--out", default="mscale-demo", metavar="DIR", help="where the summary and the plot go")
     p.add_argument("--steps", type=int, default=360, help="training steps (the fault script scales with it)")

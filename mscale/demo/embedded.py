@@ -3,28 +3,29 @@
 The demo and the agent-path tests run the real agent (create_app: probes, link socket,
 webhook, chaos API, healing engine) on its own asyncio loop in a daemon thread, serving on
 127.0.0.1 (port 0 picks one) with its socket in a temporary directory, while the training
-loop runs in the main thread and connects to it like any job.
+loop runs in the main thread and connects to it like any job. It is asked over HTTP with
+`agent.client`, the `mscale.agent_client.AgentClient` that `mscale status` and `mscale chaos` use.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from mscale import config as configmod
-from mscale.daemon import keys
+from mscale.agent_client import AgentClient
+from mscale.link import DEFAULT_HOST
+
+LOOPBACK_ANY_PORT = f"{DEFAULT_HOST}:0"
 
 
-def agent_config(*, socket_path: str, listen: str = "127.0.0.1:0", token: str = "", gpu_interval_s: float = 0.2,
+def agent_config(*, socket_path: str, listen: str = LOOPBACK_ANY_PORT, token: str = "", gpu_interval_s: float = 0.2,
                  healing: dict | None = None, webhook: dict | None = None) -> configmod.Config:
     return configmod.from_dict({
         "agent": {"listen": listen, "socket_path": socket_path, "node": "sim-node", "log_level": "warning"},
@@ -35,9 +36,10 @@ def agent_config(*, socket_path: str, listen: str = "127.0.0.1:0", token: str = 
 
 
 class EmbeddedAgent:
-    """`with EmbeddedAgent() as agent:` ... agent.url, agent.socket_path, agent.app, agent.nvml."""
+    """`with EmbeddedAgent() as agent:` ... agent.url, agent.client, agent.socket_path, agent.app,
+    agent.nvml."""
 
-    def __init__(self, *, gpus: int = 8, listen: str = "127.0.0.1:0", workdir: str | None = None,
+    def __init__(self, *, gpus: int = 8, listen: str = LOOPBACK_ANY_PORT, workdir: str | None = None,
                  gpu_interval_s: float = 0.2, healing: dict | None = None, webhook: dict | None = None) -> None:
         from mscale.sim.nvml import SimNvml
 
@@ -50,6 +52,7 @@ class EmbeddedAgent:
                                    gpu_interval_s=gpu_interval_s, healing=healing, webhook=webhook)
         self.nvml = SimNvml(gpus)
         self.url = ""
+        self.client: AgentClient | None = None  # once started
         self.app: web.Application | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -87,6 +90,7 @@ class EmbeddedAgent:
         await site.start()
         bound = site._server.sockets[0].getsockname()
         self.url = f"http://{bound[0]}:{bound[1]}"
+        self.client = AgentClient(self.url)
         self._ready.set()
         try:
             await self._stop.wait()
@@ -109,24 +113,21 @@ class EmbeddedAgent:
 
     # --- talking to it (as any client would, over HTTP) ------------------------------------
 
+    def _client(self) -> AgentClient:
+        if self.client is None:
+            raise RuntimeError("the embedded agent is not started")
+        return self.client
+
     def get(self, path: str, timeout: float = 10.0) -> Any:
-        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
-            body = r.read()
-        return json.loads(body) if path.startswith("/api/") else body.decode()
+        """GET path: parsed JSON under /api/, else the text (e.g. /metrics)."""
+        client = self._client()
+        return client.get_json(path, timeout=timeout) if path.startswith("/api/") else client.get_text(path, timeout=timeout)
 
     def post(self, path: str, body: dict, *, token: str | None = None, timeout: float = 10.0) -> tuple[int, Any]:
-        headers = {"Content-Type": "application/json"}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"{}")
+        return self._client().post_json(path, body, token=token, timeout=timeout)
 
     def events(self, since: int = 0) -> list[dict]:
-        return self.get(f"/api/v1/events?since={since}&limit=10000")["events"]
+        return self._client().events(since)
 
     def wait_for(self, predicate, timeout: float = 30.0, interval: float = 0.05) -> Any:
         """Poll the agent's events until predicate(events) is truthy; its value, or TimeoutError."""

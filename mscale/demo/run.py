@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from mscale.demo.scenario import Run, RunConfig, relative_gap, run as run_plain
+from mscale.link import DEFAULT_HOST
 
 JOB = "demo-tinymm"
 SHORT = {"vision": "vis", "aligner": "aln", "text": "txt"}
@@ -54,9 +55,9 @@ def _free(listen: str) -> str:
     host, _, port = listen.rpartition(":")
     with socket.socket() as s:
         try:
-            s.bind((host or "127.0.0.1", int(port)))
+            s.bind((host or DEFAULT_HOST, int(port)))
         except OSError:
-            return f"{host or '127.0.0.1'}:0"
+            return f"{host or DEFAULT_HOST}:0"
     return listen
 
 
@@ -148,7 +149,7 @@ def main(*, steps: int, out: str, listen: str, seed: int = 0, hold: bool = False
                 step = r.guard.current_step
                 for f in faults:
                     if f.sent_step < 0 and step >= f.at:
-                        status, f.reply = agent.post("/api/v1/chaos", f.chaos)
+                        status, f.reply = agent.client.chaos(f.chaos)
                         f.sent_step, f.sent_time = step, time.time()
                         live.say(f"  step {step}: injected {f.name} (chaos API {status}) -> expect {f.expect}")
                         if f.chaos["kind"] in ("xid", "ecc"):  # the agent's probe and engine act on it
@@ -171,8 +172,8 @@ def main(*, steps: int, out: str, listen: str, seed: int = 0, hold: bool = False
         finally:
             r.close()
         agent.wait_for(lambda evs: True, timeout=5)
-        agent_events = agent.events()
-        metrics = agent.get("/metrics")
+        agent_events = agent.client.events()
+        metrics = agent.client.metrics()
         summary = summarise(faults, r, ref, eval_loss, wall, agent_events, metrics, steps)
         summary["agent_url"] = agent.url
         summary["wall_s_total"] = round(time.perf_counter() - t_start, 2)

@@ -12,13 +12,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import urllib.error
-import urllib.request
+
+from mscale.agent_client import AgentClient, AgentError
+from mscale.link import CHAOS_FIELDS, CHAOS_KINDS, CHAOS_MODES, DEFAULT_URL
 
 HELP = "inject a fault (MPU corruption, loss spike, NaN loss, Xid/ECC, hang, agent kill) into a running agent and job"
-KINDS = ("corrupt", "loss-spike", "nan-loss", "xid", "ecc", "hang", "agent-kill")
+KINDS = tuple(k.replace("_", "-") for k in CHAOS_KINDS)  # the API's kinds, spelt as CLI words
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,15 +26,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     inj = sub.add_parser("inject", help="inject one fault", description=__doc__,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     inj.add_argument("kind", choices=KINDS)
-    inj.add_argument("--agent", default="http://127.0.0.1:9477", metavar="URL", help="the agent (loopback only)")
+    inj.add_argument("--agent", default=DEFAULT_URL, metavar="URL", help=f"the agent, loopback only (default {DEFAULT_URL})")
     inj.add_argument("--job-id", help="only this job (default: every job)")
     inj.add_argument("--mpu", help="corrupt: MPU id or name")
     inj.add_argument("--gpu", type=int, help="corrupt/xid/ecc: simulated GPU index")
-    inj.add_argument("--mode", choices=("bitflip", "noise", "nan"), help="corrupt: how (default noise)")
+    inj.add_argument("--mode", choices=CHAOS_MODES, help="corrupt: how (default noise)")
     inj.add_argument("--steps", type=int, help="corrupt/loss-spike/nan-loss: for how many steps")
     inj.add_argument("--factor", type=float, help="loss-spike: multiplier (default 25)")
     inj.add_argument("--code", type=int, help="xid: the Xid code (default 79)")
-    inj.add_argument("--corrupt", choices=("bitflip", "noise", "nan", "none"),
+    inj.add_argument("--corrupt", choices=CHAOS_MODES + ("none",),
                      help="xid/ecc: what the MPUs on that GPU compute meanwhile (default noise)")
     inj.add_argument("--seconds", type=float, help="hang: how long (default 5)")
     inj.add_argument("--timeout", type=float, default=10.0, metavar="S")
@@ -42,31 +42,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def body_of(args: argparse.Namespace) -> dict:
     body: dict = {"kind": args.kind.replace("-", "_")}
-    for key in ("job_id", "mpu", "gpu", "mode", "steps", "factor", "code", "corrupt", "seconds"):
+    for key in (f for f in CHAOS_FIELDS if f != "kind"):
         v = getattr(args, key, None)
         if v is not None:
             body[key] = v
     return body
 
 
-def post(agent: str, body: dict, timeout: float = 10.0) -> tuple[int, dict]:
-    req = urllib.request.Request(f"{agent.rstrip('/')}/api/v1/chaos", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        try:
-            return e.code, json.loads(e.read())
-        except ValueError:
-            return e.code, {"error": e.reason}
-
-
 def run(args: argparse.Namespace) -> int:
     try:
-        status, reply = post(args.agent, body_of(args), args.timeout)
-    except (urllib.error.URLError, OSError) as e:
-        print(f"mscale chaos: cannot reach the agent at {args.agent}: {getattr(e, 'reason', e)}", file=sys.stderr)
+        status, reply = AgentClient(args.agent, timeout=args.timeout).chaos(body_of(args))
+    except (AgentError, ValueError) as e:
+        print(f"mscale chaos: {e}", file=sys.stderr)
         return 1
     if status != 200:
         print(f"mscale chaos: refused ({status}): {reply.get('error', reply)}", file=sys.stderr)
