@@ -87,14 +87,12 @@ RESERVED = frozenset({Msg.REGISTER, Msg.REPORT})  # no plugin may take these ove
 
 
 class Command(StrEnum):
-    """The commands the agent sends and the project's own job-side code carries out."""
+    """The commands the agent sends and the project's own job-side code carries out. An
+    emergency snapshot or a rollback is a heal command (action emergency_snapshot, rollback)."""
 
     PING = "ping"  # the guard answers with a pong
     HEAL = "heal"  # a healing decision for the fuse plugin (mscale.hook.fuse)
     CHAOS = "chaos"  # a fault for the chaos plugin (mscale.sim.chaos_job)
-    SNAPSHOT = "snapshot"  # the snapshot plugin saves now
-    EMERGENCY_SNAPSHOT = "emergency_snapshot"  # the snapshot plugin writes its newest snapshot out
-    ROLLBACK = "rollback"  # the snapshot plugin rolls back
 
 
 # the fields a heal command may carry besides type and action
