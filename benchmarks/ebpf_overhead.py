@@ -154,7 +154,7 @@ def loop_overhead(caller_path: str, *, window_s: float, period_s: float, work_ns
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mscale.config import EbpfProbeSection
+    from mscale.probes.ebpf import EbpfProbeSection
 
     d = EbpfProbeSection()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

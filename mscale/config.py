@@ -1,21 +1,41 @@
 """Agent configuration: one TOML file, strict, documented from the field metadata.
 
-Every key has a default, a type and (where it matters) a range; the README's table is
-generated from `reference_markdown()` and a test keeps the two in step. Unknown keys,
-wrong types and out-of-range values raise `ConfigError` naming the key (and its line).
+This module is the machinery only: `opt()` declares a key, `from_dict`/`load` build a
+`Config` strictly, `reference_markdown()` renders the README's table. The sections belong
+to the rooms that read them, and are imported only when a config is assembled (never when
+this module is), so every room may import `opt` from here without a cycle:
+
+  [agent] [socket] [webhook]  mscale.daemon.settings
+  [probes.<name>]             the probe's own module, carried by its `SPEC` (one line in
+                              mscale.probes.REGISTRY); `enabled` defaults to the spec's
+                              `default_enabled`
+  [health]                    mscale.probes.gpu_health
+  [healing]                   mscale.healing.settings
+
+Every key has a default, a type and (where it matters) a range; a test keeps the README's
+table in step. Unknown keys, wrong types and out-of-range values raise `ConfigError` naming
+the key (and its line). A section may define `check(self, key)` for rules across its fields.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import os
 import re
 import tomllib
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mscale.textfile import read_text
+
+if TYPE_CHECKING:
+    from mscale.daemon.settings import AgentSection, SocketSection, WebhookSection
+    from mscale.healing.settings import HealingSection
+    from mscale.probes.gpu_health import HealthSection
 
 DEFAULT_PATH = Path("/etc/mscale/agent.toml")
 ENV_PREFIX = "MSCALE_"
@@ -33,110 +53,88 @@ def opt(default: Any, help: str, *, min: float | None = None, max: float | None 
     return field(default=default, metadata=meta)
 
 
-@dataclass(frozen=True)
-class AgentSection:
-    listen: str = opt("127.0.0.1:9477", "HTTP listen address HOST:PORT for /metrics and the API (port 0 picks one)")
-    socket_path: str = opt("/run/mscale/agent.sock", "Unix socket the hook library connects to")
-    node: str = opt("", "node name in labels and events (empty: the host name)")
-    simulate: str = opt("", "fault timeline YAML: run on simulated GPUs instead of NVML (empty: real GPUs)")
-    log_level: str = opt("info", "log level", choices=("debug", "info", "warning", "error"))
-    event_history: int = opt(1000, "events kept for GET /api/v1/events", min=10, max=1_000_000)
-    shutdown_timeout_s: float = opt(5.0, "longest a clean shutdown may take before tasks are cancelled", min=0.1, max=120)
+# --- assembly ----------------------------------------------------------------------------
+
+def _import(dotted: str) -> Any:
+    """'package.module:Name' -> the object, imported now."""
+    module, _, name = dotted.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
-@dataclass(frozen=True)
-class GpuProbeSection:
-    enabled: bool = opt(True, "run the GPU probe")
-    interval_s: float = opt(1.0, "seconds between GPU samples", min=0.05, max=3600)
-    timeout_s: float = opt(5.0, "deadline for one sample; past it the probe is down", min=0.05, max=600)
-    backend: str = opt("nvml", "where GPU data comes from: nvml, or dcgm (a dcgm-exporter endpoint)", choices=("nvml", "dcgm"))
-    dcgm_url: str = opt("http://127.0.0.1:9400/metrics", "dcgm-exporter endpoint, for backend = dcgm")
+def _section(where: str | Callable[[], type], help: str) -> Any:
+    """A table of `Config`: the room's class (a dotted name, or a function building it),
+    resolved when a config is made, never when this module is imported."""
+    resolve: Callable[[], type] = where if callable(where) else functools.partial(_import, where)
+    meta = {"help": help, "min": None, "max": None, "choices": None, "section": resolve}
+    return field(default_factory=lambda: resolve()(), metadata=meta)
 
 
-@dataclass(frozen=True)
-class HostProbeSection:
-    enabled: bool = opt(True, "run the host probe")
-    interval_s: float = opt(5.0, "seconds between host samples", min=0.05, max=3600)
-    timeout_s: float = opt(5.0, "deadline for one sample", min=0.05, max=600)
-    proc_root: str = opt("/proc", "procfs root (tests point it at a fixture tree)")
-
-
-@dataclass(frozen=True)
-class EbpfProbeSection:
-    enabled: bool = opt(True, "run the eBPF CUDA-driver probe (needs BCC and CAP_BPF/CAP_PERFMON)")
-    interval_s: float = opt(1.0, "seconds between reads of the BPF maps", min=0.05, max=3600)
-    timeout_s: float = opt(30.0, "deadline for one read (the first includes compiling the BPF program)", min=0.05, max=600)
-    libcuda_path: str = opt("", "path of libcuda.so.1 (empty: found per process from /proc/PID/maps)")
-    cmdline_pattern: str = opt("", "regex: also trace processes whose command line matches (empty: registered jobs only)")
-    hang_timeout_s: float = opt(60.0, "no kernel launch, or one sync call blocked, for this long is a hang", min=0.1, max=86400)
-    sync_stall_ratio: float = opt(0.5, "share of wall time blocked in synchronise calls that is a sync stall", min=0.01, max=1.0)
-    sync_stall_window_s: float = opt(30.0, "window over which the sync-stall share is measured", min=0.5, max=3600)
-    duty_window_s: float = opt(0.5, "high-rate probes (launch, copy) stay attached this long ...", min=0.01, max=3600)
-    duty_period_s: float = opt(10.0, "... once every this many seconds (equal to the window: always on)", min=0.01, max=3600)
-    max_processes: int = opt(256, "processes traced at once (sizes the BPF maps)", min=1, max=65536)
-    attach_mode: str = opt("auto", "how uprobes are attached: uprobe_multi links (Linux 6.6+, fast to detach), "
-                           "perf_event (one per symbol), or auto (the first that works)",
-                           choices=("auto", "uprobe_multi", "perf_event"))
-
-
-@dataclass(frozen=True)
 class ProbesSection:
-    gpu: GpuProbeSection = opt(None, "GPU probe", factory=GpuProbeSection)
-    host: HostProbeSection = opt(None, "host probe", factory=HostProbeSection)
-    ebpf: EbpfProbeSection = opt(None, "eBPF probe", factory=EbpfProbeSection)
+    """[probes]: one table per probe in mscale.probes.REGISTRY, each the probe's own section
+    class with `enabled` in front (default: the spec's `default_enabled`). Read a probe's
+    table as `cfg.probes.<name>`; its type is the probe module's section class."""
+
+    if TYPE_CHECKING:
+        def __getattr__(self, name: str) -> Any: ...
 
 
-@dataclass(frozen=True)
-class HealthSection:
-    temperature_degraded_c: float = opt(83.0, "GPU temperature at or above this is degraded", min=0, max=200)
-    sbe_per_hour_degraded: float = opt(100.0, "single-bit ECC errors per hour above this is degraded", min=0)
-    pcie_replays_per_min_degraded: float = opt(100.0, "PCIe replays per minute above this (a replay storm) is degraded", min=0)
-    xid_table: str = opt("", "CSV of Xid code, class (fatal|degrading|info), description (empty: the shipped table)")
-    rate_window_s: float = opt(300.0, "window over which the single-bit ECC and PCIe replay rates are measured", min=60, max=86400)
-    xid_degraded_hold_s: float = opt(3600.0, "a degrading Xid keeps its GPU degraded this long after it last occurred (or until a GPU reset)", min=0, max=30 * 86400)
+@functools.cache
+def _probe_table(name: str, module: str) -> type:
+    spec = importlib.import_module(module).SPEC
+    section = spec.section
+    enabled = dataclasses.make_dataclass(
+        f"_{section.__name__}Enabled",
+        [("enabled", bool, opt(spec.default_enabled, spec.enabled_help or f"run the {name} probe"))],
+        frozen=True)
+    # The last base's fields come first: `enabled`, then the probe's own keys in order.
+    cls = dataclasses.make_dataclass(section.__name__, [], bases=(section, enabled), frozen=True)
+    cls.__module__ = enabled.__module__ = section.__module__
+    return cls
 
 
-@dataclass(frozen=True)
-class SocketSection:
-    allowed_uids: list = opt(None, "extra user ids allowed on the socket besides the agent's own and root", factory=list)
-    max_message_bytes: int = opt(1 << 20, "larger messages on the socket are refused and counted", min=1024, max=1 << 30)
-    mode: int = opt(0o660, "file mode of the socket", min=0, max=0o777)
+@functools.cache
+def _probes_table(registry: tuple[tuple[str, str], ...]) -> type:
+    tables = [(name, _probe_table(name, module)) for name, module in registry]
+    cls = dataclasses.make_dataclass(
+        "ProbesSection",
+        [(name, t, opt(None, f"the {name} probe", factory=t)) for name, t in tables],
+        bases=(ProbesSection,), frozen=True)
+    cls.__module__ = __name__
+    return cls
 
 
-@dataclass(frozen=True)
-class WebhookSection:
-    token: str = opt("", "bearer token Alertmanager must send (or env MSCALE_WEBHOOK_TOKEN); empty refuses every call")
-    max_body_bytes: int = opt(1 << 20, "larger webhook bodies are refused", min=1024, max=1 << 30)
-    max_actions_per_minute: int = opt(30, "rate limit on actions triggered by alerts", min=1, max=100000)
-
-
-@dataclass(frozen=True)
-class HealingSection:
-    enabled: bool = opt(True, "let the healing engine act (false: detect and report only)")
-    checksum_failures_l1: int = opt(3, "consecutive checksum failures of an MPU that trigger an L1 swap", min=1, max=1000)
-    max_swaps_per_hour: int = opt(4, "L1 swaps of one MPU per hour before escalating to L2", min=1, max=1000)
-    recovery_clean_steps: int = opt(50, "clean steps an MPU needs before it counts as recovered", min=1, max=1_000_000)
-    lr_cool_factor: float = opt(0.1, "LR multiplier during a loss-spike cooling window", min=1e-6, max=1.0)
-    lr_cool_steps: int = opt(20, "length of the cooling window in steps", min=1, max=1_000_000)
-    distill_weight_min: float = opt(0.15, "lower bound of the L3 distillation share of the loss", min=0.0, max=1.0)
-    distill_weight_max: float = opt(0.30, "upper bound of the L3 distillation share of the loss", min=0.0, max=1.0)
-    policy: str = opt("", "healing policy YAML (empty: the shipped default policy)")
-    l2_precision_fallback: bool = opt(False, "L2 on a CPU MPU also runs its forward in bf16; trades checksum sensitivity "
-                                      "(bf16 tolerance 1e-2 vs 2e-6 in fp32: corruption below it goes unseen while "
-                                      "degraded, so L3 may not engage). An MPU on a GPU moves to the CPU regardless")
+def probes_section() -> type:
+    """The [probes] class for the probes registered now (mscale.probes.REGISTRY)."""
+    registry: dict[str, str] = importlib.import_module("mscale.probes").REGISTRY
+    return _probes_table(tuple(registry.items()))
 
 
 @dataclass(frozen=True)
 class Config:
-    agent: AgentSection = opt(None, "the agent process", factory=AgentSection)
-    probes: ProbesSection = opt(None, "probes", factory=ProbesSection)
-    health: HealthSection = opt(None, "GPU health thresholds", factory=HealthSection)
-    socket: SocketSection = opt(None, "the hook library's Unix socket", factory=SocketSection)
-    webhook: WebhookSection = opt(None, "the Alertmanager webhook", factory=WebhookSection)
-    healing: HealingSection = opt(None, "the healing engine", factory=HealingSection)
+    agent: AgentSection = _section("mscale.daemon.settings:AgentSection", "the agent process")
+    probes: ProbesSection = _section(probes_section, "probes")
+    health: HealthSection = _section("mscale.probes.gpu_health:HealthSection", "GPU health thresholds")
+    socket: SocketSection = _section("mscale.daemon.settings:SocketSection", "the hook library's Unix socket")
+    webhook: WebhookSection = _section("mscale.daemon.settings:WebhookSection", "the Alertmanager webhook")
+    healing: HealingSection = _section("mscale.healing.settings:HealingSection", "the healing engine")
 
-    def replace(self, **sections: Any) -> "Config":
+    def replace(self, **sections: Any) -> Config:
         return dataclasses.replace(self, **sections)
+
+
+def _fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
+    """(field, type) of a section class; tables of `Config` resolve their room's class now."""
+    hints: dict[str, Any] | None = None
+    out = []
+    for f in dataclasses.fields(cls):
+        resolve = f.metadata.get("section")
+        if resolve is not None:
+            out.append((f, resolve()))
+            continue
+        if hints is None:
+            hints = typing.get_type_hints(cls)
+        out.append((f, hints[f.name]))
+    return out
 
 
 # --- loading -----------------------------------------------------------------------------
@@ -172,20 +170,18 @@ def _coerce(dotted: str, tp: Any, value: Any, meta: dict, text: str | None) -> A
 
 
 def _build(cls: type, data: dict, prefix: str, text: str | None) -> Any:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: (f, tp) for f, tp in _fields(cls)}
     for key in data:
         if key not in fields:
             dotted = f"{prefix}{key}"
             known = ", ".join(sorted(fields))
             raise ConfigError(f"{dotted}{_line_of(text, dotted)}: unknown key (known in [{prefix.rstrip('.') or 'top level'}]: {known})")
     kwargs = {}
-    for name, f in fields.items():
+    for name, (f, tp) in fields.items():
         if name not in data:
             continue
-        tp = hints[name]
         dotted = f"{prefix}{name}"
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             if not isinstance(data[name], dict):
                 raise ConfigError(f"{dotted}{_line_of(text, dotted)}: expected a table [{dotted}]")
             kwargs[name] = _build(tp, data[name], dotted + ".", text)
@@ -194,12 +190,20 @@ def _build(cls: type, data: dict, prefix: str, text: str | None) -> Any:
     return cls(**kwargs)
 
 
+def _check(section: Any, key: str) -> None:
+    """Run each section's `check(key)` (rules across fields), tables in file order."""
+    check = getattr(section, "check", None)
+    if check is not None:
+        check(key)
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            _check(value, f"{key}.{f.name}" if key else f.name)
+
+
 def from_dict(data: dict, *, text: str | None = None) -> Config:
     cfg = _build(Config, data, "", text)
-    h = cfg.healing
-    if h.distill_weight_min > h.distill_weight_max:
-        raise ConfigError("healing.distill_weight_min: expected at most healing.distill_weight_max "
-                          f"({h.distill_weight_max}), got {h.distill_weight_min}")
+    _check(cfg, "")
     return _apply_env(cfg)
 
 
@@ -243,11 +247,9 @@ def reference_markdown() -> str:
     rows = ["| key | default | meaning |", "|---|---|---|"]
 
     def walk(cls: type, prefix: str) -> None:
-        hints = typing.get_type_hints(cls)
         inst = cls()
-        for f in dataclasses.fields(cls):
-            tp = hints[f.name]
-            if dataclasses.is_dataclass(tp):
+        for f, tp in _fields(cls):
+            if isinstance(tp, type) and dataclasses.is_dataclass(tp):
                 walk(tp, f"{prefix}{f.name}.")
                 continue
             default = getattr(inst, f.name)

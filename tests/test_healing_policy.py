@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mscale.config import HealingSection
+from mscale.healing.settings import HealingSection
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing import actions, policy as policymod
 from mscale.healing.engine import Condition, HealingEngine, Target

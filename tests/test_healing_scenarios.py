@@ -128,7 +128,7 @@ def test_l2_reduces_the_vision_input_resolution_and_raises_the_clip():
 
 
 def test_l2_precision_fallback_runs_the_degraded_mpu_in_bf16_until_recovery():
-    from mscale.config import HealingSection
+    from mscale.healing.settings import HealingSection
 
     # (step, dtype the vision tower's first Linear computed in): autocast casts its inputs inside
     # the op, so the hook's args stay fp32 and the output's dtype shows the GEMM's precision

@@ -21,7 +21,8 @@ from aiohttp import web
 from support import free_port, require
 from mscale.daemon import keys
 from mscale.daemon.app import create_app
-from mscale.config import Config, SocketSection, AgentSection
+from mscale.config import Config
+from mscale.daemon.settings import AgentSection, SocketSection
 from mscale.hook.guard import attach
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
@@ -304,7 +305,7 @@ def test_snapshot_and_loss_findings_become_per_job_metrics(sock: str, tmp_path: 
     recovery times of a rollback (memory) and a resume (disk), and the findings counter."""
     from mscale.findings import Reason
     from mscale.snapshot.data import ResumableLoader
-    from mscale.snapshot.engine import SnapshotPlugin
+    from mscale.snapshot.plugin import SnapshotPlugin
 
     agent = Agent(sock)
     torch.manual_seed(0)

@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from mscale.config import HealingSection
 from mscale.findings import Finding
+from mscale.healing.settings import HealingSection
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ from typing import Any, Callable, Iterable, Mapping
 
 import structlog
 
-from mscale.config import HealingSection
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing import actions
 from mscale.healing.fsm import IllegalTransition, JobFuse, Level, MpuFuse, Transition
 from mscale.healing.policy import Policy, Rule
+from mscale.healing.settings import HealingSection
 
 log = structlog.get_logger("mscale.healing")
 

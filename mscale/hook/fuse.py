@@ -28,13 +28,13 @@ import structlog
 import torch
 from torch.nn import functional as F
 
-from mscale.config import HealingSection
 from mscale.findings import Finding, Reason
 from mscale.healing import actions, policy as policymod
 from mscale.healing.actions.base import ActionFailed
 from mscale.healing.engine import Condition, Decision, HealingEngine, HealingSnapshot, Target
 from mscale.healing.fsm import Level
 from mscale.healing.policy import Policy, Rule
+from mscale.healing.settings import HealingSection
 
 log = structlog.get_logger("mscale.fuse")
 SOURCE = "fuse"

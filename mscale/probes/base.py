@@ -1,4 +1,5 @@
-"""The probe protocol. A probe is one module exporting `SPEC`, listed in probes/__init__.py.
+"""The probe protocol. A probe is one module exporting `SPEC` (its factory and config section),
+listed in probes/__init__.py.
 
 `sample()` is blocking and runs in the probe's own worker thread under a deadline
 (mscale.daemon.runner); it returns an immutable snapshot that collectors read at scrape
@@ -6,6 +7,7 @@ time. Probes report faults as findings through `ctx.emit`, never by raising.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -38,7 +40,25 @@ class Probe(Protocol):
 
 @dataclass(frozen=True)
 class ProbeSpec:
-    name: str  # also the config section [probes.<name>] and the `probe` label
+    """One probe's registration: what mscale.probes.REGISTRY points at as the module's `SPEC`.
+
+    `section` is the probe's config table [probes.<name>], a frozen dataclass of `opt()`
+    fields declared in the probe's module; it must have `interval_s` and `timeout_s` (the
+    runner's schedule and deadline) and leaves out `enabled`: mscale.config adds that key
+    in front, defaulting to `default_enabled` and documented by `enabled_help`.
+    """
+    name: str  # also the config table [probes.<name>] and the `probe` label
     factory: Callable[[ProbeContext], Probe]
-    default_enabled: bool = True
-    requires: str = ""  # what it needs, shown in /api/v1/probes and the README
+    section: type
+    default_enabled: bool = True  # default of probes.<name>.enabled
+    enabled_help: str = ""  # help of probes.<name>.enabled in the config table (empty: "run the <name> probe")
+
+    def __post_init__(self) -> None:
+        if not dataclasses.is_dataclass(self.section):
+            raise TypeError(f"probe {self.name}: section must be a dataclass, got {self.section!r}")
+        keys = {f.name for f in dataclasses.fields(self.section)}
+        if "enabled" in keys:
+            raise TypeError(f"probe {self.name}: section declares 'enabled'; set default_enabled on the spec instead")
+        missing = {"interval_s", "timeout_s"} - keys
+        if missing:
+            raise TypeError(f"probe {self.name}: section lacks {', '.join(sorted(missing))}")

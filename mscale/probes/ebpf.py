@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from mscale.config import opt
 from mscale.findings import Finding, Reason, Severity
 from mscale.probes.base import ProbeContext, ProbeSpec, ProbeUnavailable
 from mscale.probes.ebpf_detect import BlockedShare, LaunchWatch
 from mscale.probes.ebpf_loader import DIRECTIONS, HIST_SLOTS, ROLES, Link, PidCounters, preflight
 
 if TYPE_CHECKING:
-    from mscale.config import EbpfProbeSection
     from mscale.probes.ebpf_loader import CudaBpf, InflightSync
 
 log = structlog.get_logger("mscale.probes.ebpf")
@@ -142,7 +142,7 @@ def find_libcuda(pid: int) -> str | None:
 class EbpfProbe:
     name = SOURCE
 
-    def __init__(self, ctx: ProbeContext, section: "EbpfProbeSection", pattern: re.Pattern | None) -> None:
+    def __init__(self, ctx: ProbeContext, section: EbpfProbeSection, pattern: re.Pattern | None) -> None:
         self.ctx, self.cfg, self.pattern = ctx, section, pattern
         self.always_on = section.duty_window_s >= section.duty_period_s
         self.scale = 1.0 if self.always_on else section.duty_period_s / section.duty_window_s
@@ -413,6 +413,24 @@ class EbpfProbe:
         self.ctx.emit(Finding(SOURCE, reason, severity, message, labels, self.ctx.clock()))
 
 
+@dataclass(frozen=True)
+class EbpfProbeSection:
+    """[probes.ebpf]"""
+    interval_s: float = opt(1.0, "seconds between reads of the BPF maps", min=0.05, max=3600)
+    timeout_s: float = opt(30.0, "deadline for one read (the first includes compiling the BPF program)", min=0.05, max=600)
+    libcuda_path: str = opt("", "path of libcuda.so.1 (empty: found per process from /proc/PID/maps)")
+    cmdline_pattern: str = opt("", "regex: also trace processes whose command line matches (empty: registered jobs only)")
+    hang_timeout_s: float = opt(60.0, "no kernel launch, or one sync call blocked, for this long is a hang", min=0.1, max=86400)
+    sync_stall_ratio: float = opt(0.5, "share of wall time blocked in synchronise calls that is a sync stall", min=0.01, max=1.0)
+    sync_stall_window_s: float = opt(30.0, "window over which the sync-stall share is measured", min=0.5, max=3600)
+    duty_window_s: float = opt(0.5, "high-rate probes (launch, copy) stay attached this long ...", min=0.01, max=3600)
+    duty_period_s: float = opt(10.0, "... once every this many seconds (equal to the window: always on)", min=0.01, max=3600)
+    max_processes: int = opt(256, "processes traced at once (sizes the BPF maps)", min=1, max=65536)
+    attach_mode: str = opt("auto", "how uprobes are attached: uprobe_multi links (Linux 6.6+, fast to detach), "
+                           "perf_event (one per symbol), or auto (the first that works)",
+                           choices=("auto", "uprobe_multi", "perf_event"))
+
+
 def make(ctx: ProbeContext) -> EbpfProbe:
     section = ctx.config.probes.ebpf
     if section.libcuda_path and not os.path.isfile(section.libcuda_path):
@@ -425,5 +443,6 @@ def make(ctx: ProbeContext) -> EbpfProbe:
     return EbpfProbe(ctx, section, pattern)
 
 
-SPEC = ProbeSpec(SOURCE, make, default_enabled=True,
-                 requires="BCC (python3-bpfcc), kernel headers, CAP_BPF + CAP_PERFMON + CAP_SYS_RESOURCE")
+# Needs BCC (python3-bpfcc), kernel headers, CAP_BPF + CAP_PERFMON + CAP_SYS_RESOURCE.
+SPEC = ProbeSpec(SOURCE, make, section=EbpfProbeSection, default_enabled=True,
+                 enabled_help="run the eBPF CUDA-driver probe (needs BCC and CAP_BPF/CAP_PERFMON)")

@@ -19,6 +19,7 @@ from typing import Any, Callable, Protocol
 
 import structlog
 
+from mscale.config import opt
 from mscale.findings import Finding, Reason, Severity
 from mscale.probes import nvml_api
 from mscale.probes.base import ProbeContext, ProbeSpec
@@ -228,6 +229,15 @@ class GpuProbe:
         self.reader.close()
 
 
+@dataclass(frozen=True)
+class GpuProbeSection:
+    """[probes.gpu]"""
+    interval_s: float = opt(1.0, "seconds between GPU samples", min=0.05, max=3600)
+    timeout_s: float = opt(5.0, "deadline for one sample; past it the probe is down", min=0.05, max=600)
+    backend: str = opt("nvml", "where GPU data comes from: nvml, or dcgm (a dcgm-exporter endpoint)", choices=("nvml", "dcgm"))
+    dcgm_url: str = opt("http://127.0.0.1:9400/metrics", "dcgm-exporter endpoint, for backend = dcgm")
+
+
 def _factory(ctx: ProbeContext) -> GpuProbe:
     cfg = ctx.config
     model = HealthModel(cfg.health)  # a malformed Xid table stops start-up here
@@ -243,6 +253,7 @@ def _factory(ctx: ProbeContext) -> GpuProbe:
     return GpuProbe(reader, model, emit=ctx.emit, clock=ctx.clock)
 
 
-SPEC = ProbeSpec(name="gpu", factory=_factory, requires="NVIDIA driver (NVML), a dcgm-exporter endpoint, or --simulate")
+# Needs the NVIDIA driver (NVML), a dcgm-exporter endpoint, or --simulate.
+SPEC = ProbeSpec(name="gpu", factory=_factory, section=GpuProbeSection, enabled_help="run the GPU probe")
 
-__all__ = ["GpuProbe", "GpuSample", "GpuSnapshot", "NvLinkSample", "NvmlReader", "Reading", "SPEC", "STATES"]
+__all__ = ["GpuProbe", "GpuProbeSection", "GpuSample", "GpuSnapshot", "NvLinkSample", "NvmlReader", "Reading", "SPEC", "STATES"]

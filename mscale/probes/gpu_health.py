@@ -19,13 +19,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
+from mscale.config import opt
 from mscale.findings import Reason
 from mscale.textfile import read_text
-
-if TYPE_CHECKING:
-    from mscale.config import HealthSection
 
 HEALTHY, DEGRADED, FAILED = "healthy", "degraded", "failed"
 STATES: tuple[str, ...] = (HEALTHY, DEGRADED, FAILED)
@@ -35,6 +33,17 @@ _CLASS_STATE = {"fatal": FAILED, "degrading": DEGRADED}
 # Rates over a shorter span are computed as if this much time had passed, so one early
 # error after start-up is not a storm.
 MIN_RATE_SPAN_S = 60.0
+
+
+@dataclass(frozen=True)
+class HealthSection:
+    """[health]: the thresholds of the model below (both GPU backends judge by them)."""
+    temperature_degraded_c: float = opt(83.0, "GPU temperature at or above this is degraded", min=0, max=200)
+    sbe_per_hour_degraded: float = opt(100.0, "single-bit ECC errors per hour above this is degraded", min=0)
+    pcie_replays_per_min_degraded: float = opt(100.0, "PCIe replays per minute above this (a replay storm) is degraded", min=0)
+    xid_table: str = opt("", "CSV of Xid code, class (fatal|degrading|info), description (empty: the shipped table)")
+    rate_window_s: float = opt(300.0, "window over which the single-bit ECC and PCIe replay rates are measured", min=60, max=86400)
+    xid_degraded_hold_s: float = opt(3600.0, "a degrading Xid keeps its GPU degraded this long after it last occurred (or until a GPU reset)", min=0, max=30 * 86400)
 
 
 def worst(*states: str) -> str:
@@ -180,7 +189,7 @@ class HealthModel:
     """Per-GPU health with the little memory the rules need (rates, links seen up, Xids
     since the last reset). Not thread-safe: one probe thread drives it."""
 
-    def __init__(self, cfg: "HealthSection", xids: XidTable | None = None) -> None:
+    def __init__(self, cfg: HealthSection, xids: XidTable | None = None) -> None:
         self.cfg = cfg
         self.xids = xids if xids is not None else load_xid_table(cfg.xid_table or None)
         self._gpus: dict[int, _GpuMemory] = {}

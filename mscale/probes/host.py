@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 import psutil
 
+from mscale.config import opt
 from mscale.probes.base import ProbeContext, ProbeSpec
 
 # Virtual block devices with nothing to say about training I/O.
@@ -180,8 +181,17 @@ def _jobs_of(state: Any) -> Callable[[], list[Any]]:
     return jobs
 
 
+@dataclass(frozen=True)
+class HostProbeSection:
+    """[probes.host]"""
+    interval_s: float = opt(5.0, "seconds between host samples", min=0.05, max=3600)
+    timeout_s: float = opt(5.0, "deadline for one sample", min=0.05, max=600)
+    proc_root: str = opt("/proc", "procfs root (tests point it at a fixture tree)")
+
+
 def _factory(ctx: ProbeContext) -> HostProbe:
     return HostProbe(jobs=_jobs_of(ctx.state), proc_root=ctx.config.probes.host.proc_root, clock=ctx.clock)
 
 
-SPEC = ProbeSpec(name="host", factory=_factory, requires="procfs (psutil)")
+# Needs procfs (read through psutil).
+SPEC = ProbeSpec(name="host", factory=_factory, section=HostProbeSection)

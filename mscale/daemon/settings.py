@@ -1,0 +1,32 @@
+"""The agent's own config sections: [agent], [socket] (the hook library's link) and
+[webhook] (Alertmanager). Assembled into `mscale.config.Config` with the other rooms'."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mscale.config import opt
+
+
+@dataclass(frozen=True)
+class AgentSection:
+    listen: str = opt("127.0.0.1:9477", "HTTP listen address HOST:PORT for /metrics and the API (port 0 picks one)")
+    socket_path: str = opt("/run/mscale/agent.sock", "Unix socket the hook library connects to")
+    node: str = opt("", "node name in labels and events (empty: the host name)")
+    simulate: str = opt("", "fault timeline YAML: run on simulated GPUs instead of NVML (empty: real GPUs)")
+    log_level: str = opt("info", "log level", choices=("debug", "info", "warning", "error"))
+    event_history: int = opt(1000, "events kept for GET /api/v1/events", min=10, max=1_000_000)
+    shutdown_timeout_s: float = opt(5.0, "longest a clean shutdown may take before tasks are cancelled", min=0.1, max=120)
+
+
+@dataclass(frozen=True)
+class SocketSection:
+    allowed_uids: list = opt(None, "extra user ids allowed on the socket besides the agent's own and root", factory=list)
+    max_message_bytes: int = opt(1 << 20, "larger messages on the socket are refused and counted", min=1024, max=1 << 30)
+    mode: int = opt(0o660, "file mode of the socket", min=0, max=0o777)
+
+
+@dataclass(frozen=True)
+class WebhookSection:
+    token: str = opt("", "bearer token Alertmanager must send (or env MSCALE_WEBHOOK_TOKEN); empty refuses every call")
+    max_body_bytes: int = opt(1 << 20, "larger webhook bodies are refused", min=1024, max=1 << 30)
+    max_actions_per_minute: int = opt(30, "rate limit on actions triggered by alerts", min=1, max=100000)
