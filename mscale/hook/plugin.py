@@ -1,24 +1,38 @@
-"""The plugin surface of the guard: what the snapshot engine, the fuse and user code build on.
+"""The plugin surface of the guard: what the fuse, the snapshot plugin and user code build on.
 
-A plugin is any object; the guard calls the methods it has and skips the ones it lacks.
-Calls happen in the training thread, in this order for each optimizer step:
+A plugin is any object with at least one of the methods below (`Guard.add_plugin` refuses one
+with none); the guard calls the methods it has and skips the ones it lacks, in the order the
+plugins were added (`attach(plugins=[...])` first, then what `attach(snapshots=...)` adds: the
+fuse). Calls happen in the training thread, in this order for each step:
 
-    on_step_begin(step, batch)     before the first training-mode forward of the step
+    on_step_begin(step, batch)     at the step's first training-mode forward of the model;
+                                   batch is a ModelInputs (args, kwargs) as the model got it
     on_mpu_output(mpu, inputs, output) -> replacement | None
-                                   after each MPU forward and its checksums; return a
-                                   value to replace the MPU's output (the fuse's re-run)
-    on_finding(finding)            as each finding is made (checksums inside the forward,
-                                   loss/gradient statistics before the optimizer step)
-    on_step_end(step, loss)        after optimizer.step(); loss is the step's mean loss
-                                   (None when unknown, NaN stays NaN)
+                                   after each MPU forward and its checksums (not for the
+                                   checksum's own replays); return a value to replace the
+                                   MPU's output (the fuse's re-run)
+    on_finding(finding)            as each finding is made: checksums inside the forward,
+                                   loss and gradient statistics in the optimizer's step
+                                   pre-hook (before the update; at scaler.update() for a
+                                   step the scaler skipped), snapshot findings
+    on_step_end(step, loss)        after optimizer.step(), or at scaler.update() once the loop
+                                   uses a watched GradScaler (so a step the scaler skipped
+                                   ends too); loss is the step's mean loss, None when unknown,
+                                   NaN stays NaN. A plugin that restores a snapshot here calls
+                                   guard.set_step(n) and the guard runs step n next
     on_command(command) -> dict | None
-                                   commands from the agent, dispatched at step boundaries
-                                   (never mid-step); a returned dict is sent back as the reply
+                                   commands from the agent, dispatched between steps (never
+                                   mid-step); a returned dict is sent back as the reply
 
-plus on_attach(guard) when added and on_detach(guard) when the guard detaches. A plugin
-that raises is logged and counted (`guard.plugin_errors`); training goes on. Plugins read
-per-MPU state from `guard.mpus` (see `mscale.hook.mpu.Mpu`) and change it only through the
-guard: `rebind`, `cmsa.raise_threshold`, `request_skip`, `emit`.
+plus on_attach(guard) when added and on_detach(guard) when removed or when the guard detaches.
+A plugin that raises is logged and counted (`guard.plugin_errors`); training goes on.
+
+Plugins read per-MPU state from `guard.mpus` (see `mscale.hook.mpu.Mpu`) and change the job
+only through the guard: `request_skip(reason)` drops this step's update (its gradients are
+discarded before the optimizer step; asked for after that, it marks the step skipped in the
+report but the update has happened), `rebind`, `cmsa.raise_threshold`, `set_step`, `emit`,
+`send_to_agent`. The guard itself drops the update of a step whose loss or gradient norm is
+not finite, with or without a plugin.
 """
 from __future__ import annotations
 
