@@ -1,4 +1,4 @@
-"""The README's metrics table against a live scrape of the agent: every metric the agent
+"""The metrics table in docs/metrics.md against a live scrape of the agent: every metric the agent
 exports has a row, with the exposed name, its type and its labels."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ROW = re.compile(r"^\|\s*`?([a-zA-Z_:][a-zA-Z0-9_:]*)`?\s*\|\s*`?(\w+)`?\s*\|([^
 
 def documented() -> dict[str, tuple[str, frozenset[str]]]:
     """name -> (type, label names) from the rows between the metrics-table markers."""
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "metrics.md").read_text()
     body = text[text.index("<!-- metrics-table:begin"):text.index("<!-- metrics-table:end")]
     rows: dict[str, tuple[str, frozenset[str]]] = {}
     for line in body.splitlines():
@@ -24,7 +24,7 @@ def documented() -> dict[str, tuple[str, frozenset[str]]]:
         if not m or m.group(1) == "metric":
             continue
         name, typ, labels = m.groups()
-        assert name not in rows, f"README metrics table: {name} has two rows"
+        assert name not in rows, f"docs/metrics.md: {name} has two rows"
         rows[name] = (typ.lower(), frozenset(re.findall(r"[a-z_][a-z0-9_]*", labels)) - {"none"})
     return rows
 
@@ -99,7 +99,7 @@ def test_readme_rows_parse():
 def test_every_exported_metric_is_documented(scrape):
     docs = documented()
     missing = sorted(set(scrape) - set(docs))
-    assert not missing, ("metrics the agent exports with no row in README's metrics table "
+    assert not missing, ("metrics the agent exports with no row in docs/metrics.md "
                          "(`| name | type | labels | meaning |`):\n" +
                          "\n".join(f"  | `{n}` | {scrape[n][0]} | {', '.join(sorted(scrape[n][1] or ['?']))} | ... |"
                                    for n in missing))
@@ -107,11 +107,11 @@ def test_every_exported_metric_is_documented(scrape):
 
 def test_documented_type_and_labels_match_the_scrape(scrape):
     docs = documented()
-    wrong = [f"  {n}: README says {docs[n][0]} {{{', '.join(sorted(docs[n][1]))}}}, "
+    wrong = [f"  {n}: docs/metrics.md says {docs[n][0]} {{{', '.join(sorted(docs[n][1]))}}}, "
              f"the agent exports {t} {{{', '.join(sorted(l or ['no samples yet']))}}}"
              for n, (t, l) in sorted(scrape.items())
              if n in docs and (docs[n][0] != t or (l is not None and docs[n][1] != l))]
-    assert not wrong, "README metrics table disagrees with the live scrape:\n" + "\n".join(wrong)
+    assert not wrong, "docs/metrics.md disagrees with the live scrape:\n" + "\n".join(wrong)
     unseen = sorted(set(docs) - set(scrape))
     if unseen:  # documented, but needing something this set-up lacks (a traced CUDA process, snapshots)
         print("\ndocumented but not in this scrape:", ", ".join(unseen))
