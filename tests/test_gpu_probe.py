@@ -404,11 +404,14 @@ def test_bad_xid_tables_name_the_line(body, line, words) -> None:
         assert w in str(err.value)
 
 
-def test_readme_documents_the_xid_table() -> None:
-    readme = (REPO / "README.md").read_text()
-    m = re.search(r"<!-- xid-table:begin[^>]*-->\n(.*?)<!-- xid-table:end -->", readme, re.S)
-    assert m, "README has no xid-table markers"
-    assert m.group(1) == xid_markdown()
+def test_docs_document_the_xid_table() -> None:
+    doc = (REPO / "docs" / "xid.md").read_text()
+    m = re.search(r"<!-- xid-table:begin[^>]*-->\n(.*?)<!-- xid-table:end -->", doc, re.S)
+    assert m, "docs/xid.md has no xid-table markers"
+    assert m.group(1) == xid_markdown(), (
+        "docs/xid.md is stale: paste the output of "
+        "`python -c 'from mscale.probes.gpu_health import xid_markdown; print(xid_markdown(), end=\"\")'` "
+        "between its markers")
 
 
 # --- the exporter ----------------------------------------------------------------------------
