@@ -99,7 +99,8 @@ def main() -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from mscale.snapshot.engine import SnapshotEngine, verify_snapshot
+    from mscale.snapshot.engine import SnapshotEngine
+    from mscale.snapshot.format import verify_snapshot
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))  # errors only
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

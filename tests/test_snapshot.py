@@ -17,10 +17,18 @@ import torch
 from safetensors.torch import load_file
 
 from mscale.findings import Reason
-from mscale.snapshot.engine import (
-    MANIFEST, NONMPU_FILE, NONMPU_OPTIM_FILE, TRAIN_STATE, RollbackUnavailable, SnapshotEngine, SnapshotInvalid, SnapshotPlugin,
-    list_snapshots, load_snapshot, verify_snapshot,
+from mscale.snapshot.engine import RollbackUnavailable, SnapshotEngine
+from mscale.snapshot.format import (
+    MANIFEST,
+    NONMPU_FILE,
+    NONMPU_OPTIM_FILE,
+    TRAIN_STATE,
+    SnapshotInvalid,
+    list_snapshots,
+    verify_snapshot,
 )
+from mscale.snapshot.plugin import SnapshotPlugin
+from mscale.snapshot.tensors import load_snapshot
 from support import require
 from support.snapshot_inproc import Job
 from support.snapshot_job import build

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mscale.snapshot.data import ResumableFileStream, ResumableLoader, epoch_order, indices_of
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig
+from mscale.snapshot.data import ResumableFileStream, ResumableLoader, epoch_order, indices_of
 
 DATA = SyntheticCaptions(TinyConfig(), size=100, seed=3)
 

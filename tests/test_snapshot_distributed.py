@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mscale.snapshot.format import list_snapshots, verify_snapshot
 from support import free_port
-from mscale.snapshot.engine import list_snapshots, verify_snapshot
 from support.zygote import Zygote
 
 

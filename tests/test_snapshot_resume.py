@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from mscale.sim.tinymm import TinyConfig
-from mscale.snapshot.engine import SnapshotEngine, list_snapshots, verify_snapshot
+from mscale.snapshot.engine import SnapshotEngine
+from mscale.snapshot.format import list_snapshots, verify_snapshot
 from support.snapshot_job import build
 from support.zygote import Zygote
 

@@ -1,8 +1,49 @@
 """TRAINING JOB: snapshots of the whole training state and their restore.
 
-The on-disk format module reads, lists and verifies snapshots without torch (the
-`mscale snapshot` CLI uses only it); the engine, the Guard plugin and the data-position
-adapters run inside the training process.
+    format.py       the on-disk format without torch: names, manifest, listing, verifying,
+                    reading the train state, inspecting (all `mscale snapshot` uses)
+    tensors.py      the torch side of the format: tensors to safetensors, load_snapshot
+    memory.py       snapshots in host memory and the copies that fill them; RNG states
+    optim.py        optimizer state keyed by parameter name
+    writer.py       the background thread that writes snapshots to disk
+    engine.py       SnapshotEngine: capture, rollback, resume
+    plugin.py       SnapshotPlugin: the engine as a Guard plugin
+    data.py         resumable data positions; distributed.py: the collectives of agreed rollback
+    cli.py          `mscale snapshot list|verify|inspect`
+
+The public names are importable from here (`from mscale.snapshot import SnapshotEngine`);
+importing this package or `mscale.snapshot.format` does not import torch.
 
 May import: findings, config, healing, hook. Never imports daemon.
 """
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "SnapshotEngine", "SnapshotPlugin", "SnapshotError", "SnapshotInvalid", "RollbackUnavailable", "SnapshotInfo",
+    "list_snapshots", "verify_snapshot", "read_manifest", "load_snapshot", "ResumableLoader", "ResumableFileStream",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # On first use, so that the format module and the CLI never load torch.
+    if name in ("SnapshotError", "SnapshotInvalid", "SnapshotInfo", "list_snapshots", "verify_snapshot", "read_manifest"):
+        from mscale.snapshot import format as module
+    elif name in ("SnapshotEngine", "RollbackUnavailable"):
+        from mscale.snapshot import engine as module
+    elif name == "SnapshotPlugin":
+        from mscale.snapshot import plugin as module
+    elif name == "load_snapshot":
+        from mscale.snapshot import tensors as module
+    elif name in ("ResumableLoader", "ResumableFileStream"):
+        from mscale.snapshot import data as module
+    else:
+        raise AttributeError(f"module 'mscale.snapshot' has no attribute {name!r}")
+    value = getattr(module, name)
+    globals()[name] = value  # later look-ups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

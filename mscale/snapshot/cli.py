@@ -4,6 +4,8 @@ DIR is a snapshot directory (`step_00000120`), a directory of them, or one with 
 `rank_NNNNN/` subdirectory per rank. `verify` checks every file against the manifest (size
 and SHA-256) and shows a progress bar on a terminal; exit status 1 when any snapshot fails,
 naming the file at fault, 2 when DIR holds no snapshot.
+
+Uses only the torch-free format module, so it runs where torch is not installed.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from mscale.snapshot import format as snap
 
 HELP = "list, verify or inspect training snapshots on disk"
 
@@ -34,13 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mscale.snapshot import engine as snap  # imports torch: only when the command runs
-
     root = Path(args.dir)
     if not root.exists():
         print(f"mscale snapshot: {root}: no such directory", file=sys.stderr)
         return 2
-    return {"list": _list, "verify": _verify, "inspect": _inspect}[args.action](snap, root, args)
+    return {"list": _list, "verify": _verify, "inspect": _inspect}[args.action](root, args)
 
 
 def _size(n: float) -> str:
@@ -51,7 +53,7 @@ def _size(n: float) -> str:
     return f"{n} B"
 
 
-def _list(snap, root: Path, args: argparse.Namespace) -> int:
+def _list(root: Path, args: argparse.Namespace) -> int:
     infos = snap.list_snapshots(root, include_incomplete=True)
     if not infos:
         print(f"mscale snapshot: no snapshots under {root}", file=sys.stderr)
@@ -106,7 +108,7 @@ class _Progress:
                 self.stream.flush()
 
 
-def _verify(snap, root: Path, args: argparse.Namespace) -> int:
+def _verify(root: Path, args: argparse.Namespace) -> int:
     infos = snap.list_snapshots(root, include_incomplete=True)
     # Temporary directories are writes a crash interrupted: never loaded, so only counted. A
     # step_ directory whose manifest is bad is a failed snapshot, verified (and failed) below.
@@ -141,7 +143,7 @@ def _verify(snap, root: Path, args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _inspect(snap, root: Path, args: argparse.Namespace) -> int:
+def _inspect(root: Path, args: argparse.Namespace) -> int:
     infos = [i for i in snap.list_snapshots(root) if i.complete]
     if args.rank is not None:
         infos = [i for i in infos if i.rank == args.rank]
@@ -153,38 +155,12 @@ def _inspect(snap, root: Path, args: argparse.Namespace) -> int:
         print(f"mscale snapshot: no complete snapshot{'' if args.step is None else f' of step {args.step}'} under {root}", file=sys.stderr)
         return 2
     info = max(infos, key=lambda i: i.step)
-    manifest = info.manifest
-    import torch
-
-    # Read only what verified: the train state is hashed before torch.load (weights_only).
-    ts = info.path / snap.TRAIN_STATE
-    meta = manifest["files"].get(snap.TRAIN_STATE)
-    import hashlib
-
-    if meta is None or not ts.exists() or hashlib.sha256(ts.read_bytes()).hexdigest() != meta["sha256"]:
-        print(f"mscale snapshot: {ts}: does not match the manifest; run `mscale snapshot verify`", file=sys.stderr)
+    try:  # the train state is read only once its hash matches the manifest
+        summary = snap.summarize(info)
+    except snap.SnapshotInvalid as e:
+        hint = "; run `mscale snapshot verify`" if e.file == snap.TRAIN_STATE else ""
+        print(f"mscale snapshot: {e.path / e.file}: {e.why}{hint}", file=sys.stderr)
         return 1
-    objects = torch.load(ts, weights_only=True, map_location="cpu")
-    binding = {}
-    if (info.path / snap.BINDING).exists():
-        binding = json.loads((info.path / snap.BINDING).read_text())
-    summary = {
-        "path": str(info.path),
-        "step": manifest["step"],
-        "rank": manifest.get("rank"),
-        "world_size": manifest.get("world_size"),
-        "job_id": manifest.get("job_id"),
-        "created_unix": manifest.get("created_unix"),
-        "why": manifest.get("why"),
-        "versions": manifest.get("versions"),
-        "files": {n: {"size": m["size"], "sha256": m["sha256"]} for n, m in sorted(manifest["files"].items())},
-        "mpus": binding.get("mpus", manifest.get("mpus", {})),
-        "optimizer": _optimizer_summary(objects.get("optimizer")),
-        "scaler": _plain(objects.get("scaler")),
-        "scheduler": _plain({k: v for k, v in (objects.get("scheduler") or {}).items() if k in ("last_epoch", "_last_lr", "_step_count", "base_lrs")}) or None,
-        "data": _plain({k: v for k, v in (objects.get("data") or {}).items() if k != "skip"}) or None,
-        "rng": sorted((objects.get("rng") or {}).keys()),
-    }
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
         return 0
@@ -205,25 +181,3 @@ def _inspect(snap, root: Path, args: argparse.Namespace) -> int:
             print(f"{key:<10} {json.dumps(summary[key], default=str)}")
     print(f"rng        {', '.join(summary['rng'])}")
     return 0
-
-
-def _optimizer_summary(opt: dict | None) -> dict | None:
-    if not opt:
-        return None
-    groups = [{k: _plain(v) for k, v in g.items() if k != "params"} | {"params": len(g["params"])} for g in opt["param_groups"]]
-    return {"class": opt.get("class"), "param_groups": groups}
-
-
-def _plain(obj):
-    """JSON-friendly copy (tensors as lists or scalars)."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        torch = None
-    if torch is not None and isinstance(obj, torch.Tensor):
-        return obj.item() if obj.numel() == 1 else f"tensor{tuple(obj.shape)}"
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    return obj

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset

@@ -7,7 +7,8 @@ Without an initialised process group everything is local (rank 0 of 1).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

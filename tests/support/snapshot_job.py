@@ -76,7 +76,7 @@ def guarded(args, model, net, optimizer, scheduler, scaler, loader, engine) -> t
     """The same training through the Guard (steps counted from 0 there): the NaN loss is the
     guard's LOSS_NONFINITE finding, and the SnapshotPlugin rolls every rank back at step end."""
     from mscale.findings import Reason
-    from mscale.snapshot.engine import SnapshotPlugin
+    from mscale.snapshot.plugin import SnapshotPlugin
     from mscale.hook import attach
 
     plugin = SnapshotPlugin(engine, rollback_on={Reason.LOSS_NONFINITE})

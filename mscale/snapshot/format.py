@@ -1,0 +1,432 @@
+"""The snapshot format on disk, read and written without torch or numpy.
+
+Listing, verifying and inspecting snapshots need nothing but the standard library, so
+`mscale snapshot list|verify|inspect` starts in milliseconds and runs where torch is not
+installed: a manifest is JSON, hashes are read with hashlib, a safetensors file is an 8-byte
+little-endian header length, a JSON header and then the data, and `train_state.pt` (a
+torch.save zip archive) is read here by an unpickler that builds only plain values and
+refuses every other global.
+
+Layout of a snapshot directory (`DIR/step_00000120`, or `DIR/rank_00003/step_00000120` when
+several ranks share DIR):
+
+    mpu_<id>_<name>_state.safetensors   model tensors of the MPU ("model/<fqn>")
+    mpu_<id>_<name>_optim.safetensors   optimizer tensors of its parameters ("optim/<fqn>/<key>")
+    nonmpu_state.safetensors            the same two for parameters and buffers outside any MPU
+    nonmpu_optim.safetensors
+    train_state.pt                      optimizer groups and scalars, scaler, scheduler, RNG,
+                                        data position, step (weights_only-loadable objects)
+    resource_binding.json               MPU -> device index and UUID
+    manifest.json                       every file above with size and SHA-256; step, versions
+
+A snapshot is written to `.tmp-step_N-...` and renamed to `step_N` once every file and the
+manifest (written last) are fsynced, so a `step_` directory with a manifest is complete.
+"""
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import os
+import pickle
+import re
+import struct
+import zipfile
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "SnapshotError",
+    "SnapshotInvalid",
+    "SnapshotInfo",
+    "TensorInfo",
+    "list_snapshots",
+    "verify_snapshot",
+    "read_manifest",
+    "read_train_state",
+    "summarize",
+]
+
+FORMAT = "mscale-snapshot/1"
+MANIFEST = "manifest.json"
+BINDING = "resource_binding.json"
+TRAIN_STATE = "train_state.pt"
+NONMPU_FILE = "nonmpu_state.safetensors"
+NONMPU_OPTIM_FILE = "nonmpu_optim.safetensors"
+STEP_DIR = re.compile(r"^step_(\d{8,})$")
+RANK_DIR = re.compile(r"^rank_(\d{5,})$")
+TEMP_PREFIX = ".tmp-"
+ASIDE_PREFIX = ".old-"
+CHUNK = 16 << 20  # write and hash granularity: large enough for syscall overhead to vanish
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot could not be taken, written or restored."""
+
+
+class SnapshotInvalid(SnapshotError):
+    """A snapshot on disk is refused: `file` is the file at fault (relative to `path`)."""
+
+    def __init__(self, path: Path, file: str, why: str) -> None:
+        self.path, self.file, self.why = Path(path), file, why
+        super().__init__(f"snapshot {path} refused: {file}: {why}")
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    path: Path
+    step: int
+    rank: int | None  # None: a single-process directory without rank subdirectories
+    complete: bool  # manifest present (written last, so present means the rename happened)
+    manifest: dict | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(f["size"]) for f in (self.manifest or {}).get("files", {}).values())
+
+
+# -- writing ------------------------------------------------------------------------------
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview | bytes) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def write_file(path: Path, parts: Iterable[memoryview | bytes], hasher_pool: ThreadPoolExecutor, *, fsync: bool = True) -> tuple[int, str]:
+    """Writes parts to a new file (and fsyncs it unless told not to); returns (size, sha256).
+    The hash of each chunk runs in a helper thread while the chunk is written (both release
+    the GIL)."""
+    sha = hashlib.sha256()
+    size = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        for part in parts:
+            view = memoryview(part).cast("B")
+            for i in range(0, len(view), CHUNK):
+                chunk = view[i : i + CHUNK]
+                pending = hasher_pool.submit(sha.update, chunk)
+                _write_all(fd, chunk)
+                pending.result()
+                size += len(chunk)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return size, sha.hexdigest()
+
+
+def safetensors_header(entries: Sequence[tuple[str, str, Sequence[int], int]], metadata: dict[str, str]) -> bytes:
+    """The first bytes of a safetensors file whose tensors follow in the order of `entries`,
+    each (key, dtype name such as "F32", shape, size in bytes): the header's length as 8
+    little-endian bytes, then the JSON header, padded with spaces to a multiple of 8."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for key, dtype, shape, nbytes in entries:
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = dict(metadata)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+# -- listing and verifying --------------------------------------------------------------
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    try:
+        text = (path / MANIFEST).read_text()
+    except FileNotFoundError:
+        raise SnapshotInvalid(path, MANIFEST, "missing (the snapshot was never completed)") from None
+    except OSError as e:
+        raise SnapshotInvalid(path, MANIFEST, f"unreadable: {e.strerror}") from None
+    try:
+        manifest = json.loads(text)
+    except ValueError as e:
+        raise SnapshotInvalid(path, MANIFEST, f"not valid JSON: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise SnapshotInvalid(path, MANIFEST, f"not an {FORMAT} manifest")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise SnapshotInvalid(path, MANIFEST, "lists no files")
+    for name, meta in files.items():
+        if "/" in name or name in (".", "..") or not isinstance(meta, dict) or not {"size", "sha256"} <= meta.keys():
+            raise SnapshotInvalid(path, MANIFEST, f"bad file entry {name!r}")
+    return manifest
+
+
+def _sha256(path: Path, progress: Callable[[int], None] | None = None) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            sha.update(view[:n])
+            if progress:
+                progress(n)
+    return sha.hexdigest()
+
+
+def verify_snapshot(path: str | os.PathLike, *, progress: Callable[[int], None] | None = None, workers: int | None = None) -> dict:
+    """Checks every file of a snapshot against its manifest (size, then SHA-256); returns the
+    manifest, or raises SnapshotInvalid naming the first file at fault. `progress(n)` is called
+    with each number of bytes hashed, from worker threads."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    files = manifest["files"]
+    for name, meta in sorted(files.items()):
+        try:
+            size = (path / name).stat().st_size
+        except FileNotFoundError:
+            raise SnapshotInvalid(path, name, "missing") from None
+        if size != int(meta["size"]):
+            raise SnapshotInvalid(path, name, f"size {size} bytes, manifest says {meta['size']} (partial or altered)")
+
+    def digest(name: str) -> tuple[str, str]:
+        return name, _sha256(path / name, progress)
+
+    # Largest first, so the longest hash starts at once; files hash in parallel.
+    names = sorted(files, key=lambda n: -int(files[n]["size"]))
+    with ThreadPoolExecutor(max_workers=workers or min(len(names), os.cpu_count() or 1)) as pool:
+        digests = dict(pool.map(digest, names))
+    for name in sorted(files):
+        if digests[name] != files[name]["sha256"]:
+            raise SnapshotInvalid(path, name, "SHA-256 differs from the manifest (corrupted)")
+    return manifest
+
+
+def list_snapshots(root: str | os.PathLike, *, include_incomplete: bool = False) -> list[SnapshotInfo]:
+    """Snapshots under `root`: a snapshot directory, a directory of them, or one of rank
+    subdirectories. Sorted by (rank, step). Incomplete ones (temporary names left by a crash)
+    only with include_incomplete."""
+    root = Path(root)
+    if (root / MANIFEST).exists() or STEP_DIR.match(root.name):
+        return [_info(root, None)]
+    out: list[SnapshotInfo] = []
+    if not root.is_dir():
+        return out
+    ranks = sorted(p for p in root.iterdir() if p.is_dir() and RANK_DIR.match(p.name))
+    for base, rank in ([(p, int(RANK_DIR.match(p.name).group(1))) for p in ranks] or [(root, None)]):
+        for p in base.iterdir():
+            if not p.is_dir():
+                continue
+            if STEP_DIR.match(p.name):
+                out.append(_info(p, rank))
+            elif include_incomplete and p.name.startswith(TEMP_PREFIX):
+                m = re.match(r"^\.tmp-step_(\d+)-", p.name)
+                out.append(SnapshotInfo(p, int(m.group(1)) if m else -1, rank, False))
+    return sorted(out, key=lambda i: (i.rank or 0, i.step, i.complete))
+
+
+def _info(path: Path, rank: int | None) -> SnapshotInfo:
+    m = STEP_DIR.match(path.name)
+    try:
+        manifest = read_manifest(path)
+    except SnapshotInvalid:
+        return SnapshotInfo(path, int(m.group(1)) if m else -1, rank, False)
+    return SnapshotInfo(path, int(manifest.get("step", m.group(1) if m else -1)), manifest.get("rank", rank), True, manifest)
+
+
+# -- the train state, without torch -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor of a train state read without torch: its dtype, shape and, when it holds one
+    element, that element's value (what `tensor.item()` would give)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    value: Any = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+# torch storage class -> (dtype name, struct format of one element); bfloat16 is decoded apart
+_STORAGES: dict[str, tuple[str, str]] = {
+    "DoubleStorage": ("float64", "d"), "FloatStorage": ("float32", "f"), "HalfStorage": ("float16", "e"),
+    "BFloat16Storage": ("bfloat16", "H"), "LongStorage": ("int64", "q"), "IntStorage": ("int32", "i"),
+    "ShortStorage": ("int16", "h"), "CharStorage": ("int8", "b"), "ByteStorage": ("uint8", "B"),
+    "BoolStorage": ("bool", "?"), "UInt16Storage": ("uint16", "H"), "UInt32Storage": ("uint32", "I"),
+    "UInt64Storage": ("uint64", "Q"), "ComplexFloatStorage": ("complex64", "ff"),
+    "ComplexDoubleStorage": ("complex128", "dd"),
+}
+_DTYPES = frozenset(
+    "float64 float32 float16 bfloat16 int64 int32 int16 int8 uint8 uint16 uint32 uint64 bool complex64 complex128 "
+    "float8_e4m3fn float8_e5m2 half float double long int short cfloat cdouble".split()
+)
+
+
+@dataclass(frozen=True)
+class _Storage:
+    dtype: str
+    fmt: str
+    read: Callable[[], bytes]
+
+
+class _DType(str):
+    """A torch dtype named in a pickle: printed as torch prints it."""
+
+
+def _decode(storage: _Storage, offset: int, order: str) -> Any:
+    size = struct.calcsize("<" + storage.fmt)
+    raw = storage.read()[offset * size : (offset + 1) * size]
+    if len(raw) != size:
+        raise pickle.UnpicklingError("a tensor's storage is shorter than its shape")
+    values = struct.unpack(order + storage.fmt, raw)
+    if storage.dtype == "bfloat16":  # the high half of a float32
+        return struct.unpack("<f", struct.pack("<I", values[0] << 16))[0]
+    return complex(*values) if len(values) == 2 else values[0]
+
+
+class _TrainStateUnpickler(pickle.Unpickler):
+    """Builds plain Python values and TensorInfo from a torch.save pickle; any global outside
+    the few that weights_only loading allows is refused, so no code from the file runs."""
+
+    def __init__(self, file: Any, archive: zipfile.ZipFile, prefix: str, order: str) -> None:
+        super().__init__(file)
+        self.archive, self.prefix, self.order = archive, prefix, order
+        self.storages: dict[str, _Storage] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in ("builtins", "__builtin__") and name in ("set", "frozenset", "bytearray", "complex"):
+            return {"set": set, "frozenset": frozenset, "bytearray": bytearray, "complex": complex}[name]
+        if module == "collections" and name in ("OrderedDict", "Counter"):
+            return OrderedDict if name == "OrderedDict" else Counter
+        if (module, name) == ("_codecs", "encode"):  # bytes, under pickle protocol 2
+            return _encode
+        if module == "torch._utils" and name in ("_rebuild_tensor", "_rebuild_tensor_v2"):
+            return self._tensor
+        if module == "torch._utils" and name == "_rebuild_parameter":
+            return lambda data, *_: data
+        if module == "torch":
+            if name in _STORAGES:
+                return name
+            if name in _DTYPES:
+                return _DType(f"torch.{name}")
+            if name == "Size":
+                return tuple
+            if name == "device":
+                return lambda kind, index=None: kind if index is None else f"{kind}:{index}"
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a train state")
+
+    def persistent_load(self, pid: Any) -> _Storage:
+        if not isinstance(pid, tuple) or len(pid) < 3 or pid[0] != "storage" or pid[1] not in _STORAGES:
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+        key = str(pid[2])
+        if key not in self.storages:
+            dtype, fmt = _STORAGES[pid[1]]
+            entry = f"{self.prefix}data/{key}"
+            self.storages[key] = _Storage(dtype, fmt, lambda entry=entry: self.archive.read(entry))
+        return self.storages[key]
+
+    def _tensor(self, storage: _Storage, offset: int, size: Sequence[int], *_: Any) -> TensorInfo:
+        info = TensorInfo(storage.dtype, tuple(int(d) for d in size))
+        if info.numel == 1:
+            return TensorInfo(info.dtype, info.shape, _decode(storage, int(offset), self.order))
+        return info
+
+
+def _encode(text: str, encoding: str = "utf-8") -> bytes:
+    if not isinstance(text, str):
+        raise pickle.UnpicklingError("_codecs.encode of a non-string")
+    return codecs.encode(text, encoding)
+
+
+def read_train_state(path: str | os.PathLike) -> dict:
+    """The objects of a `train_state.pt`, read without torch: tensors become TensorInfo.
+    Raises SnapshotInvalid when the file is not a torch.save archive of allowed objects."""
+    path = Path(path)
+    where, name = path.parent, path.name
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pkl = next((n for n in archive.namelist() if n.endswith("data.pkl") and n.count("/") == 1), None)
+            if pkl is None:
+                raise SnapshotInvalid(where, name, "not a torch.save archive (no data.pkl)")
+            prefix = pkl[: -len("data.pkl")]
+            order = "<"
+            if f"{prefix}byteorder" in archive.namelist():
+                order = "<" if archive.read(f"{prefix}byteorder").strip() == b"little" else ">"
+            with archive.open(pkl) as f:
+                objects = _TrainStateUnpickler(f, archive, prefix, order).load()
+    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, struct.error) as e:
+        raise SnapshotInvalid(where, name, f"not a readable train state: {e}") from None
+    except OSError as e:
+        raise SnapshotInvalid(where, name, f"unreadable: {e.strerror or e}") from None
+    if not isinstance(objects, dict) or objects.get("format") != FORMAT:
+        raise SnapshotInvalid(where, name, f"not an {FORMAT} train state")
+    return objects
+
+
+# -- inspecting ------------------------------------------------------------------------------
+
+
+def summarize(info: SnapshotInfo) -> dict:
+    """What a complete snapshot holds, as JSON-friendly values: manifest fields, files, MPU
+    binding, optimizer groups, scaler, scheduler, data position, RNG kinds. The train state is
+    read only after its hash matched the manifest (SnapshotInvalid otherwise)."""
+    manifest = info.manifest if info.manifest is not None else read_manifest(info.path)
+    ts = info.path / TRAIN_STATE
+    meta = manifest["files"].get(TRAIN_STATE)
+    if meta is None or not ts.exists() or _sha256(ts) != meta["sha256"]:
+        raise SnapshotInvalid(info.path, TRAIN_STATE, "does not match the manifest")
+    objects = read_train_state(ts)
+    binding = {}
+    if (info.path / BINDING).exists():
+        binding = json.loads((info.path / BINDING).read_text())
+    return {
+        "path": str(info.path),
+        "step": manifest["step"],
+        "rank": manifest.get("rank"),
+        "world_size": manifest.get("world_size"),
+        "job_id": manifest.get("job_id"),
+        "created_unix": manifest.get("created_unix"),
+        "why": manifest.get("why"),
+        "versions": manifest.get("versions"),
+        "files": {n: {"size": m["size"], "sha256": m["sha256"]} for n, m in sorted(manifest["files"].items())},
+        "mpus": binding.get("mpus", manifest.get("mpus", {})),
+        "optimizer": _optimizer_summary(objects.get("optimizer")),
+        "scaler": plain(objects.get("scaler")),
+        "scheduler": plain({k: v for k, v in (objects.get("scheduler") or {}).items() if k in ("last_epoch", "_last_lr", "_step_count", "base_lrs")}) or None,
+        "data": plain({k: v for k, v in (objects.get("data") or {}).items() if k != "skip"}) or None,
+        "rng": sorted((objects.get("rng") or {}).keys()),
+    }
+
+
+def _optimizer_summary(opt: dict | None) -> dict | None:
+    if not opt:
+        return None
+    groups = [{k: plain(v) for k, v in g.items() if k != "params"} | {"params": len(g["params"])} for g in opt["param_groups"]]
+    return {"class": opt.get("class"), "param_groups": groups}
+
+
+def plain(obj: Any) -> Any:
+    """JSON-friendly copy: a one-element tensor as its value, a larger one as `tensor(shape)`."""
+    if isinstance(obj, TensorInfo):
+        return obj.value if obj.numel == 1 else f"tensor{obj.shape}"
+    if isinstance(obj, dict):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    return obj

@@ -1,0 +1,125 @@
+"""An optimizer's state keyed by parameter name, as a snapshot holds it.
+
+torch's optimizer state_dict numbers parameters by position; a snapshot names each one by its
+fully qualified name in the model instead, so the state of a parameter goes to the file of the
+MPU that owns it, and a snapshot is checked against the live optimizer's groups before
+anything is restored. A rollback restores in place (no allocation, the snapshot's buffers never
+aliased by the optimizer); a restore from disk hands the freshly read tensors over.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mscale.snapshot.format import SnapshotError
+from mscale.snapshot.memory import to_host
+
+__all__ = ["NamedOptimizer"]
+
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class NamedOptimizer:
+    """`optimizer` (over parameters of `model`) with its state named by parameter."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.names = self._names()
+
+    def _names(self) -> list[str]:
+        """Fully qualified name of each optimizer parameter, in state_dict index order."""
+        name_of = {id(p): n for n, p in self.model.named_parameters()}
+        names = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in name_of:
+                    raise ValueError("the optimizer holds a parameter that is not in the model")
+                names.append(name_of[id(p)])
+        return names
+
+    def _refresh(self) -> None:
+        # Parameter groups added after the engine was made (add_param_group) join the names.
+        if len(self.names) != sum(len(g["params"]) for g in self.optimizer.param_groups):
+            self.names = self._names()
+
+    def capture(self, files: dict[str, dict[str, torch.Tensor]], file_of: Callable[[str], str]) -> dict:
+        """Adds references to the live state tensors to `files` (parameter name -> file name by
+        file_of, key "optim/<fqn>/<key>"); returns a host copy of the rest: the class, the
+        groups with parameters by name, and the non-tensor state per parameter."""
+        self._refresh()
+        osd = self.optimizer.state_dict()
+        scalars: dict[str, dict] = {}
+        for idx, st in osd["state"].items():
+            fqn = self.names[idx]
+            f = file_of(fqn)
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    files[f][f"optim/{fqn}/{k}"] = v
+                else:
+                    scalars.setdefault(fqn, {})[k] = copy.deepcopy(v)
+        groups = [{**{k: to_host(v) for k, v in g.items() if k != "params"}, "params": [self.names[i] for i in g["params"]]} for g in osd["param_groups"]]
+        return {"class": type(self.optimizer).__name__, "param_groups": groups, "scalars": scalars}
+
+    def check(self, saved: dict | None, where: str) -> None:
+        """Refuses a snapshot whose optimizer groups name other parameters than the live ones."""
+        self._refresh()
+        if saved is None:
+            raise SnapshotError(f"{where} holds no optimizer state")
+        ours = []
+        i = 0
+        for g in self.optimizer.param_groups:
+            ours.append(self.names[i : i + len(g["params"])])
+            i += len(g["params"])
+        theirs = [g["params"] for g in saved["param_groups"]]
+        if ours != theirs:
+            raise SnapshotError(f"{where}: the optimizer's parameter groups differ from the snapshot's")
+
+    def restore(self, opt_tensors: dict[str, dict[str, torch.Tensor]], saved: dict, *, copy_pairs: Callable[[Pairs], Any],
+                owned: bool = False) -> None:
+        """Puts the state back: opt_tensors is parameter name -> key -> tensor, saved what
+        capture() returned. copy_pairs copies (dst, src) pairs; owned: the tensors are fresh
+        and may become the optimizer's state without a copy."""
+        opt = self.optimizer
+        params = [p for g in opt.param_groups for p in g["params"]]
+        wanted = {}
+        for fqn in self.names:  # index order, as the optimizer itself would hold it
+            if fqn in opt_tensors or fqn in saved["scalars"]:
+                wanted[fqn] = {**saved["scalars"].get(fqn, {}), **opt_tensors.get(fqn, {})}
+        # In place when the live state has the same structure (a rollback): no allocation, and
+        # the snapshot's buffers are never aliased by the optimizer.
+        in_place = True
+        for p, fqn in zip(params, self.names, strict=True):
+            cur, want = opt.state.get(p, {}), wanted.get(fqn, {})
+            if cur.keys() != want.keys() or any(
+                isinstance(v, torch.Tensor) != isinstance(cur[k], torch.Tensor)
+                or (isinstance(v, torch.Tensor) and (v.shape != cur[k].shape or v.dtype != cur[k].dtype))
+                for k, v in want.items()
+            ):
+                in_place = False
+                break
+        with torch.no_grad():
+            if in_place:
+                pairs = []
+                for p, fqn in zip(params, self.names, strict=True):
+                    cur = opt.state.get(p)
+                    for k, v in wanted.get(fqn, {}).items():
+                        if isinstance(v, torch.Tensor):
+                            pairs.append((cur[k], v))
+                        else:
+                            cur[k] = copy.deepcopy(v)
+                copy_pairs(pairs)
+                for g, sg in zip(opt.param_groups, saved["param_groups"], strict=True):
+                    for k, v in sg.items():
+                        if k != "params":
+                            g[k] = copy.deepcopy(v) if not isinstance(v, torch.Tensor) else v.clone()
+                return
+        index = {fqn: i for i, fqn in enumerate(self.names)}
+        # In-memory buffers are cloned (the optimizer would otherwise update them in place).
+        state = {index[fqn]: {k: ((v if owned else v.clone()) if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in want.items()}
+                 for fqn, want in wanted.items()}
+        groups = [{**copy.deepcopy({k: v for k, v in sg.items() if k != "params"}), "params": [index[n] for n in sg["params"]]} for sg in saved["param_groups"]]
+        opt.load_state_dict({"state": state, "param_groups": groups})

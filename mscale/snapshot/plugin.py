@@ -1,0 +1,133 @@
+"""The snapshot engine as a Guard plugin: snapshots at step ends, rollback on a fault."""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from mscale.findings import Finding, Reason, Severity
+from mscale.snapshot.engine import SnapshotEngine
+from mscale.snapshot.format import SnapshotError
+
+__all__ = ["SnapshotPlugin"]
+
+
+class SnapshotPlugin:
+    """The engine as a Guard plugin, for jobs that use the guard without the Fuse (the Fuse
+    drives the engine itself: give it the engine, not this plugin).
+
+        plugin = SnapshotPlugin(directory="/ckpt", scheduler=sched, data=loader)
+        guard.add_plugin(plugin)          # builds the engine from the guard's model and MPUs
+        plugin.resume()                   # start-up: newest valid snapshot, guard step set
+
+    - on_step_end: `engine.step_end(step)`, or, when a finding in `rollback_on` came during
+      the step (its update was dropped with guard.request_skip), a rollback with the batch
+      skipped; the guard continues at the restored step + 1. With several ranks this is the
+      collective `agree_rollback` on every rank at every step end.
+    - on_command: {"type": "emergency_snapshot"}, {"type": "snapshot"} (on demand),
+      {"type": "rollback", "skip_batch": bool}; each answers {"ok": ..., ...}.
+    - Findings the writer thread makes reach guard.emit in the training thread (at the next
+      hook call), as the guard expects; ROLLBACK and SNAPSHOT_RESUMED carry the labels
+      `tag` and `recovery_seconds` (checkpoint_recovery_time_seconds{tag}).
+    """
+
+    def __init__(self, engine: SnapshotEngine | None = None, *, rollback_on: Iterable[Reason] = (), skip_batch: bool = True,
+                 **engine_kwargs: Any) -> None:
+        if engine is not None and engine_kwargs:
+            raise TypeError("give either an engine or the engine's keyword arguments, not both")
+        self.engine, self._kwargs = engine, engine_kwargs
+        self.rollback_on, self.skip_batch = frozenset(rollback_on), skip_batch
+        self.guard: Any = None
+        self._thread: threading.Thread | None = None
+        self._pending: deque[Finding] = deque()
+        self._fault: Finding | None = None
+        self.rollbacks: list[dict] = []
+
+    def on_attach(self, guard: Any) -> None:
+        self.guard, self._thread = guard, threading.current_thread()
+        if self.engine is None:
+            mpus = {m.name: (m.mpu_id, m.module) for m in guard.mpus}
+            self.engine = SnapshotEngine(guard.model, guard.optimizer, mpus=mpus, job_id=guard.job_id, emit=self._emit,
+                                         binding=self._binding, **self._kwargs)
+        else:
+            self.engine._emit_fn = self.engine._emit_fn or self._emit
+            self.engine._binding_fn = self.engine._binding_fn or self._binding
+        if self.engine.scaler is not None and hasattr(guard, "watch_scaler"):
+            guard.watch_scaler(self.engine.scaler)  # a step the scaler skips (NaN) must still end here
+
+    def on_detach(self, guard: Any) -> None:
+        self._drain()
+
+    def _binding(self) -> dict:
+        return {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None} for m in self.guard.mpus}
+
+    def _emit(self, finding: Finding) -> None:
+        if threading.current_thread() is self._thread:
+            self.guard.emit(finding)
+        else:
+            self._pending.append(finding)
+
+    def _drain(self) -> None:
+        while self._pending:
+            self.guard.emit(self._pending.popleft())
+
+    def on_step_begin(self, step: int, batch: Any) -> None:
+        self._drain()
+
+    def on_finding(self, finding: Finding) -> None:
+        if finding.reason in self.rollback_on and finding.source != "snapshot" and self._fault is None:
+            self._fault = finding
+            self.guard.request_skip(f"{finding.reason.value}: rollback")
+
+    def on_step_end(self, step: int, loss: Any = None) -> None:
+        self._drain()
+        fault, self._fault = self._fault, None
+        if self.engine.world_size > 1:  # a collective every step: all ranks roll back, or none
+            try:
+                to = self.engine.agree_rollback(fault is not None, skip_batch=self.skip_batch)
+            except SnapshotError as e:
+                self.rollbacks.append({"step": step, "to": None, "why": fault.reason.value if fault else "another rank", "error": str(e)})
+                return
+            if to is not None:
+                self.guard.set_step(to + 1)
+                self.rollbacks.append({"step": step, "to": to, "why": fault.reason.value if fault else "another rank"})
+                return
+        elif fault is not None:
+            self.rollback(skip_batch=self.skip_batch, why=fault.reason.value, at_step=step)
+            return
+        self.engine.step_end(step)
+
+    def rollback(self, *, skip_batch: bool | None = None, why: str = "", at_step: int | None = None) -> int | None:
+        """Rolls back to the newest in-memory snapshot; the guard goes on at its step + 1."""
+        try:
+            to = self.engine.rollback(skip_batch=self.skip_batch if skip_batch is None else skip_batch)
+        except SnapshotError as e:
+            self.rollbacks.append({"step": at_step, "to": None, "why": why, "error": str(e)})
+            self.engine._emit(Reason.ROLLBACK, Severity.CRITICAL, f"rollback ({why}) failed: {e}")
+            return None
+        self.guard.set_step(to + 1)
+        self.rollbacks.append({"step": at_step, "to": to, "why": why})
+        return to
+
+    def resume(self) -> int | None:
+        step = self.engine.resume()
+        if step is not None:
+            self.guard.set_step(step + 1)
+        self._drain()
+        return step
+
+    def on_command(self, command: Mapping[str, Any]) -> dict | None:
+        self._drain()
+        kind = command.get("type")
+        if kind == "emergency_snapshot":
+            latest = self.engine.latest()
+            self.engine.emergency(why=str(command.get("reason") or "agent command"))
+            return {"ok": latest is not None, "step": latest.step if latest else None}
+        if kind == "snapshot":
+            self.engine.save()
+            return {"ok": True, "step": self.engine.step}
+        if kind == "rollback":
+            to = self.rollback(skip_batch=bool(command.get("skip_batch", self.skip_batch)), why="agent command")
+            return {"ok": to is not None, "step": to}
+        return None
