@@ -374,11 +374,19 @@ def test_guard_plugin_drives_the_engine_and_rolls_back_on_a_nonfinite_loss(tmp_p
     assert plugin.rollbacks and plugin.rollbacks[-1]["to"] == target
     assert guard.current_step == target + 1
     assert any(f.reason is Reason.ROLLBACK for f in guard.findings)
-    reply = plugin.on_command({"type": "emergency_snapshot"})
-    assert reply == {"ok": True, "step": target}
-    engine.flush()
-    one_step()  # written findings are handed to the guard in the training thread
-    assert any(f.reason is Reason.SNAPSHOT_WRITTEN for f in guard.findings)
+    # One command route: the agent's heal commands ({"type": "heal", "action": "emergency_snapshot"
+    # | "rollback"}), which the Fuse carries out on its engine; the plugin answers no command.
+    assert getattr(plugin, "on_command", None) is None
+    # A write made in the writer thread reaches the guard in the training thread, at its next call.
+    engine.save(wait=True)
+
+    def on_demand():
+        return [f for f in guard.findings if f.reason is Reason.SNAPSHOT_WRITTEN and f.labels.get("why") == "demand"]
+
+    assert on_demand() == []
+    one_step()
+    assert [f.labels["step"] for f in on_demand()] == [str(target)]
+    verify_snapshot(tmp_path / f"step_{target:08d}")
     guard.detach()
     engine.close()
 

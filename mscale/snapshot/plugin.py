@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 from mscale.findings import Finding, Reason, Severity
@@ -25,8 +25,9 @@ class SnapshotPlugin:
       the step (its update was dropped with guard.request_skip), a rollback with the batch
       skipped; the guard continues at the restored step + 1. With several ranks this is the
       collective `agree_rollback` on every rank at every step end.
-    - on_command: {"type": "emergency_snapshot"}, {"type": "snapshot"} (on demand),
-      {"type": "rollback", "skip_batch": bool}; each answers {"ok": ..., ...}.
+    - Commands: none. The agent asks for an emergency snapshot or a rollback with its heal
+      commands ({"type": "heal", "action": "emergency_snapshot" | "rollback"}), which the
+      Fuse carries out on the engine it is given; a job that wants them uses the Fuse.
     - Findings the writer thread makes reach guard.emit in the training thread (at the next
       hook call), as the guard expects; ROLLBACK and SNAPSHOT_RESUMED carry the labels
       `tag` and `recovery_seconds` (checkpoint_recovery_time_seconds{tag}).
@@ -116,18 +117,3 @@ class SnapshotPlugin:
             self.guard.set_step(step + 1)
         self._drain()
         return step
-
-    def on_command(self, command: Mapping[str, Any]) -> dict | None:
-        self._drain()
-        kind = command.get("type")
-        if kind == "emergency_snapshot":
-            latest = self.engine.latest()
-            self.engine.emergency(why=str(command.get("reason") or "agent command"))
-            return {"ok": latest is not None, "step": latest.step if latest else None}
-        if kind == "snapshot":
-            self.engine.save()
-            return {"ok": True, "step": self.engine.step}
-        if kind == "rollback":
-            to = self.rollback(skip_batch=bool(command.get("skip_batch", self.skip_batch)), why="agent command")
-            return {"ok": to is not None, "step": to}
-        return None
