@@ -4,7 +4,9 @@ Importing `mscale` has no side effects and does not import torch: the hook libra
 API is re-exported lazily (module `__getattr__`), so the agent never loads it.
 
     import mscale
-    guard = mscale.attach(model, optimizer, job_id="run-42")
+    guard = mscale.attach(model, optimizer, job_id="run-42")            # watch; NaN updates dropped
+    guard = mscale.attach(model, optimizer, job_id="run-42",            # + fuse, snapshots, rollback
+                          snapshots="/ckpt/run-42", data=loader)
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ _LAZY: dict[str, str] = {
     "ChecksumConfig": "mscale.hook.checksum",
     "LossConfig": "mscale.hook.loss",
     "MscaleCallback": "mscale.hook.hf",
+    "SnapshotConfig": "mscale.hook.protect",
+    "ResumableLoader": "mscale.snapshot.data",
+    "ResumableFileStream": "mscale.snapshot.data",
     "Finding": "mscale.findings",
     "Reason": "mscale.findings",
     "Severity": "mscale.findings",

@@ -10,8 +10,9 @@ from mscale.hook.cmsa import Cmsa, CmsaConfig
 from mscale.hook.guard import Guard, ModelInputs, NullGuard, attach
 from mscale.hook.mpu import KNOWN_NAMES, Mpu, MpuLayoutError, discover
 from mscale.hook.plugin import Plugin
+from mscale.hook.protect import SnapshotConfig
 from mscale.hook.checksum import ChecksumConfig
 from mscale.hook.loss import LossConfig
 
 __all__ = ["attach", "Guard", "NullGuard", "ModelInputs", "Mpu", "MpuLayoutError", "discover", "KNOWN_NAMES",
-           "Plugin", "Cmsa", "CmsaConfig", "ChecksumConfig", "LossConfig"]
+           "Plugin", "SnapshotConfig", "Cmsa", "CmsaConfig", "ChecksumConfig", "LossConfig"]

@@ -13,6 +13,8 @@ step ends at `scaler.update()` instead, once the loop has called it (a loop that
 ending at the optimizer step): the scaler skips `optimizer.step()` when it finds inf/NaN
 gradients, and without it a NaN step would never end (no rollback, no report). Nothing here
 raises into the training loop: detectors make findings, plugin errors are logged and counted.
+A non-finite loss or gradient never reaches the weights: that step's update is dropped.
+`attach(..., snapshots=...)` adds the fuse and snapshots with rollback (mscale.hook.protect).
 `attach(..., enabled=False)` (or the environment variable MSCALE_GUARD=0) returns a `NullGuard`
 and leaves model and optimizer untouched.
 """
@@ -37,6 +39,7 @@ import mscale.hook.mpu as mpumod
 from mscale.hook.cmsa import Cmsa, CmsaConfig, grad_stats
 from mscale.hook.mpu import Mpu
 from mscale.hook.plugin import HOOKS
+from mscale.hook.protect import SnapshotConfig, data_position, protect, snapshot_config
 from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, output_tensors
 from mscale.hook.loss import LossConfig, LossDetector
 
@@ -77,9 +80,12 @@ class Guard:
     - `emit(finding)`, `request_skip(reason)`, `rebind(mpu, gpu, ...)`, `send_to_agent(msg)`
     - `add_plugin(p)`, `plugins`, `plugin_errors`, `findings` (recent), `link` (or None)
     - `watch_scaler(scaler)`: end steps at the GradScaler's update (see the module docstring)
+    - `fuse`, `snapshots`: the fuse plugin and SnapshotEngine `attach(snapshots=...)` added, or None
     """
 
     enabled = True
+    fuse: Any = None
+    snapshots: Any = None
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, job_id: str,
                  rank: int = 0, mpus: Mapping[str, nn.Module | str] | None = None,
@@ -361,6 +367,11 @@ class Guard:
         for m in self.mpus:
             m.grad_norm, m.gvc = per_mpu[m.mpu_id]
         loss = self._step_loss()
+        if self.optimizer is not None and not self._skip_reason:
+            bad = [what for what, v in (("loss", loss), ("gradient norm", global_norm))
+                   if v is not None and not math.isfinite(v)]
+            if bad:  # never let it reach the weights, with or without a plugin that reacts
+                self._skip_reason = f"non-finite {' and '.join(bad)}"
         t1 = time.perf_counter()
         self.times.grad_stats_s += t1 - t0
         for f in self.loss_detector.observe(self.current_step, loss, global_norm,
@@ -486,6 +497,8 @@ class NullGuard:
     """What `attach(..., enabled=False)` returns: the same calls, no hooks, nothing changed."""
 
     enabled = False
+    fuse: Any = None
+    snapshots: Any = None
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, **_: Any) -> None:
         self.model, self.optimizer = model, optimizer
@@ -516,14 +529,31 @@ class NullGuard:
 
 
 def attach(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, job_id: str,
-           enabled: bool | None = None, **kwargs: Any) -> Guard | NullGuard:
-    """Guard `model` (and `optimizer`). See `Guard` for the keyword arguments. Disabled
-    (enabled=False, or MSCALE_GUARD=0 in the environment) returns a NullGuard."""
+           snapshots: str | os.PathLike | bool | SnapshotConfig | None = None, data: Any = None,
+           scheduler: Any = None, resume: bool = True, enabled: bool | None = None,
+           **kwargs: Any) -> Guard | NullGuard:
+    """Guard `model` (and `optimizer`); other keyword arguments are `Guard`'s. snapshots: None
+    drops the update of a step with a non-finite loss or gradient; a directory, True (in memory
+    only) or a SnapshotConfig adds the fuse and snapshots, and such a step is rolled back. data:
+    the loader whose position they hold; scheduler: snapshotted too; resume: go on from the
+    directory's newest snapshot (False refuses one that holds any). See mscale.hook.protect.
+    Disabled (enabled=False, or MSCALE_GUARD=0) returns a NullGuard and changes nothing."""
     if enabled is None:
         enabled = parse_bool(os.environ.get("MSCALE_GUARD", "1"))
     if not enabled:
         return NullGuard(model, optimizer)
-    return Guard(model, optimizer, job_id=job_id, **kwargs)
+    cfg = snapshot_config(snapshots)  # bad arguments are refused before anything is hooked
+    if cfg is None and (data is not None or scheduler is not None):
+        raise TypeError("data= and scheduler= are what snapshots hold: give snapshots= too")
+    position = data_position(data) if cfg is not None else None
+    guard = Guard(model, optimizer, job_id=job_id, **kwargs)
+    if cfg is not None:
+        try:
+            protect(guard, cfg, data=position, scheduler=scheduler, scaler=kwargs.get("scaler"), resume=resume)
+        except BaseException:
+            guard.detach()
+            raise
+    return guard
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:

@@ -1,0 +1,184 @@
+"""One-line protection: what `mscale.attach(..., snapshots=...)` puts on a guard.
+
+    guard = mscale.attach(model, optimizer, job_id="run-42", snapshots="/ckpt/run-42", data=loader)
+
+The guard gets the fuse plugin (the in-process healing: MPU swap, degradation, distillation,
+LR cooling, rollback) and a snapshot engine the fuse drives: an in-memory snapshot every
+`memory_every` steps (and one of the state before the first step), a disk snapshot every
+`disk_every` steps when a directory is given. A non-finite loss or gradient drops the step's
+update (the guard does that on its own) and rolls back to the newest in-memory snapshot.
+
+What a rollback does with the data depends on the loader given as `data`:
+
+- one that can be rewound in place and can step over one batch (`state_dict`,
+  `load_state_dict`, `last_batch_position`, `skip_batch_at`: `mscale.ResumableLoader`,
+  `ResumableFileStream`): the position is rewound with the rest, the steps since the snapshot
+  are re-run on the same batches and the faulty batch is stepped over: step-exact.
+- one with only `state_dict`/`load_state_dict` (torchdata's `StatefulDataLoader`): its position
+  is snapshotted and restored at start-up (resume), but a rollback does not rewind it (a
+  StatefulDataLoader applies a loaded state at the next `iter()`, not to the iterator the loop
+  holds): the loop goes on with the batch after the faulty one, so the steps since the snapshot
+  are undone, not re-run. `memory_every=1` makes that one step.
+- none (`data` left out, or under the Hugging Face Trainer, which owns its loader): the same,
+  and a restart starts the data from its beginning.
+- an object without `state_dict`/`load_state_dict` (a plain torch `DataLoader`): refused with
+  a TypeError, since its position cannot be snapshotted.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+if TYPE_CHECKING:
+    from mscale.hook.guard import Guard
+
+log = structlog.get_logger("mscale.hook")
+
+
+@dataclass(frozen=True)
+class SnapshotConfig:
+    """The snapshots `attach(..., snapshots=...)` takes (a path is `SnapshotConfig(directory=path)`,
+    True is `SnapshotConfig()`: in memory only).
+
+    directory: where disk snapshots go (None: in memory only). memory_every: an in-memory
+    snapshot after every N-th step, the rollback targets; memory_keep: how many are held.
+    disk_every: a disk snapshot after every N-th step (0: only on demand and in emergencies);
+    disk_keep: how many stay on disk.
+    """
+
+    directory: str | os.PathLike | None = None
+    memory_every: int = 10
+    memory_keep: int = 2
+    disk_every: int = 100
+    disk_keep: int = 3
+
+    def __post_init__(self) -> None:
+        if self.directory is not None and not os.fspath(self.directory):
+            raise ValueError("directory: expected a path, got an empty string")
+        if self.memory_every < 1:
+            raise ValueError(f"memory_every: expected >= 1 (rollbacks need in-memory snapshots), got {self.memory_every}")
+        if self.disk_every < 0:
+            raise ValueError(f"disk_every: expected >= 0 (0: only on demand), got {self.disk_every}")
+        if self.memory_keep < 1 or self.disk_keep < 1:
+            raise ValueError(f"memory_keep, disk_keep: expected >= 1, got {self.memory_keep}, {self.disk_keep}")
+
+
+def snapshot_config(snapshots: Any) -> SnapshotConfig | None:
+    """`attach`'s `snapshots` argument as a SnapshotConfig (None: no snapshots)."""
+    if snapshots is None or snapshots is False:
+        return None
+    if snapshots is True:
+        return SnapshotConfig()
+    if isinstance(snapshots, SnapshotConfig):
+        return snapshots
+    if isinstance(snapshots, (str, os.PathLike)):
+        return SnapshotConfig(directory=snapshots)
+    raise TypeError(f"snapshots: expected a directory, True (in memory only) or a mscale.SnapshotConfig, "
+                    f"got {type(snapshots).__name__}")
+
+
+class LoopData:
+    """The data position for a loop whose iterator cannot be rewound in place (see the module
+    docstring): the loader's own `state_dict()` is snapshotted (nothing when there is none);
+    it is loaded back at start-up only. A rollback leaves the loader alone: the loop has
+    already drawn the faulty batch and goes on with the next one."""
+
+    def __init__(self, loader: Any = None) -> None:
+        self.loader = loader
+        self.restoring = False  # set around the start-up resume
+        self.last_batch_position: dict = {}  # a rollback's "skip the faulty batch": the loop already did
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict() if self.loader is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.restoring and self.loader is not None:
+            self.loader.load_state_dict(state)
+        elif not self.restoring:
+            log.info("data_not_rewound", loader=type(self.loader).__name__ if self.loader is not None else None,
+                     why="the loop's iterator cannot be rewound: it goes on with the batch after the faulty one")
+
+    def skip_batch_at(self, position: dict) -> None:
+        pass
+
+
+def data_position(data: Any) -> Any:
+    """What the snapshot engine gets as `data` for `attach`'s `data` argument."""
+    if data is None:
+        return LoopData()
+    if not (callable(getattr(data, "state_dict", None)) and callable(getattr(data, "load_state_dict", None))):
+        raise TypeError(f"data: {type(data).__name__} has no state_dict()/load_state_dict(), so its position "
+                        "cannot be snapshotted; use mscale.ResumableLoader or torchdata's StatefulDataLoader, or "
+                        "leave data out (then a rollback does not rewind the data and a restart starts it afresh)")
+    if hasattr(data, "last_batch_position") and callable(getattr(data, "skip_batch_at", None)):
+        return data  # rewound in place, the faulty batch stepped over on the replay
+    return LoopData(data)
+
+
+class Protection:
+    """The plugin that owns the snapshot engine attach made: closes it (finishing queued disk
+    writes) when the guard detaches."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def on_detach(self, guard: Any) -> None:
+        self.engine.close()
+
+
+def protect(guard: "Guard", cfg: SnapshotConfig, *, data: Any = None, scheduler: Any = None, scaler: Any = None,
+            resume: bool = True) -> None:
+    """Put the fuse and the snapshot engine on `guard` (see the module docstring). `data` is
+    what `data_position` made. resume: restore the newest valid disk snapshot now; False refuses
+    a directory that already holds snapshots (an older run's would outlive this one's)."""
+    from mscale.hook.fuse import FusePlugin
+    from mscale.snapshot.engine import SnapshotEngine
+    from mscale.snapshot.format import list_snapshots
+
+    fuse: Any = None
+
+    def emit(finding: Any) -> None:  # the writer thread's findings reach the guard through the fuse
+        fuse.snapshot_emit(finding)
+
+    engine = SnapshotEngine(
+        guard.model, guard.optimizer, mpus={m.name: (m.mpu_id, m.module) for m in guard.mpus},
+        scaler=scaler, scheduler=scheduler, data=data, directory=cfg.directory,
+        memory_every=cfg.memory_every, memory_keep=cfg.memory_keep, disk_every=cfg.disk_every,
+        disk_keep=cfg.disk_keep, emit=emit, job_id=guard.job_id,
+        binding=lambda: {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None} for m in guard.mpus})
+    fuse = FusePlugin(snapshot_engine=engine)
+    try:
+        if engine.world_size > 1:
+            raise ValueError(f"snapshots=: the fuse's rollback restores one process, and this job has "
+                             f"{engine.world_size} ranks (they would diverge); attach without snapshots= here")
+        held = list_snapshots(cfg.directory) if cfg.directory is not None else []
+        if held and not resume:
+            raise ValueError(f"snapshots: {cfg.directory} already holds snapshots (newest step "
+                             f"{max(i.step for i in held)}); resume from them, or give an empty directory")
+        step = None
+        if held:
+            restoring = isinstance(data, LoopData)
+            if restoring:
+                data.restoring = True
+            try:
+                step = engine.resume()
+            finally:
+                if restoring:
+                    data.restoring = False
+        # the fuse fingerprints the weights when added: after the resume
+        guard.add_plugin(fuse)
+        guard.add_plugin(Protection(engine))
+        if step is not None:
+            guard.set_step(step + 1)
+        else:  # the state before the first step: a rollback target from the start
+            engine.snapshot(step=guard.current_step - 1)
+    except BaseException:
+        engine.close()
+        raise
+    guard.fuse, guard.snapshots = fuse, engine
+    log.info("protection_attached", job_id=guard.job_id, directory=str(cfg.directory) if cfg.directory else None,
+             memory_every=cfg.memory_every, disk_every=cfg.disk_every, resumed_step=step,
+             data=type(data.loader if isinstance(data, LoopData) else data).__name__)
