@@ -96,3 +96,64 @@ def test_trainer_callback_on_tiny_llava(tmp_path) -> None:
     ours = [(n, fn) for n, m in model.named_modules() for fn in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())
             if getattr(fn, "__module__", "").startswith("mscale")]  # transformers keeps hooks of its own
     assert ours == []
+
+
+class Weights:
+    """Records the weights at each step's begin and end, in the order they happen."""
+
+    def __init__(self) -> None:
+        self.events = []
+
+    def on_attach(self, guard) -> None:
+        self.model = guard.model
+
+    def on_step_begin(self, step, batch) -> None:
+        self.events.append(("begin", step, [p.detach().clone() for p in self.model.parameters()]))
+
+    def on_step_end(self, step, loss) -> None:
+        self.events.append(("end", step, [p.detach().clone() for p in self.model.parameters()]))
+
+
+def test_trainer_rolls_back_a_nan_step(tmp_path) -> None:
+    """snapshots= under the real Trainer: a NaN loss at step 3, made by the test's own forward
+    hook, rolls the model and optimizer back to the snapshot of step 2; the Trainer goes on to
+    its last step, and every weight is finite."""
+    model = tiny_llava()
+    forwards = []
+
+    def nan_at_step_3(module, args, output):
+        if module.training:
+            forwards.append(1)
+            if len(forwards) == 4:
+                output.loss = output.loss * float("nan")
+        return output
+
+    model.register_forward_hook(nan_at_step_3)
+    watch, rec = Watch(), Weights()
+    snapshots = mscale.SnapshotConfig(directory=tmp_path / "snapshots", memory_every=2, disk_every=2)
+    callback = mscale.MscaleCallback(job_id="llava-nan", connect=False, plugins=[watch, rec], snapshots=snapshots)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=8, per_device_train_batch_size=2,
+                             learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                             seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Captions(), callbacks=[callback])
+    trainer.train()
+    guard = callback.guard
+    assert trainer.state.global_step == 8 and len(forwards) == 8  # to the end, no step re-run
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    rollbacks = [f for f in watch.findings if f.reason is Reason.ROLLBACK]
+    assert [(f.labels["step"], f.labels["from_step"]) for f in rollbacks] == [("2", "2")]
+    healed = [f for f in watch.findings if f.reason is Reason.HEAL_ACTION and f.labels.get("action") == "rollback"]
+    assert healed and healed[-1].labels.get("result") == "applied"
+    ends = {s: w for kind, s, w in rec.events if kind == "end"}
+    begin_4 = [w for kind, s, w in rec.events if kind == "begin" and s == 4]
+    # the step after the NaN starts from the snapshot of step 2 (step 3's update dropped)
+    assert len(begin_4) == 1 and all(torch.equal(a, b) for a, b in zip(begin_4[0], ends[2]))
+    assert [s for s, _ in watch.ends] == list(range(8))  # the guard's steps follow the Trainer's
+    assert guard.snapshots is not None and (tmp_path / "snapshots/step_00000006/manifest.json").exists()
+
+
+def test_callback_refuses_what_the_trainer_owns(tmp_path) -> None:
+    with pytest.raises(TypeError, match="data= is not taken under the Trainer"):
+        mscale.MscaleCallback(job_id="x", data=[1, 2])
+    with pytest.raises(TypeError, match="snapshots: expected"):
+        mscale.MscaleCallback(job_id="x", snapshots=3.5)
