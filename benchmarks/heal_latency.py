@@ -62,9 +62,9 @@ def xid_to_emergency_snapshot(reps: int = 3) -> tuple[list[float], float]:
                 t0 = time.time()
                 agent.post("/api/v1/chaos", {"kind": "xid", "gpu": 0, "code": 79, "corrupt": "none"})
                 # the job keeps training; the command lands at its next step boundary
-                while not r.fuse.emergencies:
+                while not r.fuse.states["emergency_snapshot"].writes:
                     r.one_step()
-                r.fuse.emergencies[0].result(timeout=60)
+                r.fuse.states["emergency_snapshot"].writes[0].result(timeout=60)
                 r.one_step()  # the writer's finding reaches the guard at the next hook call
                 written = [f for f in r.findings if f.reason.value == "snapshot_written" and f.time >= t0]
                 out.append(written[0].time - t0)

@@ -73,8 +73,8 @@ def test_xid_through_the_cli_is_seen_by_the_probe_and_healed_in_the_job(agent, t
                                         and e["labels"].get("job_id") == "chaotic"]) == 3)
         while r.guard.mpu("vision").gpu == 0 and r.guard.current_step < 30:
             r.one_step()
-        assert r.guard.mpu("vision").gpu == 3 and 0 in r.fuse.quarantined
-        (fut,) = r.fuse.emergencies
+        assert r.guard.mpu("vision").gpu == 3 and 0 in r.fuse.states["quarantine_gpu"].gpus
+        (fut,) = r.fuse.states["emergency_snapshot"].writes
         path = Path(fut.result(timeout=30))
         assert path.parent == tmp_path and (path / "manifest.json").exists()
         manifest = json.loads((path / "manifest.json").read_text())

@@ -10,8 +10,8 @@ import pytest
 from mscale.healing.settings import HealingSection
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing import actions, policy as policymod
-from mscale.healing.engine import Condition, HealingEngine, Target
-from mscale.healing.fsm import IllegalTransition, Level, MpuFuse
+from mscale.healing.engine import Condition, Decision, HealingEngine, Target
+from mscale.healing.fsm import IllegalTransition, Level, MpuFuseState
 from mscale.healing.policy import PolicyError
 
 
@@ -69,7 +69,7 @@ def test_agent_refuses_to_start_on_a_malformed_policy(tmp_path: Path):
 
 
 def test_state_machine_walks_the_fuse_and_needs_a_clean_stretch():
-    f = MpuFuse("j", "001", clean_steps=3)
+    f = MpuFuseState("j", "001", clean_steps=3)
     f.to(Level.SUSPECT)
     f.to(Level.L1_SWAPPED)
     f.to(Level.L2_DEGRADED)
@@ -86,7 +86,7 @@ def test_state_machine_walks_the_fuse_and_needs_a_clean_stretch():
     assert [t.after for t in f.history] == [Level.SUSPECT, Level.L1_SWAPPED, Level.L2_DEGRADED,
                                             Level.L3_DISTILLING, Level.RECOVERED, Level.HEALTHY]
     with pytest.raises(IllegalTransition):
-        MpuFuse("j", "1").to(Level.L3_DISTILLING)  # no skipping to L3 from healthy
+        MpuFuseState("j", "1").to(Level.L3_DISTILLING)  # no skipping to L3 from healthy
 
 
 class Clock:
@@ -107,11 +107,11 @@ def test_engine_escalates_per_level_and_books_every_decision():
     eng, clock, events = _engine()
     tgt = lambda rule, cond: [Target("j1", "001", "0")]
     for step, expect in ((10, "l1_swap"), (20, "l2_degrade"), (30, "l3_distill")):
-        (d,) = eng.decide(Condition("reason", "checksum_l1_trigger", {"mpu_id": "001"}, step=step), tgt)
+        (d,) = eng.decide(Condition("reason", "checksum_l1_trigger", {"mpu_id": "001"}, step=step, occurrence=step), tgt)
         assert d.action == expect
         eng.record(d, "applied")
-    assert eng.fuse("j1", "001").level is Level.L3_DISTILLING
-    assert eng.decide(Condition("reason", "checksum_l1_trigger", {}, step=40), tgt) == []  # last level: keep
+    assert eng.mpu("j1", "001").level is Level.L3_DISTILLING
+    assert eng.decide(Condition("reason", "checksum_l1_trigger", {}, occurrence=40), tgt) == []  # last level: keep
     assert eng.drift[("j1", "001")] == 1
     assert eng.actions[("L1", "l1_swap", "001", "applied")] == 1
     assert eng.actions[("L3", "l3_distill", "001", "applied")] == 1
@@ -138,14 +138,19 @@ def test_same_fault_from_probe_and_alert_acts_once_within_the_window():
 def test_loss_spike_cools_then_a_persisting_spike_rolls_back():
     eng, clock, events = _engine(lr_cool_steps=5)
     tgt = lambda rule, cond: [Target("j1")]
-    (d,) = eng.decide(Condition("reason", "loss_spike_action", {}, step=100), tgt)
+    (d,) = eng.decide(Condition("reason", "loss_spike_action", {}, occurrence=100), tgt)
     assert d.action == "lr_cool"
     # the ratio detector fires for the same step: one fault, acted on once
-    assert eng.decide(Condition("reason", "loss_jump", {}, step=100), tgt) == []
-    eng.job("j1").cooling_until = 105
-    (d,) = eng.decide(Condition("reason", "loss_spike_action", {}, step=101), tgt)
+    assert eng.decide(Condition("reason", "loss_jump", {}, occurrence=100), tgt) == []
+    eng.record(d, "applied")  # the job's cooling window opens
+    assert eng.job("j1").level == "cooling"
+    (d,) = eng.decide(Condition("reason", "loss_spike_action", {}, occurrence=101), tgt)
     assert d.action == "rollback"
-    (d,) = eng.decide(Condition("reason", "loss_nonfinite", {}, step=300), tgt)
+    eng.record(Decision(d.rule, "lr_cool", "none", Target("j1"), "cooling", "cooling_end", "window over"), "ended")
+    assert eng.job("j1").level == "healthy"
+    (d,) = eng.decide(Condition("reason", "loss_spike_action", {}, occurrence=102), tgt)
+    assert d.action == "lr_cool"
+    (d,) = eng.decide(Condition("reason", "loss_nonfinite", {}, occurrence=300), tgt)
     assert d.action == "rollback"
 
 
@@ -153,18 +158,18 @@ def test_swap_rate_limit_escalates_to_l2():
     eng, clock, events = _engine(max_swaps_per_hour=2)
     tgt = lambda rule, cond: [Target("j1", "001", "0")]
     for step in (1, 2):
-        (d,) = eng.decide(Condition("alert", "MscaleGpuFatalXid", {}, step=step), tgt)[-1:]
+        (d,) = eng.decide(Condition("alert", "MscaleGpuFatalXid", {}, occurrence=step), tgt)[-1:]
         assert d.action == "l1_swap"
         eng.record(d, "applied")
         clock.t += 1
-    decisions = eng.decide(Condition("alert", "MscaleGpuFatalXid", {}, step=3), tgt)
+    decisions = eng.decide(Condition("alert", "MscaleGpuFatalXid", {}, occurrence=3), tgt)
     assert decisions[-1].action == "l2_degrade" and "swaps in the last hour" in decisions[-1].why
     assert eng.actions[("L1", "l1_swap", "001", "rate_limited")] == 1
 
 
 def test_disabled_engine_records_but_does_not_act():
     eng, clock, events = _engine(enabled=False)
-    out = eng.decide(Condition("reason", "loss_nonfinite", {}, step=1), lambda r, c: [Target("j")])
+    out = eng.decide(Condition("reason", "loss_nonfinite", {}, occurrence=1), lambda r, c: [Target("j")])
     assert out == [] and eng.actions[("none", "rollback", "", "disabled")] == 1
 
 
@@ -173,6 +178,74 @@ def test_observing_a_jobs_own_action_makes_the_alert_a_duplicate():
     eng.observe(Finding("fuse", Reason.HEAL_ACTION, Severity.WARNING, "l1_swap applied",
                         {"rule": "mpu_output_corrupt", "action": "l1_swap", "level": "L1", "result": "applied",
                          "job_id": "j1", "mpu_id": "001", "state": "l1_swapped"}))
-    assert eng.fuse("j1", "001").level is Level.L1_SWAPPED and eng.drift[("j1", "001")] == 1
+    assert eng.mpu("j1", "001").level is Level.L1_SWAPPED and eng.drift[("j1", "001")] == 1
     tgt = lambda rule, cond: [Target("j1", "001")]
     assert eng.decide(Condition("alert", "MscaleChecksumFailures", {"job_id": "j1", "mpu_id": "001"}), tgt) == []
+
+
+def test_swap_rate_limit_past_l2_escalates_to_l3():
+    eng, clock, events = _engine(max_swaps_per_hour=1)
+    tgt = lambda rule, cond: [Target("j1", "001", "0")]
+    (d,) = eng.decide(Condition("alert", "MscaleGpuFatalXid", {}), tgt)[-1:]
+    eng.record(d, "applied")  # one swap: the budget is spent
+    eng.move("j1", "001", Level.L2_DEGRADED)
+    clock.t += 61
+    (d,) = eng.decide(Condition("alert", "MscaleGpuFatalXid", {}), tgt)[-1:]
+    assert d.action == "l3_distill" and "swaps in the last hour" in d.why  # not L2 again: it holds L2
+
+
+def test_job_and_gpu_scoped_actions_run_once_per_job_mpu_scoped_ones_per_mpu():
+    eng, clock, events = _engine()
+    both = lambda rule, cond: [Target("j1", "001", "2", "GPU-2"), Target("j1", "002", "2", "GPU-2"),
+                               Target("j2", "001", "2", "GPU-2")]
+    out = eng.decide(Condition("reason", "gpu_xid", {"gpu": "2"}, severity="critical"), both)
+    got = sorted((d.action, d.target.job_id, d.target.mpu_id) for d in out)
+    assert got == [("emergency_snapshot", "j1", "001"), ("emergency_snapshot", "j2", "001"),
+                   ("l1_swap", "j1", "001"), ("l1_swap", "j1", "002"), ("l1_swap", "j2", "001"),
+                   ("quarantine_gpu", "j1", "001"), ("quarantine_gpu", "j2", "001")]
+
+
+def test_a_resolved_alert_ends_only_the_cooling_its_rule_started():
+    eng, clock, events = _engine()
+    tgt = lambda rule, cond: [Target("j1")]
+    # the job reports its own cooling (the agent mirrors it), then the spike alert resolves
+    eng.observe(Finding("fuse", Reason.HEAL_ACTION, Severity.WARNING, "lr_cool applied",
+                        {"rule": "loss_spike", "action": "lr_cool", "level": "none", "result": "applied",
+                         "job_id": "j1"}))
+    assert eng.snapshot().cooling == ("j1",)
+    hang = Condition("alert", "MscaleTrainingHang", {"job_id": "j1"})
+    assert eng.resolve(hang, tgt, eng.match(hang)) == []  # its rule cools nothing
+    spike = Condition("alert", "MscaleLossSpike", {"job_id": "j1"})
+    (end,) = eng.resolve(spike, tgt, eng.match(spike))
+    assert end.action == "lr_cool" and end.command(end=True)["end"] is True and "resolved" in end.why
+    assert eng.snapshot().cooling == ("j1",)  # until the job says the window ended
+    eng.observe(Finding("fuse", Reason.HEAL_ACTION, Severity.INFO, "lr_cool ended",
+                        {"rule": "loss_spike", "action": "lr_cool", "level": "none", "result": "ended",
+                         "job_id": "j1"}))
+    assert eng.snapshot().cooling == () and eng.resolve(spike, tgt, eng.match(spike)) == []
+
+
+def test_every_action_declares_a_consistent_spec():
+    """The contract each action module meets (what the engine and the fuse rely on)."""
+    specs = actions.specs()
+    assert [s.name for s in specs] == list(actions.NAMES)
+    assert [s.name for s in specs if s.on_recovery] == [actions.recovery().name]
+    for s in specs:
+        assert s.scope in ("mpu", "gpu", "job") and s.level in ("L1", "L2", "L3", "none") and s.help
+        assert callable(s.apply)
+        if s.escalates_to is not None:  # escalation climbs the fuse
+            nxt = actions.get(s.escalates_to)
+            assert s.moves_to is not None and nxt.moves_to is not None and nxt.level > s.level
+        assert not s.escalate_on_failure or s.escalates_to
+        assert not (s.drift or s.reruns_forward or s.new_placement) or (s.scope == "mpu" and s.moves_to is not None)
+        assert not s.cools_job or (s.scope == "job" and s.end is not None)
+
+
+def test_no_action_is_named_outside_its_module():
+    """The engine, the fuse plugin, the agent's healing service and the webhook act on the
+    actions' declarations, never on their names."""
+    root = Path(__file__).resolve().parent.parent / "mscale"
+    for rel in ("healing/engine.py", "hook/fuse.py", "daemon/healing.py", "daemon/webhook.py"):
+        text = (root / rel).read_text()
+        for name in actions.NAMES:
+            assert f'"{name}"' not in text and f"'{name}'" not in text, f"{rel} names the action {name}"

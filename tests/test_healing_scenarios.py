@@ -37,7 +37,7 @@ def metrics(result) -> dict[tuple, float]:
 
     class C:
         def collect(self):
-            return families(result.fuse.snapshot)
+            return families(result.fuse.books)
 
     reg = CollectorRegistry(auto_describe=False)
     reg.register(C())
@@ -65,6 +65,7 @@ def test_reference_run_learns_without_actions(reference):
 
 def test_vision_corruption_for_20_steps_heals_at_l1_without_losing_a_step(reference):
     r = run(RunConfig(steps=STEPS, faults=(Fault(30, "corrupt", {"gpu": 0, "mode": "noise", "steps": 20}),)))
+    assert r.guard.plugin_errors == 0  # no action raised inside a guard hook
     (swap_step, swap), = heal(r, "l1_swap")
     assert swap_step == 32  # the third consecutive failing step (checksum_failures_l1 = 3)
     assert swap.labels["mpu_id"] == "001" and swap.labels["gpu"] == "0" and swap.labels["to_gpu"] == "3"
@@ -75,6 +76,9 @@ def test_vision_corruption_for_20_steps_heals_at_l1_without_losing_a_step(refere
     inj = r.chaos.injectors or []
     assert all(h.step <= 32 for i in inj for h in i.hits)
     assert states(r)[:2] == [(30, "suspect"), (32, "l1_swapped")]
+    # the state machine's own history counts training steps too (not the fuse's dedup keys)
+    history = r.fuse.engine.mpu("tinymm", "001").history
+    assert [(t.step, t.after.value) for t in history][:2] == [(30, "suspect"), (32, "l1_swapped")]
     assert ("recovered" in [s for _, s in states(r)])  # clean stretch after the swap
     assert r.steps_lost == 0 and not r.events("rollback")
     assert relative_gap(r.eval_loss, reference.eval_loss) < 0.02
@@ -88,13 +92,14 @@ def test_corruption_persisting_on_the_standby_escalates_to_l2(reference):
     faults = (Fault(30, "corrupt", {"gpu": 0, "mode": "noise", "steps": 20}),
               Fault(30, "corrupt", {"gpu": 3, "mode": "noise", "steps": 4}))  # the standby is faulty too
     r = run(RunConfig(steps=STEPS, faults=faults))
+    assert r.guard.plugin_errors == 0  # no action raised inside a guard hook
     assert [s for _, s in states(r)][:3] == ["suspect", "l1_swapped", "l2_degraded"]
     (l2_step, l2), = heal(r, "l2_degrade")
     assert l2_step == 34 and l2.labels["level"] == "L2"
     assert "fallback" not in l2.labels  # on CPU with l2_precision_fallback off (the default): none
     assert not heal(r, "l3_distill")  # the degraded run came clean: no L3
     (rec_step, _), = heal(r, "recover")  # after a clean stretch the degradation is undone
-    assert rec_step > l2_step and "001" not in r.fuse.degraded
+    assert rec_step > l2_step and "001" not in r.fuse.states["l2_degrade"].mpus
     assert r.guard.cmsa.multiplier["001"] == 1.0  # the raised clip threshold reset
     lv = dict(r.levels)
     assert lv[l2_step + 1]["vision"] == "l2_degraded"
@@ -114,10 +119,11 @@ def test_l2_reduces_the_vision_input_resolution_and_raises_the_clip():
         patches = []
         h = vision.module.patch_embed.register_forward_pre_hook(lambda mod, args: patches.append(args[0].shape[1]))
         r.one_step()
-        r.fuse.degrade(vision)
+        degraded = r.fuse.states["l2_degrade"]
+        degraded.degrade(r.guard, vision)
         assert r.guard.cmsa.multiplier["001"] == 2.0  # the clip threshold raised
         r.one_step()
-        r.fuse.undegrade(vision)
+        degraded.undo(r.fuse, vision)
         r.one_step()
         h.remove()
         assert patches == [16, 4, 16]  # half resolution: a quarter of the patches, then restored
@@ -144,6 +150,7 @@ def test_l2_precision_fallback_runs_the_degraded_mpu_in_bf16_until_recovery():
               Fault(30, "corrupt", {"gpu": 3, "mode": "noise", "steps": 4}))  # as in the L2 scenario
     healing = HealingSection(recovery_clean_steps=20, lr_cool_steps=10, l2_precision_fallback=True)
     r = run(RunConfig(steps=70, faults=faults, healing=healing, before_step=watch))
+    assert r.guard.plugin_errors == 0  # no action raised inside a guard hook
     (l2_step, l2), = heal(r, "l2_degrade")
     assert l2.labels["fallback"] == "bf16" and "bf16" in l2.message
     (rec_step, _), = heal(r, "recover")
@@ -183,16 +190,17 @@ def test_run_degraded_on_cpu_autocasts_only_when_asked_and_undo_restores_the_for
 
 def test_corruption_persisting_in_l2_engages_l3_then_removes_it_after_recovery(reference):
     r = run(RunConfig(steps=STEPS, faults=(Fault(20, "corrupt", {"mpu": "vision", "mode": "noise", "steps": 25}),)))
+    assert r.guard.plugin_errors == 0  # no action raised inside a guard hook
     seq = [s for _, s in states(r)]
     assert seq == ["suspect", "l1_swapped", "l2_degraded", "l3_distilling", "recovered", "healthy"]
     (l3_step, _), = heal(r, "l3_distill")
     (rec_step, _), = heal(r, "recover")
     assert l3_step == 26 and rec_step > 45
-    shares = [(s, share) for s, mpu, share, _ in r.fuse.distill_shares]
+    shares = [(s, share) for s, mpu, share, _ in r.fuse.states["l3_distill"].shares]
     assert shares and {s for s, _ in shares} == set(range(l3_step, rec_step + 1))  # incl. the recovery step
     lo, hi = 0.15, 0.30
     assert all(lo <= share <= hi for _, share in shares), shares
-    assert not r.fuse.distilling  # removed on recovery
+    assert not r.fuse.states["l3_distill"].mpus  # removed on recovery
     assert r.steps_lost == 0 and math.isfinite(r.eval_loss) and not r.nonfinite_weights
     m = metrics(r)
     assert m[("mscale_heal_actions_total", (("action", "l3_distill"), ("level", "L3"), ("mpu_id", "001"),
@@ -202,6 +210,7 @@ def test_corruption_persisting_in_l2_engages_l3_then_removes_it_after_recovery(r
 
 def test_a_25x_loss_spike_cools_the_lr_without_a_rollback(reference):
     r = run(RunConfig(steps=STEPS, faults=(Fault(60, "loss_spike", {"factor": 25.0}),)))
+    assert r.guard.plugin_errors == 0  # no action raised inside a guard hook
     spike = [l for s, l in r.losses if s == 60][0]
     assert spike > 10 * [l for s, l in reference.losses if s == 60][0]
     (cool_step, cool), = heal(r, "lr_cool")
@@ -221,6 +230,7 @@ def test_a_25x_loss_spike_cools_the_lr_without_a_rollback(reference):
 
 def test_nan_loss_rolls_back_skips_the_batch_and_never_reaches_the_weights(reference):
     r = run(RunConfig(steps=STEPS, faults=(Fault(62, "nan_loss", {}),)))
+    assert r.guard.plugin_errors == 0  # no action raised inside a guard hook
     assert [l for s, l in r.losses if s == 62 and math.isnan(l)]
     (drop_step, _), = heal(r, "rollback", "step_dropped")
     (_, restored), = heal(r, "rollback", "applied")

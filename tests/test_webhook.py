@@ -117,7 +117,7 @@ def test_firing_xid_alert_acts_on_the_job_once(agent, job):
     step_until(job, lambda: job.guard.mpu("vision").gpu != 0)
     agent.wait_for(lambda evs: [e for e in evs if e["source"] == "hook:fuse" and e["labels"].get("action") == "l1_swap"
                                 and e["labels"].get("result") == "applied"])
-    assert job.guard.mpu("vision").gpu != 0 and 0 in job.fuse.quarantined
+    assert job.guard.mpu("vision").gpu != 0 and 0 in job.fuse.states["quarantine_gpu"].gpus
     metrics = agent.get("/metrics")
     assert 'mscale_heal_actions_total{action="l1_swap",level="L1",mpu_id="001",result="sent"} 1.0' in metrics
     assert 'mscale_heal_actions_total{action="l1_swap",level="L1",mpu_id="001",result="applied"} 1.0' in metrics

@@ -1,27 +1,36 @@
 """Runs the healing engine inside the agent.
 
 The engine subscribes to the agent's event log. Node-view conditions (GPU faults, hangs)
-and alerts from the webhook become decisions, sent to the jobs as link commands; what a job
-decided in-process (checksums, loss) arrives as its own HEAL_ACTION/FUSE_STATE events and
-only keeps the books (and the per-MPU state the API shows) in step.
+and the alerts the webhook hands over (`alert`) become decisions, sent to the jobs as link
+commands; what a job decided in-process (checksums, loss) arrives as its own
+HEAL_ACTION/FUSE_STATE events and only keeps the books (and the per-MPU state the API shows)
+in step. Each condition's policy rule is matched once, here, and every outcome is booked by
+the engine: an alert that Alertmanager repeats (same fingerprint and start) is a duplicate,
+one past the per-minute action budget (`webhook.max_actions_per_minute`) is rate-limited, a
+resolved one forgets its dedup entry and ends the cooling windows its rule started.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Iterable
+import json
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterable, Mapping
 
 import structlog
 from aiohttp import web
 
 from mscale.daemon import keys
 from mscale.daemon.state import AgentState
-from mscale.findings import Finding, Reason
+from mscale.findings import Finding, Reason, Severity
 from mscale.healing import policy as policymod
 from mscale.healing.engine import Condition, Decision, HealingEngine, Target
 from mscale.healing.policy import Rule
 
 log = structlog.get_logger("mscale.healing")
 SOURCE = "healing"
+_SEEN = web.AppKey("alerts_seen", dict)  # (fingerprint, startsAt) -> when acted on
+_BUDGET = web.AppKey("alert_action_times", deque)  # when each alert was acted on, last minute
 
 
 def gpu_ids(state: AgentState) -> dict[str, str]:
@@ -93,28 +102,77 @@ async def act(app: web.Application, decisions: list[Decision]) -> list[tuple[Dec
 
 
 async def handle(app: web.Application, cond: Condition) -> list[tuple[Decision, str]]:
-    """Decide and act on one condition (a finding from the node or an alert)."""
+    """Decide and act on one condition the node saw (a finding)."""
     engine: HealingEngine = app[keys.ENGINE]
-    state = app[keys.STATE]
-    rule = engine.policy.match(cond.kind, cond.name, cond.severity, cond.labels)
-    if rule is None:
-        return []
-    if rule.decide == "in_process" and cond.kind == "reason":
-        return []  # the job acts within the step and reports what it did
-    decisions = engine.decide(cond, lambda r, c: resolve_targets(state, r, c))
-    return await act(app, decisions)
+    rule = engine.match(cond)
+    if rule is None or (rule.decide == "in_process" and cond.kind == "reason"):
+        return []  # nothing to do, or the job acts within the step and reports what it did
+    return await act(app, engine.decide(cond, _targets(app), rule))
 
 
-async def end_cooling(app: web.Application, cond: Condition) -> int:
-    """A resolved alert ends the cooling windows it started."""
-    engine: HealingEngine = app[keys.ENGINE]
+def _targets(app: web.Application):
     state = app[keys.STATE]
+    return lambda rule, cond: resolve_targets(state, rule, cond)
+
+
+@dataclass
+class AlertOutcome:
+    """What became of one alert: `result` is acted, duplicate, rate_limited or resolved."""
+
+    firing: bool
+    result: str
+    actions: list[tuple[Decision, str]] = field(default_factory=list)
+    cooling_ended: int = 0  # jobs whose cooling window an end command reached
+
+
+async def alert(app: web.Application, a: Mapping[str, Any], *, source: str) -> AlertOutcome:
+    """One Alertmanager alert, as the webhook parsed it (status, labels with alertname,
+    startsAt, fingerprint): an event, then the policy's decision, booked."""
+    engine: HealingEngine = app[keys.ENGINE]
+    state, now = app[keys.STATE], app[keys.CLOCK]()
+    labels, name, firing = a["labels"], a["labels"]["alertname"], a["status"] == "firing"
+    cond = Condition("alert", name, labels, source=source, severity=labels.get("severity", ""), time=now)
+    state.events.emit(Finding(source, Reason.ALERT_FIRING if firing else Reason.ALERT_RESOLVED,
+                              Severity.INFO, f"alert {name} {a['status']}", labels, now))
+    rule = engine.match(cond)
+    seen = app[_SEEN]
+    ident = (a.get("fingerprint") or json.dumps(labels, sort_keys=True), a.get("startsAt", ""))
+    if not firing:
+        seen.pop(ident, None)
+        ends = engine.resolve(cond, _targets(app), rule) if rule is not None else []
+        return AlertOutcome(False, "resolved", cooling_ended=await _end(app, ends))
+    if ident in seen:  # Alertmanager's repeat of an alert already acted on
+        engine.refuse(rule, cond, "duplicate", "Alertmanager repeated an alert already acted on")
+        return AlertOutcome(True, "duplicate")
+    if rule is not None and any(rule.actions.values()) and not _take(app, now):
+        engine.refuse(rule, cond, "rate_limited",
+                      f"action budget of {app[keys.CONFIG].webhook.max_actions_per_minute}/min spent")
+        return AlertOutcome(True, "rate_limited")
+    seen[ident] = now
+    done = await act(app, engine.decide(cond, _targets(app), rule)) if rule is not None else []
+    for k in [k for k, t in seen.items() if now - t > 86400]:
+        del seen[k]
+    return AlertOutcome(True, "acted", done)
+
+
+def _take(app: web.Application, now: float) -> bool:
+    """Per-minute action budget for alerts (a sliding window of action times)."""
+    times = app[_BUDGET]
+    while times and now - times[0] >= 60.0:
+        times.popleft()
+    if len(times) >= app[keys.CONFIG].webhook.max_actions_per_minute:
+        return False
+    times.append(now)
+    return True
+
+
+async def _end(app: web.Application, ends: list[Decision]) -> int:
+    """Send end commands (a resolved alert ends the cooling windows its rule started);
+    the number the jobs received."""
     link = app.get(keys.LINK)
-    ended = engine.resolve(cond, lambda r, c: resolve_targets(state, r, c))
     n = 0
-    for target in ended:
-        if link is not None and await link.send(target.job_id, {"type": "heal", "action": "lr_cool", "end": True,
-                                                                 "reason": cond.name}):
+    for d in ends:
+        if link is not None and await link.send(d.target.job_id, d.command(end=True)):
             n += 1
     return n
 
@@ -127,7 +185,7 @@ def _mirror(state: AgentState, f: Finding) -> None:
         return
     if "state" in f.labels and hasattr(mpu, "fuse_level"):
         mpu.fuse_level = f.labels["state"]
-    if f.labels.get("action") == "l1_swap" and f.labels.get("to_gpu", "").isdigit():
+    if f.labels.get("to_gpu", "").isdigit():  # the event of an action that moved the MPU
         mpu.gpu = int(f.labels["to_gpu"])
 
 
@@ -167,4 +225,6 @@ def setup(app: web.Application) -> None:
     policy = policymod.load(cfg.healing.policy)  # PolicyError (line at fault): the agent refuses to start
     app[keys.ENGINE] = HealingEngine(policy, cfg.healing, source=SOURCE, clock=app[keys.CLOCK],
                                      emit=state.events.emit, publish=lambda snap: state.publish("healing", snap))
+    app[_SEEN] = {}
+    app[_BUDGET] = deque()
     app.cleanup_ctx.append(_run)

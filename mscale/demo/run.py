@@ -239,7 +239,8 @@ def summarise(faults: list[ScriptedFault], r: Run, ref: Any, eval_loss: float, w
         row["duplicates"] = sum(1 for a in fs if a.reason.value == "heal_action" and a.labels.get("result") == "duplicate"
                                 and int(a.labels.get("step", -1)) >= f.sent_step
                                 and (until is None or int(a.labels.get("step", -1)) < until))
-        lost = [rb for rb in r.fuse.rollbacks if rb["step"] >= f.sent_step and (until is None or rb["step"] < until)]
+        lost = [rb for rb in r.fuse.states["rollback"].rollbacks
+                if rb["step"] >= f.sent_step and (until is None or rb["step"] < until)]
         row["steps_lost"] = sum(rb["step"] - (rb["to"] if rb["to"] is not None else rb["step"] - 1) for rb in lost)
         row["healed"] = row["detected"] != "no" and bool(acts)
         rows.append(row)
@@ -304,7 +305,7 @@ def plot(path: Path, r: Run, ref: Any, health: list[tuple[int, dict]], faults: l
     ax2.legend(loc="lower right", fontsize=8)
     from mscale.healing.fsm import Level
     for name in colors:
-        pts = [(s, Level(lv[name]).fuse if lv.get(name) in Level._value2member_map_ else 0) for s, lv in r.levels]
+        pts = [(s, Level(lv[name]).number if lv.get(name) in Level._value2member_map_ else 0) for s, lv in r.levels]
         if pts:
             ax3.step(*zip(*pts), where="post", color=colors[name], lw=1, label=name)
     ax3.set_yticks([0, 1, 2, 3], ["ok", "L1", "L2", "L3"])

@@ -103,7 +103,7 @@ class Run:
     def __init__(self, cfg: RunConfig) -> None:
         from mscale.sim.chaos_job import ChaosPlugin
         from mscale.snapshot.data import ResumableLoader
-        from mscale.hook.fuse import Fuse
+        from mscale.hook.fuse import FusePlugin
         from mscale.snapshot.engine import SnapshotEngine
         from mscale.hook.guard import Guard
         from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
@@ -124,13 +124,13 @@ class Run:
         self.guard = Guard(self.model, self.optimizer, job_id=cfg.job_id, connect=cfg.socket_path is not None,
                            socket_path=cfg.socket_path)
         g = self.guard
-        self.fuse = Fuse(config=cfg.healing, gpu_count=cfg.gpu_count)
+        self.fuse = FusePlugin(config=cfg.healing, gpu_count=cfg.gpu_count)
         self.snapshots = SnapshotEngine(
             self.model, self.optimizer, mpus={m.name: (m.mpu_id, m.module) for m in g.mpus}, data=self.data,
             directory=cfg.snapshot_dir, memory_every=cfg.memory_every, disk_every=cfg.disk_every,
             binding=lambda: {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid} for m in g.mpus},
             emit=self.fuse.snapshot_emit, job_id=cfg.job_id)
-        self.fuse.snapshots = self.snapshots
+        self.fuse.snapshot_engine = self.snapshots
         self.chaos = ChaosPlugin(seed=cfg.seed)
         self.findings: list[Finding] = []
         self.lrs: list[tuple[int, float]] = []

@@ -34,7 +34,7 @@ def families(snap, jobs: Iterable[str] = ()) -> Iterable[Metric]:
     state = GaugeMetricFamily("mscale_fuse_state", "1 for the MPU's current fuse state", labels=["job_id", "mpu_id", "state"])
     for job_id, mpu_id, st in snap.levels:
         lv = Level(st)
-        level.add_metric([job_id, mpu_id], lv.fuse)
+        level.add_metric([job_id, mpu_id], lv.number)
         for each in Level:
             state.add_metric([job_id, mpu_id, each.value], 1.0 if each is lv else 0.0)
     yield level

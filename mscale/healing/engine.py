@@ -6,10 +6,16 @@ in the agent, `mscale.daemon.healing` feeds it the node's findings and alerts an
 decisions to jobs as commands. Both keep the same books: per-MPU fuse state machines, the
 dedup ledger, counters for `mscale_heal_actions_total` and `mpu_drift_count_total`.
 
+The policy is matched once per condition (`match`); `decide` and `resolve` take the rule so
+a caller that looked at it first (the agent's service) does not match again. What the engine
+does with an action (once per job or per MPU, rate limit and escalation, drift count, a job's
+cooling window) comes from the action's spec (mscale.healing.actions), never its name.
+
 Idempotence: a condition is identified by (rule, target). The same condition seen again
 within the policy's `dedup_window_s` (a probe and an alert for one Xid; an alert for a fault
 the job already handled and reported) is recorded as `result="duplicate"` and not acted on.
-In-process conditions carry their step: a trigger at a later step is new evidence that the
+In-process conditions carry an `occurrence` instead (the fuse's step count, or a failing
+stretch of an MPU at one placement): a trigger in a later occurrence is new evidence that the
 last action did not cure the fault, so it escalates instead of being dropped.
 """
 from __future__ import annotations
@@ -17,13 +23,14 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Hashable, Iterable, Mapping
 
 import structlog
 
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing import actions
-from mscale.healing.fsm import IllegalTransition, JobFuse, Level, MpuFuse, Transition
+from mscale.healing.actions.base import ActionSpec
+from mscale.healing.fsm import IllegalTransition, JobLossState, Level, MpuFuseState, Transition
 from mscale.healing.policy import Policy, Rule
 from mscale.healing.settings import HealingSection
 
@@ -33,6 +40,7 @@ _RANK = {Level.HEALTHY: 0, Level.SUSPECT: 1, Level.RECOVERED: 1, Level.L1_SWAPPE
          Level.L2_DEGRADED: 3, Level.L3_DISTILLING: 4}
 # results that mean the action took effect (the state machine moves on)
 DONE = ("applied", "sent")
+ENDED = "ended"  # a job closed what the action started (a cooling window)
 
 
 @dataclass(frozen=True)
@@ -43,11 +51,14 @@ class Condition:
     source: str = ""
     severity: str = ""
     time: float = 0.0
-    step: int | None = None  # in-process: the step it was seen at
+    step: int | None = None  # in-process: the training step it was seen at
+    # in-process: what makes it new evidence (acted on once per occurrence, not per time
+    # window); None: deduplicated by the policy's dedup_window_s
+    occurrence: Hashable | None = None
 
     @classmethod
-    def of(cls, f: Finding, step: int | None = None) -> "Condition":
-        return cls("reason", f.reason.value, dict(f.labels), f.source, f.severity.value, f.time, step)
+    def of(cls, f: Finding, step: int | None = None, occurrence: Hashable | None = None) -> "Condition":
+        return cls("reason", f.reason.value, dict(f.labels), f.source, f.severity.value, f.time, step, occurrence)
 
 
 @dataclass(frozen=True)
@@ -58,8 +69,9 @@ class Target:
     gpu_uuid: str = ""
 
     def key(self, kind: str) -> tuple:
-        if kind == "gpu":
-            return ("gpu", self.gpu_uuid or self.gpu)
+        """The target's identity under a rule's target kind (the dedup ledger's key)."""
+        if kind == "gpu":  # a GPU fault acts on each MPU bound to the GPU, once
+            return ("gpu", self.gpu_uuid or self.gpu, self.job_id, self.mpu_id)
         if kind == "job":
             return ("job", self.job_id)
         return ("mpu", self.job_id, self.mpu_id)
@@ -74,7 +86,7 @@ class Decision:
     before: str  # the target's level when decided
     reason: str  # the condition (reason code or alert name)
     why: str = ""
-    step: int | None = None
+    step: int | None = None  # the training step (in-process), None in the agent
     time: float = 0.0
 
     @property
@@ -82,12 +94,16 @@ class Decision:
         t = self.target
         return "/".join((self.rule, t.job_id, t.mpu_id, t.gpu_uuid or t.gpu))
 
-    def command(self) -> dict:
-        """The link command carrying this decision to a job."""
+    def command(self, *, end: bool = False) -> dict:
+        """The link command carrying this decision to a job (`end`: end what the action
+        started, e.g. a cooling window whose alert resolved)."""
         t = self.target
-        return {"type": "heal", "action": self.action, "rule": self.rule, "level": self.level,
-                "mpu_id": t.mpu_id, "gpu": t.gpu, "gpu_uuid": t.gpu_uuid, "reason": self.reason,
-                "why": self.why, "fault_key": self.fault_key, "decided_at": self.time}
+        cmd = {"type": "heal", "action": self.action, "rule": self.rule, "level": self.level,
+               "mpu_id": t.mpu_id, "gpu": t.gpu, "gpu_uuid": t.gpu_uuid, "reason": self.reason,
+               "why": self.why, "fault_key": self.fault_key, "decided_at": self.time}
+        if end:
+            cmd["end"] = True
+        return cmd
 
     @classmethod
     def from_command(cls, cmd: Mapping[str, Any], job_id: str) -> "Decision":
@@ -122,8 +138,8 @@ class HealingEngine:
         self.clock = clock
         self._emit = emit
         self._publish = publish
-        self.fuses: dict[tuple[str, str], MpuFuse] = {}
-        self.jobs: dict[str, JobFuse] = {}
+        self.mpus: dict[tuple[str, str], MpuFuseState] = {}
+        self.jobs: dict[str, JobLossState] = {}
         self.acted: dict[tuple, float] = {}  # dedup ledger: condition identity -> when acted
         self.actions: Counter[tuple[str, str, str, str]] = Counter()
         self.drift: Counter[tuple[str, str]] = Counter()
@@ -132,32 +148,29 @@ class HealingEngine:
 
     # --- books ---------------------------------------------------------------------------
 
-    def fuse(self, job_id: str, mpu_id: str) -> MpuFuse:
+    def mpu(self, job_id: str, mpu_id: str) -> MpuFuseState:
         key = (job_id, mpu_id)
-        if key not in self.fuses:
-            self.fuses[key] = MpuFuse(job_id, mpu_id, clean_steps=self.cfg.recovery_clean_steps)
-        return self.fuses[key]
+        if key not in self.mpus:
+            self.mpus[key] = MpuFuseState(job_id, mpu_id, clean_steps=self.cfg.recovery_clean_steps)
+        return self.mpus[key]
 
-    def job(self, job_id: str) -> JobFuse:
+    def job(self, job_id: str) -> JobLossState:
         if job_id not in self.jobs:
-            self.jobs[job_id] = JobFuse(job_id)
+            self.jobs[job_id] = JobLossState(job_id)
         return self.jobs[job_id]
 
-    def level_of(self, rule: Rule, target: Target, step: int | None) -> str:
+    def level_of(self, rule: Rule, target: Target) -> str:
         if rule.target == "job":
-            j = self.job(target.job_id)
-            if step is None:
-                return "cooling" if j.cooling_until >= 0 else "healthy"
-            return "cooling" if j.cooling(step) else "healthy"
-        return self.fuse(target.job_id, target.mpu_id).level.value
+            return self.job(target.job_id).level
+        return self.mpu(target.job_id, target.mpu_id).level.value
 
     def snapshot(self) -> HealingSnapshot:
         return HealingSnapshot(
             time=self.clock(),
             actions=tuple(sorted(self.actions.items())),
             drift=tuple(sorted(self.drift.items())),
-            levels=tuple(sorted((j, m, f.level.value) for (j, m), f in self.fuses.items())),
-            cooling=tuple(sorted(j for j, f in self.jobs.items() if f.cooling_until >= 0)),
+            levels=tuple(sorted((j, m, f.level.value) for (j, m), f in self.mpus.items())),
+            cooling=tuple(sorted(j for j, f in self.jobs.items() if f.cooling)),
             recent=tuple(self.recent))
 
     def publish(self) -> None:
@@ -170,33 +183,40 @@ class HealingEngine:
 
     # --- deciding ------------------------------------------------------------------------
 
-    def decide(self, cond: Condition, targets: Callable[[Rule, Condition], Iterable[Target]]) -> list[Decision]:
+    def match(self, cond: Condition) -> Rule | None:
+        """The policy rule for a condition (the first that matches), or None."""
+        return self.policy.match(cond.kind, cond.name, cond.severity, cond.labels)
+
+    def decide(self, cond: Condition, targets: Callable[[Rule, Condition], Iterable[Target]],
+               rule: Rule | None = None) -> list[Decision]:
         """Decisions for one condition. `targets` resolves the rule's target kind from the
-        condition's labels (the agent looks at its jobs, the fuse at its own MPUs)."""
-        rule = self.policy.match(cond.kind, cond.name, cond.severity, cond.labels)
+        condition's labels (the agent looks at its jobs, the fuse at its own MPUs); `rule` is
+        the condition's rule when the caller matched it already."""
+        rule = rule or self.match(cond)
         if rule is None:
             return []
         now = self.clock()
         out: list[Decision] = []
-        job_scoped: set[tuple[str, str]] = set()  # a job-wide action once per job per condition
+        once: set[tuple] = set()  # job- and GPU-scoped actions: once per job (and GPU) per condition
         for target in targets(rule, cond):
             ident = (rule.name,) + target.key(rule.target)
-            level = self.level_of(rule, target, cond.step)
+            level = self.level_of(rule, target)
             if not rule.actions_at(level):
                 continue  # nothing to do at this level (e.g. already suspect): not a decision
             if self._duplicate(ident, cond, now):
                 self._record_duplicate(rule, target, level, cond, now)
                 continue
-            self.acted[ident + ((cond.step,) if cond.step is not None else ())] = now
+            if cond.occurrence is not None:
+                self.acted[ident + (cond.occurrence,)] = now
             self.acted[ident] = now
             for name in rule.actions_at(level):
-                name, why = self._rate_limited(name, target, now)
-                spec = actions.get(name)
-                if spec.moves_to is None and name != "l1_swap":
-                    if (name, target.job_id) in job_scoped:
+                spec, why = self._rate_limited(actions.get(name), target, now)
+                if spec.scope != "mpu":
+                    key = (spec.name, target.job_id) + ((target.gpu_uuid or target.gpu,) if spec.scope == "gpu" else ())
+                    if key in once:
                         continue
-                    job_scoped.add((name, target.job_id))
-                out.append(Decision(rule.name, name, spec.level, target, level, cond.name,
+                    once.add(key)
+                out.append(Decision(rule.name, spec.name, spec.level, target, level, cond.name,
                                     why or f"{cond.name} at {level}", cond.step, now))
         if not self.cfg.enabled and out:
             for d in out:
@@ -205,66 +225,94 @@ class HealingEngine:
         return out
 
     def _duplicate(self, ident: tuple, cond: Condition, now: float) -> bool:
-        window = self.policy.dedup_window_s
-        if cond.step is not None:
-            # in-process: once per step; a later step is new evidence
-            return ident + (cond.step,) in self.acted
+        if cond.occurrence is not None:
+            # in-process: once per occurrence; a later one is new evidence
+            return ident + (cond.occurrence,) in self.acted
         last = self.acted.get(ident)
-        return last is not None and now - last < window
+        return last is not None and now - last < self.policy.dedup_window_s
 
-    def _rate_limited(self, name: str, target: Target, now: float) -> tuple[str, str]:
-        if name != "l1_swap" or not target.mpu_id:
-            return name, ""
-        fuse = self.fuse(target.job_id, target.mpu_id)
-        if fuse.swaps_since(now - 3600.0) >= self.cfg.max_swaps_per_hour:
-            self._count("L1", "l1_swap", target.mpu_id, "rate_limited")
-            why = f"{self.cfg.max_swaps_per_hour} swaps in the last hour: escalate"
-            if fuse.level in (Level.L2_DEGRADED, Level.L3_DISTILLING):
-                return "l3_distill", why
-            return "l2_degrade", why
-        return name, ""
+    def _rate_limited(self, spec: ActionSpec, target: Target, now: float) -> tuple[ActionSpec, str]:
+        """A drift past healing.max_swaps_per_hour: the escalation instead, past the level the
+        MPU already holds (an MPU at L2 goes to L3)."""
+        if not spec.drift or not target.mpu_id:
+            return spec, ""
+        state = self.mpu(target.job_id, target.mpu_id)
+        if state.swaps_since(now - 3600.0) < self.cfg.max_swaps_per_hour:
+            return spec, ""
+        self._count(spec.level, spec.name, target.mpu_id, "rate_limited")
+        why = f"{self.cfg.max_swaps_per_hour} swaps in the last hour: escalate"
+        nxt = spec
+        while nxt.escalates_to and (nxt is spec or (nxt.moves_to is not None
+                                                    and _RANK[nxt.moves_to] <= _RANK[state.level])):
+            nxt = actions.get(nxt.escalates_to)
+        return nxt, why
 
     def _record_duplicate(self, rule: Rule, target: Target, level: str, cond: Condition, now: float) -> None:
-        acts = rule.actions_at(level) or ("none",)
-        d = Decision(rule.name, acts[0], actions.get(acts[0]).level if acts[0] != "none" else "none",
-                     target, level, cond.name, f"same fault within {self.policy.dedup_window_s:g}s", cond.step, now)
+        spec = actions.get(rule.actions_at(level)[0])
+        d = Decision(rule.name, spec.name, spec.level, target, level, cond.name,
+                     f"same fault within {self.policy.dedup_window_s:g}s", cond.step, now)
         self.record(d, "duplicate")
 
-    def resolve(self, cond: Condition, targets: Callable[[Rule, Condition], Iterable[Target]]) -> list[Target]:
-        """A resolved alert: forget its dedup entry (a re-fire acts again) and end the
-        cooling windows of the jobs it names. Returns the jobs whose cooling ended."""
-        rule = self.policy.match(cond.kind, cond.name, cond.severity, cond.labels)
+    def refuse(self, rule: Rule | None, cond: Condition, result: str, why: str) -> None:
+        """Book a condition not acted on (a repeated or rate-limited alert): an event and a
+        count under the rule's first action, targeted from the condition's labels."""
+        first = next((a for acts in (rule.actions.values() if rule else ()) for a in acts), "")
+        if not first:
+            return
+        lab = cond.labels
+        target = Target(lab.get("job_id", ""), lab.get("mpu_id", ""), lab.get("gpu", ""), lab.get("gpu_uuid", ""))
+        self.record(Decision(rule.name, first, actions.get(first).level, target, "", cond.name, why,
+                             time=cond.time), result)
+
+    def resolve(self, cond: Condition, targets: Callable[[Rule, Condition], Iterable[Target]],
+                rule: Rule | None = None) -> list[Decision]:
+        """A resolved alert: forget its dedup entry (a re-fire acts again). Returns the end
+        decisions for what its rule started and is still in force (the jobs' cooling windows),
+        to be sent as end commands."""
+        rule = rule or self.match(cond)
         if rule is None:
             return []
-        ended = []
+        cooling = [actions.get(a) for a in dict.fromkeys(a for acts in rule.actions.values() for a in acts)]
+        cooling = [s for s in cooling if s.cools_job]
+        out = []
         for target in targets(rule, cond):
             self.acted.pop((rule.name,) + target.key(rule.target), None)
-            if rule.target == "job" and self.job(target.job_id).cooling_until >= 0:
-                ended.append(target)
-        return ended
+            if target.job_id and self.job(target.job_id).cooling:
+                out += [Decision(rule.name, s.name, s.level, target, "cooling", cond.name,
+                                 f"alert {cond.name} resolved", time=self.clock()) for s in cooling]
+        return out
 
     # --- recording -----------------------------------------------------------------------
 
     def _count(self, level: str, action: str, mpu_id: str, result: str) -> None:
         self.actions[(level, action, mpu_id, result)] += 1
 
+    def _book_job(self, spec: ActionSpec, job_id: str, result: str) -> None:
+        """What an action's result means for the job's loss state (its cooling window)."""
+        if spec.cools_job and result == "applied":
+            self.job(job_id).cooling = True
+        elif spec.cools_job and result == ENDED:
+            self.job(job_id).cooling = False
+
     def record(self, d: Decision, result: str, *, detail: str = "", step: int | None = None,
                labels: Mapping[str, str] | None = None) -> Finding:
         """Book a decision's outcome: counters, state machine, an event. `result` is
-        applied / sent / noop / duplicate / rate_limited / disabled / failed."""
+        applied / sent / noop / duplicate / rate_limited / disabled / failed / ended (or an
+        action's own word, e.g. step_dropped)."""
         t = d.target
         extra = labels
+        spec = actions.get(d.action)
         self._count(d.level, d.action, t.mpu_id, result)
+        self._book_job(spec, t.job_id, result)
         state = ""
-        if result in DONE and d.action != "none":
-            spec = actions.get(d.action)
-            if d.action == "l1_swap" and result == "applied":
+        if result == "applied" and t.mpu_id:  # "sent": the job reports its own move
+            if spec.drift:
                 self.drift[(t.job_id, t.mpu_id)] += 1
-                self.fuse(t.job_id, t.mpu_id).swap_times.append(self.clock())
-            if spec.moves_to is not None and t.mpu_id and result == "applied":  # "sent": the job reports its move
+                self.mpu(t.job_id, t.mpu_id).swap_times.append(self.clock())
+            if spec.moves_to is not None:
                 tr = self.move(t.job_id, t.mpu_id, spec.moves_to, step=d.step if step is None else step,
                                why=f"{d.action} ({d.reason})")
-                state = (tr.after.value if tr else self.fuse(t.job_id, t.mpu_id).level.value)
+                state = (tr.after.value if tr else self.mpu(t.job_id, t.mpu_id).level.value)
         severity = {"failed": Severity.CRITICAL, "applied": Severity.WARNING,
                     "sent": Severity.WARNING}.get(result, Severity.INFO)
         labels = {"rule": d.rule, "action": d.action, "level": d.level, "result": result,
@@ -282,14 +330,14 @@ class HealingEngine:
         return finding
 
     def move(self, job_id: str, mpu_id: str, level: Level, *, step: int | None = None, why: str = "") -> Transition | None:
-        """Move an MPU's fuse; escalations never go down (an L2 MPU swapped off a dead GPU
-        stays degraded). Emits a FUSE_STATE event for every transition."""
-        fuse = self.fuse(job_id, mpu_id)
-        if fuse.level in (Level.L1_SWAPPED, Level.L2_DEGRADED, Level.L3_DISTILLING) \
-                and level is not Level.RECOVERED and _RANK[level] < _RANK[fuse.level]:
+        """Move an MPU's fuse state; escalations never go down (an L2 MPU swapped off a dead
+        GPU stays degraded). Emits a FUSE_STATE event for every transition."""
+        state = self.mpu(job_id, mpu_id)
+        if state.level in (Level.L1_SWAPPED, Level.L2_DEGRADED, Level.L3_DISTILLING) \
+                and level is not Level.RECOVERED and _RANK[level] < _RANK[state.level]:
             return None
         try:
-            tr = fuse.to(level, step=-1 if step is None else step, why=why)
+            tr = state.to(level, step=-1 if step is None else step, why=why)
         except IllegalTransition as e:
             log.warning("fuse_transition_refused", job_id=job_id, mpu_id=mpu_id, error=str(e))
             return None
@@ -297,7 +345,7 @@ class HealingEngine:
         return tr
 
     def clean_step(self, job_id: str, mpu_id: str, step: int) -> Transition | None:
-        tr = self.fuse(job_id, mpu_id).clean_step(step)
+        tr = self.mpu(job_id, mpu_id).clean_step(step)
         if tr is not None:
             self._emit_transition(job_id, mpu_id, tr)
         return tr
@@ -318,7 +366,7 @@ class HealingEngine:
         job_id, mpu_id = lab.get("job_id", ""), lab.get("mpu_id", "")
         if f.reason is Reason.FUSE_STATE and mpu_id:
             try:
-                self.fuse(job_id, mpu_id).level = Level(lab.get("state", ""))
+                self.mpu(job_id, mpu_id).level = Level(lab.get("state", ""))
             except ValueError:
                 return
             self.publish()
@@ -328,7 +376,9 @@ class HealingEngine:
         action, result, rule = lab.get("action", ""), lab.get("result", ""), lab.get("rule", "")
         if action not in actions.REGISTRY:
             return
+        spec = actions.get(action)
         self._count(lab.get("level", "none"), action, mpu_id, result)
+        self._book_job(spec, job_id, result)
         if result in DONE:
             try:
                 kind = self.policy.rule(rule).target
@@ -336,16 +386,12 @@ class HealingEngine:
                 kind = "mpu" if mpu_id else "job"
             target = Target(job_id, mpu_id, lab.get("gpu", ""), lab.get("gpu_uuid", ""))
             self.acted[(rule,) + target.key(kind)] = self.clock()
-            if action == "l1_swap" and result == "applied":
+            if spec.drift and result == "applied":
                 self.drift[(job_id, mpu_id)] += 1
             if "state" in lab and mpu_id:
                 try:
-                    self.fuse(job_id, mpu_id).level = Level(lab["state"])
+                    self.mpu(job_id, mpu_id).level = Level(lab["state"])
                 except ValueError:
                     pass
-            if action == "lr_cool":
-                self.job(job_id).cooling_until = 1 << 62
-        if action == "lr_cool" and result in ("ended", "restored"):
-            self.job(job_id).cooling_until = -1
         self.recent.append(dict(f.to_dict()))
         self.publish()

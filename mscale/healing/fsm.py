@@ -24,7 +24,7 @@ class Level(str, Enum):
     RECOVERED = "recovered"
 
     @property
-    def fuse(self) -> int:
+    def number(self) -> int:
         """The fuse level in force: 0 (none), 1, 2 or 3; the `mscale_fuse_level` gauge."""
         return {Level.L1_SWAPPED: 1, Level.L2_DEGRADED: 2, Level.L3_DISTILLING: 3}.get(self, 0)
 
@@ -55,8 +55,8 @@ class Transition:
 
 
 @dataclass
-class MpuFuse:
-    """One MPU's place in the fuse. `clean_steps` is the hysteresis length."""
+class MpuFuseState:
+    """One MPU's place in the fuse state machine. `clean_steps` is the hysteresis length."""
 
     job_id: str
     mpu_id: str
@@ -94,15 +94,13 @@ class MpuFuse:
 
 
 @dataclass
-class JobFuse:
-    """Loss-side state of one job: the LR cooling window."""
+class JobLossState:
+    """Loss-side state of one job: whether its LR cooling window is open (the policy's job
+    levels: healthy or cooling)."""
 
     job_id: str
-    cooling_until: int = -1  # last step of the cooling window (-1: not cooling)
-
-    def cooling(self, step: int) -> bool:
-        return step <= self.cooling_until
+    cooling: bool = False
 
     @property
     def level(self) -> str:
-        return "cooling" if self.cooling_until >= 0 else "healthy"
+        return "cooling" if self.cooling else "healthy"

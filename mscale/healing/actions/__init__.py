@@ -1,4 +1,5 @@
-"""Healing actions: one module each, registered here (one line per action)."""
+"""Healing actions: one module each, registered here (one line per action). What the engine
+and the fuse need to know about an action is declared on its spec (base.ActionSpec)."""
 from __future__ import annotations
 
 import importlib
@@ -26,4 +27,15 @@ def get(name: str) -> ActionSpec:
     return importlib.import_module(REGISTRY[name]).ACTION
 
 
-__all__ = ["REGISTRY", "NAMES", "get", "ActionSpec", "ActionFailed"]
+def specs() -> list[ActionSpec]:
+    """Every registered action, in registry order."""
+    return [get(name) for name in NAMES]
+
+
+def recovery() -> ActionSpec:
+    """The action the fuse runs when an MPU with measures in force comes clean."""
+    (spec,) = [s for s in specs() if s.on_recovery]
+    return spec
+
+
+__all__ = ["REGISTRY", "NAMES", "get", "specs", "recovery", "ActionSpec", "ActionFailed"]

@@ -24,8 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import structlog
+
 from mscale.healing.actions.base import ActionSpec
 from mscale.healing.fsm import Level
+
+log = structlog.get_logger("mscale.fuse")
 
 
 @dataclass
@@ -152,11 +156,80 @@ def _map(obj: Any, fn: Callable) -> Any:
     return obj
 
 
-def apply(fuse, d) -> str:
-    m = fuse.guard.mpu(d.target.mpu_id)
-    fuse.degrade(m)
+class Degraded:
+    """Per job: the MPUs running degraded, each with its resolution pre-hook and its fallback."""
+
+    def __init__(self, fuse) -> None:
+        self.resolution: float = fuse.l2_resolution
+        self.clip_factor: float = fuse.l2_clip_factor
+        self.precision: bool = fuse.l2_precision_fallback
+        self.mpus: dict[str, tuple[Any, Fallback | None]] = {}  # mpu_id -> (pre-hook handle, fallback)
+
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        """The fallback each degraded MPU runs on: mpu_id -> "cpu" or "bf16"."""
+        return {k: fb.kind for k, (_, fb) in self.mpus.items() if fb is not None}
+
+    def degrade(self, guard: Any, m: Any) -> None:
+        if m.mpu_id in self.mpus:
+            return
+        import torch
+        from torch.nn import functional as F
+
+        scale = self.resolution
+
+        def reduce(module: Any, args: tuple, kwargs: dict) -> tuple | None:
+            if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 4 or not args[0].is_floating_point():
+                return None  # only image-like inputs (B, C, H, W) are reduced
+            x = args[0]
+            size = (max(1, int(x.shape[-2] * scale)), max(1, int(x.shape[-1] * scale)))
+            return (F.interpolate(x, size=size, mode="bilinear", align_corners=False), *args[1:]), kwargs
+
+        fallback = run_degraded(m.module, guard.optimizer, precision=self.precision)
+        if fallback is not None:
+            guard.checksum.forget(m)  # its cached weight sums (the weights may have moved)
+        self.mpus[m.mpu_id] = (m.module.register_forward_pre_hook(reduce, with_kwargs=True), fallback)
+        log.warning("mpu_degraded", mpu_id=m.mpu_id, fallback=fallback.kind if fallback else "none",
+                    device=str(m.device))
+        if guard.cmsa is not None:
+            guard.cmsa.raise_threshold(m, self.clip_factor)
+
+    def in_force(self, fuse, m: Any) -> bool:
+        return m.mpu_id in self.mpus
+
+    def undo(self, fuse, m: Any) -> None:
+        h, fallback = self.mpus.pop(m.mpu_id, (None, None))
+        if h is None:
+            return
+        h.remove()
+        if fallback is not None:
+            fallback.undo()
+            fuse.guard.checksum.forget(m)
+        if fuse.guard.cmsa is not None:
+            fuse.guard.cmsa.reset_threshold(m)
+
+    def detach(self, fuse) -> None:
+        for h, fallback in self.mpus.values():
+            h.remove()
+            if fallback is not None:
+                fallback.undo()
+        self.mpus.clear()
+
+
+def apply(fuse, state: Degraded, d) -> str:
+    state.degrade(fuse.guard, fuse.guard.mpu(d.target.mpu_id))
     return "applied"
 
 
+def event(state: Degraded, d) -> tuple[str, dict[str, str]]:
+    if d.target.mpu_id not in state.mpus:
+        return "", {}
+    kind = state.fallbacks.get(d.target.mpu_id)
+    where = {"cpu": "moved to the CPU, ", "bf16": "forward in bf16, "}.get(kind or "", "")
+    return f"{where}inputs at {state.resolution:g}x resolution", ({"fallback": kind} if kind else {})
+
+
 ACTION = ActionSpec("l2_degrade", "L2", Level.L2_DEGRADED, apply,
-                    "run the MPU degraded (CPU or bf16 fallback, reduced resolution, raised clip)")
+                    "run the MPU degraded (CPU or bf16 fallback, reduced resolution, raised clip)",
+                    scope="mpu", reruns_forward=True, escalates_to="l3_distill", new_placement=True,
+                    state=Degraded, event=event)

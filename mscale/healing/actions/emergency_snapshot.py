@@ -2,17 +2,32 @@
 else can go wrong."""
 from __future__ import annotations
 
+from typing import Any
+
 from mscale.healing.actions.base import ActionFailed, ActionSpec
 
 
-def apply(fuse, d) -> str:
-    if fuse.snapshots is None:
+class Emergencies:
+    """The faults already written for (one write per fault, whichever path reports it) and
+    the futures of the writes (each resolves to the snapshot's directory)."""
+
+    def __init__(self, fuse) -> None:
+        self.done: set[str] = set()
+        self.writes: list[Any] = []
+
+
+def apply(fuse, state: Emergencies, d) -> str:
+    engine = fuse.snapshot_engine
+    if engine is None:
         raise ActionFailed("no snapshot engine attached")
-    if d.fault_key in fuse.emergency_done:
+    if d.fault_key in state.done:
         return "noop"  # the same fault from another path: written once
-    fuse.emergency_snapshot(d)
-    fuse.emergency_done.add(d.fault_key)
+    if engine.latest() is None:
+        raise ActionFailed("no in-memory snapshot yet")
+    state.writes.append(engine.emergency(why=f"{d.reason} ({d.fault_key})"))
+    state.done.add(d.fault_key)
     return "applied"
 
 
-ACTION = ActionSpec("emergency_snapshot", "none", None, apply, "write the in-memory snapshot to disk now")
+ACTION = ActionSpec("emergency_snapshot", "none", None, apply, "write the in-memory snapshot to disk now",
+                    scope="job", state=Emergencies)

@@ -6,8 +6,8 @@ from mscale.healing.actions.base import ActionSpec
 from mscale.healing.fsm import Level
 
 
-def apply(fuse, d) -> str:
+def apply(fuse, state, d) -> str:
     return "applied"
 
 
-ACTION = ActionSpec("mark_suspect", "none", Level.SUSPECT, apply, "mark the MPU suspect")
+ACTION = ActionSpec("mark_suspect", "none", Level.SUSPECT, apply, "mark the MPU suspect", scope="mpu")

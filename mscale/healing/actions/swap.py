@@ -1,30 +1,144 @@
 """L1 MPU swap: move the MPU (parameters, gradients, optimizer state) to a standby GPU.
 
-The standby is a GPU of the node that no MPU of this job uses, that is not quarantined and
-that this MPU has not failed on. If the weights themselves fail their checksum they are
+The standby is a GPU of the node that no MPU of this job uses, that no action of the job
+avoids (quarantined, or failed on by one of its MPUs: an SDC there may hit any MPU). If the
+weights themselves fail their checksum (a fingerprint taken after every step) they are
 restored from the last verified in-memory snapshot first. Inside a forward the fuse then
 re-runs the MPU's forward for the current batch on the standby, so the step completes with
 a correct output. No standby: ActionFailed("no healthy standby"), and the fuse escalates.
 """
 from __future__ import annotations
 
+from typing import Any
+
+import structlog
+
 from mscale.healing.actions.base import ActionFailed, ActionSpec
 from mscale.healing.fsm import Level
 
+log = structlog.get_logger("mscale.fuse")
 
-def apply(fuse, d) -> str:
+
+class Swaps:
+    """Per job: the GPUs each MPU failed on, each MPU's last swap, the weights' fingerprints."""
+
+    def __init__(self, fuse) -> None:
+        self.gpu_count: int | None = fuse.gpu_count  # None: found on first use
+        self.failed_on: dict[str, set[int]] = {}
+        self.last: dict[str, tuple[int, int, bool]] = {}  # mpu_id -> (from gpu, to gpu, weights restored)
+        self.fingerprints: dict[str, Any] = {}
+
+    def avoid_gpus(self, fuse) -> set[int]:
+        return set().union(*self.failed_on.values())
+
+    def attach(self, fuse) -> None:
+        self.weights_settled(fuse)
+
+    def weights_settled(self, fuse) -> None:
+        for m in fuse.guard.mpus:
+            self.fingerprints[m.mpu_id] = fingerprint(m)
+
+
+def apply(fuse, state: Swaps, d) -> str:
     m = fuse.guard.mpu(d.target.mpu_id)
     if d.target.gpu and d.target.gpu.isdigit() and int(d.target.gpu) != m.gpu:
         return "noop"  # a command about a GPU this MPU has already left (another path moved it)
     old = m.gpu
-    standby = fuse.standby_for(m)
+    standby = standby_for(fuse, state, m)
     if standby is None:
         raise ActionFailed("no healthy standby GPU")
-    restored = fuse.verify_weights(m)  # restores from the in-memory snapshot on a mismatch
-    fuse.failed_on.setdefault(m.mpu_id, set()).add(old)
-    fuse.move_mpu(m, standby)
-    fuse.last_swap[m.mpu_id] = (old, standby, restored)
+    restored = verify_weights(fuse, state, m)  # restores from the in-memory snapshot on a mismatch
+    state.failed_on.setdefault(m.mpu_id, set()).add(old)
+    move_mpu(fuse.guard, m, standby)
+    state.last[m.mpu_id] = (old, standby, restored)
     return "applied"
 
 
-ACTION = ActionSpec("l1_swap", "L1", Level.L1_SWAPPED, apply, "move the MPU to a standby GPU and re-run its forward")
+def event(state: Swaps, d) -> tuple[str, dict[str, str]]:
+    if d.target.mpu_id not in state.last:
+        return "", {}
+    old, new, restored = state.last[d.target.mpu_id]
+    return (f"gpu {old} -> {new}" + (", weights restored from the snapshot" if restored else ""),
+            {"to_gpu": str(new)})
+
+
+def standby_for(fuse, state: Swaps, m: Any) -> int | None:
+    """A healthy GPU for `m`: none the job avoids, not its own, preferably unused."""
+    import torch
+
+    if state.gpu_count is None:
+        state.gpu_count = (torch.cuda.device_count() if torch.cuda.is_available()
+                           else max(8, 1 + max(o.gpu for o in fuse.guard.mpus)))
+    bad = set().union(*fuse.dispatch("avoid_gpus")) | {m.gpu}
+    used = {o.gpu for o in fuse.guard.mpus if o is not m}
+    free = [g for g in range(state.gpu_count) if g not in bad and g not in used]
+    shared = [g for g in range(state.gpu_count) if g not in bad and g in used]
+    return (free or shared or [None])[0]
+
+
+def move_mpu(guard: Any, m: Any, gpu: int) -> None:
+    """Rebind `m` to GPU `gpu`: on a GPU node its parameters, gradients and optimizer
+    state move to that device; on CPU the simulated binding moves."""
+    import torch
+
+    device = torch.device("cuda", gpu) if m.device.type == "cuda" else None
+    guard.rebind(m, gpu, device=device)
+    if device is not None and guard.optimizer is not None:
+        for p in m.parameters():
+            for k, v in guard.optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.device != device and v.dim() > 0:
+                    guard.optimizer.state[p][k] = v.to(device)
+
+
+def fingerprint(m: Any) -> Any:
+    import torch
+
+    with torch.no_grad():
+        return torch.stack([p.detach().double().sum() for p in m.module.parameters()]) \
+            if any(True for _ in m.module.parameters()) else torch.zeros(0)
+
+
+def verify_weights(fuse, state: Swaps, m: Any) -> bool:
+    """Check the MPU's weights against their fingerprint after the last optimizer step;
+    on a mismatch (corrupted in place) restore them from the last in-memory snapshot.
+    True when restored."""
+    import torch
+
+    now = fingerprint(m)
+    ref = state.fingerprints.get(m.mpu_id)
+    if ref is None or (now.shape == ref.shape and torch.equal(now, ref)):
+        return False
+    engine = fuse.snapshot_engine
+    snap = engine.latest() if engine is not None else None
+    if snap is None:
+        raise ActionFailed("weights fail their checksum and no in-memory snapshot can restore them")
+    snap.wait_ready()
+    guard = fuse.guard
+    params = dict(guard.model.named_parameters())
+    model_state = guard.model.state_dict(keep_vars=True)
+    opt = guard.optimizer
+    n = 0
+    with torch.no_grad():
+        for fname, tensors in snap.tensors.items():
+            if not fname.startswith(f"mpu_{m.mpu_id}_"):
+                continue
+            for key, saved in tensors.items():
+                kind, _, rest = key.partition("/")
+                if kind == "model" and rest in model_state:
+                    model_state[rest].copy_(saved)
+                    n += 1
+                elif kind == "optim" and opt is not None:
+                    fqn, _, k = rest.rpartition("/")
+                    p = params.get(fqn)
+                    if p is not None and isinstance(opt.state.get(p, {}).get(k), torch.Tensor):
+                        opt.state[p][k].copy_(saved)
+    if not n:
+        raise ActionFailed(f"the in-memory snapshot of step {snap.step} holds no weights of MPU {m.mpu_id}")
+    state.fingerprints[m.mpu_id] = fingerprint(m)
+    log.warning("mpu_weights_restored", mpu_id=m.mpu_id, snapshot_step=snap.step, tensors=n)
+    return True
+
+
+ACTION = ActionSpec("l1_swap", "L1", Level.L1_SWAPPED, apply, "move the MPU to a standby GPU and re-run its forward",
+                    scope="mpu", reruns_forward=True, drift=True, escalates_to="l2_degrade",
+                    escalate_on_failure=True, new_placement=True, state=Swaps, event=event)
