@@ -1,7 +1,7 @@
 """Agent configuration: one TOML file, strict, documented from the field metadata.
 
 This module is the machinery only: `opt()` declares a key, `from_dict`/`load` build a
-`Config` strictly, `reference_markdown()` renders the README's table. The sections belong
+`Config` strictly, `reference_markdown()` renders docs/configuration.md's table. The sections belong
 to the rooms that read them, and are imported only when a config is assembled (never when
 this module is), so every room may import `opt` from here without a cycle:
 
@@ -12,8 +12,8 @@ this module is), so every room may import `opt` from here without a cycle:
   [health]                    mscale.probes.gpu_health
   [healing]                   mscale.healing.settings
 
-Every key has a default, a type and (where it matters) a range; a test keeps the README's
-table in step. Unknown keys, wrong types and out-of-range values raise `ConfigError` naming
+Every key has a default, a type and (where it matters) a range; a test keeps
+docs/configuration.md in step. Unknown keys, wrong types and out-of-range values raise `ConfigError` naming
 the key (and its line). A section may define `check(self, key)` for rules across its fields.
 """
 from __future__ import annotations
@@ -243,7 +243,7 @@ def parse_bool(value: str) -> bool:
 
 
 def reference_markdown() -> str:
-    """The README's configuration table, generated from the field metadata."""
+    """The key table of docs/configuration.md, generated from the field metadata."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
 
     def walk(cls: type, prefix: str) -> None:

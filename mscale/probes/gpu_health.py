@@ -273,7 +273,7 @@ def state_of(reasons: Iterable[HealthReason]) -> str:
 
 
 def xid_markdown(table: XidTable | None = None) -> str:
-    """The README's Xid table, generated from the shipped CSV (a test keeps them in step)."""
+    """The Xid table of docs/xid.md, generated from the shipped CSV (a test keeps them in step)."""
     table = table or shipped_xid_table()
     rows = ["| Xid | class | health | meaning |", "|---|---|---|---|"]
     for code in sorted(table.entries):
