@@ -63,6 +63,15 @@ def test_reference_run_learns_without_actions(reference):
     assert not reference.events("heal_action") and reference.steps_lost == 0
 
 
+def test_an_mpu_no_fuse_holds_reports_healthy():
+    from torch import nn
+
+    from mscale.hook.mpu import Mpu
+
+    # what a guard without the fuse plugin registers with the agent
+    assert Mpu("001", "vision", nn.Linear(2, 2), "", 0).describe()["fuse_level"] == "healthy"
+
+
 def test_vision_corruption_for_20_steps_heals_at_l1_without_losing_a_step(reference):
     r = run(RunConfig(steps=STEPS, faults=(Fault(30, "corrupt", {"gpu": 0, "mode": "noise", "steps": 20}),)))
     assert r.guard.plugin_errors == 0  # no action raised inside a guard hook

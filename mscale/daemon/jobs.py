@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mscale.findings import Finding, Reason, Severity
+from mscale.healing.fsm import Level
 
 BASELINE_SKIP = 3
 BASELINE_STEPS = 20
@@ -95,7 +96,7 @@ class MpuState:
     device: str = ""
     path: str = ""
     params: int = 0
-    fuse_level: str = "ok"
+    fuse_level: str = Level.HEALTHY.value  # as the job reports it (mscale.healing.fsm.Level)
     health_score: float = 100.0  # the lower of the two phases
     health: dict[str, float] = field(default_factory=lambda: {p: 100.0 for p in PHASES})
     latency: dict[str, Latency] = field(default_factory=lambda: {p: Latency() for p in PHASES})

@@ -15,6 +15,8 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
+from mscale.healing.fsm import Level
+
 # attribute name in the module tree -> MPU name. First match per MPU name wins (shallowest).
 KNOWN_NAMES: dict[str, str] = {
     "vision_tower": "vision",
@@ -48,7 +50,7 @@ class Mpu:
     path: str  # dotted path in the model, "" for the root
     gpu: int  # bound GPU index (simulated on CPU machines)
     gpu_uuid: str = ""
-    fuse_level: str = "ok"
+    fuse_level: str = Level.HEALTHY.value  # a fuse state (mscale.healing.fsm.Level)
     # checksum state (maintained by the checksum detector)
     consecutive_failures: int = 0
     checksum_failures_total: int = 0
