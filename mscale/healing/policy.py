@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 import yaml
 
@@ -205,12 +205,3 @@ class _Parser:
         return Rule(name=name, decide=decide, target=target, reasons=frozenset(reasons), alerts=frozenset(alerts),
                     severities=frozenset(sev), labels=labels, actions=acts)
 
-
-def validate_file(path: str | Path | None) -> Policy:
-    """Agent start-up check (exit 2 on PolicyError)."""
-    return load(path)
-
-
-def describe(policy: Policy) -> list[dict[str, Any]]:
-    return [{"name": r.name, "decide": r.decide, "target": r.target, "reasons": sorted(r.reasons),
-             "alerts": sorted(r.alerts), "actions": {k: list(v) for k, v in r.actions.items()}} for r in policy.rules]
