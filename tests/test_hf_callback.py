@@ -7,8 +7,14 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, Trainer,  # noqa: E402
-                          TrainingArguments)
+from transformers import (  # noqa: E402
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    Trainer,
+    TrainingArguments,
+)
 
 import mscale  # noqa: E402
 from mscale.findings import Reason  # noqa: E402
@@ -147,7 +153,7 @@ def test_trainer_rolls_back_a_nan_step(tmp_path) -> None:
     ends = {s: w for kind, s, w in rec.events if kind == "end"}
     begin_4 = [w for kind, s, w in rec.events if kind == "begin" and s == 4]
     # the step after the NaN starts from the snapshot of step 2 (step 3's update dropped)
-    assert len(begin_4) == 1 and all(torch.equal(a, b) for a, b in zip(begin_4[0], ends[2]))
+    assert len(begin_4) == 1 and all(torch.equal(a, b) for a, b in zip(begin_4[0], ends[2], strict=True))
     assert [s for s, _ in watch.ends] == list(range(8))  # the guard's steps follow the Trainer's
     assert guard.snapshots is not None and (tmp_path / "snapshots/step_00000006/manifest.json").exists()
 

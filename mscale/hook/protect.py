@@ -129,7 +129,7 @@ class Protection:
         self.engine.close()
 
 
-def protect(guard: "Guard", cfg: SnapshotConfig, *, data: Any = None, scheduler: Any = None, scaler: Any = None,
+def protect(guard: Guard, cfg: SnapshotConfig, *, data: Any = None, scheduler: Any = None, scaler: Any = None,
             resume: bool = True) -> None:
     """Put the fuse and the snapshot engine on `guard` (see the module docstring). `data` is
     what `data_position` made. resume: restore the newest valid disk snapshot now; False refuses
