@@ -93,6 +93,7 @@ def test_docs_one_line_protection_rolls_back_and_replays(tmp_path, monkeypatch) 
     block = python_blocks(DOC)[0]
     assert 'snapshots="checkpoints/run-42", data=loader' in block
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MSCALE_SOCKET", str(tmp_path / "no-agent.sock"))  # the block connects: to no agent
     model, optimizer = fresh()
     nan = NanAt(model, {13})
     ns = {"model": model, "optimizer": optimizer, "dataset": Pairs(), "total_steps": 20}
@@ -123,7 +124,7 @@ def test_docs_one_line_protection_rolls_back_and_replays(tmp_path, monkeypatch) 
     assert same(list(model.parameters()), list(ref_model.parameters()))
 
 
-def test_docs_three_lines_drop_a_nan_step() -> None:
+def test_docs_three_lines_drop_a_nan_step(tmp_path, monkeypatch) -> None:
     """The plain three lines (no snapshots): the NaN step's update never reaches the weights.
     The same loop unguarded is what the test guards against: NaN weights."""
     block = python_blocks(DOC)[1]
@@ -131,6 +132,7 @@ def test_docs_three_lines_drop_a_nan_step() -> None:
     data = Pairs(64)
     loader = [torch.utils.data.default_collate([data[i * 4 + j] for j in range(4)]) for i in range(6)]
 
+    monkeypatch.setenv("MSCALE_SOCKET", str(tmp_path / "no-agent.sock"))
     model, optimizer = fresh()
     NanAt(model, {3})
     after = []
