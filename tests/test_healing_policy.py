@@ -258,3 +258,12 @@ def test_not_escalated_is_healthy_everywhere():
 
     assert MpuState("001", "vision", 0).fuse_level == Level.HEALTHY.value == "healthy"
     assert Level.HEALTHY.number == 0 and Level.L3_DISTILLING.number == 3
+
+
+def test_a_gpu_fault_stays_one_fault_after_its_mpus_moved_off():
+    eng, clock, events = _engine()
+    on_gpu = lambda rule, cond: [Target("j1", "001", "2", "GPU-2")]
+    moved = lambda rule, cond: [Target("", "", "2", "GPU-2")]  # the agent finds no MPU there any more
+    assert len(eng.decide(Condition("reason", "gpu_xid", {"gpu": "2"}, severity="critical"), on_gpu)) == 3
+    clock.t += 2
+    assert eng.decide(Condition("alert", "MscaleGpuFatalXid", {"gpu": "2"}), moved) == []  # the same fault

@@ -69,9 +69,10 @@ class Target:
     gpu_uuid: str = ""
 
     def key(self, kind: str) -> tuple:
-        """The target's identity under a rule's target kind (the dedup ledger's key)."""
-        if kind == "gpu":  # a GPU fault acts on each MPU bound to the GPU, once
-            return ("gpu", self.gpu_uuid or self.gpu, self.job_id, self.mpu_id)
+        """The fault's identity under a rule's target kind (the dedup ledger's key): a GPU fault
+        is one fault for every MPU bound to the GPU, and stays one after they moved off it."""
+        if kind == "gpu":
+            return ("gpu", self.gpu_uuid or self.gpu)
         if kind == "job":
             return ("job", self.job_id)
         return ("mpu", self.job_id, self.mpu_id)
@@ -198,17 +199,16 @@ class HealingEngine:
         now = self.clock()
         out: list[Decision] = []
         once: set[tuple] = set()  # job- and GPU-scoped actions: once per job (and GPU) per condition
+        acting: set[tuple] = set()  # faults this condition acts on (every MPU on a GPU, say)
         for target in targets(rule, cond):
             ident = (rule.name,) + target.key(rule.target)
             level = self.level_of(rule, target)
             if not rule.actions_at(level):
                 continue  # nothing to do at this level (e.g. already suspect): not a decision
-            if self._duplicate(ident, cond, now):
+            if ident not in acting and self._duplicate(ident, cond, now):
                 self._record_duplicate(rule, target, level, cond, now)
                 continue
-            if cond.occurrence is not None:
-                self.acted[ident + (cond.occurrence,)] = now
-            self.acted[ident] = now
+            acting.add(ident)
             for name in rule.actions_at(level):
                 spec, why = self._rate_limited(actions.get(name), target, now)
                 if spec.scope != "mpu":
@@ -218,6 +218,10 @@ class HealingEngine:
                     once.add(key)
                 out.append(Decision(rule.name, spec.name, spec.level, target, level, cond.name,
                                     why or f"{cond.name} at {level}", cond.step, now))
+        for ident in acting:
+            if cond.occurrence is not None:
+                self.acted[ident + (cond.occurrence,)] = now
+            self.acted[ident] = now
         if not self.cfg.enabled and out:
             for d in out:
                 self.record(d, "disabled")
