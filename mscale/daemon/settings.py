@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mscale.config import opt
+from mscale.link import DEFAULT_LISTEN, DEFAULT_SOCKET, MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)
 class AgentSection:
-    listen: str = opt("127.0.0.1:9477", "HTTP listen address HOST:PORT for /metrics and the API (port 0 picks one)")
-    socket_path: str = opt("/run/mscale/agent.sock", "Unix socket the hook library connects to")
+    listen: str = opt(DEFAULT_LISTEN, "HTTP listen address HOST:PORT for /metrics and the API (port 0 picks one)")
+    socket_path: str = opt(DEFAULT_SOCKET, "Unix socket the hook library connects to")
     node: str = opt("", "node name in labels and events (empty: the host name)")
     simulate: str = opt("", "fault timeline YAML: run on simulated GPUs instead of NVML (empty: real GPUs)")
     log_level: str = opt("info", "log level", choices=("debug", "info", "warning", "error"))
@@ -21,7 +22,7 @@ class AgentSection:
 @dataclass(frozen=True)
 class SocketSection:
     allowed_uids: list = opt(None, "extra user ids allowed on the socket besides the agent's own and root", factory=list)
-    max_message_bytes: int = opt(1 << 20, "larger messages on the socket are refused and counted", min=1024, max=1 << 30)
+    max_message_bytes: int = opt(MAX_MESSAGE_BYTES, "larger messages on the socket are refused and counted", min=1024, max=1 << 30)
     mode: int = opt(0o660, "file mode of the socket", min=0, max=0o777)
 
 
