@@ -52,10 +52,10 @@ def test_the_engines_heal_command_is_the_protocols():
 
     d = Decision("xid_fatal", "l1_swap", "L1", Target("job", "001", "3", "GPU-x"), "healthy", "gpu_xid", "Xid 79",
                  time=12.5)
-    cmd = d.command()
-    fields = {k: v for k, v in cmd.items() if k not in ("type", "action")}
-    assert cmd == protocol.heal(cmd["action"], **fields)
-    assert set(fields) <= set(protocol.HEAL_FIELDS)
+    for cmd in (d.command(), d.command(end=True)):
+        fields = {k: v for k, v in cmd.items() if k not in ("type", "action")}
+        assert cmd == protocol.heal(cmd["action"], **fields)
+        assert set(fields) <= set(protocol.HEAL_FIELDS)
     with pytest.raises(ValueError, match="unknown field"):
         protocol.heal("l1_swap", colour="red")
     with pytest.raises(ValueError, match="kind"):
