@@ -308,7 +308,7 @@ def plot(path: Path, r: Run, ref: Any, health: list[tuple[int, dict]], faults: l
         pts = [(s, Level(lv[name]).number if lv.get(name) in Level._value2member_map_ else 0) for s, lv in r.levels]
         if pts:
             ax3.step(*zip(*pts), where="post", color=colors[name], lw=1, label=name)
-    ax3.set_yticks([0, 1, 2, 3], ["ok", "L1", "L2", "L3"])
+    ax3.set_yticks([0, 1, 2, 3], ["healthy", "L1", "L2", "L3"])
     ax3.set_ylabel("fuse")
     ax3.set_xlabel("training step")
     ax3.legend(loc="upper right", fontsize=8)

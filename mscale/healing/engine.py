@@ -27,6 +27,7 @@ from typing import Any, Callable, Hashable, Iterable, Mapping
 
 import structlog
 
+from mscale import link
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing import actions
 from mscale.healing.actions.base import ActionSpec
@@ -99,12 +100,9 @@ class Decision:
         """The link command carrying this decision to a job (`end`: end what the action
         started, e.g. a cooling window whose alert resolved)."""
         t = self.target
-        cmd = {"type": "heal", "action": self.action, "rule": self.rule, "level": self.level,
-               "mpu_id": t.mpu_id, "gpu": t.gpu, "gpu_uuid": t.gpu_uuid, "reason": self.reason,
-               "why": self.why, "fault_key": self.fault_key, "decided_at": self.time}
-        if end:
-            cmd["end"] = True
-        return cmd
+        return link.heal(self.action, rule=self.rule, level=self.level, mpu_id=t.mpu_id, gpu=t.gpu,
+                         gpu_uuid=t.gpu_uuid, reason=self.reason, why=self.why, fault_key=self.fault_key,
+                         decided_at=self.time, **({"end": True} if end else {}))
 
     @classmethod
     def from_command(cls, cmd: Mapping[str, Any], job_id: str) -> "Decision":

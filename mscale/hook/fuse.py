@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import structlog
 
+from mscale import link
 from mscale.findings import Finding, Reason
 from mscale.healing import actions
 from mscale.healing import policy as policymod
@@ -198,7 +199,7 @@ class FusePlugin:
                 self.snapshot_engine.step_end(step)
 
     def on_command(self, command: dict) -> dict | None:
-        if command.get("type") != "heal":
+        if command.get("type") != link.Command.HEAL:
             return None
         try:
             d = Decision.from_command(command, self.guard.job_id)

@@ -14,8 +14,9 @@ __all__ = ["SnapshotPlugin"]
 
 
 class SnapshotPlugin:
-    """The engine as a Guard plugin, for jobs that use the guard without the Fuse (the Fuse
-    drives the engine itself: give it the engine, not this plugin).
+    """The engine as a Guard plugin, for jobs that use the guard without the fuse plugin
+    (`FusePlugin` drives the engine itself: give it the engine, not this plugin;
+    `mscale.attach(..., snapshots=...)` does that for you).
 
         plugin = SnapshotPlugin(directory="/ckpt", scheduler=sched, data=loader)
         guard.add_plugin(plugin)          # builds the engine from the guard's model and MPUs
@@ -27,7 +28,7 @@ class SnapshotPlugin:
       collective `agree_rollback` on every rank at every step end.
     - Commands: none. The agent asks for an emergency snapshot or a rollback with its heal
       commands ({"type": "heal", "action": "emergency_snapshot" | "rollback"}), which the
-      Fuse carries out on the engine it is given; a job that wants them uses the Fuse.
+      fuse plugin carries out on the engine it is given; a job that wants them uses it.
     - Findings the writer thread makes reach guard.emit in the training thread (at the next
       hook call), as the guard expects; ROLLBACK and SNAPSHOT_RESUMED carry the labels
       `tag` and `recovery_seconds` (checkpoint_recovery_time_seconds{tag}).
