@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"      launches seen {seen:,} of {made:,} = {seen / made:.1%}; expected from part 1: "
                   f"{seen / made:.3f} x {per_hit * 1e9:.0f} ns / {args.work_ns} ns = "
                   f"{100 * seen / made * per_hit * 1e9 / args.work_ns:+.2f}%")
-        print(f"\n   target: under 1% added in the default mode")
+        print("\n   target: under 1% added in the default mode")
     return 0
 
 

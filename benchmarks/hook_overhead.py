@@ -51,8 +51,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mscale.hook.guard import attach  # noqa: E402
 from mscale.hook.checksum import ChecksumConfig  # noqa: E402
+from mscale.hook.guard import attach  # noqa: E402
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal  # noqa: E402
 
 
@@ -142,7 +142,7 @@ def run_shape(name: str, args: argparse.Namespace, sock: str) -> dict:
     out = {}
     for base in ("plain", "clip"):
         g, p = times["guarded"], times[base]
-        md = statistics.median(x - y for x, y in zip(g, p))
+        md = statistics.median(x - y for x, y in zip(g, p, strict=True))
         r = {"median": med["guarded"] / med[base] - 1, "paired": md / med[base],
              "mean": mean["guarded"] / mean[base] - 1}
         out[base] = r
@@ -175,7 +175,9 @@ def main() -> int:
     if args.hidden < 512:
         raise SystemExit("--hidden: the target is stated for hidden >= 512")
     torch.set_num_threads(args.threads)
-    import structlog, logging  # noqa: E401
+    import logging
+
+    import structlog
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
 
     tmp = tempfile.mkdtemp(prefix="mscale-bench-")

@@ -44,8 +44,8 @@ def median(xs: list[float]) -> float:
 def build(gib: float):
     import torch
 
-    from mscale.snapshot.data import ResumableLoader
     from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
+    from mscale.snapshot.data import ResumableLoader
 
     layers = 2
     while True:  # fp32 params + 2 AdamW moments = 12 bytes per parameter
@@ -217,7 +217,7 @@ def main() -> int:
         print(f"  {'':<46} {'best':>7}   {'median':>7}")
         for name, base, ours, target in ratios:
             best, med = min(base) / min(ours), median(base) / median(ours)
-            verdict = "" if target is None else ("  target >= %g: %s" % (target, "met" if best >= target else "MISSED"))
+            verdict = "" if target is None else f"  target >= {target:g}: {'met' if best >= target else 'MISSED'}"
             print(f"  {name:<46} {best:6.2f}x   {med:6.2f}x{verdict}")
         return 0
     finally:

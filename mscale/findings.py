@@ -6,9 +6,9 @@ fault seen by two paths can be recognised as one (see `Finding.fault_key`).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Mapping
 
 
 class Severity(str, Enum):

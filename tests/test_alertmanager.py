@@ -35,7 +35,7 @@ class WebhookSink:
         self.calls.append((request.headers.get("Authorization", ""), await request.json()))
         return web.json_response({"ok": True})
 
-    async def __aenter__(self) -> "WebhookSink":
+    async def __aenter__(self) -> WebhookSink:
         app = web.Application()
         app.router.add_post("/api/v1/alerts", self.handle)
         self.runner = web.AppRunner(app)
@@ -57,7 +57,7 @@ def rule_labels(name: str) -> dict[str, str]:
 
 
 def alert(name: str, **labels: str) -> dict:
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     return {"labels": {"alertname": name, **rule_labels(name), **labels},
             "annotations": {"summary": name},
             "startsAt": now.isoformat(), "endsAt": (now + dt.timedelta(minutes=10)).isoformat()}
@@ -87,7 +87,7 @@ ROUTE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("labels,receiver", ROUTE_CASES, ids=[f"{l.get('severity', 'none')}-{l['alertname']}" for l, _ in ROUTE_CASES])
+@pytest.mark.parametrize("labels,receiver", ROUTE_CASES, ids=[f"{lb.get('severity', 'none')}-{lb['alertname']}" for lb, _ in ROUTE_CASES])
 def test_amtool_routes_each_severity(labels: dict, receiver: str):
     amtool = require_tool("amtool")
     args = [f"{k}={v}" for k, v in labels.items()]
@@ -171,8 +171,8 @@ async def test_real_alertmanager_inhibits_symptoms_and_delivers_the_rest_with_th
                 await asyncio.sleep(0.2)
 
             def key(a: dict) -> tuple:
-                l = a["labels"]
-                return (l["alertname"], l.get("node"), l.get("gpu_uuid"), l.get("mpu_id"))
+                lb = a["labels"]
+                return (lb["alertname"], lb.get("node"), lb.get("gpu_uuid"), lb.get("mpu_id"))
 
             inhibited = {key(a) for a in got if a["status"]["inhibitedBy"]}
             assert inhibited == {

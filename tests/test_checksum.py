@@ -6,12 +6,10 @@ import torch
 from torch import nn
 
 from mscale.findings import Reason
-from mscale.hook.guard import attach
 from mscale.hook.checksum import DEFAULT_RTOL, ChecksumConfig
+from mscale.hook.guard import attach
 from mscale.sim.inject import corrupt, inject
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
-
-
 
 CFG = TinyConfig()
 
@@ -172,7 +170,7 @@ def test_replay_leaves_the_training_rng_stream_alone() -> None:
     params_r, after_r, failures_r = _dropout_run(replay_every=1)
     params_n, after_n, failures_n = _dropout_run(replay_every=0)
     assert failures_r == 0 == failures_n  # the replay drew the same dropout masks
-    assert all(torch.equal(a, b) for a, b in zip(params_r, params_n))  # bitwise the same training
+    assert all(torch.equal(a, b) for a, b in zip(params_r, params_n, strict=True))  # bitwise the same training
     assert torch.equal(after_r, after_n)
 
 

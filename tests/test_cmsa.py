@@ -13,7 +13,6 @@ from mscale.hook.mpu import discover
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
 
-
 def two_mpus():
     model = nn.Module()
     model.vision_tower = nn.Linear(4, 3)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import yaml
 
-from support import REPO, require_tool
 from mscale.dashboards import build
 from mscale.rules import params as paramsmod
+from support import REPO, require_tool
 
 VARIABLES = {"datasource", "node", "job_id", "gpu"}
 
@@ -64,7 +64,7 @@ def test_every_query_parses(tmp_path: Path):
     for name, d in committed().items():
         queries = build.panel_exprs(d) + build.variable_exprs(d)
         assert queries
-        for i, (title, expr) in enumerate(queries):
+        for i, (_title, expr) in enumerate(queries):
             rules.append({"record": f"check:{Path(name).stem.replace('-', '_')}:{i}", "expr": build.instantiate(expr)})
     path = tmp_path / "dashboard-queries.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))

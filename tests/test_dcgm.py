@@ -16,7 +16,6 @@ from mscale.findings import Finding, Reason
 from mscale.probes import gpu as gpu_probe
 from mscale.probes.base import ProbeContext
 from mscale.probes.dcgm import DcgmError, DcgmReader
-
 from support import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
@@ -65,7 +64,7 @@ class Exporter:
         self._loop.run_forever()
         self._loop.run_until_complete(self._runner.cleanup())
 
-    def __enter__(self) -> "Exporter":
+    def __enter__(self) -> Exporter:
         self._thread.start()
         assert self._ready.wait(10)
         return self

@@ -23,7 +23,7 @@ def test_demo_runs_end_to_end_and_writes_its_summary_and_plot(tmp_path):
     assert {"l1_swap", "l2_degrade", "l3_distill", "recover", "lr_cool", "rollback", "emergency_snapshot",
             "quarantine_gpu"} <= acts
     assert s["loss_gap"] < 0.05 and s["steps_lost"] >= 1
-    assert any("mpu_drift_count_total" in l for l in s["agent_metrics"])
+    assert any("mpu_drift_count_total" in ln for ln in s["agent_metrics"])
     png = (out / "loss_health.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     assert "HEALED" in (out / "summary.txt").read_text()

@@ -49,7 +49,7 @@ class Stack:
     def logs(self) -> str:
         return "\n".join(p.logs() for p in self.procs) + (self.am.logs() if self.am else "")
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         try:
             self._start()
         except BaseException:
@@ -96,7 +96,7 @@ class Stack:
         poll("the agent", lambda: http(f"{self.agent_url}/healthz")["status"] == "ok", logs=self.logs)
         poll("alertmanager", lambda: urllib.request.urlopen(f"{self.am.url}/-/ready", timeout=2).status == 200, logs=self.logs)
         poll("prometheus", lambda: urllib.request.urlopen(f"{self.prom_url}/-/ready", timeout=2).status == 200, logs=self.logs)
-        poll("the agent scraped", lambda: self.query(f'up{{job="mscale-agent"}} == 1'), logs=self.logs)
+        poll("the agent scraped", lambda: self.query('up{job="mscale-agent"} == 1'), logs=self.logs)
         poll("GPU metrics in Prometheus", lambda: len(self.query("mscale_gpu_temperature_celsius")) == 8, logs=self.logs)
         poll("the job's MPUs in Prometheus", lambda: len(self.query(f'mscale_mpu_info{{job_id="{JOB}"}}')) == 3,
              timeout_s=120, logs=self.logs)

@@ -24,7 +24,6 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from support import REPO, require, require_tool
 from mscale.config import from_dict
 from mscale.daemon.state import AgentState
 from mscale.exporters import make_registry
@@ -33,6 +32,7 @@ from mscale.probes import spec
 from mscale.probes.base import ProbeContext, ProbeUnavailable
 from mscale.probes.ebpf_detect import BlockedShare, LaunchWatch
 from mscale.probes.ebpf_loader import SOURCE, specialise
+from support import REPO, require, require_tool
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DEADLINE_S = 20.0
@@ -549,7 +549,7 @@ def test_without_bpf_capabilities_the_probe_says_why(bpf_ok) -> None:
     out = subprocess.run([setpriv, "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-c", UNPRIVILEGED],
                          capture_output=True, text=True, cwd=REPO, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    lines = [l for l in out.stdout.splitlines() if l.startswith(("factory:", "sample:"))]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("factory:", "sample:"))]
     assert len(lines) == 3, out.stdout + out.stderr
     assert "CAP_BPF" in lines[0] and "CAP_PERFMON" in lines[0], lines
     assert lines[1].startswith("sample: BPF program failed to load"), lines

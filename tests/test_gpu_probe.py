@@ -7,8 +7,8 @@ import dataclasses
 import inspect
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 from prometheus_client import generate_latest

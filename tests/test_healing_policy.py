@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from mscale.healing.settings import HealingSection
 from mscale.findings import Finding, Reason, Severity
-from mscale.healing import actions, policy as policymod
+from mscale.healing import actions
+from mscale.healing import policy as policymod
 from mscale.healing.engine import Condition, Decision, HealingEngine, Target
 from mscale.healing.fsm import IllegalTransition, Level, MpuFuseState
 from mscale.healing.policy import PolicyError
+from mscale.healing.settings import HealingSection
 
 
 def test_shipped_policy_loads_and_names_only_known_actions():
@@ -105,7 +106,8 @@ def _engine(**cfg):
 
 def test_engine_escalates_per_level_and_books_every_decision():
     eng, clock, events = _engine()
-    tgt = lambda rule, cond: [Target("j1", "001", "0")]
+    def tgt(rule, cond):
+        return [Target("j1", "001", "0")]
     for step, expect in ((10, "l1_swap"), (20, "l2_degrade"), (30, "l3_distill")):
         (d,) = eng.decide(Condition("reason", "checksum_l1_trigger", {"mpu_id": "001"}, step=step, occurrence=step), tgt)
         assert d.action == expect
@@ -123,7 +125,8 @@ def test_engine_escalates_per_level_and_books_every_decision():
 
 def test_same_fault_from_probe_and_alert_acts_once_within_the_window():
     eng, clock, events = _engine()
-    tgt = lambda rule, cond: [Target("j1", "002", "3", "GPU-x")]
+    def tgt(rule, cond):
+        return [Target("j1", "002", "3", "GPU-x")]
     probe = Condition("reason", "gpu_xid", {"gpu_uuid": "GPU-x"}, severity="critical")
     alert = Condition("alert", "MscaleGpuFatalXid", {"gpu_uuid": "GPU-x"})
     first = eng.decide(probe, tgt)
@@ -137,7 +140,8 @@ def test_same_fault_from_probe_and_alert_acts_once_within_the_window():
 
 def test_loss_spike_cools_then_a_persisting_spike_rolls_back():
     eng, clock, events = _engine(lr_cool_steps=5)
-    tgt = lambda rule, cond: [Target("j1")]
+    def tgt(rule, cond):
+        return [Target("j1")]
     (d,) = eng.decide(Condition("reason", "loss_spike_action", {}, occurrence=100), tgt)
     assert d.action == "lr_cool"
     # the ratio detector fires for the same step: one fault, acted on once
@@ -156,7 +160,8 @@ def test_loss_spike_cools_then_a_persisting_spike_rolls_back():
 
 def test_swap_rate_limit_escalates_to_l2():
     eng, clock, events = _engine(max_swaps_per_hour=2)
-    tgt = lambda rule, cond: [Target("j1", "001", "0")]
+    def tgt(rule, cond):
+        return [Target("j1", "001", "0")]
     for step in (1, 2):
         (d,) = eng.decide(Condition("alert", "MscaleGpuFatalXid", {}, occurrence=step), tgt)[-1:]
         assert d.action == "l1_swap"
@@ -179,13 +184,15 @@ def test_observing_a_jobs_own_action_makes_the_alert_a_duplicate():
                         {"rule": "mpu_output_corrupt", "action": "l1_swap", "level": "L1", "result": "applied",
                          "job_id": "j1", "mpu_id": "001", "state": "l1_swapped"}))
     assert eng.mpu("j1", "001").level is Level.L1_SWAPPED and eng.drift[("j1", "001")] == 1
-    tgt = lambda rule, cond: [Target("j1", "001")]
+    def tgt(rule, cond):
+        return [Target("j1", "001")]
     assert eng.decide(Condition("alert", "MscaleChecksumFailures", {"job_id": "j1", "mpu_id": "001"}), tgt) == []
 
 
 def test_swap_rate_limit_past_l2_escalates_to_l3():
     eng, clock, events = _engine(max_swaps_per_hour=1)
-    tgt = lambda rule, cond: [Target("j1", "001", "0")]
+    def tgt(rule, cond):
+        return [Target("j1", "001", "0")]
     (d,) = eng.decide(Condition("alert", "MscaleGpuFatalXid", {}), tgt)[-1:]
     eng.record(d, "applied")  # one swap: the budget is spent
     eng.move("j1", "001", Level.L2_DEGRADED)
@@ -196,8 +203,10 @@ def test_swap_rate_limit_past_l2_escalates_to_l3():
 
 def test_job_and_gpu_scoped_actions_run_once_per_job_mpu_scoped_ones_per_mpu():
     eng, clock, events = _engine()
-    both = lambda rule, cond: [Target("j1", "001", "2", "GPU-2"), Target("j1", "002", "2", "GPU-2"),
-                               Target("j2", "001", "2", "GPU-2")]
+
+    def both(rule, cond):
+        return [Target("j1", "001", "2", "GPU-2"), Target("j1", "002", "2", "GPU-2"), Target("j2", "001", "2", "GPU-2")]
+
     out = eng.decide(Condition("reason", "gpu_xid", {"gpu": "2"}, severity="critical"), both)
     got = sorted((d.action, d.target.job_id, d.target.mpu_id) for d in out)
     assert got == [("emergency_snapshot", "j1", "001"), ("emergency_snapshot", "j2", "001"),
@@ -207,7 +216,8 @@ def test_job_and_gpu_scoped_actions_run_once_per_job_mpu_scoped_ones_per_mpu():
 
 def test_a_resolved_alert_ends_only_the_cooling_its_rule_started():
     eng, clock, events = _engine()
-    tgt = lambda rule, cond: [Target("j1")]
+    def tgt(rule, cond):
+        return [Target("j1")]
     # the job reports its own cooling (the agent mirrors it), then the spike alert resolves
     eng.observe(Finding("fuse", Reason.HEAL_ACTION, Severity.WARNING, "lr_cool applied",
                         {"rule": "loss_spike", "action": "lr_cool", "level": "none", "result": "applied",
@@ -262,8 +272,10 @@ def test_not_escalated_is_healthy_everywhere():
 
 def test_a_gpu_fault_stays_one_fault_after_its_mpus_moved_off():
     eng, clock, events = _engine()
-    on_gpu = lambda rule, cond: [Target("j1", "001", "2", "GPU-2")]
-    moved = lambda rule, cond: [Target("", "", "2", "GPU-2")]  # the agent finds no MPU there any more
+    def on_gpu(rule, cond):
+        return [Target("j1", "001", "2", "GPU-2")]
+    def moved(rule, cond):
+        return [Target("", "", "2", "GPU-2")]  # the agent finds no MPU there any more
     assert len(eng.decide(Condition("reason", "gpu_xid", {"gpu": "2"}, severity="critical"), on_gpu)) == 3
     clock.t += 2
     assert eng.decide(Condition("alert", "MscaleGpuFatalXid", {"gpu": "2"}), moved) == []  # the same fault

@@ -13,8 +13,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
-from mscale.exporters.healing import families
 from mscale.demo.scenario import Fault, RunConfig, relative_gap, run
+from mscale.exporters.healing import families
 
 STEPS = 100
 
@@ -58,7 +58,7 @@ def states(result, mpu_id="001"):
 
 
 def test_reference_run_learns_without_actions(reference):
-    losses = [l for _, l in reference.losses]
+    losses = [loss for _, loss in reference.losses]
     assert losses[-1] < losses[0] * 0.8  # it learns
     assert not reference.events("heal_action") and reference.steps_lost == 0
 
@@ -137,7 +137,7 @@ def test_l2_reduces_the_vision_input_resolution_and_raises_the_clip():
         h.remove()
         assert patches == [16, 4, 16]  # half resolution: a quarter of the patches, then restored
         assert r.guard.cmsa.multiplier["001"] == 1.0
-        assert all(math.isfinite(l) for _, l in r.losses)
+        assert all(math.isfinite(loss) for _, loss in r.losses)
     finally:
         r.close()
 
@@ -171,7 +171,7 @@ def test_l2_precision_fallback_runs_the_degraded_mpu_in_bf16_until_recovery():
     assert all(by_step[s] == {torch.float32} for s in range(rec_step + 1, 70))  # fp32 again after recovery
     assert all(by_step[s] == {torch.float32} for s in range(0, 30))
     assert "forward" not in r.guard.mpu("vision").module.__dict__  # the wrapper is gone
-    assert all(math.isfinite(l) for _, l in r.losses) and not r.nonfinite_weights
+    assert all(math.isfinite(loss) for _, loss in r.losses) and not r.nonfinite_weights
     assert r.steps_lost == 0 and math.isfinite(r.eval_loss)
 
 
@@ -220,8 +220,8 @@ def test_corruption_persisting_in_l2_engages_l3_then_removes_it_after_recovery(r
 def test_a_25x_loss_spike_cools_the_lr_without_a_rollback(reference):
     r = run(RunConfig(steps=STEPS, faults=(Fault(60, "loss_spike", {"factor": 25.0}),)))
     assert r.guard.plugin_errors == 0  # no action raised inside a guard hook
-    spike = [l for s, l in r.losses if s == 60][0]
-    assert spike > 10 * [l for s, l in reference.losses if s == 60][0]
+    spike = [loss for s, loss in r.losses if s == 60][0]
+    assert spike > 10 * [loss for s, loss in reference.losses if s == 60][0]
     (cool_step, cool), = heal(r, "lr_cool")
     assert cool_step == 60
     lrs = dict(r.lrs)
@@ -240,7 +240,7 @@ def test_a_25x_loss_spike_cools_the_lr_without_a_rollback(reference):
 def test_nan_loss_rolls_back_skips_the_batch_and_never_reaches_the_weights(reference):
     r = run(RunConfig(steps=STEPS, faults=(Fault(62, "nan_loss", {}),)))
     assert r.guard.plugin_errors == 0  # no action raised inside a guard hook
-    assert [l for s, l in r.losses if s == 62 and math.isnan(l)]
+    assert [loss for s, loss in r.losses if s == 62 and math.isnan(loss)]
     (drop_step, _), = heal(r, "rollback", "step_dropped")
     (_, restored), = heal(r, "rollback", "applied")
     assert drop_step == 62 and "restored step 60" in restored.message

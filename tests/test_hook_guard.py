@@ -88,7 +88,7 @@ def test_three_lines_leave_training_identical_and_detach_restores() -> None:
     got = train(model, opt, bs)
     assert got == ref  # watching changes nothing (CMSA off: clipping is the one thing that would)
     assert guard.current_step == 6 and guard.summary()["loss"] == pytest.approx(ref[-1])
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters(), strict=True))
     guard.detach()
     assert not model._forward_hooks and not model._forward_pre_hooks
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
@@ -198,7 +198,7 @@ def test_on_mpu_output_can_replace_and_request_skip() -> None:
     (loss * float("nan")).backward()
     guard.observe(loss * float("nan"))
     opt.step()
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
     assert guard._report()["skipped"] is True
 
 

@@ -18,15 +18,13 @@ import pytest
 import torch
 from aiohttp import web
 
-from support import free_port, require
+from mscale.config import Config
 from mscale.daemon import keys
 from mscale.daemon.app import create_app
-from mscale.config import Config
 from mscale.daemon.settings import AgentSection, SocketSection
 from mscale.hook.guard import attach
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
-
-
+from support import free_port, require
 
 FEATURES = ("mscale.daemon.api", "mscale.daemon.link")
 

@@ -21,8 +21,7 @@ from mscale.daemon import keys
 from mscale.daemon.app import create_app
 from mscale.probes import REGISTRY
 from mscale.probes.base import ProbeSpec
-
-from support import dormant_probe, throwaway_probe
+from support import throwaway_probe
 
 SHIPPED_OFF = {"gpu": {"enabled": False}, "host": {"enabled": False}, "ebpf": {"enabled": False}}
 

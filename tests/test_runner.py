@@ -3,10 +3,9 @@ once per change, and the others keep exporting; a hung probe comes back when it 
 from __future__ import annotations
 
 import asyncio
+import io
 import threading
 import time
-
-import io
 
 import aiohttp
 import pytest
@@ -15,9 +14,9 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from mscale import logs
+from mscale.config import from_dict
 from mscale.daemon import keys
 from mscale.daemon.app import create_app
-from mscale.config import from_dict
 from mscale.daemon.state import AgentState
 from mscale.findings import Reason
 from mscale.probes import nvml_api

@@ -12,7 +12,6 @@ import time
 from importlib import resources
 from pathlib import Path
 
-
 from support import REPO, free_port, require_tool
 
 UNIT = REPO / "deploy" / "mscale-agent.service"
@@ -95,7 +94,7 @@ def test_agent_speaks_sd_notify_over_a_real_socket(tmp_path) -> None:
             assert time.monotonic() < deadline, f"got only {messages}; log: {(tmp_path / 'agent.log').read_text()[-2000:]}"
             try:
                 data, _ = sock.recvfrom(4096)
-            except socket.timeout:
+            except TimeoutError:
                 assert proc.poll() is None, (tmp_path / "agent.log").read_text()[-2000:]
                 continue
             messages.append(data.decode())

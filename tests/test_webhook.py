@@ -88,7 +88,8 @@ def test_malformed_payloads_get_400_with_the_reason(agent, mutate, words):
 
 
 def test_not_json_gets_400(agent):
-    import urllib.request, urllib.error
+    import urllib.error
+    import urllib.request
     req = urllib.request.Request(agent.url + "/api/v1/alerts", data=b"{nope", method="POST",
                                  headers={"Authorization": f"Bearer {agent.token}"})
     with pytest.raises(urllib.error.HTTPError) as e:

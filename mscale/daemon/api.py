@@ -54,7 +54,7 @@ async def events(request: web.Request) -> web.Response:
         since = int(request.query.get("since", "0"))
         limit = int(request.query.get("limit", "200"))
     except ValueError:
-        raise web.HTTPBadRequest(text="since and limit must be integers")
+        raise web.HTTPBadRequest(text="since and limit must be integers") from None
     items = request.app[keys.STATE].events.since(since, max(1, min(limit, 10000)))
     return web.json_response({"events": [dict(seq=s, **f.to_dict()) for s, f in items]})
 

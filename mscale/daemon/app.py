@@ -8,16 +8,18 @@ from __future__ import annotations
 import importlib
 import socket
 import time
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from aiohttp import web
 
-from mscale.daemon import keys
 from mscale.config import Config
+from mscale.daemon import keys
 from mscale.daemon.runner import ProbeRunner
 from mscale.daemon.state import AgentState, EventLog, ProbeStatus
 from mscale.exporters import make_registry
-from mscale.probes import REGISTRY as PROBE_REGISTRY, spec
+from mscale.probes import REGISTRY as PROBE_REGISTRY
+from mscale.probes import spec
 from mscale.probes.base import ProbeContext, ProbeUnavailable
 
 FEATURES: tuple[str, ...] = (

@@ -1,7 +1,8 @@
 """Typed aiohttp application keys shared by the agent's route and service modules."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 

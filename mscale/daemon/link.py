@@ -19,8 +19,9 @@ import os
 import socket
 import stat
 import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import structlog
 from aiohttp import WSMsgType, web
@@ -237,7 +238,7 @@ class LinkServer:
 async def _in_use(path: str) -> bool:
     try:
         _r, w = await asyncio.wait_for(asyncio.open_unix_connection(path), 1.0)
-    except (OSError, asyncio.TimeoutError):
+    except (TimeoutError, OSError):
         return False
     w.close()
     return True

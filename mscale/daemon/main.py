@@ -12,8 +12,8 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from mscale import logs
 from mscale import config as configmod
+from mscale import logs
 from mscale.daemon import keys
 from mscale.daemon.app import create_app, new_state
 from mscale.daemon.notify import Notifier
@@ -96,7 +96,7 @@ async def serve(cfg: configmod.Config, nvml: Any, *, stop: asyncio.Event | None 
         dog.cancel()
         try:
             await asyncio.wait_for(runner.cleanup(), cfg.agent.shutdown_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("agent_shutdown_timeout", timeout_s=cfg.agent.shutdown_timeout_s)
         notifier.close()
         log.info("agent_stopped")

@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 
@@ -91,7 +92,7 @@ class ProbeRunner:
         task.inflight = _in_daemon_thread(task.probe.sample, f"probe-{st.name}")
         try:
             snapshot = await asyncio.wait_for(asyncio.shield(task.inflight), task.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             st.errors_total += 1
             self._mark(task, False, f"sample timed out after {task.timeout_s:g}s")
             return None

@@ -10,8 +10,9 @@ import itertools
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 
@@ -76,7 +77,7 @@ class EventLog:
 
     def unsubscribe(self, queue: asyncio.Queue) -> None:
         with self._lock:
-            self._subscribers = [(l, q) for l, q in self._subscribers if q is not queue]
+            self._subscribers = [(lp, q) for lp, q in self._subscribers if q is not queue]
 
     def on_emit(self, fn: Callable[[Finding], None]) -> None:
         """Call `fn` synchronously (in the emitting thread) for every finding."""

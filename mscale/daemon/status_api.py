@@ -35,7 +35,7 @@ async def status(request: web.Request) -> web.Response:
     try:
         last = max(1, min(int(request.query.get("events", "15")), 1000))
     except ValueError:
-        raise web.HTTPBadRequest(text="events must be an integer")
+        raise web.HTTPBadRequest(text="events must be an integer") from None
     return web.json_response(view(request.app, last=last))
 
 

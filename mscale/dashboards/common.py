@@ -82,7 +82,7 @@ class Panel:
     extra: dict = field(default_factory=dict)
 
     def build(self, grid: g.GridPos) -> g.Panel:
-        targets = [target(e, l) for e, l in self.targets]
+        targets = [target(expr, legend) for expr, legend in self.targets]
         steps = _threshold_steps(self.threshold, self.threshold_below)
         if self.kind == "stat":
             return g.Stat(title=self.title, description=self.description, dataSource=DATASOURCE, targets=targets,

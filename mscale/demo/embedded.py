@@ -60,7 +60,7 @@ class EmbeddedAgent:
         self._ready = threading.Event()
         self._error: BaseException | None = None
 
-    def start(self, timeout: float = 30.0) -> "EmbeddedAgent":
+    def start(self, timeout: float = 30.0) -> EmbeddedAgent:
         self._thread = threading.Thread(target=self._main, name="mscale-agent", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):
@@ -105,7 +105,7 @@ class EmbeddedAgent:
         if self._tmp is not None:
             self._tmp.cleanup()
 
-    def __enter__(self) -> "EmbeddedAgent":
+    def __enter__(self) -> EmbeddedAgent:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

@@ -15,7 +15,8 @@ from typing import Any
 
 import structlog
 
-from mscale.demo.scenario import Run, RunConfig, relative_gap, run as run_plain
+from mscale.demo.scenario import Run, RunConfig, relative_gap
+from mscale.demo.scenario import run as run_plain
 from mscale.link import DEFAULT_HOST
 
 JOB = "demo-tinymm"
@@ -35,7 +36,10 @@ class ScriptedFault:
 
 def script(steps: int) -> list[ScriptedFault]:
     """The fault sequence, placed at fractions of the run so --steps scales it."""
-    at = lambda frac: max(5, int(steps * frac))
+
+    def at(frac: float) -> int:
+        return max(5, int(steps * frac))
+
     span = max(6, steps // 12)
     return [
         ScriptedFault(at(0.10), "SDC on the vision MPU's GPU 0", "L1 swap to a standby GPU",
@@ -245,7 +249,7 @@ def summarise(faults: list[ScriptedFault], r: Run, ref: Any, eval_loss: float, w
         row["healed"] = row["detected"] != "no" and bool(acts)
         rows.append(row)
     gap = relative_gap(eval_loss, ref.eval_loss)
-    heal_lines = [l for l in metrics.splitlines() if l.startswith(("mscale_heal_actions_total{", "mpu_drift_count_total{"))]
+    heal_lines = [ln for ln in metrics.splitlines() if ln.startswith(("mscale_heal_actions_total{", "mpu_drift_count_total{"))]
     return {"steps": steps, "steps_run": r.steps_run, "steps_lost": r.steps_run - r.guard.current_step,
             "faults": rows, "healed_all": all(x["healed"] for x in rows),
             "final_loss": eval_loss, "reference_loss": ref.eval_loss,
@@ -268,7 +272,7 @@ def render(s: dict) -> str:
              f"({100 * s['loss_gap']:.2f}% apart)" if s["loss_gap"] is not None else "final loss: not finite",
              f"goodput (useful steps/s vs the fault-free run): {s['goodput_ratio']}",
              f"NaN reached the weights: {'yes' if s['nan_reached_weights'] else 'no'}",
-             "agent counters:"] + [f"  {l}" for l in s["agent_metrics"]]
+             "agent counters:"] + [f"  {ln}" for ln in s["agent_metrics"]]
     return "\n".join(lines)
 
 
@@ -280,14 +284,14 @@ def plot(path: Path, r: Run, ref: Any, health: list[tuple[int, dict]], faults: l
 
     fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(11, 8.5), sharex=True,
                                         gridspec_kw={"height_ratios": [3, 2, 1.2]})
-    rs, rl = zip(*ref.losses)
+    rs, rl = zip(*ref.losses, strict=True)
     ax1.plot(rs, rl, color="0.6", lw=1, label="fault-free reference")
     xs = list(range(len(r.losses)))
     steps = [s for s, _ in r.losses]
-    vals = [l if math.isfinite(l) else float("nan") for _, l in r.losses]
+    vals = [loss if math.isfinite(loss) else float("nan") for _, loss in r.losses]
     ax1.plot(steps, vals, color="tab:blue", lw=1, label="faulted run (healed)")
-    for s, l in r.losses:
-        if not math.isfinite(l):
+    for s, loss in r.losses:
+        if not math.isfinite(loss):
             ax1.axvline(s, color="red", lw=0.6, ls=":")
     ax1.set_yscale("log")
     ax1.set_ylabel("training loss")
@@ -298,7 +302,7 @@ def plot(path: Path, r: Run, ref: Any, health: list[tuple[int, dict]], faults: l
     for name in colors:
         pts = [(s, h[name]) for s, h in health if h.get(name) is not None]
         if pts:
-            ax2.plot(*zip(*pts), color=colors[name], lw=1, label=f"{name} health")
+            ax2.plot(*zip(*pts, strict=True), color=colors[name], lw=1, label=f"{name} health")
     ax2.axhline(60, color="red", lw=0.6, ls="--")
     ax2.set_ylabel("MPU health (agent)")
     ax2.set_ylim(-5, 105)
@@ -307,7 +311,7 @@ def plot(path: Path, r: Run, ref: Any, health: list[tuple[int, dict]], faults: l
     for name in colors:
         pts = [(s, Level(lv[name]).number if lv.get(name) in Level._value2member_map_ else 0) for s, lv in r.levels]
         if pts:
-            ax3.step(*zip(*pts), where="post", color=colors[name], lw=1, label=name)
+            ax3.step(*zip(*pts, strict=True), where="post", color=colors[name], lw=1, label=name)
     ax3.set_yticks([0, 1, 2, 3], ["healthy", "L1", "L2", "L3"])
     ax3.set_ylabel("fuse")
     ax3.set_xlabel("training step")

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -101,12 +102,12 @@ class Run:
     """The objects of one run, built by `setup` (the demo and the benchmark poke at them)."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        from mscale.sim.chaos_job import ChaosPlugin
-        from mscale.snapshot.data import ResumableLoader
         from mscale.hook.fuse import FusePlugin
-        from mscale.snapshot.engine import SnapshotEngine
         from mscale.hook.guard import Guard
+        from mscale.sim.chaos_job import ChaosPlugin
         from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
+        from mscale.snapshot.data import ResumableLoader
+        from mscale.snapshot.engine import SnapshotEngine
 
         self.cfg = cfg
         if cfg.threads:

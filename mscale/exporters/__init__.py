@@ -7,7 +7,7 @@ May import: daemon.state, daemon.jobs, probes, healing. Never imports torch.
 from __future__ import annotations
 
 import importlib
-from typing import Iterable
+from collections.abc import Iterable
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry

@@ -1,7 +1,7 @@
 """The agent's own metrics: probe meta-metrics, events, refused input."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 

@@ -2,7 +2,7 @@
 process does with the driver, and whether it hangs or stalls in synchronise calls."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 

@@ -2,7 +2,7 @@
 with `gpu` (the index) and `gpu_uuid`. A field the GPU does not report has no series."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 

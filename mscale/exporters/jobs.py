@@ -1,7 +1,7 @@
 """Training jobs and their MPUs, from the hook library's reports (mscale.daemon.jobs)."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 

@@ -9,7 +9,7 @@
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
@@ -36,7 +36,7 @@ def collect(state: AgentState) -> Iterable[Metric]:
         if s.last_size_bytes is not None:
             size.add_metric([job_id], s.last_size_bytes)
         if s.writes:
-            buckets = [(repr(le), n) for le, n in zip(SNAPSHOT_BUCKETS_S, s.bucket_counts)] + [("+Inf", s.writes)]
+            buckets = [(repr(le), n) for le, n in zip(SNAPSHOT_BUCKETS_S, s.bucket_counts, strict=True)] + [("+Inf", s.writes)]
             duration.add_metric([job_id], buckets, s.seconds_total)
         for tag, seconds in sorted(s.recovery_seconds.items()):
             recovery.add_metric([job_id, tag], seconds)

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Mapping
+from typing import Any
 
 import structlog
 
@@ -58,7 +59,7 @@ class Condition:
     occurrence: Hashable | None = None
 
     @classmethod
-    def of(cls, f: Finding, step: int | None = None, occurrence: Hashable | None = None) -> "Condition":
+    def of(cls, f: Finding, step: int | None = None, occurrence: Hashable | None = None) -> Condition:
         return cls("reason", f.reason.value, dict(f.labels), f.source, f.severity.value, f.time, step, occurrence)
 
 
@@ -105,7 +106,7 @@ class Decision:
                          decided_at=self.time, **({"end": True} if end else {}))
 
     @classmethod
-    def from_command(cls, cmd: Mapping[str, Any], job_id: str) -> "Decision":
+    def from_command(cls, cmd: Mapping[str, Any], job_id: str) -> Decision:
         action = str(cmd.get("action", ""))
         spec = actions.get(action)  # KeyError names the known actions
         return cls(rule=str(cmd.get("rule", "command")), action=action, level=spec.level,

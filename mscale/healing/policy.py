@@ -6,10 +6,10 @@ agent refuses to start (exit 2).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Mapping
 
 import yaml
 
@@ -21,7 +21,7 @@ from mscale.textfile import read_text
 TARGETS = ("mpu", "gpu", "job")
 DECIDERS = ("in_process", "agent")
 JOB_LEVELS = ("healthy", "cooling")
-MPU_LEVELS = tuple(l.value for l in Level)
+MPU_LEVELS = tuple(level.value for level in Level)
 SEVERITIES = ("critical", "warning", "info")
 _RULE_KEYS = {"name", "decide", "reasons", "alerts", "severities", "labels", "target", "actions"}
 

@@ -6,13 +6,13 @@ daemon. Importing this package imports torch; `import mscale` does not (it re-ex
 """
 from __future__ import annotations
 
+from mscale.hook.checksum import ChecksumConfig
 from mscale.hook.cmsa import Cmsa, CmsaConfig
 from mscale.hook.guard import Guard, ModelInputs, NullGuard, attach
+from mscale.hook.loss import LossConfig
 from mscale.hook.mpu import KNOWN_NAMES, Mpu, MpuLayoutError, discover
 from mscale.hook.plugin import Plugin
 from mscale.hook.protect import SnapshotConfig
-from mscale.hook.checksum import ChecksumConfig
-from mscale.hook.loss import LossConfig
 
 __all__ = ["attach", "Guard", "NullGuard", "ModelInputs", "Mpu", "MpuLayoutError", "discover", "KNOWN_NAMES",
            "Plugin", "SnapshotConfig", "Cmsa", "CmsaConfig", "ChecksumConfig", "LossConfig"]

@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -139,7 +140,7 @@ class ChecksumDetector:
         self._mpus[id(mpu)] = _MpuChecks(names)
         if not self.config.abft:
             return
-        for name, m in mpu.module.named_modules():
+        for _, m in mpu.module.named_modules():
             if isinstance(m, nn.Linear):
                 self._handles.append(m.register_forward_hook(
                     lambda mod, args, out, mpu=mpu: self._linear(mpu, mod, args, out), prepend=True))
@@ -316,7 +317,7 @@ class ChecksumDetector:
             _rng_set(device, saved)
         if len(again) != len(outs):
             return f"replay returned {len(again)} tensors, the step {len(outs)}"
-        for i, (a, b) in enumerate(zip(outs, again)):
+        for i, (a, b) in enumerate(zip(outs, again, strict=True)):
             if a.shape != b.shape:
                 return f"replay output {i}: shape {tuple(b.shape)} != {tuple(a.shape)}"
             a64, b64 = a.detach().to(torch.float64), b.to(torch.float64)

@@ -19,8 +19,8 @@ that went with no progress or with worse loss keep alpha at probe_alpha * (1 + m
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 
@@ -89,7 +89,7 @@ def grad_stats(mpus: Sequence[Mpu], params: Iterable[torch.nn.Parameter],
         if cached is None or cached[0] != shapes or cached[1].device != device:
             flat = torch.empty(n, dtype=torch.float32, device=device)
             views, off = [], 0
-            for shape, s in zip(shapes, sample):
+            for shape, s in zip(shapes, sample, strict=True):
                 views.append(flat[off: off + s.numel()].view(shape))
                 off += s.numel()
             cached = (shapes, flat, views)
@@ -214,7 +214,7 @@ class Cmsa:
 def _pearson(pairs: list[tuple[float, float]]) -> float | None:
     if len(pairs) < 3:
         return None
-    xs, ys = zip(*pairs)
+    xs, ys = zip(*pairs, strict=True)
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     sxy = sum((x - mx) * (y - my) for x, y in pairs)
     sxx = sum((x - mx) ** 2 for x in xs)

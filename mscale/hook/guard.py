@@ -25,23 +25,24 @@ import math
 import os
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import structlog
 import torch
 from torch import nn
 
+import mscale.hook.mpu as mpumod
 from mscale import link as protocol
 from mscale.config import parse_bool
-from mscale.findings import Finding, Reason, Severity
-import mscale.hook.mpu as mpumod
+from mscale.findings import Finding, Severity
+from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, output_tensors
 from mscale.hook.cmsa import Cmsa, CmsaConfig, grad_stats
+from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
 from mscale.hook.plugin import HOOKS
 from mscale.hook.protect import SnapshotConfig, data_position, protect, snapshot_config
-from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, output_tensors
-from mscale.hook.loss import LossConfig, LossDetector
 
 log = structlog.get_logger("mscale.hook")
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import structlog
@@ -118,7 +119,7 @@ class LinkClient:
             try:
                 await self._session()
                 delay = self.backoff_s[0]
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
+            except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
                 self.last_error = f"{type(e).__name__}: {e}"
             except Exception as e:  # never let the link thread die
                 self.last_error = f"{type(e).__name__}: {e}"
@@ -128,7 +129,7 @@ class LinkClient:
                 log.warning("agent_disconnected", socket=self.socket_path, error=self.last_error)
             try:
                 await asyncio.wait_for(self._stop.wait(), delay)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             delay = min(delay * 2, self.backoff_s[1])
 

@@ -9,8 +9,8 @@ agent's simulated node, so a fault injected on simulated GPU k hits exactly its 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 import torch
 from torch import nn

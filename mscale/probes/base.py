@@ -8,8 +8,9 @@ time. Probes report faults as findings through `ctx.emit`, never by raising.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from mscale.config import Config
@@ -23,9 +24,9 @@ class ProbeUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class ProbeContext:
-    config: "Config"
-    state: "AgentState"
-    emit: Callable[["Finding"], Any]
+    config: Config
+    state: AgentState
+    emit: Callable[[Finding], Any]
     clock: Callable[[], float]
     nvml: Any = None  # an mscale.probes.nvml_api.Nvml (real or simulated) for GPU probes
 

@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 

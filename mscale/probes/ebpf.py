@@ -175,7 +175,7 @@ class EbpfProbe:
             self._duty.join(timeout=10)
         with self._lock:
             if self.bpf is not None:
-                links = [l for tr in self._tracked.values() for l in tr.rare + tr.high]
+                links = [link for tr in self._tracked.values() for link in tr.rare + tr.high]
                 self._tracked.clear()
                 self.bpf.close(links)
                 self.bpf = None
@@ -347,7 +347,7 @@ class EbpfProbe:
                 sampled=not self.always_on, launch_probe_attached=self._high_on, windows_total=self._windows,
                 processes=procs, pending=tuple(self._pending[p] for p in sorted(self._pending)))
 
-    def _update(self, tr: _Tracked, c: PidCounters | None, inflight: list["InflightSync"], now: float) -> CudaProcess:
+    def _update(self, tr: _Tracked, c: PidCounters | None, inflight: list[InflightSync], now: float) -> CudaProcess:
         c = c or tr.last
         prev, tr.last = tr.last, c
         tr.launches += (c.launches - prev.launches) * self.scale
@@ -403,7 +403,8 @@ class EbpfProbe:
             pid=tr.pid, job_id=tr.job_id, library=tr.library,
             launches=tr.launches, launches_observed=c.launches,
             graph_launches=tr.graph_launches, graph_launches_observed=c.graph_launches,
-            memcpy_bytes=tuple(zip(DIRECTIONS, tr.copy_bytes)), memcpy_bytes_observed=tuple(zip(DIRECTIONS, c.copy_bytes)),
+            memcpy_bytes=tuple(zip(DIRECTIONS, tr.copy_bytes, strict=True)),
+            memcpy_bytes_observed=tuple(zip(DIRECTIONS, c.copy_bytes, strict=True)),
             sync_calls=c.sync_calls, sync_seconds_sum=c.sync_ns / 1e9, sync_hist=c.sync_hist,
             sync_inflight_s=longest, sync_blocked_ratio=ratio, alloc_failures=c.alloc_failures,
             hang=bool(cause), hang_cause=cause, launch_quiet_s=tr.watch.quiet_s(now), sync_stall=tr.stall,

@@ -17,9 +17,10 @@ import errno
 import os
 import platform
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import structlog
 

@@ -14,8 +14,9 @@ import dataclasses
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any
 
 import structlog
 

@@ -16,10 +16,11 @@ import csv
 import functools
 import io
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from mscale.config import opt
 from mscale.findings import Reason

@@ -11,8 +11,9 @@ import contextlib
 import re
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import psutil
 

@@ -25,8 +25,8 @@ import threading
 import time
 import uuid as uuidlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import pynvml
 
@@ -71,7 +71,7 @@ class _Gpu:
 
 
 class _SimXidEvents:
-    def __init__(self, sim: "SimNvml") -> None:
+    def __init__(self, sim: SimNvml) -> None:
         self._sim = sim
         self.queue: deque[XidEvent] = deque()
         self.closed = False
@@ -120,11 +120,11 @@ class SimNvml:
         self.uuids: tuple[str, ...] = tuple(g.uuid for g in self._gpus)
 
     @classmethod
-    def from_timeline(cls, timeline: Timeline, *, clock: Callable[[], float] = time.time) -> "SimNvml":
+    def from_timeline(cls, timeline: Timeline, *, clock: Callable[[], float] = time.time) -> SimNvml:
         return cls(timeline.gpus, model=timeline.model, events=timeline.events, clock=clock)
 
     @classmethod
-    def from_timeline_file(cls, path, *, clock: Callable[[], float] = time.time) -> "SimNvml":
+    def from_timeline_file(cls, path, *, clock: Callable[[], float] = time.time) -> SimNvml:
         return cls.from_timeline(load_timeline(path), clock=clock)
 
     # --- the fault machinery -------------------------------------------------------------

@@ -34,7 +34,7 @@ def require(condition: bool, reason: str) -> None:
         pytest.skip(reason)
 
 
-def stop_process(proc: "subprocess.Popen", timeout_s: float = 10) -> None:
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10) -> None:
     """SIGTERM a service the test started, SIGKILL it if it does not exit in time."""
     if proc.poll() is not None:
         return

@@ -39,7 +39,7 @@ class Alertmanager:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "Alertmanager":
+    def __enter__(self) -> Alertmanager:
         self.log = open(self.dir / "log", "w")
         self.proc = subprocess.Popen(
             [self.binary, f"--config.file={self.dir / 'alertmanager.yml'}", f"--storage.path={self.dir / 'data'}",

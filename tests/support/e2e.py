@@ -8,8 +8,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from support import stop_process
 
@@ -56,7 +57,7 @@ class Proc:
         self.logfile = workdir / f"{name}.log"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "Proc":
+    def start(self) -> Proc:
         self.log = open(self.logfile, "w")
         self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=self.dir)
         return self

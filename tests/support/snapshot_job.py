@@ -37,9 +37,9 @@ if __name__ == "__main__":  # run as a script from the repository root
 import numpy as np
 import torch
 
+from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 from mscale.snapshot.data import ResumableLoader
 from mscale.snapshot.engine import SnapshotEngine
-from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
 CFG = TinyConfig()
 
@@ -76,8 +76,8 @@ def guarded(args, model, net, optimizer, scheduler, scaler, loader, engine) -> t
     """The same training through the Guard (steps counted from 0 there): the NaN loss is the
     guard's LOSS_NONFINITE finding, and the SnapshotPlugin rolls every rank back at step end."""
     from mscale.findings import Reason
-    from mscale.snapshot.plugin import SnapshotPlugin
     from mscale.hook import attach
+    from mscale.snapshot.plugin import SnapshotPlugin
 
     plugin = SnapshotPlugin(engine, rollback_on={Reason.LOSS_NONFINITE})
     guard = attach(model, optimizer, job_id=f"snapshot-test-{args.rank}", rank=args.rank, connect=False, cmsa=False, plugins=[plugin])

@@ -35,8 +35,9 @@ with itself first (`fuse.dispatch(hook, *args)`):
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 from mscale.healing.fsm import Level
 
@@ -55,7 +56,7 @@ class ActionSpec:
     name: str
     level: str  # metric label: L1, L2, L3, or none for the non-fuse actions
     moves_to: Level | None  # the MPU's fuse state after it succeeds (None: unchanged)
-    apply: Callable[[Any, Any, "Decision"], str]
+    apply: Callable[[Any, Any, Decision], str]
     help: str = ""
     # what it acts on, hence how often per condition: "mpu" once per target MPU; "gpu" once
     # per job and GPU; "job" once per job (a condition on a GPU that two MPUs of one job use
@@ -81,6 +82,6 @@ class ActionSpec:
     # the per-job state, built by the fuse plugin (see the module docstring)
     state: Callable[[Any], Any] | None = None
     # (detail text, extra labels) for the event of an applied result, from the action's state
-    event: Callable[[Any, "Decision"], tuple[str, Mapping[str, str]]] | None = None
+    event: Callable[[Any, Decision], tuple[str, Mapping[str, str]]] | None = None
     # end what the action started (an end command from the agent): end(fuse, state, why)
     end: Callable[[Any, Any, str], None] | None = None

@@ -21,8 +21,9 @@ guard's hooks: they see the MPU's inputs and outputs as the model does. Undone o
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 
