@@ -105,6 +105,7 @@ def test_gpu_targeting_follows_the_binding() -> None:
     assert inj.hits[-1].mpu_id == "003"
 
 
+@pytest.mark.slow  # 1,000 training steps: about 7 s
 def test_no_false_positive_over_1000_clean_fp32_steps() -> None:
     cfg = TinyConfig(image_size=8, vision_hidden=16, text_hidden=16, vision_layers=1, text_layers=1, seq_len=4)
     guard, train, rec = job(cfg=cfg, batch=4, checksum=ChecksumConfig(replay_every=10))

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+import pytest
+
+from support import REPO
 
 
+@pytest.mark.slow  # the whole demo: about 10 s
 def test_demo_runs_end_to_end_and_writes_its_summary_and_plot(tmp_path):
     out = tmp_path / "demo"
     res = subprocess.run([sys.executable, "-m", "mscale", "demo", "--short", "--out", str(out), "--listen",

@@ -23,6 +23,8 @@ from support import REPO, free_port, require_tool
 from support.alertmanager import Alertmanager, adapted_config
 from support.e2e import JOB, JOB_SCRIPT, Proc, http, poll
 
+pytestmark = pytest.mark.slow  # Prometheus, Alertmanager, an agent and a job: about 20 s
+
 RULES_DIR = REPO / "mscale" / "rules"
 TOKEN = "e2e-token-0123456789"
 GPU = 0  # the vision MPU's GPU in the job below

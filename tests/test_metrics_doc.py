@@ -11,6 +11,8 @@ import pytest
 from support import REPO, free_port
 from support.e2e import JOB, JOB_SCRIPT, Proc, http, poll
 
+pytestmark = pytest.mark.slow  # a live agent and job scraped: about 6 s
+
 ROW = re.compile(r"^\|\s*`?([a-zA-Z_:][a-zA-Z0-9_:]*)`?\s*\|\s*`?(\w+)`?\s*\|([^|]*)\|")
 
 

@@ -13,6 +13,8 @@ from mscale.snapshot.format import list_snapshots, verify_snapshot
 from support import free_port
 from support.zygote import Zygote
 
+pytestmark = pytest.mark.slow  # 2- and 4-rank gloo jobs: about 20 s
+
 
 def run_ranks(z: Zygote, tmp_path, name: str, world: int, *extra: str, snaps: str = "snaps") -> list[dict]:
     port = free_port()

@@ -11,6 +11,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -19,6 +20,8 @@ from mscale.snapshot.engine import SnapshotEngine
 from mscale.snapshot.format import list_snapshots, verify_snapshot
 from support.snapshot_job import build
 from support.zygote import Zygote
+
+pytestmark = pytest.mark.slow  # real jobs killed and resumed: about 25 s
 
 
 def effective_sequence(seen: Path) -> dict[int, list[int]]:
