@@ -29,7 +29,3 @@ def configure(level: str = "info", *, json: bool | None = None, stream=None) -> 
         logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
-
-
-def get(name: str | None = None):
-    return structlog.get_logger(name) if name else structlog.get_logger()

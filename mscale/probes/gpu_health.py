@@ -16,7 +16,6 @@ import csv
 import functools
 import io
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -267,10 +266,6 @@ class HealthModel:
         new = tuple(x for x in reasons if x.key not in before)
         previous, m.health = m.health.state, health
         return Update(health, new, previous, sbe_per_hour, replays_per_min, reset)
-
-
-def state_of(reasons: Iterable[HealthReason]) -> str:
-    return worst(*(r.state for r in reasons))
 
 
 def xid_markdown(table: XidTable | None = None) -> str:
