@@ -199,8 +199,8 @@ def validate_register(msg: dict) -> None:
     _need(_is_int(msg.get("rank")) and msg["rank"] >= 0, "register: rank must be an integer >= 0")
     _need(_is_int(msg.get("pid")) and msg["pid"] > 0, "register: pid must be an integer > 0")
     mpus = msg.get("mpus")
-    _need(isinstance(mpus, list) and 1 <= len(mpus) <= MAX_MPUS,
-          f"register: mpus must be a list of 1 to {MAX_MPUS} MPUs")
+    if not isinstance(mpus, list) or not 1 <= len(mpus) <= MAX_MPUS:
+        raise BadMessage("malformed", f"register: mpus must be a list of 1 to {MAX_MPUS} MPUs")
     seen = set()
     for i, m in enumerate(mpus):
         _need(isinstance(m, dict), f"register: mpus[{i}] must be an object")
@@ -215,7 +215,8 @@ def validate_register(msg: dict) -> None:
 
 def validate_report(msg: dict) -> None:
     reports = msg.get("reports")
-    _need(isinstance(reports, list) and len(reports) <= MAX_REPORTS, "report: reports must be a list")
+    if not isinstance(reports, list) or len(reports) > MAX_REPORTS:
+        raise BadMessage("malformed", "report: reports must be a list")
     _need(_is_int(msg.get("dropped", 0)) and msg.get("dropped", 0) >= 0, "report: dropped must be an integer >= 0")
     for i, r in enumerate(reports):
         _need(isinstance(r, dict), f"report: reports[{i}] must be an object")
@@ -238,7 +239,7 @@ def finding(f: Any) -> Finding | None:
     above, its source prefixed "hook:"; None when its reason, severity or labels are not understood."""
     if not isinstance(f, dict):
         return None
-    reason, severity = _REASONS.get(f.get("reason")), _SEVERITIES.get(f.get("severity"))
+    reason, severity = _REASONS.get(f.get("reason", "")), _SEVERITIES.get(f.get("severity", ""))
     labels = f.get("labels", {})
     if reason is None or severity is None or not isinstance(labels, dict):
         return None

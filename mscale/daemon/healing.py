@@ -22,6 +22,7 @@ import structlog
 from aiohttp import web
 
 from mscale.daemon import keys
+from mscale.daemon.jobs import MpuState
 from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing import policy as policymod
@@ -44,7 +45,7 @@ def gpu_ids(state: AgentState) -> dict[str, str]:
     return out
 
 
-def _mpus(state: AgentState) -> Iterable[tuple[str, object]]:
+def _mpus(state: AgentState) -> Iterable[tuple[str, MpuState]]:
     for job_id, job in list(state.jobs.items()):
         for mpu in list(getattr(job, "mpus", {}).values()):
             yield job_id, mpu

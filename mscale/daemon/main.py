@@ -74,7 +74,7 @@ async def serve(cfg: configmod.Config, nvml: Any, *, stop: asyncio.Event | None 
     host, port = parse_listen(cfg.agent.listen)
     site = web.TCPSite(runner, host, port)
     await site.start()
-    bound = site._server.sockets[0].getsockname()  # the real port when 0 was asked
+    bound = runner.addresses[0]  # the real port when 0 was asked
     url = f"http://{bound[0]}:{bound[1]}"
     log.info("agent_listening", metrics_url=f"{url}/metrics", api_url=f"{url}/api/v1", node=app[keys.STATE].node)
     loop = asyncio.get_running_loop()

@@ -98,7 +98,7 @@ async def alerts(request: web.Request) -> web.Response:
         items = parse(body)
     except PayloadError as e:
         return _refuse(request, 400, "malformed", str(e))
-    summary = {"firing": 0, "resolved": 0, "actions": [], "duplicates": 0, "rate_limited": 0, "cooling_ended": 0}
+    summary: dict[str, Any] = {"firing": 0, "resolved": 0, "actions": [], "duplicates": 0, "rate_limited": 0, "cooling_ended": 0}
     for a in items:
         out = await service.alert(request.app, a, source=WHERE)
         summary["firing" if out.firing else "resolved"] += 1

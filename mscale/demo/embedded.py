@@ -43,8 +43,12 @@ class EmbeddedAgent:
                  gpu_interval_s: float = 0.2, healing: dict | None = None, webhook: dict | None = None) -> None:
         from mscale.sim.nvml import SimNvml
 
-        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="mscale-agent-")
-        base = Path(workdir or self._tmp.name)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if workdir:
+            base = Path(workdir)
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="mscale-agent-")
+            base = Path(self._tmp.name)
         base.mkdir(parents=True, exist_ok=True)
         self.socket_path = str(base / "agent.sock")
         self.token = secrets.token_hex(16)
@@ -88,7 +92,7 @@ class EmbeddedAgent:
         host, port = parse_listen(self.config.agent.listen)
         site = web.TCPSite(runner, host, port)
         await site.start()
-        bound = site._server.sockets[0].getsockname()
+        bound = runner.addresses[0]  # the real port when 0 was asked
         self.url = f"http://{bound[0]}:{bound[1]}"
         self.client = AgentClient(self.url)
         self._ready.set()
@@ -145,5 +149,7 @@ class EmbeddedAgent:
         async def go() -> Any:
             r = fn(self.app, *args)
             return await r if asyncio.iscoroutine(r) else r
+        if self._loop is None:
+            raise RuntimeError("the embedded agent is not started")
         return asyncio.run_coroutine_threadsafe(go(), self._loop).result(timeout)
 

@@ -135,6 +135,9 @@ def main(*, steps: int, out: str, listen: str, seed: int = 0, hold: bool = False
     faults = script(steps)
     with EmbeddedAgent(listen=address, healing={"recovery_clean_steps": max(10, steps // 18),
                                                 "lr_cool_steps": max(5, steps // 36)}) as agent:
+        client = agent.client
+        if client is None:  # set by start(), which __enter__ ran
+            raise RuntimeError("the embedded agent did not start")
         print(f"mscale demo: agent on a simulated 8-GPU node (H100); metrics at {agent.url}/metrics, "
               f"status at {agent.url}/api/v1/status (try: mscale status --agent {agent.url})")
         healing_cfg = agent.config.healing
@@ -153,7 +156,7 @@ def main(*, steps: int, out: str, listen: str, seed: int = 0, hold: bool = False
                 step = r.guard.current_step
                 for f in faults:
                     if f.sent_step < 0 and step >= f.at:
-                        status, f.reply = agent.client.chaos(f.chaos)
+                        status, f.reply = client.chaos(f.chaos)
                         f.sent_step, f.sent_time = step, time.time()
                         live.say(f"  step {step}: injected {f.name} (chaos API {status}) -> expect {f.expect}")
                         if f.chaos["kind"] in ("xid", "ecc"):  # the agent's probe and engine act on it
@@ -176,8 +179,8 @@ def main(*, steps: int, out: str, listen: str, seed: int = 0, hold: bool = False
         finally:
             r.close()
         agent.wait_for(lambda evs: True, timeout=5)
-        agent_events = agent.client.events()
-        metrics = agent.client.metrics()
+        agent_events = client.events()
+        metrics = client.metrics()
         summary = summarise(faults, r, ref, eval_loss, wall, agent_events, metrics, steps)
         summary["agent_url"] = agent.url
         summary["wall_s_total"] = round(time.perf_counter() - t_start, 2)

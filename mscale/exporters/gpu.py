@@ -28,7 +28,7 @@ GAUGES: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _n(v: object) -> float:
+def _n(v: float) -> float:
     return float(v)  # bools too
 
 

@@ -259,7 +259,9 @@ class HealingEngine:
     def refuse(self, rule: Rule | None, cond: Condition, result: str, why: str) -> None:
         """Book a condition not acted on (a repeated or rate-limited alert): an event and a
         count under the rule's first action, targeted from the condition's labels."""
-        first = next((a for acts in (rule.actions.values() if rule else ()) for a in acts), "")
+        if rule is None:
+            return
+        first = next((a for acts in rule.actions.values() for a in acts), "")
         if not first:
             return
         lab = cond.labels

@@ -196,8 +196,8 @@ class ChecksumDetector:
             return cached[1]
         with torch.no_grad():
             wd = w.detach() if cast is None else w.detach().to(cast)
-            b = module.bias
-            b = None if b is None else (b.detach() if cast is None else b.detach().to(cast))
+            bias = module.bias
+            b = None if bias is None else (bias.detach() if cast is None else bias.detach().to(cast))
             zero = torch.zeros((), dtype=acc, device=w.device)
             # the |W| sums every ABS_REFRESH steps (or after a change of storage/dtype)
             if cached is None or step - cached[2] >= ABS_REFRESH or cached[0][2:] != key[2:]:
@@ -297,16 +297,16 @@ class ChecksumDetector:
         t1 = time.perf_counter()
         self.abft_s += t1 - t0
         if st.rng is not None:
-            detail = self._replay(mpu, st, inputs, outs)
+            detail = self._replay(mpu, st, st.rng, inputs, outs)
             if detail:
                 failures.append((Reason.CHECKSUM_FAILURE, "replay", detail))
             self.replay_s += time.perf_counter() - t1
         return self._record(mpu, failures)
 
-    def _replay(self, mpu: Any, st: _MpuChecks, inputs: Any, outs: list[torch.Tensor]) -> str:
+    def _replay(self, mpu: Any, st: _MpuChecks, rng: tuple, inputs: Any, outs: list[torch.Tensor]) -> str:
         device = mpu.device
         saved = _rng_get(device)
-        _rng_set(device, st.rng)
+        _rng_set(device, rng)
         st.rng = None
         self.replaying = True
         try:

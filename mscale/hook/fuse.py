@@ -107,6 +107,13 @@ class FusePlugin:
         self.step_dropped = True
 
     @property
+    def _engine(self) -> HealingEngine:
+        """The engine, which exists from `on_attach` on."""
+        if self.engine is None:
+            raise RuntimeError("the fuse plugin is not attached to a guard")
+        return self.engine
+
+    @property
     def cooling(self) -> bool:
         """The job's LR cooling window is open (the engine's books)."""
         return self.engine is not None and self.engine.job(self.guard.job_id).cooling
@@ -185,7 +192,7 @@ class FusePlugin:
             if m.mpu_id in self.failed_step:
                 continue
             self.placement.setdefault(m.mpu_id, Placement()).failures = 0
-            tr = self.engine.clean_step(self.guard.job_id, m.mpu_id, step)
+            tr = self._engine.clean_step(self.guard.job_id, m.mpu_id, step)
             if tr is not None:
                 m.fuse_level = tr.after.value
                 if tr.after is Level.RECOVERED and any(self.dispatch("in_force", m)):
@@ -239,7 +246,7 @@ class FusePlugin:
         return [self._target(m) for m in self.guard.mpus if key in (m.mpu_id, m.name)]
 
     def _decide(self, cond: Condition) -> None:
-        for d in self.engine.decide(cond, self._targets):
+        for d in self._engine.decide(cond, self._targets):
             self.run(d)
 
     def run(self, d: Decision) -> str:
@@ -250,7 +257,7 @@ class FusePlugin:
         try:
             result = spec.apply(self, state, d)
         except ActionFailed as e:
-            self.engine.record(d, "failed", detail=str(e))
+            self._engine.record(d, "failed", detail=str(e))
             if spec.escalate_on_failure and spec.escalates_to:
                 nxt = actions.get(spec.escalates_to)
                 return self.run(Decision(d.rule, nxt.name, nxt.level, d.target, d.before, d.reason,
@@ -258,13 +265,13 @@ class FusePlugin:
             return "failed"
         except Exception as e:  # an action bug must not break the step; the event says what
             log.exception("heal_action_error", action=d.action)
-            self.engine.record(d, "failed", detail=repr(e))
+            self._engine.record(d, "failed", detail=repr(e))
             return "failed"
         detail, extra = spec.event(state, d) if spec.event is not None and result == "applied" else ("", {})
-        self.engine.record(d, result, detail=detail, labels=extra)
+        self._engine.record(d, result, detail=detail, labels=extra)
         if d.target.mpu_id:
             m = self.guard.mpu(d.target.mpu_id)
-            m.fuse_level = self.engine.mpu(self.guard.job_id, m.mpu_id).level.value
+            m.fuse_level = self._engine.mpu(self.guard.job_id, m.mpu_id).level.value
             if result == "applied" and spec.new_placement:
                 p = self.placement.setdefault(m.mpu_id, Placement())
                 p.failures, p.epoch = 0, p.epoch + 1
@@ -283,7 +290,7 @@ class FusePlugin:
         except KeyError:
             return
         self.failed_step.add(m.mpu_id)
-        self.engine.mpu(self.guard.job_id, m.mpu_id).failed()
+        self._engine.mpu(self.guard.job_id, m.mpu_id).failed()
         p = self.placement.setdefault(m.mpu_id, Placement())
         if p.counted == (self.seq, p.epoch):
             return  # one count per step and placement

@@ -114,7 +114,7 @@ class Guard:
         self._handles: list[Any] = []
         self._commands: collections.deque[dict] = collections.deque(maxlen=1024)
         self._in_step = False
-        self._losses: list[torch.Tensor] = []
+        self._losses: list[torch.Tensor | float] = []
         self._skip_reason = ""
         self._step_findings: list[Finding] = []
         self._last: dict[str, Any] = {}
@@ -325,7 +325,7 @@ class Guard:
             return None
         m = self._mpu_by_module[id(module)]
         t0 = time.perf_counter()
-        m.forward_s += t0 - getattr(m, "_fwd_start", t0)
+        m.forward_s += t0 - (m._fwd_start if m._fwd_start is not None else t0)
         a0, r0 = self.checksum.abft_s, self.checksum.replay_s
         inputs = ModelInputs(args, kwargs)
         try:
@@ -567,7 +567,7 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
 
 
-def _num(v: Any) -> float | None:
+def _num(v: Any) -> float | str | None:
     if v is None:
         return None
     v = float(v)

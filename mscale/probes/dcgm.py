@@ -53,7 +53,7 @@ def parse_page(text: str) -> dict[int, dict[str, object]]:
 
 def _int(g: dict, key: str) -> int | None:
     v = g.get(key)
-    return int(v) if v is not None else None  # type: ignore[arg-type]
+    return int(v) if v is not None else None
 
 
 def _flag(g: dict, key: str) -> bool | None:
@@ -64,7 +64,7 @@ def _flag(g: dict, key: str) -> bool | None:
 def sample_of(index: int, g: dict) -> GpuSample:
     def f(key: str) -> float | None:
         v = g.get(key)
-        return float(v) if v is not None else None  # type: ignore[arg-type]
+        return float(v) if v is not None else None
 
     used, free, reserved = f("DCGM_FI_DEV_FB_USED"), f("DCGM_FI_DEV_FB_FREE"), f("DCGM_FI_DEV_FB_RESERVED")
     total = (used + free + (reserved or 0)) * MiB if used is not None and free is not None else None
@@ -83,7 +83,7 @@ def sample_of(index: int, g: dict) -> GpuSample:
         utilization_memory_ratio=mem_util / 100 if mem_util is not None else None,
         sm_clock_hz=sm * MHZ if sm is not None else None,
         memory_clock_hz=memclk * MHZ if memclk is not None else None,
-        throttle_reasons=throttle_names(int(mask)) if mask is not None else None,  # type: ignore[call-overload]
+        throttle_reasons=throttle_names(int(mask)) if mask is not None else None,
         ecc_sbe_volatile=_int(g, "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL"),
         ecc_dbe_volatile=_int(g, "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"),
         ecc_sbe_aggregate=_int(g, "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL"),
@@ -120,7 +120,8 @@ class DcgmReader:
     def read(self) -> Reading:
         page = parse_page(self.fetch())
         now = self.clock()
-        gpus, xids = [], []
+        gpus: list[GpuSample] = []
+        xids: list[XidEvent] = []
         for index, g in sorted(page.items()):
             sample = sample_of(index, g)
             self._known[index] = sample
@@ -134,7 +135,7 @@ class DcgmReader:
         return Reading(gpus, xids)
 
     def _new_xids(self, index: int, g: dict) -> list[int]:
-        counts: dict[int, int] = g["xid_counts"]  # type: ignore[assignment]
+        counts: dict[int, int] = g["xid_counts"]
         if counts:
             before = self._xid_counts.get(index, {})
             self._xid_counts[index] = dict(counts)
@@ -142,7 +143,7 @@ class DcgmReader:
         last = g.get("DCGM_FI_DEV_XID_ERRORS")
         if last is None:
             return []
-        code = int(last)  # type: ignore[call-overload]
+        code = int(last)
         changed = code != 0 and code != self._last_xid.get(index)
         self._last_xid[index] = code
         return [code] if changed else []

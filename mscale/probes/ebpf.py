@@ -156,6 +156,13 @@ class EbpfProbe:
         self._stop = threading.Event()
         self._duty: threading.Thread | None = None
 
+    @property
+    def _bpf(self) -> CudaBpf:
+        """The loaded program, for the methods that run only once `_load()` succeeded."""
+        if self.bpf is None:
+            raise RuntimeError("the BPF program is not loaded")
+        return self.bpf
+
     # lifecycle -----------------------------------------------------------------------
     def _load(self) -> None:
         from mscale.probes.ebpf_loader import CudaBpf
@@ -221,7 +228,7 @@ class EbpfProbe:
         try:
             for role in ROLES:
                 if role.high_rate and tr.offsets[role.prog]:
-                    tr.high.append(self.bpf.attach(tr.pid, tr.library, role, tr.offsets[role.prog]))
+                    tr.high.append(self._bpf.attach(tr.pid, tr.library, role, tr.offsets[role.prog]))
         except Exception as e:
             tr.error = f"launch/copy probes: {e}"
             log.warning("ebpf_attach_failed", pid=tr.pid, job_id=tr.job_id, error=str(e))
@@ -230,7 +237,7 @@ class EbpfProbe:
     def _detach(self, links: list[Link]) -> None:
         for link in links:
             try:
-                self.bpf.detach(link)
+                self._bpf.detach(link)
             except Exception:
                 log.warning("ebpf_detach_failed", role=link.role.prog, exc_info=True)
         links.clear()
@@ -275,9 +282,9 @@ class EbpfProbe:
                 continue
             self._track(pid, job_id, start, library, now)
         # entries nobody tracks (a pid reused between two reads): never let the maps grow
-        stale = self.bpf.map_pids() - set(self._tracked)
+        stale = self._bpf.map_pids() - set(self._tracked)
         for pid in stale:
-            self.bpf.remove_pid(pid)
+            self._bpf.remove_pid(pid)
 
     def _pend(self, pid: int, job_id: str, reason: str) -> None:
         old = self._pending.get(pid)
@@ -287,7 +294,7 @@ class EbpfProbe:
 
     def _track(self, pid: int, job_id: str, start: int, library: str, now: float) -> None:
         try:
-            offsets = self.bpf.offsets(library)
+            offsets = self._bpf.offsets(library)
         except Exception as e:
             self._pend(pid, job_id, f"cannot read symbols of {library}: {e}")
             return
@@ -295,26 +302,26 @@ class EbpfProbe:
         tr = _Tracked(pid, job_id, start, library, offsets,
                       LaunchWatch(hang_timeout_s=cfg.hang_timeout_s, min_evidence_s=min(cfg.duty_window_s, cfg.duty_period_s)),
                       BlockedShare(cfg.sync_stall_window_s))
-        self.bpf.add_pid(pid)  # before attaching: the entry is the in-kernel pid filter
+        self._bpf.add_pid(pid)  # before attaching: the entry is the in-kernel pid filter
         try:
             for role in ROLES:
                 if not role.high_rate and offsets[role.prog]:
-                    tr.rare.append(self.bpf.attach(pid, library, role, offsets[role.prog]))
+                    tr.rare.append(self._bpf.attach(pid, library, role, offsets[role.prog]))
         except Exception as e:
             self._detach(tr.rare)
-            self.bpf.remove_pid(pid)
+            self._bpf.remove_pid(pid)
             self._pend(pid, job_id, f"attach failed: {e}")
             return
         self._pending.pop(pid, None)
         self._tracked[pid] = tr
         if self._high_on:
             self._attach_high(tr)
-        log.info("ebpf_attached", pid=pid, job_id=job_id, library=library, mode=self.bpf.attach_mode)
+        log.info("ebpf_attached", pid=pid, job_id=job_id, library=library, mode=self._bpf.attach_mode)
 
     def _untrack(self, tr: _Tracked, why: str) -> None:
         self._detach(tr.rare)
         self._detach(tr.high)
-        self.bpf.remove_pid(tr.pid)
+        self._bpf.remove_pid(tr.pid)
         del self._tracked[tr.pid]
         labels = {"pid": str(tr.pid), "job_id": tr.job_id}
         if tr.hang_cause:
@@ -332,17 +339,17 @@ class EbpfProbe:
         with self._lock:
             now = time.monotonic()
             self._reconcile(self._targets(), now)
-            counters = self.bpf.read_stats()
+            counters = self._bpf.read_stats()
             inflight: dict[int, list[InflightSync]] = {}
-            for e in self.bpf.read_inflight():
+            for e in self._bpf.read_inflight():
                 if e.pid not in self._tracked or not os.path.exists(f"/proc/{e.pid}/task/{e.tid}"):
-                    self.bpf.forget_thread(e.pid << 32 | e.tid)  # the thread died inside the call
+                    self._bpf.forget_thread(e.pid << 32 | e.tid)  # the thread died inside the call
                     continue
                 inflight.setdefault(e.pid, []).append(e)
             procs = tuple(self._update(tr, counters.get(pid), inflight.get(pid, []), now)
                           for pid, tr in sorted(self._tracked.items()))
             return EbpfSnapshot(
-                time=self.ctx.clock(), attach_mode=self.bpf.attach_mode,
+                time=self.ctx.clock(), attach_mode=self._bpf.attach_mode,
                 duty_window_s=self.cfg.duty_window_s, duty_period_s=self.cfg.duty_period_s,
                 sampled=not self.always_on, launch_probe_attached=self._high_on, windows_total=self._windows,
                 processes=procs, pending=tuple(self._pending[p] for p in sorted(self._pending)))

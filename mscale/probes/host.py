@@ -128,6 +128,8 @@ class HostProbe:
                     cpu = p.cpu_times()
                     rss = p.memory_info().rss
                     threads = p.num_threads()
+                    rd: int | None
+                    wr: int | None
                     try:
                         io = p.io_counters()
                         rd, wr = io.read_bytes, io.write_bytes

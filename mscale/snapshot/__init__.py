@@ -18,6 +18,7 @@ May import: findings, config, healing, hook. Never imports daemon.
 """
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # On first use, so that the format module and the CLI never load torch.
+    module: ModuleType
     if name in ("SnapshotError", "SnapshotInvalid", "SnapshotInfo", "list_snapshots", "verify_snapshot", "read_manifest"):
         from mscale.snapshot import format as module
     elif name in ("SnapshotEngine", "RollbackUnavailable"):

@@ -215,7 +215,8 @@ class ResumableFileStream:
 
     def _read_batch(self, f) -> tuple[list[bytes], int, int]:
         f.seek(self.offset)
-        records, offset, record = [], self.offset, self.record
+        records: list[bytes] = []
+        offset, record = self.offset, self.record
         while len(records) < self.batch_size:
             line = f.readline()
             if not line:

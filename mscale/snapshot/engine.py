@@ -319,9 +319,10 @@ class SnapshotEngine:
             fut: Future = Future()
             fut.set_exception(SnapshotError("no snapshot directory configured"))
             return fut
-        return self._disk.call(lambda: self._write_emergency(why))
+        disk = self._disk
+        return disk.call(lambda: self._write_emergency(disk, why))
 
-    def _write_emergency(self, why: str) -> Path:
+    def _write_emergency(self, disk: DiskWriter, why: str) -> Path:
         # In the writer thread, in queue order.
         with self._lock:
             # The newest whose copies have landed: a GPU that stopped answering never
@@ -339,7 +340,7 @@ class SnapshotEngine:
             if snap.disk_path is not None and (snap.disk_path / MANIFEST).exists():
                 log.info("emergency snapshot already on disk", step=snap.step, path=str(snap.disk_path))
                 return snap.disk_path
-            return self._disk.write_now(snap, why)
+            return disk.write_now(snap, why)
         finally:
             self._unpin(snap)
 
@@ -432,6 +433,7 @@ class SnapshotEngine:
             finally:
                 self._unpin(snap)
         else:  # no in-memory copy yet since the start-up resume: back to that disk snapshot
+            assert resumed is not None  # the check above: without an in-memory snapshot, a resumed one
             tag, (target, path) = "disk", resumed
             tensors, objects, _ = load_snapshot(path)
             self._apply(tensors, objects, where=str(path), owned=True)
@@ -490,7 +492,8 @@ class SnapshotEngine:
         steps = mdist.common_steps(mine, self.group) if self.world_size > 1 else mine
         for step in steps:
             path = self.rank_dir / f"step_{step:08d}"
-            loaded, problem = None, None
+            loaded: tuple[dict[str, dict[str, torch.Tensor]], dict] | None = None
+            problem: SnapshotError | None = None
             try:
                 tensors, objects, _ = load_snapshot(path)
                 self._check_fits(tensors, objects, str(path))
@@ -506,7 +509,7 @@ class SnapshotEngine:
             if loaded is None:
                 continue
             self._apply(*loaded, where=str(path), owned=True)
-            loaded = tensors = objects = None
+            del loaded, tensors, objects  # the engine's copies are applied: let these go
             # Until the first in-memory snapshot, a rollback goes back to this one on disk:
             # copying 3x the parameter bytes again at start-up would double the restore time.
             self._resumed = (step, path)

@@ -221,8 +221,9 @@ def list_snapshots(root: str | os.PathLike, *, include_incomplete: bool = False)
     out: list[SnapshotInfo] = []
     if not root.is_dir():
         return out
-    ranks = sorted(p for p in root.iterdir() if p.is_dir() and RANK_DIR.match(p.name))
-    for base, rank in ([(p, int(RANK_DIR.match(p.name).group(1))) for p in ranks] or [(root, None)]):
+    ranks: list[tuple[Path, int | None]] = [
+        (p, int(m.group(1))) for p in sorted(root.iterdir()) if p.is_dir() and (m := RANK_DIR.match(p.name))]
+    for base, rank in ranks or [(root, None)]:
         for p in base.iterdir():
             if not p.is_dir():
                 continue
@@ -236,11 +237,12 @@ def list_snapshots(root: str | os.PathLike, *, include_incomplete: bool = False)
 
 def _info(path: Path, rank: int | None) -> SnapshotInfo:
     m = STEP_DIR.match(path.name)
+    named = int(m.group(1)) if m else -1  # the step in the directory's name
     try:
         manifest = read_manifest(path)
     except SnapshotInvalid:
-        return SnapshotInfo(path, int(m.group(1)) if m else -1, rank, False)
-    return SnapshotInfo(path, int(manifest.get("step", m.group(1) if m else -1)), manifest.get("rank", rank), True, manifest)
+        return SnapshotInfo(path, named, rank, False)
+    return SnapshotInfo(path, int(manifest.get("step", named)), manifest.get("rank", rank), True, manifest)
 
 
 # -- the train state, without torch -------------------------------------------------------
@@ -338,7 +340,11 @@ class _TrainStateUnpickler(pickle.Unpickler):
         if key not in self.storages:
             dtype, fmt = _STORAGES[pid[1]]
             entry = f"{self.prefix}data/{key}"
-            self.storages[key] = _Storage(dtype, fmt, lambda entry=entry: self.archive.read(entry))
+
+            def read() -> bytes:
+                return self.archive.read(entry)
+
+            self.storages[key] = _Storage(dtype, fmt, read)
         return self.storages[key]
 
     def _tensor(self, storage: _Storage, offset: int, size: Sequence[int], *_: Any) -> TensorInfo:

@@ -71,7 +71,9 @@ def rng_state() -> dict:
         import numpy as np
     except ImportError:  # numpy is optional for the hook library
         return state
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)  # the default; numpy's stubs type the call without it as a dict
+    assert isinstance(legacy, tuple)  # the global RandomState is MT19937: its legacy state is the 5-tuple
+    name, keys, pos, has_gauss, gauss = legacy
     state["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss))
     return state
 

@@ -105,7 +105,7 @@ class NamedOptimizer:
             if in_place:
                 pairs = []
                 for p, fqn in zip(params, self.names, strict=True):
-                    cur = opt.state.get(p)
+                    cur = opt.state.get(p, {})  # the same keys as wanted (checked above)
                     for k, v in wanted.get(fqn, {}).items():
                         if isinstance(v, torch.Tensor):
                             pairs.append((cur[k], v))

@@ -61,6 +61,13 @@ class SnapshotPlugin:
     def on_detach(self, guard: Any) -> None:
         self._drain()
 
+    @property
+    def _engine(self) -> SnapshotEngine:
+        """The engine, given or built by `on_attach`."""
+        if self.engine is None:
+            raise RuntimeError("the snapshot plugin is not attached to a guard")
+        return self.engine
+
     def _binding(self) -> dict:
         return {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None} for m in self.guard.mpus}
 
@@ -85,9 +92,9 @@ class SnapshotPlugin:
     def on_step_end(self, step: int, loss: Any = None) -> None:
         self._drain()
         fault, self._fault = self._fault, None
-        if self.engine.world_size > 1:  # a collective every step: all ranks roll back, or none
+        if self._engine.world_size > 1:  # a collective every step: all ranks roll back, or none
             try:
-                to = self.engine.agree_rollback(fault is not None, skip_batch=self.skip_batch)
+                to = self._engine.agree_rollback(fault is not None, skip_batch=self.skip_batch)
             except SnapshotError as e:
                 self.rollbacks.append({"step": step, "to": None, "why": fault.reason.value if fault else "another rank", "error": str(e)})
                 return
@@ -98,22 +105,22 @@ class SnapshotPlugin:
         elif fault is not None:
             self.rollback(skip_batch=self.skip_batch, why=fault.reason.value, at_step=step)
             return
-        self.engine.step_end(step)
+        self._engine.step_end(step)
 
     def rollback(self, *, skip_batch: bool | None = None, why: str = "", at_step: int | None = None) -> int | None:
         """Rolls back to the newest in-memory snapshot; the guard goes on at its step + 1."""
         try:
-            to = self.engine.rollback(skip_batch=self.skip_batch if skip_batch is None else skip_batch)
+            to = self._engine.rollback(skip_batch=self.skip_batch if skip_batch is None else skip_batch)
         except SnapshotError as e:
             self.rollbacks.append({"step": at_step, "to": None, "why": why, "error": str(e)})
-            self.engine._emit(Reason.ROLLBACK, Severity.CRITICAL, f"rollback ({why}) failed: {e}")
+            self._engine._emit(Reason.ROLLBACK, Severity.CRITICAL, f"rollback ({why}) failed: {e}")
             return None
         self.guard.set_step(to + 1)
         self.rollbacks.append({"step": at_step, "to": to, "why": why})
         return to
 
     def resume(self) -> int | None:
-        step = self.engine.resume()
+        step = self._engine.resume()
         if step is not None:
             self.guard.set_step(step + 1)
         self._drain()

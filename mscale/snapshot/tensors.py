@@ -33,7 +33,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def safetensors_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> list:

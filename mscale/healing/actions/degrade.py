@@ -133,7 +133,12 @@ def _move(module: Any, optimizer: Any, device: Any) -> None:
 
 def _tensors(obj: Any) -> list:
     out: list = []
-    _map(obj, lambda t: out.append(t) or t)
+
+    def keep(t: Any) -> Any:
+        out.append(t)
+        return t
+
+    _map(obj, keep)
     return out
 
 

@@ -73,7 +73,8 @@ def standby_for(fuse, state: Swaps, m: Any) -> int | None:
     used = {o.gpu for o in fuse.guard.mpus if o is not m}
     free = [g for g in range(state.gpu_count) if g not in bad and g not in used]
     shared = [g for g in range(state.gpu_count) if g not in bad and g in used]
-    return (free or shared or [None])[0]
+    candidates = free or shared
+    return candidates[0] if candidates else None
 
 
 def move_mpu(guard: Any, m: Any, gpu: int) -> None:
