@@ -11,7 +11,6 @@ import pytest
 
 from mscale import config as configmod
 from mscale.config import ConfigError, from_dict, load, parse_bool, reference_markdown
-
 from support import REPO
 
 

@@ -110,9 +110,9 @@ def test_every_exported_metric_is_documented(scrape):
 def test_documented_type_and_labels_match_the_scrape(scrape):
     docs = documented()
     wrong = [f"  {n}: docs/metrics.md says {docs[n][0]} {{{', '.join(sorted(docs[n][1]))}}}, "
-             f"the agent exports {t} {{{', '.join(sorted(l or ['no samples yet']))}}}"
-             for n, (t, l) in sorted(scrape.items())
-             if n in docs and (docs[n][0] != t or (l is not None and docs[n][1] != l))]
+             f"the agent exports {t} {{{', '.join(sorted(labels or ['no samples yet']))}}}"
+             for n, (t, labels) in sorted(scrape.items())
+             if n in docs and (docs[n][0] != t or (labels is not None and docs[n][1] != labels))]
     assert not wrong, "docs/metrics.md disagrees with the live scrape:\n" + "\n".join(wrong)
     unseen = sorted(set(docs) - set(scrape))
     if unseen:  # documented, but needing something this set-up lacks (a traced CUDA process, snapshots)

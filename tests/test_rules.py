@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from support import REPO, require_tool
-from mscale.rules import params as paramsmod, render
+from mscale.rules import params as paramsmod
+from mscale.rules import render
 from mscale.rules.alerts import ALERTS
+from support import REPO, require_tool
 
 RULES_DIR = REPO / "mscale" / "rules"
 CASES_DIR = REPO / "tests" / "rules"

@@ -19,7 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mscale.rules import params as paramsmod, render
+    from mscale.rules import params as paramsmod
+    from mscale.rules import render
 
     try:
         params = paramsmod.load(args.params)
