@@ -1,5 +1,6 @@
 # The two commands: `make demo` runs the main job, `make test` runs every test.
 # Both set up what they need on a fresh machine (virtual environment, system packages).
+# `make lint` checks the code: ruff's rules and formatting, and mypy (settings in pyproject.toml).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,6 +13,13 @@ demo: $(STAMP)
 
 test: system $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ruff over the project (mscale/, tests/, benchmarks/; .gitignore and extend-exclude respected),
+# mypy over the packages [tool.mypy] names. Fix formatting with `$(VENV)/bin/ruff format`.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check
+	$(VENV)/bin/ruff format --check
+	$(VENV)/bin/mypy
 
 agent: $(STAMP)
 	$(PY) -m mscale agent --simulate mscale/sim/timelines/default.yaml $(ARGS)
