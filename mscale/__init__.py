@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "attach": "mscale.hook.guard",
     "Guard": "mscale.hook.guard",
-    "NullGuard": "mscale.hook.guard",
+    "NullGuard": "mscale.hook.null",
     "ModelInputs": "mscale.hook.guard",
     "Mpu": "mscale.hook.mpu",
     "MpuLayoutError": "mscale.hook.mpu",

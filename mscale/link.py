@@ -31,6 +31,7 @@ its validator below is refused with an error frame; the connection and other job
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -114,6 +115,15 @@ def register(*, job_id: str, rank: int, pid: int, step: int, mpus: list[dict]) -
 
 def report(job_id: str, dropped: int, reports: list[dict]) -> dict:
     return {"type": Msg.REPORT.value, "job_id": job_id, "dropped": dropped, "reports": reports}
+
+
+def number(v: Any) -> float | str | None:
+    """A number as a report carries it: JSON has no non-finite numbers, so NaN and the
+    infinities travel as "nan", "inf" and "-inf" (which the report validator accepts)."""
+    if v is None:
+        return None
+    v = float(v)
+    return v if math.isfinite(v) else str(v)
 
 
 def reply(command_id: Any, answer: Mapping[str, Any]) -> dict:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from mscale.hook.checksum import ChecksumConfig
 from mscale.hook.cmsa import Cmsa, CmsaConfig
-from mscale.hook.guard import Guard, ModelInputs, NullGuard, attach
+from mscale.hook.guard import Guard, ModelInputs, attach
 from mscale.hook.loss import LossConfig
 from mscale.hook.mpu import KNOWN_NAMES, Mpu, MpuLayoutError, discover
+from mscale.hook.null import NullGuard
 from mscale.hook.plugin import Plugin
 from mscale.hook.protect import SnapshotConfig
 

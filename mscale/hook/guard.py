@@ -41,6 +41,7 @@ from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, output_tensor
 from mscale.hook.cmsa import Cmsa, CmsaConfig, grad_stats
 from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
+from mscale.hook.null import NullGuard
 from mscale.hook.plugin import HOOKS
 from mscale.hook.protect import SnapshotConfig, data_position, protect, snapshot_config
 
@@ -466,16 +467,16 @@ class Guard:
         mpus = {}
         for m in self.mpus:
             mpus[m.mpu_id] = {
-                "forward_s": m.forward_s, "backward_s": m.backward_s, "grad_norm": _num(m.grad_norm),
-                "gvc": _num(m.gvc), "checksum_ok": m.last_checksum_ok,
+                "forward_s": m.forward_s, "backward_s": m.backward_s, "grad_norm": protocol.number(m.grad_norm),
+                "gvc": protocol.number(m.gvc), "checksum_ok": m.last_checksum_ok,
                 "checksum_consecutive_failures": m.consecutive_failures,
                 "checksum_failures_total": m.checksum_failures_total,
                 "clip_ratio": self.cmsa.clip_ratio(m.mpu_id) if self.cmsa else 0.0,
                 "clipped": bool(last.get("clipped", {}).get(m.mpu_id, False)),
-                "gpu": m.gpu, "fuse_level": m.fuse_level, **_memory(m),
+                "gpu": m.gpu, "fuse_level": m.fuse_level, **m.memory(),
             }
-        return {"step": self.current_step, "time": last.get("time", time.time()), "loss": _num(last.get("loss")),
-                "grad_norm": _num(last.get("grad_norm")), "skipped": bool(self._skip_reason), "mpus": mpus,
+        return {"step": self.current_step, "time": last.get("time", time.time()), "loss": protocol.number(last.get("loss")),
+                "grad_norm": protocol.number(last.get("grad_norm")), "skipped": bool(self._skip_reason), "mpus": mpus,
                 "findings": [f.to_dict() for f in self._step_findings]}
 
     def _dispatch(self, hook: str, *args: Any) -> None:
@@ -492,41 +493,6 @@ class Guard:
             self.plugin_errors += 1
             self.log.exception("plugin_error", plugin=type(plugin).__name__, hook=hook, error=str(e))
             return None
-
-
-class NullGuard:
-    """What `attach(..., enabled=False)` returns: the same calls, no hooks, nothing changed."""
-
-    enabled = False
-    fuse: Any = None
-    snapshots: Any = None
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, **_: Any) -> None:
-        self.model, self.optimizer = model, optimizer
-        self.mpus: list[Mpu] = []
-        self.plugins: list[Any] = []
-        self.link = None
-        self.cmsa = None
-        self.current_step = 0
-
-    def step(self, loss: Any = None) -> None:
-        if self.optimizer is not None:
-            self.optimizer.step()
-
-    def observe(self, loss: Any) -> None:
-        pass
-
-    def add_plugin(self, plugin: Any) -> None:
-        self.plugins.append(plugin)
-
-    def emit(self, finding: Finding) -> None:
-        pass
-
-    def poll_commands(self) -> int:
-        return 0
-
-    def detach(self) -> None:
-        pass
 
 
 def attach(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, job_id: str,
@@ -565,21 +531,3 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     else:
         loss = getattr(output, "loss", None)
     return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
-
-
-def _num(v: Any) -> float | str | None:
-    if v is None:
-        return None
-    v = float(v)
-    return v if math.isfinite(v) else (str(v))  # "nan", "inf": JSON has no non-finite numbers
-
-
-def _memory(m: Mpu) -> dict:
-    dev = m.device
-    if dev.type != "cuda":
-        return {}
-    try:
-        free, total = torch.cuda.mem_get_info(dev)
-        return {"memory_used_bytes": total - free, "memory_total_bytes": total}
-    except RuntimeError:
-        return {}

@@ -25,7 +25,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from mscale.hook.guard import Guard, NullGuard, attach
+from mscale.hook.guard import Guard, attach
+from mscale.hook.null import NullGuard
 from mscale.hook.protect import LoopData, protect, snapshot_config
 
 _TRAINER_OWNS = {"data": "the Trainer's data loader", "scheduler": "the Trainer's LR scheduler",

@@ -82,6 +82,17 @@ class Mpu:
                 "gpu": self.gpu, "gpu_uuid": self.gpu_uuid, "fuse_level": self.fuse_level,
                 "params": sum(p.numel() for p in self.module.parameters())}
 
+    def memory(self) -> dict:
+        """Device memory in use and in all (bytes), for the step report; empty off CUDA."""
+        dev = self.device
+        if dev.type != "cuda":
+            return {}
+        try:
+            free, total = torch.cuda.mem_get_info(dev)
+            return {"memory_used_bytes": total - free, "memory_total_bytes": total}
+        except RuntimeError:
+            return {}
+
     def _reset_step(self) -> None:
         self.forward_s = self.backward_s = 0.0
         self._bwd_start = self._bwd_end = 0.0
