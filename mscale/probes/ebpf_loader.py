@@ -100,7 +100,10 @@ def preflight() -> None:
     except ImportError as e:
         raise ProbeUnavailable(f"BCC is not importable ({e}); install python3-bpfcc") from None
     caps = effective_caps()
-    has = lambda c: bool(caps >> c & 1)  # noqa: E731
+
+    def has(c: int) -> bool:
+        return bool(caps >> c & 1)
+
     missing = [name for name, c in (("CAP_BPF", CAP_BPF), ("CAP_PERFMON", CAP_PERFMON)) if not has(c)]
     if missing and not has(CAP_SYS_ADMIN):
         raise ProbeUnavailable(f"no BPF permission: the agent lacks {' and '.join(missing)} "

@@ -260,9 +260,10 @@ class RealNvml:
 
     def nvlink_errors(self, gpu: int, link: int) -> tuple[int, int, int, int]:
         h = self._h(gpu)
-        return tuple(int(pynvml.nvmlDeviceGetNvLinkErrorCounter(h, link, c)) for c in (  # type: ignore[return-value]
+        replay, recovery, crc_flit, crc_data = (int(pynvml.nvmlDeviceGetNvLinkErrorCounter(h, link, c)) for c in (
             pynvml.NVML_NVLINK_ERROR_DL_REPLAY, pynvml.NVML_NVLINK_ERROR_DL_RECOVERY,
             pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT, pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA))
+        return replay, recovery, crc_flit, crc_data
 
     def recovery_action(self, gpu: int) -> int:
         (v,) = pynvml.nvmlDeviceGetFieldValues(self._h(gpu), [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])
