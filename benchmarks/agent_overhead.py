@@ -15,6 +15,7 @@ is the agent's high-water mark over the whole run.
 
     .venv/bin/python benchmarks/agent_overhead.py [--duration 60] [--strict]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,8 +88,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=60.0, help="seconds to measure (default 60)")
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds after start-up before measuring")
-    ap.add_argument("--scrape-interval", type=float, default=15.0,
-                    help="seconds between scrapes while CPU is measured (Prometheus-like; default 15)")
+    ap.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=15.0,
+        help="seconds between scrapes while CPU is measured (Prometheus-like; default 15)",
+    )
     ap.add_argument("--latency-scrapes", type=int, default=300, help="scrapes of each target for p50/p99")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = ap.parse_args()
@@ -104,21 +109,42 @@ def main() -> int:
     procs: list[subprocess.Popen] = []
     try:
         agent = subprocess.Popen(
-            [sys.executable, "-m", "mscale", "agent", "--config", str(tmp / "agent.toml"), "--simulate",
-             str(tmp / "timeline.yaml"), "--listen", f"127.0.0.1:{agent_port}", "--socket", str(tmp / "agent.sock"),
-             "--log-level", "warning"],
-            stdout=open(tmp / "agent.log", "w"), stderr=subprocess.STDOUT, cwd=REPO)
+            [
+                sys.executable,
+                "-m",
+                "mscale",
+                "agent",
+                "--config",
+                str(tmp / "agent.toml"),
+                "--simulate",
+                str(tmp / "timeline.yaml"),
+                "--listen",
+                f"127.0.0.1:{agent_port}",
+                "--socket",
+                str(tmp / "agent.sock"),
+                "--log-level",
+                "warning",
+            ],
+            stdout=open(tmp / "agent.log", "w"),
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
         procs.append(agent)
-        node = subprocess.Popen([node_exporter, f"--web.listen-address=127.0.0.1:{node_port}", "--log.level=warn"],
-                                stdout=open(tmp / "node.log", "w"), stderr=subprocess.STDOUT)
+        node = subprocess.Popen(
+            [node_exporter, f"--web.listen-address=127.0.0.1:{node_port}", "--log.level=warn"],
+            stdout=open(tmp / "node.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
         procs.append(node)
         wait_http(agent_port, "/metrics", agent)
         wait_http(node_port, "/metrics", node)
         time.sleep(args.warmup)  # start-up (imports, first samples) is not steady state
 
         pa, pn = psutil.Process(agent.pid), psutil.Process(node.pid)
-        conns = {"agent": http.client.HTTPConnection("127.0.0.1", agent_port, timeout=10),
-                 "node_exporter": http.client.HTTPConnection("127.0.0.1", node_port, timeout=10)}
+        conns = {
+            "agent": http.client.HTTPConnection("127.0.0.1", agent_port, timeout=10),
+            "node_exporter": http.client.HTTPConnection("127.0.0.1", node_port, timeout=10),
+        }
         size: dict[str, int] = {}
 
         # Phase 1, overhead: the agent probing, scraped as a Prometheus server would.
@@ -167,13 +193,19 @@ def main() -> int:
         ("scrape p50, ms (vs node_exporter)", a50, n50, "node_exporter"),
         ("scrape p99, ms (vs node_exporter)", a99, n99, "node_exporter"),
     ]
-    print(f"agent_overhead: 8 simulated GPUs, GPU probe every 1 s; CPU over {wall:.0f} s with a scrape every "
-          f"{args.scrape_interval:g} s; latency over {len(lat['agent'])} alternating scrapes per target; "
-          f"{os.cpu_count()} CPUs")
-    print(f"  /metrics size: agent {size['agent']} bytes ({gpu_series} mscale_gpu_* lines), "
-          f"node_exporter {size['node_exporter']} bytes")
-    print(f"  baseline in the same run: node_exporter CPU {node_cpu:.2f} % of a core, peak RSS {node_peak:.1f} MB, "
-          f"scrape mean {statistics.fmean(lat['node_exporter']) * 1e3:.2f} ms")
+    print(
+        f"agent_overhead: 8 simulated GPUs, GPU probe every 1 s; CPU over {wall:.0f} s with a scrape every "
+        f"{args.scrape_interval:g} s; latency over {len(lat['agent'])} alternating scrapes per target; "
+        f"{os.cpu_count()} CPUs"
+    )
+    print(
+        f"  /metrics size: agent {size['agent']} bytes ({gpu_series} mscale_gpu_* lines), "
+        f"node_exporter {size['node_exporter']} bytes"
+    )
+    print(
+        f"  baseline in the same run: node_exporter CPU {node_cpu:.2f} % of a core, peak RSS {node_peak:.1f} MB, "
+        f"scrape mean {statistics.fmean(lat['node_exporter']) * 1e3:.2f} ms"
+    )
     print(f"  {'figure':<38} {'measured':>10} {'against':>10}  {'ratio':>6}  verdict")
     missed = 0
     for label, value, base, what in rows:

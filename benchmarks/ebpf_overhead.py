@@ -16,6 +16,7 @@
 
 Needs root (or CAP_BPF + CAP_PERFMON), BCC and gcc. Run: .venv/bin/python benchmarks/ebpf_overhead.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,34 @@ FIXTURES = REPO / "tests" / "fixtures"
 
 def build(d: Path) -> tuple[str, str]:
     lib, caller = d / "libcuda.so.1", d / "cuda_caller"
-    subprocess.run(["gcc", "-O2", "-fno-ipa-icf", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib),
-                    str(FIXTURES / "libcuda_stub.c")], check=True)
-    subprocess.run(["gcc", "-O2", "-o", str(caller), str(FIXTURES / "cuda_caller.c"), f"-L{d}", "-l:libcuda.so.1",
-                    f"-Wl,-rpath,{d}", "-pthread"], check=True)
+    subprocess.run(
+        [
+            "gcc",
+            "-O2",
+            "-fno-ipa-icf",
+            "-shared",
+            "-fPIC",
+            "-Wl,-soname,libcuda.so.1",
+            "-o",
+            str(lib),
+            str(FIXTURES / "libcuda_stub.c"),
+        ],
+        check=True,
+    )
+    subprocess.run(
+        [
+            "gcc",
+            "-O2",
+            "-o",
+            str(caller),
+            str(FIXTURES / "cuda_caller.c"),
+            f"-L{d}",
+            "-l:libcuda.so.1",
+            f"-Wl,-rpath,{d}",
+            "-pthread",
+        ],
+        check=True,
+    )
     return str(lib), str(caller)
 
 
@@ -82,8 +107,10 @@ def per_call(lib: str, caller_path: str, calls: int, attach_mode: str) -> list[t
         link = bpf.attach(c.pid, lib, roles["on_launch"], launch_off)
         rows.append(("entry uprobe", c.bench(calls)))
         bpf.detach(link)
-        links = [bpf.attach(c.pid, lib, roles["on_stream_sync"], launch_off),
-                 bpf.attach(c.pid, lib, roles["on_sync_return"], launch_off)]
+        links = [
+            bpf.attach(c.pid, lib, roles["on_stream_sync"], launch_off),
+            bpf.attach(c.pid, lib, roles["on_sync_return"], launch_off),
+        ]
         rows.append(("entry + return uprobe", c.bench(calls)))
         for link in links:
             bpf.detach(link)
@@ -95,8 +122,17 @@ def per_call(lib: str, caller_path: str, calls: int, attach_mode: str) -> list[t
         bpf.close()
 
 
-def loop_overhead(caller_path: str, *, window_s: float, period_s: float, work_ns: int, seconds: float,
-                  chunk_s: float, attach_mode: str, trace: bool = True) -> tuple[list[float], list[float], int, int]:
+def loop_overhead(
+    caller_path: str,
+    *,
+    window_s: float,
+    period_s: float,
+    work_ns: int,
+    seconds: float,
+    chunk_s: float,
+    attach_mode: str,
+    trace: bool = True,
+) -> tuple[list[float], list[float], int, int]:
     """([wall, cpu] seconds traced, [wall, cpu] twin, launches seen, launches made) over
     alternating chunks. trace=False registers nobody: the control, both processes bare."""
     from mscale.config import from_dict
@@ -104,8 +140,9 @@ def loop_overhead(caller_path: str, *, window_s: float, period_s: float, work_ns
     from mscale.probes import spec
     from mscale.probes.base import ProbeContext
 
-    cfg = from_dict({"probes": {"ebpf": {"duty_window_s": window_s, "duty_period_s": period_s,
-                                         "attach_mode": attach_mode}}})
+    cfg = from_dict(
+        {"probes": {"ebpf": {"duty_window_s": window_s, "duty_period_s": period_s, "attach_mode": attach_mode}}}
+    )
     state = AgentState(node="bench")
     probe = spec("ebpf").factory(ProbeContext(config=cfg, state=state, emit=state.events.emit, clock=time.time))
     traced, twin = Caller(caller_path), Caller(caller_path)
@@ -162,11 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-ns", type=int, default=5000, help="CPU work behind each launch in the loop")
     ap.add_argument("--periods", type=float, default=6, help="duty periods the default-mode loop runs for")
     ap.add_argument("--chunk-s", type=float, default=0.1, help="length of one alternating chunk")
-    ap.add_argument("--always-on-s", type=float, default=10, help="seconds for the control and the always-on comparison")
+    ap.add_argument(
+        "--always-on-s", type=float, default=10, help="seconds for the control and the always-on comparison"
+    )
     ap.add_argument("--attach-mode", default=d.attach_mode, choices=("auto", "uprobe_multi", "perf_event"))
     args = ap.parse_args(argv)
 
     from mscale.probes.ebpf_loader import preflight
+
     preflight()
     with tempfile.TemporaryDirectory(prefix="mscale-ebpf-bench-") as tmp:
         lib, caller = build(Path(tmp))
@@ -181,22 +221,37 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"\n2. launch-bound loop, {args.work_ns} ns of work per launch, traced vs untraced twin")
         for label, window, period, seconds, trace in (
-                ("control, neither traced (noise floor)", d.duty_window_s, d.duty_period_s, args.always_on_s, False),
-                (f"default duty cycle ({d.duty_window_s:g} s every {d.duty_period_s:g} s)",
-                 d.duty_window_s, d.duty_period_s, args.periods * d.duty_period_s, True),
-                ("always on (for comparison)", 1.0, 1.0, args.always_on_s, True)):
-            t_tr, t_tw, seen, made = loop_overhead(caller, window_s=window, period_s=period, work_ns=args.work_ns,
-                                                   seconds=seconds, chunk_s=args.chunk_s,
-                                                   attach_mode=args.attach_mode, trace=trace)
+            ("control, neither traced (noise floor)", d.duty_window_s, d.duty_period_s, args.always_on_s, False),
+            (
+                f"default duty cycle ({d.duty_window_s:g} s every {d.duty_period_s:g} s)",
+                d.duty_window_s,
+                d.duty_period_s,
+                args.periods * d.duty_period_s,
+                True,
+            ),
+            ("always on (for comparison)", 1.0, 1.0, args.always_on_s, True),
+        ):
+            t_tr, t_tw, seen, made = loop_overhead(
+                caller,
+                window_s=window,
+                period_s=period,
+                work_ns=args.work_ns,
+                seconds=seconds,
+                chunk_s=args.chunk_s,
+                attach_mode=args.attach_mode,
+                trace=trace,
+            )
             cpu, wall = t_tr[1] / t_tw[1], t_tr[0] / t_tw[0]
-            print(f"   {label}:\n"
-                  f"      CPU time of the loop, traced/untraced = {cpu:.4f} (added {100 * (cpu - 1):+.2f}%; "
-                  f"{t_tr[1]:.1f} s vs {t_tw[1]:.1f} s)\n"
-                  f"      wall time, traced/untraced           = {wall:.4f} (added {100 * (wall - 1):+.2f}%; "
-                  f"includes preemption by other work on this machine)\n"
-                  f"      launches seen {seen:,} of {made:,} = {seen / made:.1%}; expected from part 1: "
-                  f"{seen / made:.3f} x {per_hit * 1e9:.0f} ns / {args.work_ns} ns = "
-                  f"{100 * seen / made * per_hit * 1e9 / args.work_ns:+.2f}%")
+            print(
+                f"   {label}:\n"
+                f"      CPU time of the loop, traced/untraced = {cpu:.4f} (added {100 * (cpu - 1):+.2f}%; "
+                f"{t_tr[1]:.1f} s vs {t_tw[1]:.1f} s)\n"
+                f"      wall time, traced/untraced           = {wall:.4f} (added {100 * (wall - 1):+.2f}%; "
+                f"includes preemption by other work on this machine)\n"
+                f"      launches seen {seen:,} of {made:,} = {seen / made:.1%}; expected from part 1: "
+                f"{seen / made:.3f} x {per_hit * 1e9:.0f} ns / {args.work_ns} ns = "
+                f"{100 * seen / made * per_hit * 1e9 / args.work_ns:+.2f}%"
+            )
         print("\n   target: under 1% added in the default mode")
     return 0
 

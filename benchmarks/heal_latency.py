@@ -12,6 +12,7 @@
 Each figure is printed as a ratio against a baseline measured in the same run (the median
 step time, the fault-free throughput). Run: .venv/bin/python benchmarks/heal_latency.py
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,9 +37,11 @@ def checksum_to_swap(reps: int = 5) -> tuple[list[float], list[float], float]:
     trig, inj, steps = [], [], []
     for i in range(reps):
         at = 20 + 3 * i
-        r = run(RunConfig(steps=at + 8, seed=i, faults=(Fault(at, "corrupt", {"gpu": 0, "mode": "noise", "steps": 10}),)))
+        r = run(
+            RunConfig(steps=at + 8, seed=i, faults=(Fault(at, "corrupt", {"gpu": 0, "mode": "noise", "steps": 10}),))
+        )
         fails = [f for f in r.findings if f.reason.value == "checksum_failure"]
-        (_, _, gpu, done), = r.fuse.reruns  # the forward re-run on the standby, output replaced
+        ((_, _, gpu, done),) = r.fuse.reruns  # the forward re-run on the standby, output replaced
         assert gpu == 3
         trig.append(done - fails[-1].time)
         inj.append(done - fails[0].time)
@@ -75,11 +78,13 @@ def xid_to_emergency_snapshot(reps: int = 3) -> tuple[list[float], float]:
 
 def goodput() -> tuple[float, float, int]:
     steps = 300
-    faults = (Fault(30, "corrupt", {"gpu": 0, "mode": "noise", "steps": 20}),
-              Fault(90, "corrupt", {"mpu": "vision", "mode": "noise", "steps": 25}),
-              Fault(170, "loss_spike", {"factor": 25.0}),
-              Fault(210, "nan_loss", {}),
-              Fault(250, "corrupt", {"gpu": 1, "mode": "noise", "steps": 20}))
+    faults = (
+        Fault(30, "corrupt", {"gpu": 0, "mode": "noise", "steps": 20}),
+        Fault(90, "corrupt", {"mpu": "vision", "mode": "noise", "steps": 25}),
+        Fault(170, "loss_spike", {"factor": 25.0}),
+        Fault(210, "nan_loss", {}),
+        Fault(250, "corrupt", {"gpu": 1, "mode": "noise", "steps": 20}),
+    )
     refs, bads = [], []
     for _ in range(2):  # alternate and keep the best of each: the machine is shared
         refs.append(run(RunConfig(steps=steps)))
@@ -94,15 +99,21 @@ def main() -> int:
     trig, inj, st = checksum_to_swap()
     print("checksum failure -> swapped (tiny model, CPU, 1 thread)")
     print(f"  step time (baseline, same run)       {st * 1e3:8.2f} ms")
-    print(f"  Nth failure -> swapped, re-run done  {statistics.median(trig) * 1e3:8.2f} ms   "
-          f"= {statistics.median(trig) / st:5.2f} x step time (median of {len(trig)})")
-    print(f"  first failure -> swapped, re-run     {statistics.median(inj) * 1e3:8.2f} ms   "
-          f"= {statistics.median(inj) / st:5.2f} x step time (3 failing steps of evidence)")
+    print(
+        f"  Nth failure -> swapped, re-run done  {statistics.median(trig) * 1e3:8.2f} ms   "
+        f"= {statistics.median(trig) / st:5.2f} x step time (median of {len(trig)})"
+    )
+    print(
+        f"  first failure -> swapped, re-run     {statistics.median(inj) * 1e3:8.2f} ms   "
+        f"= {statistics.median(inj) / st:5.2f} x step time (3 failing steps of evidence)"
+    )
     xs, st2 = xid_to_emergency_snapshot()
     print("Xid -> emergency snapshot written (agent probe -> engine -> link -> fuse -> disk)")
     print(f"  step time (baseline, same run)       {st2 * 1e3:8.2f} ms")
-    print(f"  Xid injected -> snapshot on disk     {statistics.median(xs) * 1e3:8.2f} ms   "
-          f"= {statistics.median(xs) / st2:5.2f} x step time (median of {len(xs)})")
+    print(
+        f"  Xid injected -> snapshot on disk     {statistics.median(xs) * 1e3:8.2f} ms   "
+        f"= {statistics.median(xs) / st2:5.2f} x step time (median of {len(xs)})"
+    )
     ratio, wall, loss_ratio, lost = goodput()
     print("goodput of a run with 5 faults healed vs the fault-free run (300 steps, best of 2 each)")
     print(f"  useful steps per CPU-second, ratio   {ratio:8.3f}")

@@ -33,6 +33,7 @@ Two shapes, both hidden 512, 2+2 layers, batch 8:
 
     .venv/bin/python benchmarks/hook_overhead.py [--shape both|original|realistic] [--steps N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,10 +60,16 @@ from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal  # n
 def start_agent(tmp: str) -> tuple[subprocess.Popen, str]:
     sock = os.path.join(tmp, "agent.sock")
     cfg = os.path.join(tmp, "agent.toml")
-    Path(cfg).write_text(f'[agent]\nlisten = "127.0.0.1:0"\nsocket_path = "{sock}"\nlog_level = "warning"\n'
-                         "[probes.gpu]\nenabled = false\n[probes.ebpf]\nenabled = false\n")
-    proc = subprocess.Popen([sys.executable, "-m", "mscale", "agent", "--config", cfg], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    Path(cfg).write_text(
+        f'[agent]\nlisten = "127.0.0.1:0"\nsocket_path = "{sock}"\nlog_level = "warning"\n'
+        "[probes.gpu]\nenabled = false\n[probes.ebpf]\nenabled = false\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mscale", "agent", "--config", cfg],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 60
     while not os.path.exists(sock):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -81,12 +88,21 @@ SHAPES = {
 def run_shape(name: str, args: argparse.Namespace, sock: str) -> dict:
     overrides, default_steps = SHAPES[name]
     steps = args.steps or default_steps
-    cfg = TinyConfig(patch=4, vision_hidden=args.hidden, text_hidden=args.hidden, heads=8,
-                     vision_layers=args.layers, text_layers=args.layers, vocab=1024, **overrides)
+    cfg = TinyConfig(
+        patch=4,
+        vision_hidden=args.hidden,
+        text_hidden=args.hidden,
+        heads=8,
+        vision_layers=args.layers,
+        text_layers=args.layers,
+        vocab=1024,
+        **overrides,
+    )
     data = SyntheticCaptions(cfg, size=100_000)
     n = args.warmup + steps
-    batches = [torch.utils.data.default_collate([data[i * args.batch + j] for j in range(args.batch)])
-               for i in range(n)]
+    batches = [
+        torch.utils.data.default_collate([data[i * args.batch + j] for j in range(args.batch)]) for i in range(n)
+    ]
 
     def model_and_opt():
         torch.manual_seed(0)
@@ -96,17 +112,21 @@ def run_shape(name: str, args: argparse.Namespace, sock: str) -> dict:
     plain, plain_opt = model_and_opt()
     clipped, clipped_opt = model_and_opt()
     guarded, guarded_opt = model_and_opt()
-    guard = attach(guarded, guarded_opt, job_id=f"bench-{name}", socket_path=sock,
-                   checksum=ChecksumConfig(replay_every=100))
+    guard = attach(
+        guarded, guarded_opt, job_id=f"bench-{name}", socket_path=sock, checksum=ChecksumConfig(replay_every=100)
+    )
     deadline = time.monotonic() + 30
     while not guard.link.connected and time.monotonic() < deadline:
         time.sleep(0.05)
     assert guard.link.connected, "the hook did not connect to the agent"
     params = sum(p.numel() for p in plain.parameters())
     tokens = args.batch * (cfg.patches + cfg.seq_len - 1)
-    print(f"\n== {name}: hidden {args.hidden}, FFN {cfg.ffn_mult}x, {args.layers}+{args.layers} layers, "
-          f"{params / 1e6:.1f}M params, batch {args.batch}, {cfg.patches} patches + {cfg.seq_len} tokens "
-          f"({tokens} tokens a step), torch threads {args.threads}, {steps} timed steps", flush=True)
+    print(
+        f"\n== {name}: hidden {args.hidden}, FFN {cfg.ffn_mult}x, {args.layers}+{args.layers} layers, "
+        f"{params / 1e6:.1f}M params, batch {args.batch}, {cfg.patches} patches + {cfg.seq_len} tokens "
+        f"({tokens} tokens a step), torch threads {args.threads}, {steps} timed steps",
+        flush=True,
+    )
 
     def step(model, opt, b, clip: bool = False) -> float:
         t = time.perf_counter()
@@ -135,26 +155,38 @@ def run_shape(name: str, args: argparse.Namespace, sock: str) -> dict:
             parts.setdefault(k, []).append(v)
     med = {k: statistics.median(v) for k, v in times.items()}
     mean = {k: sum(v) / len(v) for k, v in times.items()}
-    print("step time, median: " + ", ".join(f"{LABELS[k]} {med[k] * 1e3:.2f} ms" for k in arms)
-          + "; mean: " + ", ".join(f"{mean[k] * 1e3:.2f}" for k in arms) + " ms")
+    print(
+        "step time, median: "
+        + ", ".join(f"{LABELS[k]} {med[k] * 1e3:.2f} ms" for k in arms)
+        + "; mean: "
+        + ", ".join(f"{mean[k] * 1e3:.2f}" for k in arms)
+        + " ms"
+    )
     print(f"  (clip_grad_norm_ itself: {(med['clip'] / med['plain'] - 1) * 100:+.2f}% on the plain median)")
     replays = sum(1 for i in range(args.warmup, n) if i % 100 == 99)
     out = {}
     for base in ("plain", "clip"):
         g, p = times["guarded"], times[base]
         md = statistics.median(x - y for x, y in zip(g, p, strict=True))
-        r = {"median": med["guarded"] / med[base] - 1, "paired": md / med[base],
-             "mean": mean["guarded"] / mean[base] - 1}
+        r = {
+            "median": med["guarded"] / med[base] - 1,
+            "paired": md / med[base],
+            "mean": mean["guarded"] / mean[base] - 1,
+        }
         out[base] = r
-        print(f"guarded vs {LABELS[base]}: median ratio {med['guarded'] / med[base]:.4f} "
-              f"({r['median'] * 100:+.2f}% added; target < 3%), paired difference {md * 1e3:+.2f} ms "
-              f"({r['paired'] * 100:+.2f}%), mean {r['mean'] * 100:+.2f}% (includes {replays} replay step(s))")
+        print(
+            f"guarded vs {LABELS[base]}: median ratio {med['guarded'] / med[base]:.4f} "
+            f"({r['median'] * 100:+.2f}% added; target < 3%), paired difference {md * 1e3:+.2f} ms "
+            f"({r['paired'] * 100:+.2f}%), mean {r['mean'] * 100:+.2f}% (includes {replays} replay step(s))"
+        )
     print("guard's own time per step, mean, by part (share of the plain step's mean):")
     for k, v in parts.items():
         m = sum(v) / len(v)
         print(f"  {k.removesuffix('_s'):12s} {m * 1e3:8.3f} ms  {m / mean['plain'] * 100:6.2f}%")
-    print(f"reports: sent {guard.link.sent}, dropped {guard.link.dropped}; checksum failures "
-          f"{sum(m.checksum_failures_total for m in guard.mpus)}")
+    print(
+        f"reports: sent {guard.link.sent}, dropped {guard.link.dropped}; checksum failures "
+        f"{sum(m.checksum_failures_total for m in guard.mpus)}"
+    )
     guard.detach()
     return out
 
@@ -178,6 +210,7 @@ def main() -> int:
     import logging
 
     import structlog
+
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
 
     tmp = tempfile.mkdtemp(prefix="mscale-bench-")
@@ -194,8 +227,10 @@ def main() -> int:
     for k, r in results.items():
         for base in ("plain", "clip"):
             x = r[base]
-            print(f"  {k:9s} vs {LABELS[base]:24s} {x['median'] * 100:+.2f}%, {x['paired'] * 100:+.2f}%, "
-                  f"{x['mean'] * 100:+.2f}%")
+            print(
+                f"  {k:9s} vs {LABELS[base]:24s} {x['median'] * 100:+.2f}%, {x['paired'] * 100:+.2f}%, "
+                f"{x['mean'] * 100:+.2f}%"
+            )
     return 0
 
 

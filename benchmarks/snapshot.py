@@ -20,6 +20,7 @@ temporary directory under --dir (default /tmp), removed at the end.
 
     .venv/bin/python benchmarks/snapshot.py [--gib 1.0] [--dir /tmp] [--repeats 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,7 +66,11 @@ def build(gib: float):
         p.grad = None
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 1000)
     loader = ResumableLoader(SyntheticCaptions(TinyConfig(), size=64), batch_size=8)
-    mpus = {"vision": ("001", model.vision_tower), "aligner": ("002", model.multi_modal_projector), "text": ("003", model.language_model)}
+    mpus = {
+        "vision": ("001", model.vision_tower),
+        "aligner": ("002", model.multi_modal_projector),
+        "text": ("003", model.language_model),
+    }
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     nbytes += sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
     return model, opt, sched, loader, mpus, nbytes
@@ -111,11 +116,22 @@ def main() -> int:
         # One intra-op thread for everyone: torch.save, torch.load and the hashing are
         # single-threaded anyway, and on a shared machine spinning OpenMP threads only add noise.
         torch.set_num_threads(1)
-        print(f"state: {nbytes / GiB:.2f} GiB ({sum(p.numel() for p in model.parameters()) / 1e6:.0f} M parameters + AdamW moments), "
-              f"built in {time.perf_counter() - t0:.1f} s; {torch.get_num_threads()} torch thread, {os.cpu_count()} CPUs, {args.repeats} interleaved rounds; files in {work}")
+        print(
+            f"state: {nbytes / GiB:.2f} GiB ({sum(p.numel() for p in model.parameters()) / 1e6:.0f} M parameters + AdamW moments), "
+            f"built in {time.perf_counter() - t0:.1f} s; {torch.get_num_threads()} torch thread, {os.cpu_count()} CPUs, {args.repeats} interleaved rounds; files in {work}"
+        )
         R = args.repeats
-        engine = SnapshotEngine(model, opt, mpus=mpus, scheduler=sched, data=loader, directory=work / "ours",
-                                memory_every=1, disk_every=0, disk_keep=1)
+        engine = SnapshotEngine(
+            model,
+            opt,
+            mpus=mpus,
+            scheduler=sched,
+            data=loader,
+            directory=work / "ours",
+            memory_every=1,
+            disk_every=0,
+            disk_keep=1,
+        )
         t0 = time.perf_counter()
         engine.snapshot(1)
         first = time.perf_counter() - t0
@@ -172,7 +188,9 @@ def main() -> int:
             verify_snapshot(engine.last_write["path"])
             verify.append(time.perf_counter() - t0)
 
-            fresh = SnapshotEngine(model, opt, mpus=mpus, scheduler=sched, data=loader, directory=work / "ours", disk_every=0)
+            fresh = SnapshotEngine(
+                model, opt, mpus=mpus, scheduler=sched, data=loader, directory=work / "ours", disk_every=0
+            )
             t0 = time.perf_counter()
             fresh.resume()
             resume.append(time.perf_counter() - t0)

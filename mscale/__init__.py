@@ -8,6 +8,7 @@ API is re-exported lazily (module `__getattr__`), so the agent never loads it.
     guard = mscale.attach(model, optimizer, job_id="run-42",            # + fuse, snapshots, rollback
                           snapshots="/ckpt/run-42", data=loader)
 """
+
 from __future__ import annotations
 
 import importlib

@@ -8,6 +8,7 @@ address, the request and why.
     client.status(events=10)                   # GET /api/v1/status
     code, reply = client.chaos({"kind": "nan_loss"})
 """
+
 from __future__ import annotations
 
 import json
@@ -68,8 +69,9 @@ class AgentClient:
     def get_json(self, path: str, *, timeout: float | None = None) -> Any:
         return self._json("GET", path, self.get(path, timeout=timeout))
 
-    def post_json(self, path: str, body: Any, *, token: str | None = None,
-                  timeout: float | None = None) -> tuple[int, Any]:
+    def post_json(
+        self, path: str, body: Any, *, token: str | None = None, timeout: float | None = None
+    ) -> tuple[int, Any]:
         """POST a JSON body (with a bearer token if given): (HTTP status, JSON reply). An HTTP
         error status is returned, not raised, with the agent's reply (or {"error": its text})."""
         headers = {"Content-Type": "application/json"}
@@ -83,8 +85,9 @@ class AgentClient:
         except ValueError:
             return status, {"error": _text(raw)}
 
-    def _request(self, method: str, path: str, data: bytes | None, headers: dict,
-                 timeout: float | None) -> tuple[int, bytes]:
+    def _request(
+        self, method: str, path: str, data: bytes | None, headers: dict, timeout: float | None
+    ) -> tuple[int, bytes]:
         timeout = self.timeout if timeout is None else timeout
         where = f"{method} {path}"
         try:
@@ -110,8 +113,9 @@ class AgentClient:
         try:
             return json.loads(body)
         except ValueError:
-            raise AgentError(f"the agent at {self.url} answered {method} {path} with something that is not JSON: "
-                             f"{_text(body)}") from None
+            raise AgentError(
+                f"the agent at {self.url} answered {method} {path} with something that is not JSON: {_text(body)}"
+            ) from None
 
 
 def _text(body: bytes, limit: int = 200) -> str:

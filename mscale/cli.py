@@ -1,4 +1,5 @@
 """The `mscale` command. One line per subcommand; each module has HELP, add_arguments, run."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,9 @@ COMMANDS: dict[str, str] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mscale", description="MegaScale-Omni: observability and self-healing for multimodal training")
+    parser = argparse.ArgumentParser(
+        prog="mscale", description="MegaScale-Omni: observability and self-healing for multimodal training"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_path in COMMANDS.items():
         module = importlib.import_module(module_path)

@@ -16,6 +16,7 @@ Every key has a default, a type and (where it matters) a range; a test keeps
 docs/configuration.md in step. Unknown keys, wrong types and out-of-range values raise `ConfigError` naming
 the key (and its line). A section may define `check(self, key)` for rules across its fields.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,8 +46,15 @@ class ConfigError(ValueError):
     """A configuration value is wrong. The message names the key and what was expected."""
 
 
-def opt(default: Any, help: str, *, min: float | None = None, max: float | None = None,
-        choices: tuple | None = None, factory: Any = None) -> Any:
+def opt(
+    default: Any,
+    help: str,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    choices: tuple | None = None,
+    factory: Any = None,
+) -> Any:
     meta = {"help": help, "min": min, "max": max, "choices": choices}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
@@ -54,6 +62,7 @@ def opt(default: Any, help: str, *, min: float | None = None, max: float | None 
 
 
 # --- assembly ----------------------------------------------------------------------------
+
 
 def _import(dotted: str) -> Any:
     """'package.module:Name' -> the object, imported now."""
@@ -75,6 +84,7 @@ class ProbesSection:
     table as `cfg.probes.<name>`; its type is the probe module's section class."""
 
     if TYPE_CHECKING:
+
         def __getattr__(self, name: str) -> Any: ...
 
 
@@ -85,7 +95,8 @@ def _probe_table(name: str, module: str) -> type:
     enabled = dataclasses.make_dataclass(
         f"_{section.__name__}Enabled",
         [("enabled", bool, opt(spec.default_enabled, spec.enabled_help or f"run the {name} probe"))],
-        frozen=True)
+        frozen=True,
+    )
     # The last base's fields come first: `enabled`, then the probe's own keys in order.
     cls = dataclasses.make_dataclass(section.__name__, [], bases=(section, enabled), frozen=True)
     cls.__module__ = enabled.__module__ = section.__module__
@@ -98,7 +109,9 @@ def _probes_table(registry: tuple[tuple[str, str], ...]) -> type:
     cls = dataclasses.make_dataclass(
         "ProbesSection",
         [(name, t, opt(None, f"the {name} probe", factory=t)) for name, t in tables],
-        bases=(ProbesSection,), frozen=True)
+        bases=(ProbesSection,),
+        frozen=True,
+    )
     cls.__module__ = __name__
     return cls
 
@@ -139,6 +152,7 @@ def _fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
 
 # --- loading -----------------------------------------------------------------------------
 
+
 def _line_of(text: str | None, dotted: str) -> str:
     if not text:
         return ""
@@ -164,7 +178,11 @@ def _coerce(dotted: str, tp: Any, value: Any, meta: dict, text: str | None) -> A
         raise ConfigError(f"{dotted}{where}: expected one of {', '.join(map(str, meta['choices']))}, got {value!r}")
     lo, hi = meta.get("min"), meta.get("max")
     if lo is not None and value < lo or hi is not None and value > hi:
-        rng = f"between {lo} and {hi}" if lo is not None and hi is not None else (f">= {lo}" if lo is not None else f"<= {hi}")
+        rng = (
+            f"between {lo} and {hi}"
+            if lo is not None and hi is not None
+            else (f">= {lo}" if lo is not None else f"<= {hi}")
+        )
         raise ConfigError(f"{dotted}{where}: expected a value {rng}, got {value!r}")
     return value
 
@@ -175,7 +193,9 @@ def _build(cls: type, data: dict, prefix: str, text: str | None) -> Any:
         if key not in fields:
             dotted = f"{prefix}{key}"
             known = ", ".join(sorted(fields))
-            raise ConfigError(f"{dotted}{_line_of(text, dotted)}: unknown key (known in [{prefix.rstrip('.') or 'top level'}]: {known})")
+            raise ConfigError(
+                f"{dotted}{_line_of(text, dotted)}: unknown key (known in [{prefix.rstrip('.') or 'top level'}]: {known})"
+            )
     kwargs = {}
     for name, (f, tp) in fields.items():
         if name not in data:

@@ -3,6 +3,7 @@
 Metrics, the event API, logs and the healing policy all consume the same `Finding`, so a
 fault seen by two paths can be recognised as one (see `Finding.fault_key`).
 """
+
 from __future__ import annotations
 
 import time

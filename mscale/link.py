@@ -28,6 +28,7 @@ A message over the agent's `socket.max_message_bytes` (default MAX_MESSAGE_BYTES
 is not a JSON object with a string type, an unknown type, or a register or report that fails
 its validator below is refused with an error frame; the connection and other jobs go on.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,6 +72,7 @@ MAX_FINDING_MESSAGE, MAX_FINDING_SOURCE = 1000, 32
 
 # --- vocabulary ------------------------------------------------------------------------------
 
+
 class Msg(StrEnum):
     """The link's own message types (commands aside)."""
 
@@ -108,6 +110,7 @@ CHAOS_JOB_KINDS = ("corrupt", "gpu_fault", "loss_spike", "nan_loss", "hang")
 
 
 # --- building messages -----------------------------------------------------------------------
+
 
 def register(*, job_id: str, rank: int, pid: int, step: int, mpus: list[dict]) -> dict:
     return {"type": Msg.REGISTER.value, "job_id": job_id, "rank": rank, "pid": pid, "step": step, "mpus": mpus}
@@ -164,6 +167,7 @@ def encode(message: Mapping[str, Any]) -> str:
 
 # --- reading and validating ------------------------------------------------------------------
 
+
 class BadMessage(ValueError):
     """A message the protocol refuses; `why` is the refusal counter's label."""
 
@@ -204,8 +208,10 @@ def check_command(command: Any) -> None:
 
 
 def validate_register(msg: dict) -> None:
-    _need(isinstance(msg.get("job_id"), str) and bool(JOB_ID.match(msg["job_id"])),
-          "register: job_id must be 1-128 characters of [A-Za-z0-9._:@/+-]")
+    _need(
+        isinstance(msg.get("job_id"), str) and bool(JOB_ID.match(msg["job_id"])),
+        "register: job_id must be 1-128 characters of [A-Za-z0-9._:@/+-]",
+    )
     _need(_is_int(msg.get("rank")) and msg["rank"] >= 0, "register: rank must be an integer >= 0")
     _need(_is_int(msg.get("pid")) and msg["pid"] > 0, "register: pid must be an integer > 0")
     mpus = msg.get("mpus")
@@ -214,11 +220,15 @@ def validate_register(msg: dict) -> None:
     seen = set()
     for i, m in enumerate(mpus):
         _need(isinstance(m, dict), f"register: mpus[{i}] must be an object")
-        _need(isinstance(m.get("mpu_id"), str) and 1 <= len(m["mpu_id"]) <= 16,
-              f"register: mpus[{i}].mpu_id must be a short string")
+        _need(
+            isinstance(m.get("mpu_id"), str) and 1 <= len(m["mpu_id"]) <= 16,
+            f"register: mpus[{i}].mpu_id must be a short string",
+        )
         _need(m["mpu_id"] not in seen, f"register: mpus[{i}].mpu_id {m['mpu_id']!r} repeated")
         seen.add(m["mpu_id"])
-        _need(isinstance(m.get("name"), str) and 1 <= len(m["name"]) <= 64, f"register: mpus[{i}].name must be a string")
+        _need(
+            isinstance(m.get("name"), str) and 1 <= len(m["name"]) <= 64, f"register: mpus[{i}].name must be a string"
+        )
         _need(_is_int(m.get("gpu")) and 0 <= m["gpu"] < MAX_GPU_INDEX, f"register: mpus[{i}].gpu must be a GPU index")
         _need(isinstance(m.get("gpu_uuid", ""), str), f"register: mpus[{i}].gpu_uuid must be a string")
 
@@ -231,7 +241,10 @@ def validate_report(msg: dict) -> None:
     for i, r in enumerate(reports):
         _need(isinstance(r, dict), f"report: reports[{i}] must be an object")
         _need(_is_int(r.get("step")) and r["step"] >= 0, f"report: reports[{i}].step must be an integer >= 0")
-        _need(_is_num(r.get("loss")) and _is_num(r.get("grad_norm")), f"report: reports[{i}] loss/grad_norm must be numbers")
+        _need(
+            _is_num(r.get("loss")) and _is_num(r.get("grad_norm")),
+            f"report: reports[{i}] loss/grad_norm must be numbers",
+        )
         _need(isinstance(r.get("mpus", {}), dict), f"report: reports[{i}].mpus must be an object")
         for mid, mr in r.get("mpus", {}).items():
             _need(isinstance(mr, dict), f"report: reports[{i}].mpus[{mid!r}] must be an object")
@@ -256,5 +269,11 @@ def finding(f: Any) -> Finding | None:
     labels = {str(k)[:MAX_LABEL_NAME]: str(v)[:MAX_LABEL_VALUE] for k, v in list(labels.items())[:MAX_FINDING_LABELS]}
     t = f.get("time")
     kwargs = {"time": float(t)} if isinstance(t, (int, float)) and not isinstance(t, bool) else {}
-    return Finding(f"hook:{str(f.get('source', ''))[:MAX_FINDING_SOURCE]}", reason, severity,
-                   str(f.get("message", ""))[:MAX_FINDING_MESSAGE], labels, **kwargs)
+    return Finding(
+        f"hook:{str(f.get('source', ''))[:MAX_FINDING_SOURCE]}",
+        reason,
+        severity,
+        str(f.get("message", ""))[:MAX_FINDING_MESSAGE],
+        labels,
+        **kwargs,
+    )

@@ -2,6 +2,7 @@
 
 Called by entry points only; importing mscale configures nothing.
 """
+
 from __future__ import annotations
 
 import logging

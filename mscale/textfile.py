@@ -1,4 +1,5 @@
 """Reading the project's data files (config, timelines, policy, Xid table) with one error shape."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """pytest set-up: torch thread count for every test process, shared fixtures. Helpers live in tests/support/."""
+
 from __future__ import annotations
 
 import os

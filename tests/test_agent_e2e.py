@@ -2,6 +2,7 @@
 subprocess on 127.0.0.1; /metrics shows GPU 3's Xid counter and `failed`, the others
 `healthy`; the log has exactly one event for the Xid; promtool accepts the live page;
 /api/v1/gpus is useful JSON; SIGTERM ends it with status 0."""
+
 from __future__ import annotations
 
 import json
@@ -32,9 +33,24 @@ class Agent:
         cfg.write_text("[probes.ebpf]\nenabled = false\n[probes.host]\ninterval_s = 1.0\n")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mscale", "agent", "--config", str(cfg), "--simulate", timeline,
-             "--listen", f"127.0.0.1:{self.port}", "--socket", str(tmp / "agent.sock")],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+            [
+                sys.executable,
+                "-m",
+                "mscale",
+                "agent",
+                "--config",
+                str(cfg),
+                "--simulate",
+                timeline,
+                "--listen",
+                f"127.0.0.1:{self.port}",
+                "--socket",
+                str(tmp / "agent.sock"),
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
 
     def get(self, path: str) -> bytes:
         with urllib.request.urlopen(self.url + path, timeout=5) as r:
@@ -42,8 +58,11 @@ class Agent:
 
     def metrics(self) -> dict:
         text = self.get("/metrics").decode()
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
 
     def log_events(self) -> list[dict]:
         out = []
@@ -58,7 +77,9 @@ class Agent:
         deadline = time.monotonic() + timeout_s
         last: Exception | None = None
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"agent exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}"
+            assert self.proc.poll() is None, (
+                f"agent exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}"
+            )
             try:
                 result = fn()
                 if result:
@@ -91,8 +112,11 @@ def agent(tmp_path_factory):
 
 
 def _health(m: dict, gpu: str) -> str:
-    states = [dict(lb)["state"] for (name, lb), v in m.items()
-              if name == "mscale_gpu_health" and dict(lb)["gpu"] == gpu and v == 1]
+    states = [
+        dict(lb)["state"]
+        for (name, lb), v in m.items()
+        if name == "mscale_gpu_health" and dict(lb)["gpu"] == gpu and v == 1
+    ]
     assert len(states) == 1, states
     return states[0]
 
@@ -100,8 +124,11 @@ def _health(m: dict, gpu: str) -> str:
 def test_xid_79_on_gpu_3_fails_it_and_only_it(agent) -> None:
     def xid_seen():
         m = agent.metrics()
-        xid = [v for (name, lb), v in m.items()
-               if name == "mscale_gpu_xid_errors_total" and dict(lb)["gpu"] == "3" and dict(lb)["xid"] == "79"]
+        xid = [
+            v
+            for (name, lb), v in m.items()
+            if name == "mscale_gpu_xid_errors_total" and dict(lb)["gpu"] == "3" and dict(lb)["xid"] == "79"
+        ]
         return m if xid == [1.0] and _health(m, "3") == "failed" else None
 
     m = agent.until(xid_seen)
@@ -119,21 +146,34 @@ def test_xid_79_on_gpu_3_fails_it_and_only_it(agent) -> None:
 
 
 def test_api_gpus_json(agent) -> None:
-    body = agent.until(lambda: (lambda b: b if b.get("gpus") and b["gpus"][3]["health"] == "failed" else None)(
-        json.loads(agent.get("/api/v1/gpus"))))
+    body = agent.until(
+        lambda: (lambda b: b if b.get("gpus") and b["gpus"][3]["health"] == "failed" else None)(
+            json.loads(agent.get("/api/v1/gpus"))
+        )
+    )
     assert body["backend"] == "sim" and len(body["gpus"]) == 8 and body["time"] > 0
     g3 = body["gpus"][3]
     assert g3["index"] == 3 and g3["uuid"].startswith("GPU-") and g3["xid_errors"] == [[79, 1]]
     assert any("Xid 79" in r for r in g3["reasons"])
     g0 = body["gpus"][0]
     assert g0["health"] == "healthy" and g0["memory_total_bytes"] > 0 and len(g0["nvlinks"]) == 18
-    assert g0["nvlinks"][0] == {"link": 0, "up": True, "replay_errors": 0, "recovery_errors": 0,
-                                "crc_flit_errors": 0, "crc_data_errors": 0}
+    assert g0["nvlinks"][0] == {
+        "link": 0,
+        "up": True,
+        "replay_errors": 0,
+        "recovery_errors": 0,
+        "crc_flit_errors": 0,
+        "crc_data_errors": 0,
+    }
 
 
 def test_promtool_accepts_the_live_page(agent) -> None:
     promtool = require_tool("promtool")
-    agent.until(lambda: b"mscale_host_cpu_seconds_total" in agent.get("/metrics") and b"mscale_gpu_health" in agent.get("/metrics"))
+    agent.until(
+        lambda: (
+            b"mscale_host_cpu_seconds_total" in agent.get("/metrics") and b"mscale_gpu_health" in agent.get("/metrics")
+        )
+    )
     page = agent.get("/metrics")
     proc = subprocess.run([promtool, "check", "metrics"], input=page, capture_output=True, timeout=60)
     assert proc.returncode == 0, proc.stdout.decode() + proc.stderr.decode()

@@ -1,5 +1,6 @@
 """The Alertmanager example: amtool checks it, amtool routes each severity, and a real
 Alertmanager on 127.0.0.1 applies the inhibition rules and delivers to a webhook with the token."""
+
 from __future__ import annotations
 
 import asyncio
@@ -47,8 +48,12 @@ class WebhookSink:
         await self.runner.cleanup()
 
     def delivered(self) -> set[tuple]:
-        return {(a["labels"]["alertname"], a["labels"].get("node"), a["labels"].get("gpu_uuid"), a["labels"].get("mpu_id"))
-                for _, body in self.calls for a in body["alerts"] if a["status"] == "firing"}
+        return {
+            (a["labels"]["alertname"], a["labels"].get("node"), a["labels"].get("gpu_uuid"), a["labels"].get("mpu_id"))
+            for _, body in self.calls
+            for a in body["alerts"]
+            if a["status"] == "firing"
+        }
 
 
 def rule_labels(name: str) -> dict[str, str]:
@@ -58,12 +63,16 @@ def rule_labels(name: str) -> dict[str, str]:
 
 def alert(name: str, **labels: str) -> dict:
     now = dt.datetime.now(dt.UTC)
-    return {"labels": {"alertname": name, **rule_labels(name), **labels},
-            "annotations": {"summary": name},
-            "startsAt": now.isoformat(), "endsAt": (now + dt.timedelta(minutes=10)).isoformat()}
+    return {
+        "labels": {"alertname": name, **rule_labels(name), **labels},
+        "annotations": {"summary": name},
+        "startsAt": now.isoformat(),
+        "endsAt": (now + dt.timedelta(minutes=10)).isoformat(),
+    }
 
 
 # --- static checks -------------------------------------------------------------------
+
 
 def test_deploy_copy_is_the_shipped_file():
     assert DEPLOY.read_text() == SHIPPED.read_text()
@@ -87,20 +96,36 @@ ROUTE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("labels,receiver", ROUTE_CASES, ids=[f"{lb.get('severity', 'none')}-{lb['alertname']}" for lb, _ in ROUTE_CASES])
+@pytest.mark.parametrize(
+    "labels,receiver", ROUTE_CASES, ids=[f"{lb.get('severity', 'none')}-{lb['alertname']}" for lb, _ in ROUTE_CASES]
+)
 def test_amtool_routes_each_severity(labels: dict, receiver: str):
     amtool = require_tool("amtool")
     args = [f"{k}={v}" for k, v in labels.items()]
-    out = subprocess.run([amtool, "config", "routes", "test", f"--config.file={SHIPPED}",
-                          f"--verify.receivers={receiver}", *args], capture_output=True, text=True)
+    out = subprocess.run(
+        [amtool, "config", "routes", "test", f"--config.file={SHIPPED}", f"--verify.receivers={receiver}", *args],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip() == receiver
 
 
 def test_amtool_route_test_can_fail():
     amtool = require_tool("amtool")
-    out = subprocess.run([amtool, "config", "routes", "test", f"--config.file={SHIPPED}", "--verify.receivers=mscale-p2",
-                          "severity=critical"], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            amtool,
+            "config",
+            "routes",
+            "test",
+            f"--config.file={SHIPPED}",
+            "--verify.receivers=mscale-p2",
+            "severity=critical",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode != 0
 
 
@@ -119,12 +144,14 @@ def test_every_rule_severity_has_its_route_and_timings_escalate():
         hook = r["webhook_configs"][0]
         assert hook["url"].endswith("/api/v1/alerts") and hook["send_resolved"] is True
         assert hook["http_config"]["authorization"]["type"] == "Bearer"
-    inhibited_sources = {a for rule in cfg["inhibit_rules"] for m in rule["source_matchers"]
-                         for a in m.split('"')[1].split("|")}
+    inhibited_sources = {
+        a for rule in cfg["inhibit_rules"] for m in rule["source_matchers"] for a in m.split('"')[1].split("|")
+    }
     assert inhibited_sources <= set(paramsmod.load()["alerts"]), "an inhibition names an alert the rules lack"
 
 
 # --- a real Alertmanager ---------------------------------------------------------------
+
 
 async def test_real_alertmanager_inhibits_symptoms_and_delivers_the_rest_with_the_token(tmp_path: Path):
     token_file = tmp_path / "token"
@@ -159,7 +186,7 @@ async def test_real_alertmanager_inhibits_symptoms_and_delivers_the_rest_with_th
                 alert("MscaleGpuTemperatureHigh", node="node-c", gpu="0", gpu_uuid="GPU-C0"),
                 alert("MscaleMpuHealthLow", node="node-c", job_id="j9", mpu_id="001", gpu="0", gpu_uuid="GPU-C0"),
             ]
-            async with session.post(f"{am.url}/api/v2/alerts", json=sent[len(causes):]) as r:
+            async with session.post(f"{am.url}/api/v2/alerts", json=sent[len(causes) :]) as r:
                 assert r.status == 200, await r.text()
 
             while True:  # until Alertmanager has routed and judged every alert
@@ -194,7 +221,8 @@ async def test_real_alertmanager_inhibits_symptoms_and_delivers_the_rest_with_th
             for _, body in sink.calls:  # grouped by alertname, node, job_id
                 assert set(body["groupLabels"]) <= {"alertname", "node", "job_id"}
                 assert {a["labels"]["severity"] for a in body["alerts"]} == {
-                    {"mscale-p0": "critical", "mscale-p1": "warning"}[body["receiver"]]}
+                    {"mscale-p0": "critical", "mscale-p1": "warning"}[body["receiver"]]
+                }
 
 
 def test_inhibition_sources_fire_before_their_targets():

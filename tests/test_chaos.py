@@ -1,6 +1,7 @@
 """Chaos against a real agent (in-process on 127.0.0.1, simulated GPUs) and a real training
 job: the CLI, bad requests, an Xid healed through the agent (emergency snapshot on disk,
 swap, GPU quarantined), `mscale status`, and agent-kill on a real agent process."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,9 @@ def agent():
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mscale", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "mscale", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
 
 
 def test_only_loopback_peers_are_accepted():
@@ -43,14 +45,17 @@ def test_only_loopback_peers_are_accepted():
     assert not is_loopback_peer(("2001:db8::1", 1, 0, 0)) and not is_loopback_peer(None)
 
 
-@pytest.mark.parametrize("body,words", [
-    ({"kind": "meteor"}, "kind: expected one of"),
-    ({"kind": "corrupt", "mode": "noise"}, "exactly one of mpu"),
-    ({"kind": "corrupt", "mpu": "vision", "mode": "acid"}, "mode: expected one of"),
-    ({"kind": "xid", "gpu": 99}, "gpu"),
-    ({"kind": "loss_spike", "factor": -3}, "factor"),
-    ({"kind": "hang", "seconds": 5, "colour": "red"}, "unknown field(s): colour"),
-])
+@pytest.mark.parametrize(
+    "body,words",
+    [
+        ({"kind": "meteor"}, "kind: expected one of"),
+        ({"kind": "corrupt", "mode": "noise"}, "exactly one of mpu"),
+        ({"kind": "corrupt", "mpu": "vision", "mode": "acid"}, "mode: expected one of"),
+        ({"kind": "xid", "gpu": 99}, "gpu"),
+        ({"kind": "loss_spike", "factor": -3}, "factor"),
+        ({"kind": "hang", "seconds": 5, "colour": "red"}, "unknown field(s): colour"),
+    ],
+)
 def test_bad_chaos_requests_are_refused_and_change_nothing(agent, body, words):
     before = len(agent.events())
     status, reply = agent.post("/api/v1/chaos", body)
@@ -61,16 +66,29 @@ def test_bad_chaos_requests_are_refused_and_change_nothing(agent, body, words):
 def test_xid_through_the_cli_is_seen_by_the_probe_and_healed_in_the_job(agent, tmp_path):
     r = Run(RunConfig(steps=40, socket_path=agent.socket_path, job_id="chaotic", snapshot_dir=str(tmp_path)))
     try:
-        agent.wait_for(lambda evs: any(e["reason"] == "job_registered" and e["labels"].get("job_id") == "chaotic"
-                                       for e in evs))
+        agent.wait_for(
+            lambda evs: any(e["reason"] == "job_registered" and e["labels"].get("job_id") == "chaotic" for e in evs)
+        )
         for _ in range(12):
             r.one_step()
         res = cli("chaos", "inject", "xid", "--gpu", "0", "--code", "79", "--corrupt", "none", "--agent", agent.url)
         assert res.returncode == 0, res.stderr
         assert "xid 79 on GPU 0" in res.stdout
         agent.wait_for(lambda evs: [e for e in evs if e["reason"] == "gpu_xid" and e["labels"].get("gpu") == "0"])
-        agent.wait_for(lambda evs: len([e for e in evs if e["source"] == "healing" and e["labels"].get("result") == "sent"
-                                        and e["labels"].get("job_id") == "chaotic"]) == 3)
+        agent.wait_for(
+            lambda evs: (
+                len(
+                    [
+                        e
+                        for e in evs
+                        if e["source"] == "healing"
+                        and e["labels"].get("result") == "sent"
+                        and e["labels"].get("job_id") == "chaotic"
+                    ]
+                )
+                == 3
+            )
+        )
         while r.guard.mpu("vision").gpu == 0 and r.guard.current_step < 30:
             r.one_step()
         assert r.guard.mpu("vision").gpu == 3 and 0 in r.fuse.states["quarantine_gpu"].gpus
@@ -78,8 +96,11 @@ def test_xid_through_the_cli_is_seen_by_the_probe_and_healed_in_the_job(agent, t
         path = Path(fut.result(timeout=30))
         assert path.parent == tmp_path and (path / "manifest.json").exists()
         manifest = json.loads((path / "manifest.json").read_text())
-        (em,) = [f for f in r.findings if f.labels.get("action") == "emergency_snapshot"
-                 and f.labels.get("result") == "applied"]
+        (em,) = [
+            f
+            for f in r.findings
+            if f.labels.get("action") == "emergency_snapshot" and f.labels.get("result") == "applied"
+        ]
         # the newest in-memory snapshot (every 5 steps) when the command came
         assert manifest["step"] % 5 == 0 and 10 <= manifest["step"] <= int(em.labels["step"])
         # a later command for the same fault (e.g. the alert) changes nothing
@@ -88,7 +109,9 @@ def test_xid_through_the_cli_is_seen_by_the_probe_and_healed_in_the_job(agent, t
         for _ in range(4):
             r.one_step()
         assert not [f for f in r.findings if f.reason.value == "checksum_failure"]  # nothing runs on GPU 0 now
-        agent.wait_for(lambda evs: [e for e in evs if e["source"] == "hook:fuse" and e["labels"].get("action") == "l1_swap"])
+        agent.wait_for(
+            lambda evs: [e for e in evs if e["source"] == "hook:fuse" and e["labels"].get("action") == "l1_swap"]
+        )
         metrics = agent.get("/metrics")
         assert 'mpu_drift_count_total{job_id="chaotic",mpu_id="001"} 1.0' in metrics
         assert 'mscale_fuse_level{job_id="chaotic",mpu_id="001"} 1.0' in metrics
@@ -103,10 +126,24 @@ def test_xid_through_the_cli_is_seen_by_the_probe_and_healed_in_the_job(agent, t
 def test_corruption_through_the_cli_reaches_the_job(agent):
     r = Run(RunConfig(steps=40, socket_path=agent.socket_path, job_id="corrupted"))
     try:
-        agent.wait_for(lambda evs: any(e["reason"] == "job_registered" and e["labels"].get("job_id") == "corrupted"
-                                       for e in evs))
-        res = cli("chaos", "inject", "corrupt", "--mpu", "aligner", "--mode", "nan", "--steps", "2",
-                  "--job-id", "corrupted", "--agent", agent.url)
+        agent.wait_for(
+            lambda evs: any(e["reason"] == "job_registered" and e["labels"].get("job_id") == "corrupted" for e in evs)
+        )
+        res = cli(
+            "chaos",
+            "inject",
+            "corrupt",
+            "--mpu",
+            "aligner",
+            "--mode",
+            "nan",
+            "--steps",
+            "2",
+            "--job-id",
+            "corrupted",
+            "--agent",
+            agent.url,
+        )
         assert res.returncode == 0 and "delivered to 1 job" in res.stdout, res.stderr
         deadline = time.monotonic() + 20
         while not r.chaos.log and time.monotonic() < deadline:
@@ -130,11 +167,25 @@ def test_cli_refusals_exit_nonzero(agent):
 def test_agent_kill_kills_a_real_agent(tmp_path):
     port = free_port()
     cfg = tmp_path / "agent.toml"
-    cfg.write_text(f'[agent]\nlisten = "127.0.0.1:{port}"\nsocket_path = "{tmp_path}/a.sock"\n'
-                   '[probes.ebpf]\nenabled = false\n[probes.host]\nenabled = false\n')
-    proc = subprocess.Popen([sys.executable, "-m", "mscale", "agent", "--config", str(cfg), "--simulate",
-                             str(REPO / "mscale/sim/timelines/default.yaml")], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cfg.write_text(
+        f'[agent]\nlisten = "127.0.0.1:{port}"\nsocket_path = "{tmp_path}/a.sock"\n'
+        "[probes.ebpf]\nenabled = false\n[probes.host]\nenabled = false\n"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mscale",
+            "agent",
+            "--config",
+            str(cfg),
+            "--simulate",
+            str(REPO / "mscale/sim/timelines/default.yaml"),
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:

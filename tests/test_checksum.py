@@ -1,4 +1,5 @@
 """ABFT and replay checksums on the tiny multimodal model trained on CPU, with injected corruption."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,8 +23,13 @@ class Findings:
         self.items.append(f)
 
     def of(self, *reasons: Reason, mpu: str | None = None, step: int | None = None):
-        return [f for f in self.items if f.reason in reasons and (mpu is None or f.labels.get("mpu") == mpu)
-                and (step is None or f.labels.get("step") == str(step))]
+        return [
+            f
+            for f in self.items
+            if f.reason in reasons
+            and (mpu is None or f.labels.get("mpu") == mpu)
+            and (step is None or f.labels.get("step") == str(step))
+        ]
 
 
 def job(seed: int = 0, cfg: TinyConfig = CFG, batch: int = 8, autocast: bool = False, **kw):
@@ -60,8 +66,15 @@ def test_abft_detects_corruption_in_the_step_it_happens(kind: str, mpu: str) -> 
     assert rec.of(*FAIL) == []
     # mantissa: the top mantissa bit of the largest element (a flip in a tiny element is
     # below the GEMM's own rounding, see probes/checksum.py); noise at 10% of the std
-    inj = inject(guard, kind=kind, mpu=mpu, steps=1, seed=3, noise_scale=0.1,
-                 element="max" if kind == "mantissa_flip" else "random")
+    inj = inject(
+        guard,
+        kind=kind,
+        mpu=mpu,
+        steps=1,
+        seed=3,
+        noise_scale=0.1,
+        element="max" if kind == "mantissa_flip" else "random",
+    )
     train(1)
     assert len(inj.hits) == 1 and inj.hits[0].step == 2
     hit = [f for f in rec.of(*FAIL, mpu=mpu, step=2) if f.labels["method"] in ("abft", "nonfinite")]
@@ -157,8 +170,15 @@ def _dropout_run(replay_every: int) -> tuple[list[torch.Tensor], torch.Tensor, i
     model = Dropper()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rec = Findings()
-    guard = attach(model, opt, job_id="d", connect=False, plugins=[rec], cmsa=False,
-                   checksum=ChecksumConfig(replay_every=replay_every))
+    guard = attach(
+        model,
+        opt,
+        job_id="d",
+        connect=False,
+        plugins=[rec],
+        cmsa=False,
+        checksum=ChecksumConfig(replay_every=replay_every),
+    )
     for _ in range(6):
         model(torch.randn(4, 8))["loss"].backward()
         opt.step()
@@ -190,7 +210,7 @@ def test_corrupt_kinds() -> None:
     g = torch.Generator().manual_seed(0)
     y = torch.full((4,), 0.5)
     bad, idx, before, after = corrupt(y, "exponent_flip", g)
-    assert before == 0.5 and after == 0.5 * 2.0 ** 128 and torch.equal(y, torch.full((4,), 0.5))
+    assert before == 0.5 and after == 0.5 * 2.0**128 and torch.equal(y, torch.full((4,), 0.5))
     bad, idx, before, after = corrupt(torch.ones(4), "mantissa_flip", g)
     assert after == 1.5
     bad, idx, before, after = corrupt(torch.ones(4, dtype=torch.bfloat16), "mantissa_flip", g)

@@ -1,4 +1,5 @@
 """CMSA: per-MPU clipping clip_i = base * mult_i * (1 + alpha * GVC_i), alpha fitted at cold start."""
+
 from __future__ import annotations
 
 import math

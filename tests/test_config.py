@@ -1,5 +1,6 @@
 """Strict configuration: bad files stop `mscale agent` with exit 2 and a message naming the key;
 the table in docs/configuration.md and the example deploy/agent.toml stay in step with the code."""
+
 from __future__ import annotations
 
 import re
@@ -17,9 +18,23 @@ from support import REPO
 def run_agent(tmp_path, toml: str, *, listen: str = "127.0.0.1:0") -> subprocess.CompletedProcess:
     path = tmp_path / "agent.toml"
     path.write_text(toml)
-    return subprocess.run([sys.executable, "-m", "mscale", "agent", "--config", str(path), "--listen", listen,
-                           "--socket", str(tmp_path / "a.sock")],
-                          capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mscale",
+            "agent",
+            "--config",
+            str(path),
+            "--listen",
+            listen,
+            "--socket",
+            str(tmp_path / "a.sock"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 BAD = [
@@ -52,8 +67,12 @@ def test_bad_listen_exits_2(tmp_path) -> None:
 
 
 def test_missing_config_file_exits_2(tmp_path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "mscale", "agent", "--config", str(tmp_path / "nope.toml")],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mscale", "agent", "--config", str(tmp_path / "nope.toml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "cannot read config" in proc.stderr
 
 
@@ -71,7 +90,9 @@ def test_error_names_key_in_process() -> None:
         from_dict({"health": {"sbe_per_hour_degraded": -1}})
 
 
-@pytest.mark.parametrize("text,value", [("yes", True), ("ON", True), ("1", True), ("false", False), ("off", False), ("", False)])
+@pytest.mark.parametrize(
+    "text,value", [("yes", True), ("ON", True), ("1", True), ("false", False), ("off", False), ("", False)]
+)
 def test_parse_bool(text, value) -> None:
     assert parse_bool(text) is value
 
@@ -93,7 +114,8 @@ def test_docs_config_table_is_generated() -> None:
     assert m, "docs/configuration.md lacks the config-table markers"
     assert m.group(1).strip() == reference_markdown().strip(), (
         "docs/configuration.md config table is stale: paste the output of "
-        "`python -c 'import mscale.config as c; print(c.reference_markdown())'` between its markers")
+        "`python -c 'import mscale.config as c; print(c.reference_markdown())'` between its markers"
+    )
 
 
 def _keys() -> list[str]:

@@ -1,5 +1,6 @@
 """Dashboards: generated from grafanalib sources and params.yaml, committed JSON in step,
 every PromQL query parses (checked by promtool through a rule file)."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,12 @@ def test_committed_json_is_what_the_sources_generate():
 def test_the_four_dashboards_and_their_variables():
     dashes = committed()
     titles = {d["title"] for d in dashes.values()}
-    assert {"mscale / MPU health", "mscale / GPU node", "mscale / Training stability",
-            "mscale / Healing and snapshots"} <= titles
+    assert {
+        "mscale / MPU health",
+        "mscale / GPU node",
+        "mscale / Training stability",
+        "mscale / Healing and snapshots",
+    } <= titles
     assert len({d["uid"] for d in dashes.values()}) == len(dashes)
     for name, d in dashes.items():
         names = {v["name"] for v in d["templating"]["list"]}
@@ -77,8 +82,25 @@ def test_a_broken_query_is_caught(tmp_path: Path):
     """The parse check above can fail: promtool refuses a malformed query."""
     promtool = require_tool("promtool")
     path = tmp_path / "bad.yml"
-    path.write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [
-        {"record": "check:bad", "expr": build.instantiate('rate(mscale_gpu_power_watts{node=~"$node"}[$__rate_interval]')}]}]}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "groups": [
+                    {
+                        "name": "g",
+                        "rules": [
+                            {
+                                "record": "check:bad",
+                                "expr": build.instantiate(
+                                    'rate(mscale_gpu_power_watts{node=~"$node"}[$__rate_interval]'
+                                ),
+                            }
+                        ],
+                    }
+                ]
+            }
+        )
+    )
     assert subprocess.run([promtool, "check", "rules", str(path)], capture_output=True).returncode != 0
 
 
@@ -98,13 +120,20 @@ def test_thresholds_come_from_the_parameter_file(tmp_path: Path):
 
 def test_cli_export(tmp_path: Path):
     out = tmp_path / "dash"
-    done = subprocess.run([sys.executable, "-m", "mscale", "dashboards", "export", str(out)],
-                          capture_output=True, text=True, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, "-m", "mscale", "dashboards", "export", str(out)], capture_output=True, text=True, cwd=REPO
+    )
     assert done.returncode == 0, done.stderr
-    assert {p.name: p.read_text() for p in out.iterdir()} == {p.name: p.read_text() for p in build.JSON_DIR.glob("*.json")}
+    assert {p.name: p.read_text() for p in out.iterdir()} == {
+        p.name: p.read_text() for p in build.JSON_DIR.glob("*.json")
+    }
     bad = tmp_path / "bad.yaml"
     bad.write_text("dashboards: {refresh: [1]}\n")
-    refused = subprocess.run([sys.executable, "-m", "mscale", "dashboards", "export", str(tmp_path / "no"), "--params", str(bad)],
-                             capture_output=True, text=True, cwd=REPO)
+    refused = subprocess.run(
+        [sys.executable, "-m", "mscale", "dashboards", "export", str(tmp_path / "no"), "--params", str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert refused.returncode == 2 and "dashboards.refresh" in refused.stderr
     assert not (tmp_path / "no").exists()

@@ -1,6 +1,7 @@
 """dcgm-exporter input: fixture pages in dcgm-exporter's exposition format, served by a real
 aiohttp server on 127.0.0.1, read by the GPU probe (backend = "dcgm") into the same samples
 and health model as NVML."""
+
 from __future__ import annotations
 
 import asyncio
@@ -105,8 +106,12 @@ def test_fields_from_the_fixture(exporter) -> None:
     assert g0.throttle_reasons == () and set(g1.throttle_reasons) == {"sw_power_cap", "sw_thermal_slowdown"}
     assert (g1.ecc_sbe_volatile, g1.ecc_dbe_volatile, g1.ecc_sbe_aggregate, g1.ecc_dbe_aggregate) == (2, 0, 17, 1)
     assert (g0.retired_pages_sbe, g0.retired_pages_dbe, g0.retired_pages_pending) == (0, 0, False)
-    assert (g1.remapped_rows_correctable, g1.remapped_rows_uncorrectable, g1.remapped_rows_pending,
-            g1.remapped_rows_failed) == (2, 1, False, False)
+    assert (
+        g1.remapped_rows_correctable,
+        g1.remapped_rows_uncorrectable,
+        g1.remapped_rows_pending,
+        g1.remapped_rows_failed,
+    ) == (2, 1, False, False)
     assert g1.pcie_replay_count == 3
     assert (g0.pcie_tx_bytes_per_second, g0.pcie_rx_bytes_per_second) == (3276800000, 5222400000)
     # Health from the same model: GPU 1 at 84 C is degraded; the aggregate DBE from its past is not a failure.
@@ -152,8 +157,10 @@ def test_gpu_gone_from_the_page_is_lost(exporter) -> None:
     probe, found = make_probe(exporter.url)
     try:
         probe.sample()
-        exporter.page = "\n".join(line for line in (FIXTURES / "page1.prom").read_text().splitlines()
-                                  if 'gpu="1"' not in line) + "\n"
+        exporter.page = (
+            "\n".join(line for line in (FIXTURES / "page1.prom").read_text().splitlines() if 'gpu="1"' not in line)
+            + "\n"
+        )
         snap = probe.sample()
     finally:
         probe.close()

@@ -1,6 +1,7 @@
 """The README and docs/ hold together: relative links and their anchors resolve, docs/README.md
 lists every page, README examples use only public names, and the README's first code block
 after the quick start is the one-line protection that docs/protect.md's test runs."""
+
 from __future__ import annotations
 
 import re
@@ -51,15 +52,19 @@ def test_readme_links_every_docs_page() -> None:
 def test_readme_examples_use_public_names_only() -> None:
     blocks = [code for lang, code in FENCE.findall((REPO / "README.md").read_text()) if lang == "python"]
     assert blocks
-    internal = [line for code in blocks for line in code.splitlines()
-                if re.search(r"\bfrom mscale\.|\bimport mscale\.|\bmscale\.[a-z_]+\.", line)]
+    internal = [
+        line
+        for code in blocks
+        for line in code.splitlines()
+        if re.search(r"\bfrom mscale\.|\bimport mscale\.|\bmscale\.[a-z_]+\.", line)
+    ]
     assert not internal, f"README examples reach into internal modules: {internal}"
 
 
 def test_first_block_after_quick_start_is_the_one_line_protection() -> None:
     readme = (REPO / "README.md").read_text()
     quick_start = readme.index("\n## Quick start")
-    after = readme[readme.index("\n## ", quick_start + 1):]  # from the next section on
+    after = readme[readme.index("\n## ", quick_start + 1) :]  # from the next section on
     lang, code = FENCE.search(after).groups()
     protect = [c for lg, c in FENCE.findall((DOCS / "protect.md").read_text()) if lg == "python"]
     assert lang == "python" and protect, "no python block"

@@ -3,6 +3,7 @@ second with the shipped rules, a real Alertmanager with the shipped routing. An 
 injected: the alert fires, Alertmanager delivers it to the agent's webhook, the healing engine
 acts. Then every PromQL expression of every dashboard panel and every rule is evaluated
 against that live Prometheus."""
+
 from __future__ import annotations
 
 import json
@@ -36,6 +37,7 @@ GPU = 0  # the vision MPU's GPU in the job below
 
 # --- plumbing --------------------------------------------------------------------------
 
+
 class Stack:
     """Agent + Prometheus + Alertmanager, wired as deploy/ ships them, on 127.0.0.1."""
 
@@ -68,9 +70,12 @@ class Stack:
         (tmp / "agent.toml").write_text(
             f'[agent]\nlisten = "127.0.0.1:{self.agent_port}"\nsocket_path = "{tmp / "agent.sock"}"\n'
             f'node = "e2e-node"\nsimulate = "{tmp / "timeline.yaml"}"\n'
-            f'[probes.ebpf]\nenabled = false\n'  # nothing to trace here, and BCC's compile costs seconds of CPU
-            f'[webhook]\ntoken = "{TOKEN}"\n[healing]\n{healing}')
-        agent = Proc("agent", [sys.executable, "-m", "mscale", "agent", "--config", str(tmp / "agent.toml")], tmp).start()
+            f"[probes.ebpf]\nenabled = false\n"  # nothing to trace here, and BCC's compile costs seconds of CPU
+            f'[webhook]\ntoken = "{TOKEN}"\n[healing]\n{healing}'
+        )
+        agent = Proc(
+            "agent", [sys.executable, "-m", "mscale", "agent", "--config", str(tmp / "agent.toml")], tmp
+        ).start()
         self.procs.append(agent)
 
         token_file = tmp / "token"
@@ -86,9 +91,17 @@ class Stack:
         job["static_configs"] = [{"targets": [f"127.0.0.1:{self.agent_port}"]}]
         cfg["scrape_configs"] = [job]
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-        prom = Proc("prometheus", [prometheus, f"--config.file={tmp / 'prometheus.yml'}",
-                                   f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.prom_port}",
-                                   "--log.level=warn"], tmp).start()
+        prom = Proc(
+            "prometheus",
+            [
+                prometheus,
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.prom_port}",
+                "--log.level=warn",
+            ],
+            tmp,
+        ).start()
         self.procs.append(prom)
         (tmp / "job.py").write_text(JOB_SCRIPT)
         poll("the agent's socket", lambda: (tmp / "agent.sock").exists(), logs=self.logs)
@@ -96,12 +109,26 @@ class Stack:
         self.procs.append(job)
 
         poll("the agent", lambda: http(f"{self.agent_url}/healthz")["status"] == "ok", logs=self.logs)
-        poll("alertmanager", lambda: urllib.request.urlopen(f"{self.am.url}/-/ready", timeout=2).status == 200, logs=self.logs)
-        poll("prometheus", lambda: urllib.request.urlopen(f"{self.prom_url}/-/ready", timeout=2).status == 200, logs=self.logs)
+        poll(
+            "alertmanager",
+            lambda: urllib.request.urlopen(f"{self.am.url}/-/ready", timeout=2).status == 200,
+            logs=self.logs,
+        )
+        poll(
+            "prometheus",
+            lambda: urllib.request.urlopen(f"{self.prom_url}/-/ready", timeout=2).status == 200,
+            logs=self.logs,
+        )
         poll("the agent scraped", lambda: self.query('up{job="mscale-agent"} == 1'), logs=self.logs)
-        poll("GPU metrics in Prometheus", lambda: len(self.query("mscale_gpu_temperature_celsius")) == 8, logs=self.logs)
-        poll("the job's MPUs in Prometheus", lambda: len(self.query(f'mscale_mpu_info{{job_id="{JOB}"}}')) == 3,
-             timeout_s=120, logs=self.logs)
+        poll(
+            "GPU metrics in Prometheus", lambda: len(self.query("mscale_gpu_temperature_celsius")) == 8, logs=self.logs
+        )
+        poll(
+            "the job's MPUs in Prometheus",
+            lambda: len(self.query(f'mscale_mpu_info{{job_id="{JOB}"}}')) == 3,
+            timeout_s=120,
+            logs=self.logs,
+        )
 
     def __exit__(self, *exc) -> None:
         for p in reversed(self.procs):
@@ -149,46 +176,76 @@ def stack(tmp_path_factory):
 
 # --- the alert path ------------------------------------------------------------------
 
+
 def test_xid79_alert_reaches_the_webhook_and_the_healing_action_runs(tmp_path: Path):
     with Stack(tmp_path, policy=alerts_only_policy(tmp_path)) as s:
         uuid = gpu_uuid(s, GPU)
-        assert not s.query("ALERTS{alertname=\"MscaleGpuFatalXid\"}")
+        assert not s.query('ALERTS{alertname="MscaleGpuFatalXid"}')
         t0 = time.monotonic()
         s.inject_xid(GPU, 79)
 
         def acted() -> dict | None:
-            return next((e for e in s.events() if e["reason"] == "heal_action"
-                         and e["labels"].get("reason") == "MscaleGpuFatalXid"), None)
+            return next(
+                (
+                    e
+                    for e in s.events()
+                    if e["reason"] == "heal_action" and e["labels"].get("reason") == "MscaleGpuFatalXid"
+                ),
+                None,
+            )
 
         action = poll("a healing action triggered by the alert", acted, timeout_s=60, logs=s.logs)
         elapsed = time.monotonic() - t0
-        print(f"\nXid 79 injected -> healing action through Prometheus, Alertmanager and the webhook: {elapsed:.2f} s "
-              f"(1 s probe, scrape and evaluation intervals, group_wait 0s)")
+        print(
+            f"\nXid 79 injected -> healing action through Prometheus, Alertmanager and the webhook: {elapsed:.2f} s "
+            f"(1 s probe, scrape and evaluation intervals, group_wait 0s)"
+        )
 
         # the alert as Prometheus fired it, with the labels the rules promise
         firing = s.query('ALERTS{alertname="MscaleGpuFatalXid",alertstate="firing"}')
         assert len(firing) == 1, firing
         labels = firing[0]["metric"]
-        assert (labels["gpu"], labels["gpu_uuid"], labels["xid"], labels["node"], labels["severity"]) == \
-            (str(GPU), uuid, "79", "127.0.0.1", "critical")
+        assert (labels["gpu"], labels["gpu_uuid"], labels["xid"], labels["node"], labels["severity"]) == (
+            str(GPU),
+            uuid,
+            "79",
+            "127.0.0.1",
+            "critical",
+        )
         # Alertmanager delivered it to the agent, with the token (a refused call leaves no event)
         delivered = [e for e in s.events() if e["reason"] == "alert_firing"]
         assert {e["labels"]["alertname"] for e in delivered} >= {"MscaleGpuFatalXid"}
-        assert all(e["labels"]["gpu_uuid"] == uuid for e in delivered if e["labels"]["alertname"] == "MscaleGpuFatalXid")
+        assert all(
+            e["labels"]["gpu_uuid"] == uuid for e in delivered if e["labels"]["alertname"] == "MscaleGpuFatalXid"
+        )
         # the engine acted on the MPU bound to that GPU (the gpu_fatal rule: snapshot, quarantine,
         # swap), and the commands went to the training job
         assert action["labels"]["rule"] == "gpu_fatal"
         assert action["labels"]["gpu_uuid"] == uuid
-        acted = [e["labels"] for e in s.events() if e["reason"] == "heal_action"
-                 and e["labels"].get("reason") == "MscaleGpuFatalXid"]
+        acted = [
+            e["labels"]
+            for e in s.events()
+            if e["reason"] == "heal_action" and e["labels"].get("reason") == "MscaleGpuFatalXid"
+        ]
         assert {a["action"] for a in acted} == {"emergency_snapshot", "quarantine_gpu", "l1_swap"}
         assert {(a.get("job_id"), a.get("mpu_id")) for a in acted} == {(JOB, "001")}
         assert "sent" in {a["result"] for a in acted}
         # the job carried the swap out: its vision MPU left the failed GPU
-        poll("the job's swap", lambda: any(e["reason"] == "heal_action" and e["labels"].get("action") == "l1_swap"
-                                           and e["labels"].get("result") == "applied" for e in s.events()), logs=s.logs)
-        binding = poll("the new binding", lambda: s.query(f'mscale_mpu_info{{job_id="{JOB}",mpu_id="001",gpu!="{GPU}"}}'),
-                       logs=s.logs)
+        poll(
+            "the job's swap",
+            lambda: any(
+                e["reason"] == "heal_action"
+                and e["labels"].get("action") == "l1_swap"
+                and e["labels"].get("result") == "applied"
+                for e in s.events()
+            ),
+            logs=s.logs,
+        )
+        binding = poll(
+            "the new binding",
+            lambda: s.query(f'mscale_mpu_info{{job_id="{JOB}",mpu_id="001",gpu!="{GPU}"}}'),
+            logs=s.logs,
+        )
         print(f"vision MPU moved from GPU {GPU} to GPU {binding[0]['metric']['gpu']}")
         # and the other GPUs raise nothing
         assert {a["metric"]["gpu"] for a in s.query('ALERTS{component="gpu",severity="critical"}')} == {str(GPU)}
@@ -208,7 +265,9 @@ def test_shipped_policy_acts_once_for_the_probe_and_the_alert(stack: Stack):
     t_probe = time.monotonic() - t0
     poll("the alert handled", lambda: heal("MscaleGpuFatalXid"), logs=stack.logs)
     t_alert = time.monotonic() - t0
-    print(f"\nXid 79 -> action on the probe's finding {t_probe:.2f} s; the same fault through the alert {t_alert:.2f} s")
+    print(
+        f"\nXid 79 -> action on the probe's finding {t_probe:.2f} s; the same fault through the alert {t_alert:.2f} s"
+    )
     assert {e["labels"]["result"] for e in heal("MscaleGpuFatalXid")} == {"duplicate"}
     assert all(e["labels"]["gpu_uuid"] == uuid for e in heal("gpu_xid"))
 
@@ -219,14 +278,35 @@ def test_shipped_policy_acts_once_for_the_probe_and_the_alert(stack: Stack):
 # The test fails if one of these turns up (then delete the line), or if anything else is missing.
 _EBPF = "needs a process traced by the eBPF probe (issue 3): off here, the job runs on CPU without libcuda"
 PENDING: dict[str, str] = {
-    **dict.fromkeys(["mscale_cuda_hang", "mscale_cuda_kernel_launches_total", "mscale_cuda_sync_blocked_ratio",
-                     "mscale_cuda_sync_seconds_bucket", "job:mscale_cuda_kernel_launches:rate5m"], _EBPF),
+    **dict.fromkeys(
+        [
+            "mscale_cuda_hang",
+            "mscale_cuda_kernel_launches_total",
+            "mscale_cuda_sync_blocked_ratio",
+            "mscale_cuda_sync_seconds_bucket",
+            "job:mscale_cuda_kernel_launches:rate5m",
+        ],
+        _EBPF,
+    ),
 }
 # Queries over exported metrics that stay empty in this scenario, and why (same rule as PENDING).
 EMPTY_OK: dict[str, str] = {}
 
-KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset",
-            "inf", "nan"}
+KEYWORDS = {
+    "and",
+    "or",
+    "unless",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
+}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -238,15 +318,17 @@ def metric_names(expr: str) -> set[str]:
     names = set()
     for m in re.finditer(r"(?<![\w.])[a-zA-Z_:][a-zA-Z0-9_:]*", e):  # not the unit of a number (10m)
         word = m.group(0)
-        if word.lower() in KEYWORDS or e[m.end():].lstrip().startswith("("):
+        if word.lower() in KEYWORDS or e[m.end() :].lstrip().startswith("("):
             continue
         names.add(word)
     return names
 
 
 def test_metric_names_are_read_from_promql():
-    assert metric_names('sum by (node, gpu) (mscale_gpu_health{job="a",state="failed"}) + 2 * x:y:z offset 5m') == \
-        {"mscale_gpu_health", "x:y:z"}
+    assert metric_names('sum by (node, gpu) (mscale_gpu_health{job="a",state="failed"}) + 2 * x:y:z offset 5m') == {
+        "mscale_gpu_health",
+        "x:y:z",
+    }
     assert metric_names('histogram_quantile(0.5, sum by (le) (rate(h_bucket{a="b"}[5m]))) or vector(0)') == {"h_bucket"}
 
 
@@ -298,7 +380,9 @@ def test_every_dashboard_and_rule_query_returns_data(stack: Stack):
         missing, empty = check()
     unexplained = {n: sorted(w) for n, w in missing.items() if n not in PENDING}
     arrived = sorted(set(PENDING) - set(missing))
-    report = "\n".join(f"  {n}: used by {', '.join(w[:3])}{' ...' if len(w) > 3 else ''}" for n, w in sorted(unexplained.items()))
+    report = "\n".join(
+        f"  {n}: used by {', '.join(w[:3])}{' ...' if len(w) > 3 else ''}" for n, w in sorted(unexplained.items())
+    )
     assert not unexplained, f"queries read metrics the agent does not export:\n{report}"
     assert not arrived, f"now exported, remove from PENDING: {arrived}"
     unexpected = [f"{w}: {e}" for w, e in empty if w not in EMPTY_OK]

@@ -5,6 +5,7 @@ compiled with gcc into a temp dir. The caller answers each stdin command once it
 have returned, so the tests know what happened without sleeping; conditions on the probe
 are polled with deadlines.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,6 +40,7 @@ DEADLINE_S = 20.0
 
 
 # --- pure logic: no BPF needed ------------------------------------------------------------
+
 
 def test_specialise_fills_tokens_and_refuses_leftovers() -> None:
     assert specialise("a @@X@@ b @@Y@@", {"X": 1, "Y": "two"}) == "a 1 b two"
@@ -95,16 +97,41 @@ def test_blocked_share_needs_a_whole_window() -> None:
 
 # --- fixtures ----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def cuda_bins(tmp_path_factory) -> types.SimpleNamespace:
     gcc = require_tool("gcc", why="compiles the stub libcuda.so.1")
     d = tmp_path_factory.mktemp("cuda")
     lib = d / "libcuda.so.1"
-    subprocess.run([gcc, "-O2", "-fno-ipa-icf", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib),
-                    str(FIXTURES / "libcuda_stub.c")], check=True)
+    subprocess.run(
+        [
+            gcc,
+            "-O2",
+            "-fno-ipa-icf",
+            "-shared",
+            "-fPIC",
+            "-Wl,-soname,libcuda.so.1",
+            "-o",
+            str(lib),
+            str(FIXTURES / "libcuda_stub.c"),
+        ],
+        check=True,
+    )
     caller = d / "cuda_caller"
-    subprocess.run([gcc, "-O2", "-o", str(caller), str(FIXTURES / "cuda_caller.c"), f"-L{d}", "-l:libcuda.so.1",
-                    f"-Wl,-rpath,{d}", "-pthread"], check=True)
+    subprocess.run(
+        [
+            gcc,
+            "-O2",
+            "-o",
+            str(caller),
+            str(FIXTURES / "cuda_caller.c"),
+            f"-L{d}",
+            "-l:libcuda.so.1",
+            f"-Wl,-rpath,{d}",
+            "-pthread",
+        ],
+        check=True,
+    )
     return types.SimpleNamespace(lib=str(lib), caller=str(caller), dir=d)
 
 
@@ -230,6 +257,7 @@ def traced(probe, pid: int, what: str = "attached"):
 
 # --- counts (always on) ----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("mode", ["uprobe_multi", "perf_event"])
 def test_exact_counts_bytes_and_alloc_failures(make_probe, callers, mode) -> None:
     probe, state = make_probe(attach_mode=mode)
@@ -237,9 +265,21 @@ def test_exact_counts_bytes_and_alloc_failures(make_probe, callers, mode) -> Non
     register(state, "job-a", c.pid)
     snap = traced(probe, c.pid)
     assert snap.sampled is False and snap.attach_mode == mode
-    for line in ("launch 1000", "launch 200 ptsz", "launch 30 ex", "launch 4 graph", "thread 77",
-                 "htod 4096 3", "dtoh 1000 5", "dtod 64 2", "copy 7 11",
-                 "allocfail 2", "alloc 1048576", "alloc 1048576", "alloc 16"):
+    for line in (
+        "launch 1000",
+        "launch 200 ptsz",
+        "launch 30 ex",
+        "launch 4 graph",
+        "thread 77",
+        "htod 4096 3",
+        "dtoh 1000 5",
+        "dtod 64 2",
+        "copy 7 11",
+        "allocfail 2",
+        "alloc 1048576",
+        "alloc 1048576",
+        "alloc 16",
+    ):
         c.cmd(line)
     snap = poll(probe, lambda s: proc_of(s, c.pid).launches_observed >= 1307, "launch counts")
     p = proc_of(snap, c.pid)
@@ -255,8 +295,10 @@ def test_exact_counts_bytes_and_alloc_failures(make_probe, callers, mode) -> Non
     metrics, text = scrape(state)
     lab = {"pid": str(c.pid), "job_id": "job-a"}
     assert sample_value(metrics["mscale_cuda_kernel_launches"], "mscale_cuda_kernel_launches_total", **lab) == 1307
-    assert sample_value(metrics["mscale_cuda_memcpy_bytes"], "mscale_cuda_memcpy_bytes_total",
-                        direction="dtoh", **lab) == 5000
+    assert (
+        sample_value(metrics["mscale_cuda_memcpy_bytes"], "mscale_cuda_memcpy_bytes_total", direction="dtoh", **lab)
+        == 5000
+    )
     assert sample_value(metrics["mscale_cuda_alloc_failures"], "mscale_cuda_alloc_failures_total", **lab) == 2
     assert sample_value(metrics["mscale_cuda_sampled"], "mscale_cuda_sampled") == 0
     promtool = require_tool("promtool", why="checks the exposition")
@@ -279,10 +321,13 @@ def test_sync_histogram_buckets_hold_a_known_sleep(make_probe, callers, mode) ->
     assert 0.1 <= p.sync_seconds_sum < 5 * 0.0336
     state.publish("ebpf", snap)
     metrics, _ = scrape(state)
-    buckets = {s.labels["le"]: s.value for s in metrics["mscale_cuda_sync_seconds"]
-               if s.name == "mscale_cuda_sync_seconds_bucket"}
-    assert buckets[repr(2.0 ** 24 / 1e9)] == 0
-    assert buckets[repr(2.0 ** 25 / 1e9)] == 5
+    buckets = {
+        s.labels["le"]: s.value
+        for s in metrics["mscale_cuda_sync_seconds"]
+        if s.name == "mscale_cuda_sync_seconds_bucket"
+    }
+    assert buckets[repr(2.0**24 / 1e9)] == 0
+    assert buckets[repr(2.0**25 / 1e9)] == 5
     assert buckets["+Inf"] == 5
 
 
@@ -308,6 +353,7 @@ def test_both_attach_modes_count_exactly_and_detach_stops_counting(bpf_ok, calle
 
 
 # --- detections ------------------------------------------------------------------------------
+
 
 def test_hang_detected_when_launches_stop_and_cleared_when_they_resume(make_probe, callers, cuda_bins) -> None:
     probe, state = make_probe(hang_timeout_s=1.0, libcuda_path=cuda_bins.lib)  # configured path, not maps
@@ -373,6 +419,7 @@ def test_sync_stall_over_the_window(make_probe, callers) -> None:
 
 # --- which processes -----------------------------------------------------------------------
 
+
 def test_two_processes_are_kept_apart(make_probe, callers) -> None:
     tag = f"mscale-test-{os.getpid()}"
     probe, state = make_probe(cmdline_pattern=f"cuda_caller --tag={tag}$")
@@ -386,8 +433,11 @@ def test_two_processes_are_kept_apart(make_probe, callers) -> None:
     b.cmd("launch 567")
     b.cmd("dtoh 300 2")
     other.cmd("launch 99")
-    snap = poll(probe, lambda s: proc_of(s, a.pid).launches_observed == 1234
-                and proc_of(s, b.pid).launches_observed == 567, "counts per process")
+    snap = poll(
+        probe,
+        lambda s: proc_of(s, a.pid).launches_observed == 1234 and proc_of(s, b.pid).launches_observed == 567,
+        "counts per process",
+    )
     pa, pb = proc_of(snap, a.pid), proc_of(snap, b.pid)
     assert (pa.job_id, pb.job_id) == ("job-a", "")
     assert dict(pa.memcpy_bytes_observed) == {"htod": 1000, "dtoh": 0, "dtod": 0, "default": 0}
@@ -433,6 +483,7 @@ def test_an_exited_process_is_cleaned_out_of_the_maps(make_probe, callers) -> No
 
 # --- duty cycle --------------------------------------------------------------------------
 
+
 def test_duty_cycled_mode_exports_sampled_counts_with_the_window(make_probe, callers) -> None:
     probe, state = make_probe(duty_window_s=0.3, duty_period_s=0.9)  # scale 3
     c = callers()
@@ -460,10 +511,15 @@ def test_duty_cycled_mode_exports_sampled_counts_with_the_window(make_probe, cal
     state.publish("ebpf", snap)
     metrics, _ = scrape(state)
     lab = {"pid": str(c.pid), "job_id": "job-d"}
-    assert sample_value(metrics["mscale_cuda_kernel_launches"], "mscale_cuda_kernel_launches_total",
-                        **lab) == pytest.approx(3 * expected)
-    assert sample_value(metrics["mscale_cuda_kernel_launches_observed"],
-                        "mscale_cuda_kernel_launches_observed_total", **lab) == expected
+    assert sample_value(
+        metrics["mscale_cuda_kernel_launches"], "mscale_cuda_kernel_launches_total", **lab
+    ) == pytest.approx(3 * expected)
+    assert (
+        sample_value(
+            metrics["mscale_cuda_kernel_launches_observed"], "mscale_cuda_kernel_launches_observed_total", **lab
+        )
+        == expected
+    )
     assert sample_value(metrics["mscale_cuda_sampled"], "mscale_cuda_sampled") == 1
     assert sample_value(metrics["mscale_cuda_duty_window_seconds"], "mscale_cuda_duty_window_seconds") == 0.3
     assert sample_value(metrics["mscale_cuda_duty_period_seconds"], "mscale_cuda_duty_period_seconds") == 0.9
@@ -481,14 +537,22 @@ def _wait_state(probe, attached: bool) -> tuple[int, bool]:
 
 # --- degrading -------------------------------------------------------------------------------
 
+
 async def test_missing_libcuda_path_marks_the_probe_down_and_the_agent_serves(bpf_ok, tmp_path) -> None:
     from aiohttp import ClientSession, web
 
     from mscale.daemon.app import create_app
 
-    cfg = from_dict({"agent": {"listen": "127.0.0.1:0"},
-                     "probes": {"gpu": {"enabled": False}, "host": {"enabled": False},
-                                "ebpf": {"libcuda_path": str(tmp_path / "nope" / "libcuda.so.1"), "interval_s": 0.05}}})
+    cfg = from_dict(
+        {
+            "agent": {"listen": "127.0.0.1:0"},
+            "probes": {
+                "gpu": {"enabled": False},
+                "host": {"enabled": False},
+                "ebpf": {"libcuda_path": str(tmp_path / "nope" / "libcuda.so.1"), "interval_s": 0.05},
+            },
+        }
+    )
     app = create_app(cfg, features=("mscale.daemon.api",))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -546,9 +610,14 @@ for _ in range(2):
 
 def test_without_bpf_capabilities_the_probe_says_why(bpf_ok) -> None:
     setpriv = require_tool("setpriv", why="drops every capability for the child")
-    out = subprocess.run([setpriv, "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-c", UNPRIVILEGED],
-                         capture_output=True, text=True, cwd=REPO, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = subprocess.run(
+        [setpriv, "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-c", UNPRIVILEGED],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("factory:", "sample:"))]
     assert len(lines) == 3, out.stdout + out.stderr
     assert "CAP_BPF" in lines[0] and "CAP_PERFMON" in lines[0], lines

@@ -1,6 +1,7 @@
 """The GPU probe against the simulated GPUs: every field, every health rule, Xid events,
 a lost GPU; the Nvml protocol the real adapter and the simulation share; the Xid table;
 the GPU exporter's series."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,8 +80,9 @@ def make_rig():
         sim = SimNvml(gpus, model=model, events=events, clock=clock)
         cfg = from_dict({"health": health})
         found: list[Finding] = []
-        probe = GpuProbe(NvmlReader(sim, backend="sim"), HealthModel(cfg.health), emit=found.append, clock=clock,
-                         xid_wait_ms=50)
+        probe = GpuProbe(
+            NvmlReader(sim, backend="sim"), HealthModel(cfg.health), emit=found.append, clock=clock, xid_wait_ms=50
+        )
         rig = Rig(sim, probe, clock, found)
         rigs.append(rig)
         return rig
@@ -96,7 +98,9 @@ PROTOCOL_METHODS = [n for n, v in vars(Nvml).items() if callable(v) and not n.st
 
 
 def test_protocol_lists_the_calls_we_use() -> None:
-    assert {"device_count", "temperature_c", "ecc_errors", "remapped_rows", "nvlink_up", "xid_events", "close"} <= set(PROTOCOL_METHODS)
+    assert {"device_count", "temperature_c", "ecc_errors", "remapped_rows", "nvlink_up", "xid_events", "close"} <= set(
+        PROTOCOL_METHODS
+    )
 
 
 @pytest.mark.parametrize("impl", [RealNvml, SimNvml])
@@ -139,6 +143,7 @@ def test_gpu_lost_raises_nvmls_own_error_kind() -> None:
 
 # --- fields -----------------------------------------------------------------------------
 
+
 def test_every_field_on_a_healthy_h100(make_rig) -> None:
     rig = make_rig()
     snap = rig.sample()
@@ -157,13 +162,20 @@ def test_every_field_on_a_healthy_h100(make_rig) -> None:
         assert (g.ecc_sbe_volatile, g.ecc_dbe_volatile, g.ecc_sbe_aggregate, g.ecc_dbe_aggregate) == (0, 0, 0, 0)
         # H100s remap rows instead of retiring pages: NOT_SUPPORTED is no data, not a failure.
         assert (g.retired_pages_sbe, g.retired_pages_dbe, g.retired_pages_pending) == (None, None, None)
-        assert (g.remapped_rows_correctable, g.remapped_rows_uncorrectable, g.remapped_rows_pending,
-                g.remapped_rows_failed) == (0, 0, False, False)
+        assert (
+            g.remapped_rows_correctable,
+            g.remapped_rows_uncorrectable,
+            g.remapped_rows_pending,
+            g.remapped_rows_failed,
+        ) == (0, 0, False, False)
         assert g.pcie_replay_count == 0
         assert g.pcie_tx_bytes_per_second > 1e9 and g.pcie_rx_bytes_per_second > 1e9
         assert [link.link for link in g.nvlinks] == list(range(18))
-        assert all(link.up and (link.replay_errors, link.recovery_errors, link.crc_flit_errors, link.crc_data_errors)
-                   == (0, 0, 0, 0) for link in g.nvlinks)
+        assert all(
+            link.up
+            and (link.replay_errors, link.recovery_errors, link.crc_flit_errors, link.crc_data_errors) == (0, 0, 0, 0)
+            for link in g.nvlinks
+        )
         assert g.recovery_action == nvml_api.RECOVERY_NONE
         assert g.xid_errors == () and g.last_xid is None
     assert rig.found == []
@@ -181,6 +193,7 @@ def test_snapshot_is_frozen(make_rig) -> None:
 
 
 # --- health rules ------------------------------------------------------------------------
+
 
 def test_fatal_xid_fails_the_gpu_once_and_a_reset_clears_it(make_rig) -> None:
     rig = make_rig()
@@ -204,9 +217,17 @@ def test_fatal_xid_fails_the_gpu_once_and_a_reset_clears_it(make_rig) -> None:
     assert len(rig.findings(Reason.GPU_RECOVERED, 3)) == 1
 
 
-@pytest.mark.parametrize("code,health,severity", [(63, "degraded", Severity.WARNING), (94, "degraded", Severity.WARNING),
-                                                  (13, "healthy", Severity.INFO), (43, "healthy", Severity.INFO),
-                                                  (48, "failed", Severity.CRITICAL), (999, "degraded", Severity.WARNING)])
+@pytest.mark.parametrize(
+    "code,health,severity",
+    [
+        (63, "degraded", Severity.WARNING),
+        (94, "degraded", Severity.WARNING),
+        (13, "healthy", Severity.INFO),
+        (43, "healthy", Severity.INFO),
+        (48, "failed", Severity.CRITICAL),
+        (999, "degraded", Severity.WARNING),
+    ],
+)
 def test_xid_classes(make_rig, code, health, severity) -> None:
     rig = make_rig(gpus=2)
     rig.inject("xid", 1, code=code)
@@ -242,7 +263,12 @@ def test_double_bit_ecc_fails_until_reset(make_rig) -> None:
     rig.inject("ecc_dbe", 1)
     g = rig.sample().gpus[1]
     assert g.health == "failed"
-    assert (g.ecc_dbe_volatile, g.ecc_dbe_aggregate, g.remapped_rows_uncorrectable, g.remapped_rows_pending) == (1, 1, 1, True)
+    assert (g.ecc_dbe_volatile, g.ecc_dbe_aggregate, g.remapped_rows_uncorrectable, g.remapped_rows_pending) == (
+        1,
+        1,
+        1,
+        True,
+    )
     assert any("double-bit" in r for r in g.reasons) and any("needs a reset" in r for r in g.reasons)
     (dbe,) = rig.findings(Reason.GPU_ECC_DBE, 1)
     assert dbe.severity is Severity.CRITICAL and dbe.labels["health"] == "failed"
@@ -351,8 +377,11 @@ def test_lost_gpu_is_reported_not_crashed_on(make_rig) -> None:
 
 
 def test_timeline_events_apply_as_the_clock_passes(make_rig) -> None:
-    events = (FaultEvent(2.0, 3, "xid", code=79), FaultEvent(5.0, 1, "temperature", celsius=88, ramp_s=3.0),
-              FaultEvent(9.0, 1, "recover"))
+    events = (
+        FaultEvent(2.0, 3, "xid", code=79),
+        FaultEvent(5.0, 1, "temperature", celsius=88, ramp_s=3.0),
+        FaultEvent(9.0, 1, "recover"),
+    )
     rig = make_rig(events=events)
     rig.clock.advance(1.9)
     assert rig.sample().gpus[3].xid_errors == ()
@@ -380,22 +409,36 @@ def test_findings_only_on_transitions(make_rig) -> None:
 
 # --- the Xid table -------------------------------------------------------------------------
 
+
 def test_shipped_xid_table_classes() -> None:
     t = load_xid_table()
     classes = {code: t.classify(code).cls for code in (79, 48, 63, 64, 74, 94, 95, 13, 31, 43)}
-    assert classes == {79: "fatal", 48: "fatal", 63: "degrading", 64: "fatal", 74: "fatal", 94: "degrading",
-                       95: "fatal", 13: "info", 31: "info", 43: "info"}
+    assert classes == {
+        79: "fatal",
+        48: "fatal",
+        63: "degrading",
+        64: "fatal",
+        74: "fatal",
+        94: "degrading",
+        95: "fatal",
+        13: "info",
+        31: "info",
+        43: "info",
+    }
     assert t.classify(12345).cls == "degrading"
 
 
-@pytest.mark.parametrize("body,line,words", [
-    ("code,class,description\n79,fatal,x\nabc,fatal,y\n", 3, ["code", "'abc'"]),
-    ("code,class,description\n79,terrible,x\n", 2, ["class", "'terrible'"]),
-    ("code,class,description\n79,fatal,x\n79,info,y\n", 3, ["listed twice"]),
-    ("# comment\ncode,klass,description\n", 2, ["header"]),
-    ("code,class,description\n79,fatal\n", 2, ["3 columns"]),
-    ("code,class,description\n79,fatal,\n", 2, ["description"]),
-])
+@pytest.mark.parametrize(
+    "body,line,words",
+    [
+        ("code,class,description\n79,fatal,x\nabc,fatal,y\n", 3, ["code", "'abc'"]),
+        ("code,class,description\n79,terrible,x\n", 2, ["class", "'terrible'"]),
+        ("code,class,description\n79,fatal,x\n79,info,y\n", 3, ["listed twice"]),
+        ("# comment\ncode,klass,description\n", 2, ["header"]),
+        ("code,class,description\n79,fatal\n", 2, ["3 columns"]),
+        ("code,class,description\n79,fatal,\n", 2, ["description"]),
+    ],
+)
 def test_bad_xid_tables_name_the_line(body, line, words) -> None:
     with pytest.raises(XidTableError) as err:
         parse_xid_table(body, "x.csv")
@@ -411,10 +454,12 @@ def test_docs_document_the_xid_table() -> None:
     assert m.group(1) == xid_markdown(), (
         "docs/xid.md is stale: paste the output of "
         "`python -c 'from mscale.probes.gpu_health import xid_markdown; print(xid_markdown(), end=\"\")'` "
-        "between its markers")
+        "between its markers"
+    )
 
 
 # --- the exporter ----------------------------------------------------------------------------
+
 
 def scrape(state: AgentState) -> dict:
     text = generate_latest(make_registry(state, modules=("mscale.exporters.gpu",))).decode()
@@ -452,11 +497,23 @@ def test_exporter_series(make_rig) -> None:
     throttled = {lb["reason"] for lb, v in m["mscale_gpu_clocks_throttled"] if lb["gpu"] == "2" and v == 1}
     assert throttled == {"sw_thermal_slowdown", "hw_thermal_slowdown"}
     ecc = {(lb["type"], lb["counter"]) for lb, _ in m["mscale_gpu_ecc_errors_total"]}
-    assert ecc == {("single_bit", "volatile"), ("double_bit", "volatile"), ("single_bit", "aggregate"),
-                   ("double_bit", "aggregate")}
-    for name in ("mscale_gpu_power_watts", "mscale_gpu_utilization_ratio", "mscale_gpu_pcie_replays_total",
-                 "mscale_gpu_pcie_throughput_bytes_per_second", "mscale_gpu_remapped_rows", "mscale_gpu_lost",
-                 "mscale_gpu_recovery_action", "mscale_gpu_nvlink_errors_total", "mscale_gpu_info"):
+    assert ecc == {
+        ("single_bit", "volatile"),
+        ("double_bit", "volatile"),
+        ("single_bit", "aggregate"),
+        ("double_bit", "aggregate"),
+    }
+    for name in (
+        "mscale_gpu_power_watts",
+        "mscale_gpu_utilization_ratio",
+        "mscale_gpu_pcie_replays_total",
+        "mscale_gpu_pcie_throughput_bytes_per_second",
+        "mscale_gpu_remapped_rows",
+        "mscale_gpu_lost",
+        "mscale_gpu_recovery_action",
+        "mscale_gpu_nvlink_errors_total",
+        "mscale_gpu_info",
+    ):
         assert name in m, name
     assert "mscale_gpu_retired_pages" not in m  # not supported on H100: no series rather than a fake 0
 

@@ -1,4 +1,5 @@
 """The healing policy file, the fuse state machine and the engine's books (no torch)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -34,14 +35,26 @@ def test_shipped_policy_loads_and_names_only_known_actions():
 
 
 BAD = [
-    ("version: 1\nrules:\n  - name: a\n    target: mpu\n    reasons: [no_such_reason]\n    actions: {any: [l1_swap]}\n",
-     "line 5", "unknown 'no_such_reason'"),
-    ("version: 1\nrules:\n  - name: a\n    target: mpu\n    reasons: [gpu_xid]\n    actions: {any: [reboot]}\n",
-     "line 6", "unknown 'reboot'"),
-    ("version: 1\nrules:\n  - name: a\n    target: moon\n    reasons: [gpu_xid]\n    actions: {}\n",
-     "line 4", "target"),
-    ("version: 1\nrules:\n  - name: a\n    target: job\n    reasons: [gpu_xid]\n    actions:\n      l2_degraded: [rollback]\n",
-     "line 7", "unknown level 'l2_degraded'"),
+    (
+        "version: 1\nrules:\n  - name: a\n    target: mpu\n    reasons: [no_such_reason]\n    actions: {any: [l1_swap]}\n",
+        "line 5",
+        "unknown 'no_such_reason'",
+    ),
+    (
+        "version: 1\nrules:\n  - name: a\n    target: mpu\n    reasons: [gpu_xid]\n    actions: {any: [reboot]}\n",
+        "line 6",
+        "unknown 'reboot'",
+    ),
+    (
+        "version: 1\nrules:\n  - name: a\n    target: moon\n    reasons: [gpu_xid]\n    actions: {}\n",
+        "line 4",
+        "target",
+    ),
+    (
+        "version: 1\nrules:\n  - name: a\n    target: job\n    reasons: [gpu_xid]\n    actions:\n      l2_degraded: [rollback]\n",
+        "line 7",
+        "unknown level 'l2_degraded'",
+    ),
     ("version: 1\nrules:\n  - name: a\n    target: mpu\n    actions: {any: []}\n", "line 3", "needs reasons or alerts"),
     ("version: 1\nrules:\n  - name: a\n    targte: mpu\n", "line 4", "unknown key 'targte'"),
     ("version: 2\nrules: []\n", "line 1", "version"),
@@ -60,11 +73,14 @@ def test_malformed_policy_names_the_line(text, line, words):
 
 def test_agent_refuses_to_start_on_a_malformed_policy(tmp_path: Path):
     bad = tmp_path / "policy.yaml"
-    bad.write_text("version: 1\nrules:\n  - name: a\n    target: mpu\n    reasons: [gpu_xid]\n    actions: {any: [explode]}\n")
+    bad.write_text(
+        "version: 1\nrules:\n  - name: a\n    target: mpu\n    reasons: [gpu_xid]\n    actions: {any: [explode]}\n"
+    )
     cfg = tmp_path / "agent.toml"
     cfg.write_text(f'[healing]\npolicy = "{bad}"\n[agent]\nlisten = "127.0.0.1:0"\nsocket_path = "{tmp_path}/s.sock"\n')
-    r = subprocess.run([sys.executable, "-m", "mscale", "agent", "--config", str(cfg)], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "mscale", "agent", "--config", str(cfg)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 2, r.stderr
     assert "line 6" in r.stderr and "explode" in r.stderr
 
@@ -84,8 +100,14 @@ def test_state_machine_walks_the_fuse_and_needs_a_clean_stretch():
     assert tr and tr.after is Level.RECOVERED
     assert [f.clean_step(s) for s in (6, 7)] == [None, None]
     assert f.clean_step(8).after is Level.HEALTHY
-    assert [t.after for t in f.history] == [Level.SUSPECT, Level.L1_SWAPPED, Level.L2_DEGRADED,
-                                            Level.L3_DISTILLING, Level.RECOVERED, Level.HEALTHY]
+    assert [t.after for t in f.history] == [
+        Level.SUSPECT,
+        Level.L1_SWAPPED,
+        Level.L2_DEGRADED,
+        Level.L3_DISTILLING,
+        Level.RECOVERED,
+        Level.HEALTHY,
+    ]
     with pytest.raises(IllegalTransition):
         MpuFuseState("j", "1").to(Level.L3_DISTILLING)  # no skipping to L3 from healthy
 
@@ -106,10 +128,14 @@ def _engine(**cfg):
 
 def test_engine_escalates_per_level_and_books_every_decision():
     eng, clock, events = _engine()
+
     def tgt(rule, cond):
         return [Target("j1", "001", "0")]
+
     for step, expect in ((10, "l1_swap"), (20, "l2_degrade"), (30, "l3_distill")):
-        (d,) = eng.decide(Condition("reason", "checksum_l1_trigger", {"mpu_id": "001"}, step=step, occurrence=step), tgt)
+        (d,) = eng.decide(
+            Condition("reason", "checksum_l1_trigger", {"mpu_id": "001"}, step=step, occurrence=step), tgt
+        )
         assert d.action == expect
         eng.record(d, "applied")
     assert eng.mpu("j1", "001").level is Level.L3_DISTILLING
@@ -125,8 +151,10 @@ def test_engine_escalates_per_level_and_books_every_decision():
 
 def test_same_fault_from_probe_and_alert_acts_once_within_the_window():
     eng, clock, events = _engine()
+
     def tgt(rule, cond):
         return [Target("j1", "002", "3", "GPU-x")]
+
     probe = Condition("reason", "gpu_xid", {"gpu_uuid": "GPU-x"}, severity="critical")
     alert = Condition("alert", "MscaleGpuFatalXid", {"gpu_uuid": "GPU-x"})
     first = eng.decide(probe, tgt)
@@ -140,8 +168,10 @@ def test_same_fault_from_probe_and_alert_acts_once_within_the_window():
 
 def test_loss_spike_cools_then_a_persisting_spike_rolls_back():
     eng, clock, events = _engine(lr_cool_steps=5)
+
     def tgt(rule, cond):
         return [Target("j1")]
+
     (d,) = eng.decide(Condition("reason", "loss_spike_action", {}, occurrence=100), tgt)
     assert d.action == "lr_cool"
     # the ratio detector fires for the same step: one fault, acted on once
@@ -160,8 +190,10 @@ def test_loss_spike_cools_then_a_persisting_spike_rolls_back():
 
 def test_swap_rate_limit_escalates_to_l2():
     eng, clock, events = _engine(max_swaps_per_hour=2)
+
     def tgt(rule, cond):
         return [Target("j1", "001", "0")]
+
     for step in (1, 2):
         (d,) = eng.decide(Condition("alert", "MscaleGpuFatalXid", {}, occurrence=step), tgt)[-1:]
         assert d.action == "l1_swap"
@@ -180,19 +212,37 @@ def test_disabled_engine_records_but_does_not_act():
 
 def test_observing_a_jobs_own_action_makes_the_alert_a_duplicate():
     eng, clock, events = _engine()
-    eng.observe(Finding("fuse", Reason.HEAL_ACTION, Severity.WARNING, "l1_swap applied",
-                        {"rule": "mpu_output_corrupt", "action": "l1_swap", "level": "L1", "result": "applied",
-                         "job_id": "j1", "mpu_id": "001", "state": "l1_swapped"}))
+    eng.observe(
+        Finding(
+            "fuse",
+            Reason.HEAL_ACTION,
+            Severity.WARNING,
+            "l1_swap applied",
+            {
+                "rule": "mpu_output_corrupt",
+                "action": "l1_swap",
+                "level": "L1",
+                "result": "applied",
+                "job_id": "j1",
+                "mpu_id": "001",
+                "state": "l1_swapped",
+            },
+        )
+    )
     assert eng.mpu("j1", "001").level is Level.L1_SWAPPED and eng.drift[("j1", "001")] == 1
+
     def tgt(rule, cond):
         return [Target("j1", "001")]
+
     assert eng.decide(Condition("alert", "MscaleChecksumFailures", {"job_id": "j1", "mpu_id": "001"}), tgt) == []
 
 
 def test_swap_rate_limit_past_l2_escalates_to_l3():
     eng, clock, events = _engine(max_swaps_per_hour=1)
+
     def tgt(rule, cond):
         return [Target("j1", "001", "0")]
+
     (d,) = eng.decide(Condition("alert", "MscaleGpuFatalXid", {}), tgt)[-1:]
     eng.record(d, "applied")  # one swap: the budget is spent
     eng.move("j1", "001", Level.L2_DEGRADED)
@@ -209,19 +259,33 @@ def test_job_and_gpu_scoped_actions_run_once_per_job_mpu_scoped_ones_per_mpu():
 
     out = eng.decide(Condition("reason", "gpu_xid", {"gpu": "2"}, severity="critical"), both)
     got = sorted((d.action, d.target.job_id, d.target.mpu_id) for d in out)
-    assert got == [("emergency_snapshot", "j1", "001"), ("emergency_snapshot", "j2", "001"),
-                   ("l1_swap", "j1", "001"), ("l1_swap", "j1", "002"), ("l1_swap", "j2", "001"),
-                   ("quarantine_gpu", "j1", "001"), ("quarantine_gpu", "j2", "001")]
+    assert got == [
+        ("emergency_snapshot", "j1", "001"),
+        ("emergency_snapshot", "j2", "001"),
+        ("l1_swap", "j1", "001"),
+        ("l1_swap", "j1", "002"),
+        ("l1_swap", "j2", "001"),
+        ("quarantine_gpu", "j1", "001"),
+        ("quarantine_gpu", "j2", "001"),
+    ]
 
 
 def test_a_resolved_alert_ends_only_the_cooling_its_rule_started():
     eng, clock, events = _engine()
+
     def tgt(rule, cond):
         return [Target("j1")]
+
     # the job reports its own cooling (the agent mirrors it), then the spike alert resolves
-    eng.observe(Finding("fuse", Reason.HEAL_ACTION, Severity.WARNING, "lr_cool applied",
-                        {"rule": "loss_spike", "action": "lr_cool", "level": "none", "result": "applied",
-                         "job_id": "j1"}))
+    eng.observe(
+        Finding(
+            "fuse",
+            Reason.HEAL_ACTION,
+            Severity.WARNING,
+            "lr_cool applied",
+            {"rule": "loss_spike", "action": "lr_cool", "level": "none", "result": "applied", "job_id": "j1"},
+        )
+    )
     assert eng.snapshot().cooling == ("j1",)
     hang = Condition("alert", "MscaleTrainingHang", {"job_id": "j1"})
     assert eng.resolve(hang, tgt, eng.match(hang)) == []  # its rule cools nothing
@@ -229,9 +293,15 @@ def test_a_resolved_alert_ends_only_the_cooling_its_rule_started():
     (end,) = eng.resolve(spike, tgt, eng.match(spike))
     assert end.action == "lr_cool" and end.command(end=True)["end"] is True and "resolved" in end.why
     assert eng.snapshot().cooling == ("j1",)  # until the job says the window ended
-    eng.observe(Finding("fuse", Reason.HEAL_ACTION, Severity.INFO, "lr_cool ended",
-                        {"rule": "loss_spike", "action": "lr_cool", "level": "none", "result": "ended",
-                         "job_id": "j1"}))
+    eng.observe(
+        Finding(
+            "fuse",
+            Reason.HEAL_ACTION,
+            Severity.INFO,
+            "lr_cool ended",
+            {"rule": "loss_spike", "action": "lr_cool", "level": "none", "result": "ended", "job_id": "j1"},
+        )
+    )
     assert eng.snapshot().cooling == () and eng.resolve(spike, tgt, eng.match(spike)) == []
 
 
@@ -272,10 +342,13 @@ def test_not_escalated_is_healthy_everywhere():
 
 def test_a_gpu_fault_stays_one_fault_after_its_mpus_moved_off():
     eng, clock, events = _engine()
+
     def on_gpu(rule, cond):
         return [Target("j1", "001", "2", "GPU-2")]
+
     def moved(rule, cond):
         return [Target("", "", "2", "GPU-2")]  # the agent finds no MPU there any more
+
     assert len(eng.decide(Condition("reason", "gpu_xid", {"gpu": "2"}, severity="critical"), on_gpu)) == 3
     clock.t += 2
     assert eng.decide(Condition("alert", "MscaleGpuFatalXid", {"gpu": "2"}), moved) == []  # the same fault

@@ -1,6 +1,7 @@
 """The fuse end to end: the tiny multimodal model trained on CPU with faults injected, each run
 compared with the same run without faults. Each test asserts the events, the metrics (rendered
 by the healing exporter from the fuse's books) and the training outcome."""
+
 from __future__ import annotations
 
 import logging
@@ -53,8 +54,11 @@ def heal(result, action, result_label="applied"):
 
 
 def states(result, mpu_id="001"):
-    return [(int(f.labels["step"]), f.labels["state"]) for f in result.events("fuse_state")
-            if f.labels.get("mpu_id") == mpu_id]
+    return [
+        (int(f.labels["step"]), f.labels["state"])
+        for f in result.events("fuse_state")
+        if f.labels.get("mpu_id") == mpu_id
+    ]
 
 
 def test_reference_run_learns_without_actions(reference):
@@ -75,7 +79,7 @@ def test_an_mpu_no_fuse_holds_reports_healthy():
 def test_vision_corruption_for_20_steps_heals_at_l1_without_losing_a_step(reference):
     r = run(RunConfig(steps=STEPS, faults=(Fault(30, "corrupt", {"gpu": 0, "mode": "noise", "steps": 20}),)))
     assert r.guard.plugin_errors == 0  # no action raised inside a guard hook
-    (swap_step, swap), = heal(r, "l1_swap")
+    ((swap_step, swap),) = heal(r, "l1_swap")
     assert swap_step == 32  # the third consecutive failing step (checksum_failures_l1 = 3)
     assert swap.labels["mpu_id"] == "001" and swap.labels["gpu"] == "0" and swap.labels["to_gpu"] == "3"
     assert r.guard.mpu("vision").gpu == 3
@@ -88,34 +92,50 @@ def test_vision_corruption_for_20_steps_heals_at_l1_without_losing_a_step(refere
     # the state machine's own history counts training steps too (not the fuse's dedup keys)
     history = r.fuse.engine.mpu("tinymm", "001").history
     assert [(t.step, t.after.value) for t in history][:2] == [(30, "suspect"), (32, "l1_swapped")]
-    assert ("recovered" in [s for _, s in states(r)])  # clean stretch after the swap
+    assert "recovered" in [s for _, s in states(r)]  # clean stretch after the swap
     assert r.steps_lost == 0 and not r.events("rollback")
     assert relative_gap(r.eval_loss, reference.eval_loss) < 0.02
     m = metrics(r)
-    assert m[("mscale_heal_actions_total", (("action", "l1_swap"), ("level", "L1"), ("mpu_id", "001"),
-                                            ("result", "applied")))] == 1
+    assert (
+        m[
+            (
+                "mscale_heal_actions_total",
+                (("action", "l1_swap"), ("level", "L1"), ("mpu_id", "001"), ("result", "applied")),
+            )
+        ]
+        == 1
+    )
     assert m[("mpu_drift_count_total", (("job_id", "tinymm"), ("mpu_id", "001")))] == 1
 
 
 def test_corruption_persisting_on_the_standby_escalates_to_l2(reference):
-    faults = (Fault(30, "corrupt", {"gpu": 0, "mode": "noise", "steps": 20}),
-              Fault(30, "corrupt", {"gpu": 3, "mode": "noise", "steps": 4}))  # the standby is faulty too
+    faults = (
+        Fault(30, "corrupt", {"gpu": 0, "mode": "noise", "steps": 20}),
+        Fault(30, "corrupt", {"gpu": 3, "mode": "noise", "steps": 4}),
+    )  # the standby is faulty too
     r = run(RunConfig(steps=STEPS, faults=faults))
     assert r.guard.plugin_errors == 0  # no action raised inside a guard hook
     assert [s for _, s in states(r)][:3] == ["suspect", "l1_swapped", "l2_degraded"]
-    (l2_step, l2), = heal(r, "l2_degrade")
+    ((l2_step, l2),) = heal(r, "l2_degrade")
     assert l2_step == 34 and l2.labels["level"] == "L2"
     assert "fallback" not in l2.labels  # on CPU with l2_precision_fallback off (the default): none
     assert not heal(r, "l3_distill")  # the degraded run came clean: no L3
-    (rec_step, _), = heal(r, "recover")  # after a clean stretch the degradation is undone
+    ((rec_step, _),) = heal(r, "recover")  # after a clean stretch the degradation is undone
     assert rec_step > l2_step and "001" not in r.fuse.states["l2_degrade"].mpus
     assert r.guard.cmsa.multiplier["001"] == 1.0  # the raised clip threshold reset
     lv = dict(r.levels)
     assert lv[l2_step + 1]["vision"] == "l2_degraded"
     assert r.steps_lost == 0 and math.isfinite(r.eval_loss)
     m = metrics(r)
-    assert m[("mscale_heal_actions_total", (("action", "l2_degrade"), ("level", "L2"), ("mpu_id", "001"),
-                                            ("result", "applied")))] == 1
+    assert (
+        m[
+            (
+                "mscale_heal_actions_total",
+                (("action", "l2_degrade"), ("level", "L2"), ("mpu_id", "001"), ("result", "applied")),
+            )
+        ]
+        == 1
+    )
     assert m[("mscale_fuse_level", (("job_id", "tinymm"), ("mpu_id", "001")))] == 0  # recovered by the end
 
 
@@ -155,14 +175,16 @@ def test_l2_precision_fallback_runs_the_degraded_mpu_in_bf16_until_recovery():
             patch = r.guard.mpu("vision").module.patch_embed
             patch.register_forward_hook(lambda mod, args, out: seen.append((r.guard.current_step, out.dtype)))
 
-    faults = (Fault(30, "corrupt", {"gpu": 0, "mode": "noise", "steps": 20}),
-              Fault(30, "corrupt", {"gpu": 3, "mode": "noise", "steps": 4}))  # as in the L2 scenario
+    faults = (
+        Fault(30, "corrupt", {"gpu": 0, "mode": "noise", "steps": 20}),
+        Fault(30, "corrupt", {"gpu": 3, "mode": "noise", "steps": 4}),
+    )  # as in the L2 scenario
     healing = HealingSection(recovery_clean_steps=20, lr_cool_steps=10, l2_precision_fallback=True)
     r = run(RunConfig(steps=70, faults=faults, healing=healing, before_step=watch))
     assert r.guard.plugin_errors == 0  # no action raised inside a guard hook
-    (l2_step, l2), = heal(r, "l2_degrade")
+    ((l2_step, l2),) = heal(r, "l2_degrade")
     assert l2.labels["fallback"] == "bf16" and "bf16" in l2.message
-    (rec_step, _), = heal(r, "recover")
+    ((rec_step, _),) = heal(r, "recover")
     assert l2_step < rec_step < 70
     by_step = {}
     for step, dtype in seen:
@@ -202,8 +224,8 @@ def test_corruption_persisting_in_l2_engages_l3_then_removes_it_after_recovery(r
     assert r.guard.plugin_errors == 0  # no action raised inside a guard hook
     seq = [s for _, s in states(r)]
     assert seq == ["suspect", "l1_swapped", "l2_degraded", "l3_distilling", "recovered", "healthy"]
-    (l3_step, _), = heal(r, "l3_distill")
-    (rec_step, _), = heal(r, "recover")
+    ((l3_step, _),) = heal(r, "l3_distill")
+    ((rec_step, _),) = heal(r, "recover")
     assert l3_step == 26 and rec_step > 45
     shares = [(s, share) for s, mpu, share, _ in r.fuse.states["l3_distill"].shares]
     assert shares and {s for s, _ in shares} == set(range(l3_step, rec_step + 1))  # incl. the recovery step
@@ -212,8 +234,15 @@ def test_corruption_persisting_in_l2_engages_l3_then_removes_it_after_recovery(r
     assert not r.fuse.states["l3_distill"].mpus  # removed on recovery
     assert r.steps_lost == 0 and math.isfinite(r.eval_loss) and not r.nonfinite_weights
     m = metrics(r)
-    assert m[("mscale_heal_actions_total", (("action", "l3_distill"), ("level", "L3"), ("mpu_id", "001"),
-                                            ("result", "applied")))] == 1
+    assert (
+        m[
+            (
+                "mscale_heal_actions_total",
+                (("action", "l3_distill"), ("level", "L3"), ("mpu_id", "001"), ("result", "applied")),
+            )
+        ]
+        == 1
+    )
     assert m[("mscale_fuse_state", (("job_id", "tinymm"), ("mpu_id", "001"), ("state", "healthy")))] == 1
 
 
@@ -222,7 +251,7 @@ def test_a_25x_loss_spike_cools_the_lr_without_a_rollback(reference):
     assert r.guard.plugin_errors == 0  # no action raised inside a guard hook
     spike = [loss for s, loss in r.losses if s == 60][0]
     assert spike > 10 * [loss for s, loss in reference.losses if s == 60][0]
-    (cool_step, cool), = heal(r, "lr_cool")
+    ((cool_step, cool),) = heal(r, "lr_cool")
     assert cool_step == 60
     lrs = dict(r.lrs)
     base = lrs[59]
@@ -233,28 +262,49 @@ def test_a_25x_loss_spike_cools_the_lr_without_a_rollback(reference):
     assert not r.events("rollback") and not heal(r, "rollback", "step_dropped") and r.steps_lost == 0
     assert relative_gap(r.eval_loss, reference.eval_loss) < 0.02
     m = metrics(r)
-    assert m[("mscale_heal_actions_total", (("action", "lr_cool"), ("level", "none"), ("mpu_id", ""),
-                                            ("result", "applied")))] == 1
+    assert (
+        m[
+            (
+                "mscale_heal_actions_total",
+                (("action", "lr_cool"), ("level", "none"), ("mpu_id", ""), ("result", "applied")),
+            )
+        ]
+        == 1
+    )
 
 
 def test_nan_loss_rolls_back_skips_the_batch_and_never_reaches_the_weights(reference):
     r = run(RunConfig(steps=STEPS, faults=(Fault(62, "nan_loss", {}),)))
     assert r.guard.plugin_errors == 0  # no action raised inside a guard hook
     assert [loss for s, loss in r.losses if s == 62 and math.isnan(loss)]
-    (drop_step, _), = heal(r, "rollback", "step_dropped")
-    (_, restored), = heal(r, "rollback", "applied")
+    ((drop_step, _),) = heal(r, "rollback", "step_dropped")
+    ((_, restored),) = heal(r, "rollback", "applied")
     assert drop_step == 62 and "restored step 60" in restored.message
     (rb,) = r.events("rollback")  # the snapshot engine's own event
     assert not r.nonfinite_weights
     bad = [b for s, b in r.batches if s == 62][0]
-    later = [b for s, b in r.batches[r.batches.index((62, bad)) + 1:]]
+    later = [b for s, b in r.batches[r.batches.index((62, bad)) + 1 :]]
     assert bad not in later  # the offending batch was skipped
     assert [s for s, _ in r.batches].count(61) == 2  # step 61 redone from the snapshot of step 60
     assert r.steps == STEPS and r.steps_lost == 2
     assert relative_gap(r.eval_loss, reference.eval_loss) < 0.02
     m = metrics(r)
-    assert m[("mscale_heal_actions_total", (("action", "rollback"), ("level", "none"), ("mpu_id", ""),
-                                            ("result", "applied")))] == 1
+    assert (
+        m[
+            (
+                "mscale_heal_actions_total",
+                (("action", "rollback"), ("level", "none"), ("mpu_id", ""), ("result", "applied")),
+            )
+        ]
+        == 1
+    )
     # the gradient-norm detectors report the same fault in the same step: acted on once
-    assert m[("mscale_heal_actions_total", (("action", "rollback"), ("level", "none"), ("mpu_id", ""),
-                                            ("result", "duplicate")))] >= 1
+    assert (
+        m[
+            (
+                "mscale_heal_actions_total",
+                (("action", "rollback"), ("level", "none"), ("mpu_id", ""), ("result", "duplicate")),
+            )
+        ]
+        >= 1
+    )

@@ -1,5 +1,6 @@
 """The Trainer callback on a real tiny LlavaForConditionalGeneration (random weights, nothing
 downloaded) trained for a few steps on CPU by the real Hugging Face Trainer."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,15 +26,33 @@ IMAGE_TOKEN = 127
 PATCHES = (16 // 4) ** 2
 
 
-
 def tiny_llava() -> LlavaForConditionalGeneration:
     torch.manual_seed(0)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=16, patch_size=4, projection_dim=32)
-    text = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
-    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
-                      vision_feature_layer=-1, vision_feature_select_strategy="default")
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=4,
+        projection_dim=32,
+    )
+    text = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    cfg = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=IMAGE_TOKEN,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
     return LlavaForConditionalGeneration(cfg)
 
 
@@ -78,29 +97,48 @@ def test_trainer_callback_on_tiny_llava(tmp_path) -> None:
                 injected["i"] = inject(watch.guard, kind="exponent_flip", mpu="aligner", steps=1)
 
     callback = mscale.MscaleCallback(job_id="llava", connect=False, plugins=[watch, Inject()])
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=2, learning_rate=1e-3,
-                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-                             dataloader_num_workers=0, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=6,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Captions(), callbacks=[callback])
     trainer.train()
     guard = callback.guard
     assert isinstance(guard, Guard)
     assert [(m.mpu_id, m.name, m.path) for m in guard.mpus] == [
-        ("001", "vision", "model.vision_tower"), ("002", "aligner", "model.multi_modal_projector"),
-        ("003", "text", "model.language_model")]
+        ("001", "vision", "model.vision_tower"),
+        ("002", "aligner", "model.multi_modal_projector"),
+        ("003", "text", "model.language_model"),
+    ]
     assert [s for s, _ in watch.ends] == [0, 1, 2, 3, 4, 5]
     assert all(loss is not None for _, loss in watch.ends[:3])
     logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert watch.ends[0][1] == pytest.approx(logged[0], rel=1e-4)  # the loss the Trainer saw
     assert injected["i"].hits and injected["i"].hits[0].step == 3
-    caught = [f for f in watch.findings if f.reason in (Reason.CHECKSUM_FAILURE, Reason.NONFINITE_OUTPUT)
-              and f.labels["mpu"] == "aligner"]
+    caught = [
+        f
+        for f in watch.findings
+        if f.reason in (Reason.CHECKSUM_FAILURE, Reason.NONFINITE_OUTPUT) and f.labels["mpu"] == "aligner"
+    ]
     assert caught and caught[0].labels["step"] == "3"
     assert all(m.forward_s > 0 and m.checksum_checks_total >= 6 for m in guard.mpus)
     # detached at the end of training: once the test's injector is off, the model is as it was
     injected["i"].remove()
-    ours = [(n, fn) for n, m in model.named_modules() for fn in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())
-            if getattr(fn, "__module__", "").startswith("mscale")]  # transformers keeps hooks of its own
+    ours = [
+        (n, fn)
+        for n, m in model.named_modules()
+        for fn in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())
+        if getattr(fn, "__module__", "").startswith("mscale")
+    ]  # transformers keeps hooks of its own
     assert ours == []
 
 
@@ -138,9 +176,19 @@ def test_trainer_rolls_back_a_nan_step(tmp_path) -> None:
     watch, rec = Watch(), Weights()
     snapshots = mscale.SnapshotConfig(directory=tmp_path / "snapshots", memory_every=2, disk_every=2)
     callback = mscale.MscaleCallback(job_id="llava-nan", connect=False, plugins=[watch, rec], snapshots=snapshots)
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=8, per_device_train_batch_size=2,
-                             learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                             seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=8,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Captions(), callbacks=[callback])
     trainer.train()
     guard = callback.guard

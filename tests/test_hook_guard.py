@@ -1,4 +1,5 @@
 """The Guard: MPU discovery, attach/detach, the plugin surface, riding on optimizer.step."""
+
 from __future__ import annotations
 
 import subprocess
@@ -15,7 +16,6 @@ from mscale.hook.mpu import MpuLayoutError, discover
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
 CFG = TinyConfig()
-
 
 
 def batches(n: int, seed: int = 0, size: int = 4):
@@ -50,12 +50,17 @@ class HfLike(nn.Module):
 def test_discovery_tinymm_and_hf_layout() -> None:
     mpus = discover(TinyMultimodal(CFG))
     assert [(m.mpu_id, m.name, m.path, m.gpu) for m in mpus] == [
-        ("001", "vision", "vision_tower", 0), ("002", "aligner", "multi_modal_projector", 1),
-        ("003", "text", "language_model", 2)]
+        ("001", "vision", "vision_tower", 0),
+        ("002", "aligner", "multi_modal_projector", 1),
+        ("003", "text", "language_model", 2),
+    ]
     assert all(m.device == torch.device("cpu") for m in mpus)
     hf = discover(HfLike())
-    assert [(m.name, m.path) for m in hf] == [("vision", "model.vision_tower"), ("aligner", "model.multi_modal_projector"),
-                                              ("text", "model.language_model")]
+    assert [(m.name, m.path) for m in hf] == [
+        ("vision", "model.vision_tower"),
+        ("aligner", "model.multi_modal_projector"),
+        ("text", "model.language_model"),
+    ]
 
 
 def test_explicit_mapping_and_clear_errors() -> None:
@@ -161,12 +166,20 @@ def test_plugin_order_and_isolation() -> None:
     train(model, opt, batches(1))
     guard.detach()
     assert guard.plugin_errors == 2 * 3  # Broken raised at each begin and end of 3 steps; they went on
-    assert rec.calls[:7] == [("attach",), ("begin", 0, "ModelInputs", 2), ("output", "vision"), ("output", "aligner"),
-                             ("output", "text"), ("end", 0, round(losses[0], 4)), ("begin", 1, "ModelInputs", 2)]
+    assert rec.calls[:7] == [
+        ("attach",),
+        ("begin", 0, "ModelInputs", 2),
+        ("output", "vision"),
+        ("output", "aligner"),
+        ("output", "text"),
+        ("end", 0, round(losses[0], 4)),
+        ("begin", 1, "ModelInputs", 2),
+    ]
     assert ("finding", "heal_action") in rec.calls
     # commands are dispatched at a step boundary, never mid-step
-    assert ("command", "swap", True) not in rec.calls and rec.calls.index(("command", "swap", False)) < \
-        rec.calls.index(("begin", 2, "ModelInputs", 2))
+    assert ("command", "swap", True) not in rec.calls and rec.calls.index(("command", "swap", False)) < rec.calls.index(
+        ("begin", 2, "ModelInputs", 2)
+    )
     assert rec.calls[-1] == ("detach",)
 
 
@@ -200,7 +213,6 @@ def test_on_mpu_output_can_replace_and_request_skip() -> None:
     opt.step()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
     assert guard._report()["skipped"] is True
-
 
 
 def _logits_model() -> nn.Module:
@@ -271,8 +283,7 @@ def test_a_watched_scaler_the_loop_never_calls_changes_nothing() -> None:
     model = _logits_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rec = Recorder()
-    guard = attach(model, opt, job_id="unused-scaler", connect=False, plugins=[rec],
-                   scaler=torch.amp.GradScaler("cpu"))
+    guard = attach(model, opt, job_id="unused-scaler", connect=False, plugins=[rec], scaler=torch.amp.GradScaler("cpu"))
     for _ in range(3):
         loss = model(torch.randn(4, 8)).pow(2).mean()
         loss.backward()

@@ -1,4 +1,5 @@
 """The agent's MPU health score (mscale.daemon.jobs): each term of the documented formula."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,14 +11,26 @@ from mscale.probes.gpu import GpuSample, GpuSnapshot
 
 def job() -> JobState:
     j = JobState(job_id="j", rank=0, pid=1)
-    j.register({"rank": 0, "pid": 1, "mpus": [{"mpu_id": "001", "name": "vision", "gpu": 3},
-                                               {"mpu_id": "002", "name": "text", "gpu": 4}]})
+    j.register(
+        {
+            "rank": 0,
+            "pid": 1,
+            "mpus": [{"mpu_id": "001", "name": "vision", "gpu": 3}, {"mpu_id": "002", "name": "text", "gpu": 4}],
+        }
+    )
     return j
 
 
 def report(step: int, fwd: float = 0.01, bwd: float = 0.02, **vision) -> dict:
-    return {"step": step, "loss": 1.0, "grad_norm": 1.0,
-            "mpus": {"001": {"forward_s": fwd, "backward_s": bwd, **vision}, "002": {"forward_s": 0.01, "backward_s": 0.02}}}
+    return {
+        "step": step,
+        "loss": 1.0,
+        "grad_norm": 1.0,
+        "mpus": {
+            "001": {"forward_s": fwd, "backward_s": bwd, **vision},
+            "002": {"forward_s": 0.01, "backward_s": 0.02},
+        },
+    }
 
 
 def warm(j: JobState, gpus=None) -> int:
@@ -68,11 +81,12 @@ def test_rebinding_follows_the_new_gpu() -> None:
     assert j.mpus["001"].gpu == 5 and j.mpus["001"].gpu_uuid == "GPU-5" and j.mpus["001"].health_score == 100.0
 
 
-
 def test_gpus_come_from_the_gpu_probe_snapshot() -> None:
     state = AgentState(node="n")
     assert gpus_by_index(state) == {}
-    state.publish("gpu", GpuSnapshot(time=0.0, backend="sim", gpus=(GpuSample(index=3, uuid="GPU-3", health="failed"),)))
+    state.publish(
+        "gpu", GpuSnapshot(time=0.0, backend="sim", gpus=(GpuSample(index=3, uuid="GPU-3", health="failed"),))
+    )
     j = job()
     warm(j, gpus_by_index(state))
     assert j.mpus["001"].health_score == 0.0 and j.mpus["001"].gpu_uuid == "GPU-3"

@@ -1,5 +1,6 @@
 """Host probe: a fixture procfs tree for exact values, the live machine, and a real training-like
 child process registered as a job (CPU, RSS, I/O)."""
+
 from __future__ import annotations
 
 import os
@@ -39,15 +40,23 @@ def test_fixture_tree_exact_values() -> None:
     assert nvme.io_time_s == 1.5
     nics = {n.interface: n for n in snap.nics}
     ib = nics["ib0"]
-    assert (ib.receive_bytes, ib.transmit_bytes, ib.receive_packets, ib.transmit_packets) == (987654321, 123456789, 123456, 65432)
+    assert (ib.receive_bytes, ib.transmit_bytes, ib.receive_packets, ib.transmit_packets) == (
+        987654321,
+        123456789,
+        123456,
+        65432,
+    )
     assert (ib.receive_errors, ib.receive_drops, ib.transmit_errors, ib.transmit_drops) == (2, 3, 4, 5)
     assert nics["lo"].receive_bytes == 7205
 
 
-@pytest.mark.parametrize("names,whole", [
-    (["sda", "sda1", "sda2", "nvme0n1", "nvme0n1p1", "loop0", "zram0", "vda"], ["nvme0n1", "sda", "vda"]),
-    (["nvme1n1", "nvme10n1", "md0", "dm-0"], ["dm-0", "md0", "nvme10n1", "nvme1n1"]),
-])
+@pytest.mark.parametrize(
+    "names,whole",
+    [
+        (["sda", "sda1", "sda2", "nvme0n1", "nvme0n1p1", "loop0", "zram0", "vda"], ["nvme0n1", "sda", "vda"]),
+        (["nvme1n1", "nvme10n1", "md0", "dm-0"], ["dm-0", "md0", "nvme10n1", "nvme1n1"]),
+    ],
+)
 def test_whole_disks(names, whole) -> None:
     assert whole_disks(names) == whole
 
@@ -85,8 +94,12 @@ sys.stdin.read()                              # hold until the test closes stdin
 
 
 def test_registered_training_process(tmp_path) -> None:
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "data.bin")],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(tmp_path / "data.bin")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout.readline().strip() == "ready"
         state = AgentState(node="n")
@@ -103,12 +116,17 @@ def test_registered_training_process(tmp_path) -> None:
         assert snap.processes_gone == ("job-gone",)
         state.publish("host", snap)
         text = generate_latest(make_registry(state, modules=("mscale.exporters.host",))).decode()
-        series = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                  for fam in text_string_to_metric_families(text) for s in fam.samples}
+        series = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
         labels = (("job_id", "job-7"), ("pid", str(child.pid)))
         assert series[("mscale_process_resident_memory_bytes", labels)] == p.rss_bytes
         assert series[("mscale_process_written_bytes_total", labels)] == p.written_bytes
-        assert series[("mscale_process_cpu_seconds_total", labels[:1] + (("mode", "user"),) + labels[1:])] == p.cpu_user_s
+        assert (
+            series[("mscale_process_cpu_seconds_total", labels[:1] + (("mode", "user"),) + labels[1:])] == p.cpu_user_s
+        )
         assert ("mscale_host_network_receive_bytes_total", (("interface", "lo"),)) in series
         assert any(name == "mscale_host_cpu_seconds_total" for name, _ in series)
         assert series[("mscale_host_memory_total_bytes", ())] == snap.memory_total_bytes

@@ -5,6 +5,7 @@
 - no import cycles between files (imports under `if TYPE_CHECKING:` aside);
 - no folder holds more than a quarter of the package's lines, no file more than 600.
 """
+
 from __future__ import annotations
 
 import ast
@@ -24,8 +25,9 @@ def _module_name(path: Path) -> str:
 
 def _is_type_checking(node: ast.If) -> bool:
     t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or \
-        (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
 
 
 def imports_of(path: Path) -> set[str]:
@@ -81,8 +83,13 @@ def _room(module: str) -> str:
 
 @pytest.mark.parametrize("room", NO_DAEMON)
 def test_room_does_not_import_the_agent(room: str) -> None:
-    bad = sorted(f"{m} -> {d}" for m, deps in _graph().items() if _room(m) == room
-                 for d in deps if d == "mscale.daemon" or d.startswith("mscale.daemon."))
+    bad = sorted(
+        f"{m} -> {d}"
+        for m, deps in _graph().items()
+        if _room(m) == room
+        for d in deps
+        if d == "mscale.daemon" or d.startswith("mscale.daemon.")
+    )
     assert not bad, "job-side or shared code imports the agent:\n" + "\n".join(bad)
 
 
@@ -93,8 +100,13 @@ def test_agent_side_room_never_imports_torch_at_module_level(room: str) -> None:
         if _room(_module_name(path)) != room:
             continue
         for node in ast.parse(path.read_text()).body:  # module level only: actions import it lazily
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             bad += [f"{path.relative_to(PKG)}: {n}" for n in names if n == "torch" or n.startswith("torch.")]
     assert not bad, "\n".join(bad)
 
@@ -110,7 +122,7 @@ def test_no_import_cycles_between_files() -> None:
         stack.append(node)
         for dep in sorted(graph[node]):
             if state.get(dep) == 1:
-                cycles.append(stack[stack.index(dep):] + [dep])
+                cycles.append(stack[stack.index(dep) :] + [dep])
             elif dep not in state:
                 dfs(dep)
         stack.pop()

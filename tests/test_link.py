@@ -1,4 +1,5 @@
 """The link between the hook library and a real agent app on a temporary Unix socket."""
+
 from __future__ import annotations
 
 import asyncio
@@ -52,8 +53,10 @@ class Agent:
     def __init__(self, socket_path: str, **socket_cfg) -> None:
         self.socket_path = socket_path
         self.port = free_port()
-        self.config = Config(agent=AgentSection(listen=f"127.0.0.1:{self.port}", socket_path=socket_path),
-                             socket=SocketSection(**socket_cfg))
+        self.config = Config(
+            agent=AgentSection(listen=f"127.0.0.1:{self.port}", socket_path=socket_path),
+            socket=SocketSection(**socket_cfg),
+        )
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -125,15 +128,23 @@ def test_register_reports_and_metrics(sock: str) -> None:
         train(25)
         job = wait_for(lambda: agent.state.jobs.get("job-a"), what="registration")
         assert job.pid == os.getpid() and job.rank == 0
-        assert [(m.mpu_id, m.name, m.gpu) for m in job.mpus.values()] == [("001", "vision", 0), ("002", "aligner", 1), ("003", "text", 2)]
+        assert [(m.mpu_id, m.name, m.gpu) for m in job.mpus.values()] == [
+            ("001", "vision", 0),
+            ("002", "aligner", 1),
+            ("003", "text", 2),
+        ]
         wait_for(lambda: job.step == 24, what="the last report")
         assert job.reports_total == 25 and job.reports_dropped == 0
         assert job.mpus["001"].latency["forward"].last_s > 0 and job.mpus["003"].latency["backward"].last_s > 0
         text = agent.metrics()
         for mpu_id, name in (("001", "vision"), ("002", "aligner"), ("003", "text")):
             for phase in ("forward", "backward"):
-                value = metric(text, f'mpu_health_score{{job_id="job-a",mpu="{name}",mpu_id="{mpu_id}",phase="{phase}"}}')
-                assert 60 <= value <= 100  # healthy (latency may wobble on a shared CPU; no checksum, GPU or memory penalty)
+                value = metric(
+                    text, f'mpu_health_score{{job_id="job-a",mpu="{name}",mpu_id="{mpu_id}",phase="{phase}"}}'
+                )
+                assert (
+                    60 <= value <= 100
+                )  # healthy (latency may wobble on a shared CPU; no checksum, GPU or memory penalty)
         assert 'cmsa_clip_ratio{job_id="job-a",mpu_id="003"}' in text
         assert 'mscale_job_up{job_id="job-a",rank="0"} 1.0' in text
         assert 'mscale_job_loss{job_id="job-a"}' in text
@@ -174,7 +185,12 @@ def test_checksum_findings_reach_the_agent(sock: str) -> None:
         assert job.mpus["001"].health["forward"] == 100
         events = [f for _, f in agent.state.events.since(0)]
         l1 = [f for f in events if f.reason.value == "checksum_l1_trigger"]
-        assert l1 and l1[0].labels["job_id"] == "job-f" and l1[0].labels["mpu_id"] == "002" and l1[0].source == "hook:checksum"
+        assert (
+            l1
+            and l1[0].labels["job_id"] == "job-f"
+            and l1[0].labels["mpu_id"] == "002"
+            and l1[0].source == "hook:checksum"
+        )
         assert 'mscale_mpu_checksum_consecutive_failures{job_id="job-f",mpu_id="002"} 3.0' in agent.metrics()
     finally:
         guard.detach()
@@ -221,14 +237,28 @@ def test_malformed_and_oversized_messages_refused_and_counted_other_job_undistur
     try:
         train(2)
         wait_for(lambda: "job-ok" in agent.state.jobs and agent.state.jobs["job-ok"].step == 1, what="first job")
-        reg = {"type": "register", "job_id": "bad", "rank": 0, "pid": 1,
-               "mpus": [{"mpu_id": "001", "name": "vision", "gpu": 0}]}
-        replies = asyncio.run(_raw(sock, [
-            "not json", json.dumps([1, 2]), json.dumps({"type": "report", "job_id": "bad", "reports": []}),
-            json.dumps({**reg, "rank": -1}), json.dumps(reg),
-            json.dumps({"type": "report", "job_id": "bad", "reports": [{"step": "x"}]}),
-            json.dumps({"type": "teleport"}), b"\x00\x01",
-        ]))
+        reg = {
+            "type": "register",
+            "job_id": "bad",
+            "rank": 0,
+            "pid": 1,
+            "mpus": [{"mpu_id": "001", "name": "vision", "gpu": 0}],
+        }
+        replies = asyncio.run(
+            _raw(
+                sock,
+                [
+                    "not json",
+                    json.dumps([1, 2]),
+                    json.dumps({"type": "report", "job_id": "bad", "reports": []}),
+                    json.dumps({**reg, "rank": -1}),
+                    json.dumps(reg),
+                    json.dumps({"type": "report", "job_id": "bad", "reports": [{"step": "x"}]}),
+                    json.dumps({"type": "teleport"}),
+                    b"\x00\x01",
+                ],
+            )
+        )
         answers = [json.loads(r) for r in replies]
         assert answers[4] == {"type": "registered", "job_id": "bad", "node": agent.state.node}
         errors = [a["error"] for a in answers if a["type"] == "error"]
@@ -312,7 +342,9 @@ def test_snapshot_and_loss_findings_become_per_job_metrics(sock: str, tmp_path: 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = ResumableLoader(SyntheticCaptions(cfg, size=256, seed=0), batch_size=4, seed=0)
     snaps = tmp_path / "snaps"
-    plugin = SnapshotPlugin(directory=snaps, memory_every=2, disk_every=4, data=loader, rollback_on={Reason.LOSS_NONFINITE})
+    plugin = SnapshotPlugin(
+        directory=snaps, memory_every=2, disk_every=4, data=loader, rollback_on={Reason.LOSS_NONFINITE}
+    )
     guard = attach(model, opt, job_id="job-s", socket_path=sock, cmsa=False, plugins=[plugin])
 
     def train(n: int, nan: bool = False) -> None:
@@ -343,16 +375,33 @@ def test_snapshot_and_loss_findings_become_per_job_metrics(sock: str, tmp_path: 
         job = 'job_id="job-s"'
         wait_for(lambda: scraped(f"mscale_snapshot_failures_total{{{job}}}") == 1, what="the failed write")
         text = agent.metrics()
-        assert metric(text, f'mscale_snapshot_duration_seconds_count{{{job}}}') == 2
+        assert metric(text, f"mscale_snapshot_duration_seconds_count{{{job}}}") == 2
         assert metric(text, f'mscale_snapshot_duration_seconds_bucket{{{job},le="+Inf"}}') == 2
-        assert 0 < metric(text, f'mscale_snapshot_duration_seconds_sum{{{job}}}') < 600
-        assert metric(text, f'mscale_snapshot_size_bytes{{{job}}}') > sum(p.numel() * 4 for p in model.parameters())
-        assert abs(metric(text, f'mscale_snapshot_last_success_timestamp_seconds{{{job}}}') - time.time()) < 600
+        assert 0 < metric(text, f"mscale_snapshot_duration_seconds_sum{{{job}}}") < 600
+        assert metric(text, f"mscale_snapshot_size_bytes{{{job}}}") > sum(p.numel() * 4 for p in model.parameters())
+        assert abs(metric(text, f"mscale_snapshot_last_success_timestamp_seconds{{{job}}}") - time.time()) < 600
         assert metric(text, f'checkpoint_recovery_time_seconds{{{job},tag="memory"}}') > 0
         assert metric(text, f'checkpoint_recovery_time_seconds{{{job},tag="disk"}}') > 0
-        assert metric(text, f'mscale_job_findings_total{{{job},reason="loss_nonfinite",severity="critical",source="hook:loss"}}') == 1
-        assert metric(text, f'mscale_job_findings_total{{{job},reason="rollback",severity="warning",source="hook:snapshot"}}') == 1
-        assert metric(text, f'mscale_job_findings_total{{{job},reason="snapshot_written",severity="info",source="hook:snapshot"}}') == 2
+        assert (
+            metric(
+                text,
+                f'mscale_job_findings_total{{{job},reason="loss_nonfinite",severity="critical",source="hook:loss"}}',
+            )
+            == 1
+        )
+        assert (
+            metric(
+                text, f'mscale_job_findings_total{{{job},reason="rollback",severity="warning",source="hook:snapshot"}}'
+            )
+            == 1
+        )
+        assert (
+            metric(
+                text,
+                f'mscale_job_findings_total{{{job},reason="snapshot_written",severity="info",source="hook:snapshot"}}',
+            )
+            == 2
+        )
     finally:
         guard.detach()
         plugin.engine.close()

@@ -1,6 +1,7 @@
 """The link protocol module (mscale.link) and the agent's one HTTP client (mscale.agent_client):
 wire format byte for byte, validators, the command vocabulary, defaults in one place, and the
 client against a real HTTP server that answers, refuses, stalls or talks nonsense."""
+
 from __future__ import annotations
 
 import ast
@@ -27,21 +28,35 @@ PKG = REPO / "mscale"
 
 # --- wire format --------------------------------------------------------------------------------
 
+
 def test_messages_are_byte_compatible_with_the_wire_format():
     mpus = [{"mpu_id": "001", "name": "vision", "gpu": 0}]
-    assert protocol.encode(protocol.register(job_id="j", rank=0, pid=7, step=3, mpus=mpus)) == \
-        '{"type": "register", "job_id": "j", "rank": 0, "pid": 7, "step": 3, ' \
+    assert (
+        protocol.encode(protocol.register(job_id="j", rank=0, pid=7, step=3, mpus=mpus))
+        == '{"type": "register", "job_id": "j", "rank": 0, "pid": 7, "step": 3, '
         '"mpus": [{"mpu_id": "001", "name": "vision", "gpu": 0}]}'
-    assert protocol.encode(protocol.report("j", 2, [{"step": 1}])) == \
-        '{"type": "report", "job_id": "j", "dropped": 2, "reports": [{"step": 1}]}'
-    assert protocol.encode(protocol.reply(9, {"ok": True, "step": 4})) == '{"type": "reply", "id": 9, "ok": true, "step": 4}'
+    )
+    assert (
+        protocol.encode(protocol.report("j", 2, [{"step": 1}]))
+        == '{"type": "report", "job_id": "j", "dropped": 2, "reports": [{"step": 1}]}'
+    )
+    assert (
+        protocol.encode(protocol.reply(9, {"ok": True, "step": 4}))
+        == '{"type": "reply", "id": 9, "ok": true, "step": 4}'
+    )
     assert protocol.encode(protocol.pong(1)) == '{"type": "pong", "id": 1}'
-    assert protocol.encode(protocol.registered("j", "node-a")) == '{"type": "registered", "job_id": "j", "node": "node-a"}'
+    assert (
+        protocol.encode(protocol.registered("j", "node-a")) == '{"type": "registered", "job_id": "j", "node": "node-a"}'
+    )
     assert protocol.encode(protocol.error("no")) == '{"type": "error", "error": "no"}'
-    assert protocol.encode(protocol.heal("lr_cool", end=True, reason="LossSpike")) == \
-        '{"type": "heal", "action": "lr_cool", "end": true, "reason": "LossSpike"}'
-    assert protocol.encode(protocol.chaos("gpu_fault", gpu=1, mode="noise", fault="xid")) == \
-        '{"type": "chaos", "kind": "gpu_fault", "gpu": 1, "mode": "noise", "fault": "xid"}'
+    assert (
+        protocol.encode(protocol.heal("lr_cool", end=True, reason="LossSpike"))
+        == '{"type": "heal", "action": "lr_cool", "end": true, "reason": "LossSpike"}'
+    )
+    assert (
+        protocol.encode(protocol.chaos("gpu_fault", gpu=1, mode="noise", fault="xid"))
+        == '{"type": "chaos", "kind": "gpu_fault", "gpu": 1, "mode": "noise", "fault": "xid"}'
+    )
     # the builders put plain strings on the wire, so a plugin comparing with "heal" still matches
     assert type(protocol.heal("l1_swap")["type"]) is str and protocol.heal("l1_swap")["type"] == Command.HEAL == "heal"
 
@@ -50,8 +65,9 @@ def test_the_engines_heal_command_is_the_protocols():
     """Until the engine builds it with protocol.heal, this keeps the two in step."""
     from mscale.healing.engine import Decision, Target
 
-    d = Decision("xid_fatal", "l1_swap", "L1", Target("job", "001", "3", "GPU-x"), "healthy", "gpu_xid", "Xid 79",
-                 time=12.5)
+    d = Decision(
+        "xid_fatal", "l1_swap", "L1", Target("job", "001", "3", "GPU-x"), "healthy", "gpu_xid", "Xid 79", time=12.5
+    )
     for cmd in (d.command(), d.command(end=True)):
         fields = {k: v for k, v in cmd.items() if k not in ("type", "action")}
         assert cmd == protocol.heal(cmd["action"], **fields)
@@ -64,47 +80,76 @@ def test_the_engines_heal_command_is_the_protocols():
 
 # --- reading and validating ---------------------------------------------------------------------
 
-REG = {"type": "register", "job_id": "job-1", "rank": 0, "pid": 12, "mpus": [{"mpu_id": "001", "name": "vision", "gpu": 0}]}
+REG = {
+    "type": "register",
+    "job_id": "job-1",
+    "rank": 0,
+    "pid": 12,
+    "mpus": [{"mpu_id": "001", "name": "vision", "gpu": 0}],
+}
 
 
 def test_decode_refuses_oversized_malformed_and_untyped_frames():
     assert protocol.decode(json.dumps(REG), 4096) == REG
-    cases = [("x" * 5000, "oversized", "over socket.max_message_bytes"), ("not json", "malformed", "not JSON"),
-             ("[1, 2]", "malformed", "JSON object"), ('{"type": 3}', "malformed", "string 'type'")]
+    cases = [
+        ("x" * 5000, "oversized", "over socket.max_message_bytes"),
+        ("not json", "malformed", "not JSON"),
+        ("[1, 2]", "malformed", "JSON object"),
+        ('{"type": 3}', "malformed", "string 'type'"),
+    ]
     for frame, why, words in cases:
         with pytest.raises(BadMessage, match=words) as e:
             protocol.decode(frame, 4096)
         assert e.value.why == why
 
 
-@pytest.mark.parametrize("change,words", [
-    ({"job_id": "has space"}, "job_id"), ({"rank": -1}, "rank"), ({"rank": True}, "rank"), ({"pid": 0}, "pid"),
-    ({"mpus": []}, "mpus must be a list of 1 to 64"),
-    ({"mpus": [{"mpu_id": "001", "name": "v", "gpu": 0}] * 2}, "repeated"),
-    ({"mpus": [{"mpu_id": "001", "name": "v", "gpu": 4096}]}, "gpu must be a GPU index"),
-])
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        ({"job_id": "has space"}, "job_id"),
+        ({"rank": -1}, "rank"),
+        ({"rank": True}, "rank"),
+        ({"pid": 0}, "pid"),
+        ({"mpus": []}, "mpus must be a list of 1 to 64"),
+        ({"mpus": [{"mpu_id": "001", "name": "v", "gpu": 0}] * 2}, "repeated"),
+        ({"mpus": [{"mpu_id": "001", "name": "v", "gpu": 4096}]}, "gpu must be a GPU index"),
+    ],
+)
 def test_register_validator(change, words):
     protocol.validate_register(REG)
     with pytest.raises(BadMessage, match=words):
         protocol.validate_register({**REG, **change})
 
 
-@pytest.mark.parametrize("report,words", [
-    ({"reports": "x"}, "reports must be a list"), ({"reports": [], "dropped": -1}, "dropped"),
-    ({"reports": [{"step": "x"}]}, "step"), ({"reports": [{"step": 1, "loss": "big"}]}, "loss"),
-    ({"reports": [{"step": 1, "mpus": {"001": {"gvc": [1]}}}]}, "gvc"),
-    ({"reports": [{"step": 1, "findings": {}}]}, "findings must be a list"),
-    ({"reports": [{"step": 0}] * (protocol.MAX_REPORTS + 1)}, "reports must be a list"),
-])
+@pytest.mark.parametrize(
+    "report,words",
+    [
+        ({"reports": "x"}, "reports must be a list"),
+        ({"reports": [], "dropped": -1}, "dropped"),
+        ({"reports": [{"step": "x"}]}, "step"),
+        ({"reports": [{"step": 1, "loss": "big"}]}, "loss"),
+        ({"reports": [{"step": 1, "mpus": {"001": {"gvc": [1]}}}]}, "gvc"),
+        ({"reports": [{"step": 1, "findings": {}}]}, "findings must be a list"),
+        ({"reports": [{"step": 0}] * (protocol.MAX_REPORTS + 1)}, "reports must be a list"),
+    ],
+)
 def test_report_validator(report, words):
-    protocol.validate_report({"reports": [{"step": 1, "loss": "nan", "grad_norm": 2.0, "mpus": {"001": {"gvc": None}}}]})
+    protocol.validate_report(
+        {"reports": [{"step": 1, "loss": "nan", "grad_norm": 2.0, "mpus": {"001": {"gvc": None}}}]}
+    )
     with pytest.raises(BadMessage, match=words):
         protocol.validate_report(report)
 
 
 def test_a_reported_finding_is_read_back_clamped():
-    sent = Finding("checksum", Reason.CHECKSUM_FAILURE, Severity.WARNING, "m" * 5000,
-                   {f"k{i}": "v" * 999 for i in range(40)}, time=5.0).to_dict()
+    sent = Finding(
+        "checksum",
+        Reason.CHECKSUM_FAILURE,
+        Severity.WARNING,
+        "m" * 5000,
+        {f"k{i}": "v" * 999 for i in range(40)},
+        time=5.0,
+    ).to_dict()
     got = protocol.finding(sent)
     assert got.source == "hook:checksum" and got.reason is Reason.CHECKSUM_FAILURE and got.time == 5.0
     assert len(got.message) == protocol.MAX_FINDING_MESSAGE and len(got.labels) == protocol.MAX_FINDING_LABELS
@@ -123,6 +168,7 @@ def test_check_command_and_the_vocabulary():
 
 
 # --- defaults in one place ----------------------------------------------------------------------
+
 
 def test_socket_path_precedence(monkeypatch):
     monkeypatch.delenv(protocol.SOCKET_ENV, raising=False)
@@ -147,8 +193,10 @@ def test_defaults_everywhere_are_the_protocols():
 
 
 def test_the_protocol_and_the_client_load_neither_torch_nor_aiohttp():
-    code = ("import sys, mscale.link, mscale.agent_client; "
-            "print(sorted(m for m in ('torch', 'aiohttp', 'mscale.daemon') if m in sys.modules))")
+    code = (
+        "import sys, mscale.link, mscale.agent_client; "
+        "print(sorted(m for m in ('torch', 'aiohttp', 'mscale.daemon') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -169,6 +217,7 @@ def test_one_http_client_of_the_agent_and_no_message_literals_in_the_link_ends()
 
 
 # --- the HTTP client against a real server ------------------------------------------------------
+
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     release: threading.Event
@@ -236,9 +285,13 @@ def test_client_calls_the_api_and_passes_errors_back(server):
     assert client.chaos({"kind": "teapot"}) == (418, {"error": "short and stout"})
     assert client.post_json("/api/v1/alerts", {"kind": "x"}, token="t0k") == (200, {"injected": "x"})
     assert h.seen[-1] == ("POST", "/api/v1/alerts", {"kind": "x"}, "Bearer t0k")
-    with pytest.raises(AgentError, match=rf"the agent at http://{host}:{port} answered GET /nope with HTTP 404: no such route"):
+    with pytest.raises(
+        AgentError, match=rf"the agent at http://{host}:{port} answered GET /nope with HTTP 404: no such route"
+    ):
         client.get_json("/nope")
-    with pytest.raises(AgentError, match=rf"at http://{host}:{port} answered GET /html with something that is not JSON"):
+    with pytest.raises(
+        AgentError, match=rf"at http://{host}:{port} answered GET /html with something that is not JSON"
+    ):
         client.get_json("/html")
 
 

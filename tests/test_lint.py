@@ -3,6 +3,7 @@
 The same commands `make lint` runs (`ruff check`, `ruff format --check`, from the project
 root, settings in pyproject.toml). mypy is left to `make lint`: it takes too long for here.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -14,8 +15,7 @@ from support import REPO
 
 
 def ruff(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ruff", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "ruff", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
 def test_ruff_fails_on_a_planted_unused_import(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
 """Loss and gradient-norm statistics on synthetic curves."""
+
 from __future__ import annotations
 
 import math
@@ -82,7 +83,7 @@ def test_nonfinite(bad: float) -> None:
 def test_slow_drift_does_not_alarm() -> None:
     rng = random.Random(1)
     # loss creeping up 0.05% a step (a slowly diverging run) under 2% noise
-    values = [2.0 * (1.0005 ** i) * (1 + rng.gauss(0, 0.02)) for i in range(2000)]
+    values = [2.0 * (1.0005**i) * (1 + rng.gauss(0, 0.02)) for i in range(2000)]
     findings = run(values)
     assert [f for f in findings if f.severity is Severity.CRITICAL] == []
     assert values[-1] > 2.4 * values[0] / 1.05  # it did drift by more than 2x over the run
@@ -97,7 +98,9 @@ def test_grad_norms_global_and_per_mpu() -> None:
     findings = run(values, series="grad")
     at = [f for f in findings if f.labels["step"] == "120"]
     assert {(f.reason, f.labels["series"], f.labels.get("mpu_id")) for f in at} == {
-        (Reason.GRAD_NORM_JUMP, "grad_norm", None), (Reason.GRAD_NORM_JUMP, "mpu_grad_norm", "002")}
+        (Reason.GRAD_NORM_JUMP, "grad_norm", None),
+        (Reason.GRAD_NORM_JUMP, "mpu_grad_norm", "002"),
+    }
     det = LossDetector(LossConfig(jump_ratio=1000))
     at = [f for f in run(values, det, series="grad") if f.labels["step"] == "120"]
     assert {f.reason for f in at} == {Reason.GRAD_NORM_SPIKE} and all(f.severity is Severity.CRITICAL for f in at)

@@ -1,5 +1,6 @@
 """The metrics table in docs/metrics.md against a live scrape of the agent: every metric the agent
 exports has a row, with the exposed name, its type and its labels."""
+
 from __future__ import annotations
 
 import re
@@ -19,7 +20,7 @@ ROW = re.compile(r"^\|\s*`?([a-zA-Z_:][a-zA-Z0-9_:]*)`?\s*\|\s*`?(\w+)`?\s*\|([^
 def documented() -> dict[str, tuple[str, frozenset[str]]]:
     """name -> (type, label names) from the rows between the metrics-table markers."""
     text = (REPO / "docs" / "metrics.md").read_text()
-    body = text[text.index("<!-- metrics-table:begin"):text.index("<!-- metrics-table:end")]
+    body = text[text.index("<!-- metrics-table:begin") : text.index("<!-- metrics-table:end")]
     rows: dict[str, tuple[str, frozenset[str]]] = {}
     for line in body.splitlines():
         m = ROW.match(line.strip())
@@ -43,7 +44,9 @@ def exposed(page: str) -> dict[str, tuple[str, frozenset[str] | None]]:
         name, lab = sample.group(1), sample.group(2) or ""
         family = next((f for f in (name, re.sub(r"_(bucket|sum|count|created)$", "", name)) if f in types), None)
         if family is not None:
-            labels.setdefault(family, set()).update(set(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="', lab)) - {"le", "quantile"})
+            labels.setdefault(family, set()).update(
+                set(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="', lab)) - {"le", "quantile"}
+            )
     return {n: (t, frozenset(labels[n]) if n in labels else None) for n, t in types.items()}
 
 
@@ -57,10 +60,12 @@ def scrape(tmp_path_factory) -> dict[str, tuple[str, frozenset[str] | None]]:
         "gpus: 8\nevents:\n"
         "  - {at: 1s, gpu: 3, fault: xid, code: 79}\n"
         "  - {at: 1s, gpu: 2, fault: ecc_sbe_storm, per_hour: 500}\n"
-        "  - {at: 1s, gpu: 4, fault: nvlink_down, link: 2}\n")
+        "  - {at: 1s, gpu: 4, fault: nvlink_down, link: 2}\n"
+    )
     (tmp / "agent.toml").write_text(
         f'[agent]\nlisten = "127.0.0.1:{port}"\nsocket_path = "{tmp / "agent.sock"}"\nsimulate = "{tmp / "timeline.yaml"}"\n'
-        f'[webhook]\ntoken = "doc-token"\n')
+        f'[webhook]\ntoken = "doc-token"\n'
+    )
     (tmp / "job.py").write_text(JOB_SCRIPT)
     agent = Proc("agent", [sys.executable, "-m", "mscale", "agent", "--config", str(tmp / "agent.toml")], tmp).start()
     job = None
@@ -72,11 +77,19 @@ def scrape(tmp_path_factory) -> dict[str, tuple[str, frozenset[str] | None]]:
         def page() -> str:
             return urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
 
-        poll("the job's metrics", lambda: f'job_id="{JOB}"' in page() and "mscale_gpu_xid_errors_total{" in page(),
-             timeout_s=120, logs=lambda: agent.logs() + job.logs())
+        poll(
+            "the job's metrics",
+            lambda: f'job_id="{JOB}"' in page() and "mscale_gpu_xid_errors_total{" in page(),
+            timeout_s=120,
+            logs=lambda: agent.logs() + job.logs(),
+        )
         # every probe has reported at least once (the eBPF one may report itself down)
-        poll("every probe sampled", lambda: all(p["up"] is not None for p in http(f"{url}/api/v1/probes").values()),
-             timeout_s=60, logs=agent.logs)
+        poll(
+            "every probe sampled",
+            lambda: all(p["up"] is not None for p in http(f"{url}/api/v1/probes").values()),
+            timeout_s=60,
+            logs=agent.logs,
+        )
         return exposed(page())
     finally:
         if job:
@@ -85,34 +98,47 @@ def scrape(tmp_path_factory) -> dict[str, tuple[str, frozenset[str] | None]]:
 
 
 def test_readme_rows_parse():
-    rows = {"| `mscale_gpu_xid_errors_total` | counter | `gpu`, `gpu_uuid`, `xid` | Xid errors |": 
-            ("mscale_gpu_xid_errors_total", "counter", "gpu, gpu_uuid, xid")}
+    rows = {
+        "| `mscale_gpu_xid_errors_total` | counter | `gpu`, `gpu_uuid`, `xid` | Xid errors |": (
+            "mscale_gpu_xid_errors_total",
+            "counter",
+            "gpu, gpu_uuid, xid",
+        )
+    }
     for line, want in rows.items():
         m = ROW.match(line)
         assert (m.group(1), m.group(2)) == want[:2]
         assert frozenset(re.findall(r"[a-z_][a-z0-9_]*", m.group(3))) == {"gpu", "gpu_uuid", "xid"}
-    page = '# HELP a_total x\n# TYPE a_total counter\na_total{gpu="1",xid="79"} 1.0\n' \
-           '# HELP h x\n# TYPE h histogram\nh_bucket{pid="1",le="+Inf"} 1.0\nh_sum{pid="1"} 0.5\n'
+    page = (
+        '# HELP a_total x\n# TYPE a_total counter\na_total{gpu="1",xid="79"} 1.0\n'
+        '# HELP h x\n# TYPE h histogram\nh_bucket{pid="1",le="+Inf"} 1.0\nh_sum{pid="1"} 0.5\n'
+    )
     page += "# HELP e x\n# TYPE e gauge\n"
-    assert exposed(page) == {"a_total": ("counter", frozenset({"gpu", "xid"})), "h": ("histogram", frozenset({"pid"})),
-                             "e": ("gauge", None)}
+    assert exposed(page) == {
+        "a_total": ("counter", frozenset({"gpu", "xid"})),
+        "h": ("histogram", frozenset({"pid"})),
+        "e": ("gauge", None),
+    }
 
 
 def test_every_exported_metric_is_documented(scrape):
     docs = documented()
     missing = sorted(set(scrape) - set(docs))
-    assert not missing, ("metrics the agent exports with no row in docs/metrics.md "
-                         "(`| name | type | labels | meaning |`):\n" +
-                         "\n".join(f"  | `{n}` | {scrape[n][0]} | {', '.join(sorted(scrape[n][1] or ['?']))} | ... |"
-                                   for n in missing))
+    assert not missing, (
+        "metrics the agent exports with no row in docs/metrics.md "
+        "(`| name | type | labels | meaning |`):\n"
+        + "\n".join(f"  | `{n}` | {scrape[n][0]} | {', '.join(sorted(scrape[n][1] or ['?']))} | ... |" for n in missing)
+    )
 
 
 def test_documented_type_and_labels_match_the_scrape(scrape):
     docs = documented()
-    wrong = [f"  {n}: docs/metrics.md says {docs[n][0]} {{{', '.join(sorted(docs[n][1]))}}}, "
-             f"the agent exports {t} {{{', '.join(sorted(labels or ['no samples yet']))}}}"
-             for n, (t, labels) in sorted(scrape.items())
-             if n in docs and (docs[n][0] != t or (labels is not None and docs[n][1] != labels))]
+    wrong = [
+        f"  {n}: docs/metrics.md says {docs[n][0]} {{{', '.join(sorted(docs[n][1]))}}}, "
+        f"the agent exports {t} {{{', '.join(sorted(labels or ['no samples yet']))}}}"
+        for n, (t, labels) in sorted(scrape.items())
+        if n in docs and (docs[n][0] != t or (labels is not None and docs[n][1] != labels))
+    ]
     assert not wrong, "docs/metrics.md disagrees with the live scrape:\n" + "\n".join(wrong)
     unseen = sorted(set(docs) - set(scrape))
     if unseen:  # documented, but needing something this set-up lacks (a traced CUDA process, snapshots)

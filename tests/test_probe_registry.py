@@ -3,6 +3,7 @@ throwaway_probe.py, on by default) and a dormant one (tests/support/dormant_prob
 default), each registered by one REGISTRY entry, get their [probes.<name>] keys checked like
 the shipped probes', `enabled` defaulting to the spec's `default_enabled`, rows in the config
 reference, and are run by the agent. And mscale.config itself imports no room."""
+
 from __future__ import annotations
 
 import asyncio
@@ -46,24 +47,39 @@ def test_keys_accepted_with_their_defaults(registered) -> None:
     assert cfg.probes.dormant.enabled is False  # the spec's default_enabled=False
     assert cfg.probes.gpu.interval_s == 1.0  # the shipped probes are untouched
 
-    cfg = from_dict({"probes": {"throwaway": {"greeting": "hi", "level": 10, "enabled": False},
-                                "dormant": {"enabled": True, "interval_s": 1}}})
-    assert (cfg.probes.throwaway.greeting, cfg.probes.throwaway.level, cfg.probes.throwaway.enabled) == ("hi", 10, False)
+    cfg = from_dict(
+        {
+            "probes": {
+                "throwaway": {"greeting": "hi", "level": 10, "enabled": False},
+                "dormant": {"enabled": True, "interval_s": 1},
+            }
+        }
+    )
+    assert (cfg.probes.throwaway.greeting, cfg.probes.throwaway.level, cfg.probes.throwaway.enabled) == (
+        "hi",
+        10,
+        False,
+    )
     assert cfg.probes.dormant.enabled is True and cfg.probes.dormant.interval_s == 1.0
     assert dataclasses.replace(cfg.probes.throwaway, level=4).level == 4
 
 
-@pytest.mark.parametrize("toml,message", [
-    ("[probes.throwaway]\nlevel = 11\n",
-     "probes.throwaway.level (line 2): expected a value between 1 and 10, got 11"),
-    ("[probes.throwaway]\ngreeting = 3\n",
-     "probes.throwaway.greeting (line 2): expected a string, got int 3"),
-    ("\n[probes.throwaway]\ngreting = 'hi'\n",
-     "probes.throwaway.greting (line 3): unknown key (known in [probes.throwaway]: "
-     "enabled, greeting, interval_s, level, timeout_s)"),
-    ("[probes.dormant]\nenabled = 'yes'\n",
-     "probes.dormant.enabled (line 2): expected a boolean, got str 'yes'"),
-])
+@pytest.mark.parametrize(
+    "toml,message",
+    [
+        (
+            "[probes.throwaway]\nlevel = 11\n",
+            "probes.throwaway.level (line 2): expected a value between 1 and 10, got 11",
+        ),
+        ("[probes.throwaway]\ngreeting = 3\n", "probes.throwaway.greeting (line 2): expected a string, got int 3"),
+        (
+            "\n[probes.throwaway]\ngreting = 'hi'\n",
+            "probes.throwaway.greting (line 3): unknown key (known in [probes.throwaway]: "
+            "enabled, greeting, interval_s, level, timeout_s)",
+        ),
+        ("[probes.dormant]\nenabled = 'yes'\n", "probes.dormant.enabled (line 2): expected a boolean, got str 'yes'"),
+    ],
+)
 def test_bad_values_refused_naming_key_and_line(registered, tmp_path, toml, message) -> None:
     path = tmp_path / "agent.toml"
     path.write_text(toml)
@@ -104,8 +120,11 @@ async def _run_agent(cfg, until):
             deadline = time.monotonic() + 20
             while True:
                 async with session.get(url + "/metrics") as r:
-                    metrics = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                               for fam in text_string_to_metric_families(await r.text()) for s in fam.samples}
+                    metrics = {
+                        (s.name, tuple(sorted(s.labels.items()))): s.value
+                        for fam in text_string_to_metric_families(await r.text())
+                        for s in fam.samples
+                    }
                 if until(metrics):
                     break
                 assert time.monotonic() < deadline, f"not met before the deadline: {metrics}"
@@ -139,14 +158,24 @@ async def test_default_off_probe_runs_when_enabled(registered) -> None:
     assert _up(metrics, "throwaway") is None and probes["throwaway"]["enabled"] is False
 
 
-@pytest.mark.parametrize("section,error", [
-    (dataclasses.make_dataclass("WithEnabled", [("enabled", bool, True), ("interval_s", float, 1.0),
-                                                ("timeout_s", float, 1.0)], frozen=True),
-     "section declares 'enabled'; set default_enabled on the spec instead"),
-    (dataclasses.make_dataclass("NoDeadline", [("interval_s", float, 1.0)], frozen=True),
-     "section lacks timeout_s"),
-    (dict, "section must be a dataclass"),
-])
+@pytest.mark.parametrize(
+    "section,error",
+    [
+        (
+            dataclasses.make_dataclass(
+                "WithEnabled",
+                [("enabled", bool, True), ("interval_s", float, 1.0), ("timeout_s", float, 1.0)],
+                frozen=True,
+            ),
+            "section declares 'enabled'; set default_enabled on the spec instead",
+        ),
+        (
+            dataclasses.make_dataclass("NoDeadline", [("interval_s", float, 1.0)], frozen=True),
+            "section lacks timeout_s",
+        ),
+        (dict, "section must be a dataclass"),
+    ],
+)
 def test_spec_refuses_a_section_the_agent_cannot_run(section, error) -> None:
     with pytest.raises(TypeError, match=error):
         ProbeSpec(name="bad", factory=lambda ctx: None, section=section)
@@ -154,14 +183,22 @@ def test_spec_refuses_a_section_the_agent_cannot_run(section, error) -> None:
 
 def test_config_module_imports_no_room() -> None:
     """Rooms import mscale.config for `opt`; it reaches them only when a config is assembled."""
-    code = ("import sys, mscale\n"
-            "before = set(sys.modules)\n"
-            "import mscale.config as c\n"
-            "print(sorted(m for m in set(sys.modules) - before if m.startswith('mscale')))\n"
-            "c.from_dict({})\n"
-            "print(sorted(m for m in set(sys.modules) - before if m.startswith('mscale')))\n")
+    code = (
+        "import sys, mscale\n"
+        "before = set(sys.modules)\n"
+        "import mscale.config as c\n"
+        "print(sorted(m for m in set(sys.modules) - before if m.startswith('mscale')))\n"
+        "c.from_dict({})\n"
+        "print(sorted(m for m in set(sys.modules) - before if m.startswith('mscale')))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0] == "['mscale.config', 'mscale.textfile']"
-    for room in ("mscale.daemon.settings", "mscale.healing.settings", "mscale.probes.gpu_health",
-                 "mscale.probes.gpu", "mscale.probes.host", "mscale.probes.ebpf"):
+    for room in (
+        "mscale.daemon.settings",
+        "mscale.healing.settings",
+        "mscale.probes.gpu_health",
+        "mscale.probes.gpu",
+        "mscale.probes.host",
+        "mscale.probes.ebpf",
+    ):
         assert repr(room) in out[1]  # and assembling does reach each room's section

@@ -1,6 +1,7 @@
 """One-line protection: `mscale.attach(..., snapshots=..., data=...)` on the tiny model, with
 NaNs injected by the test's own hooks (not the project's injector). The documented code blocks
 of docs/protect.md are run as they stand."""
+
 from __future__ import annotations
 
 import re
@@ -184,6 +185,7 @@ def test_a_nan_gradient_with_a_finite_loss_is_dropped_too() -> None:
 
 def _stateful_loader(seed: int = 0):
     from torchdata.stateful_dataloader import StatefulDataLoader
+
     g = torch.Generator().manual_seed(seed)
     return StatefulDataLoader(Pairs(), batch_size=8, shuffle=True, generator=g)
 
@@ -194,8 +196,7 @@ def test_stateful_dataloader_rollback_restores_the_weights_and_the_loop_moves_on
     nan = NanAt(model, {13})
     weights = Weights()
     loader = _stateful_loader()
-    guard = mscale.attach(model, optimizer, job_id="sdl", snapshots=True, data=loader, connect=False,
-                          plugins=[weights])
+    guard = mscale.attach(model, optimizer, job_id="sdl", snapshots=True, data=loader, connect=False, plugins=[weights])
     assert guard.snapshots.directory is None  # in memory only
     for batch in loader:
         if guard.current_step >= 20:
@@ -208,8 +209,8 @@ def test_stateful_dataloader_rollback_restores_the_weights_and_the_loop_moves_on
     assert all_finite(model) and guard.current_step == 20
     seen = nan.seen
     assert len(seen) == 23 and len(set(seen)) == 23  # nothing replayed: the loop went on
-    ends = {s: w for kind, s, w in weights.events[:2 * 14] if kind == "end"}
-    begins_after = [(s, w) for kind, s, w in weights.events[2 * 14:] if kind == "begin"]
+    ends = {s: w for kind, s, w in weights.events[: 2 * 14] if kind == "end"}
+    begins_after = [(s, w) for kind, s, w in weights.events[2 * 14 :] if kind == "begin"]
     assert begins_after[0][0] == 11 and same(begins_after[0][1], ends[10])  # rolled back to step 10
 
 
@@ -220,8 +221,9 @@ def test_stateful_dataloader_resumes_after_a_restart(tmp_path) -> None:
     nan = NanAt(model, set())
     weights = Weights()
     loader = _stateful_loader()
-    guard = mscale.attach(model, optimizer, job_id="restart", snapshots=snaps, data=loader, connect=False,
-                          plugins=[weights])
+    guard = mscale.attach(
+        model, optimizer, job_id="restart", snapshots=snaps, data=loader, connect=False, plugins=[weights]
+    )
     for batch in loader:
         if guard.current_step >= 13:
             break
@@ -247,8 +249,7 @@ def test_stateful_dataloader_resumes_after_a_restart(tmp_path) -> None:
 
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model2.modules())
     with pytest.raises(ValueError, match="already holds snapshots"):
-        mscale.attach(model2, optimizer2, job_id="restart", snapshots=snaps, data=loader2, connect=False,
-                      resume=False)
+        mscale.attach(model2, optimizer2, job_id="restart", snapshots=snaps, data=loader2, connect=False, resume=False)
     assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model2.modules()) == hooks
     assert not optimizer2._optimizer_step_pre_hooks  # the refused attach took its hooks back off
 
@@ -263,8 +264,7 @@ def test_bad_arguments_are_refused_before_anything_is_hooked() -> None:
     with pytest.raises(TypeError, match="snapshots: expected a directory, True"):
         mscale.attach(model, optimizer, job_id="x", snapshots=42, connect=False)
     with pytest.raises(TypeError, match="give snapshots= too"):
-        mscale.attach(model, optimizer, job_id="x", data=mscale.ResumableLoader(Pairs(64), batch_size=8),
-                      connect=False)
+        mscale.attach(model, optimizer, job_id="x", data=mscale.ResumableLoader(Pairs(64), batch_size=8), connect=False)
     with pytest.raises(ValueError, match="memory_every"):
         mscale.SnapshotConfig(memory_every=0)
     assert hooks() == n and not optimizer._optimizer_step_pre_hooks

@@ -1,4 +1,5 @@
 """The Prometheus rules: rendered from params.yaml, valid for promtool, every alert unit-tested."""
+
 from __future__ import annotations
 
 import subprocess
@@ -26,8 +27,11 @@ def rule_alerts() -> dict[str, dict]:
 def test_committed_files_are_what_params_render():
     """Edit params.yaml or alerts.py without re-rendering and this fails
     (fix: make render)."""
-    stale = [str(p.relative_to(REPO)) for p, text in render.committed_files(paramsmod.load()).items()
-             if not p.exists() or p.read_text() != text]
+    stale = [
+        str(p.relative_to(REPO))
+        for p, text in render.committed_files(paramsmod.load()).items()
+        if not p.exists() or p.read_text() != text
+    ]
     assert not stale, f"out of date, run `make render`: {stale}"
 
 
@@ -60,7 +64,8 @@ def test_every_alert_has_a_firing_and_a_silent_case():
             for case in t.get("alert_rule_test", []):
                 if case.get("exp_alerts"):
                     firing.setdefault(case["alertname"], set()).update(
-                        a["exp_labels"].get("severity") for a in case["exp_alerts"])
+                        a["exp_labels"].get("severity") for a in case["exp_alerts"]
+                    )
                 else:
                     silent.add(case["alertname"])
     names = set(rule_alerts())
@@ -87,15 +92,19 @@ def test_alerts_have_severity_annotations_and_a_runbook_in_the_docs():
 
 def test_params_override_changes_rules_and_bad_override_is_refused(tmp_path: Path):
     good = tmp_path / "good.yaml"
-    good.write_text("alerts:\n  MscaleGpuTemperatureHigh: {celsius: 90, for: 3m}\nselectors: {agent: 'job=\"gpu-agents\"'}\n")
+    good.write_text(
+        "alerts:\n  MscaleGpuTemperatureHigh: {celsius: 90, for: 3m}\nselectors: {agent: 'job=\"gpu-agents\"'}\n"
+    )
     text = render.render_rules(paramsmod.load(good))[render.ALERTS_FILE]
     assert 'mscale_gpu_temperature_celsius{job="gpu-agents"} >= 90' in text
     assert "for: 3m" in text
-    for body, word in [("alerts: {MscaleGpuTemperatureHigh: {celcius: 90}}", "celcius"),
-                       ("alerts: {MscaleGpuTemperatureHigh: {celsius: hot}}", "celsius"),
-                       ("alerts: {MscaleGpuLost: {severity: page}}", "severity"),
-                       ("alerts: {MscaleGpuLost: {for: soon}}", "for"),
-                       ("- a list", "mapping")]:
+    for body, word in [
+        ("alerts: {MscaleGpuTemperatureHigh: {celcius: 90}}", "celcius"),
+        ("alerts: {MscaleGpuTemperatureHigh: {celsius: hot}}", "celsius"),
+        ("alerts: {MscaleGpuLost: {severity: page}}", "severity"),
+        ("alerts: {MscaleGpuLost: {for: soon}}", "for"),
+        ("- a list", "mapping"),
+    ]:
         bad = tmp_path / "bad.yaml"
         bad.write_text(body)
         with pytest.raises(paramsmod.ParamsError, match=word):
@@ -105,13 +114,28 @@ def test_params_override_changes_rules_and_bad_override_is_refused(tmp_path: Pat
 def test_cli_export_writes_valid_files_and_refuses_bad_params(tmp_path: Path):
     promtool = require_tool("promtool")
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "mscale", "rules", "export", str(out), "--agent-url", "http://10.0.0.7:9477",
-           "--token-file", "/run/secrets/token"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mscale",
+        "rules",
+        "export",
+        str(out),
+        "--agent-url",
+        "http://10.0.0.7:9477",
+        "--token-file",
+        "/run/secrets/token",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in out.iterdir()) == sorted([render.ALERTS_FILE, render.RECORDING_FILE, render.ALERTMANAGER_FILE])
-    check = subprocess.run([promtool, "check", "rules", str(out / render.ALERTS_FILE), str(out / render.RECORDING_FILE)],
-                           capture_output=True, text=True)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [render.ALERTS_FILE, render.RECORDING_FILE, render.ALERTMANAGER_FILE]
+    )
+    check = subprocess.run(
+        [promtool, "check", "rules", str(out / render.ALERTS_FILE), str(out / render.RECORDING_FILE)],
+        capture_output=True,
+        text=True,
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     am = yaml.safe_load((out / render.ALERTMANAGER_FILE).read_text())
     hooks = [w for r in am["receivers"] for w in r["webhook_configs"]]
@@ -120,8 +144,12 @@ def test_cli_export_writes_valid_files_and_refuses_bad_params(tmp_path: Path):
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("alerts: {NoSuchAlert: {severity: info}}\n")
-    refused = subprocess.run([sys.executable, "-m", "mscale", "rules", "export", str(tmp_path / "no"), "--params", str(bad)],
-                             capture_output=True, text=True, cwd=REPO)
+    refused = subprocess.run(
+        [sys.executable, "-m", "mscale", "rules", "export", str(tmp_path / "no"), "--params", str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert refused.returncode == 2
     assert "NoSuchAlert" in refused.stderr
     assert not (tmp_path / "no").exists()
@@ -130,6 +158,7 @@ def test_cli_export_writes_valid_files_and_refuses_bad_params(tmp_path: Path):
 def test_rules_are_package_data():
     """The rule files ship inside the package (pyproject package-data globs *.yml)."""
     from importlib import resources
+
     for name in (render.ALERTS_FILE, render.RECORDING_FILE, render.ALERTMANAGER_FILE, "params.yaml"):
         assert resources.files("mscale.rules").joinpath(name).is_file(), name
 
@@ -137,6 +166,7 @@ def test_rules_are_package_data():
 def test_fatal_xids_match_the_agents_xid_table():
     """The alert's fatal Xid codes are the ones the agent's health model treats as fatal."""
     import csv
+
     table = REPO / "mscale" / "probes" / "xid_table.csv"
     rows = csv.reader(line for line in table.read_text().splitlines() if line.strip() and not line.startswith("#"))
     fatal = {int(code) for code, cls, *_ in rows if cls.strip() == "fatal"}

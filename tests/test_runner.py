@@ -1,5 +1,6 @@
 """Probe isolation: a probe that raises and one that hangs are marked down and counted, logged
 once per change, and the others keep exporting; a hung probe comes back when it answers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -84,8 +85,11 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict:
     async with session.get(url + "/metrics") as r:
         assert r.status == 200
         text = await r.text()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 async def until(fn, timeout_s: float = 20.0):
@@ -109,6 +113,7 @@ async def test_raising_and_hanging_probes_are_isolated() -> None:
     runner, url = await serve(app)
     try:
         async with aiohttp.ClientSession() as session:
+
             async def broken_and_counted():
                 m = await scrape(session, url)
                 up = {p: m.get(("mscale_probe_up", (("probe", p),))) for p in ("gpu", "boom", "hang", "absent")}

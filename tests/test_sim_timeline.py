@@ -1,5 +1,6 @@
 """Fault timelines: the format, durations, and malformed files refused with the line at fault
 (directly and through the real `mscale agent` CLI, exit status 2)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -29,7 +30,12 @@ def test_issue_example_parses() -> None:
     tl = parse_timeline(ISSUE_EXAMPLE)
     assert tl.gpus == 8
     assert [(e.at_s, e.gpu, e.fault) for e in tl.events] == [
-        (2.0, 3, "xid"), (5.0, 1, "temperature"), (6.0, 2, "ecc_sbe_storm"), (7.0, 4, "nvlink_down"), (9.0, 1, "recover")]
+        (2.0, 3, "xid"),
+        (5.0, 1, "temperature"),
+        (6.0, 2, "ecc_sbe_storm"),
+        (7.0, 4, "nvlink_down"),
+        (9.0, 1, "recover"),
+    ]
     xid, temp, sbe, link, _ = tl.events
     assert xid.code == 79 and xid.line == 3
     assert temp.celsius == 88 and temp.ramp_s == 3.0
@@ -37,8 +43,10 @@ def test_issue_example_parses() -> None:
     assert link.link == 2
 
 
-@pytest.mark.parametrize("text,seconds", [("2s", 2.0), ("500ms", 0.5), ("1m", 60.0), ("1.5s", 1.5), ("1h", 3600.0),
-                                          (3, 3.0), (0.25, 0.25), ("7", 7.0)])
+@pytest.mark.parametrize(
+    "text,seconds",
+    [("2s", 2.0), ("500ms", 0.5), ("1m", 60.0), ("1.5s", 1.5), ("1h", 3600.0), (3, 3.0), (0.25, 0.25), ("7", 7.0)],
+)
 def test_durations(text, seconds) -> None:
     assert parse_duration(text) == seconds
 
@@ -57,8 +65,10 @@ def test_defaults_and_empty() -> None:
 
 
 def test_events_sorted_by_time_keeping_file_order_for_ties() -> None:
-    tl = parse_timeline("events:\n  - {at: 3s, gpu: 0, fault: gpu_lost}\n  - {at: 1s, gpu: 1, fault: recover}\n"
-                        "  - {at: 3s, gpu: 0, fault: recover}\n")
+    tl = parse_timeline(
+        "events:\n  - {at: 3s, gpu: 0, fault: gpu_lost}\n  - {at: 1s, gpu: 1, fault: recover}\n"
+        "  - {at: 3s, gpu: 0, fault: recover}\n"
+    )
     assert [(e.at_s, e.fault) for e in tl.events] == [(1.0, "recover"), (3.0, "gpu_lost"), (3.0, "recover")]
 
 
@@ -66,7 +76,11 @@ BAD = [
     # (text, line at fault, words the message must contain)
     ("gpus: 8\nevents:\n  - {at: 2s, gpu: 3, fault: xid}\n", 3, ["events[0].code", "missing"]),
     ("gpus: 8\nevents:\n  - at: 2s\n    gpu: 9\n    fault: recover\n", 4, ["events[0].gpu", "0..7"]),
-    ("events:\n  - {at: 1s, gpu: 0, fault: recover}\n  - {at: 2x, gpu: 0, fault: recover}\n", 3, ["events[1].at", "duration"]),
+    (
+        "events:\n  - {at: 1s, gpu: 0, fault: recover}\n  - {at: 2x, gpu: 0, fault: recover}\n",
+        3,
+        ["events[1].at", "duration"],
+    ),
     ("events:\n  - {at: 1s, gpu: 0, fault: meltdown}\n", 2, ["events[0].fault", "xid | ecc_dbe".split(" | ")[0]]),
     ("events:\n  - {at: 1s, gpu: 0, fault: xid, code: 79, colour: red}\n", 2, ["events[0].colour", "unknown key"]),
     ("events:\n  - at: 1s\n    gpu: 0\n    fault: temperature\n    celsius: hot\n", 5, ["events[0].celsius", "number"]),
@@ -115,15 +129,33 @@ def test_missing_file() -> None:
         load_timeline("/nonexistent/timeline.yaml")
 
 
-@pytest.mark.parametrize("text,line,word", [
-    ("gpus: 8\nevents:\n  - {at: 2s, gpu: 3, fault: xid}\n", 3, "events[0].code"),
-    ("gpus: 8\nevents:\n  - {at: 1s, gpu: 0\n", 4, "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text,line,word",
+    [
+        ("gpus: 8\nevents:\n  - {at: 2s, gpu: 3, fault: xid}\n", 3, "events[0].code"),
+        ("gpus: 8\nevents:\n  - {at: 1s, gpu: 0\n", 4, "not valid YAML"),
+    ],
+)
 def test_agent_refuses_bad_timeline_with_exit_2(tmp_path, text, line, word) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(text)
-    proc = subprocess.run([sys.executable, "-m", "mscale", "agent", "--simulate", str(path), "--listen", "127.0.0.1:0",
-                           "--socket", str(tmp_path / "a.sock")], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mscale",
+            "agent",
+            "--simulate",
+            str(path),
+            "--listen",
+            "127.0.0.1:0",
+            "--socket",
+            str(tmp_path / "a.sock"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     assert f"line {line}" in proc.stderr and word in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -131,17 +163,35 @@ def test_agent_refuses_bad_timeline_with_exit_2(tmp_path, text, line, word) -> N
 
 def test_agent_refuses_bad_xid_table_with_exit_2(tmp_path) -> None:
     table = tmp_path / "xids.csv"
-    table.write_text(textwrap.dedent("""\
+    table.write_text(
+        textwrap.dedent("""\
         code,class,description
         79,fatal,GPU has fallen off the bus
         48,catastrophic,Double-bit ECC error
-        """))
+        """)
+    )
     cfg = tmp_path / "agent.toml"
     cfg.write_text(f'[health]\nxid_table = "{table}"\n')
     timeline = resources.files("mscale.sim") / "timelines" / "xid79_gpu3.yaml"
-    proc = subprocess.run([sys.executable, "-m", "mscale", "agent", "--config", str(cfg), "--simulate", str(timeline),
-                           "--listen", "127.0.0.1:0", "--socket", str(tmp_path / "a.sock")],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mscale",
+            "agent",
+            "--config",
+            str(cfg),
+            "--simulate",
+            str(timeline),
+            "--listen",
+            "127.0.0.1:0",
+            "--socket",
+            str(tmp_path / "a.sock"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "line 3" in proc.stderr and "class" in proc.stderr and "catastrophic" in proc.stderr, proc.stderr
 

@@ -1,5 +1,6 @@
 """Snapshot engine in one process: what a snapshot holds, rollback, the disk format, refusal
 of corrupted or unsafe snapshots, disk full, emergency writes, and the Guard plugin."""
+
 from __future__ import annotations
 
 import hashlib
@@ -33,7 +34,9 @@ from support import require
 from support.snapshot_inproc import Job
 from support.snapshot_job import build
 
-MPU_FILES = [f"mpu_{m}_{kind}.safetensors" for m in ("001_vision", "002_aligner", "003_text") for kind in ("state", "optim")]
+MPU_FILES = [
+    f"mpu_{m}_{kind}.safetensors" for m in ("001_vision", "002_aligner", "003_text") for kind in ("state", "optim")
+]
 
 
 def assert_same_state(a, b):
@@ -45,7 +48,11 @@ def assert_same_state(a, b):
         assert torch.equal(a["optim"][k], b["optim"][k]), k
     assert a["lr"] == b["lr"] and a["scale"] == b["scale"] and a["tracker"] == b["tracker"]
     assert a["data"] == b["data"]
-    assert torch.equal(a["rng"][0], b["rng"][0]) and a["rng"][1] == b["rng"][1] and np.array_equal(a["rng"][2], b["rng"][2])
+    assert (
+        torch.equal(a["rng"][0], b["rng"][0])
+        and a["rng"][1] == b["rng"][1]
+        and np.array_equal(a["rng"][2], b["rng"][2])
+    )
 
 
 def test_rollback_restores_every_part_of_the_state():
@@ -116,7 +123,9 @@ def test_disk_layout_manifest_and_binding(tmp_path):
     names = sorted(p.name for p in snap.iterdir())
     assert names == sorted(MPU_FILES + [NONMPU_FILE, NONMPU_OPTIM_FILE, TRAIN_STATE, "resource_binding.json", MANIFEST])
     manifest = json.loads((snap / MANIFEST).read_text())
-    assert manifest["step"] == 40 and manifest["versions"]["torch"] == torch.__version__ and manifest["versions"]["mscale"]
+    assert (
+        manifest["step"] == 40 and manifest["versions"]["torch"] == torch.__version__ and manifest["versions"]["mscale"]
+    )
     for name in names:
         if name == MANIFEST:
             continue
@@ -129,7 +138,10 @@ def test_disk_layout_manifest_and_binding(tmp_path):
     text = load_file(snap / "mpu_003_text_state.safetensors")
     text_optim = load_file(snap / "mpu_003_text_optim.safetensors")
     assert "model/language_model.lm_head.weight" in text and all(k.startswith("model/language_model.") for k in text)
-    assert {"optim/language_model.lm_head.weight/exp_avg", "optim/language_model.lm_head.weight/exp_avg_sq"} <= text_optim.keys()
+    assert {
+        "optim/language_model.lm_head.weight/exp_avg",
+        "optim/language_model.lm_head.weight/exp_avg_sq",
+    } <= text_optim.keys()
     assert all(k.startswith("optim/language_model.") for k in text_optim)
     assert len(text_optim) == 3 * sum(1 for _ in job.model.language_model.parameters())  # exp_avg, exp_avg_sq, step
     assert torch.equal(text["model/language_model.lm_head.weight"], job.model.language_model.lm_head.weight.detach())
@@ -250,6 +262,7 @@ def test_loading_never_runs_pickled_code(tmp_path, monkeypatch):
     payload = pickle.dumps({"format": "mscale-snapshot/1", "step": 20, "x": _Evil()}, protocol=2)
     import io
     import zipfile
+
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:  # the torch.save container, with the evil pickle
         z.writestr("train_state/data.pkl", payload)
@@ -351,8 +364,14 @@ def test_guard_plugin_drives_the_engine_and_rolls_back_on_a_nonfinite_loss(tmp_p
     from mscale.hook import attach
 
     model, opt, sched, scaler, loader, mpus = build(dataset_size=256)
-    plugin = SnapshotPlugin(directory=tmp_path, memory_every=5, disk_every=5, data=loader, scheduler=sched,
-                            rollback_on={Reason.LOSS_NONFINITE})
+    plugin = SnapshotPlugin(
+        directory=tmp_path,
+        memory_every=5,
+        disk_every=5,
+        data=loader,
+        scheduler=sched,
+        rollback_on={Reason.LOSS_NONFINITE},
+    )
     guard = attach(model, opt, job_id="plugin-test", connect=False, cmsa=False, plugins=[plugin])
     engine = plugin.engine
     assert {m: e["name"] for m, e in engine._binding()["mpus"].items()} == {m.mpu_id: m.name for m in guard.mpus}
@@ -398,8 +417,9 @@ def test_guard_with_a_grad_scaler_rolls_back_a_nan_step_the_scaler_skipped(tmp_p
     from mscale.hook import attach
 
     model, opt, sched, scaler, loader, mpus = build(dataset_size=256)
-    plugin = SnapshotPlugin(memory_every=5, data=loader, scheduler=sched, scaler=scaler,
-                            rollback_on={Reason.LOSS_NONFINITE})
+    plugin = SnapshotPlugin(
+        memory_every=5, data=loader, scheduler=sched, scaler=scaler, rollback_on={Reason.LOSS_NONFINITE}
+    )
     guard = attach(model, opt, job_id="scaler-test", connect=False, cmsa=False, plugins=[plugin])
     steps_run = []
 
@@ -424,8 +444,10 @@ def test_guard_with_a_grad_scaler_rolls_back_a_nan_step_the_scaler_skipped(tmp_p
     assert scaler.get_scale() == scale_at_snapshot  # restored, not the halved scale of the NaN step
     assert plugin.rollbacks and plugin.rollbacks[-1]["to"] == held
     assert guard.current_step == held + 1
-    assert [f.reason for f in guard.findings if f.reason in (Reason.LOSS_NONFINITE, Reason.ROLLBACK)] == \
-        [Reason.LOSS_NONFINITE, Reason.ROLLBACK]
+    assert [f.reason for f in guard.findings if f.reason in (Reason.LOSS_NONFINITE, Reason.ROLLBACK)] == [
+        Reason.LOSS_NONFINITE,
+        Reason.ROLLBACK,
+    ]
     assert all(torch.isfinite(p).all() for p in model.parameters())
     one_step()  # training goes on from the restored step, through the scaler
     assert guard.current_step == held + 2 and steps_run[-1] == held + 1

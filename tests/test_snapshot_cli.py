@@ -1,4 +1,5 @@
 """`mscale snapshot list|verify|inspect DIR`, and the torch-free format module it uses."""
+
 from __future__ import annotations
 
 import hashlib
@@ -54,7 +55,9 @@ def test_list_shows_complete_and_interrupted_snapshots(snaps, capsys):
     assert [(r[1], r[2]) for r in rows] == [("10", "complete"), ("20", "complete"), ("30", "incomplete")]
     code, out, _ = cli(capsys, "list", "--json", str(snaps))
     entries = [json.loads(line) for line in out.splitlines()]
-    assert [e["step"] for e in entries if e["complete"]] == [10, 20] and all(e["bytes"] > 100_000 for e in entries if e["complete"])
+    assert [e["step"] for e in entries if e["complete"]] == [10, 20] and all(
+        e["bytes"] > 100_000 for e in entries if e["complete"]
+    )
 
 
 def test_verify_passes_then_names_the_corrupted_file(snaps, tmp_path, capsys):
@@ -109,8 +112,13 @@ def test_rank_directories_and_bad_arguments(snaps, tmp_path, capsys):
 def test_verify_draws_a_progress_bar_on_a_terminal(snaps):
     """The real command, stderr on a pseudo-terminal."""
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "mscale", "snapshot", "verify", str(snaps)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=slave, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mscale", "snapshot", "verify", str(snaps)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        text=True,
+    )
     os.close(slave)
     tty = b""
     while True:
@@ -142,8 +150,13 @@ def python(code: str) -> subprocess.CompletedProcess:
 def test_the_cli_runs_with_torch_not_importable(snaps, capsys):
     """Each command prints, byte for byte, what it prints in this process (where torch is
     loaded), in a process where `import torch` (and numpy, safetensors) fails."""
-    commands = [["list", str(snaps)], ["list", "--json", str(snaps)], ["verify", str(snaps)],
-                ["inspect", str(snaps)], ["inspect", "--json", "--step", "10", str(snaps)]]
+    commands = [
+        ["list", str(snaps)],
+        ["list", "--json", str(snaps)],
+        ["verify", str(snaps)],
+        ["inspect", str(snaps)],
+        ["inspect", "--json", "--step", "10", str(snaps)],
+    ]
     for argv in commands:
         code, out, _ = cli(capsys, *argv)
         r = python(HIDE_TORCH + f"import mscale.cli\nsys.exit(mscale.cli.main({['snapshot', *argv]!r}))")
@@ -157,7 +170,9 @@ def test_the_package_and_the_format_module_do_not_import_torch():
     r = python(f"import sys, mscale.snapshot, mscale.snapshot.format, mscale.snapshot.cli; print({heavy})")
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
     # the public names are importable from the package, and the check above would see torch
-    r = python(f"import sys\nfrom mscale.snapshot import SnapshotEngine, SnapshotPlugin, list_snapshots; print({heavy})")
+    r = python(
+        f"import sys\nfrom mscale.snapshot import SnapshotEngine, SnapshotPlugin, list_snapshots; print({heavy})"
+    )
     assert r.returncode == 0 and "'torch'" in r.stdout, r.stderr
 
 
@@ -174,12 +189,26 @@ def _torch_plain(obj):
 
 def test_the_train_state_reads_the_same_without_torch(snaps, tmp_path):
     objects = {
-        "format": fmt.FORMAT, "step": 3, "f32": torch.tensor(1.5), "f64": torch.tensor([0.1], dtype=torch.float64),
-        "bf16": torch.tensor([2.5], dtype=torch.bfloat16), "f16": torch.tensor(0.1, dtype=torch.float16),
-        "i64": torch.tensor([-7]), "u8": torch.tensor([200], dtype=torch.uint8), "bool": torch.tensor(True),
-        "c64": torch.tensor(1 + 2j, dtype=torch.complex64), "matrix": torch.arange(6.0).reshape(2, 3),
-        "view": torch.arange(10)[7:8], "size": torch.Size([2, 3]), "dtype": torch.float32, "device": torch.device("cpu"),
-        "od": OrderedDict(a=1), "counter": Counter({3: 1}), "bytes": b"\x00\xff", "set": {1, 2}, "nested": (1, ["x", None, 2.5]),
+        "format": fmt.FORMAT,
+        "step": 3,
+        "f32": torch.tensor(1.5),
+        "f64": torch.tensor([0.1], dtype=torch.float64),
+        "bf16": torch.tensor([2.5], dtype=torch.bfloat16),
+        "f16": torch.tensor(0.1, dtype=torch.float16),
+        "i64": torch.tensor([-7]),
+        "u8": torch.tensor([200], dtype=torch.uint8),
+        "bool": torch.tensor(True),
+        "c64": torch.tensor(1 + 2j, dtype=torch.complex64),
+        "matrix": torch.arange(6.0).reshape(2, 3),
+        "view": torch.arange(10)[7:8],
+        "size": torch.Size([2, 3]),
+        "dtype": torch.float32,
+        "device": torch.device("cpu"),
+        "od": OrderedDict(a=1),
+        "counter": Counter({3: 1}),
+        "bytes": b"\x00\xff",
+        "set": {1, 2},
+        "nested": (1, ["x", None, 2.5]),
     }
     path = tmp_path / "train_state.pt"
     torch.save(objects, path)

@@ -1,5 +1,6 @@
 """Resumable data positions: the same batches after a save/load as without, across epoch
 boundaries, with workers, sharded by rank, and by byte offset for a streamed file."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """Several ranks (gloo on 127.0.0.1, DDP): one rank's batch turns NaN, every rank rolls back
 to the same step and the job completes; a restart resumes every rank from the same step, the
 newest one every rank holds valid."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,26 @@ def run_ranks(z: Zygote, tmp_path, name: str, world: int, *extra: str, snaps: st
     port = free_port()
     out = tmp_path / name
     out.mkdir(exist_ok=True)
-    pids = [z.run("--dir", str(tmp_path / snaps), "--world", str(world), "--rank", str(r), "--port", str(port),
-                  "--result", str(out / f"rank{r}.json"), "--out", str(out / f"rank{r}.safetensors"),
-                  "--log-level", "warning", *extra) for r in range(world)]
+    pids = [
+        z.run(
+            "--dir",
+            str(tmp_path / snaps),
+            "--world",
+            str(world),
+            "--rank",
+            str(r),
+            "--port",
+            str(port),
+            "--result",
+            str(out / f"rank{r}.json"),
+            "--out",
+            str(out / f"rank{r}.safetensors"),
+            "--log-level",
+            "warning",
+            *extra,
+        )
+        for r in range(world)
+    ]
     codes = [z.wait(pid) for pid in pids]
     assert codes == [0] * world, (tmp_path / "jobs.log").read_text()[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
@@ -41,8 +59,20 @@ def test_nan_on_one_rank_rolls_every_rank_back_to_the_same_step(tmp_path, world)
     z = Zygote(tmp_path / "jobs.log")
     try:
         faulty = world - 1
-        results = run_ranks(z, tmp_path, "fault", world, "--steps", "40", "--disk-every", "20",
-                            "--fault-at", "25", "--fault-rank", str(faulty))
+        results = run_ranks(
+            z,
+            tmp_path,
+            "fault",
+            world,
+            "--steps",
+            "40",
+            "--disk-every",
+            "20",
+            "--fault-at",
+            "25",
+            "--fault-rank",
+            str(faulty),
+        )
         assert [r["rollbacks"] for r in results] == [[[25, 20]]] * world  # all ranks, same step
         assert [r["final_step"] for r in results] == [40] * world
         ranks = finals(tmp_path, "fault", world)
@@ -75,8 +105,21 @@ def test_guard_plugin_rolls_every_rank_back_together(tmp_path):
     SnapshotPlugins of both ranks agree at step end and both roll back to guard step 20."""
     z = Zygote(tmp_path / "jobs.log")
     try:
-        results = run_ranks(z, tmp_path, "guard", 2, "--guard", "--steps", "40", "--disk-every", "0",
-                            "--fault-at", "25", "--fault-rank", "1")
+        results = run_ranks(
+            z,
+            tmp_path,
+            "guard",
+            2,
+            "--guard",
+            "--steps",
+            "40",
+            "--disk-every",
+            "0",
+            "--fault-at",
+            "25",
+            "--fault-rank",
+            "1",
+        )
     finally:
         z.close()
     assert [r["rollbacks"] for r in results] == [[[25, 20]]] * 2

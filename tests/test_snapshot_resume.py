@@ -3,6 +3,7 @@ and resumed from disk, and the same run rolled back in process from step 130 to 
 snapshot end with identical parameters and optimizer state, having used the identical
 sequence of samples. And kill -9 at random points during disk writes never leaves a torn
 snapshot: the newest complete one always verifies and loads."""
+
 from __future__ import annotations
 
 import os
@@ -34,7 +35,10 @@ def effective_sequence(seen: Path) -> dict[int, list[int]]:
 
 
 def draws(seen: Path) -> list[tuple[int, list[int]]]:
-    return [(int(s), [int(i) for i in idx.split(",")]) for s, idx in (line.split(" ") for line in seen.read_text().splitlines())]
+    return [
+        (int(s), [int(i) for i in idx.split(",")])
+        for s, idx in (line.split(" ") for line in seen.read_text().splitlines())
+    ]
 
 
 def test_uninterrupted_killed_and_resumed_and_rolled_back_runs_are_bitwise_identical(tmp_path):
@@ -45,8 +49,19 @@ def test_uninterrupted_killed_and_resumed_and_rolled_back_runs_are_bitwise_ident
         d.mkdir()
 
     def args(d: Path, *extra: str) -> list[str]:
-        return ("--dir", str(d / "snaps"), "--steps", "200", "--out", str(d / "final.safetensors"),
-                       "--seen", str(d / "seen.log"), "--result", str(d / "result.json"), *extra)
+        return (
+            "--dir",
+            str(d / "snaps"),
+            "--steps",
+            "200",
+            "--out",
+            str(d / "final.safetensors"),
+            "--seen",
+            str(d / "seen.log"),
+            "--result",
+            str(d / "result.json"),
+            *extra,
+        )
 
     z = Zygote(tmp_path / "jobs.log")
     try:
@@ -106,8 +121,22 @@ def test_kill_9_during_disk_writes_never_leaves_a_torn_snapshot(tmp_path):
     torch.set_num_threads(1)
     try:
         for i in range(20):
-            pid = z.run("--dir", str(d), "--steps", "1000000", "--memory-every", "1", "--disk-every", "1",
-                        "--disk-keep", "3", "--hidden", "96", "--log-level", "warning")
+            pid = z.run(
+                "--dir",
+                str(d),
+                "--steps",
+                "1000000",
+                "--memory-every",
+                "1",
+                "--disk-every",
+                "1",
+                "--disk-keep",
+                "3",
+                "--hidden",
+                "96",
+                "--log-level",
+                "warning",
+            )
             resumed_from.append(z.expect("STARTED", pid)[1])
             # Wait until this incarnation has made progress (a snapshot newer than the one it
             # resumed from is on disk), so each kill lands in a running write loop however
@@ -127,7 +156,9 @@ def test_kill_9_during_disk_writes_never_leaves_a_torn_snapshot(tmp_path):
                 verify_snapshot(info.path)
             assert snaps, f"seed {seed}: kill {i} left no snapshot at all"
             model, opt, sched, scaler, loader, mpus = build(cfg=cfg)
-            engine = SnapshotEngine(model, opt, mpus=mpus, scaler=scaler, scheduler=sched, data=loader, directory=d, disk_every=0)
+            engine = SnapshotEngine(
+                model, opt, mpus=mpus, scaler=scaler, scheduler=sched, data=loader, directory=d, disk_every=0
+            )
             assert engine.resume() == max(s.step for s in snaps)
             engine.close()
     finally:

@@ -1,5 +1,6 @@
 """systemd: the unit passes `systemd-analyze verify`, keeps the settings the agent relies on,
 and the agent speaks sd_notify (READY, STATUS, WATCHDOG, STOPPING) over a real datagram socket."""
+
 from __future__ import annotations
 
 import configparser
@@ -34,8 +35,13 @@ def unit_for_here(tmp_path: Path, text: str | None = None) -> Path:
 
 def verify(path: Path) -> subprocess.CompletedProcess:
     tool = require_tool("systemd-analyze")
-    return subprocess.run([tool, "verify", str(path)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "SYSTEMD_LOG_COLOR": "0"})
+    return subprocess.run(
+        [tool, "verify", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "SYSTEMD_LOG_COLOR": "0"},
+    )
 
 
 def test_systemd_analyze_verify_passes(tmp_path) -> None:
@@ -83,15 +89,33 @@ def test_agent_speaks_sd_notify_over_a_real_socket(tmp_path) -> None:
     cfg.write_text("[probes.ebpf]\nenabled = false\n")
     env = {**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"}  # a ping every 0.2 s
     log = open(tmp_path / "agent.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mscale", "agent", "--config", str(cfg), "--simulate", timeline,
-                             "--listen", f"127.0.0.1:{free_port()}", "--socket", str(tmp_path / "a.sock")],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mscale",
+            "agent",
+            "--config",
+            str(cfg),
+            "--simulate",
+            timeline,
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+            "--socket",
+            str(tmp_path / "a.sock"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     messages: list[str] = []
 
     def receive_until(pred, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         while not pred():
-            assert time.monotonic() < deadline, f"got only {messages}; log: {(tmp_path / 'agent.log').read_text()[-2000:]}"
+            assert time.monotonic() < deadline, (
+                f"got only {messages}; log: {(tmp_path / 'agent.log').read_text()[-2000:]}"
+            )
             try:
                 data, _ = sock.recvfrom(4096)
             except TimeoutError:

@@ -1,6 +1,7 @@
 """POST /api/v1/alerts on a real agent (in-process, 127.0.0.1, simulated GPUs) with a real
 training job connected: an Alertmanager v4 payload acts on the job; no token, a wrong token
 and malformed bodies are refused and counted; the same alert twice acts once."""
+
 from __future__ import annotations
 
 import copy
@@ -28,8 +29,9 @@ def agent():
 @pytest.fixture(scope="module")
 def job(agent):
     r = Run(RunConfig(steps=50, socket_path=agent.socket_path, job_id="hooked"))
-    agent.wait_for(lambda evs: any(e["reason"] == "job_registered" and e["labels"].get("job_id") == "hooked"
-                                   for e in evs))
+    agent.wait_for(
+        lambda evs: any(e["reason"] == "job_registered" and e["labels"].get("job_id") == "hooked" for e in evs)
+    )
     yield r
     r.close()
 
@@ -37,6 +39,7 @@ def job(agent):
 def step_until(job, cond, timeout=30.0):
     """Train until cond() holds: commands reach the job over its socket, at a step boundary."""
     import time
+
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "condition not met while training"
@@ -51,8 +54,14 @@ def refused(agent, why):
 
 
 def sent(agent, action):
-    return [e for e in agent.events() if e["reason"] == "heal_action" and e["source"] == "healing"
-            and e["labels"].get("action") == action and e["labels"].get("result") == "sent"]
+    return [
+        e
+        for e in agent.events()
+        if e["reason"] == "heal_action"
+        and e["source"] == "healing"
+        and e["labels"].get("action") == action
+        and e["labels"].get("result") == "sent"
+    ]
 
 
 def test_payload_fixture_names_the_simulated_gpu(agent):
@@ -71,13 +80,16 @@ def test_refused_without_the_token_and_with_a_wrong_one(agent):
     assert not sent(agent, "l1_swap")  # nothing acted on
 
 
-@pytest.mark.parametrize("mutate,words", [
-    (lambda b: b.update(version="3"), "version"),
-    (lambda b: b.update(alerts={}), "alerts: expected a list"),
-    (lambda b: b["alerts"][0].update(status="pending"), "alerts[0].status"),
-    (lambda b: b["alerts"][0]["labels"].update(gpu=0), "alerts[0].labels: expected an object of strings"),
-    (lambda b: b["alerts"][0]["labels"].pop("alertname"), "alertname: missing"),
-])
+@pytest.mark.parametrize(
+    "mutate,words",
+    [
+        (lambda b: b.update(version="3"), "version"),
+        (lambda b: b.update(alerts={}), "alerts: expected a list"),
+        (lambda b: b["alerts"][0].update(status="pending"), "alerts[0].status"),
+        (lambda b: b["alerts"][0]["labels"].update(gpu=0), "alerts[0].labels: expected an object of strings"),
+        (lambda b: b["alerts"][0]["labels"].pop("alertname"), "alertname: missing"),
+    ],
+)
 def test_malformed_payloads_get_400_with_the_reason(agent, mutate, words):
     body = json.loads(FIXTURE.read_text())
     mutate(body)
@@ -90,8 +102,10 @@ def test_malformed_payloads_get_400_with_the_reason(agent, mutate, words):
 def test_not_json_gets_400(agent):
     import urllib.error
     import urllib.request
-    req = urllib.request.Request(agent.url + "/api/v1/alerts", data=b"{nope", method="POST",
-                                 headers={"Authorization": f"Bearer {agent.token}"})
+
+    req = urllib.request.Request(
+        agent.url + "/api/v1/alerts", data=b"{nope", method="POST", headers={"Authorization": f"Bearer {agent.token}"}
+    )
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=10)
     assert e.value.code == 400 and b"not JSON" in e.value.read()
@@ -116,8 +130,15 @@ def test_firing_xid_alert_acts_on_the_job_once(agent, job):
     assert len(dups) >= 2
     # the job carries the commands out at its next step: the vision MPU leaves GPU 0
     step_until(job, lambda: job.guard.mpu("vision").gpu != 0)
-    agent.wait_for(lambda evs: [e for e in evs if e["source"] == "hook:fuse" and e["labels"].get("action") == "l1_swap"
-                                and e["labels"].get("result") == "applied"])
+    agent.wait_for(
+        lambda evs: [
+            e
+            for e in evs
+            if e["source"] == "hook:fuse"
+            and e["labels"].get("action") == "l1_swap"
+            and e["labels"].get("result") == "applied"
+        ]
+    )
     assert job.guard.mpu("vision").gpu != 0 and 0 in job.fuse.states["quarantine_gpu"].gpus
     metrics = agent.get("/metrics")
     assert 'mscale_heal_actions_total{action="l1_swap",level="L1",mpu_id="001",result="sent"} 1.0' in metrics
@@ -125,15 +146,26 @@ def test_firing_xid_alert_acts_on_the_job_once(agent, job):
 
 
 def test_loss_spike_alert_cools_and_its_resolution_ends_the_window(agent, job):
-    alert = {"status": "firing", "labels": {"alertname": "MscaleLossSpike", "job_id": "hooked", "severity": "warning"},
-             "annotations": {}, "startsAt": "2026-11-30T05:00:00Z", "fingerprint": "spike1"}
+    alert = {
+        "status": "firing",
+        "labels": {"alertname": "MscaleLossSpike", "job_id": "hooked", "severity": "warning"},
+        "annotations": {},
+        "startsAt": "2026-11-30T05:00:00Z",
+        "fingerprint": "spike1",
+    }
     body = {"version": "4", "status": "firing", "alerts": [alert], "receiver": "mscale-p1"}
     status, reply = agent.post("/api/v1/alerts", body, token=agent.token)
     assert status == 200 and [a["action"] for a in reply["actions"]] == ["lr_cool"]
     step_until(job, lambda: job.fuse.cooling)
-    agent.wait_for(lambda evs: [e for e in evs if e["source"] == "hook:fuse" and e["labels"].get("action") == "lr_cool"])
-    resolved = {"version": "4", "status": "resolved", "receiver": "mscale-p1",
-                "alerts": [{**alert, "status": "resolved", "endsAt": "2026-11-30T05:02:00Z"}]}
+    agent.wait_for(
+        lambda evs: [e for e in evs if e["source"] == "hook:fuse" and e["labels"].get("action") == "lr_cool"]
+    )
+    resolved = {
+        "version": "4",
+        "status": "resolved",
+        "receiver": "mscale-p1",
+        "alerts": [{**alert, "status": "resolved", "endsAt": "2026-11-30T05:02:00Z"}],
+    }
     status, reply = agent.post("/api/v1/alerts", resolved, token=agent.token)
     assert status == 200 and reply["cooling_ended"] == 1
     step_until(job, lambda: not job.fuse.cooling)
@@ -143,10 +175,22 @@ def test_loss_spike_alert_cools_and_its_resolution_ends_the_window(agent, job):
 
 def test_actions_from_alerts_are_rate_limited():
     with EmbeddedAgent(webhook={"max_actions_per_minute": 2}) as a:
+
         def alert(i):
-            return {"version": "4", "status": "firing", "receiver": "mscale-p0", "alerts": [{
-                "status": "firing", "startsAt": "2026-11-30T06:00:00Z", "fingerprint": f"gpu{i}",
-                "labels": {"alertname": "MscaleGpuEccDoubleBit", "gpu": str(i), "severity": "critical"}}]}
+            return {
+                "version": "4",
+                "status": "firing",
+                "receiver": "mscale-p0",
+                "alerts": [
+                    {
+                        "status": "firing",
+                        "startsAt": "2026-11-30T06:00:00Z",
+                        "fingerprint": f"gpu{i}",
+                        "labels": {"alertname": "MscaleGpuEccDoubleBit", "gpu": str(i), "severity": "critical"},
+                    }
+                ],
+            }
+
         replies = [a.post("/api/v1/alerts", alert(i), token=a.token)[1] for i in range(3)]
         assert [r["rate_limited"] for r in replies] == [0, 0, 1]
         assert [len(r["actions"]) for r in replies] == [3, 3, 0]  # no job on those GPUs: booked as noop

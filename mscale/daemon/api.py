@@ -4,6 +4,7 @@ The jobs, their MPUs and fuse levels are in GET /api/v1/status (mscale.daemon.st
 the POST routes are /api/v1/alerts (mscale.daemon.webhook) and /api/v1/chaos
 (mscale.daemon.chaos). `mscale.agent_client.AgentClient` is the client of all of them.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -3,6 +3,7 @@
 Feature modules (API, webhook, hook link, chaos, healing) each expose `setup(app)`, which
 adds routes and, through `app.cleanup_ctx`, the services they run.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -45,7 +46,9 @@ class UnavailableProbe:
         pass
 
 
-def build_probes(config: Config, ctx: ProbeContext, names: tuple[str, ...] | None = None) -> list[tuple[Any, float, float]]:
+def build_probes(
+    config: Config, ctx: ProbeContext, names: tuple[str, ...] | None = None
+) -> list[tuple[Any, float, float]]:
     probes = []
     for name in names or tuple(PROBE_REGISTRY):
         section = getattr(config.probes, name)
@@ -63,13 +66,18 @@ def build_probes(config: Config, ctx: ProbeContext, names: tuple[str, ...] | Non
 
 
 def new_state(config: Config) -> AgentState:
-    return AgentState(node=config.agent.node or socket.gethostname(),
-                      events=EventLog(config.agent.event_history))
+    return AgentState(node=config.agent.node or socket.gethostname(), events=EventLog(config.agent.event_history))
 
 
-def create_app(config: Config, *, state: AgentState | None = None, probes: list | None = None,
-               nvml: Any = None, clock: Callable[[], float] = time.time,
-               features: tuple[str, ...] = FEATURES) -> web.Application:
+def create_app(
+    config: Config,
+    *,
+    state: AgentState | None = None,
+    probes: list | None = None,
+    nvml: Any = None,
+    clock: Callable[[], float] = time.time,
+    features: tuple[str, ...] = FEATURES,
+) -> web.Application:
     """Build the agent. `probes` is a list of (probe, interval_s, timeout_s); None builds
     every enabled probe from the registry."""
     state = state or new_state(config)

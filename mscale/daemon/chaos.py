@@ -16,6 +16,7 @@ that GPU. Job faults go to the jobs as `{"type": "chaos", ...}` commands (the jo
 `mscale.sim.chaos_job.ChaosPlugin` carries them out). Kinds, fields, modes and the command are
 `mscale.link`'s, which `mscale chaos` uses too.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -110,8 +111,11 @@ def command_for(body: Any, nvml: Any = None) -> tuple[str, dict, Any]:
         from mscale.sim.timeline import event_from_dict
 
         gpu = _int(body, "gpu", hi=1023)
-        spec = {"fault": "xid", "gpu": gpu, "code": _int(body, "code", 79, 1, 65535)} if kind == "xid" \
+        spec = (
+            {"fault": "xid", "gpu": gpu, "code": _int(body, "code", 79, 1, 65535)}
+            if kind == "xid"
             else {"fault": "ecc_dbe", "gpu": gpu}
+        )
         try:
             event = event_from_dict(spec, gpus=gpu_count(nvml))
         except ValueError as e:
@@ -164,8 +168,16 @@ async def inject(request: web.Request) -> web.Response:
         return _refuse(request, 400, "malformed", str(e))
     state = app[keys.STATE]
     labels = {k: str(v) for k, v in body.items() if k != "kind"}
-    state.events.emit(Finding(WHERE, Reason.CHAOS_INJECTED, Severity.WARNING, f"chaos: {kind} {labels}",
-                              {"kind": kind, **labels}, app[keys.CLOCK]()))
+    state.events.emit(
+        Finding(
+            WHERE,
+            Reason.CHAOS_INJECTED,
+            Severity.WARNING,
+            f"chaos: {kind} {labels}",
+            {"kind": kind, **labels},
+            app[keys.CLOCK](),
+        )
+    )
     result: dict[str, Any] = {"injected": kind}
     if event is not None:
         await asyncio.to_thread(app[keys.NVML].inject, event)

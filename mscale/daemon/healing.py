@@ -9,6 +9,7 @@ the engine: an alert that Alertmanager repeats (same fingerprint and start) is a
 one past the per-minute action budget (`webhook.max_actions_per_minute`) is rate-limited, a
 resolved one forgets its dedup entry and ends the cooling windows its rule started.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -59,9 +60,11 @@ def resolve_targets(state: AgentState, rule: Rule, cond: Condition) -> list[Targ
     if rule.target == "gpu":
         uuid = lab.get("gpu_uuid", "") or ids.get(lab.get("gpu", ""), "")
         index = lab.get("gpu", "") or ids.get(uuid, "")
-        hits = [Target(j, m.mpu_id, str(m.gpu), getattr(m, "gpu_uuid", "") or uuid)
-                for j, m in _mpus(state)
-                if (index and str(m.gpu) == index) or (uuid and getattr(m, "gpu_uuid", "") == uuid)]
+        hits = [
+            Target(j, m.mpu_id, str(m.gpu), getattr(m, "gpu_uuid", "") or uuid)
+            for j, m in _mpus(state)
+            if (index and str(m.gpu) == index) or (uuid and getattr(m, "gpu_uuid", "") == uuid)
+        ]
         if job_id:
             hits = [t for t in hits if t.job_id == job_id]
         return hits or [Target("", "", index, uuid)]
@@ -134,8 +137,16 @@ async def alert(app: web.Application, a: Mapping[str, Any], *, source: str) -> A
     state, now = app[keys.STATE], app[keys.CLOCK]()
     labels, name, firing = a["labels"], a["labels"]["alertname"], a["status"] == "firing"
     cond = Condition("alert", name, labels, source=source, severity=labels.get("severity", ""), time=now)
-    state.events.emit(Finding(source, Reason.ALERT_FIRING if firing else Reason.ALERT_RESOLVED,
-                              Severity.INFO, f"alert {name} {a['status']}", labels, now))
+    state.events.emit(
+        Finding(
+            source,
+            Reason.ALERT_FIRING if firing else Reason.ALERT_RESOLVED,
+            Severity.INFO,
+            f"alert {name} {a['status']}",
+            labels,
+            now,
+        )
+    )
     rule = engine.match(cond)
     seen = app[_SEEN]
     ident = (a.get("fingerprint") or json.dumps(labels, sort_keys=True), a.get("startsAt", ""))
@@ -147,8 +158,9 @@ async def alert(app: web.Application, a: Mapping[str, Any], *, source: str) -> A
         engine.refuse(rule, cond, "duplicate", "Alertmanager repeated an alert already acted on")
         return AlertOutcome(True, "duplicate")
     if rule is not None and any(rule.actions.values()) and not _take(app, now):
-        engine.refuse(rule, cond, "rate_limited",
-                      f"action budget of {app[keys.CONFIG].webhook.max_actions_per_minute}/min spent")
+        engine.refuse(
+            rule, cond, "rate_limited", f"action budget of {app[keys.CONFIG].webhook.max_actions_per_minute}/min spent"
+        )
         return AlertOutcome(True, "rate_limited")
     seen[ident] = now
     done = await act(app, engine.decide(cond, _targets(app), rule)) if rule is not None else []
@@ -225,8 +237,14 @@ def setup(app: web.Application) -> None:
     cfg = app[keys.CONFIG]
     state = app[keys.STATE]
     policy = policymod.load(cfg.healing.policy)  # PolicyError (line at fault): the agent refuses to start
-    app[keys.ENGINE] = HealingEngine(policy, cfg.healing, source=SOURCE, clock=app[keys.CLOCK],
-                                     emit=state.events.emit, publish=lambda snap: state.publish("healing", snap))
+    app[keys.ENGINE] = HealingEngine(
+        policy,
+        cfg.healing,
+        source=SOURCE,
+        clock=app[keys.CLOCK],
+        emit=state.events.emit,
+        publish=lambda snap: state.publish("healing", snap),
+    )
     app[_SEEN] = {}
     app[_BUDGET] = deque()
     app.cleanup_ctx.append(_run)

@@ -20,6 +20,7 @@ The findings in a job's reports are counted per job (`JobState.findings`, so ale
 carry `job_id`), and the snapshot engine's among them kept as the job's snapshot figures
 (`SnapshotStats`: failures, last success, write durations and sizes, recovery times).
 """
+
 from __future__ import annotations
 
 import math
@@ -151,15 +152,24 @@ class MpuState:
         return dict(self.health)
 
     def to_dict(self) -> dict:
-        return {"mpu_id": self.mpu_id, "name": self.name, "gpu": self.gpu, "gpu_uuid": self.gpu_uuid,
-                "device": self.device, "fuse_level": self.fuse_level, "health_score": self.health_score,
-                "health": dict(self.health), "forward_s": self.latency["forward"].last_s,
-                "backward_s": self.latency["backward"].last_s,
-                "forward_baseline_s": self.latency["forward"].baseline_s,
-                "backward_baseline_s": self.latency["backward"].baseline_s,
-                "grad_norm": self.grad_norm, "clip_ratio": self.clip_ratio,
-                "checksum_consecutive_failures": self.checksum_consecutive_failures,
-                "checksum_failures_total": self.checksum_failures_total}
+        return {
+            "mpu_id": self.mpu_id,
+            "name": self.name,
+            "gpu": self.gpu,
+            "gpu_uuid": self.gpu_uuid,
+            "device": self.device,
+            "fuse_level": self.fuse_level,
+            "health_score": self.health_score,
+            "health": dict(self.health),
+            "forward_s": self.latency["forward"].last_s,
+            "backward_s": self.latency["backward"].last_s,
+            "forward_baseline_s": self.latency["forward"].baseline_s,
+            "backward_baseline_s": self.latency["backward"].baseline_s,
+            "grad_norm": self.grad_norm,
+            "clip_ratio": self.clip_ratio,
+            "checksum_consecutive_failures": self.checksum_consecutive_failures,
+            "checksum_failures_total": self.checksum_failures_total,
+        }
 
 
 # Disk snapshot write durations: from a tiny model's milliseconds to a large one's minutes.
@@ -191,7 +201,9 @@ class SnapshotStats:
                 for i, le in enumerate(SNAPSHOT_BUCKETS_S):
                     if seconds <= le:
                         self.bucket_counts[i] += 1
-        elif f.reason is Reason.SNAPSHOT_FAILED or (f.reason is Reason.SNAPSHOT_REFUSED and f.severity is Severity.WARNING):
+        elif f.reason is Reason.SNAPSHOT_FAILED or (
+            f.reason is Reason.SNAPSHOT_REFUSED and f.severity is Severity.WARNING
+        ):
             # (a CRITICAL refusal only sums up the refused ones before it: "none valid")
             self.failures += 1
         elif f.reason in (Reason.ROLLBACK, Reason.SNAPSHOT_RESUMED):
@@ -263,10 +275,18 @@ class JobState:
             m.score(sample)
 
     def to_dict(self) -> dict:
-        return {"job_id": self.job_id, "rank": self.rank, "pid": self.pid, "connected": self.connected,
-                "step": self.step, "loss": self.loss, "grad_norm": self.grad_norm,
-                "reports_total": self.reports_total, "reports_dropped": self.reports_dropped,
-                "mpus": {k: m.to_dict() for k, m in sorted(self.mpus.items())}}
+        return {
+            "job_id": self.job_id,
+            "rank": self.rank,
+            "pid": self.pid,
+            "connected": self.connected,
+            "step": self.step,
+            "loss": self.loss,
+            "grad_norm": self.grad_norm,
+            "reports_total": self.reports_total,
+            "reports_dropped": self.reports_dropped,
+            "mpus": {k: m.to_dict() for k, m in sorted(self.mpus.items())},
+        }
 
 
 def gpus_by_index(state: Any) -> dict[int, Any]:

@@ -1,4 +1,5 @@
 """Typed aiohttp application keys shared by the agent's route and service modules."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

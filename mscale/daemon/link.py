@@ -11,6 +11,7 @@ way (`send`, `broadcast`). A malformed, unknown or oversized message is refused,
 The messages, their validators, the command vocabulary and the limits are `mscale.link`'s,
 which the job's client speaks too; this module only serves them.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -130,7 +131,9 @@ class LinkServer:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         cred = peer_uid(request)
         if cred is None or cred[1] not in self.allowed_uids:
-            self._refuse("peer_uid", f"peer uid {cred[1] if cred else '?'} not allowed", peer_pid=cred[0] if cred else 0)
+            self._refuse(
+                "peer_uid", f"peer uid {cred[1] if cred else '?'} not allowed", peer_pid=cred[0] if cred else 0
+            )
             return web.Response(status=403, text="uid not allowed on the mscale socket\n")
         ws = web.WebSocketResponse(max_msg_size=self.config.socket.max_message_bytes, heartbeat=30.0)
         await ws.prepare(request)
@@ -148,18 +151,29 @@ class LinkServer:
                     await ws.send_str(protocol.encode(protocol.error("binary frames are not accepted")))
                 elif msg.type == WSMsgType.ERROR:
                     exc = ws.exception()
-                    why = "oversized" if "too big" in str(exc).lower() or getattr(exc, "code", 0) == 1009 else "malformed"
+                    why = (
+                        "oversized" if "too big" in str(exc).lower() or getattr(exc, "code", 0) == 1009 else "malformed"
+                    )
                     self._refuse(why, str(exc), job_id=job.job_id if job else "")
                     break
         finally:
             if job is not None and self.connections.get(job.job_id) is ws:
                 del self.connections[job.job_id]
                 job.connected = False
-                self.state.events.emit(Finding("link", Reason.JOB_GONE, Severity.WARNING,
-                                               f"job {job.job_id} disconnected", {"job_id": job.job_id}))
+                self.state.events.emit(
+                    Finding(
+                        "link",
+                        Reason.JOB_GONE,
+                        Severity.WARNING,
+                        f"job {job.job_id} disconnected",
+                        {"job_id": job.job_id},
+                    )
+                )
         return ws
 
-    async def _message(self, ws: web.WebSocketResponse, job: JobState | None, data: str, peer_pid: int) -> JobState | None:
+    async def _message(
+        self, ws: web.WebSocketResponse, job: JobState | None, data: str, peer_pid: int
+    ) -> JobState | None:
         msg = protocol.decode(data, self.config.socket.max_message_bytes)
         kind = msg["type"]
         if kind == Msg.REGISTER:
@@ -201,10 +215,16 @@ class LinkServer:
         first = self.connections.get(job_id) is not ws
         self.connections[job_id] = ws
         if first:
-            self.state.events.emit(Finding(
-                "link", Reason.JOB_REGISTERED, Severity.INFO,
-                f"job {job_id} rank {job.rank} pid {job.pid}: " + ", ".join(f"{m.mpu_id}={m.name}@gpu{m.gpu}" for m in job.mpus.values()),
-                {"job_id": job_id, "rank": str(job.rank), "pid": str(job.pid)}))
+            self.state.events.emit(
+                Finding(
+                    "link",
+                    Reason.JOB_REGISTERED,
+                    Severity.INFO,
+                    f"job {job_id} rank {job.rank} pid {job.pid}: "
+                    + ", ".join(f"{m.mpu_id}={m.name}@gpu{m.gpu}" for m in job.mpus.values()),
+                    {"job_id": job_id, "rank": str(job.rank), "pid": str(job.pid)},
+                )
+            )
         return job
 
     def _report(self, job: JobState, msg: dict) -> None:

@@ -1,4 +1,5 @@
 """`mscale agent`: the node agent's entry point. The only place that decides to exit."""
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,12 @@ def parse_listen(value: str) -> tuple[str, int]:
 def config_from_args(args: argparse.Namespace) -> configmod.Config:
     cfg = configmod.load(args.config)
     agent = cfg.agent
-    overrides = {"simulate": args.simulate, "listen": args.listen, "socket_path": args.socket,
-                 "log_level": args.log_level}
+    overrides = {
+        "simulate": args.simulate,
+        "listen": args.listen,
+        "socket_path": args.socket,
+        "log_level": args.log_level,
+    }
     agent = dataclasses.replace(agent, **{k: v for k, v in overrides.items() if v is not None})
     parse_listen(agent.listen)
     return cfg.replace(agent=agent)
@@ -53,10 +58,12 @@ def open_nvml(cfg: configmod.Config, clock) -> Any:
     the GPU probe then reports itself down with the reason)."""
     if cfg.agent.simulate:
         from mscale.sim.nvml import SimNvml
+
         return SimNvml.from_timeline_file(cfg.agent.simulate, clock=clock)
     if cfg.probes.gpu.backend == "nvml":
         from mscale.probes.base import ProbeUnavailable
         from mscale.probes.nvml_api import open_real_nvml
+
         try:
             return open_real_nvml()
         except ProbeUnavailable as e:  # no driver here: serve anyway, the GPU probe says why
@@ -64,8 +71,14 @@ def open_nvml(cfg: configmod.Config, clock) -> Any:
     return None
 
 
-async def serve(cfg: configmod.Config, nvml: Any, *, stop: asyncio.Event | None = None,
-                notifier: Notifier | None = None, clock=time.time) -> None:
+async def serve(
+    cfg: configmod.Config,
+    nvml: Any,
+    *,
+    stop: asyncio.Event | None = None,
+    notifier: Notifier | None = None,
+    clock=time.time,
+) -> None:
     stop = stop or asyncio.Event()
     notifier = notifier or Notifier()
     app = create_app(cfg, state=new_state(cfg), nvml=nvml, clock=clock)
@@ -111,8 +124,10 @@ def run(args: argparse.Namespace) -> int:
     logs.configure(cfg.agent.log_level)
     try:
         from mscale.probes.gpu_health import load_xid_table
+
         load_xid_table(cfg.health.xid_table or None)  # a data file, checked before anything starts
         from mscale.healing.policy import load as load_policy
+
         load_policy(cfg.healing.policy)  # so is the healing policy
         nvml = open_nvml(cfg, time.time)
     except ValueError as e:  # a malformed timeline (TimelineError) or Xid table names the line at fault

@@ -3,6 +3,7 @@
 READY=1 once serving, STATUS= lines, WATCHDOG=1 at half of WATCHDOG_USEC.
 Outside systemd (no NOTIFY_SOCKET) every call is a no-op.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,7 +40,7 @@ class Notifier:
         return True
 
     def ready(self, status: str = "") -> bool:
-        return self.send("READY=1", *( [f"STATUS={status}"] if status else []), f"MAINPID={os.getpid()}")
+        return self.send("READY=1", *([f"STATUS={status}"] if status else []), f"MAINPID={os.getpid()}")
 
     def status(self, text: str) -> bool:
         return self.send(f"STATUS={text}")

@@ -4,6 +4,7 @@ A probe that raises or hangs is isolated: it is marked down (with the reason), c
 logged once per state change, and the other probes keep running. A hung sample keeps its
 thread; the probe is not sampled again until that call returns (quarantine).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -59,8 +60,9 @@ def _in_daemon_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
 
 
 class ProbeRunner:
-    def __init__(self, state: AgentState, probes: list[tuple[Probe, float, float]],
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, state: AgentState, probes: list[tuple[Probe, float, float]], clock: Callable[[], float] = time.time
+    ) -> None:
         self.state = state
         self.clock = clock
         self.tasks = []
@@ -76,11 +78,19 @@ class ProbeRunner:
         if not changed:
             return
         if up:
-            self.state.events.emit(Finding("agent", Reason.PROBE_UP, Severity.INFO,
-                                           f"probe {st.name} is up", {"probe": st.name}))
+            self.state.events.emit(
+                Finding("agent", Reason.PROBE_UP, Severity.INFO, f"probe {st.name} is up", {"probe": st.name})
+            )
         else:
-            self.state.events.emit(Finding("agent", Reason.PROBE_DOWN, Severity.WARNING,
-                                           f"probe {st.name} is down: {reason}", {"probe": st.name}))
+            self.state.events.emit(
+                Finding(
+                    "agent",
+                    Reason.PROBE_DOWN,
+                    Severity.WARNING,
+                    f"probe {st.name} is down: {reason}",
+                    {"probe": st.name},
+                )
+            )
 
     async def sample_once(self, task: ProbeTask) -> Any:
         st = task.status

@@ -1,5 +1,6 @@
 """The agent's own config sections: [agent], [socket] (the hook library's link) and
 [webhook] (Alertmanager). Assembled into `mscale.config.Config` with the other rooms'."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,13 +17,19 @@ class AgentSection:
     simulate: str = opt("", "fault timeline YAML: run on simulated GPUs instead of NVML (empty: real GPUs)")
     log_level: str = opt("info", "log level", choices=("debug", "info", "warning", "error"))
     event_history: int = opt(1000, "events kept for GET /api/v1/events", min=10, max=1_000_000)
-    shutdown_timeout_s: float = opt(5.0, "longest a clean shutdown may take before tasks are cancelled", min=0.1, max=120)
+    shutdown_timeout_s: float = opt(
+        5.0, "longest a clean shutdown may take before tasks are cancelled", min=0.1, max=120
+    )
 
 
 @dataclass(frozen=True)
 class SocketSection:
-    allowed_uids: list = opt(None, "extra user ids allowed on the socket besides the agent's own and root", factory=list)
-    max_message_bytes: int = opt(MAX_MESSAGE_BYTES, "larger messages on the socket are refused and counted", min=1024, max=1 << 30)
+    allowed_uids: list = opt(
+        None, "extra user ids allowed on the socket besides the agent's own and root", factory=list
+    )
+    max_message_bytes: int = opt(
+        MAX_MESSAGE_BYTES, "larger messages on the socket are refused and counted", min=1024, max=1 << 30
+    )
     mode: int = opt(0o660, "file mode of the socket", min=0, max=0o777)
 
 

@@ -3,6 +3,7 @@
 Probes publish immutable snapshots; collectors and the API only read them, so a scrape
 never touches hardware. `EventLog.emit` is thread-safe (probes run in worker threads).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -57,7 +58,8 @@ class EventLog:
             subs = list(self._subscribers)
             sync_subs = list(self._sync_subscribers)
         getattr(log, _LOG_METHOD[finding.severity])(
-            finding.reason.value, source=finding.source, message=finding.message, seq=seq, **dict(finding.labels))
+            finding.reason.value, source=finding.source, message=finding.message, seq=seq, **dict(finding.labels)
+        )
         for loop, queue in subs:
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, finding)

@@ -1,4 +1,5 @@
 """`mscale status`: the running agent's GPUs, jobs, MPUs, health, fuse levels and last events."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,9 @@ HELP = "show GPUs, jobs, MPUs, health scores, fuse levels and the last events of
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--agent", default=DEFAULT_URL, metavar="URL", help=f"the agent's HTTP address (default {DEFAULT_URL})")
+    p.add_argument(
+        "--agent", default=DEFAULT_URL, metavar="URL", help=f"the agent's HTTP address (default {DEFAULT_URL})"
+    )
     p.add_argument("--events", type=int, default=10, metavar="N", help="how many recent events to show")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     p.add_argument("--timeout", type=float, default=5.0, metavar="S")
@@ -32,26 +35,51 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
 def render(view: dict) -> str:
     out = [f"node {view.get('node', '?')}", ""]
     gpus = view.get("gpus", [])
-    out.append(table(["GPU", "UUID", "HEALTH", "REASONS"],
-                     [[g["index"], g["uuid"], g["health"], ", ".join(g.get("reasons", [])) or "-"] for g in gpus])
-               if gpus else "no GPU data")
+    out.append(
+        table(
+            ["GPU", "UUID", "HEALTH", "REASONS"],
+            [[g["index"], g["uuid"], g["health"], ", ".join(g.get("reasons", [])) or "-"] for g in gpus],
+        )
+        if gpus
+        else "no GPU data"
+    )
     out.append("")
     rows = []
     cooling = set(view.get("cooling", []))
     for job in view.get("jobs", []):
         for m in job.get("mpus", []) or [{}]:
             score = m.get("health_score")
-            rows.append([job["job_id"] + (" (LR cooled)" if job["job_id"] in cooling else ""), job.get("pid", ""),
-                         job.get("step") if job.get("step") is not None else "-", m.get("mpu_id", "-"),
-                         m.get("name", "-"), m.get("gpu", "-"), "-" if score is None else f"{score:.0f}",
-                         m.get("fuse", "-")])
+            rows.append(
+                [
+                    job["job_id"] + (" (LR cooled)" if job["job_id"] in cooling else ""),
+                    job.get("pid", ""),
+                    job.get("step") if job.get("step") is not None else "-",
+                    m.get("mpu_id", "-"),
+                    m.get("name", "-"),
+                    m.get("gpu", "-"),
+                    "-" if score is None else f"{score:.0f}",
+                    m.get("fuse", "-"),
+                ]
+            )
     out.append(table(["JOB", "PID", "STEP", "MPU", "NAME", "GPU", "HEALTH", "FUSE"], rows) if rows else "no jobs")
     out.append("")
     evs = view.get("events", [])
     if evs:
-        out.append(table(["TIME", "SOURCE", "REASON", "SEVERITY", "MESSAGE"],
-                         [[time.strftime("%H:%M:%S", time.localtime(e["time"])), e["source"], e["reason"],
-                           e["severity"], e["message"][:80]] for e in evs]))
+        out.append(
+            table(
+                ["TIME", "SOURCE", "REASON", "SEVERITY", "MESSAGE"],
+                [
+                    [
+                        time.strftime("%H:%M:%S", time.localtime(e["time"])),
+                        e["source"],
+                        e["reason"],
+                        e["severity"],
+                        e["message"][:80],
+                    ]
+                    for e in evs
+                ],
+            )
+        )
     else:
         out.append("no events")
     return "\n".join(out)

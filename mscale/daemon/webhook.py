@@ -11,6 +11,7 @@ gpu, mpu_id, job_id; resolved alerts end cooling windows. The same alert deliver
 rate-limited per minute (`webhook.max_actions_per_minute`). The reply counts the alerts by
 outcome and lists the actions taken.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -42,7 +43,7 @@ def parse(body: Any) -> list[dict]:
     if not isinstance(body, dict):
         raise PayloadError("body: expected a JSON object")
     if body.get("version") != "4":
-        raise PayloadError(f"version: expected \"4\" (Alertmanager webhook payload), got {body.get('version')!r}")
+        raise PayloadError(f'version: expected "4" (Alertmanager webhook payload), got {body.get("version")!r}')
     if body.get("status") not in ("firing", "resolved"):
         raise PayloadError(f"status: expected firing or resolved, got {body.get('status')!r}")
     alerts = body.get("alerts")
@@ -61,8 +62,14 @@ def parse(body: Any) -> list[dict]:
         for ts in ("startsAt", "endsAt"):
             if ts in a and not isinstance(a[ts], str):
                 raise PayloadError(f"alerts[{i}].{ts}: expected an RFC 3339 time string")
-        out.append({"status": a["status"], "labels": labels, "startsAt": a.get("startsAt", ""),
-                    "fingerprint": str(a.get("fingerprint", ""))})
+        out.append(
+            {
+                "status": a["status"],
+                "labels": labels,
+                "startsAt": a.get("startsAt", ""),
+                "fingerprint": str(a.get("fingerprint", "")),
+            }
+        )
     return out
 
 
@@ -98,7 +105,14 @@ async def alerts(request: web.Request) -> web.Response:
         items = parse(body)
     except PayloadError as e:
         return _refuse(request, 400, "malformed", str(e))
-    summary: dict[str, Any] = {"firing": 0, "resolved": 0, "actions": [], "duplicates": 0, "rate_limited": 0, "cooling_ended": 0}
+    summary: dict[str, Any] = {
+        "firing": 0,
+        "resolved": 0,
+        "actions": [],
+        "duplicates": 0,
+        "rate_limited": 0,
+        "cooling_ended": 0,
+    }
     for a in items:
         out = await service.alert(request.app, a, source=WHERE)
         summary["firing" if out.firing else "resolved"] += 1
@@ -109,8 +123,9 @@ async def alerts(request: web.Request) -> web.Response:
             summary["rate_limited"] += 1
             request.app[keys.STATE].refused[(WHERE, "rate_limited")] += 1
         for d, result in out.actions:
-            summary["actions"].append({"action": d.action, "job_id": d.target.job_id,
-                                       "mpu_id": d.target.mpu_id, "result": result})
+            summary["actions"].append(
+                {"action": d.action, "job_id": d.target.job_id, "mpu_id": d.target.mpu_id, "result": result}
+            )
     return web.json_response(summary)
 
 

@@ -3,6 +3,7 @@
 `python -m mscale.dashboards.build` rewrites the committed JSON (mscale/dashboards/json/);
 a test re-renders and fails on a diff. `mscale dashboards export DIR` writes them for operators.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -52,7 +53,7 @@ def variable_exprs(dashboard: dict) -> list[tuple[str, str]]:
     for var in dashboard.get("templating", {}).get("list", []):
         q = var.get("query", "")
         if var.get("type") == "query" and q.startswith("label_values("):
-            found.append((var["name"], q[len("label_values("):q.rindex(",")]))
+            found.append((var["name"], q[len("label_values(") : q.rindex(",")]))
     return found
 
 

@@ -1,4 +1,5 @@
 """`mscale dashboards export DIR`: write the Grafana dashboards as JSON."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         from mscale.dashboards import build
+
         files = build.render(params)
     except ModuleNotFoundError as e:  # grafanalib is the `dashboards` extra
         print(f"mscale dashboards: needs {e.name} (pip install 'megascale-omni[dashboards]')", file=sys.stderr)

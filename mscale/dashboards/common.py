@@ -1,5 +1,6 @@
 """Shared pieces of the dashboards: the datasource and node/job/GPU variables, selectors,
 panel helpers and automatic layout. Thresholds come from mscale/rules/params.yaml."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ ALL = ".*"
 @dataclass
 class Ctx:
     """What a dashboard module needs from params: selectors, windows, thresholds."""
+
     params: dict
 
     @property
@@ -39,6 +41,7 @@ class Ctx:
 
     def record(self, template: str) -> str:
         from mscale.rules.render import record_name
+
         return record_name(self.params, template)
 
 
@@ -49,15 +52,29 @@ def variables(ctx: Ctx, *, job: bool = False, gpu: bool = False) -> g.Templating
         _query_var("node", "Node", f"label_values(up{{{agent}}}, node)"),
     ]
     if job:
-        out.append(_query_var("job_id", "Training job", f'label_values(mscale_job_up{{{agent},node=~"$node"}}, job_id)'))
+        out.append(
+            _query_var("job_id", "Training job", f'label_values(mscale_job_up{{{agent},node=~"$node"}}, job_id)')
+        )
     if gpu:
-        out.append(_query_var("gpu", "GPU", f'label_values(mscale_gpu_temperature_celsius{{{agent},node=~"$node"}}, gpu)'))
+        out.append(
+            _query_var("gpu", "GPU", f'label_values(mscale_gpu_temperature_celsius{{{agent},node=~"$node"}}, gpu)')
+        )
     return g.Templating(list=out)
 
 
 def _query_var(name: str, label: str, query: str) -> g.Template:
-    return g.Template(name=name, label=label, query=query, dataSource=DATASOURCE,
-                      includeAll=True, multi=True, allValue=ALL, default="$__all", refresh=2, sort=1)
+    return g.Template(
+        name=name,
+        label=label,
+        query=query,
+        dataSource=DATASOURCE,
+        includeAll=True,
+        multi=True,
+        allValue=ALL,
+        default="$__all",
+        refresh=2,
+        sort=1,
+    )
 
 
 def target(expr: str, legend: str = "") -> g.Target:
@@ -67,6 +84,7 @@ def target(expr: str, legend: str = "") -> g.Target:
 @dataclass
 class Panel:
     """A time series (or stat) panel before layout: width in grid units (24 per row)."""
+
     title: str
     targets: list[tuple[str, str]]
     unit: str = "short"
@@ -85,16 +103,36 @@ class Panel:
         targets = [target(expr, legend) for expr, legend in self.targets]
         steps = _threshold_steps(self.threshold, self.threshold_below)
         if self.kind == "stat":
-            return g.Stat(title=self.title, description=self.description, dataSource=DATASOURCE, targets=targets,
-                          gridPos=grid, format=self.unit, reduceCalc="lastNotNull", graphMode="none",
-                          thresholds=steps or [{"color": "green", "value": None}])
+            return g.Stat(
+                title=self.title,
+                description=self.description,
+                dataSource=DATASOURCE,
+                targets=targets,
+                gridPos=grid,
+                format=self.unit,
+                reduceCalc="lastNotNull",
+                graphMode="none",
+                thresholds=steps or [{"color": "green", "value": None}],
+            )
         return g.TimeSeries(
-            title=self.title, description=self.description, dataSource=DATASOURCE, targets=targets, gridPos=grid,
-            unit=self.unit, valueMin=self.min, valueMax=self.max, thresholds=steps or [{"color": "green", "value": None}],
-            thresholdsStyleMode="line" if steps else "off", legendDisplayMode="table", legendPlacement="bottom",
-            legendCalcs=["lastNotNull", "max"], tooltipMode="multi", tooltipSort="desc",
+            title=self.title,
+            description=self.description,
+            dataSource=DATASOURCE,
+            targets=targets,
+            gridPos=grid,
+            unit=self.unit,
+            valueMin=self.min,
+            valueMax=self.max,
+            thresholds=steps or [{"color": "green", "value": None}],
+            thresholdsStyleMode="line" if steps else "off",
+            legendDisplayMode="table",
+            legendPlacement="bottom",
+            legendCalcs=["lastNotNull", "max"],
+            tooltipMode="multi",
+            tooltipSort="desc",
             stacking={"mode": "normal", "group": "A"} if self.stack else {"mode": "none", "group": "A"},
-            extraJson=self.extra or None)
+            extraJson=self.extra or None,
+        )
 
 
 def _threshold_steps(value: float | None, below: bool) -> list[dict]:
@@ -105,8 +143,16 @@ def _threshold_steps(value: float | None, below: bool) -> list[dict]:
     return [{"color": "green", "value": None}, {"color": "red", "value": value}]
 
 
-def dashboard(ctx: Ctx, *, uid: str, title: str, description: str, rows: list[tuple[str, list[Panel]]],
-              job: bool = False, gpu: bool = False) -> g.Dashboard:
+def dashboard(
+    ctx: Ctx,
+    *,
+    uid: str,
+    title: str,
+    description: str,
+    rows: list[tuple[str, list[Panel]]],
+    job: bool = False,
+    gpu: bool = False,
+) -> g.Dashboard:
     """Lay the rows out top to bottom, panels left to right, wrapping at 24 units."""
     panels: list[g.Panel] = []
     y = 0
@@ -123,11 +169,21 @@ def dashboard(ctx: Ctx, *, uid: str, title: str, description: str, rows: list[tu
             row_h = max(row_h, p.height)
         y += row_h
     dash = g.Dashboard(
-        title=title, uid=uid, description=description, tags=["mscale"], panels=panels,
-        templating=variables(ctx, job=job, gpu=gpu), refresh=ctx.params["dashboards"]["refresh"],
-        time=g.Time(ctx.params["dashboards"]["time_from"], "now"), timezone="browser",
-        graphTooltip=g.GRAPH_TOOLTIP_MODE_SHARED_CROSSHAIR, schemaVersion=36,
-        links=[g.DashboardLink(title="mscale", type="dashboards", tags=["mscale"], asDropdown=True,
-                               keepTime=True, includeVars=True)],
+        title=title,
+        uid=uid,
+        description=description,
+        tags=["mscale"],
+        panels=panels,
+        templating=variables(ctx, job=job, gpu=gpu),
+        refresh=ctx.params["dashboards"]["refresh"],
+        time=g.Time(ctx.params["dashboards"]["time_from"], "now"),
+        timezone="browser",
+        graphTooltip=g.GRAPH_TOOLTIP_MODE_SHARED_CROSSHAIR,
+        schemaVersion=36,
+        links=[
+            g.DashboardLink(
+                title="mscale", type="dashboards", tags=["mscale"], asDropdown=True, keepTime=True, includeVars=True
+            )
+        ],
     )
     return dash.auto_panel_ids()

@@ -1,5 +1,6 @@
 """Healing and snapshots: actions by fuse level, fuse states, findings, snapshot durations,
 sizes and age, recovery time."""
+
 from __future__ import annotations
 
 from mscale.dashboards.common import Ctx, Panel, dashboard
@@ -11,29 +12,83 @@ def build(ctx: Ctx):
     s = ctx.sel(job=True)
     n = ctx.sel()
     rate = ctx.window("rate")
-    return dashboard(ctx, uid=UID, title="mscale / Healing and snapshots", job=True,
-                     description="What the healing engine decided and did, and the snapshots it relies on.",
-                     rows=[
-        ("Healing", [
-            Panel(f"Actions by level (last {ctx.window('event')})",
-                  [(f'sum by (level) ({ctx.record("node:mscale_heal_actions:increase$event")}{{node=~"$node"}})', "{{level}}")]),
-            Panel("Actions", [(f"sum by (level, action, result) (increase(mscale_heal_actions_total{n}[$__rate_interval]))",
-                               "{{level}} {{action}} {{result}}")], stack=True),
-            Panel("Fuse state per MPU", [(f"mscale_fuse_state{s} == 1", "{{job_id}} {{mpu_id}} {{state}}")]),
-            Panel(f"Findings by reason (last {ctx.window('event')})",
-                  [(f'sum by (reason) ({ctx.record("node:mscale_events:increase$event")}{{node=~"$node"}})', "{{reason}}")]),
-        ]),
-        ("Snapshots", [
-            Panel("Snapshot duration (p50, p99)", [
-                (f"histogram_quantile(0.5, sum by (le, job_id) (rate(mscale_snapshot_duration_seconds_bucket{s}[{rate}])))",
-                 "{{job_id}} p50"),
-                (f"histogram_quantile(0.99, sum by (le, job_id) (rate(mscale_snapshot_duration_seconds_bucket{s}[{rate}])))",
-                 "{{job_id}} p99")], unit="s"),
-            Panel("Snapshot size", [(f"mscale_snapshot_size_bytes{s}", "{{job_id}}")], unit="bytes"),
-            Panel("Age of the last good snapshot", [(f"time() - mscale_snapshot_last_success_timestamp_seconds{s}", "{{job_id}}")],
-                  unit="s", threshold=ctx.alert("MscaleSnapshotStale")["max_age_s"]),
-            Panel("Recovery time", [(f"checkpoint_recovery_time_seconds{s}", "{{job_id}} {{tag}}")], unit="s",
-                  description="Time to restore a snapshot, by what triggered it (tag)."),
-            Panel("Snapshot failures", [(f"increase(mscale_snapshot_failures_total{s}[$__rate_interval])", "{{job_id}}")], width=24),
-        ]),
-    ])
+    return dashboard(
+        ctx,
+        uid=UID,
+        title="mscale / Healing and snapshots",
+        job=True,
+        description="What the healing engine decided and did, and the snapshots it relies on.",
+        rows=[
+            (
+                "Healing",
+                [
+                    Panel(
+                        f"Actions by level (last {ctx.window('event')})",
+                        [
+                            (
+                                f'sum by (level) ({ctx.record("node:mscale_heal_actions:increase$event")}{{node=~"$node"}})',
+                                "{{level}}",
+                            )
+                        ],
+                    ),
+                    Panel(
+                        "Actions",
+                        [
+                            (
+                                f"sum by (level, action, result) (increase(mscale_heal_actions_total{n}[$__rate_interval]))",
+                                "{{level}} {{action}} {{result}}",
+                            )
+                        ],
+                        stack=True,
+                    ),
+                    Panel("Fuse state per MPU", [(f"mscale_fuse_state{s} == 1", "{{job_id}} {{mpu_id}} {{state}}")]),
+                    Panel(
+                        f"Findings by reason (last {ctx.window('event')})",
+                        [
+                            (
+                                f'sum by (reason) ({ctx.record("node:mscale_events:increase$event")}{{node=~"$node"}})',
+                                "{{reason}}",
+                            )
+                        ],
+                    ),
+                ],
+            ),
+            (
+                "Snapshots",
+                [
+                    Panel(
+                        "Snapshot duration (p50, p99)",
+                        [
+                            (
+                                f"histogram_quantile(0.5, sum by (le, job_id) (rate(mscale_snapshot_duration_seconds_bucket{s}[{rate}])))",
+                                "{{job_id}} p50",
+                            ),
+                            (
+                                f"histogram_quantile(0.99, sum by (le, job_id) (rate(mscale_snapshot_duration_seconds_bucket{s}[{rate}])))",
+                                "{{job_id}} p99",
+                            ),
+                        ],
+                        unit="s",
+                    ),
+                    Panel("Snapshot size", [(f"mscale_snapshot_size_bytes{s}", "{{job_id}}")], unit="bytes"),
+                    Panel(
+                        "Age of the last good snapshot",
+                        [(f"time() - mscale_snapshot_last_success_timestamp_seconds{s}", "{{job_id}}")],
+                        unit="s",
+                        threshold=ctx.alert("MscaleSnapshotStale")["max_age_s"],
+                    ),
+                    Panel(
+                        "Recovery time",
+                        [(f"checkpoint_recovery_time_seconds{s}", "{{job_id}} {{tag}}")],
+                        unit="s",
+                        description="Time to restore a snapshot, by what triggered it (tag).",
+                    ),
+                    Panel(
+                        "Snapshot failures",
+                        [(f"increase(mscale_snapshot_failures_total{s}[$__rate_interval])", "{{job_id}}")],
+                        width=24,
+                    ),
+                ],
+            ),
+        ],
+    )

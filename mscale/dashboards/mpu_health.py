@@ -1,4 +1,5 @@
 """MPU health: health score per MPU, fuse level over time, drifts, checksums, CMSA clipping."""
+
 from __future__ import annotations
 
 from mscale.dashboards.common import Ctx, Panel, dashboard
@@ -10,32 +11,92 @@ def build(ctx: Ctx):
     s = ctx.sel(job=True)
     score = ctx.alert("MscaleMpuHealthLow")["score"]
     health = ctx.record("job_mpu:mpu_health_score:min")
-    return dashboard(ctx, uid=UID, title="mscale / MPU health", job=True,
-                     description="Per-MPU health score (0-100), three-level fuse, drifts, checksums and CMSA clipping.",
-                     rows=[
-        ("Health score", [
-            Panel("Health score per MPU", [(f"{health}{s}", "{{job_id}} {{mpu}} ({{mpu_id}})")], min=0, max=100,
-                  threshold=score, threshold_below=True,
-                  description=f"Lowest score over the phases; below {score} the MscaleMpuHealthLow alert fires."),
-            Panel("Health score by phase", [(f"mpu_health_score{s}", "{{job_id}} {{mpu}} {{phase}}")], min=0, max=100,
-                  threshold=score, threshold_below=True),
-            Panel("MPUs below the threshold", [(f"count({health}{s} < {score}) or vector(0)", "MPUs")], kind="stat",
-                  width=6, height=4, threshold=1),
-            Panel("MPUs watched", [(f"count({health}{s}) or vector(0)", "MPUs")], kind="stat", width=6, height=4),
-        ]),
-        ("Fuse", [
-            Panel("Fuse level over time", [(f"mscale_fuse_level{s}", "{{job_id}} {{mpu_id}}")], min=0, max=3,
-                  threshold=2, description="0 none, 1 swapped (L1), 2 degraded (L2), 3 distilling (L3)."),
-            Panel("Drifts (L1 moves to a standby device)", [(f"mpu_drift_count_total{s}", "{{job_id}} {{mpu_id}}")],
-                  description="Cumulative moves of each MPU (mpu_drift_count_total)."),
-            Panel("Latency against the MPU's own baseline",
-                  [(f"mscale_mpu_latency_seconds{s} / on (instance, job_id, mpu_id, phase) mscale_mpu_latency_baseline_seconds{s}",
-                    "{{job_id}} {{mpu_id}} {{phase}}")], unit="short",
-                  description="Forward/backward time of the last step over the median of the MPU's first steps."),
-            Panel("Checksum failures", [(f"increase(mscale_mpu_checksum_failures_total{s}[$__rate_interval])",
-                                         "{{job_id}} {{mpu_id}}")]),
-            Panel("CMSA clip ratio", [(f"cmsa_clip_ratio{s}", "{{job_id}} {{mpu_id}}")], unit="percentunit", min=0, max=1,
-                  threshold=ctx.alert("MscaleCmsaClipHigh")["ratio"],
-                  description="Share of steps in which CMSA clipped the MPU's gradients."),
-        ]),
-    ])
+    return dashboard(
+        ctx,
+        uid=UID,
+        title="mscale / MPU health",
+        job=True,
+        description="Per-MPU health score (0-100), three-level fuse, drifts, checksums and CMSA clipping.",
+        rows=[
+            (
+                "Health score",
+                [
+                    Panel(
+                        "Health score per MPU",
+                        [(f"{health}{s}", "{{job_id}} {{mpu}} ({{mpu_id}})")],
+                        min=0,
+                        max=100,
+                        threshold=score,
+                        threshold_below=True,
+                        description=f"Lowest score over the phases; below {score} the MscaleMpuHealthLow alert fires.",
+                    ),
+                    Panel(
+                        "Health score by phase",
+                        [(f"mpu_health_score{s}", "{{job_id}} {{mpu}} {{phase}}")],
+                        min=0,
+                        max=100,
+                        threshold=score,
+                        threshold_below=True,
+                    ),
+                    Panel(
+                        "MPUs below the threshold",
+                        [(f"count({health}{s} < {score}) or vector(0)", "MPUs")],
+                        kind="stat",
+                        width=6,
+                        height=4,
+                        threshold=1,
+                    ),
+                    Panel(
+                        "MPUs watched", [(f"count({health}{s}) or vector(0)", "MPUs")], kind="stat", width=6, height=4
+                    ),
+                ],
+            ),
+            (
+                "Fuse",
+                [
+                    Panel(
+                        "Fuse level over time",
+                        [(f"mscale_fuse_level{s}", "{{job_id}} {{mpu_id}}")],
+                        min=0,
+                        max=3,
+                        threshold=2,
+                        description="0 none, 1 swapped (L1), 2 degraded (L2), 3 distilling (L3).",
+                    ),
+                    Panel(
+                        "Drifts (L1 moves to a standby device)",
+                        [(f"mpu_drift_count_total{s}", "{{job_id}} {{mpu_id}}")],
+                        description="Cumulative moves of each MPU (mpu_drift_count_total).",
+                    ),
+                    Panel(
+                        "Latency against the MPU's own baseline",
+                        [
+                            (
+                                f"mscale_mpu_latency_seconds{s} / on (instance, job_id, mpu_id, phase) mscale_mpu_latency_baseline_seconds{s}",
+                                "{{job_id}} {{mpu_id}} {{phase}}",
+                            )
+                        ],
+                        unit="short",
+                        description="Forward/backward time of the last step over the median of the MPU's first steps.",
+                    ),
+                    Panel(
+                        "Checksum failures",
+                        [
+                            (
+                                f"increase(mscale_mpu_checksum_failures_total{s}[$__rate_interval])",
+                                "{{job_id}} {{mpu_id}}",
+                            )
+                        ],
+                    ),
+                    Panel(
+                        "CMSA clip ratio",
+                        [(f"cmsa_clip_ratio{s}", "{{job_id}} {{mpu_id}}")],
+                        unit="percentunit",
+                        min=0,
+                        max=1,
+                        threshold=ctx.alert("MscaleCmsaClipHigh")["ratio"],
+                        description="Share of steps in which CMSA clipped the MPU's gradients.",
+                    ),
+                ],
+            ),
+        ],
+    )

@@ -1,5 +1,6 @@
 """Training stability: loss with its rolling band, gradient norms per MPU, spikes, rollbacks,
 skipped batches, and the CUDA activity the eBPF probe sees."""
+
 from __future__ import annotations
 
 from mscale.dashboards.common import Ctx, Panel, dashboard
@@ -15,41 +16,98 @@ def build(ctx: Ctx):
     std = ctx.record("job:mscale_job_loss:stddev$band")
     findings = ctx.record("job:mscale_job_findings:increase$event")
     band, rate, event = ctx.window("band"), ctx.window("rate"), ctx.window("event")
-    return dashboard(ctx, uid=UID, title="mscale / Training stability", job=True,
-                     description="Loss against its rolling band, gradient norms, spikes and the responses to them.",
-                     rows=[
-        ("Loss", [
-            Panel(f"Loss with its rolling band (mean +- {k} sigma over {band})", [
-                (f"mscale_job_loss{s}", "{{job_id}} loss"),
-                (f"{avg}{s} + {k} * {std}{s}", "{{job_id}} upper"),
-                (f"{avg}{s} - {k} * {std}{s}", "{{job_id}} lower"),
-            ], width=24),
-            Panel(f"Loss findings (last {event}): spikes, jumps, NaN",
-                  [(f'sum by (job_id, reason) ({findings}{{node=~"$node",job_id=~"$job_id",reason=~"loss_.*"}})',
-                    "{{job_id}} {{reason}}")],
-                  description="From the hook library's loss detector in each job."),
-            Panel("Steps reported per second", [(f"rate(mscale_job_reports_total{s}[{rate}])", "{{job_id}}")]),
-        ]),
-        ("Gradients", [
-            Panel("Gradient norm per MPU", [(f"mscale_mpu_grad_norm{s}", "{{job_id}} {{mpu_id}}")]),
-            Panel("Global gradient norm (before clipping)", [(f"mscale_job_grad_norm{s}", "{{job_id}}")]),
-        ]),
-        ("Responses", [
-            Panel("Rollbacks", [(f"sum by (node, result) (mscale_heal_actions_total{rollback})",
-                                 "{{node}} {{result}}")], width=8,
-                  description="Rollbacks to the last good snapshot decided by the healing engine."),
-            Panel("Skipped batches", [(f"mscale_job_steps_skipped_total{s}", "{{job_id}}")], width=8),
-            Panel("LR cooling", [(f"mscale_lr_cooling{s}", "{{job_id}}")], width=8, min=0, max=1,
-                  description="1 while the learning rate is cooled after a loss spike."),
-        ]),
-        ("CUDA activity (eBPF)", [
-            Panel("Kernel launches per second", [(f"{ctx.record('job:mscale_cuda_kernel_launches:rate$rate')}{s}", "{{job_id}}")]),
-            Panel("Share of time blocked in synchronise",
-                  [(f"mscale_cuda_sync_blocked_ratio{s}", "{{job_id}} pid {{pid}}")],
-                  unit="percentunit", min=0, max=1, threshold=ctx.alert("MscaleSyncStall")["ratio"]),
-            Panel("Synchronise call time p99",
-                  [(f"histogram_quantile(0.99, sum by (le, job_id, pid) (rate(mscale_cuda_sync_seconds_bucket{s}[{rate}])))",
-                    "{{job_id}} pid {{pid}}")], unit="s"),
-            Panel("Hung processes", [(f"mscale_cuda_hang{s}", "{{job_id}} pid {{pid}}")], min=0, max=1, threshold=1),
-        ]),
-    ])
+    return dashboard(
+        ctx,
+        uid=UID,
+        title="mscale / Training stability",
+        job=True,
+        description="Loss against its rolling band, gradient norms, spikes and the responses to them.",
+        rows=[
+            (
+                "Loss",
+                [
+                    Panel(
+                        f"Loss with its rolling band (mean +- {k} sigma over {band})",
+                        [
+                            (f"mscale_job_loss{s}", "{{job_id}} loss"),
+                            (f"{avg}{s} + {k} * {std}{s}", "{{job_id}} upper"),
+                            (f"{avg}{s} - {k} * {std}{s}", "{{job_id}} lower"),
+                        ],
+                        width=24,
+                    ),
+                    Panel(
+                        f"Loss findings (last {event}): spikes, jumps, NaN",
+                        [
+                            (
+                                f'sum by (job_id, reason) ({findings}{{node=~"$node",job_id=~"$job_id",reason=~"loss_.*"}})',
+                                "{{job_id}} {{reason}}",
+                            )
+                        ],
+                        description="From the hook library's loss detector in each job.",
+                    ),
+                    Panel("Steps reported per second", [(f"rate(mscale_job_reports_total{s}[{rate}])", "{{job_id}}")]),
+                ],
+            ),
+            (
+                "Gradients",
+                [
+                    Panel("Gradient norm per MPU", [(f"mscale_mpu_grad_norm{s}", "{{job_id}} {{mpu_id}}")]),
+                    Panel("Global gradient norm (before clipping)", [(f"mscale_job_grad_norm{s}", "{{job_id}}")]),
+                ],
+            ),
+            (
+                "Responses",
+                [
+                    Panel(
+                        "Rollbacks",
+                        [(f"sum by (node, result) (mscale_heal_actions_total{rollback})", "{{node}} {{result}}")],
+                        width=8,
+                        description="Rollbacks to the last good snapshot decided by the healing engine.",
+                    ),
+                    Panel("Skipped batches", [(f"mscale_job_steps_skipped_total{s}", "{{job_id}}")], width=8),
+                    Panel(
+                        "LR cooling",
+                        [(f"mscale_lr_cooling{s}", "{{job_id}}")],
+                        width=8,
+                        min=0,
+                        max=1,
+                        description="1 while the learning rate is cooled after a loss spike.",
+                    ),
+                ],
+            ),
+            (
+                "CUDA activity (eBPF)",
+                [
+                    Panel(
+                        "Kernel launches per second",
+                        [(f"{ctx.record('job:mscale_cuda_kernel_launches:rate$rate')}{s}", "{{job_id}}")],
+                    ),
+                    Panel(
+                        "Share of time blocked in synchronise",
+                        [(f"mscale_cuda_sync_blocked_ratio{s}", "{{job_id}} pid {{pid}}")],
+                        unit="percentunit",
+                        min=0,
+                        max=1,
+                        threshold=ctx.alert("MscaleSyncStall")["ratio"],
+                    ),
+                    Panel(
+                        "Synchronise call time p99",
+                        [
+                            (
+                                f"histogram_quantile(0.99, sum by (le, job_id, pid) (rate(mscale_cuda_sync_seconds_bucket{s}[{rate}])))",
+                                "{{job_id}} pid {{pid}}",
+                            )
+                        ],
+                        unit="s",
+                    ),
+                    Panel(
+                        "Hung processes",
+                        [(f"mscale_cuda_hang{s}", "{{job_id}} pid {{pid}}")],
+                        min=0,
+                        max=1,
+                        threshold=1,
+                    ),
+                ],
+            ),
+        ],
+    )

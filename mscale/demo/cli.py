@@ -10,6 +10,7 @@ a live line of health and fuse levels while it runs; at the end a summary table 
 injected, detected, actions, steps lost, final loss against a fault-free reference run) and a
 plot of loss and health over the steps with the faults marked, under ./mscale-demo/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,12 @@ HELP = "run the demo: a simulated 8-GPU node and a small multimodal model traine
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
-                   help="where the agent serves /metrics and its API (busy: a free port is used)")
+    p.add_argument(
+        "--listen",
+        default=DEFAULT_LISTEN,
+        metavar="HOST:PORT",
+        help="where the agent serves /metrics and its API (busy: a free port is used)",
+    )
     p.add_argument("--out", default="mscale-demo", metavar="DIR", help="where the summary and the plot go")
     p.add_argument("--steps", type=int, default=360, help="training steps (the fault script scales with it)")
     p.add_argument("--short", action="store_true", help="a short run (120 steps) for tests and a quick look")

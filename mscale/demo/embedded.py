@@ -6,6 +6,7 @@ webhook, chaos API, healing engine) on its own asyncio loop in a daemon thread, 
 loop runs in the main thread and connects to it like any job. It is asked over HTTP with
 `agent.client`, the `mscale.agent_client.AgentClient` that `mscale status` and `mscale chaos` use.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,22 +26,39 @@ from mscale.link import DEFAULT_HOST
 LOOPBACK_ANY_PORT = f"{DEFAULT_HOST}:0"
 
 
-def agent_config(*, socket_path: str, listen: str = LOOPBACK_ANY_PORT, token: str = "", gpu_interval_s: float = 0.2,
-                 healing: dict | None = None, webhook: dict | None = None) -> configmod.Config:
-    return configmod.from_dict({
-        "agent": {"listen": listen, "socket_path": socket_path, "node": "sim-node", "log_level": "warning"},
-        "probes": {"gpu": {"interval_s": gpu_interval_s}, "host": {"enabled": False}, "ebpf": {"enabled": False}},
-        "webhook": {"token": token or secrets.token_hex(16), **(webhook or {})},
-        "healing": healing or {},
-    })
+def agent_config(
+    *,
+    socket_path: str,
+    listen: str = LOOPBACK_ANY_PORT,
+    token: str = "",
+    gpu_interval_s: float = 0.2,
+    healing: dict | None = None,
+    webhook: dict | None = None,
+) -> configmod.Config:
+    return configmod.from_dict(
+        {
+            "agent": {"listen": listen, "socket_path": socket_path, "node": "sim-node", "log_level": "warning"},
+            "probes": {"gpu": {"interval_s": gpu_interval_s}, "host": {"enabled": False}, "ebpf": {"enabled": False}},
+            "webhook": {"token": token or secrets.token_hex(16), **(webhook or {})},
+            "healing": healing or {},
+        }
+    )
 
 
 class EmbeddedAgent:
     """`with EmbeddedAgent() as agent:` ... agent.url, agent.client, agent.socket_path, agent.app,
     agent.nvml."""
 
-    def __init__(self, *, gpus: int = 8, listen: str = LOOPBACK_ANY_PORT, workdir: str | None = None,
-                 gpu_interval_s: float = 0.2, healing: dict | None = None, webhook: dict | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        gpus: int = 8,
+        listen: str = LOOPBACK_ANY_PORT,
+        workdir: str | None = None,
+        gpu_interval_s: float = 0.2,
+        healing: dict | None = None,
+        webhook: dict | None = None,
+    ) -> None:
         from mscale.sim.nvml import SimNvml
 
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -52,8 +70,14 @@ class EmbeddedAgent:
         base.mkdir(parents=True, exist_ok=True)
         self.socket_path = str(base / "agent.sock")
         self.token = secrets.token_hex(16)
-        self.config = agent_config(socket_path=self.socket_path, listen=listen, token=self.token,
-                                   gpu_interval_s=gpu_interval_s, healing=healing, webhook=webhook)
+        self.config = agent_config(
+            socket_path=self.socket_path,
+            listen=listen,
+            token=self.token,
+            gpu_interval_s=gpu_interval_s,
+            healing=healing,
+            webhook=webhook,
+        )
         self.nvml = SimNvml(gpus)
         self.url = ""
         self.client: AgentClient | None = None  # once started
@@ -125,7 +149,11 @@ class EmbeddedAgent:
     def get(self, path: str, timeout: float = 10.0) -> Any:
         """GET path: parsed JSON under /api/, else the text (e.g. /metrics)."""
         client = self._client()
-        return client.get_json(path, timeout=timeout) if path.startswith("/api/") else client.get_text(path, timeout=timeout)
+        return (
+            client.get_json(path, timeout=timeout)
+            if path.startswith("/api/")
+            else client.get_text(path, timeout=timeout)
+        )
 
     def post(self, path: str, body: dict, *, token: str | None = None, timeout: float = 10.0) -> tuple[int, Any]:
         return self._client().post_json(path, body, token=token, timeout=timeout)
@@ -146,10 +174,11 @@ class EmbeddedAgent:
 
     def call(self, fn, *args: Any, timeout: float = 10.0) -> Any:
         """Run fn(app, *args) on the agent's loop (a coroutine function or a plain one)."""
+
         async def go() -> Any:
             r = fn(self.app, *args)
             return await r if asyncio.iscoroutine(r) else r
+
         if self._loop is None:
             raise RuntimeError("the embedded agent is not started")
         return asyncio.run_coroutine_threadsafe(go(), self._loop).result(timeout)
-

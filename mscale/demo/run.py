@@ -1,4 +1,5 @@
 """The demo's run (see mscale/demo/cli.py): agent, reference run, faulted run, summary, plot."""
+
 from __future__ import annotations
 
 import json
@@ -42,16 +43,31 @@ def script(steps: int) -> list[ScriptedFault]:
 
     span = max(6, steps // 12)
     return [
-        ScriptedFault(at(0.10), "SDC on the vision MPU's GPU 0", "L1 swap to a standby GPU",
-                      {"kind": "corrupt", "gpu": 0, "mode": "noise", "steps": span}),
-        ScriptedFault(at(0.28), "corruption following the vision MPU", "L1, then L2 (standby fails), then L3",
-                      {"kind": "corrupt", "mpu": "vision", "mode": "noise", "steps": span + 6}),
-        ScriptedFault(at(0.55), "25x loss spike", "LR x0.1 for a cooling window",
-                      {"kind": "loss_spike", "factor": 25.0, "steps": 1}),
-        ScriptedFault(at(0.66), "NaN loss", "step dropped, rollback, batch skipped",
-                      {"kind": "nan_loss", "steps": 1}),
-        ScriptedFault(at(0.78), "Xid 79 on GPU 1 (aligner)", "emergency snapshot, GPU quarantined, L1 swap",
-                      {"kind": "xid", "gpu": 1, "code": 79, "corrupt": "noise"}),
+        ScriptedFault(
+            at(0.10),
+            "SDC on the vision MPU's GPU 0",
+            "L1 swap to a standby GPU",
+            {"kind": "corrupt", "gpu": 0, "mode": "noise", "steps": span},
+        ),
+        ScriptedFault(
+            at(0.28),
+            "corruption following the vision MPU",
+            "L1, then L2 (standby fails), then L3",
+            {"kind": "corrupt", "mpu": "vision", "mode": "noise", "steps": span + 6},
+        ),
+        ScriptedFault(
+            at(0.55),
+            "25x loss spike",
+            "LR x0.1 for a cooling window",
+            {"kind": "loss_spike", "factor": 25.0, "steps": 1},
+        ),
+        ScriptedFault(at(0.66), "NaN loss", "step dropped, rollback, batch skipped", {"kind": "nan_loss", "steps": 1}),
+        ScriptedFault(
+            at(0.78),
+            "Xid 79 on GPU 1 (aligner)",
+            "emergency snapshot, GPU quarantined, L1 swap",
+            {"kind": "xid", "gpu": 1, "code": 79, "corrupt": "noise"},
+        ),
     ]
 
 
@@ -81,14 +97,17 @@ class Live:
         parts = []
         for m in mpus:
             h = m.get("health")
-            parts.append(f"{SHORT.get(m['name'], m['name'])}@gpu{m['gpu']} {m['fuse']:<13} "
-                         f"h={'--' if h is None else f'{h:3.0f}'}")
-        line = (f"[{bar}] {step:4d}/{self.total} loss {loss:7.4f}{' LR-cooled' if cooling else ''} | "
-                + " | ".join(parts))
+            parts.append(
+                f"{SHORT.get(m['name'], m['name'])}@gpu{m['gpu']} {m['fuse']:<13} "
+                f"h={'--' if h is None else f'{h:3.0f}'}"
+            )
+        line = f"[{bar}] {step:4d}/{self.total} loss {loss:7.4f}{' LR-cooled' if cooling else ''} | " + " | ".join(
+            parts
+        )
         if self.note:
             line += f" | {self.note}"
         if self.tty:
-            self.stream.write("\r\033[K" + line[:shutil.get_terminal_size((200, 20)).columns - 1])
+            self.stream.write("\r\033[K" + line[: shutil.get_terminal_size((200, 20)).columns - 1])
             self.stream.flush()
         elif force or step - self.last_print >= max(10, self.total // 12):
             self.stream.write(line + "\n")
@@ -112,8 +131,15 @@ def _mpu_view(agent: Any, r: Run) -> list[dict]:
     for m in r.guard.mpus:
         ms = getattr(job, "mpus", {}).get(m.mpu_id) if job is not None else None
         h = getattr(ms, "health_score", None)
-        out.append({"name": m.name, "mpu_id": m.mpu_id, "gpu": m.gpu, "fuse": m.fuse_level,
-                    "health": float(h) if isinstance(h, (int, float)) and math.isfinite(h) else None})
+        out.append(
+            {
+                "name": m.name,
+                "mpu_id": m.mpu_id,
+                "gpu": m.gpu,
+                "fuse": m.fuse_level,
+                "health": float(h) if isinstance(h, (int, float)) and math.isfinite(h) else None,
+            }
+        )
     return out
 
 
@@ -133,20 +159,32 @@ def main(*, steps: int, out: str, listen: str, seed: int = 0, hold: bool = False
     if address != listen:
         print(f"mscale demo: {listen} is busy; using a free port")
     faults = script(steps)
-    with EmbeddedAgent(listen=address, healing={"recovery_clean_steps": max(10, steps // 18),
-                                                "lr_cool_steps": max(5, steps // 36)}) as agent:
+    with EmbeddedAgent(
+        listen=address, healing={"recovery_clean_steps": max(10, steps // 18), "lr_cool_steps": max(5, steps // 36)}
+    ) as agent:
         client = agent.client
         if client is None:  # set by start(), which __enter__ ran
             raise RuntimeError("the embedded agent did not start")
-        print(f"mscale demo: agent on a simulated 8-GPU node (H100); metrics at {agent.url}/metrics, "
-              f"status at {agent.url}/api/v1/status (try: mscale status --agent {agent.url})")
+        print(
+            f"mscale demo: agent on a simulated 8-GPU node (H100); metrics at {agent.url}/metrics, "
+            f"status at {agent.url}/api/v1/status (try: mscale status --agent {agent.url})"
+        )
         healing_cfg = agent.config.healing
         print(f"  reference run: {steps} steps without faults ...", flush=True)
         ref = run_plain(RunConfig(steps=steps, seed=seed, healing=healing_cfg, job_id=JOB + "-ref"))
         print(f"  reference done in {ref.wall_s:.1f} s, held-out loss {ref.eval_loss:.4f}")
         print(f"  faulted run: {steps} steps, {len(faults)} faults scripted; the job reports to the agent")
-        r = Run(RunConfig(steps=steps, seed=seed, healing=healing_cfg, job_id=JOB, snapshot_dir=str(snapdir),
-                          disk_every=max(50, steps // 4), socket_path=agent.socket_path))
+        r = Run(
+            RunConfig(
+                steps=steps,
+                seed=seed,
+                healing=healing_cfg,
+                job_id=JOB,
+                snapshot_dir=str(snapdir),
+                disk_every=max(50, steps // 4),
+                socket_path=agent.socket_path,
+            )
+        )
         live = Live(steps)
         health: list[tuple[int, dict]] = []
         try:
@@ -160,8 +198,10 @@ def main(*, steps: int, out: str, listen: str, seed: int = 0, hold: bool = False
                         f.sent_step, f.sent_time = step, time.time()
                         live.say(f"  step {step}: injected {f.name} (chaos API {status}) -> expect {f.expect}")
                         if f.chaos["kind"] in ("xid", "ecc"):  # the agent's probe and engine act on it
-                            agent.wait_for(lambda evs: any(e["reason"] == "heal_action" and e["source"] == "healing"
-                                                           for e in evs), timeout=20)
+                            agent.wait_for(
+                                lambda evs: any(e["reason"] == "heal_action" and e["source"] == "healing" for e in evs),
+                                timeout=20,
+                            )
                         _wait_delivered(r)
                 info = r.one_step()
                 view = _mpu_view(agent, r)
@@ -219,10 +259,22 @@ def _first(findings: list, since_step: int, reasons: tuple[str, ...], until_step
     return None
 
 
-def summarise(faults: list[ScriptedFault], r: Run, ref: Any, eval_loss: float, wall: float,
-              agent_events: list[dict], metrics: str, steps: int) -> dict:
-    detect = {"corrupt": ("checksum_failure", "nonfinite_output"), "loss_spike": ("loss_jump", "loss_spike_action"),
-              "nan_loss": ("loss_nonfinite",), "xid": ("gpu_xid",)}
+def summarise(
+    faults: list[ScriptedFault],
+    r: Run,
+    ref: Any,
+    eval_loss: float,
+    wall: float,
+    agent_events: list[dict],
+    metrics: str,
+    steps: int,
+) -> dict:
+    detect = {
+        "corrupt": ("checksum_failure", "nonfinite_output"),
+        "loss_spike": ("loss_jump", "loss_spike_action"),
+        "nan_loss": ("loss_nonfinite",),
+        "xid": ("gpu_xid",),
+    }
     rows = []
     fs = r.findings
     for i, f in enumerate(faults):
@@ -235,58 +287,104 @@ def summarise(faults: list[ScriptedFault], r: Run, ref: Any, eval_loss: float, w
         else:
             d = _first(fs, f.sent_step, detect[kind], until)
             row["detected"] = f"step {d.labels.get('step')} by {d.source} ({d.reason.value})" if d else "no"
-        acts = [a for a in fs if a.reason.value == "heal_action" and a.labels.get("result") in ("applied", "ended",
-                                                                                                 "step_dropped")
-                and int(a.labels.get("step", -1)) >= f.sent_step and (until is None or int(a.labels.get("step", -1)) < until)]
+        acts = [
+            a
+            for a in fs
+            if a.reason.value == "heal_action"
+            and a.labels.get("result") in ("applied", "ended", "step_dropped")
+            and int(a.labels.get("step", -1)) >= f.sent_step
+            and (until is None or int(a.labels.get("step", -1)) < until)
+        ]
         names: list[str] = []
         for a in acts:
-            names.append(f"{a.labels['action']}" + (f"({a.labels['mpu_id']})" if a.labels.get("mpu_id") else "")
-                         + ("" if a.labels["result"] == "applied" else f":{a.labels['result']}"))
+            names.append(
+                f"{a.labels['action']}"
+                + (f"({a.labels['mpu_id']})" if a.labels.get("mpu_id") else "")
+                + ("" if a.labels["result"] == "applied" else f":{a.labels['result']}")
+            )
         row["actions"] = [n if names.count(n) == 1 else f"{n} x{names.count(n)}" for n in dict.fromkeys(names)]
-        row["duplicates"] = sum(1 for a in fs if a.reason.value == "heal_action" and a.labels.get("result") == "duplicate"
-                                and int(a.labels.get("step", -1)) >= f.sent_step
-                                and (until is None or int(a.labels.get("step", -1)) < until))
-        lost = [rb for rb in r.fuse.states["rollback"].rollbacks
-                if rb["step"] >= f.sent_step and (until is None or rb["step"] < until)]
+        row["duplicates"] = sum(
+            1
+            for a in fs
+            if a.reason.value == "heal_action"
+            and a.labels.get("result") == "duplicate"
+            and int(a.labels.get("step", -1)) >= f.sent_step
+            and (until is None or int(a.labels.get("step", -1)) < until)
+        )
+        lost = [
+            rb
+            for rb in r.fuse.states["rollback"].rollbacks
+            if rb["step"] >= f.sent_step and (until is None or rb["step"] < until)
+        ]
         row["steps_lost"] = sum(rb["step"] - (rb["to"] if rb["to"] is not None else rb["step"] - 1) for rb in lost)
         row["healed"] = row["detected"] != "no" and bool(acts)
         rows.append(row)
     gap = relative_gap(eval_loss, ref.eval_loss)
-    heal_lines = [ln for ln in metrics.splitlines() if ln.startswith(("mscale_heal_actions_total{", "mpu_drift_count_total{"))]
-    return {"steps": steps, "steps_run": r.steps_run, "steps_lost": r.steps_run - r.guard.current_step,
-            "faults": rows, "healed_all": all(x["healed"] for x in rows),
-            "final_loss": eval_loss, "reference_loss": ref.eval_loss,
-            "loss_gap": gap if math.isfinite(gap) else None, "wall_s": round(wall, 2),
-            "reference_wall_s": round(ref.wall_s, 2),
-            "goodput_ratio": round((r.guard.current_step / wall) / (steps / ref.wall_s), 3) if wall else None,
-            "nan_reached_weights": r.nonfinite_weights,
-            "agent_metrics": heal_lines}
+    heal_lines = [
+        ln for ln in metrics.splitlines() if ln.startswith(("mscale_heal_actions_total{", "mpu_drift_count_total{"))
+    ]
+    return {
+        "steps": steps,
+        "steps_run": r.steps_run,
+        "steps_lost": r.steps_run - r.guard.current_step,
+        "faults": rows,
+        "healed_all": all(x["healed"] for x in rows),
+        "final_loss": eval_loss,
+        "reference_loss": ref.eval_loss,
+        "loss_gap": gap if math.isfinite(gap) else None,
+        "wall_s": round(wall, 2),
+        "reference_wall_s": round(ref.wall_s, 2),
+        "goodput_ratio": round((r.guard.current_step / wall) / (steps / ref.wall_s), 3) if wall else None,
+        "nan_reached_weights": r.nonfinite_weights,
+        "agent_metrics": heal_lines,
+    }
 
 
 def render(s: dict) -> str:
     from mscale.daemon.status_cli import table
 
-    rows = [[i + 1, x["fault"], x["injected_at"], x["detected"], ", ".join(x["actions"]) or "-",
-             x["duplicates"], x["steps_lost"], "yes" if x["healed"] else "NO"] for i, x in enumerate(s["faults"])]
-    lines = ["", "Summary", "=======",
-             table(["#", "FAULT", "STEP", "DETECTED", "ACTIONS", "DUP", "LOST", "HEALED"], rows), "",
-             f"steps: {s['steps']} completed, {s['steps_run']} run, {s['steps_lost']} lost to rollbacks",
-             f"final held-out loss: {s['final_loss']:.4f} vs {s['reference_loss']:.4f} without faults "
-             f"({100 * s['loss_gap']:.2f}% apart)" if s["loss_gap"] is not None else "final loss: not finite",
-             f"goodput (useful steps/s vs the fault-free run): {s['goodput_ratio']}",
-             f"NaN reached the weights: {'yes' if s['nan_reached_weights'] else 'no'}",
-             "agent counters:"] + [f"  {ln}" for ln in s["agent_metrics"]]
+    rows = [
+        [
+            i + 1,
+            x["fault"],
+            x["injected_at"],
+            x["detected"],
+            ", ".join(x["actions"]) or "-",
+            x["duplicates"],
+            x["steps_lost"],
+            "yes" if x["healed"] else "NO",
+        ]
+        for i, x in enumerate(s["faults"])
+    ]
+    lines = [
+        "",
+        "Summary",
+        "=======",
+        table(["#", "FAULT", "STEP", "DETECTED", "ACTIONS", "DUP", "LOST", "HEALED"], rows),
+        "",
+        f"steps: {s['steps']} completed, {s['steps_run']} run, {s['steps_lost']} lost to rollbacks",
+        f"final held-out loss: {s['final_loss']:.4f} vs {s['reference_loss']:.4f} without faults "
+        f"({100 * s['loss_gap']:.2f}% apart)"
+        if s["loss_gap"] is not None
+        else "final loss: not finite",
+        f"goodput (useful steps/s vs the fault-free run): {s['goodput_ratio']}",
+        f"NaN reached the weights: {'yes' if s['nan_reached_weights'] else 'no'}",
+        "agent counters:",
+    ] + [f"  {ln}" for ln in s["agent_metrics"]]
     return "\n".join(lines)
 
 
-def plot(path: Path, r: Run, ref: Any, health: list[tuple[int, dict]], faults: list[ScriptedFault], summary: dict) -> Path:
+def plot(
+    path: Path, r: Run, ref: Any, health: list[tuple[int, dict]], faults: list[ScriptedFault], summary: dict
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(11, 8.5), sharex=True,
-                                        gridspec_kw={"height_ratios": [3, 2, 1.2]})
+    fig, (ax1, ax2, ax3) = plt.subplots(
+        3, 1, figsize=(11, 8.5), sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.2]}
+    )
     rs, rl = zip(*ref.losses, strict=True)
     ax1.plot(rs, rl, color="0.6", lw=1, label="fault-free reference")
     xs = list(range(len(r.losses)))
@@ -299,8 +397,10 @@ def plot(path: Path, r: Run, ref: Any, health: list[tuple[int, dict]], faults: l
     ax1.set_yscale("log")
     ax1.set_ylabel("training loss")
     ax1.legend(loc="upper right", fontsize=8)
-    ax1.set_title(f"MegaScale-Omni demo: final loss {summary['final_loss']:.4f} vs {summary['reference_loss']:.4f} "
-                  f"fault-free; {summary['steps_lost']} steps lost")
+    ax1.set_title(
+        f"MegaScale-Omni demo: final loss {summary['final_loss']:.4f} vs {summary['reference_loss']:.4f} "
+        f"fault-free; {summary['steps_lost']} steps lost"
+    )
     colors = {"vision": "tab:purple", "aligner": "tab:orange", "text": "tab:green"}
     for name in colors:
         pts = [(s, h[name]) for s, h in health if h.get(name) is not None]
@@ -311,6 +411,7 @@ def plot(path: Path, r: Run, ref: Any, health: list[tuple[int, dict]], faults: l
     ax2.set_ylim(-5, 105)
     ax2.legend(loc="lower right", fontsize=8)
     from mscale.healing.fsm import Level
+
     for name in colors:
         pts = [(s, Level(lv[name]).number if lv.get(name) in Level._value2member_map_ else 0) for s, lv in r.levels]
         if pts:
@@ -323,8 +424,16 @@ def plot(path: Path, r: Run, ref: Any, health: list[tuple[int, dict]], faults: l
         if f.sent_step >= 0:
             for ax in (ax1, ax2, ax3):
                 ax.axvline(f.sent_step, color="red", lw=0.8, alpha=0.6)
-            ax1.annotate(f.name, (f.sent_step, 1.0), xycoords=("data", "axes fraction"), rotation=90,
-                         fontsize=7, va="top", ha="right", color="red")
+            ax1.annotate(
+                f.name,
+                (f.sent_step, 1.0),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                fontsize=7,
+                va="top",
+                ha="right",
+                color="red",
+            )
     del xs
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -5,6 +5,7 @@ same loop: TinyMultimodal + AdamW, the hook library's Guard, the snapshot engine
 optionally on disk), the fuse and the chaos plugin. `run(RunConfig(...))` returns what
 happened; the same config without faults is the reference run.
 """
+
 from __future__ import annotations
 
 import math
@@ -76,8 +77,11 @@ class RunResult:
         return [f for f in self.findings if f.reason.value == reason]
 
     def actions(self, action: str, result: str = "applied") -> list[Finding]:
-        return [f for f in self.findings if f.reason.value == "heal_action"
-                and f.labels.get("action") == action and f.labels.get("result") == result]
+        return [
+            f
+            for f in self.findings
+            if f.reason.value == "heal_action" and f.labels.get("action") == action and f.labels.get("result") == result
+        ]
 
 
 class _Recorder:
@@ -116,21 +120,35 @@ class Run:
         mcfg = cfg.model_config or TinyConfig()
         self.model = TinyMultimodal(mcfg)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
-        self.data = ResumableLoader(SyntheticCaptions(mcfg, size=4096, seed=cfg.seed), batch_size=cfg.batch_size,
-                                    seed=cfg.seed)
+        self.data = ResumableLoader(
+            SyntheticCaptions(mcfg, size=4096, seed=cfg.seed), batch_size=cfg.batch_size, seed=cfg.seed
+        )
         held = SyntheticCaptions(mcfg, size=cfg.eval_batches * cfg.batch_size, seed=cfg.seed + 7919)
-        self.eval_data = [torch.utils.data.default_collate([held[i] for i in range(b * cfg.batch_size,
-                                                                                   (b + 1) * cfg.batch_size)])
-                          for b in range(cfg.eval_batches)]
-        self.guard = Guard(self.model, self.optimizer, job_id=cfg.job_id, connect=cfg.socket_path is not None,
-                           socket_path=cfg.socket_path)
+        self.eval_data = [
+            torch.utils.data.default_collate([held[i] for i in range(b * cfg.batch_size, (b + 1) * cfg.batch_size)])
+            for b in range(cfg.eval_batches)
+        ]
+        self.guard = Guard(
+            self.model,
+            self.optimizer,
+            job_id=cfg.job_id,
+            connect=cfg.socket_path is not None,
+            socket_path=cfg.socket_path,
+        )
         g = self.guard
         self.fuse = FusePlugin(config=cfg.healing, gpu_count=cfg.gpu_count)
         self.snapshots = SnapshotEngine(
-            self.model, self.optimizer, mpus={m.name: (m.mpu_id, m.module) for m in g.mpus}, data=self.data,
-            directory=cfg.snapshot_dir, memory_every=cfg.memory_every, disk_every=cfg.disk_every,
+            self.model,
+            self.optimizer,
+            mpus={m.name: (m.mpu_id, m.module) for m in g.mpus},
+            data=self.data,
+            directory=cfg.snapshot_dir,
+            memory_every=cfg.memory_every,
+            disk_every=cfg.disk_every,
             binding=lambda: {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid} for m in g.mpus},
-            emit=self.fuse.snapshot_emit, job_id=cfg.job_id)
+            emit=self.fuse.snapshot_emit,
+            job_id=cfg.job_id,
+        )
         self.fuse.snapshot_engine = self.snapshots
         self.chaos = ChaosPlugin(seed=cfg.seed)
         self.findings: list[Finding] = []
@@ -171,8 +189,14 @@ class Run:
             self.nonfinite_weights = True
         levels = {m.name: m.fuse_level for m in g.mpus}
         self.levels.append((step, levels))
-        info = {"step": step, "next": g.current_step, "loss": loss, "levels": levels,
-                "gpus": {m.name: m.gpu for m in g.mpus}, "cooling": self.fuse.cooling}
+        info = {
+            "step": step,
+            "next": g.current_step,
+            "loss": loss,
+            "levels": levels,
+            "gpus": {m.name: m.gpu for m in g.mpus},
+            "cooling": self.fuse.cooling,
+        }
         return info
 
     def evaluate(self) -> float:
@@ -206,8 +230,24 @@ def run(cfg: RunConfig) -> RunResult:
         ev = r.evaluate()
     finally:
         r.close()
-    return RunResult(r.losses, ev, r.guard.current_step, r.steps_run, wall, r.findings, r.fuse,
-                     r.chaos, r.guard, r.snapshots, r.health, r.levels, r.nonfinite_weights, r.lrs, r.batches, cpu)
+    return RunResult(
+        r.losses,
+        ev,
+        r.guard.current_step,
+        r.steps_run,
+        wall,
+        r.findings,
+        r.fuse,
+        r.chaos,
+        r.guard,
+        r.snapshots,
+        r.health,
+        r.levels,
+        r.nonfinite_weights,
+        r.lrs,
+        r.batches,
+        cpu,
+    )
 
 
 def relative_gap(a: float, b: float) -> float:

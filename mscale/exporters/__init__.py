@@ -4,6 +4,7 @@ the agent's latest snapshots (a scrape never touches hardware).
 
 May import: daemon.state, daemon.jobs, probes, healing. Never imports torch.
 """
+
 from __future__ import annotations
 
 import importlib

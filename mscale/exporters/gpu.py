@@ -1,5 +1,6 @@
 """GPU metrics from the GPU probe's latest snapshot: mscale_gpu_*, base units, labelled
 with `gpu` (the index) and `gpu_uuid`. A field the GPU does not report has no series."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -20,11 +21,18 @@ GAUGES: tuple[tuple[str, str, str], ...] = (
     ("mscale_gpu_memory_used_bytes", "framebuffer memory in use", "memory_used_bytes"),
     ("mscale_gpu_memory_total_bytes", "framebuffer memory in all", "memory_total_bytes"),
     ("mscale_gpu_utilization_ratio", "share of time a kernel ran (0-1)", "utilization_gpu_ratio"),
-    ("mscale_gpu_memory_utilization_ratio", "share of time memory was read or written (0-1)", "utilization_memory_ratio"),
+    (
+        "mscale_gpu_memory_utilization_ratio",
+        "share of time memory was read or written (0-1)",
+        "utilization_memory_ratio",
+    ),
     ("mscale_gpu_sm_clock_hertz", "SM clock", "sm_clock_hz"),
     ("mscale_gpu_memory_clock_hertz", "memory clock", "memory_clock_hz"),
-    ("mscale_gpu_recovery_action", "what the driver says the GPU needs: "
-     + ", ".join(f"{k} {v}" for k, v in RECOVERY_ACTIONS.items()), "recovery_action"),
+    (
+        "mscale_gpu_recovery_action",
+        "what the driver says the GPU needs: " + ", ".join(f"{k} {v}" for k, v in RECOVERY_ACTIONS.items()),
+        "recovery_action",
+    ),
 )
 
 
@@ -36,18 +44,29 @@ def collect(state: AgentState) -> Iterable[Metric]:
     snap = state.snapshots.get("gpu")
     if snap is None:
         return
-    info = GaugeMetricFamily("mscale_gpu_info", "one series per GPU: its name and backend", labels=L + ["name", "backend"])
-    health = GaugeMetricFamily("mscale_gpu_health", "1 for the GPU's current health state, 0 for the others",
-                               labels=L + ["state"])
+    info = GaugeMetricFamily(
+        "mscale_gpu_info", "one series per GPU: its name and backend", labels=L + ["name", "backend"]
+    )
+    health = GaugeMetricFamily(
+        "mscale_gpu_health", "1 for the GPU's current health state, 0 for the others", labels=L + ["state"]
+    )
     lost = GaugeMetricFamily("mscale_gpu_lost", "1 if the GPU has fallen off the bus (NVML: GPU is lost)", labels=L)
     gauges = {field: GaugeMetricFamily(name, help_, labels=L) for name, help_, field in GAUGES}
-    throttle = GaugeMetricFamily("mscale_gpu_clocks_throttled", "1 if clocks are held back for this reason",
-                                 labels=L + ["reason"])
-    ecc = CounterMetricFamily("mscale_gpu_ecc_errors", "ECC errors; volatile since the last reset, aggregate over the GPU's life",
-                              labels=L + ["type", "counter"])
+    throttle = GaugeMetricFamily(
+        "mscale_gpu_clocks_throttled", "1 if clocks are held back for this reason", labels=L + ["reason"]
+    )
+    ecc = CounterMetricFamily(
+        "mscale_gpu_ecc_errors",
+        "ECC errors; volatile since the last reset, aggregate over the GPU's life",
+        labels=L + ["type", "counter"],
+    )
     retired = GaugeMetricFamily("mscale_gpu_retired_pages", "memory pages retired, by cause", labels=L + ["cause"])
-    retired_pending = GaugeMetricFamily("mscale_gpu_retired_pages_pending", "1 if a page retirement waits for a reset", labels=L)
-    rows = GaugeMetricFamily("mscale_gpu_remapped_rows", "memory rows remapped, by the kind of error", labels=L + ["type"])
+    retired_pending = GaugeMetricFamily(
+        "mscale_gpu_retired_pages_pending", "1 if a page retirement waits for a reset", labels=L
+    )
+    rows = GaugeMetricFamily(
+        "mscale_gpu_remapped_rows", "memory rows remapped, by the kind of error", labels=L + ["type"]
+    )
     rows_pending = GaugeMetricFamily("mscale_gpu_remapped_rows_pending", "1 if a row remap waits for a reset", labels=L)
     rows_failed = GaugeMetricFamily("mscale_gpu_remapped_rows_failed", "1 if a row remap failed", labels=L)
     replays = CounterMetricFamily("mscale_gpu_pcie_replays", "PCIe replays", labels=L)
@@ -55,9 +74,12 @@ def collect(state: AgentState) -> Iterable[Metric]:
     link_up = GaugeMetricFamily("mscale_gpu_nvlink_up", "1 if the NVLink link is active", labels=L + ["link"])
     # Errors summed over the GPU's links (as dcgm-exporter does): per link they would be 4 x 18
     # series per GPU, most of the page; the per-link figures are in /api/v1/gpus.
-    link_err = CounterMetricFamily("mscale_gpu_nvlink_errors", "NVLink data-link errors, summed over the GPU's links",
-                                   labels=L + ["type"])
-    xid = CounterMetricFamily("mscale_gpu_xid_errors", "Xid errors received since the agent started", labels=L + ["xid"])
+    link_err = CounterMetricFamily(
+        "mscale_gpu_nvlink_errors", "NVLink data-link errors, summed over the GPU's links", labels=L + ["type"]
+    )
+    xid = CounterMetricFamily(
+        "mscale_gpu_xid_errors", "Xid errors received since the agent started", labels=L + ["xid"]
+    )
 
     for g in snap.gpus:
         lv = [str(g.index), g.uuid]
@@ -72,8 +94,12 @@ def collect(state: AgentState) -> Iterable[Metric]:
         if g.throttle_reasons is not None:
             for reason in THROTTLE_REASONS:
                 throttle.add_metric(lv + [reason], 1.0 if reason in g.throttle_reasons else 0.0)
-        for typ, counter, v in (("single_bit", "volatile", g.ecc_sbe_volatile), ("double_bit", "volatile", g.ecc_dbe_volatile),
-                                ("single_bit", "aggregate", g.ecc_sbe_aggregate), ("double_bit", "aggregate", g.ecc_dbe_aggregate)):
+        for typ, counter, v in (
+            ("single_bit", "volatile", g.ecc_sbe_volatile),
+            ("double_bit", "volatile", g.ecc_dbe_volatile),
+            ("single_bit", "aggregate", g.ecc_sbe_aggregate),
+            ("double_bit", "aggregate", g.ecc_dbe_aggregate),
+        ):
             if v is not None:
                 ecc.add_metric(lv + [typ, counter], v)
         if g.retired_pages_sbe is not None:
@@ -97,8 +123,12 @@ def collect(state: AgentState) -> Iterable[Metric]:
         totals: dict[str, int] = {}
         for link in g.nvlinks:
             link_up.add_metric(lv + [str(link.link)], 1.0 if link.up else 0.0)
-            for typ, v in (("replay", link.replay_errors), ("recovery", link.recovery_errors),
-                           ("crc_flit", link.crc_flit_errors), ("crc_data", link.crc_data_errors)):
+            for typ, v in (
+                ("replay", link.replay_errors),
+                ("recovery", link.recovery_errors),
+                ("crc_flit", link.crc_flit_errors),
+                ("crc_data", link.crc_data_errors),
+            ):
                 if v is not None:
                     totals[typ] = totals.get(typ, 0) + v
         for typ, v in totals.items():
@@ -106,5 +136,21 @@ def collect(state: AgentState) -> Iterable[Metric]:
         for code, count in g.xid_errors:
             xid.add_metric(lv + [str(code)], count)
 
-    yield from (info, health, lost, *gauges.values(), throttle, ecc, retired, retired_pending, rows, rows_pending,
-                rows_failed, replays, pcie, link_up, link_err, xid)
+    yield from (
+        info,
+        health,
+        lost,
+        *gauges.values(),
+        throttle,
+        ecc,
+        retired,
+        retired_pending,
+        rows,
+        rows_pending,
+        rows_failed,
+        replays,
+        pcie,
+        link_up,
+        link_err,
+        xid,
+    )

@@ -1,5 +1,6 @@
 """Host metrics (mscale_host_*) and training-process metrics (mscale_process_*{job_id,pid})
 from the host probe's latest snapshot."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -38,9 +39,12 @@ def collect(state: AgentState) -> Iterable[Metric]:
     yield cpu
     yield GaugeMetricFamily("mscale_host_cpus", "logical CPUs", value=snap.cpus)
     yield GaugeMetricFamily("mscale_host_memory_total_bytes", "physical memory", value=snap.memory_total_bytes)
-    yield GaugeMetricFamily("mscale_host_memory_available_bytes", "memory available without swapping",
-                            value=snap.memory_available_bytes)
-    yield GaugeMetricFamily("mscale_host_memory_used_bytes", "memory in use (total - available)", value=snap.memory_used_bytes)
+    yield GaugeMetricFamily(
+        "mscale_host_memory_available_bytes", "memory available without swapping", value=snap.memory_available_bytes
+    )
+    yield GaugeMetricFamily(
+        "mscale_host_memory_used_bytes", "memory in use (total - available)", value=snap.memory_used_bytes
+    )
     for name, help_, field in DISK:
         fam = CounterMetricFamily(name, help_, labels=["device"])
         for d in snap.disks:
@@ -54,7 +58,9 @@ def collect(state: AgentState) -> Iterable[Metric]:
 
     pl = ["job_id", "pid"]
     cpu_p = CounterMetricFamily("mscale_process_cpu_seconds", "CPU time of the training process", labels=pl + ["mode"])
-    rss = GaugeMetricFamily("mscale_process_resident_memory_bytes", "resident memory of the training process", labels=pl)
+    rss = GaugeMetricFamily(
+        "mscale_process_resident_memory_bytes", "resident memory of the training process", labels=pl
+    )
     rd = CounterMetricFamily("mscale_process_read_bytes", "bytes the training process read from storage", labels=pl)
     wr = CounterMetricFamily("mscale_process_written_bytes", "bytes the training process wrote to storage", labels=pl)
     threads = GaugeMetricFamily("mscale_process_threads", "threads of the training process", labels=pl)

@@ -1,4 +1,5 @@
 """Training jobs and their MPUs, from the hook library's reports (mscale.daemon.jobs)."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -10,33 +11,59 @@ from mscale.daemon.state import AgentState
 
 
 def collect(state: AgentState) -> Iterable[Metric]:
-    up = GaugeMetricFamily("mscale_job_up", "1 while the training job is connected to the agent", labels=["job_id", "rank"])
+    up = GaugeMetricFamily(
+        "mscale_job_up", "1 while the training job is connected to the agent", labels=["job_id", "rank"]
+    )
     step = GaugeMetricFamily("mscale_job_step", "last step the job reported", labels=["job_id"])
     loss = GaugeMetricFamily("mscale_job_loss", "training loss of the last reported step", labels=["job_id"])
-    gnorm = GaugeMetricFamily("mscale_job_grad_norm", "global gradient norm of the last reported step (before clipping)",
-                              labels=["job_id"])
+    gnorm = GaugeMetricFamily(
+        "mscale_job_grad_norm", "global gradient norm of the last reported step (before clipping)", labels=["job_id"]
+    )
     reports = CounterMetricFamily("mscale_job_reports", "step reports received from the job", labels=["job_id"])
-    dropped = CounterMetricFamily("mscale_job_reports_dropped", "step reports the job dropped (queue full, agent slow or down)",
-                                  labels=["job_id"])
+    dropped = CounterMetricFamily(
+        "mscale_job_reports_dropped", "step reports the job dropped (queue full, agent slow or down)", labels=["job_id"]
+    )
     skipped = CounterMetricFamily("mscale_job_steps_skipped", "optimizer steps skipped by the guard", labels=["job_id"])
     # per job, unlike mscale_events_total: alerts on in-process detections (loss) carry job_id
-    findings = CounterMetricFamily("mscale_job_findings", "findings the job's hook library reported, by detector, reason "
-                                   "and severity", labels=["job_id", "source", "reason", "severity"])
-    health = GaugeMetricFamily("mpu_health_score", "MPU health 0-100 (latency vs own baseline, checksums, memory, GPU health)",
-                               labels=["job_id", "mpu_id", "mpu", "phase"])
-    info = GaugeMetricFamily("mscale_mpu_info", "MPU binding: always 1", labels=["job_id", "mpu_id", "mpu", "gpu", "gpu_uuid",
-                                                                             "device", "fuse_level"])
-    clip = GaugeMetricFamily("cmsa_clip_ratio", "share of steps whose gradients CMSA clipped, per MPU", labels=["job_id", "mpu_id"])
-    mnorm = GaugeMetricFamily("mscale_mpu_grad_norm", "gradient norm of the MPU in the last reported step",
-                              labels=["job_id", "mpu_id"])
-    lat = GaugeMetricFamily("mscale_mpu_latency_seconds", "MPU forward/backward time in the last reported step",
-                            labels=["job_id", "mpu_id", "phase"])
-    base = GaugeMetricFamily("mscale_mpu_latency_baseline_seconds", "the MPU's own latency baseline (median of its first steps)",
-                             labels=["job_id", "mpu_id", "phase"])
-    fails = CounterMetricFamily("mscale_mpu_checksum_failures", "failed output checksums (ABFT, replay, non-finite)",
-                                labels=["job_id", "mpu_id"])
-    consec = GaugeMetricFamily("mscale_mpu_checksum_consecutive_failures", "checksum failures in a row now",
-                               labels=["job_id", "mpu_id"])
+    findings = CounterMetricFamily(
+        "mscale_job_findings",
+        "findings the job's hook library reported, by detector, reason and severity",
+        labels=["job_id", "source", "reason", "severity"],
+    )
+    health = GaugeMetricFamily(
+        "mpu_health_score",
+        "MPU health 0-100 (latency vs own baseline, checksums, memory, GPU health)",
+        labels=["job_id", "mpu_id", "mpu", "phase"],
+    )
+    info = GaugeMetricFamily(
+        "mscale_mpu_info",
+        "MPU binding: always 1",
+        labels=["job_id", "mpu_id", "mpu", "gpu", "gpu_uuid", "device", "fuse_level"],
+    )
+    clip = GaugeMetricFamily(
+        "cmsa_clip_ratio", "share of steps whose gradients CMSA clipped, per MPU", labels=["job_id", "mpu_id"]
+    )
+    mnorm = GaugeMetricFamily(
+        "mscale_mpu_grad_norm", "gradient norm of the MPU in the last reported step", labels=["job_id", "mpu_id"]
+    )
+    lat = GaugeMetricFamily(
+        "mscale_mpu_latency_seconds",
+        "MPU forward/backward time in the last reported step",
+        labels=["job_id", "mpu_id", "phase"],
+    )
+    base = GaugeMetricFamily(
+        "mscale_mpu_latency_baseline_seconds",
+        "the MPU's own latency baseline (median of its first steps)",
+        labels=["job_id", "mpu_id", "phase"],
+    )
+    fails = CounterMetricFamily(
+        "mscale_mpu_checksum_failures",
+        "failed output checksums (ABFT, replay, non-finite)",
+        labels=["job_id", "mpu_id"],
+    )
+    consec = GaugeMetricFamily(
+        "mscale_mpu_checksum_consecutive_failures", "checksum failures in a row now", labels=["job_id", "mpu_id"]
+    )
     gpus = gpus_by_index(state)
     for job_id, job in sorted(state.jobs.items()):
         job.refresh(gpus)  # the bound GPU's health may have changed since the last report
@@ -61,4 +88,21 @@ def collect(state: AgentState) -> Iterable[Metric]:
                 b = m.latency[phase].baseline_s
                 if b is not None:
                     base.add_metric([job_id, mpu_id, phase], b)
-    yield from (up, step, loss, gnorm, reports, dropped, skipped, findings, health, info, clip, mnorm, lat, base, fails, consec)
+    yield from (
+        up,
+        step,
+        loss,
+        gnorm,
+        reports,
+        dropped,
+        skipped,
+        findings,
+        health,
+        info,
+        clip,
+        mnorm,
+        lat,
+        base,
+        fails,
+        consec,
+    )

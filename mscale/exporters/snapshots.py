@@ -7,6 +7,7 @@
     mscale_snapshot_size_bytes{job_id}                       bytes of the last disk snapshot
     checkpoint_recovery_time_seconds{job_id,tag}             last restore, tag memory (rollback) or disk
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -18,15 +19,27 @@ from mscale.daemon.state import AgentState
 
 
 def collect(state: AgentState) -> Iterable[Metric]:
-    failures = CounterMetricFamily("mscale_snapshot_failures", "snapshots the job failed to write, or refused on load "
-                                   "(manifest check)", labels=["job_id"])
-    last = GaugeMetricFamily("mscale_snapshot_last_success_timestamp_seconds",
-                             "Unix time the job's last disk snapshot was written", labels=["job_id"])
-    duration = HistogramMetricFamily("mscale_snapshot_duration_seconds", "time to write a disk snapshot (in the "
-                                     "background: training does not wait for it)", labels=["job_id"])
+    failures = CounterMetricFamily(
+        "mscale_snapshot_failures",
+        "snapshots the job failed to write, or refused on load (manifest check)",
+        labels=["job_id"],
+    )
+    last = GaugeMetricFamily(
+        "mscale_snapshot_last_success_timestamp_seconds",
+        "Unix time the job's last disk snapshot was written",
+        labels=["job_id"],
+    )
+    duration = HistogramMetricFamily(
+        "mscale_snapshot_duration_seconds",
+        "time to write a disk snapshot (in the background: training does not wait for it)",
+        labels=["job_id"],
+    )
     size = GaugeMetricFamily("mscale_snapshot_size_bytes", "size of the job's last disk snapshot", labels=["job_id"])
-    recovery = GaugeMetricFamily("checkpoint_recovery_time_seconds", "time the job's last restore took, by where the "
-                                 "snapshot came from (memory: in-process rollback, disk: resume)", labels=["job_id", "tag"])
+    recovery = GaugeMetricFamily(
+        "checkpoint_recovery_time_seconds",
+        "time the job's last restore took, by where the snapshot came from (memory: in-process rollback, disk: resume)",
+        labels=["job_id", "tag"],
+    )
     for job_id, job in sorted(state.jobs.items()):
         s = job.snapshots
         # a counter from 0, so that increase() sees the first failure
@@ -36,7 +49,9 @@ def collect(state: AgentState) -> Iterable[Metric]:
         if s.last_size_bytes is not None:
             size.add_metric([job_id], s.last_size_bytes)
         if s.writes:
-            buckets = [(repr(le), n) for le, n in zip(SNAPSHOT_BUCKETS_S, s.bucket_counts, strict=True)] + [("+Inf", s.writes)]
+            buckets = [(repr(le), n) for le, n in zip(SNAPSHOT_BUCKETS_S, s.bucket_counts, strict=True)] + [
+                ("+Inf", s.writes)
+            ]
             duration.add_metric([job_id], buckets, s.seconds_total)
         for tag, seconds in sorted(s.recovery_seconds.items()):
             recovery.add_metric([job_id, tag], seconds)

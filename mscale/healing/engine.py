@@ -18,6 +18,7 @@ In-process conditions carry an `occurrence` instead (the fuse's step count, or a
 stretch of an MPU at one placement): a trigger in a later occurrence is new evidence that the
 last action did not cure the fault, so it escalates instead of being dropped.
 """
+
 from __future__ import annotations
 
 import time
@@ -38,8 +39,14 @@ from mscale.healing.settings import HealingSection
 
 log = structlog.get_logger("mscale.healing")
 
-_RANK = {Level.HEALTHY: 0, Level.SUSPECT: 1, Level.RECOVERED: 1, Level.L1_SWAPPED: 2,
-         Level.L2_DEGRADED: 3, Level.L3_DISTILLING: 4}
+_RANK = {
+    Level.HEALTHY: 0,
+    Level.SUSPECT: 1,
+    Level.RECOVERED: 1,
+    Level.L1_SWAPPED: 2,
+    Level.L2_DEGRADED: 3,
+    Level.L3_DISTILLING: 4,
+}
 # results that mean the action took effect (the state machine moves on)
 DONE = ("applied", "sent")
 ENDED = "ended"  # a job closed what the action started (a cooling window)
@@ -101,19 +108,34 @@ class Decision:
         """The link command carrying this decision to a job (`end`: end what the action
         started, e.g. a cooling window whose alert resolved)."""
         t = self.target
-        return link.heal(self.action, rule=self.rule, level=self.level, mpu_id=t.mpu_id, gpu=t.gpu,
-                         gpu_uuid=t.gpu_uuid, reason=self.reason, why=self.why, fault_key=self.fault_key,
-                         decided_at=self.time, **({"end": True} if end else {}))
+        return link.heal(
+            self.action,
+            rule=self.rule,
+            level=self.level,
+            mpu_id=t.mpu_id,
+            gpu=t.gpu,
+            gpu_uuid=t.gpu_uuid,
+            reason=self.reason,
+            why=self.why,
+            fault_key=self.fault_key,
+            decided_at=self.time,
+            **({"end": True} if end else {}),
+        )
 
     @classmethod
     def from_command(cls, cmd: Mapping[str, Any], job_id: str) -> Decision:
         action = str(cmd.get("action", ""))
         spec = actions.get(action)  # KeyError names the known actions
-        return cls(rule=str(cmd.get("rule", "command")), action=action, level=spec.level,
-                   target=Target(job_id, str(cmd.get("mpu_id", "")), str(cmd.get("gpu", "")),
-                                 str(cmd.get("gpu_uuid", ""))),
-                   before="", reason=str(cmd.get("reason", "command")), why=str(cmd.get("why", "")),
-                   time=float(cmd.get("decided_at", 0.0) or 0.0))
+        return cls(
+            rule=str(cmd.get("rule", "command")),
+            action=action,
+            level=spec.level,
+            target=Target(job_id, str(cmd.get("mpu_id", "")), str(cmd.get("gpu", "")), str(cmd.get("gpu_uuid", ""))),
+            before="",
+            reason=str(cmd.get("reason", "command")),
+            why=str(cmd.get("why", "")),
+            time=float(cmd.get("decided_at", 0.0) or 0.0),
+        )
 
 
 @dataclass(frozen=True)
@@ -129,9 +151,16 @@ class HealingSnapshot:
 
 
 class HealingEngine:
-    def __init__(self, policy: Policy, cfg: HealingSection | None = None, *, source: str = "healing",
-                 clock: Callable[[], float] = time.time, emit: Callable[[Finding], Any] | None = None,
-                 publish: Callable[[HealingSnapshot], Any] | None = None) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        cfg: HealingSection | None = None,
+        *,
+        source: str = "healing",
+        clock: Callable[[], float] = time.time,
+        emit: Callable[[Finding], Any] | None = None,
+        publish: Callable[[HealingSnapshot], Any] | None = None,
+    ) -> None:
         self.policy = policy
         self.cfg = cfg or HealingSection()
         self.source = source
@@ -171,7 +200,8 @@ class HealingEngine:
             drift=tuple(sorted(self.drift.items())),
             levels=tuple(sorted((j, m, f.level.value) for (j, m), f in self.mpus.items())),
             cooling=tuple(sorted(j for j, f in self.jobs.items() if f.cooling)),
-            recent=tuple(self.recent))
+            recent=tuple(self.recent),
+        )
 
     def publish(self) -> None:
         if self._publish is not None:
@@ -187,8 +217,9 @@ class HealingEngine:
         """The policy rule for a condition (the first that matches), or None."""
         return self.policy.match(cond.kind, cond.name, cond.severity, cond.labels)
 
-    def decide(self, cond: Condition, targets: Callable[[Rule, Condition], Iterable[Target]],
-               rule: Rule | None = None) -> list[Decision]:
+    def decide(
+        self, cond: Condition, targets: Callable[[Rule, Condition], Iterable[Target]], rule: Rule | None = None
+    ) -> list[Decision]:
         """Decisions for one condition. `targets` resolves the rule's target kind from the
         condition's labels (the agent looks at its jobs, the fuse at its own MPUs); `rule` is
         the condition's rule when the caller matched it already."""
@@ -215,8 +246,19 @@ class HealingEngine:
                     if key in once:
                         continue
                     once.add(key)
-                out.append(Decision(rule.name, spec.name, spec.level, target, level, cond.name,
-                                    why or f"{cond.name} at {level}", cond.step, now))
+                out.append(
+                    Decision(
+                        rule.name,
+                        spec.name,
+                        spec.level,
+                        target,
+                        level,
+                        cond.name,
+                        why or f"{cond.name} at {level}",
+                        cond.step,
+                        now,
+                    )
+                )
         for ident in acting:
             if cond.occurrence is not None:
                 self.acted[ident + (cond.occurrence,)] = now
@@ -245,15 +287,25 @@ class HealingEngine:
         self._count(spec.level, spec.name, target.mpu_id, "rate_limited")
         why = f"{self.cfg.max_swaps_per_hour} swaps in the last hour: escalate"
         nxt = spec
-        while nxt.escalates_to and (nxt is spec or (nxt.moves_to is not None
-                                                    and _RANK[nxt.moves_to] <= _RANK[state.level])):
+        while nxt.escalates_to and (
+            nxt is spec or (nxt.moves_to is not None and _RANK[nxt.moves_to] <= _RANK[state.level])
+        ):
             nxt = actions.get(nxt.escalates_to)
         return nxt, why
 
     def _record_duplicate(self, rule: Rule, target: Target, level: str, cond: Condition, now: float) -> None:
         spec = actions.get(rule.actions_at(level)[0])
-        d = Decision(rule.name, spec.name, spec.level, target, level, cond.name,
-                     f"same fault within {self.policy.dedup_window_s:g}s", cond.step, now)
+        d = Decision(
+            rule.name,
+            spec.name,
+            spec.level,
+            target,
+            level,
+            cond.name,
+            f"same fault within {self.policy.dedup_window_s:g}s",
+            cond.step,
+            now,
+        )
         self.record(d, "duplicate")
 
     def refuse(self, rule: Rule | None, cond: Condition, result: str, why: str) -> None:
@@ -266,11 +318,13 @@ class HealingEngine:
             return
         lab = cond.labels
         target = Target(lab.get("job_id", ""), lab.get("mpu_id", ""), lab.get("gpu", ""), lab.get("gpu_uuid", ""))
-        self.record(Decision(rule.name, first, actions.get(first).level, target, "", cond.name, why,
-                             time=cond.time), result)
+        self.record(
+            Decision(rule.name, first, actions.get(first).level, target, "", cond.name, why, time=cond.time), result
+        )
 
-    def resolve(self, cond: Condition, targets: Callable[[Rule, Condition], Iterable[Target]],
-                rule: Rule | None = None) -> list[Decision]:
+    def resolve(
+        self, cond: Condition, targets: Callable[[Rule, Condition], Iterable[Target]], rule: Rule | None = None
+    ) -> list[Decision]:
         """A resolved alert: forget its dedup entry (a re-fire acts again). Returns the end
         decisions for what its rule started and is still in force (the jobs' cooling windows),
         to be sent as end commands."""
@@ -283,8 +337,19 @@ class HealingEngine:
         for target in targets(rule, cond):
             self.acted.pop((rule.name,) + target.key(rule.target), None)
             if target.job_id and self.job(target.job_id).cooling:
-                out += [Decision(rule.name, s.name, s.level, target, "cooling", cond.name,
-                                 f"alert {cond.name} resolved", time=self.clock()) for s in cooling]
+                out += [
+                    Decision(
+                        rule.name,
+                        s.name,
+                        s.level,
+                        target,
+                        "cooling",
+                        cond.name,
+                        f"alert {cond.name} resolved",
+                        time=self.clock(),
+                    )
+                    for s in cooling
+                ]
         return out
 
     # --- recording -----------------------------------------------------------------------
@@ -299,8 +364,15 @@ class HealingEngine:
         elif spec.cools_job and result == ENDED:
             self.job(job_id).cooling = False
 
-    def record(self, d: Decision, result: str, *, detail: str = "", step: int | None = None,
-               labels: Mapping[str, str] | None = None) -> Finding:
+    def record(
+        self,
+        d: Decision,
+        result: str,
+        *,
+        detail: str = "",
+        step: int | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> Finding:
         """Book a decision's outcome: counters, state machine, an event. `result` is
         applied / sent / noop / duplicate / rate_limited / disabled / failed / ended (or an
         action's own word, e.g. step_dropped)."""
@@ -315,31 +387,52 @@ class HealingEngine:
                 self.drift[(t.job_id, t.mpu_id)] += 1
                 self.mpu(t.job_id, t.mpu_id).swap_times.append(self.clock())
             if spec.moves_to is not None:
-                tr = self.move(t.job_id, t.mpu_id, spec.moves_to, step=d.step if step is None else step,
-                               why=f"{d.action} ({d.reason})")
-                state = (tr.after.value if tr else self.mpu(t.job_id, t.mpu_id).level.value)
-        severity = {"failed": Severity.CRITICAL, "applied": Severity.WARNING,
-                    "sent": Severity.WARNING}.get(result, Severity.INFO)
-        labels = {"rule": d.rule, "action": d.action, "level": d.level, "result": result,
-                  "job_id": t.job_id, "mpu_id": t.mpu_id, "gpu": t.gpu, "gpu_uuid": t.gpu_uuid,
-                  "reason": d.reason, "fault_key": d.fault_key}
+                tr = self.move(
+                    t.job_id,
+                    t.mpu_id,
+                    spec.moves_to,
+                    step=d.step if step is None else step,
+                    why=f"{d.action} ({d.reason})",
+                )
+                state = tr.after.value if tr else self.mpu(t.job_id, t.mpu_id).level.value
+        severity = {"failed": Severity.CRITICAL, "applied": Severity.WARNING, "sent": Severity.WARNING}.get(
+            result, Severity.INFO
+        )
+        labels = {
+            "rule": d.rule,
+            "action": d.action,
+            "level": d.level,
+            "result": result,
+            "job_id": t.job_id,
+            "mpu_id": t.mpu_id,
+            "gpu": t.gpu,
+            "gpu_uuid": t.gpu_uuid,
+            "reason": d.reason,
+            "fault_key": d.fault_key,
+        }
         if state:
             labels["state"] = state
         labels.update(extra or {})
         msg = f"{d.action} {result}: {d.why}" + (f" ({detail})" if detail else "")
-        finding = Finding(self.source, Reason.HEAL_ACTION, severity, msg,
-                          {k: v for k, v in labels.items() if v != ""}, self.clock())
+        finding = Finding(
+            self.source, Reason.HEAL_ACTION, severity, msg, {k: v for k, v in labels.items() if v != ""}, self.clock()
+        )
         self.recent.append(dict(finding.to_dict()))
         self.emit(finding)
         self.publish()
         return finding
 
-    def move(self, job_id: str, mpu_id: str, level: Level, *, step: int | None = None, why: str = "") -> Transition | None:
+    def move(
+        self, job_id: str, mpu_id: str, level: Level, *, step: int | None = None, why: str = ""
+    ) -> Transition | None:
         """Move an MPU's fuse state; escalations never go down (an L2 MPU swapped off a dead
         GPU stays degraded). Emits a FUSE_STATE event for every transition."""
         state = self.mpu(job_id, mpu_id)
-        if state.level in (Level.L1_SWAPPED, Level.L2_DEGRADED, Level.L3_DISTILLING) \
-                and level is not Level.RECOVERED and _RANK[level] < _RANK[state.level]:
+        if (
+            state.level in (Level.L1_SWAPPED, Level.L2_DEGRADED, Level.L3_DISTILLING)
+            and level is not Level.RECOVERED
+            and _RANK[level] < _RANK[state.level]
+        ):
             return None
         try:
             tr = state.to(level, step=-1 if step is None else step, why=why)
@@ -357,9 +450,16 @@ class HealingEngine:
 
     def _emit_transition(self, job_id: str, mpu_id: str, tr: Transition) -> None:
         labels = {"job_id": job_id, "mpu_id": mpu_id, "before": tr.before.value, "state": tr.after.value}
-        self.emit(Finding(self.source, Reason.FUSE_STATE,
-                          Severity.WARNING if _RANK[tr.after] >= 2 else Severity.INFO,
-                          f"mpu {mpu_id}: {tr.before.value} -> {tr.after.value}: {tr.why}", labels, self.clock()))
+        self.emit(
+            Finding(
+                self.source,
+                Reason.FUSE_STATE,
+                Severity.WARNING if _RANK[tr.after] >= 2 else Severity.INFO,
+                f"mpu {mpu_id}: {tr.before.value} -> {tr.after.value}: {tr.why}",
+                labels,
+                self.clock(),
+            )
+        )
         self.publish()
 
     # --- mirroring a job's own actions (agent side) ----------------------------------------

@@ -8,6 +8,7 @@ L1/L2/L3 to RECOVERED (the L2/L3 measures are undone then), and RECOVERED or SUS
 HEALTHY. A failure resets the stretch. Pure Python, no torch: the agent and the training
 process share it.
 """
+
 from __future__ import annotations
 
 from collections import deque

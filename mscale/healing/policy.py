@@ -4,6 +4,7 @@ The shipped default is `mscale/healing/policy.yaml`; `healing.policy` in the age
 points at another. A malformed file raises `PolicyError` naming the line at fault, and the
 agent refuses to start (exit 2).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -79,6 +80,7 @@ class Policy:
 
 
 # --- loading -----------------------------------------------------------------------------
+
 
 def default_text() -> tuple[str, str]:
     ref = resources.files("mscale.healing") / "policy.yaml"
@@ -187,7 +189,9 @@ class _Parser:
         decide = self.scalar(m["decide"][1], f"{what} decide") if "decide" in m else "agent"
         if decide not in DECIDERS:
             raise self.fail(m["decide"][1], f"{what} decide: expected one of {', '.join(DECIDERS)}, got {decide!r}")
-        reasons = self.names(m["reasons"][1], f"{what} reasons", tuple(r.value for r in Reason)) if "reasons" in m else ()
+        reasons = (
+            self.names(m["reasons"][1], f"{what} reasons", tuple(r.value for r in Reason)) if "reasons" in m else ()
+        )
         alerts = self.names(m["alerts"][1], f"{what} alerts") if "alerts" in m else ()
         if not reasons and not alerts:
             raise self.fail(node, f"{what}: needs reasons or alerts to match")
@@ -200,8 +204,17 @@ class _Parser:
         acts: dict[str, tuple[str, ...]] = {}
         for key, (k, v) in self.mapping(m["actions"][1], f"{what} actions").items():
             if key != "any" and key not in levels:
-                raise self.fail(k, f"{what} actions: unknown level {key!r} (expected any or one of: {', '.join(levels)})")
+                raise self.fail(
+                    k, f"{what} actions: unknown level {key!r} (expected any or one of: {', '.join(levels)})"
+                )
             acts[key] = self.names(v, f"{what} actions.{key}", actions.NAMES)
-        return Rule(name=name, decide=decide, target=target, reasons=frozenset(reasons), alerts=frozenset(alerts),
-                    severities=frozenset(sev), labels=labels, actions=acts)
-
+        return Rule(
+            name=name,
+            decide=decide,
+            target=target,
+            reasons=frozenset(reasons),
+            alerts=frozenset(alerts),
+            severities=frozenset(sev),
+            labels=labels,
+            actions=acts,
+        )

@@ -1,5 +1,6 @@
 """[healing]: the healing engine's config section, read by the engine in both processes
 (the agent's healing service and the in-process fuse). Assembled into `mscale.config.Config`."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,7 +11,9 @@ from mscale.config import ConfigError, opt
 @dataclass(frozen=True)
 class HealingSection:
     enabled: bool = opt(True, "let the healing engine act (false: detect and report only)")
-    checksum_failures_l1: int = opt(3, "consecutive checksum failures of an MPU that trigger an L1 swap", min=1, max=1000)
+    checksum_failures_l1: int = opt(
+        3, "consecutive checksum failures of an MPU that trigger an L1 swap", min=1, max=1000
+    )
     max_swaps_per_hour: int = opt(4, "L1 swaps of one MPU per hour before escalating to L2", min=1, max=1000)
     recovery_clean_steps: int = opt(50, "clean steps an MPU needs before it counts as recovered", min=1, max=1_000_000)
     lr_cool_factor: float = opt(0.1, "LR multiplier during a loss-spike cooling window", min=1e-6, max=1.0)
@@ -18,12 +21,17 @@ class HealingSection:
     distill_weight_min: float = opt(0.15, "lower bound of the L3 distillation share of the loss", min=0.0, max=1.0)
     distill_weight_max: float = opt(0.30, "upper bound of the L3 distillation share of the loss", min=0.0, max=1.0)
     policy: str = opt("", "healing policy YAML (empty: the shipped default policy)")
-    l2_precision_fallback: bool = opt(False, "L2 on a CPU MPU also runs its forward in bf16; trades checksum sensitivity "
-                                      "(bf16 tolerance 1e-2 vs 2e-6 in fp32: corruption below it goes unseen while "
-                                      "degraded, so L3 may not engage). An MPU on a GPU moves to the CPU regardless")
+    l2_precision_fallback: bool = opt(
+        False,
+        "L2 on a CPU MPU also runs its forward in bf16; trades checksum sensitivity "
+        "(bf16 tolerance 1e-2 vs 2e-6 in fp32: corruption below it goes unseen while "
+        "degraded, so L3 may not engage). An MPU on a GPU moves to the CPU regardless",
+    )
 
     def check(self, key: str) -> None:
         """Rules across fields, run when a config file is loaded (`key` is "healing")."""
         if self.distill_weight_min > self.distill_weight_max:
-            raise ConfigError(f"{key}.distill_weight_min: expected at most {key}.distill_weight_max "
-                              f"({self.distill_weight_max}), got {self.distill_weight_min}")
+            raise ConfigError(
+                f"{key}.distill_weight_min: expected at most {key}.distill_weight_max "
+                f"({self.distill_weight_max}), got {self.distill_weight_min}"
+            )

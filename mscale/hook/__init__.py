@@ -4,6 +4,7 @@ detectors, CMSA, the fuse plugin, the agent link client and the Hugging Face cal
 May import: findings, config, link, healing (the decision core), snapshot. Never imports
 daemon. Importing this package imports torch; `import mscale` does not (it re-exports lazily).
 """
+
 from __future__ import annotations
 
 from mscale.hook.checksum import ChecksumConfig
@@ -15,5 +16,19 @@ from mscale.hook.null import NullGuard
 from mscale.hook.plugin import Plugin
 from mscale.hook.protect import SnapshotConfig
 
-__all__ = ["attach", "Guard", "NullGuard", "ModelInputs", "Mpu", "MpuLayoutError", "discover", "KNOWN_NAMES",
-           "Plugin", "SnapshotConfig", "Cmsa", "CmsaConfig", "ChecksumConfig", "LossConfig"]
+__all__ = [
+    "attach",
+    "Guard",
+    "NullGuard",
+    "ModelInputs",
+    "Mpu",
+    "MpuLayoutError",
+    "discover",
+    "KNOWN_NAMES",
+    "Plugin",
+    "SnapshotConfig",
+    "Cmsa",
+    "CmsaConfig",
+    "ChecksumConfig",
+    "LossConfig",
+]

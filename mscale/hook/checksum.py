@@ -34,6 +34,7 @@ A non-finite MPU output is always a failure. N consecutive failed checks of an M
 (`failures_l1`, default 3) emit CHECKSUM_L1_TRIGGER. Nothing here raises into training:
 results are findings passed to `emit`.
 """
+
 from __future__ import annotations
 
 import math
@@ -142,8 +143,11 @@ class ChecksumDetector:
             return
         for _, m in mpu.module.named_modules():
             if isinstance(m, nn.Linear):
-                self._handles.append(m.register_forward_hook(
-                    lambda mod, args, out, mpu=mpu: self._linear(mpu, mod, args, out), prepend=True))
+                self._handles.append(
+                    m.register_forward_hook(
+                        lambda mod, args, out, mpu=mpu: self._linear(mpu, mod, args, out), prepend=True
+                    )
+                )
 
     def detach(self) -> None:
         for h in self._handles:
@@ -280,7 +284,7 @@ class ChecksumDetector:
         off = len(sums)
         for layer, dtype, checked in st.pending:
             if isinstance(checked, torch.Tensor):
-                total, pred, scale = values[off: off + 3]
+                total, pred, scale = values[off : off + 3]
                 off += 3
             else:
                 total, pred, scale = checked
@@ -289,9 +293,14 @@ class ChecksumDetector:
                 failures.append((Reason.NONFINITE_OUTPUT, "abft", f"layer {layer}: non-finite output"))
                 break
             if not abs(total - pred) <= tol:
-                failures.append((Reason.CHECKSUM_FAILURE, "abft",
-                                 f"layer {layer} ({dtype}): sum {total:.6g} vs predicted {pred:.6g}, "
-                                 f"residual {abs(total - pred):.3g} > tolerance {tol:.3g}"))
+                failures.append(
+                    (
+                        Reason.CHECKSUM_FAILURE,
+                        "abft",
+                        f"layer {layer} ({dtype}): sum {total:.6g} vs predicted {pred:.6g}, "
+                        f"residual {abs(total - pred):.3g} > tolerance {tol:.3g}",
+                    )
+                )
                 break
         st.pending = []
         t1 = time.perf_counter()
@@ -345,7 +354,13 @@ class ChecksumDetector:
             self._emit(Finding(SOURCE, reason, sev, f"{mpu.name}: {detail}", {**labels, "method": method}))
         n = self.config.failures_l1
         if mpu.consecutive_failures % n == 0:
-            self._emit(Finding(SOURCE, Reason.CHECKSUM_L1_TRIGGER, Severity.CRITICAL,
-                               f"{mpu.name}: {mpu.consecutive_failures} consecutive checksum failures",
-                               {**labels, "consecutive": str(mpu.consecutive_failures)}))
+            self._emit(
+                Finding(
+                    SOURCE,
+                    Reason.CHECKSUM_L1_TRIGGER,
+                    Severity.CRITICAL,
+                    f"{mpu.name}: {mpu.consecutive_failures} consecutive checksum failures",
+                    {**labels, "consecutive": str(mpu.consecutive_failures)},
+                )
+            )
         return False

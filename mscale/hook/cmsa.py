@@ -16,6 +16,7 @@ that went with no progress or with worse loss keep alpha at probe_alpha * (1 + m
 (down to 0). The clip ratio of an MPU is the share of its clipped steps since the fit began
 (`cmsa_clip_ratio{mpu_id}`).
 """
+
 from __future__ import annotations
 
 import math
@@ -40,7 +41,9 @@ class CmsaConfig:
         if self.warmup_steps < 4:
             raise ValueError(f"warmup_steps: expected >= 4 (two unclipped, two probing), got {self.warmup_steps}")
         if not 0 <= self.probe_alpha <= self.alpha_max:
-            raise ValueError(f"probe_alpha/alpha_max: expected 0 <= probe <= max, got {self.probe_alpha}, {self.alpha_max}")
+            raise ValueError(
+                f"probe_alpha/alpha_max: expected 0 <= probe <= max, got {self.probe_alpha}, {self.alpha_max}"
+            )
 
 
 # GVC is estimated from one row in this many of each gradient matrix. Not fewer: gradient
@@ -58,8 +61,9 @@ def _sample(g: torch.Tensor) -> torch.Tensor:
     return g[::GVC_ROWS] if g.dim() >= 2 and g.shape[0] >= 8 * GVC_ROWS else g
 
 
-def grad_stats(mpus: Sequence[Mpu], params: Iterable[torch.nn.Parameter],
-               buffers: dict | None = None) -> tuple[float, dict[str, tuple[float, float]]]:
+def grad_stats(
+    mpus: Sequence[Mpu], params: Iterable[torch.nn.Parameter], buffers: dict | None = None
+) -> tuple[float, dict[str, tuple[float, float]]]:
     """(global gradient norm over `params`, {mpu_id: (grad norm, GVC)}) with one device sync.
 
     Norms are exact (one pass over the gradients, one `_foreach_norm` per MPU). GVC is a
@@ -90,7 +94,7 @@ def grad_stats(mpus: Sequence[Mpu], params: Iterable[torch.nn.Parameter],
             flat = torch.empty(n, dtype=torch.float32, device=device)
             views, off = [], 0
             for shape, s in zip(shapes, sample, strict=True):
-                views.append(flat[off: off + s.numel()].view(shape))
+                views.append(flat[off : off + s.numel()].view(shape))
                 off += s.numel()
             cached = (shapes, flat, views)
             if buffers is not None:
@@ -119,7 +123,7 @@ def grad_stats(mpus: Sequence[Mpu], params: Iterable[torch.nn.Parameter],
     out: dict[str, tuple[float, float]] = {}
     total = values[-1]
     for i, m in enumerate(mpus):
-        l2sq, s_l1, s_l2sq, s_sum = values[4 * i: 4 * i + 4]
+        l2sq, s_l1, s_l2sq, s_sum = values[4 * i : 4 * i + 4]
         total += l2sq
         n = counts[i]
         if n == 0:

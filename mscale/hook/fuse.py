@@ -25,6 +25,7 @@ An action applied inside a forward that moves the MPU (L1 swap, L2 degrade) disc
 output and re-runs its forward for the same batch on the new placement (the guard's
 on_mpu_output hook), so the step completes correctly.
 """
+
 from __future__ import annotations
 
 import threading
@@ -64,11 +65,19 @@ class Placement:
 
 
 class FusePlugin:
-    def __init__(self, *, config: HealingSection | None = None, policy: Policy | str | None = None,
-                 snapshot_engine: Any = None, gpu_count: int | None = None, l2_resolution: float = 0.5,
-                 l2_clip_factor: float = 2.0, l2_precision_fallback: bool | None = None,
-                 drive_snapshots: bool = True,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        *,
+        config: HealingSection | None = None,
+        policy: Policy | str | None = None,
+        snapshot_engine: Any = None,
+        gpu_count: int | None = None,
+        l2_resolution: float = 0.5,
+        l2_clip_factor: float = 2.0,
+        l2_precision_fallback: bool | None = None,
+        drive_snapshots: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.cfg = config or HealingSection()
         self.policy = policy if isinstance(policy, Policy) else policymod.load(policy or self.cfg.policy)
         self.snapshot_engine = snapshot_engine  # an mscale.snapshot.engine.SnapshotEngine (or None)
@@ -77,8 +86,9 @@ class FusePlugin:
         self.l2_resolution = l2_resolution
         self.l2_clip_factor = l2_clip_factor
         # None: the config's; bf16 on CPU loosens the checksums, so it is opt-in
-        self.l2_precision_fallback = (self.cfg.l2_precision_fallback if l2_precision_fallback is None
-                                      else l2_precision_fallback)
+        self.l2_precision_fallback = (
+            self.cfg.l2_precision_fallback if l2_precision_fallback is None else l2_precision_fallback
+        )
         self.clock = clock
         self.guard: Any = None
         self.engine: HealingEngine | None = None
@@ -123,8 +133,9 @@ class FusePlugin:
     def on_attach(self, guard: Any) -> None:
         self.guard = guard
         self._thread = threading.get_ident()
-        self.engine = HealingEngine(self.policy, self.cfg, source=SOURCE, clock=self.clock, emit=guard.emit,
-                                    publish=self._published)
+        self.engine = HealingEngine(
+            self.policy, self.cfg, source=SOURCE, clock=self.clock, emit=guard.emit, publish=self._published
+        )
         for m in guard.mpus:
             m.fuse_level = Level.HEALTHY.value
             self.engine.mpu(guard.job_id, m.mpu_id)
@@ -197,9 +208,19 @@ class FusePlugin:
                 m.fuse_level = tr.after.value
                 if tr.after is Level.RECOVERED and any(self.dispatch("in_force", m)):
                     spec = actions.recovery()
-                    self.run(Decision("recovery", spec.name, spec.level, self._target(m), tr.before.value,
-                                      "clean_steps", f"{self.cfg.recovery_clean_steps} clean steps", step,
-                                      self.clock()))
+                    self.run(
+                        Decision(
+                            "recovery",
+                            spec.name,
+                            spec.level,
+                            self._target(m),
+                            tr.before.value,
+                            "clean_steps",
+                            f"{self.cfg.recovery_clean_steps} clean steps",
+                            step,
+                            self.clock(),
+                        )
+                    )
         replaced = any(self.dispatch("settle", step))  # a rollback: the step's state is not kept
         if not replaced:
             self.dispatch("weights_settled")
@@ -224,8 +245,17 @@ class FusePlugin:
                 m = self.guard.mpu(d.target.mpu_id)
             except KeyError as e:
                 return {"ok": False, "error": str(e)}
-            d = Decision(d.rule, d.action, d.level, self._target(m, d.target.gpu, d.target.gpu_uuid), m.fuse_level,
-                         d.reason, d.why, self.guard.current_step, d.time)
+            d = Decision(
+                d.rule,
+                d.action,
+                d.level,
+                self._target(m, d.target.gpu, d.target.gpu_uuid),
+                m.fuse_level,
+                d.reason,
+                d.why,
+                self.guard.current_step,
+                d.time,
+            )
         result = self.run(d)
         return {"ok": result in ("applied", "noop"), "result": result}
 
@@ -260,8 +290,19 @@ class FusePlugin:
             self._engine.record(d, "failed", detail=str(e))
             if spec.escalate_on_failure and spec.escalates_to:
                 nxt = actions.get(spec.escalates_to)
-                return self.run(Decision(d.rule, nxt.name, nxt.level, d.target, d.before, d.reason,
-                                         f"{spec.level} impossible: {e}", d.step, self.clock()))
+                return self.run(
+                    Decision(
+                        d.rule,
+                        nxt.name,
+                        nxt.level,
+                        d.target,
+                        d.before,
+                        d.reason,
+                        f"{spec.level} impossible: {e}",
+                        d.step,
+                        self.clock(),
+                    )
+                )
             return "failed"
         except Exception as e:  # an action bug must not break the step; the event says what
             log.exception("heal_action_error", action=d.action)
@@ -304,8 +345,18 @@ class FusePlugin:
             labels = {**f.labels, "consecutive": str(p.failures)}
             # one trigger per step and placement: a failure on the new placement in the same
             # step is new evidence (it escalates), a second finding at the old one is not
-            self._decide(Condition("reason", Reason.CHECKSUM_L1_TRIGGER.value, labels, SOURCE, "critical",
-                                   self.clock(), step=step, occurrence=(self.seq, p.epoch)))
+            self._decide(
+                Condition(
+                    "reason",
+                    Reason.CHECKSUM_L1_TRIGGER.value,
+                    labels,
+                    SOURCE,
+                    "critical",
+                    self.clock(),
+                    step=step,
+                    occurrence=(self.seq, p.epoch),
+                )
+            )
 
     def _published(self, books: HealingSnapshot) -> None:
         self.books = books

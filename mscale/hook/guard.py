@@ -18,6 +18,7 @@ A non-finite loss or gradient never reaches the weights: that step's update is d
 `attach(..., enabled=False)` (or the environment variable MSCALE_GUARD=0) returns a `NullGuard`
 and leaves model and optimizer untouched.
 """
+
 from __future__ import annotations
 
 import collections
@@ -89,12 +90,24 @@ class Guard:
     fuse: Any = None
     snapshots: Any = None
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, job_id: str,
-                 rank: int = 0, mpus: Mapping[str, nn.Module | str] | None = None,
-                 gpus: Mapping[str, int] | None = None, checksum: ChecksumConfig | None = None,
-                 loss: LossConfig | None = None, cmsa: CmsaConfig | bool | None = True,
-                 plugins: Iterable[Any] = (), socket_path: str | None = None, connect: bool = True,
-                 report_queue: int = 256, scaler: Any = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        job_id: str,
+        rank: int = 0,
+        mpus: Mapping[str, nn.Module | str] | None = None,
+        gpus: Mapping[str, int] | None = None,
+        checksum: ChecksumConfig | None = None,
+        loss: LossConfig | None = None,
+        cmsa: CmsaConfig | bool | None = True,
+        plugins: Iterable[Any] = (),
+        socket_path: str | None = None,
+        connect: bool = True,
+        report_queue: int = 256,
+        scaler: Any = None,
+    ) -> None:
         if not isinstance(job_id, str) or not job_id:
             raise ValueError("job_id: expected a non-empty string naming the training job")
         self.job_id, self.rank = job_id, int(rank)
@@ -131,9 +144,11 @@ class Guard:
         self.link = None
         if connect:
             from mscale.hook.link import LinkClient
+
             path = protocol.socket_path(socket_path)
-            self.link = LinkClient(path, registration=self.registration, on_command=self._commands.append,
-                                   queue_max=report_queue)
+            self.link = LinkClient(
+                path, registration=self.registration, on_command=self._commands.append, queue_max=report_queue
+            )
             self.link.start()
         for p in plugins:
             self.add_plugin(p)
@@ -221,8 +236,13 @@ class Guard:
         self._scaler, self._scaler_patch = scaler, update
 
     def registration(self) -> dict:
-        return protocol.register(job_id=self.job_id, rank=self.rank, pid=os.getpid(), step=self.current_step,
-                                 mpus=[m.describe() for m in self.mpus])
+        return protocol.register(
+            job_id=self.job_id,
+            rank=self.rank,
+            pid=os.getpid(),
+            step=self.current_step,
+            mpus=[m.describe() for m in self.mpus],
+        )
 
     def observe(self, loss: torch.Tensor | float) -> None:
         """Tell the guard the step's loss (when the model's output carries none)."""
@@ -285,8 +305,7 @@ class Guard:
             self._handles.append(m.module.register_forward_pre_hook(self._mpu_pre, with_kwargs=True))
             self._handles.append(m.module.register_forward_hook(self._mpu_post, with_kwargs=True))
             for p in m.parameters():
-                self._handles.append(p.register_post_accumulate_grad_hook(
-                    lambda _p, m=m: m._mark_backward_end()))
+                self._handles.append(p.register_post_accumulate_grad_hook(lambda _p, m=m: m._mark_backward_end()))
             self.checksum.attach(m)
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(lambda opt, a, k: self._pre_step()))
@@ -363,21 +382,28 @@ class Guard:
             if m._bwd_start and m._bwd_end >= m._bwd_start:
                 m.backward_s = m._bwd_end - m._bwd_start
         t0 = time.perf_counter()
-        params = [p for g in self.optimizer.param_groups for p in g["params"]] if self.optimizer else \
-            [p for p in self.model.parameters()]
+        params = (
+            [p for g in self.optimizer.param_groups for p in g["params"]]
+            if self.optimizer
+            else [p for p in self.model.parameters()]
+        )
         global_norm, per_mpu = grad_stats(self.mpus, params, self._gvc_buffers)
         for m in self.mpus:
             m.grad_norm, m.gvc = per_mpu[m.mpu_id]
         loss = self._step_loss()
         if self.optimizer is not None and not self._skip_reason:
-            bad = [what for what, v in (("loss", loss), ("gradient norm", global_norm))
-                   if v is not None and not math.isfinite(v)]
+            bad = [
+                what
+                for what, v in (("loss", loss), ("gradient norm", global_norm))
+                if v is not None and not math.isfinite(v)
+            ]
             if bad:  # never let it reach the weights, with or without a plugin that reacts
                 self._skip_reason = f"non-finite {' and '.join(bad)}"
         t1 = time.perf_counter()
         self.times.grad_stats_s += t1 - t0
-        for f in self.loss_detector.observe(self.current_step, loss, global_norm,
-                                            {m.mpu_id: m.grad_norm for m in self.mpus}):
+        for f in self.loss_detector.observe(
+            self.current_step, loss, global_norm, {m.mpu_id: m.grad_norm for m in self.mpus}
+        ):
             self.emit(f)
         t2 = time.perf_counter()
         self.times.loss_s += t2 - t1
@@ -385,8 +411,13 @@ class Guard:
         if self.cmsa is not None and not self._skip_reason:
             clipped = self.cmsa.apply(self.current_step, loss)
         self.times.cmsa_s += time.perf_counter() - t2
-        self._last = {"step": self.current_step, "time": time.time(), "loss": loss, "grad_norm": global_norm,
-                      "clipped": clipped}
+        self._last = {
+            "step": self.current_step,
+            "time": time.time(),
+            "loss": loss,
+            "grad_norm": global_norm,
+            "clipped": clipped,
+        }
 
     def _post_step(self) -> None:
         if self._scaler is None or not self._scaler_used:
@@ -418,8 +449,13 @@ class Guard:
                 self.emit(f)
         except Exception as e:
             self.log.exception("guard_error", where="scaler_skip", error=str(e))
-        self._last = {"step": self.current_step, "time": time.time(), "loss": loss, "grad_norm": math.nan,
-                      "clipped": {}}
+        self._last = {
+            "step": self.current_step,
+            "time": time.time(),
+            "loss": loss,
+            "grad_norm": math.nan,
+            "clipped": {},
+        }
 
     def _end_step(self) -> None:
         self.times.abft_s, self.times.replay_s = self.checksum.abft_s, self.checksum.replay_s
@@ -467,17 +503,28 @@ class Guard:
         mpus = {}
         for m in self.mpus:
             mpus[m.mpu_id] = {
-                "forward_s": m.forward_s, "backward_s": m.backward_s, "grad_norm": protocol.number(m.grad_norm),
-                "gvc": protocol.number(m.gvc), "checksum_ok": m.last_checksum_ok,
+                "forward_s": m.forward_s,
+                "backward_s": m.backward_s,
+                "grad_norm": protocol.number(m.grad_norm),
+                "gvc": protocol.number(m.gvc),
+                "checksum_ok": m.last_checksum_ok,
                 "checksum_consecutive_failures": m.consecutive_failures,
                 "checksum_failures_total": m.checksum_failures_total,
                 "clip_ratio": self.cmsa.clip_ratio(m.mpu_id) if self.cmsa else 0.0,
                 "clipped": bool(last.get("clipped", {}).get(m.mpu_id, False)),
-                "gpu": m.gpu, "fuse_level": m.fuse_level, **m.memory(),
+                "gpu": m.gpu,
+                "fuse_level": m.fuse_level,
+                **m.memory(),
             }
-        return {"step": self.current_step, "time": last.get("time", time.time()), "loss": protocol.number(last.get("loss")),
-                "grad_norm": protocol.number(last.get("grad_norm")), "skipped": bool(self._skip_reason), "mpus": mpus,
-                "findings": [f.to_dict() for f in self._step_findings]}
+        return {
+            "step": self.current_step,
+            "time": last.get("time", time.time()),
+            "loss": protocol.number(last.get("loss")),
+            "grad_norm": protocol.number(last.get("grad_norm")),
+            "skipped": bool(self._skip_reason),
+            "mpus": mpus,
+            "findings": [f.to_dict() for f in self._step_findings],
+        }
 
     def _dispatch(self, hook: str, *args: Any) -> None:
         for p in list(self.plugins):
@@ -495,10 +542,18 @@ class Guard:
             return None
 
 
-def attach(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, job_id: str,
-           snapshots: str | os.PathLike | bool | SnapshotConfig | None = None, data: Any = None,
-           scheduler: Any = None, resume: bool = True, enabled: bool | None = None,
-           **kwargs: Any) -> Guard | NullGuard:
+def attach(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    job_id: str,
+    snapshots: str | os.PathLike | bool | SnapshotConfig | None = None,
+    data: Any = None,
+    scheduler: Any = None,
+    resume: bool = True,
+    enabled: bool | None = None,
+    **kwargs: Any,
+) -> Guard | NullGuard:
     """Guard `model` (and `optimizer`); other keyword arguments are `Guard`'s. snapshots: None
     drops the update of a step with a non-finite loss or gradient; a directory, True (in memory
     only) or a SnapshotConfig adds the fuse and snapshots, and such a step is rolled back. data:

@@ -19,6 +19,7 @@ snapshot are undone, not re-run (`SnapshotConfig(memory_every=1)` makes that non
 through the Trainer's own checkpoints (`resume_from_checkpoint`): a snapshot directory that
 already holds snapshots is refused (give each run its own).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -29,8 +30,11 @@ from mscale.hook.guard import Guard, attach
 from mscale.hook.null import NullGuard
 from mscale.hook.protect import LoopData, protect, snapshot_config
 
-_TRAINER_OWNS = {"data": "the Trainer's data loader", "scheduler": "the Trainer's LR scheduler",
-                 "resume": "resume_from_checkpoint"}
+_TRAINER_OWNS = {
+    "data": "the Trainer's data loader",
+    "scheduler": "the Trainer's LR scheduler",
+    "resume": "resume_from_checkpoint",
+}
 
 
 class MscaleCallback(TrainerCallback):
@@ -53,8 +57,13 @@ class MscaleCallback(TrainerCallback):
             guard.set_step(state.global_step)
             if self.snapshot_config is not None:  # after set_step: the first snapshot is of the step before
                 try:
-                    protect(guard, self.snapshot_config, data=LoopData(), scaler=self.attach_kwargs.get("scaler"),
-                            resume=False)
+                    protect(
+                        guard,
+                        self.snapshot_config,
+                        data=LoopData(),
+                        scaler=self.attach_kwargs.get("scaler"),
+                        resume=False,
+                    )
                 except BaseException:
                     guard.detach()
                     raise

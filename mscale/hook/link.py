@@ -10,6 +10,7 @@ with a capped backoff; while the agent is down, training and in-process detectio
 What goes over the wire (messages, commands, limits) is `mscale.link`'s, which the agent's
 server speaks too.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,9 +29,16 @@ log = structlog.get_logger("mscale.hook.link")
 
 
 class LinkClient:
-    def __init__(self, socket_path: str, *, registration: Callable[[], dict],
-                 on_command: Callable[[dict], Any], queue_max: int = 256,
-                 backoff_s: tuple[float, float] = (0.05, 2.0), connect_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        *,
+        registration: Callable[[], dict],
+        on_command: Callable[[dict], Any],
+        queue_max: int = 256,
+        backoff_s: tuple[float, float] = (0.05, 2.0),
+        connect_timeout_s: float = 2.0,
+    ) -> None:
         if queue_max < 1:
             raise ValueError(f"queue_max: expected >= 1, got {queue_max}")
         self.socket_path = socket_path

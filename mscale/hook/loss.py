@@ -12,6 +12,7 @@ and MAD barely move for one outlier, so a spike neither blinds the detector to t
 nor makes a slow drift alarm (the window follows it). No spike test until `min_history`
 values are in the window.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,7 +39,9 @@ class LossConfig:
         if self.window < 3:
             raise ValueError(f"window: expected >= 3, got {self.window}")
         if not 0 < self.warn_sigma <= self.action_sigma:
-            raise ValueError(f"warn_sigma/action_sigma: expected 0 < warn <= action, got {self.warn_sigma}, {self.action_sigma}")
+            raise ValueError(
+                f"warn_sigma/action_sigma: expected 0 < warn <= action, got {self.warn_sigma}, {self.action_sigma}"
+            )
         if self.jump_ratio <= 1:
             raise ValueError(f"jump_ratio: expected > 1, got {self.jump_ratio}")
         if not 2 <= self.min_history <= self.window:
@@ -94,14 +97,18 @@ class SeriesDetector:
         return Verdict(value, z, level)
 
 
-_LOSS_REASONS = {"nonfinite": (Reason.LOSS_NONFINITE, Severity.CRITICAL),
-                 "jump": (Reason.LOSS_JUMP, Severity.CRITICAL),
-                 "action": (Reason.LOSS_SPIKE_ACTION, Severity.CRITICAL),
-                 "warn": (Reason.LOSS_SPIKE_WARN, Severity.WARNING)}
-_GRAD_REASONS = {"nonfinite": (Reason.GRAD_NORM_NONFINITE, Severity.CRITICAL),
-                 "jump": (Reason.GRAD_NORM_JUMP, Severity.WARNING),
-                 "action": (Reason.GRAD_NORM_SPIKE, Severity.CRITICAL),
-                 "warn": (Reason.GRAD_NORM_SPIKE, Severity.WARNING)}
+_LOSS_REASONS = {
+    "nonfinite": (Reason.LOSS_NONFINITE, Severity.CRITICAL),
+    "jump": (Reason.LOSS_JUMP, Severity.CRITICAL),
+    "action": (Reason.LOSS_SPIKE_ACTION, Severity.CRITICAL),
+    "warn": (Reason.LOSS_SPIKE_WARN, Severity.WARNING),
+}
+_GRAD_REASONS = {
+    "nonfinite": (Reason.GRAD_NORM_NONFINITE, Severity.CRITICAL),
+    "jump": (Reason.GRAD_NORM_JUMP, Severity.WARNING),
+    "action": (Reason.GRAD_NORM_SPIKE, Severity.CRITICAL),
+    "warn": (Reason.GRAD_NORM_SPIKE, Severity.WARNING),
+}
 
 
 class LossDetector:
@@ -118,8 +125,13 @@ class LossDetector:
             s = self.series[key] = SeriesDetector(self.config)
         return s
 
-    def observe(self, step: int, loss: float | None, grad_norm: float | None = None,
-                mpu_grad_norms: Mapping[str, float] | None = None) -> list[Finding]:
+    def observe(
+        self,
+        step: int,
+        loss: float | None,
+        grad_norm: float | None = None,
+        mpu_grad_norms: Mapping[str, float] | None = None,
+    ) -> list[Finding]:
         out: list[Finding] = []
         if loss is not None:
             out += self._one("loss", "loss", float(loss), step, _LOSS_REASONS, {})
@@ -127,8 +139,9 @@ class LossDetector:
             if grad_norm is not None:
                 out += self._one("grad_norm", "grad_norm", float(grad_norm), step, _GRAD_REASONS, {})
             for mpu_id, v in sorted((mpu_grad_norms or {}).items()):
-                out += self._one(f"grad_norm/{mpu_id}", "mpu_grad_norm", float(v), step, _GRAD_REASONS,
-                                 {"mpu_id": mpu_id})
+                out += self._one(
+                    f"grad_norm/{mpu_id}", "mpu_grad_norm", float(v), step, _GRAD_REASONS, {"mpu_id": mpu_id}
+                )
         return out
 
     def _one(self, key: str, series: str, value: float, step: int, reasons: dict, labels: dict) -> Iterable[Finding]:
@@ -143,5 +156,8 @@ class LossDetector:
             msg = f"{series} {value:.6g} is more than {self.config.jump_ratio:g}x the previous value"
         else:
             msg = f"{series} is {value}"
-        return [Finding(SOURCE, reason, severity, msg,
-                        {**labels, "series": series, "level": verdict.level, "step": str(step)})]
+        return [
+            Finding(
+                SOURCE, reason, severity, msg, {**labels, "series": series, "level": verdict.level, "step": str(step)}
+            )
+        ]

@@ -6,6 +6,7 @@ common multimodal layouts wherever they sit in the tree (Hugging Face nests them
 it is bound to: on a GPU node the device's index, on a CPU machine a simulated index of the
 agent's simulated node, so a fault injected on simulated GPU k hits exactly its MPUs.
 """
+
 from __future__ import annotations
 
 import time
@@ -78,9 +79,16 @@ class Mpu:
 
     def describe(self) -> dict:
         """The registration record sent to the agent."""
-        return {"mpu_id": self.mpu_id, "name": self.name, "path": self.path, "device": str(self.device),
-                "gpu": self.gpu, "gpu_uuid": self.gpu_uuid, "fuse_level": self.fuse_level,
-                "params": sum(p.numel() for p in self.module.parameters())}
+        return {
+            "mpu_id": self.mpu_id,
+            "name": self.name,
+            "path": self.path,
+            "device": str(self.device),
+            "gpu": self.gpu,
+            "gpu_uuid": self.gpu_uuid,
+            "fuse_level": self.fuse_level,
+            "params": sum(p.numel() for p in self.module.parameters()),
+        }
 
     def memory(self) -> dict:
         """Device memory in use and in all (bytes), for the step report; empty off CUDA."""
@@ -108,8 +116,7 @@ class Mpu:
 def _find(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
     found: dict[str, tuple[str, nn.Module]] = {}
     # named_modules is breadth-unaware; prefer the shallowest match per MPU name
-    candidates = sorted(((path.count("."), path, m) for path, m in model.named_modules() if path),
-                        key=lambda t: t[0])
+    candidates = sorted(((path.count("."), path, m) for path, m in model.named_modules() if path), key=lambda t: t[0])
     for _, path, module in candidates:
         attr = path.rsplit(".", 1)[-1]
         name = KNOWN_NAMES.get(attr)
@@ -148,8 +155,9 @@ def _uuid(gpu: int, module: nn.Module) -> str:
     return ""
 
 
-def discover(model: nn.Module, mpus: Mapping[str, nn.Module | str] | None = None,
-             gpus: Mapping[str, int] | None = None) -> list[Mpu]:
+def discover(
+    model: nn.Module, mpus: Mapping[str, nn.Module | str] | None = None, gpus: Mapping[str, int] | None = None
+) -> list[Mpu]:
     """The model's MPUs: `mpus` maps names to sub-modules (or dotted paths); None finds
     them by module name. `gpus` maps MPU names to GPU indices (default: the parameters'
     CUDA device, else simulated index = position)."""
@@ -160,7 +168,8 @@ def discover(model: nn.Module, mpus: Mapping[str, nn.Module | str] | None = None
             raise MpuLayoutError(
                 f"no MPUs found in {type(model).__name__}: none of the module names "
                 f"{', '.join(sorted(KNOWN_NAMES))} occur (top-level children: {children}); "
-                "pass mpus={'vision': model.encoder, 'text': model.decoder, ...} to name them")
+                "pass mpus={'vision': model.encoder, 'text': model.decoder, ...} to name them"
+            )
         order = sorted(found, key=lambda n: _ORDER.index(n))
         named = [(n, found[n][0], found[n][1]) for n in order]
     else:
@@ -192,8 +201,9 @@ def discover(model: nn.Module, mpus: Mapping[str, nn.Module | str] | None = None
         gpu = gpus.get(name, _default_gpu(module, i))
         if not isinstance(gpu, int) or gpu < 0:
             raise MpuLayoutError(f"gpus[{name!r}]: expected a GPU index >= 0, got {gpu!r}")
-        out.append(Mpu(mpu_id=f"{i + 1:03d}", name=name, module=module, path=path, gpu=gpu,
-                       gpu_uuid=_uuid(gpu, module)))
+        out.append(
+            Mpu(mpu_id=f"{i + 1:03d}", name=name, module=module, path=path, gpu=gpu, gpu_uuid=_uuid(gpu, module))
+        )
     return out
 
 

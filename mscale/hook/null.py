@@ -1,5 +1,6 @@
 """TRAINING JOB: the guard that watches nothing, what `attach(..., enabled=False)` (or
 MSCALE_GUARD=0) returns: the Guard's calls a training loop makes, no hooks, nothing changed."""
+
 from __future__ import annotations
 
 from typing import Any

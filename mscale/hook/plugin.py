@@ -34,6 +34,7 @@ report but the update has happened), `rebind`, `cmsa.raise_threshold`, `set_step
 `send_to_agent`. The guard itself drops the update of a step whose loss or gradient norm is
 not finite, with or without a plugin.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
@@ -43,8 +44,15 @@ if TYPE_CHECKING:
     from mscale.hook.guard import Guard, ModelInputs
     from mscale.hook.mpu import Mpu
 
-HOOKS: tuple[str, ...] = ("on_attach", "on_step_begin", "on_mpu_output", "on_finding",
-                          "on_step_end", "on_command", "on_detach")
+HOOKS: tuple[str, ...] = (
+    "on_attach",
+    "on_step_begin",
+    "on_mpu_output",
+    "on_finding",
+    "on_step_end",
+    "on_command",
+    "on_detach",
+)
 
 
 class Plugin(Protocol):

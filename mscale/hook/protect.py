@@ -24,6 +24,7 @@ What a rollback does with the data depends on the loader given as `data`:
 - an object without `state_dict`/`load_state_dict` (a plain torch `DataLoader`): refused with
   a TypeError, since its position cannot be snapshotted.
 """
+
 from __future__ import annotations
 
 import os
@@ -59,7 +60,9 @@ class SnapshotConfig:
         if self.directory is not None and not os.fspath(self.directory):
             raise ValueError("directory: expected a path, got an empty string")
         if self.memory_every < 1:
-            raise ValueError(f"memory_every: expected >= 1 (rollbacks need in-memory snapshots), got {self.memory_every}")
+            raise ValueError(
+                f"memory_every: expected >= 1 (rollbacks need in-memory snapshots), got {self.memory_every}"
+            )
         if self.disk_every < 0:
             raise ValueError(f"disk_every: expected >= 0 (0: only on demand), got {self.disk_every}")
         if self.memory_keep < 1 or self.disk_keep < 1:
@@ -76,8 +79,10 @@ def snapshot_config(snapshots: Any) -> SnapshotConfig | None:
         return snapshots
     if isinstance(snapshots, (str, os.PathLike)):
         return SnapshotConfig(directory=snapshots)
-    raise TypeError(f"snapshots: expected a directory, True (in memory only) or a mscale.SnapshotConfig, "
-                    f"got {type(snapshots).__name__}")
+    raise TypeError(
+        f"snapshots: expected a directory, True (in memory only) or a mscale.SnapshotConfig, "
+        f"got {type(snapshots).__name__}"
+    )
 
 
 class LoopData:
@@ -98,8 +103,11 @@ class LoopData:
         if self.restoring and self.loader is not None:
             self.loader.load_state_dict(state)
         elif not self.restoring:
-            log.info("data_not_rewound", loader=type(self.loader).__name__ if self.loader is not None else None,
-                     why="the loop's iterator cannot be rewound: it goes on with the batch after the faulty one")
+            log.info(
+                "data_not_rewound",
+                loader=type(self.loader).__name__ if self.loader is not None else None,
+                why="the loop's iterator cannot be rewound: it goes on with the batch after the faulty one",
+            )
 
     def skip_batch_at(self, position: dict) -> None:
         pass
@@ -110,9 +118,11 @@ def data_position(data: Any) -> Any:
     if data is None:
         return LoopData()
     if not (callable(getattr(data, "state_dict", None)) and callable(getattr(data, "load_state_dict", None))):
-        raise TypeError(f"data: {type(data).__name__} has no state_dict()/load_state_dict(), so its position "
-                        "cannot be snapshotted; use mscale.ResumableLoader or torchdata's StatefulDataLoader, or "
-                        "leave data out (then a rollback does not rewind the data and a restart starts it afresh)")
+        raise TypeError(
+            f"data: {type(data).__name__} has no state_dict()/load_state_dict(), so its position "
+            "cannot be snapshotted; use mscale.ResumableLoader or torchdata's StatefulDataLoader, or "
+            "leave data out (then a rollback does not rewind the data and a restart starts it afresh)"
+        )
     if hasattr(data, "last_batch_position") and callable(getattr(data, "skip_batch_at", None)):
         return data  # rewound in place, the faulty batch stepped over on the replay
     return LoopData(data)
@@ -129,8 +139,15 @@ class Protection:
         self.engine.close()
 
 
-def protect(guard: Guard, cfg: SnapshotConfig, *, data: Any = None, scheduler: Any = None, scaler: Any = None,
-            resume: bool = True) -> None:
+def protect(
+    guard: Guard,
+    cfg: SnapshotConfig,
+    *,
+    data: Any = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    resume: bool = True,
+) -> None:
     """Put the fuse and the snapshot engine on `guard` (see the module docstring). `data` is
     what `data_position` made. resume: restore the newest valid disk snapshot now; False refuses
     a directory that already holds snapshots (an older run's would outlive this one's)."""
@@ -144,20 +161,34 @@ def protect(guard: Guard, cfg: SnapshotConfig, *, data: Any = None, scheduler: A
         fuse.snapshot_emit(finding)
 
     engine = SnapshotEngine(
-        guard.model, guard.optimizer, mpus={m.name: (m.mpu_id, m.module) for m in guard.mpus},
-        scaler=scaler, scheduler=scheduler, data=data, directory=cfg.directory,
-        memory_every=cfg.memory_every, memory_keep=cfg.memory_keep, disk_every=cfg.disk_every,
-        disk_keep=cfg.disk_keep, emit=emit, job_id=guard.job_id,
-        binding=lambda: {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None} for m in guard.mpus})
+        guard.model,
+        guard.optimizer,
+        mpus={m.name: (m.mpu_id, m.module) for m in guard.mpus},
+        scaler=scaler,
+        scheduler=scheduler,
+        data=data,
+        directory=cfg.directory,
+        memory_every=cfg.memory_every,
+        memory_keep=cfg.memory_keep,
+        disk_every=cfg.disk_every,
+        disk_keep=cfg.disk_keep,
+        emit=emit,
+        job_id=guard.job_id,
+        binding=lambda: {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None} for m in guard.mpus},
+    )
     fuse = FusePlugin(snapshot_engine=engine)
     try:
         if engine.world_size > 1:
-            raise ValueError(f"snapshots=: the fuse's rollback restores one process, and this job has "
-                             f"{engine.world_size} ranks (they would diverge); attach without snapshots= here")
+            raise ValueError(
+                f"snapshots=: the fuse's rollback restores one process, and this job has "
+                f"{engine.world_size} ranks (they would diverge); attach without snapshots= here"
+            )
         held = list_snapshots(cfg.directory) if cfg.directory is not None else []
         if held and not resume:
-            raise ValueError(f"snapshots: {cfg.directory} already holds snapshots (newest step "
-                             f"{max(i.step for i in held)}); resume from them, or give an empty directory")
+            raise ValueError(
+                f"snapshots: {cfg.directory} already holds snapshots (newest step "
+                f"{max(i.step for i in held)}); resume from them, or give an empty directory"
+            )
         step = None
         if held:
             restoring = isinstance(data, LoopData)
@@ -179,6 +210,12 @@ def protect(guard: Guard, cfg: SnapshotConfig, *, data: Any = None, scheduler: A
         engine.close()
         raise
     guard.fuse, guard.snapshots = fuse, engine
-    log.info("protection_attached", job_id=guard.job_id, directory=str(cfg.directory) if cfg.directory else None,
-             memory_every=cfg.memory_every, disk_every=cfg.disk_every, resumed_step=step,
-             data=type(data.loader if isinstance(data, LoopData) else data).__name__)
+    log.info(
+        "protection_attached",
+        job_id=guard.job_id,
+        directory=str(cfg.directory) if cfg.directory else None,
+        memory_every=cfg.memory_every,
+        disk_every=cfg.disk_every,
+        resumed_step=step,
+        data=type(data.loader if isinstance(data, LoopData) else data).__name__,
+    )

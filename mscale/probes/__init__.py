@@ -8,6 +8,7 @@ Adding a probe: one module exporting `SPEC`, one line below, one fixture, one te
 
 May import: findings, config, textfile. Never imports daemon or torch.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -5,6 +5,7 @@ listed in probes/__init__.py.
 (mscale.daemon.runner); it returns an immutable snapshot that collectors read at scrape
 time. Probes report faults as findings through `ctx.emit`, never by raising.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,6 +49,7 @@ class ProbeSpec:
     runner's schedule and deadline) and leaves out `enabled`: mscale.config adds that key
     in front, defaulting to `default_enabled` and documented by `enabled_help`.
     """
+
     name: str  # also the config table [probes.<name>] and the `probe` label
     factory: Callable[[ProbeContext], Probe]
     section: type

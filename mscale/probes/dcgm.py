@@ -7,6 +7,7 @@ else from changes of DCGM_FI_DEV_XID_ERRORS (the last Xid seen; one seen at the 
 counts once). A GPU that disappears from the page is reported lost. dcgm-exporter's default
 fields carry NVLink error totals but no per-link state, so NVLink-down is NVML-only.
 """
+
 from __future__ import annotations
 
 import time
@@ -73,7 +74,9 @@ def sample_of(index: int, g: dict) -> GpuSample:
     sm, memclk = f("DCGM_FI_DEV_SM_CLOCK"), f("DCGM_FI_DEV_MEM_CLOCK")
     tx, rx = f("DCGM_FI_PROF_PCIE_TX_BYTES"), f("DCGM_FI_PROF_PCIE_RX_BYTES")  # bytes/s
     return GpuSample(
-        index=index, uuid=str(g.get("uuid") or f"GPU-unknown-{index}"), name=str(g.get("name") or ""),
+        index=index,
+        uuid=str(g.get("uuid") or f"GPU-unknown-{index}"),
+        name=str(g.get("name") or ""),
         temperature_c=f("DCGM_FI_DEV_GPU_TEMP"),
         power_w=f("DCGM_FI_DEV_POWER_USAGE"),
         power_limit_w=f("DCGM_FI_DEV_POWER_MGMT_LIMIT") or f("DCGM_FI_DEV_ENFORCED_POWER_LIMIT"),
@@ -129,8 +132,15 @@ class DcgmReader:
             xids.extend(XidEvent(index, code, now) for code in self._new_xids(index, g))
         for index, last in sorted(self._known.items()):
             if index not in page:
-                gpus.append(GpuSample(index=index, uuid=last.uuid, name=last.name, lost=True,
-                                      lost_reason="no longer in dcgm-exporter's output"))
+                gpus.append(
+                    GpuSample(
+                        index=index,
+                        uuid=last.uuid,
+                        name=last.name,
+                        lost=True,
+                        lost_reason="no longer in dcgm-exporter's output",
+                    )
+                )
         gpus.sort(key=lambda s: s.index)
         return Reading(gpus, xids)
 

@@ -12,6 +12,7 @@ launches, so the launch and copy probes are attached for `duty_window_s` every
 period/window. Synchronise and allocation probes stay attached: a thread blocked in a
 synchronise call for longer than `hang_timeout_s` is a hang whatever the duty cycle.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,6 +41,7 @@ _ZERO = PidCounters(0, 0, 0, (0,) * len(DIRECTIONS), (0,) * len(DIRECTIONS), 0, 
 
 
 # --- the snapshot ------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class CudaProcess:
@@ -87,6 +89,7 @@ class EbpfSnapshot:
 
 # --- one traced process --------------------------------------------------------------------
 
+
 @dataclass
 class _Tracked:
     pid: int
@@ -113,7 +116,7 @@ def _proc_start(pid: int) -> int | None:
         stat = open(f"/proc/{pid}/stat", "rb").read().decode(errors="replace")
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     if fields[0] in ("Z", "X"):
         return None
     return int(fields[19])
@@ -168,8 +171,11 @@ class EbpfProbe:
         from mscale.probes.ebpf_loader import CudaBpf
 
         try:
-            self.bpf = CudaBpf(max_pids=self.cfg.max_processes, max_threads=self.cfg.max_processes * 64,
-                               attach_mode=self.cfg.attach_mode)
+            self.bpf = CudaBpf(
+                max_pids=self.cfg.max_processes,
+                max_threads=self.cfg.max_processes * 64,
+                attach_mode=self.cfg.attach_mode,
+            )
         except Exception as e:  # compile or load refused: not there, and it will not be
             self._unavailable = f"BPF program failed to load: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
             raise ProbeUnavailable(self._unavailable) from None
@@ -278,7 +284,9 @@ class EbpfProbe:
                 continue
             library = self.cfg.libcuda_path or find_libcuda(pid)
             if library is None:
-                self._pend(pid, job_id, "libcuda not mapped (yet); set probes.ebpf.libcuda_path to attach before it loads")
+                self._pend(
+                    pid, job_id, "libcuda not mapped (yet); set probes.ebpf.libcuda_path to attach before it loads"
+                )
                 continue
             self._track(pid, job_id, start, library, now)
         # entries nobody tracks (a pid reused between two reads): never let the maps grow
@@ -299,9 +307,15 @@ class EbpfProbe:
             self._pend(pid, job_id, f"cannot read symbols of {library}: {e}")
             return
         cfg = self.cfg
-        tr = _Tracked(pid, job_id, start, library, offsets,
-                      LaunchWatch(hang_timeout_s=cfg.hang_timeout_s, min_evidence_s=min(cfg.duty_window_s, cfg.duty_period_s)),
-                      BlockedShare(cfg.sync_stall_window_s))
+        tr = _Tracked(
+            pid,
+            job_id,
+            start,
+            library,
+            offsets,
+            LaunchWatch(hang_timeout_s=cfg.hang_timeout_s, min_evidence_s=min(cfg.duty_window_s, cfg.duty_period_s)),
+            BlockedShare(cfg.sync_stall_window_s),
+        )
         self._bpf.add_pid(pid)  # before attaching: the entry is the in-kernel pid filter
         try:
             for role in ROLES:
@@ -346,13 +360,21 @@ class EbpfProbe:
                     self._bpf.forget_thread(e.pid << 32 | e.tid)  # the thread died inside the call
                     continue
                 inflight.setdefault(e.pid, []).append(e)
-            procs = tuple(self._update(tr, counters.get(pid), inflight.get(pid, []), now)
-                          for pid, tr in sorted(self._tracked.items()))
+            procs = tuple(
+                self._update(tr, counters.get(pid), inflight.get(pid, []), now)
+                for pid, tr in sorted(self._tracked.items())
+            )
             return EbpfSnapshot(
-                time=self.ctx.clock(), attach_mode=self._bpf.attach_mode,
-                duty_window_s=self.cfg.duty_window_s, duty_period_s=self.cfg.duty_period_s,
-                sampled=not self.always_on, launch_probe_attached=self._high_on, windows_total=self._windows,
-                processes=procs, pending=tuple(self._pending[p] for p in sorted(self._pending)))
+                time=self.ctx.clock(),
+                attach_mode=self._bpf.attach_mode,
+                duty_window_s=self.cfg.duty_window_s,
+                duty_period_s=self.cfg.duty_period_s,
+                sampled=not self.always_on,
+                launch_probe_attached=self._high_on,
+                windows_total=self._windows,
+                processes=procs,
+                pending=tuple(self._pending[p] for p in sorted(self._pending)),
+            )
 
     def _update(self, tr: _Tracked, c: PidCounters | None, inflight: list[InflightSync], now: float) -> CudaProcess:
         c = c or tr.last
@@ -380,42 +402,71 @@ class EbpfProbe:
                 kinds = sorted({e.kind for e in inflight})
                 msg = f"process {tr.pid} blocked in {', '.join(kinds)} for {longest:.1f}s (> {cfg.hang_timeout_s:g}s)"
             else:
-                msg = (f"process {tr.pid} launched no kernel for {tr.watch.quiet_s(now):.1f}s "
-                       f"(> {cfg.hang_timeout_s:g}s, {tr.watch.evidence_s(now):.1f}s of it observed)")
+                msg = (
+                    f"process {tr.pid} launched no kernel for {tr.watch.quiet_s(now):.1f}s "
+                    f"(> {cfg.hang_timeout_s:g}s, {tr.watch.evidence_s(now):.1f}s of it observed)"
+                )
             self._emit(Reason.TRAINING_HANG, Severity.CRITICAL, msg, {**labels, "cause": cause})
         elif tr.hang_cause and not cause:
-            self._emit(Reason.TRAINING_HANG_CLEARED, Severity.INFO,
-                       f"process {tr.pid} is launching kernels again", {**labels, "cause": tr.hang_cause})
+            self._emit(
+                Reason.TRAINING_HANG_CLEARED,
+                Severity.INFO,
+                f"process {tr.pid} is launching kernels again",
+                {**labels, "cause": tr.hang_cause},
+            )
         tr.hang_cause = cause
 
         if ratio is not None and (ratio > cfg.sync_stall_ratio) != tr.stall:
             tr.stall = not tr.stall
             if tr.stall:
-                self._emit(Reason.SYNC_STALL, Severity.WARNING,
-                           f"process {tr.pid} blocked in synchronise calls {ratio:.0%} of the last "
-                           f"{cfg.sync_stall_window_s:g}s (> {cfg.sync_stall_ratio:.0%})", labels)
+                self._emit(
+                    Reason.SYNC_STALL,
+                    Severity.WARNING,
+                    f"process {tr.pid} blocked in synchronise calls {ratio:.0%} of the last "
+                    f"{cfg.sync_stall_window_s:g}s (> {cfg.sync_stall_ratio:.0%})",
+                    labels,
+                )
             else:
-                self._emit(Reason.SYNC_STALL_CLEARED, Severity.INFO,
-                           f"process {tr.pid} blocked in synchronise calls {ratio:.0%} of the last "
-                           f"{cfg.sync_stall_window_s:g}s", labels)
+                self._emit(
+                    Reason.SYNC_STALL_CLEARED,
+                    Severity.INFO,
+                    f"process {tr.pid} blocked in synchronise calls {ratio:.0%} of the last "
+                    f"{cfg.sync_stall_window_s:g}s",
+                    labels,
+                )
 
         failed = c.alloc_failures - prev.alloc_failures
         if failed > 0:
-            self._emit(Reason.CUDA_ALLOC_FAILURE, Severity.WARNING,
-                       f"process {tr.pid}: {failed} cuMemAlloc call(s) failed, the latest for "
-                       f"{c.last_alloc_fail_bytes} bytes with CUresult {c.last_alloc_error}",
-                       {**labels, "bytes": str(c.last_alloc_fail_bytes), "cuda_error": str(c.last_alloc_error)})
+            self._emit(
+                Reason.CUDA_ALLOC_FAILURE,
+                Severity.WARNING,
+                f"process {tr.pid}: {failed} cuMemAlloc call(s) failed, the latest for "
+                f"{c.last_alloc_fail_bytes} bytes with CUresult {c.last_alloc_error}",
+                {**labels, "bytes": str(c.last_alloc_fail_bytes), "cuda_error": str(c.last_alloc_error)},
+            )
 
         return CudaProcess(
-            pid=tr.pid, job_id=tr.job_id, library=tr.library,
-            launches=tr.launches, launches_observed=c.launches,
-            graph_launches=tr.graph_launches, graph_launches_observed=c.graph_launches,
+            pid=tr.pid,
+            job_id=tr.job_id,
+            library=tr.library,
+            launches=tr.launches,
+            launches_observed=c.launches,
+            graph_launches=tr.graph_launches,
+            graph_launches_observed=c.graph_launches,
             memcpy_bytes=tuple(zip(DIRECTIONS, tr.copy_bytes, strict=True)),
             memcpy_bytes_observed=tuple(zip(DIRECTIONS, c.copy_bytes, strict=True)),
-            sync_calls=c.sync_calls, sync_seconds_sum=c.sync_ns / 1e9, sync_hist=c.sync_hist,
-            sync_inflight_s=longest, sync_blocked_ratio=ratio, alloc_failures=c.alloc_failures,
-            hang=bool(cause), hang_cause=cause, launch_quiet_s=tr.watch.quiet_s(now), sync_stall=tr.stall,
-            error=tr.error)
+            sync_calls=c.sync_calls,
+            sync_seconds_sum=c.sync_ns / 1e9,
+            sync_hist=c.sync_hist,
+            sync_inflight_s=longest,
+            sync_blocked_ratio=ratio,
+            alloc_failures=c.alloc_failures,
+            hang=bool(cause),
+            hang_cause=cause,
+            launch_quiet_s=tr.watch.quiet_s(now),
+            sync_stall=tr.stall,
+            error=tr.error,
+        )
 
     def _emit(self, reason: Reason, severity: Severity, message: str, labels: dict[str, str]) -> None:
         self.ctx.emit(Finding(SOURCE, reason, severity, message, labels, self.ctx.clock()))
@@ -424,19 +475,33 @@ class EbpfProbe:
 @dataclass(frozen=True)
 class EbpfProbeSection:
     """[probes.ebpf]"""
+
     interval_s: float = opt(1.0, "seconds between reads of the BPF maps", min=0.05, max=3600)
-    timeout_s: float = opt(30.0, "deadline for one read (the first includes compiling the BPF program)", min=0.05, max=600)
+    timeout_s: float = opt(
+        30.0, "deadline for one read (the first includes compiling the BPF program)", min=0.05, max=600
+    )
     libcuda_path: str = opt("", "path of libcuda.so.1 (empty: found per process from /proc/PID/maps)")
-    cmdline_pattern: str = opt("", "regex: also trace processes whose command line matches (empty: registered jobs only)")
-    hang_timeout_s: float = opt(60.0, "no kernel launch, or one sync call blocked, for this long is a hang", min=0.1, max=86400)
-    sync_stall_ratio: float = opt(0.5, "share of wall time blocked in synchronise calls that is a sync stall", min=0.01, max=1.0)
+    cmdline_pattern: str = opt(
+        "", "regex: also trace processes whose command line matches (empty: registered jobs only)"
+    )
+    hang_timeout_s: float = opt(
+        60.0, "no kernel launch, or one sync call blocked, for this long is a hang", min=0.1, max=86400
+    )
+    sync_stall_ratio: float = opt(
+        0.5, "share of wall time blocked in synchronise calls that is a sync stall", min=0.01, max=1.0
+    )
     sync_stall_window_s: float = opt(30.0, "window over which the sync-stall share is measured", min=0.5, max=3600)
     duty_window_s: float = opt(0.5, "high-rate probes (launch, copy) stay attached this long ...", min=0.01, max=3600)
-    duty_period_s: float = opt(10.0, "... once every this many seconds (equal to the window: always on)", min=0.01, max=3600)
+    duty_period_s: float = opt(
+        10.0, "... once every this many seconds (equal to the window: always on)", min=0.01, max=3600
+    )
     max_processes: int = opt(256, "processes traced at once (sizes the BPF maps)", min=1, max=65536)
-    attach_mode: str = opt("auto", "how uprobes are attached: uprobe_multi links (Linux 6.6+, fast to detach), "
-                           "perf_event (one per symbol), or auto (the first that works)",
-                           choices=("auto", "uprobe_multi", "perf_event"))
+    attach_mode: str = opt(
+        "auto",
+        "how uprobes are attached: uprobe_multi links (Linux 6.6+, fast to detach), "
+        "perf_event (one per symbol), or auto (the first that works)",
+        choices=("auto", "uprobe_multi", "perf_event"),
+    )
 
 
 def make(ctx: ProbeContext) -> EbpfProbe:
@@ -452,5 +517,10 @@ def make(ctx: ProbeContext) -> EbpfProbe:
 
 
 # Needs BCC (python3-bpfcc), kernel headers, CAP_BPF + CAP_PERFMON + CAP_SYS_RESOURCE.
-SPEC = ProbeSpec(SOURCE, make, section=EbpfProbeSection, default_enabled=True,
-                 enabled_help="run the eBPF CUDA-driver probe (needs BCC and CAP_BPF/CAP_PERFMON)")
+SPEC = ProbeSpec(
+    SOURCE,
+    make,
+    section=EbpfProbeSection,
+    default_enabled=True,
+    enabled_help="run the eBPF CUDA-driver probe (needs BCC and CAP_BPF/CAP_PERFMON)",
+)

@@ -4,6 +4,7 @@ Pure logic over monotonic times (seconds, the clock bpf_ktime_get_ns reads), so 
 tested without BPF. probes/ebpf.py feeds it attach/detach times, launch times and the
 cumulative time blocked in synchronise calls.
 """
+
 from __future__ import annotations
 
 import math

@@ -10,6 +10,7 @@ a uprobe waits for an RCU grace period (about 0.1 s here), and perf-event uprobe
 closed one by one under a kernel mutex, while a multi link releases all its uprobes
 after one wait.
 """
+
 from __future__ import annotations
 
 import ctypes as ct
@@ -43,7 +44,11 @@ class Role:
 
 
 ROLES: tuple[Role, ...] = (
-    Role("on_launch", ("cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz"), high_rate=True),
+    Role(
+        "on_launch",
+        ("cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz"),
+        high_rate=True,
+    ),
     Role("on_graph_launch", ("cuGraphLaunch", "cuGraphLaunch_ptsz"), high_rate=True),
     Role("on_copy_htod", ("cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync_v2_ptsz"), high_rate=True),
     Role("on_copy_htod32", ("cuMemcpyHtoDAsync",), high_rate=True),
@@ -106,14 +111,22 @@ def preflight() -> None:
 
     missing = [name for name, c in (("CAP_BPF", CAP_BPF), ("CAP_PERFMON", CAP_PERFMON)) if not has(c)]
     if missing and not has(CAP_SYS_ADMIN):
-        raise ProbeUnavailable(f"no BPF permission: the agent lacks {' and '.join(missing)} "
-                               f"(or CAP_SYS_ADMIN); effective capabilities {caps:#x}")
+        raise ProbeUnavailable(
+            f"no BPF permission: the agent lacks {' and '.join(missing)} "
+            f"(or CAP_SYS_ADMIN); effective capabilities {caps:#x}"
+        )
     release = platform.release()
-    candidates = [os.environ.get("BCC_KERNEL_SOURCE", ""), f"/lib/modules/{release}/build",
-                  f"/lib/modules/{release}/source", "/sys/kernel/kheaders.tar.xz"]
+    candidates = [
+        os.environ.get("BCC_KERNEL_SOURCE", ""),
+        f"/lib/modules/{release}/build",
+        f"/lib/modules/{release}/source",
+        "/sys/kernel/kheaders.tar.xz",
+    ]
     if not any(c and os.path.exists(c) for c in candidates):
-        raise ProbeUnavailable(f"no kernel headers for {release}: install linux-headers-{release} "
-                               "or load the kheaders module (BCC compiles against them)")
+        raise ProbeUnavailable(
+            f"no kernel headers for {release}: install linux-headers-{release} "
+            "or load the kheaders module (BCC compiles against them)"
+        )
 
 
 # --- uprobe_multi links through the bpf() syscall -------------------------------------
@@ -127,10 +140,21 @@ _FALLBACK_ERRNOS = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, errno.E2BIG, 5
 
 class _LinkCreateAttr(ct.Structure):
     """union bpf_attr, the BPF_LINK_CREATE member with its uprobe_multi part."""
-    _fields_ = [("prog_fd", ct.c_uint32), ("target_fd", ct.c_uint32), ("attach_type", ct.c_uint32),
-                ("flags", ct.c_uint32), ("path", ct.c_uint64), ("offsets", ct.c_uint64),
-                ("ref_ctr_offsets", ct.c_uint64), ("cookies", ct.c_uint64), ("cnt", ct.c_uint32),
-                ("multi_flags", ct.c_uint32), ("pid", ct.c_uint32), ("_tail", ct.c_uint8 * 68)]
+
+    _fields_ = [
+        ("prog_fd", ct.c_uint32),
+        ("target_fd", ct.c_uint32),
+        ("attach_type", ct.c_uint32),
+        ("flags", ct.c_uint32),
+        ("path", ct.c_uint64),
+        ("offsets", ct.c_uint64),
+        ("ref_ctr_offsets", ct.c_uint64),
+        ("cookies", ct.c_uint64),
+        ("cnt", ct.c_uint32),
+        ("multi_flags", ct.c_uint32),
+        ("pid", ct.c_uint32),
+        ("_tail", ct.c_uint8 * 68),
+    ]
 
 
 def _link_uprobe_multi(prog_fd: int, path: str, offsets: list[int], pid: int, retprobe: bool) -> int:
@@ -154,9 +178,11 @@ def _link_uprobe_multi(prog_fd: int, path: str, offsets: list[int], pid: int, re
 
 # --- the loaded program -------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class PidCounters:
     """One read of a process's `stats` entry."""
+
     launches: int
     graph_launches: int
     last_launch_ns: int
@@ -182,6 +208,7 @@ class InflightSync:
 @dataclass
 class Link:
     """What one attach made: a multi-link fd, or BCC perf-event names."""
+
     role: Role
     fd: int | None = None
     events: list[bytes] = field(default_factory=list)
@@ -311,14 +338,26 @@ class CudaBpf:
         out = {}
         for k, v in self.stats.items():
             out[k.value] = PidCounters(
-                v.launches, v.graph_launches, v.last_launch_ns, tuple(v.copies), tuple(v.copy_bytes),
-                v.sync_calls, v.sync_ns, v.alloc_calls, v.alloc_failures, v.last_alloc_fail_bytes,
-                v.last_alloc_error, tuple(v.sync_hist))
+                v.launches,
+                v.graph_launches,
+                v.last_launch_ns,
+                tuple(v.copies),
+                tuple(v.copy_bytes),
+                v.sync_calls,
+                v.sync_ns,
+                v.alloc_calls,
+                v.alloc_failures,
+                v.last_alloc_fail_bytes,
+                v.last_alloc_error,
+                tuple(v.sync_hist),
+            )
         return out
 
     def read_inflight(self) -> list[InflightSync]:
-        return [InflightSync(k.value & 0xFFFFFFFF, k.value >> 32, v.ts, SYNC_KINDS.get(v.kind, "?"))
-                for k, v in self.inflight.items()]
+        return [
+            InflightSync(k.value & 0xFFFFFFFF, k.value >> 32, v.ts, SYNC_KINDS.get(v.kind, "?"))
+            for k, v in self.inflight.items()
+        ]
 
     def map_pids(self) -> set[int]:
         """Every process id with an entry in any map (tests check exits leave none)."""

@@ -8,6 +8,7 @@ into the counters and health at the next sample. A GPU that has fallen off the b
 reported as lost (health failed), never crashed on. Findings: one per Xid, one per new
 health reason, and one (recovered / health changed) when the state moves otherwise.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -131,8 +132,15 @@ def _float(v: Any) -> float | None:
 class GpuProbe:
     name = "gpu"
 
-    def __init__(self, reader: Reader, model: HealthModel, *, emit: Callable[[Finding], Any],
-                 clock: Callable[[], float] = time.time, xid_wait_ms: int = 500) -> None:
+    def __init__(
+        self,
+        reader: Reader,
+        model: HealthModel,
+        *,
+        emit: Callable[[Finding], Any],
+        clock: Callable[[], float] = time.time,
+        xid_wait_ms: int = 500,
+    ) -> None:
         self.reader, self.model, self.emit, self.clock = reader, model, emit, clock
         self._lock = threading.Lock()
         self._xid_pending: list[XidEvent] = []
@@ -171,10 +179,16 @@ class GpuProbe:
             self._xid_pending.append(ev)
             uuid = self._uuids.get(ev.gpu, "")
         consequence = {"fatal": "; GPU marked failed", "degrading": "; GPU marked degraded"}.get(info.cls, "")
-        self.emit(Finding("gpu", Reason.GPU_XID, _XID_SEVERITY[info.cls],
-                          f"Xid {ev.xid} on GPU {ev.gpu}: {info.description} ({info.cls}{consequence})",
-                          {"gpu": str(ev.gpu), "gpu_uuid": uuid, "xid": str(ev.xid), "xid_class": info.cls},
-                          time=ev.time))
+        self.emit(
+            Finding(
+                "gpu",
+                Reason.GPU_XID,
+                _XID_SEVERITY[info.cls],
+                f"Xid {ev.xid} on GPU {ev.gpu}: {info.description} ({info.cls}{consequence})",
+                {"gpu": str(ev.gpu), "gpu_uuid": uuid, "xid": str(ev.xid), "xid_class": info.cls},
+                time=ev.time,
+            )
+        )
 
     # --- sampling ---------------------------------------------------------------------------
 
@@ -196,9 +210,15 @@ class GpuProbe:
         for r in reading.gpus:
             upd = self.model.update(r.index, r, now)
             xids = tuple(sorted((code, n) for (gpu, code), n in self._xid_counts.items() if gpu == r.index))
-            sample = dataclasses.replace(r, health=upd.health.state, reasons=upd.health.texts, xid_errors=xids,
-                                         last_xid=self._last_xid.get(r.index), sbe_per_hour=upd.sbe_per_hour,
-                                         pcie_replays_per_min=upd.pcie_replays_per_min)
+            sample = dataclasses.replace(
+                r,
+                health=upd.health.state,
+                reasons=upd.health.texts,
+                xid_errors=xids,
+                last_xid=self._last_xid.get(r.index),
+                sbe_per_hour=upd.sbe_per_hour,
+                pcie_replays_per_min=upd.pcie_replays_per_min,
+            )
             self._report(sample, upd)
             out.append(sample)
         return GpuSnapshot(time=now, backend=self.reader.backend, gpus=tuple(out))
@@ -210,18 +230,37 @@ class GpuProbe:
             if reason.key.startswith("xid:"):
                 told = True  # the Xid's own finding already said so
                 continue
-            self.emit(Finding("gpu", reason.reason, _STATE_SEVERITY[reason.state],
-                              f"GPU {s.index}: {reason.text} (health {upd.previous} -> {upd.health.state})",
-                              {**labels, "cause": reason.key}))
+            self.emit(
+                Finding(
+                    "gpu",
+                    reason.reason,
+                    _STATE_SEVERITY[reason.state],
+                    f"GPU {s.index}: {reason.text} (health {upd.previous} -> {upd.health.state})",
+                    {**labels, "cause": reason.key},
+                )
+            )
             told = True
         if upd.health.state != upd.previous and not told:
             if upd.health.state == HEALTHY:
-                self.emit(Finding("gpu", Reason.GPU_RECOVERED, Severity.INFO,
-                                  f"GPU {s.index} is healthy again (was {upd.previous})", labels))
+                self.emit(
+                    Finding(
+                        "gpu",
+                        Reason.GPU_RECOVERED,
+                        Severity.INFO,
+                        f"GPU {s.index} is healthy again (was {upd.previous})",
+                        labels,
+                    )
+                )
             else:
-                self.emit(Finding("gpu", Reason.GPU_HEALTH_CHANGED, _STATE_SEVERITY[upd.health.state],
-                                  f"GPU {s.index}: health {upd.previous} -> {upd.health.state}: "
-                                  + "; ".join(upd.health.texts), labels))
+                self.emit(
+                    Finding(
+                        "gpu",
+                        Reason.GPU_HEALTH_CHANGED,
+                        _STATE_SEVERITY[upd.health.state],
+                        f"GPU {s.index}: health {upd.previous} -> {upd.health.state}: " + "; ".join(upd.health.texts),
+                        labels,
+                    )
+                )
 
     def close(self) -> None:
         self._stop.set()
@@ -233,9 +272,12 @@ class GpuProbe:
 @dataclass(frozen=True)
 class GpuProbeSection:
     """[probes.gpu]"""
+
     interval_s: float = opt(1.0, "seconds between GPU samples", min=0.05, max=3600)
     timeout_s: float = opt(5.0, "deadline for one sample; past it the probe is down", min=0.05, max=600)
-    backend: str = opt("nvml", "where GPU data comes from: nvml, or dcgm (a dcgm-exporter endpoint)", choices=("nvml", "dcgm"))
+    backend: str = opt(
+        "nvml", "where GPU data comes from: nvml, or dcgm (a dcgm-exporter endpoint)", choices=("nvml", "dcgm")
+    )
     dcgm_url: str = opt("http://127.0.0.1:9400/metrics", "dcgm-exporter endpoint, for backend = dcgm")
 
 
@@ -245,6 +287,7 @@ def _factory(ctx: ProbeContext) -> GpuProbe:
     reader: Reader
     if cfg.probes.gpu.backend == "dcgm" and ctx.nvml is None and not cfg.agent.simulate:
         from mscale.probes.dcgm import DcgmReader
+
         reader = DcgmReader(cfg.probes.gpu.dcgm_url, timeout_s=cfg.probes.gpu.timeout_s)
     elif ctx.nvml is not None:
         backend = "sim" if type(ctx.nvml).__module__.startswith("mscale.sim") else "nvml"
@@ -257,4 +300,14 @@ def _factory(ctx: ProbeContext) -> GpuProbe:
 # Needs the NVIDIA driver (NVML), a dcgm-exporter endpoint, or --simulate.
 SPEC = ProbeSpec(name="gpu", factory=_factory, section=GpuProbeSection, enabled_help="run the GPU probe")
 
-__all__ = ["GpuProbe", "GpuProbeSection", "GpuSample", "GpuSnapshot", "NvLinkSample", "NvmlReader", "Reading", "SPEC", "STATES"]
+__all__ = [
+    "GpuProbe",
+    "GpuProbeSection",
+    "GpuSample",
+    "GpuSnapshot",
+    "NvLinkSample",
+    "NvmlReader",
+    "Reading",
+    "SPEC",
+    "STATES",
+]

@@ -10,6 +10,7 @@ Rules (thresholds from the [health] config section):
 The Xid classes come from a validated data file (xid_table.csv, or health.xid_table).
 Readers (NVML, dcgm-exporter) feed the same model, so both backends judge alike.
 """
+
 from __future__ import annotations
 
 import csv
@@ -38,12 +39,22 @@ MIN_RATE_SPAN_S = 60.0
 @dataclass(frozen=True)
 class HealthSection:
     """[health]: the thresholds of the model below (both GPU backends judge by them)."""
+
     temperature_degraded_c: float = opt(83.0, "GPU temperature at or above this is degraded", min=0, max=200)
     sbe_per_hour_degraded: float = opt(100.0, "single-bit ECC errors per hour above this is degraded", min=0)
-    pcie_replays_per_min_degraded: float = opt(100.0, "PCIe replays per minute above this (a replay storm) is degraded", min=0)
+    pcie_replays_per_min_degraded: float = opt(
+        100.0, "PCIe replays per minute above this (a replay storm) is degraded", min=0
+    )
     xid_table: str = opt("", "CSV of Xid code, class (fatal|degrading|info), description (empty: the shipped table)")
-    rate_window_s: float = opt(300.0, "window over which the single-bit ECC and PCIe replay rates are measured", min=60, max=86400)
-    xid_degraded_hold_s: float = opt(3600.0, "a degrading Xid keeps its GPU degraded this long after it last occurred (or until a GPU reset)", min=0, max=30 * 86400)
+    rate_window_s: float = opt(
+        300.0, "window over which the single-bit ECC and PCIe replay rates are measured", min=60, max=86400
+    )
+    xid_degraded_hold_s: float = opt(
+        3600.0,
+        "a degrading Xid keeps its GPU degraded this long after it last occurred (or until a GPU reset)",
+        min=0,
+        max=30 * 86400,
+    )
 
 
 def worst(*states: str) -> str:
@@ -51,6 +62,7 @@ def worst(*states: str) -> str:
 
 
 # --- the Xid catalogue --------------------------------------------------------------------
+
 
 class XidTableError(ValueError):
     """A malformed Xid table; the message names the file and line."""
@@ -122,6 +134,7 @@ def shipped_xid_table() -> XidTable:
 
 # --- rates ----------------------------------------------------------------------------------
 
+
 class RateWindow:
     """Rate (per second) of a monotonic counter over a sliding window. A counter that goes
     down (a GPU reset clears volatile counters) restarts the window."""
@@ -143,6 +156,7 @@ class RateWindow:
 
 
 # --- the model --------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class HealthReason:
@@ -177,6 +191,7 @@ class _GpuMemory:
 class Update:
     """The outcome of one reading: the GPU's health, the reasons that are new since the
     previous reading, the previous state, and the measured rates."""
+
     health: Health
     new_reasons: tuple[HealthReason, ...]
     previous: str
@@ -232,34 +247,67 @@ class HealthModel:
         if r.lost:
             add(HealthReason("lost", Reason.GPU_LOST, FAILED, f"GPU is lost: {r.lost_reason or 'fallen off the bus'}"))
         if r.ecc_dbe_volatile:
-            add(HealthReason("ecc_dbe", Reason.GPU_ECC_DBE, FAILED,
-                             f"{r.ecc_dbe_volatile} double-bit ECC error(s) since the last reset"))
+            add(
+                HealthReason(
+                    "ecc_dbe",
+                    Reason.GPU_ECC_DBE,
+                    FAILED,
+                    f"{r.ecc_dbe_volatile} double-bit ECC error(s) since the last reset",
+                )
+            )
         if r.remapped_rows_failed:
             add(HealthReason("remap_failed", Reason.GPU_RESET_REQUIRED, FAILED, "row remapping failed"))
         for code in sorted(m.xids):
             info = self.xids.classify(code)
-            add(HealthReason(f"xid:{code}", Reason.GPU_XID, _CLASS_STATE[info.cls],
-                             f"Xid {code} ({info.cls}): {info.description}"))
+            add(
+                HealthReason(
+                    f"xid:{code}",
+                    Reason.GPU_XID,
+                    _CLASS_STATE[info.cls],
+                    f"Xid {code} ({info.cls}): {info.description}",
+                )
+            )
         t = self.cfg.temperature_degraded_c
         if r.temperature_c is not None and r.temperature_c >= t:
-            add(HealthReason("temperature", Reason.GPU_TEMPERATURE, DEGRADED,
-                             f"temperature {r.temperature_c:g} C >= {t:g} C"))
+            add(
+                HealthReason(
+                    "temperature", Reason.GPU_TEMPERATURE, DEGRADED, f"temperature {r.temperature_c:g} C >= {t:g} C"
+                )
+            )
         if sbe_per_hour is not None and sbe_per_hour > self.cfg.sbe_per_hour_degraded:
-            add(HealthReason("sbe_rate", Reason.GPU_ECC_SBE_STORM, DEGRADED,
-                             f"single-bit ECC errors at {sbe_per_hour:.0f}/h > {self.cfg.sbe_per_hour_degraded:g}/h"))
+            add(
+                HealthReason(
+                    "sbe_rate",
+                    Reason.GPU_ECC_SBE_STORM,
+                    DEGRADED,
+                    f"single-bit ECC errors at {sbe_per_hour:.0f}/h > {self.cfg.sbe_per_hour_degraded:g}/h",
+                )
+            )
         if replays_per_min is not None and replays_per_min > self.cfg.pcie_replays_per_min_degraded:
-            add(HealthReason("pcie_replay", Reason.GPU_PCIE_REPLAY, DEGRADED,
-                             f"PCIe replays at {replays_per_min:.0f}/min > {self.cfg.pcie_replays_per_min_degraded:g}/min"))
+            add(
+                HealthReason(
+                    "pcie_replay",
+                    Reason.GPU_PCIE_REPLAY,
+                    DEGRADED,
+                    f"PCIe replays at {replays_per_min:.0f}/min > {self.cfg.pcie_replays_per_min_degraded:g}/min",
+                )
+            )
         for link in r.nvlinks:
             if link.up:
                 m.links_seen_up.add(link.link)
             elif link.link in m.links_seen_up:
-                add(HealthReason(f"nvlink:{link.link}", Reason.GPU_NVLINK_DOWN, DEGRADED,
-                                 f"NVLink link {link.link} is down"))
+                add(
+                    HealthReason(
+                        f"nvlink:{link.link}", Reason.GPU_NVLINK_DOWN, DEGRADED, f"NVLink link {link.link} is down"
+                    )
+                )
         if r.remapped_rows_pending or r.retired_pages_pending:
             what = "row remap" if r.remapped_rows_pending else "page retirement"
-            add(HealthReason("reset_pending", Reason.GPU_RESET_REQUIRED, DEGRADED,
-                             f"{what} pending: the GPU needs a reset"))
+            add(
+                HealthReason(
+                    "reset_pending", Reason.GPU_RESET_REQUIRED, DEGRADED, f"{what} pending: the GPU needs a reset"
+                )
+            )
 
         health = Health(worst(*(x.state for x in reasons)), tuple(reasons))
         before = {x.key for x in m.health.reasons}

@@ -1,6 +1,7 @@
 """What the GPU probe publishes: one GpuSample per GPU in a frozen GpuSnapshot, and the
 Reader interface its backends (NVML, simulated, dcgm-exporter) implement. Data only, so the
 backends and the exporters share it without importing the probe."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,6 +28,7 @@ class NvLinkSample:
 @dataclass(frozen=True)
 class GpuSample:
     """One GPU at one time, in base units. None: the GPU does not report that field."""
+
     index: int
     uuid: str
     name: str = ""

@@ -5,6 +5,7 @@ CPU, RSS and I/O of each registered training process (state.jobs[*].pid).
 reads that path from a module global, so a non-default root is set only for the duration
 of a sample, under a lock.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -104,8 +105,9 @@ def _procfs(root: str) -> Iterator[None]:
 class HostProbe:
     name = "host"
 
-    def __init__(self, *, jobs: Callable[[], list[Any]] = list, proc_root: str = "/proc",
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, *, jobs: Callable[[], list[Any]] = list, proc_root: str = "/proc", clock: Callable[[], float] = time.time
+    ) -> None:
         self.jobs, self.proc_root, self.clock = jobs, proc_root, clock
         self._procs: dict[int, psutil.Process] = {}  # kept, so cpu_times stay per process instance
 
@@ -160,11 +162,31 @@ class HostProbe:
             memory_total_bytes=mem.total,
             memory_available_bytes=mem.available,
             memory_used_bytes=mem.total - mem.available,
-            disks=tuple(DiskSample(d, disks[d].read_bytes, disks[d].write_bytes, disks[d].read_count,
-                                   disks[d].write_count, getattr(disks[d], "busy_time", 0) / 1000)
-                        for d in whole_disks(list(disks))),
-            nics=tuple(NicSample(n, c.bytes_recv, c.bytes_sent, c.packets_recv, c.packets_sent,
-                                 c.errin, c.errout, c.dropin, c.dropout) for n, c in sorted(nics.items())),
+            disks=tuple(
+                DiskSample(
+                    d,
+                    disks[d].read_bytes,
+                    disks[d].write_bytes,
+                    disks[d].read_count,
+                    disks[d].write_count,
+                    getattr(disks[d], "busy_time", 0) / 1000,
+                )
+                for d in whole_disks(list(disks))
+            ),
+            nics=tuple(
+                NicSample(
+                    n,
+                    c.bytes_recv,
+                    c.bytes_sent,
+                    c.packets_recv,
+                    c.packets_sent,
+                    c.errin,
+                    c.errout,
+                    c.dropin,
+                    c.dropout,
+                )
+                for n, c in sorted(nics.items())
+            ),
             processes=procs,
             processes_gone=gone,
         )
@@ -181,12 +203,14 @@ def _jobs_of(state: Any) -> Callable[[], list[Any]]:
             except RuntimeError:
                 continue
         return []
+
     return jobs
 
 
 @dataclass(frozen=True)
 class HostProbeSection:
     """[probes.host]"""
+
     interval_s: float = opt(5.0, "seconds between host samples", min=0.05, max=3600)
     timeout_s: float = opt(5.0, "deadline for one sample", min=0.05, max=600)
     proc_root: str = opt("/proc", "procfs root (tests point it at a fixture tree)")

@@ -6,6 +6,7 @@ a GPU index and return plain values in NVML's own units (the probe converts to b
 Errors are pynvml's `NVMLError` subclasses, real or simulated: a GPU that has fallen off
 the bus raises `NVMLError_GpuIsLost`, a field the GPU lacks raises `NVMLError_NotSupported`.
 """
+
 from __future__ import annotations
 
 import threading
@@ -89,41 +90,52 @@ class Nvml(Protocol):
     def memory_info(self, gpu: int) -> tuple[int, int]:
         """(used bytes, total bytes)"""
         ...
+
     def utilization(self, gpu: int) -> tuple[int, int]:
         """(GPU %, memory %) over NVML's last sample period"""
         ...
+
     def clocks_mhz(self, gpu: int) -> tuple[int, int]:
         """(SM clock, memory clock) in MHz"""
         ...
+
     def throttle_reasons(self, gpu: int) -> int:
         """bitmask of THROTTLE_REASONS"""
         ...
+
     def ecc_errors(self, gpu: int, *, uncorrected: bool, aggregate: bool) -> int: ...
     def retired_pages(self, gpu: int) -> tuple[int, int, bool]:
         """(pages retired for single-bit errors, for double-bit errors, retirement pending)"""
         ...
+
     def remapped_rows(self, gpu: int) -> tuple[int, int, bool, bool]:
         """(correctable rows, uncorrectable rows, remap pending, remap failed)"""
         ...
+
     def pcie_replay_counter(self, gpu: int) -> int: ...
     def pcie_throughput_kbs(self, gpu: int) -> tuple[int, int]:
         """(TX, RX) in KB/s (NVML's KB: 1024 bytes)"""
         ...
+
     def nvlink_links(self, gpu: int) -> tuple[int, ...]:
         """the link numbers this GPU has (empty on PCIe cards)"""
         ...
+
     def nvlink_up(self, gpu: int, link: int) -> bool: ...
     def nvlink_errors(self, gpu: int, link: int) -> tuple[int, int, int, int]:
         """(replay, recovery, CRC flit, CRC data) error counters"""
         ...
+
     def recovery_action(self, gpu: int) -> int:
         """NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (RECOVERY_ACTIONS)"""
         ...
+
     def xid_events(self) -> XidEventSource: ...
     def close(self) -> None: ...
 
 
 # --- the real adapter ---------------------------------------------------------------------
+
 
 class _RealXidEvents:
     """nvmlEventSetCreate + nvmlDeviceRegisterEvents(XidCriticalError) + nvmlEventSetWait."""
@@ -205,8 +217,10 @@ class RealNvml:
 
     def clocks_mhz(self, gpu: int) -> tuple[int, int]:
         h = self._h(gpu)
-        return (pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
-                pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM))
+        return (
+            pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+            pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM),
+        )
 
     def throttle_reasons(self, gpu: int) -> int:
         try:
@@ -236,8 +250,10 @@ class RealNvml:
 
     def pcie_throughput_kbs(self, gpu: int) -> tuple[int, int]:
         h = self._h(gpu)
-        return (pynvml.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_TX_BYTES),
-                pynvml.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_RX_BYTES))
+        return (
+            pynvml.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_TX_BYTES),
+            pynvml.nvmlDeviceGetPcieThroughput(h, pynvml.NVML_PCIE_UTIL_RX_BYTES),
+        )
 
     def nvlink_links(self, gpu: int) -> tuple[int, ...]:
         # Links are probed once: a link absent on this board answers NOT_SUPPORTED or
@@ -260,9 +276,15 @@ class RealNvml:
 
     def nvlink_errors(self, gpu: int, link: int) -> tuple[int, int, int, int]:
         h = self._h(gpu)
-        replay, recovery, crc_flit, crc_data = (int(pynvml.nvmlDeviceGetNvLinkErrorCounter(h, link, c)) for c in (
-            pynvml.NVML_NVLINK_ERROR_DL_REPLAY, pynvml.NVML_NVLINK_ERROR_DL_RECOVERY,
-            pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT, pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA))
+        replay, recovery, crc_flit, crc_data = (
+            int(pynvml.nvmlDeviceGetNvLinkErrorCounter(h, link, c))
+            for c in (
+                pynvml.NVML_NVLINK_ERROR_DL_REPLAY,
+                pynvml.NVML_NVLINK_ERROR_DL_RECOVERY,
+                pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT,
+                pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA,
+            )
+        )
         return replay, recovery, crc_flit, crc_data
 
     def recovery_action(self, gpu: int) -> int:

@@ -11,6 +11,7 @@ available, plus `$xids` (a regex of the fatal Xid codes). A token left unreplace
   probe     what the agent's probes report about themselves and its jobs (inhibited by agent down)
   agent     the agent's target;  node: every target of a node (inhibits all on the node)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,14 +31,17 @@ def mpu_with_gpu(expr: str) -> str:
     """Attach the MPU's gpu/gpu_uuid (from mscale_mpu_info) so GPU alerts can inhibit it;
     the `or` keeps the alert when the info series is missing."""
     info = "mscale_mpu_info{$agent}"
-    return (f"(({expr}) * on (instance, job_id, mpu_id) group_left (gpu, gpu_uuid) {info}) "
-            f"or (({expr}) unless on (instance, job_id, mpu_id) {info})")
+    return (
+        f"(({expr}) * on (instance, job_id, mpu_id) group_left (gpu, gpu_uuid) {info}) "
+        f"or (({expr}) unless on (instance, job_id, mpu_id) {info})"
+    )
 
 
 ALERTS: tuple[Alert, ...] = (
     # --- GPU hardware -----------------------------------------------------------------
     Alert(
-        "MscaleGpuFatalXid", "gpu",
+        "MscaleGpuFatalXid",
+        "gpu",
         'gpu:mscale_gpu_xid_errors:increase$event{xid=~"$xids"} > 0',
         "GPU {{ $labels.gpu }} on {{ $labels.node }} reported fatal Xid {{ $labels.xid }}",
         "GPU {{ $labels.gpu }} ({{ $labels.gpu_uuid }}) on node {{ $labels.node }} reported Xid "
@@ -54,7 +58,8 @@ the agent's [Xid table](xid.md)) means the GPU needs a reset or replacement.
    it recurs.""",
     ),
     Alert(
-        "MscaleGpuEccDoubleBit", "gpu",
+        "MscaleGpuEccDoubleBit",
+        "gpu",
         'gpu:mscale_gpu_ecc_errors:increase$event{type="double_bit"} > 0',
         "GPU {{ $labels.gpu }} on {{ $labels.node }} had an uncorrectable (double-bit) ECC error",
         "GPU {{ $labels.gpu }} ({{ $labels.gpu_uuid }}) on node {{ $labels.node }} counted a "
@@ -69,8 +74,9 @@ snapshot when the weights themselves fail their checksums).
 3. Reset the GPU in a maintenance window; if the count rises again, replace it.""",
     ),
     Alert(
-        "MscaleGpuLost", "gpu",
-        'mscale_gpu_lost{$agent} == 1',
+        "MscaleGpuLost",
+        "gpu",
+        "mscale_gpu_lost{$agent} == 1",
         "GPU {{ $labels.gpu }} on {{ $labels.node }} is lost (fallen off the bus)",
         "The driver cannot reach GPU {{ $labels.gpu }} ({{ $labels.gpu_uuid }}) on node "
         "{{ $labels.node }}. Every process using it is stuck or dead.",
@@ -82,8 +88,9 @@ snapshot when the weights themselves fail their checksums).
    check power and cooling, then RMA.""",
     ),
     Alert(
-        "MscaleGpuTemperatureHigh", "gpu",
-        'mscale_gpu_temperature_celsius{$agent} >= $celsius',
+        "MscaleGpuTemperatureHigh",
+        "gpu",
+        "mscale_gpu_temperature_celsius{$agent} >= $celsius",
         "GPU {{ $labels.gpu }} on {{ $labels.node }} is at {{ $value }} C",
         "GPU {{ $labels.gpu }} ({{ $labels.gpu_uuid }}) on node {{ $labels.node }} has been at or "
         "above $celsius C for $for; it will throttle its clocks and slow the whole job.",
@@ -96,7 +103,8 @@ reasons). One slow GPU slows every rank of a synchronous job.
 3. One GPU: schedule maintenance. Whole node or rack: call facilities.""",
     ),
     Alert(
-        "MscaleGpuEccSingleBitStorm", "gpu",
+        "MscaleGpuEccSingleBitStorm",
+        "gpu",
         'rate(mscale_gpu_ecc_errors_total{$agent,type="single_bit",counter="volatile"}[$rate]) * 3600 > $per_hour',
         "GPU {{ $labels.gpu }} on {{ $labels.node }}: single-bit ECC storm",
         "GPU {{ $labels.gpu }} ({{ $labels.gpu_uuid }}) on node {{ $labels.node }} corrects more "
@@ -110,8 +118,9 @@ uncorrectable one. The agent marks the GPU `degraded`.
 3. If the rate returns after a reset, replace the GPU.""",
     ),
     Alert(
-        "MscaleGpuNvlinkDown", "gpu",
-        'mscale_gpu_nvlink_up{$agent} == 0',
+        "MscaleGpuNvlinkDown",
+        "gpu",
+        "mscale_gpu_nvlink_up{$agent} == 0",
         "GPU {{ $labels.gpu }} on {{ $labels.node }}: NVLink {{ $labels.link }} is down",
         "NVLink {{ $labels.link }} of GPU {{ $labels.gpu }} ({{ $labels.gpu_uuid }}) on node "
         "{{ $labels.node }} is inactive; collectives fall back to slower paths or fail.",
@@ -123,7 +132,8 @@ often comes with Xid 74.
 3. A GPU reset may bring the link back; a link that stays down needs the board serviced.""",
     ),
     Alert(
-        "MscaleGpuDegraded", "gpu",
+        "MscaleGpuDegraded",
+        "gpu",
         'mscale_gpu_health{$agent,state="degraded"} == 1',
         "GPU {{ $labels.gpu }} on {{ $labels.node }} is degraded",
         "The agent's health model rates GPU {{ $labels.gpu }} ({{ $labels.gpu_uuid }}) on node "
@@ -135,8 +145,9 @@ often comes with Xid 74.
 3. Otherwise watch the GPU node dashboard; no action is needed while it stays degraded only.""",
     ),
     Alert(
-        "MscaleGpuPcieReplayStorm", "gpu",
-        'rate(mscale_gpu_pcie_replays_total{$agent}[$rate]) * 60 > $per_minute',
+        "MscaleGpuPcieReplayStorm",
+        "gpu",
+        "rate(mscale_gpu_pcie_replays_total{$agent}[$rate]) * 60 > $per_minute",
         "GPU {{ $labels.gpu }} on {{ $labels.node }}: PCIe replay storm",
         "GPU {{ $labels.gpu }} ({{ $labels.gpu_uuid }}) on node {{ $labels.node }} replays more "
         "than $per_minute PCIe transactions per minute: the link is noisy, host transfers slow down.",
@@ -149,8 +160,9 @@ often comes with Xid 74.
     ),
     # --- training ---------------------------------------------------------------------
     Alert(
-        "MscaleMpuHealthLow", "training",
-        'job_mpu:mpu_health_score:min < $score',
+        "MscaleMpuHealthLow",
+        "training",
+        "job_mpu:mpu_health_score:min < $score",
         "MPU {{ $labels.mpu }} ({{ $labels.mpu_id }}) of job {{ $labels.job_id }} health {{ $value }}",
         "The health score of MPU {{ $labels.mpu }} ({{ $labels.mpu_id }}) of job {{ $labels.job_id }} "
         "on node {{ $labels.node }} has been below $score for $for: it is slow against its own "
@@ -164,8 +176,9 @@ MPU's own baseline, checksum failures, memory pressure and the health of its GPU
    The fuse escalates by itself if checksums keep failing.""",
     ),
     Alert(
-        "MscaleChecksumFailures", "training",
-        mpu_with_gpu('increase(mscale_mpu_checksum_failures_total{$agent}[$event]) > 0'),
+        "MscaleChecksumFailures",
+        "training",
+        mpu_with_gpu("increase(mscale_mpu_checksum_failures_total{$agent}[$event]) > 0"),
         "MPU {{ $labels.mpu_id }} of job {{ $labels.job_id }} failed its output checksums",
         "MPU {{ $labels.mpu_id }} of job {{ $labels.job_id }} on node {{ $labels.node }} produced "
         "outputs that failed the ABFT or replay checksum {{ $value }} times in $event: silent data "
@@ -178,8 +191,9 @@ weights predict. The fuse swaps the MPU to a standby GPU after 3 failures in a r
 3. Repeated failures on several GPUs of one node point at the node (power, memory): drain it.""",
     ),
     Alert(
-        "MscaleFuseL2Engaged", "training",
-        mpu_with_gpu('mscale_fuse_level{$agent} == 2'),
+        "MscaleFuseL2Engaged",
+        "training",
+        mpu_with_gpu("mscale_fuse_level{$agent} == 2"),
         "MPU {{ $labels.mpu_id }} of job {{ $labels.job_id }} runs degraded (fuse L2)",
         "MPU {{ $labels.mpu_id }} of job {{ $labels.job_id }} on node {{ $labels.node }} kept "
         "failing after a swap; it now runs degraded (fallback device or precision, reduced input "
@@ -192,8 +206,9 @@ weights predict. The fuse swaps the MPU to a standby GPU after 3 failures in a r
    job must keep full quality, stop it at the next snapshot and restart it elsewhere.""",
     ),
     Alert(
-        "MscaleFuseL3Engaged", "training",
-        mpu_with_gpu('mscale_fuse_level{$agent} >= 3'),
+        "MscaleFuseL3Engaged",
+        "training",
+        mpu_with_gpu("mscale_fuse_level{$agent} >= 3"),
         "MPU {{ $labels.mpu_id }} of job {{ $labels.job_id }} is being distilled (fuse L3)",
         "MPU {{ $labels.mpu_id }} of job {{ $labels.job_id }} on node {{ $labels.node }} keeps "
         "failing even degraded; the text MPU now supervises it through a distillation term.",
@@ -205,8 +220,9 @@ text model, and every step that stays at L3 drifts further from the undisturbed 
    restore bitwise, so no work is lost beyond the last snapshot.""",
     ),
     Alert(
-        "MscaleMpuSwapped", "training",
-        'increase(mpu_drift_count_total{$agent}[$event]) > 0',
+        "MscaleMpuSwapped",
+        "training",
+        "increase(mpu_drift_count_total{$agent}[$event]) > 0",
         "MPU {{ $labels.mpu_id }} of job {{ $labels.job_id }} was moved to another GPU",
         "The fuse moved MPU {{ $labels.mpu_id }} of job {{ $labels.job_id }} on node "
         "{{ $labels.node }} to a standby GPU (L1) {{ $value }} times in $event.",
@@ -216,8 +232,9 @@ text model, and every step that stays at L3 drifts further from the undisturbed 
 2. Swaps away from the same GPU again and again: that GPU is failing, take it out of service.""",
     ),
     Alert(
-        "MscaleCmsaClipHigh", "training",
-        'cmsa_clip_ratio{$agent} > $ratio',
+        "MscaleCmsaClipHigh",
+        "training",
+        "cmsa_clip_ratio{$agent} > $ratio",
         "MPU {{ $labels.mpu_id }} of job {{ $labels.job_id }}: gradients clipped in most steps",
         "CMSA clipped the gradients of MPU {{ $labels.mpu_id }} of job {{ $labels.job_id }} in "
         "more than $ratio of steps for $for: its learning is throttled.",
@@ -229,7 +246,8 @@ or a fuse at L2 raising the threshold).
 2. Check the modality's data pipeline and its learning-rate multiplier.""",
     ),
     Alert(
-        "MscaleLossNonFinite", "training",
+        "MscaleLossNonFinite",
+        "training",
         'job:mscale_job_findings:increase$event{reason="loss_nonfinite"} > 0',
         "Job {{ $labels.job_id }} produced a NaN or infinite loss",
         "Job {{ $labels.job_id }} on node {{ $labels.node }} computed a non-finite loss {{ $value }} times "
@@ -243,7 +261,8 @@ offending batch.
    otherwise lower the learning rate or look for a failing GPU (checksum alerts).""",
     ),
     Alert(
-        "MscaleLossSpike", "training",
+        "MscaleLossSpike",
+        "training",
         'job:mscale_job_findings:increase$event{reason=~"loss_spike_action|loss_jump"} > 0',
         "Loss spike in job {{ $labels.job_id }}",
         "The loss of job {{ $labels.job_id }} on node {{ $labels.node }} jumped beyond the action "
@@ -257,8 +276,9 @@ engine multiplies the LR by 0.1 for a cooling window, and rolls back if the spik
 2. Spikes that recur at the same data position point at bad samples.""",
     ),
     Alert(
-        "MscaleTrainingHang", "training",
-        'mscale_cuda_hang{$agent} == 1',
+        "MscaleTrainingHang",
+        "training",
+        "mscale_cuda_hang{$agent} == 1",
         "Job {{ $labels.job_id }} (pid {{ $labels.pid }}) is hung",
         "Training process {{ $labels.pid }} of job {{ $labels.job_id }} on node {{ $labels.node }} "
         "is alive but has launched no CUDA kernel (or has been blocked in one synchronise call) "
@@ -272,8 +292,9 @@ returns. Usually a collective waiting for a dead or slow peer rank, or a deadloc
    snapshot.""",
     ),
     Alert(
-        "MscaleSyncStall", "training",
-        'mscale_cuda_sync_blocked_ratio{$agent} > $ratio',
+        "MscaleSyncStall",
+        "training",
+        "mscale_cuda_sync_blocked_ratio{$agent} > $ratio",
         "Job {{ $labels.job_id }} (pid {{ $labels.pid }}) spends most of its time in CUDA synchronise",
         "Process {{ $labels.pid }} of job {{ $labels.job_id }} on node {{ $labels.node }} has been "
         "blocked in cuStreamSynchronize/cuCtxSynchronize for more than $ratio of wall time for $for: "
@@ -286,8 +307,9 @@ tensor) in the training loop serialises host and GPU.
     ),
     # --- snapshots --------------------------------------------------------------------
     Alert(
-        "MscaleSnapshotFailing", "snapshot",
-        'increase(mscale_snapshot_failures_total{$agent}[$event]) > 0',
+        "MscaleSnapshotFailing",
+        "snapshot",
+        "increase(mscale_snapshot_failures_total{$agent}[$event]) > 0",
         "Job {{ $labels.job_id }}: snapshots are failing",
         "Job {{ $labels.job_id }} on node {{ $labels.node }} failed to write or verify a snapshot "
         "{{ $value }} times in $event. Rollback and L1 restores fall back to older state.",
@@ -299,8 +321,9 @@ weights is impossible.
 2. `df -h` on the snapshot directory; `mscale snapshot verify DIR`.""",
     ),
     Alert(
-        "MscaleSnapshotStale", "snapshot",
-        'time() - mscale_snapshot_last_success_timestamp_seconds{$agent} > $max_age_s',
+        "MscaleSnapshotStale",
+        "snapshot",
+        "time() - mscale_snapshot_last_success_timestamp_seconds{$agent} > $max_age_s",
         "Job {{ $labels.job_id }}: last good snapshot is old",
         "The last snapshot of job {{ $labels.job_id }} on node {{ $labels.node }} that succeeded is "
         "older than $max_age_s seconds.",
@@ -312,9 +335,10 @@ weights is impossible.
     ),
     # --- the agent and its probes ------------------------------------------------------
     Alert(
-        "MscaleJobMetricsAbsent", "probe",
-        '(mscale_job_up{$agent} == 0) or (mscale_job_up{$agent} == 1 unless on (instance, job_id) '
-        '(increase(mscale_job_reports_total{$agent}[$rate]) > 0))',
+        "MscaleJobMetricsAbsent",
+        "probe",
+        "(mscale_job_up{$agent} == 0) or (mscale_job_up{$agent} == 1 unless on (instance, job_id) "
+        "(increase(mscale_job_reports_total{$agent}[$rate]) > 0))",
         "Job {{ $labels.job_id }} (rank {{ $labels.rank }}) is registered but reports no metrics",
         "Job {{ $labels.job_id }} (rank {{ $labels.rank }}) registered with the agent on node "
         "{{ $labels.node }}, but no step report has come from it for $rate and $for: its link to the "
@@ -328,8 +352,9 @@ weights is impossible.
    the agent refused in `mscale_refused_messages_total`.""",
     ),
     Alert(
-        "MscaleProbeDown", "probe",
-        'mscale_probe_up{$agent} == 0',
+        "MscaleProbeDown",
+        "probe",
+        "mscale_probe_up{$agent} == 0",
         "Probe {{ $labels.probe }} of the agent on {{ $labels.node }} is down",
         "The {{ $labels.probe }} probe of the agent on node {{ $labels.node }} has failed or timed "
         "out for $for; the metrics it feeds are stale.",
@@ -341,8 +366,9 @@ weights is impossible.
    `gpu` down means NVML (or dcgm-exporter) does not answer.""",
     ),
     Alert(
-        "MscaleAgentDown", "agent",
-        'up{$agent} == 0',
+        "MscaleAgentDown",
+        "agent",
+        "up{$agent} == 0",
         "The mscale agent on {{ $labels.node }} is down",
         "Prometheus cannot scrape the mscale agent at {{ $labels.instance }} (node {{ $labels.node }}) "
         "for $for: nothing on that node is watched or healed.",
@@ -353,8 +379,9 @@ weights is impossible.
 3. Training jobs keep running and guarding in-process; they reconnect when the agent is back.""",
     ),
     Alert(
-        "MscaleNodeDown", "node",
-        'max by (node) (up{$nodes}) == 0',
+        "MscaleNodeDown",
+        "node",
+        "max by (node) (up{$nodes}) == 0",
         "Node {{ $labels.node }} is down",
         "No target of node {{ $labels.node }} (agent, node_exporter) has answered Prometheus for "
         "$for. Every other alert of the node is inhibited.",

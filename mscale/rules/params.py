@@ -3,6 +3,7 @@
 An override may only change keys the shipped file has (a typo would otherwise be silently
 ignored), and must keep each value's type; `ParamsError` names the key at fault.
 """
+
 from __future__ import annotations
 
 import copy
@@ -74,7 +75,9 @@ def _kind_name(value: Any) -> str:
 def validate(params: dict) -> None:
     for name, a in params["alerts"].items():
         if a.get("severity") not in SEVERITIES:
-            raise ParamsError(f"alerts.{name}.severity: expected one of {', '.join(SEVERITIES)}, got {a.get('severity')!r}")
+            raise ParamsError(
+                f"alerts.{name}.severity: expected one of {', '.join(SEVERITIES)}, got {a.get('severity')!r}"
+            )
         if not _DURATION.match(str(a.get("for", ""))):
             raise ParamsError(f"alerts.{name}.for: expected a Prometheus duration like 1m, got {a.get('for')!r}")
     for key, value in params["windows"].items():

@@ -1,5 +1,6 @@
 """Recording rules: what alerts and dashboards share. Names follow level:metric:operation;
 the window in a name comes from params.yaml (`$rate`, `$event`, `$band`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,14 +28,21 @@ RECORDS: tuple[Record, ...] = (
     Record("gpu:mscale_gpu_xid_errors:increase$event", new_or_increase("mscale_gpu_xid_errors_total")),
     Record("gpu:mscale_gpu_ecc_errors:increase$event", new_or_increase("mscale_gpu_ecc_errors_total")),
     Record("job_mpu:mpu_health_score:min", mpu_with_gpu("min without (phase) (mpu_health_score{$agent})")),
-    Record("job:mscale_cuda_kernel_launches:rate$rate",
-           "sum without (pid) (rate(mscale_cuda_kernel_launches_total{$agent}[$rate]))"),
+    Record(
+        "job:mscale_cuda_kernel_launches:rate$rate",
+        "sum without (pid) (rate(mscale_cuda_kernel_launches_total{$agent}[$rate]))",
+    ),
     Record("job:mscale_job_loss:avg$band", "avg_over_time(mscale_job_loss{$agent}[$band])"),
     Record("job:mscale_job_loss:stddev$band", "stddev_over_time(mscale_job_loss{$agent}[$band])"),
     # every finding per node, source and reason (the healing dashboard)
     Record("node:mscale_events:increase$event", f"sum without (severity) ({new_or_increase('mscale_events_total')})"),
     # the jobs' own findings (loss spikes, NaN, ...) per job, source and reason: the loss alerts read these
-    Record("job:mscale_job_findings:increase$event", f"sum without (severity) ({new_or_increase('mscale_job_findings_total')})"),
-    Record("node:mscale_heal_actions:increase$event",
-           "sum by (node, level, action, result) (increase(mscale_heal_actions_total{$agent}[$event]))"),
+    Record(
+        "job:mscale_job_findings:increase$event",
+        f"sum without (severity) ({new_or_increase('mscale_job_findings_total')})",
+    ),
+    Record(
+        "node:mscale_heal_actions:increase$event",
+        "sum by (node, level, action, result) (increase(mscale_heal_actions_total{$agent}[$event]))",
+    ),
 )

@@ -1,14 +1,15 @@
 """`mscale chaos inject KIND ...`: inject a fault into a running agent (loopback) and its jobs.
 
-    mscale chaos inject corrupt --mpu vision --mode bitflip --steps 20
-    mscale chaos inject corrupt --gpu 3 --mode nan --steps 5
-    mscale chaos inject loss-spike --factor 25
-    mscale chaos inject nan-loss
-    mscale chaos inject xid --gpu 0 --code 79
-    mscale chaos inject ecc --gpu 2
-    mscale chaos inject hang --seconds 30
-    mscale chaos inject agent-kill
+mscale chaos inject corrupt --mpu vision --mode bitflip --steps 20
+mscale chaos inject corrupt --gpu 3 --mode nan --steps 5
+mscale chaos inject loss-spike --factor 25
+mscale chaos inject nan-loss
+mscale chaos inject xid --gpu 0 --code 79
+mscale chaos inject ecc --gpu 2
+mscale chaos inject hang --seconds 30
+mscale chaos inject agent-kill
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,10 +24,13 @@ KINDS = tuple(k.replace("_", "-") for k in CHAOS_KINDS)  # the API's kinds, spel
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="chaos_command", required=True, metavar="inject")
-    inj = sub.add_parser("inject", help="inject one fault", description=__doc__,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    inj = sub.add_parser(
+        "inject", help="inject one fault", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     inj.add_argument("kind", choices=KINDS)
-    inj.add_argument("--agent", default=DEFAULT_URL, metavar="URL", help=f"the agent, loopback only (default {DEFAULT_URL})")
+    inj.add_argument(
+        "--agent", default=DEFAULT_URL, metavar="URL", help=f"the agent, loopback only (default {DEFAULT_URL})"
+    )
     inj.add_argument("--job-id", help="only this job (default: every job)")
     inj.add_argument("--mpu", help="corrupt: MPU id or name")
     inj.add_argument("--gpu", type=int, help="corrupt/xid/ecc: simulated GPU index")
@@ -34,8 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     inj.add_argument("--steps", type=int, help="corrupt/loss-spike/nan-loss: for how many steps")
     inj.add_argument("--factor", type=float, help="loss-spike: multiplier (default 25)")
     inj.add_argument("--code", type=int, help="xid: the Xid code (default 79)")
-    inj.add_argument("--corrupt", choices=CHAOS_MODES + ("none",),
-                     help="xid/ecc: what the MPUs on that GPU compute meanwhile (default noise)")
+    inj.add_argument(
+        "--corrupt",
+        choices=CHAOS_MODES + ("none",),
+        help="xid/ecc: what the MPUs on that GPU compute meanwhile (default noise)",
+    )
     inj.add_argument("--seconds", type=float, help="hang: how long (default 5)")
     inj.add_argument("--timeout", type=float, default=10.0, metavar="S")
 

@@ -8,6 +8,7 @@
 
 The demo and tests call `inject(...)` directly; the agent's chaos API sends the commands.
 """
+
 from __future__ import annotations
 
 import time
@@ -20,8 +21,13 @@ from mscale.link import Command
 
 log = structlog.get_logger("mscale.chaos")
 # chaos modes -> injector kinds (a bit flip in the top exponent bit: the classic SDC)
-MODES = {"bitflip": "exponent_flip", "exponent_flip": "exponent_flip", "mantissa_flip": "mantissa_flip",
-         "noise": "noise", "nan": "nan"}
+MODES = {
+    "bitflip": "exponent_flip",
+    "exponent_flip": "exponent_flip",
+    "mantissa_flip": "mantissa_flip",
+    "noise": "noise",
+    "nan": "nan",
+}
 
 
 class ChaosPlugin:
@@ -63,8 +69,19 @@ class ChaosPlugin:
             return {"ok": False, "error": str(e)}
         return {"ok": True}
 
-    def inject(self, kind: str, *, mpu: str | None = None, gpu: int | None = None, mode: str = "noise",
-               steps: int = 1, factor: float = 25.0, seconds: float = 0.0, fault: str = "", **_: Any) -> None:
+    def inject(
+        self,
+        kind: str,
+        *,
+        mpu: str | None = None,
+        gpu: int | None = None,
+        mode: str = "noise",
+        steps: int = 1,
+        factor: float = 25.0,
+        seconds: float = 0.0,
+        fault: str = "",
+        **_: Any,
+    ) -> None:
         from mscale.sim.inject import inject as corrupt
 
         step = self.guard.current_step
@@ -73,8 +90,9 @@ class ChaosPlugin:
                 raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
             # a faulty GPU keeps computing garbage until its MPUs leave it
             n = steps if kind == "corrupt" else 1_000_000
-            self.injectors.append(corrupt(self.guard, kind=MODES[mode], steps=n, mpu=mpu, gpu=gpu,
-                                          seed=self.seed + len(self.log)))
+            self.injectors.append(
+                corrupt(self.guard, kind=MODES[mode], steps=n, mpu=mpu, gpu=gpu, seed=self.seed + len(self.log))
+            )
         elif kind in ("loss_spike", "nan_loss"):
             self.loss_faults.append({"kind": kind, "factor": factor, "left": int(steps), "steps": []})
         elif kind == "hang":

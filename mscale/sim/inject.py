@@ -20,6 +20,7 @@ binding is read at every forward, so rebinding the MPU to another GPU (an L1 swa
 the corruption. Replays of the same step are corrupted too (the GPU is still faulty). The
 injector draws from its own generator: the training RNG stream is untouched.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -52,8 +53,15 @@ class Hit:
     after: float
 
 
-def corrupt(y: torch.Tensor, kind: str, gen: torch.Generator, *, bit: int | None = None,
-            noise_scale: float = 1.0, element: str = "random") -> tuple[torch.Tensor, int, float, float]:
+def corrupt(
+    y: torch.Tensor,
+    kind: str,
+    gen: torch.Generator,
+    *,
+    bit: int | None = None,
+    noise_scale: float = 1.0,
+    element: str = "random",
+) -> tuple[torch.Tensor, int, float, float]:
     """A corrupted copy of `y`, the flat index hit, the value before and after."""
     out = y.clone()
     with torch.no_grad():
@@ -73,8 +81,10 @@ def corrupt(y: torch.Tensor, kind: str, gen: torch.Generator, *, bit: int | None
         else:
             int_dtype, exp_bit, man_bit = _BITS[y.dtype]
             b = bit if bit is not None else (exp_bit if kind == "exponent_flip" else man_bit)
-            word = flat[idx: idx + 1].view(int_dtype)
-            word.bitwise_xor_(torch.tensor(1 << b, dtype=int_dtype) if b < 63 else torch.tensor(-(1 << 63), dtype=int_dtype))
+            word = flat[idx : idx + 1].view(int_dtype)
+            word.bitwise_xor_(
+                torch.tensor(1 << b, dtype=int_dtype) if b < 63 else torch.tensor(-(1 << 63), dtype=int_dtype)
+            )
         return out, idx, before, float(flat[idx])
 
 
@@ -113,17 +123,20 @@ class Injector:
         self._armed: dict[int, bool] = {}
         self._handles: list[Any] = []
         for m in self.mpus:
-            self._handles.append(m.module.register_forward_pre_hook(
-                lambda mod, args, m=m: self._arm(m), prepend=True))
+            self._handles.append(m.module.register_forward_pre_hook(lambda mod, args, m=m: self._arm(m), prepend=True))
             if self.site == "output":
-                self._handles.append(m.module.register_forward_hook(
-                    lambda mod, args, out, m=m: self._hit_output(m, out), prepend=True))
+                self._handles.append(
+                    m.module.register_forward_hook(lambda mod, args, out, m=m: self._hit_output(m, out), prepend=True)
+                )
             else:
                 for name, sub in m.module.named_modules():
                     if isinstance(sub, nn.Linear):
-                        self._handles.append(sub.register_forward_hook(
-                            lambda mod, args, out, m=m, name=name: self._hit_linear(m, name or "<self>", out),
-                            prepend=True))
+                        self._handles.append(
+                            sub.register_forward_hook(
+                                lambda mod, args, out, m=m, name=name: self._hit_linear(m, name or "<self>", out),
+                                prepend=True,
+                            )
+                        )
 
     @property
     def done(self) -> bool:
@@ -150,8 +163,9 @@ class Injector:
         if not self._armed.get(id(m)) or not isinstance(out, torch.Tensor) or not out.is_floating_point():
             return None
         self._armed[id(m)] = False  # one corruption per forward of the MPU
-        bad, idx, before, after = corrupt(out, self.kind, self._gen, bit=self.bit, noise_scale=self.noise_scale,
-                                            element=self.element)
+        bad, idx, before, after = corrupt(
+            out, self.kind, self._gen, bit=self.bit, noise_scale=self.noise_scale, element=self.element
+        )
         self.hits.append(Hit(self.step(), m.mpu_id, m.gpu, where, idx, before, after))
         return bad
 
@@ -167,8 +181,9 @@ class Injector:
         return None
 
 
-def inject(guard: Any, *, kind: str, steps: int = 1, mpu: str | None = None, gpu: int | None = None,
-           **kwargs: Any) -> Injector:
+def inject(
+    guard: Any, *, kind: str, steps: int = 1, mpu: str | None = None, gpu: int | None = None, **kwargs: Any
+) -> Injector:
     """Corrupt the MPUs of `guard` (an attached Guard) from its current step on."""
     return Injector(list(guard.mpus), lambda: guard.current_step, kind, steps=steps, mpu=mpu, gpu=gpu, **kwargs)
 

@@ -18,6 +18,7 @@ chaos API uses it). Faults change only what they name:
 
 Page retirement answers NOT_SUPPORTED, as on real H100/H200 (they remap rows instead).
 """
+
 from __future__ import annotations
 
 import math
@@ -102,8 +103,15 @@ class SimNvml:
     """`Nvml` for N simulated GPUs. Thread-safe: the probe, the Xid thread and the chaos
     API call it from different threads."""
 
-    def __init__(self, gpus: int = 8, *, model: str = "h100", events: tuple[FaultEvent, ...] = (),
-                 clock: Callable[[], float] = time.time, seed: str = "mscale-sim") -> None:
+    def __init__(
+        self,
+        gpus: int = 8,
+        *,
+        model: str = "h100",
+        events: tuple[FaultEvent, ...] = (),
+        clock: Callable[[], float] = time.time,
+        seed: str = "mscale-sim",
+    ) -> None:
         self.model = model
         self._name, mem_mib, self._power_limit_w, self._sm_mhz, self._mem_mhz = MODELS[model]
         self._mem_total = mem_mib * MiB
@@ -115,8 +123,9 @@ class SimNvml:
         self._unheard: deque[XidEvent] = deque()  # Xids applied while no source listened
         self._listeners: list[Callable[[FaultEvent], None]] = []
         self.applied: list[tuple[float, FaultEvent]] = []  # (elapsed s, event), for the demo and tests
-        self._gpus = [_Gpu(i, "GPU-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"{seed}/{model}/{i}")))
-                      for i in range(gpus)]
+        self._gpus = [
+            _Gpu(i, "GPU-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"{seed}/{model}/{i}"))) for i in range(gpus)
+        ]
         self.uuids: tuple[str, ...] = tuple(g.uuid for g in self._gpus)
 
     @classmethod
@@ -168,6 +177,7 @@ class SimNvml:
         f = ev.fault
         if f == "xid":
             from mscale.probes.gpu_health import shipped_xid_table  # the driver's own view of severity
+
             if shipped_xid_table().classify(ev.code or 0).cls == "fatal":
                 g.recovery_action = nvml_api.RECOVERY_GPU_RESET
             xid = XidEvent(g.index, int(ev.code or 0), self._clock())

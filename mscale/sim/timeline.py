@@ -12,6 +12,7 @@
 A malformed file raises TimelineError naming the line at fault (from YAML's node marks).
 `event_from_dict` checks one event the same way (the chaos API injects through it).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,6 +39,7 @@ def _int_in(lo: int, hi: int) -> _Parser:
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
             raise ValueError(f"expected an integer {lo}..{hi}, got {v!r}")
         return v
+
     return parse
 
 
@@ -47,6 +49,7 @@ def _number_in(lo: float, hi: float, *, above: bool = False) -> _Parser:
         if not ok:
             raise ValueError(f"expected a number {'above' if above else 'from'} {lo:g} to {hi:g}, got {v!r}")
         return float(v)
+
     return parse
 
 
@@ -98,9 +101,13 @@ class FaultEvent:
     line: int | None = None  # where it came from, for messages
 
     def describe(self) -> str:
-        extra = {"xid": f" {self.code}", "temperature": f" {self.celsius:g} C" if self.celsius is not None else "",
-                 "nvlink_down": f" link {self.link}", "ecc_sbe_storm": f" {self.per_hour:g}/h" if self.per_hour else "",
-                 "pcie_replay_storm": f" {self.per_min:g}/min" if self.per_min else ""}.get(self.fault, "")
+        extra = {
+            "xid": f" {self.code}",
+            "temperature": f" {self.celsius:g} C" if self.celsius is not None else "",
+            "nvlink_down": f" link {self.link}",
+            "ecc_sbe_storm": f" {self.per_hour:g}/h" if self.per_hour else "",
+            "pcie_replay_storm": f" {self.per_min:g}/min" if self.per_min else "",
+        }.get(self.fault, "")
         return f"{self.fault}{extra} on GPU {self.gpu}"
 
 
@@ -112,8 +119,15 @@ class Timeline:
     source: str = "<timeline>"
 
 
-_PARAM_FIELD = {"code": "code", "count": "count", "per_hour": "per_hour", "celsius": "celsius",
-                "ramp": "ramp_s", "link": "link", "per_min": "per_min"}
+_PARAM_FIELD = {
+    "code": "code",
+    "count": "count",
+    "per_hour": "per_hour",
+    "celsius": "celsius",
+    "ramp": "ramp_s",
+    "link": "link",
+    "per_min": "per_min",
+}
 
 
 def _event(data: dict, gpus: int, where: Callable[[str], str], line: int | None) -> FaultEvent:
@@ -190,7 +204,9 @@ def parse_timeline(text: str, source: str = "<timeline>") -> Timeline:
             node = top["model"][1]
             model = value(node)
             if model not in MODELS:
-                raise TimelineError(f"{source} line {_line(node)}: model: expected one of {', '.join(MODELS)}, got {model!r}")
+                raise TimelineError(
+                    f"{source} line {_line(node)}: model: expected one of {', '.join(MODELS)}, got {model!r}"
+                )
         events: list[FaultEvent] = []
         if "events" in top:
             node = top["events"][1]
@@ -200,7 +216,9 @@ def parse_timeline(text: str, source: str = "<timeline>") -> Timeline:
                 raise TimelineError(f"{source} line {_line(node)}: events: expected a list of events")
             for i, ev in enumerate(node.value):
                 if not isinstance(ev, yaml.MappingNode):
-                    raise TimelineError(f"{source} line {_line(ev)}: events[{i}]: expected a mapping (at, gpu, fault, ...)")
+                    raise TimelineError(
+                        f"{source} line {_line(ev)}: events[{i}]: expected a mapping (at, gpu, fault, ...)"
+                    )
                 fields = {}
                 lines = {}
                 for k, v in ev.value:

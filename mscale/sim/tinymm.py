@@ -6,6 +6,7 @@ causal text transformer, named the way Hugging Face LLaVA-style models name them
 The task is learnable (each caption is a function of its image), so loss falls and a
 fault-free reference run is meaningful. Everything is deterministic on CPU for a seed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,7 +46,9 @@ class VisionTower(nn.Module):
         self.cfg = cfg
         self.patch_embed = nn.Linear(cfg.channels * cfg.patch * cfg.patch, cfg.vision_hidden)
         self.pos = nn.Parameter(torch.zeros(1, cfg.patches, cfg.vision_hidden))
-        self.layers = nn.ModuleList(_block(cfg.vision_hidden, cfg.heads, cfg.ffn_mult) for _ in range(cfg.vision_layers))
+        self.layers = nn.ModuleList(
+            _block(cfg.vision_hidden, cfg.heads, cfg.ffn_mult) for _ in range(cfg.vision_layers)
+        )
         self.norm = nn.LayerNorm(cfg.vision_hidden)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -93,7 +96,7 @@ class LanguageModel(nn.Module):
         for layer in self.layers:
             x = layer(x, src_mask=mask)
         hidden = self.norm(x)
-        return self.lm_head(hidden[:, prefix.shape[1]:]), hidden
+        return self.lm_head(hidden[:, prefix.shape[1] :]), hidden
 
 
 class TinyMultimodal(nn.Module):

@@ -16,21 +16,39 @@ importing this package or `mscale.snapshot.format` does not import torch.
 
 May import: findings, config, healing, hook. Never imports daemon.
 """
+
 from __future__ import annotations
 
 from types import ModuleType
 from typing import Any
 
 __all__ = [
-    "SnapshotEngine", "SnapshotPlugin", "SnapshotError", "SnapshotInvalid", "RollbackUnavailable", "SnapshotInfo",
-    "list_snapshots", "verify_snapshot", "read_manifest", "load_snapshot", "ResumableLoader", "ResumableFileStream",
+    "SnapshotEngine",
+    "SnapshotPlugin",
+    "SnapshotError",
+    "SnapshotInvalid",
+    "RollbackUnavailable",
+    "SnapshotInfo",
+    "list_snapshots",
+    "verify_snapshot",
+    "read_manifest",
+    "load_snapshot",
+    "ResumableLoader",
+    "ResumableFileStream",
 ]
 
 
 def __getattr__(name: str) -> Any:
     # On first use, so that the format module and the CLI never load torch.
     module: ModuleType
-    if name in ("SnapshotError", "SnapshotInvalid", "SnapshotInfo", "list_snapshots", "verify_snapshot", "read_manifest"):
+    if name in (
+        "SnapshotError",
+        "SnapshotInvalid",
+        "SnapshotInfo",
+        "list_snapshots",
+        "verify_snapshot",
+        "read_manifest",
+    ):
         from mscale.snapshot import format as module
     elif name in ("SnapshotEngine", "RollbackUnavailable"):
         from mscale.snapshot import engine as module

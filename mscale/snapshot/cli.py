@@ -7,6 +7,7 @@ naming the file at fault, 2 when DIR holds no snapshot.
 
 Uses only the torch-free format module, so it runs where torch is not installed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,19 @@ def _list(root: Path, args: argparse.Namespace) -> int:
     if args.json:
         for i in infos:
             m = i.manifest or {}
-            print(json.dumps({"path": str(i.path), "step": i.step, "rank": i.rank, "complete": i.complete, "bytes": i.nbytes,
-                              "created_unix": m.get("created_unix"), "files": len(m.get("files", {}))}))
+            print(
+                json.dumps(
+                    {
+                        "path": str(i.path),
+                        "step": i.step,
+                        "rank": i.rank,
+                        "complete": i.complete,
+                        "bytes": i.nbytes,
+                        "created_unix": m.get("created_unix"),
+                        "files": len(m.get("files", {})),
+                    }
+                )
+            )
         return 0
     print(f"{'RANK':>4}  {'STEP':>10}  {'STATUS':<10}  {'SIZE':>10}  {'CREATED (UTC)':<19}  {'FILES':>5}  PATH")
     for i in infos:
@@ -70,7 +82,9 @@ def _list(root: Path, args: argparse.Namespace) -> int:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m["created_unix"])) if "created_unix" in m else "-"
         status = "complete" if i.complete else "incomplete"
         rank = "-" if i.rank is None else str(i.rank)
-        print(f"{rank:>4}  {i.step:>10}  {status:<10}  {_size(i.nbytes) if i.complete else '-':>10}  {created:<19}  {len(m.get('files', {})):>5}  {i.path}")
+        print(
+            f"{rank:>4}  {i.step:>10}  {status:<10}  {_size(i.nbytes) if i.complete else '-':>10}  {created:<19}  {len(m.get('files', {})):>5}  {i.path}"
+        )
     return 0
 
 
@@ -97,7 +111,9 @@ class _Progress:
         width = 30
         bar = "#" * int(frac * width) + "." * (width - int(frac * width))
         rate = self.done / max(now - self.t0, 1e-9)
-        self.stream.write(f"\rverifying [{bar}] {frac * 100:5.1f}%  {_size(self.done)} / {_size(self.total)}  {_size(rate)}/s ")
+        self.stream.write(
+            f"\rverifying [{bar}] {frac * 100:5.1f}%  {_size(self.done)} / {_size(self.total)}  {_size(rate)}/s "
+        )
         self.stream.flush()
 
     def finish(self) -> None:
@@ -131,15 +147,21 @@ def _verify(root: Path, args: argparse.Namespace) -> int:
     for i in complete:
         try:
             snap.verify_snapshot(i.path, progress=progress)
-            results.append(f"OK      step {i.step}{'' if i.rank is None else f' rank {i.rank}'}  {i.path}  ({_size(i.nbytes)})")
+            results.append(
+                f"OK      step {i.step}{'' if i.rank is None else f' rank {i.rank}'}  {i.path}  ({_size(i.nbytes)})"
+            )
         except snap.SnapshotInvalid as e:
             failed += 1
-            results.append(f"FAILED  step {i.step}{'' if i.rank is None else f' rank {i.rank}'}  {i.path}: {e.file}: {e.why}")
+            results.append(
+                f"FAILED  step {i.step}{'' if i.rank is None else f' rank {i.rank}'}  {i.path}: {e.file}: {e.why}"
+            )
     progress.finish()
     for line in results:
         print(line)
     if incomplete:
-        print(f"({len(incomplete)} incomplete snapshot(s) left by an interrupted write, ignored: {', '.join(i.path.name for i in incomplete)})")
+        print(
+            f"({len(incomplete)} incomplete snapshot(s) left by an interrupted write, ignored: {', '.join(i.path.name for i in incomplete)})"
+        )
     return 1 if failed else 0
 
 
@@ -152,7 +174,10 @@ def _inspect(root: Path, args: argparse.Namespace) -> int:
     if args.step is not None:
         infos = [i for i in infos if i.step == args.step]
     if not infos:
-        print(f"mscale snapshot: no complete snapshot{'' if args.step is None else f' of step {args.step}'} under {root}", file=sys.stderr)
+        print(
+            f"mscale snapshot: no complete snapshot{'' if args.step is None else f' of step {args.step}'} under {root}",
+            file=sys.stderr,
+        )
         return 2
     info = max(infos, key=lambda i: i.step)
     try:  # the train state is read only once its hash matches the manifest
@@ -165,13 +190,19 @@ def _inspect(root: Path, args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2, default=str))
         return 0
     print(f"snapshot   {summary['path']}")
-    print(f"step       {summary['step']}   rank {summary['rank']} of {summary['world_size']}   job {summary['job_id'] or '-'}   written: {summary['why']}")
+    print(
+        f"step       {summary['step']}   rank {summary['rank']} of {summary['world_size']}   job {summary['job_id'] or '-'}   written: {summary['why']}"
+    )
     if summary["created_unix"]:
         print(f"created    {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(summary['created_unix']))}")
     print(f"versions   {', '.join(f'{k} {v}' for k, v in (summary['versions'] or {}).items())}")
     print("mpus")
     for mpu_id, m in sorted(summary["mpus"].items()):
-        where = f"gpu {m.get('gpu')} {m.get('gpu_uuid') or ''}".strip() if m.get("gpu") is not None else m.get("device", "-")
+        where = (
+            f"gpu {m.get('gpu')} {m.get('gpu_uuid') or ''}".strip()
+            if m.get("gpu") is not None
+            else m.get("device", "-")
+        )
         print(f"  {mpu_id}  {m.get('name', '-'):<10} {where}")
     print("files")
     for name, m in summary["files"].items():

@@ -15,6 +15,7 @@ Both offer `state_dict()` / `load_state_dict()` (what the snapshot engine stores
 caused a fault), and `next_batch()`; iterating either yields batches without end, across epoch
 boundaries, so training loops are driven by the step count.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,7 +36,9 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def epoch_order(length: int, *, seed: int, epoch: int, shuffle: bool = True, rank: int = 0, world_size: int = 1) -> list[int]:
+def epoch_order(
+    length: int, *, seed: int, epoch: int, shuffle: bool = True, rank: int = 0, world_size: int = 1
+) -> list[int]:
     """The sample indices one rank sees in one epoch, a pure function of the arguments.
 
     Sharding follows DistributedSampler: the permutation is padded (by wrapping) to a multiple
@@ -93,7 +96,17 @@ class ResumableLoader:
     # -- position ------------------------------------------------------------------------
     def order(self, epoch: int) -> list[int]:
         if self._order_cache is None or self._order_cache[0] != epoch:
-            self._order_cache = (epoch, epoch_order(self.length, seed=self.seed, epoch=epoch, shuffle=self.shuffle, rank=self.rank, world_size=self.world_size))
+            self._order_cache = (
+                epoch,
+                epoch_order(
+                    self.length,
+                    seed=self.seed,
+                    epoch=epoch,
+                    shuffle=self.shuffle,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                ),
+            )
         return self._order_cache[1]
 
     def batches_per_epoch(self) -> int:
@@ -184,7 +197,9 @@ class ResumableLoader:
             raise ValueError(f"not a ResumableLoader position: kind={state.get('kind')!r}")
         for key in ("length", "batch_size", "world_size", "rank", "shuffle"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"data position does not fit this loader: {key} was {state[key]!r}, now {getattr(self, key)!r}")
+                raise ValueError(
+                    f"data position does not fit this loader: {key} was {state[key]!r}, now {getattr(self, key)!r}"
+                )
         self.epoch, self.index, self.seed = int(state["epoch"]), int(state["index"]), int(state["seed"])
         self.skip = {(int(e), int(i)) for e, i in state.get("skip", [])}
         last = state.get("last_batch_position")
@@ -200,7 +215,15 @@ class ResumableFileStream:
     record k of the file belongs to rank k % world_size.
     """
 
-    def __init__(self, path: str | os.PathLike, *, batch_size: int, parse: Callable[[bytes], Any] | None = None, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        batch_size: int,
+        parse: Callable[[bytes], Any] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.path = os.fspath(path)
@@ -275,10 +298,14 @@ class ResumableFileStream:
             raise ValueError(f"not a ResumableFileStream position: kind={state.get('kind')!r}")
         for key in ("batch_size", "rank", "world_size"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"data position does not fit this stream: {key} was {state[key]!r}, now {getattr(self, key)!r}")
+                raise ValueError(
+                    f"data position does not fit this stream: {key} was {state[key]!r}, now {getattr(self, key)!r}"
+                )
         size = os.path.getsize(self.path)
         if int(state["offset"]) > size:
-            raise ValueError(f"{self.path}: saved byte offset {state['offset']} is past the end of the file ({size} bytes)")
+            raise ValueError(
+                f"{self.path}: saved byte offset {state['offset']} is past the end of the file ({size} bytes)"
+            )
         self.epoch, self.offset, self.record = int(state["epoch"]), int(state["offset"]), int(state["record"])
         self.skip = {(int(e), int(o)) for e, o in state.get("skip", [])}
         last = state.get("last_batch_position")

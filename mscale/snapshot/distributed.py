@@ -5,6 +5,7 @@ fault flag (MAX) and the steps they hold, and each computes the same answer from
 gathered data. Works with gloo (CPU tensors) and NCCL (tensors on the current CUDA device).
 Without an initialised process group everything is local (rank 0 of 1).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

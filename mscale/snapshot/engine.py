@@ -16,6 +16,7 @@ running step N+1 continues exactly as the uninterrupted run would have.
 
 The layout of a snapshot directory is in `format.py`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -132,11 +133,17 @@ class SnapshotEngine:
             self.rank_dir = self.directory / f"rank_{self.rank:05d}" if self.world_size > 1 else self.directory
             self.rank_dir.mkdir(parents=True, exist_ok=True)
             identity = {
-                "rank": self.rank, "world_size": self.world_size, "job_id": self.job_id,
-                "mpus": {mpu_id: {"name": self.mpu_names[mpu_id], "file": f, "optim_file": f.replace("_state.", "_optim.")}
-                         for mpu_id, (_, f) in self._mpus.items()},
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "job_id": self.job_id,
+                "mpus": {
+                    mpu_id: {"name": self.mpu_names[mpu_id], "file": f, "optim_file": f.replace("_state.", "_optim.")}
+                    for mpu_id, (_, f) in self._mpus.items()
+                },
             }
-            self._disk = DiskWriter(self.rank_dir, keep=disk_keep, identity=identity, emit=self._emit, unpin=self._unpin)
+            self._disk = DiskWriter(
+                self.rank_dir, keep=disk_keep, identity=identity, emit=self._emit, unpin=self._unpin
+            )
 
     @property
     def last_write(self) -> dict:
@@ -218,7 +225,13 @@ class SnapshotEngine:
                 entry["gpu_uuid"] = str(getattr(torch.cuda.get_device_properties(entry["gpu"]), "uuid", "")) or None
             entry.update({k: v for k, v in dict(custom.get(mpu_id, {})).items()})
             mpus[mpu_id] = entry
-        return {"rank": self.rank, "world_size": self.world_size, "host": platform.node(), "job_id": self.job_id, "mpus": mpus}
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "host": platform.node(),
+            "job_id": self.job_id,
+            "mpus": mpus,
+        }
 
     def _buffers_for(self, files: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
         """Host buffers shaped like `files`, reused where they fit: those of the oldest kept
@@ -334,7 +347,12 @@ class SnapshotEngine:
         if snap is None and self._resumed is not None:  # the newest state saved is on disk already
             return self._resumed[1]
         if snap is None:
-            self._emit(Reason.SNAPSHOT_FAILED, Severity.CRITICAL, f"emergency snapshot ({why}): no in-memory snapshot to write", why=why)
+            self._emit(
+                Reason.SNAPSHOT_FAILED,
+                Severity.CRITICAL,
+                f"emergency snapshot ({why}): no in-memory snapshot to write",
+                why=why,
+            )
             raise SnapshotError("no in-memory snapshot to write")
         try:
             if snap.disk_path is not None and (snap.disk_path / MANIFEST).exists():
@@ -348,7 +366,10 @@ class SnapshotEngine:
         """SIGUSR1 (by default) writes the newest in-memory snapshot. Main thread only."""
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("signal handlers can only be installed from the main thread")
-        self._prev_handler = (signum, signal.signal(signum, lambda s, f: self.emergency(why=f"signal {signal.Signals(s).name}")))
+        self._prev_handler = (
+            signum,
+            signal.signal(signum, lambda s, f: self.emergency(why=f"signal {signal.Signals(s).name}")),
+        )
 
     def flush(self, timeout: float | None = None) -> None:
         """Waits until every disk write queued so far is finished (written or failed)."""
@@ -361,10 +382,14 @@ class SnapshotEngine:
         live = self.model.state_dict()
         missing, unexpected = live.keys() - model_keys.keys(), model_keys.keys() - live.keys()
         if missing or unexpected:
-            raise SnapshotError(f"{where} does not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+            raise SnapshotError(
+                f"{where} does not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+            )
         for k, t in live.items():
             if tuple(model_keys[k].shape) != tuple(t.shape):
-                raise SnapshotError(f"{where} does not fit the model: {k} has shape {tuple(model_keys[k].shape)}, the model {tuple(t.shape)}")
+                raise SnapshotError(
+                    f"{where} does not fit the model: {k} has shape {tuple(model_keys[k].shape)}, the model {tuple(t.shape)}"
+                )
         if self._named_opt is not None:
             self._named_opt.check(objects.get("optimizer"), where)
         for name, obj in (("scaler", self.scaler), ("scheduler", self.scheduler), ("data", self.data)):
@@ -374,7 +399,9 @@ class SnapshotEngine:
             if name not in objects.get("extra", {}):
                 raise SnapshotError(f"{where} holds no state for {name!r}")
 
-    def _apply(self, tensors: dict[str, dict[str, torch.Tensor]], objects: dict, *, where: str, owned: bool = False) -> None:
+    def _apply(
+        self, tensors: dict[str, dict[str, torch.Tensor]], objects: dict, *, where: str, owned: bool = False
+    ) -> None:
         """Restores the live objects from a snapshot's tensors and objects. owned: the tensors
         are fresh (read from disk) and may become the optimizer's state without a copy."""
         self._check_fits(tensors, objects, where)
@@ -396,7 +423,9 @@ class SnapshotEngine:
             live = self.model.state_dict()
             self._copier.parallel_copy([(live[k], t) for k, t in model_sd.items()])
         if self._named_opt is not None:
-            self._named_opt.restore(opt_tensors, objects["optimizer"], copy_pairs=self._copier.parallel_copy, owned=owned)
+            self._named_opt.restore(
+                opt_tensors, objects["optimizer"], copy_pairs=self._copier.parallel_copy, owned=owned
+            )
         if self.scaler is not None:
             self.scaler.load_state_dict(copy.deepcopy(objects["scaler"]))
         if self.scheduler is not None:
@@ -418,7 +447,9 @@ class SnapshotEngine:
                 snap.pins += 1
         resumed = self._resumed if snap is None and self._resumed and step in (None, self._resumed[0]) else None
         if snap is None and resumed is None:
-            raise RollbackUnavailable(f"no in-memory snapshot{'' if step is None else f' of step {step}'} (held: {self.held_steps})")
+            raise RollbackUnavailable(
+                f"no in-memory snapshot{'' if step is None else f' of step {step}'} (held: {self.held_steps})"
+            )
         from_step = self.step
         bad = getattr(self.data, "last_batch_position", None) if skip_batch else None
         if skip_batch and (bad is None or not hasattr(self.data, "skip_batch_at")):
@@ -448,10 +479,14 @@ class SnapshotEngine:
         seconds = time.perf_counter() - t0
         self.recovery_seconds[tag] = seconds
         self._emit(
-            Reason.ROLLBACK, Severity.WARNING,
+            Reason.ROLLBACK,
+            Severity.WARNING,
             f"rolled back to the {'in-memory' if tag == 'memory' else 'disk'} snapshot of step {target} (last completed step {from_step}) in {seconds:.3f} s"
             + (", the faulty batch will be skipped" if bad is not None else ""),
-            step=target, from_step=from_step, tag=tag, recovery_seconds=f"{seconds:.6f}",
+            step=target,
+            from_step=from_step,
+            tag=tag,
+            recovery_seconds=f"{seconds:.6f}",
         )
         return target
 
@@ -474,7 +509,12 @@ class SnapshotEngine:
             return None
         target = mdist.newest_common(self.held_steps, self.group)
         if target is None:
-            self._emit(Reason.ROLLBACK, Severity.CRITICAL, "a rank reported a fault but no in-memory snapshot is held by every rank: no rank rolls back", step=self.step)
+            self._emit(
+                Reason.ROLLBACK,
+                Severity.CRITICAL,
+                "a rank reported a fault but no in-memory snapshot is held by every rank: no rank rolls back",
+                step=self.step,
+            )
             raise RollbackUnavailable("no in-memory snapshot common to every rank")
         return self.rollback(target, skip_batch=skip_batch)
 
@@ -500,7 +540,9 @@ class SnapshotEngine:
                 loaded = (tensors, objects)
             except SnapshotInvalid as e:
                 problem = e
-                self._emit(Reason.SNAPSHOT_REFUSED, Severity.WARNING, f"{e}; trying an older snapshot", step=step, file=e.file)
+                self._emit(
+                    Reason.SNAPSHOT_REFUSED, Severity.WARNING, f"{e}; trying an older snapshot", step=step, file=e.file
+                )
             except SnapshotError as e:
                 problem = e
                 self._emit(Reason.SNAPSHOT_REFUSED, Severity.WARNING, f"{e}; trying an older snapshot", step=step)
@@ -515,11 +557,21 @@ class SnapshotEngine:
             self._resumed = (step, path)
             seconds = time.perf_counter() - t0
             self.recovery_seconds["disk"] = seconds
-            self._emit(Reason.SNAPSHOT_RESUMED, Severity.INFO, f"resumed from {path} (step {step}) in {seconds:.3f} s; training continues at step {step + 1}",
-                       step=step, tag="disk", recovery_seconds=f"{seconds:.6f}")
+            self._emit(
+                Reason.SNAPSHOT_RESUMED,
+                Severity.INFO,
+                f"resumed from {path} (step {step}) in {seconds:.3f} s; training continues at step {step + 1}",
+                step=step,
+                tag="disk",
+                recovery_seconds=f"{seconds:.6f}",
+            )
             return step
         if steps:
-            self._emit(Reason.SNAPSHOT_REFUSED, Severity.CRITICAL, f"no valid snapshot in {self.rank_dir}: starting from scratch")
+            self._emit(
+                Reason.SNAPSHOT_REFUSED,
+                Severity.CRITICAL,
+                f"no valid snapshot in {self.rank_dir}: starting from scratch",
+            )
         return None
 
     # -- shutdown ---------------------------------------------------------------------

@@ -22,6 +22,7 @@ several ranks share DIR):
 A snapshot is written to `.tmp-step_N-...` and renamed to `step_N` once every file and the
 manifest (written last) are fsynced, so a `step_` directory with a manifest is complete.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -107,7 +108,9 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[n:]
 
 
-def write_file(path: Path, parts: Iterable[memoryview | bytes], hasher_pool: ThreadPoolExecutor, *, fsync: bool = True) -> tuple[int, str]:
+def write_file(
+    path: Path, parts: Iterable[memoryview | bytes], hasher_pool: ThreadPoolExecutor, *, fsync: bool = True
+) -> tuple[int, str]:
     """Writes parts to a new file (and fsyncs it unless told not to); returns (size, sha256).
     The hash of each chunk runs in a helper thread while the chunk is written (both release
     the GIL)."""
@@ -183,7 +186,9 @@ def _sha256(path: Path, progress: Callable[[int], None] | None = None) -> str:
     return sha.hexdigest()
 
 
-def verify_snapshot(path: str | os.PathLike, *, progress: Callable[[int], None] | None = None, workers: int | None = None) -> dict:
+def verify_snapshot(
+    path: str | os.PathLike, *, progress: Callable[[int], None] | None = None, workers: int | None = None
+) -> dict:
     """Checks every file of a snapshot against its manifest (size, then SHA-256); returns the
     manifest, or raises SnapshotInvalid naming the first file at fault. `progress(n)` is called
     with each number of bytes hashed, from worker threads."""
@@ -222,7 +227,8 @@ def list_snapshots(root: str | os.PathLike, *, include_incomplete: bool = False)
     if not root.is_dir():
         return out
     ranks: list[tuple[Path, int | None]] = [
-        (p, int(m.group(1))) for p in sorted(root.iterdir()) if p.is_dir() and (m := RANK_DIR.match(p.name))]
+        (p, int(m.group(1))) for p in sorted(root.iterdir()) if p.is_dir() and (m := RANK_DIR.match(p.name))
+    ]
     for base, rank in ranks or [(root, None)]:
         for p in base.iterdir():
             if not p.is_dir():
@@ -267,11 +273,20 @@ class TensorInfo:
 
 # torch storage class -> (dtype name, struct format of one element); bfloat16 is decoded apart
 _STORAGES: dict[str, tuple[str, str]] = {
-    "DoubleStorage": ("float64", "d"), "FloatStorage": ("float32", "f"), "HalfStorage": ("float16", "e"),
-    "BFloat16Storage": ("bfloat16", "H"), "LongStorage": ("int64", "q"), "IntStorage": ("int32", "i"),
-    "ShortStorage": ("int16", "h"), "CharStorage": ("int8", "b"), "ByteStorage": ("uint8", "B"),
-    "BoolStorage": ("bool", "?"), "UInt16Storage": ("uint16", "H"), "UInt32Storage": ("uint32", "I"),
-    "UInt64Storage": ("uint64", "Q"), "ComplexFloatStorage": ("complex64", "ff"),
+    "DoubleStorage": ("float64", "d"),
+    "FloatStorage": ("float32", "f"),
+    "HalfStorage": ("float16", "e"),
+    "BFloat16Storage": ("bfloat16", "H"),
+    "LongStorage": ("int64", "q"),
+    "IntStorage": ("int32", "i"),
+    "ShortStorage": ("int16", "h"),
+    "CharStorage": ("int8", "b"),
+    "ByteStorage": ("uint8", "B"),
+    "BoolStorage": ("bool", "?"),
+    "UInt16Storage": ("uint16", "H"),
+    "UInt32Storage": ("uint32", "I"),
+    "UInt64Storage": ("uint64", "Q"),
+    "ComplexFloatStorage": ("complex64", "ff"),
     "ComplexDoubleStorage": ("complex128", "dd"),
 }
 _DTYPES = frozenset(
@@ -414,7 +429,14 @@ def summarize(info: SnapshotInfo) -> dict:
         "mpus": binding.get("mpus", manifest.get("mpus", {})),
         "optimizer": _optimizer_summary(objects.get("optimizer")),
         "scaler": plain(objects.get("scaler")),
-        "scheduler": plain({k: v for k, v in (objects.get("scheduler") or {}).items() if k in ("last_epoch", "_last_lr", "_step_count", "base_lrs")}) or None,
+        "scheduler": plain(
+            {
+                k: v
+                for k, v in (objects.get("scheduler") or {}).items()
+                if k in ("last_epoch", "_last_lr", "_step_count", "base_lrs")
+            }
+        )
+        or None,
         "data": plain({k: v for k, v in (objects.get("data") or {}).items() if k != "skip"}) or None,
         "rng": sorted((objects.get("rng") or {}).keys()),
     }
@@ -423,7 +445,9 @@ def summarize(info: SnapshotInfo) -> dict:
 def _optimizer_summary(opt: dict | None) -> dict | None:
     if not opt:
         return None
-    groups = [{k: plain(v) for k, v in g.items() if k != "params"} | {"params": len(g["params"])} for g in opt["param_groups"]]
+    groups = [
+        {k: plain(v) for k, v in g.items() if k != "params"} | {"params": len(g["params"])} for g in opt["param_groups"]
+    ]
     return {"class": opt.get("class"), "param_groups": groups}
 
 

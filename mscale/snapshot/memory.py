@@ -5,6 +5,7 @@ everything else as weights_only-serialisable objects, and the MPU-to-device bind
 copier moves live tensors into those buffers: on a side CUDA stream per device when they are
 on a GPU (completion marked by CUDA events), spread over a few threads on the CPU.
 """
+
 from __future__ import annotations
 
 import copy
@@ -144,7 +145,9 @@ class HostCopier:
                     dst.copy_(src)
             return
         if self._copy_pool is None:
-            self._copy_pool = ThreadPoolExecutor(max_workers=self.copy_threads, thread_name_prefix="mscale-snapshot-copy")
+            self._copy_pool = ThreadPoolExecutor(
+                max_workers=self.copy_threads, thread_name_prefix="mscale-snapshot-copy"
+            )
         buckets: list[list] = [[] for _ in range(n)]
         loads = [0] * n
         for dst, src in sorted(pairs, key=lambda p: -p[0].numel() * p[0].element_size()):

@@ -6,6 +6,7 @@ MPU that owns it, and a snapshot is checked against the live optimizer's groups 
 anything is restored. A rollback restores in place (no allocation, the snapshot's buffers never
 aliased by the optimizer); a restore from disk hands the freshly read tensors over.
 """
+
 from __future__ import annotations
 
 import copy
@@ -61,7 +62,10 @@ class NamedOptimizer:
                     files[f][f"optim/{fqn}/{k}"] = v
                 else:
                     scalars.setdefault(fqn, {})[k] = copy.deepcopy(v)
-        groups = [{**{k: to_host(v) for k, v in g.items() if k != "params"}, "params": [self.names[i] for i in g["params"]]} for g in osd["param_groups"]]
+        groups = [
+            {**{k: to_host(v) for k, v in g.items() if k != "params"}, "params": [self.names[i] for i in g["params"]]}
+            for g in osd["param_groups"]
+        ]
         return {"class": type(self.optimizer).__name__, "param_groups": groups, "scalars": scalars}
 
     def check(self, saved: dict | None, where: str) -> None:
@@ -78,8 +82,14 @@ class NamedOptimizer:
         if ours != theirs:
             raise SnapshotError(f"{where}: the optimizer's parameter groups differ from the snapshot's")
 
-    def restore(self, opt_tensors: dict[str, dict[str, torch.Tensor]], saved: dict, *, copy_pairs: Callable[[Pairs], Any],
-                owned: bool = False) -> None:
+    def restore(
+        self,
+        opt_tensors: dict[str, dict[str, torch.Tensor]],
+        saved: dict,
+        *,
+        copy_pairs: Callable[[Pairs], Any],
+        owned: bool = False,
+    ) -> None:
         """Puts the state back: opt_tensors is parameter name -> key -> tensor, saved what
         capture() returned. copy_pairs copies (dst, src) pairs; owned: the tensors are fresh
         and may become the optimizer's state without a copy."""
@@ -119,7 +129,18 @@ class NamedOptimizer:
                 return
         index = {fqn: i for i, fqn in enumerate(self.names)}
         # In-memory buffers are cloned (the optimizer would otherwise update them in place).
-        state = {index[fqn]: {k: ((v if owned else v.clone()) if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in want.items()}
-                 for fqn, want in wanted.items()}
-        groups = [{**copy.deepcopy({k: v for k, v in sg.items() if k != "params"}), "params": [index[n] for n in sg["params"]]} for sg in saved["param_groups"]]
+        state = {
+            index[fqn]: {
+                k: ((v if owned else v.clone()) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                for k, v in want.items()
+            }
+            for fqn, want in wanted.items()
+        }
+        groups = [
+            {
+                **copy.deepcopy({k: v for k, v in sg.items() if k != "params"}),
+                "params": [index[n] for n in sg["params"]],
+            }
+            for sg in saved["param_groups"]
+        ]
         opt.load_state_dict({"state": state, "param_groups": groups})

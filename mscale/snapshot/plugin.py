@@ -1,4 +1,5 @@
 """The snapshot engine as a Guard plugin: snapshots at step ends, rollback on a fault."""
+
 from __future__ import annotations
 
 import threading
@@ -34,8 +35,14 @@ class SnapshotPlugin:
       `tag` and `recovery_seconds` (checkpoint_recovery_time_seconds{tag}).
     """
 
-    def __init__(self, engine: SnapshotEngine | None = None, *, rollback_on: Iterable[Reason] = (), skip_batch: bool = True,
-                 **engine_kwargs: Any) -> None:
+    def __init__(
+        self,
+        engine: SnapshotEngine | None = None,
+        *,
+        rollback_on: Iterable[Reason] = (),
+        skip_batch: bool = True,
+        **engine_kwargs: Any,
+    ) -> None:
         if engine is not None and engine_kwargs:
             raise TypeError("give either an engine or the engine's keyword arguments, not both")
         self.engine, self._kwargs = engine, engine_kwargs
@@ -50,8 +57,15 @@ class SnapshotPlugin:
         self.guard, self._thread = guard, threading.current_thread()
         if self.engine is None:
             mpus = {m.name: (m.mpu_id, m.module) for m in guard.mpus}
-            self.engine = SnapshotEngine(guard.model, guard.optimizer, mpus=mpus, job_id=guard.job_id, emit=self._emit,
-                                         binding=self._binding, **self._kwargs)
+            self.engine = SnapshotEngine(
+                guard.model,
+                guard.optimizer,
+                mpus=mpus,
+                job_id=guard.job_id,
+                emit=self._emit,
+                binding=self._binding,
+                **self._kwargs,
+            )
         else:
             self.engine._emit_fn = self.engine._emit_fn or self._emit
             self.engine._binding_fn = self.engine._binding_fn or self._binding
@@ -96,7 +110,9 @@ class SnapshotPlugin:
             try:
                 to = self._engine.agree_rollback(fault is not None, skip_batch=self.skip_batch)
             except SnapshotError as e:
-                self.rollbacks.append({"step": step, "to": None, "why": fault.reason.value if fault else "another rank", "error": str(e)})
+                self.rollbacks.append(
+                    {"step": step, "to": None, "why": fault.reason.value if fault else "another rank", "error": str(e)}
+                )
                 return
             if to is not None:
                 self.guard.set_step(to + 1)

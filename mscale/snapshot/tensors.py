@@ -1,5 +1,6 @@
 """The torch side of the snapshot format: torch tensors to safetensors bytes, and a snapshot
 loaded back into torch tensors and objects (verified first, never unpickling code)."""
+
 from __future__ import annotations
 
 import os
@@ -21,11 +22,21 @@ from mscale.snapshot.format import (
 __all__ = ["load_snapshot", "safetensors_parts"]
 
 _ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
 }
 
 
@@ -51,7 +62,9 @@ def safetensors_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str
     return [safetensors_header(entries, dict(metadata))] + [_byte_view(tensors[k]) for k in order]
 
 
-def load_snapshot(path: str | os.PathLike, *, verify: bool = True) -> tuple[dict[str, dict[str, torch.Tensor]], dict, dict]:
+def load_snapshot(
+    path: str | os.PathLike, *, verify: bool = True
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict, dict]:
     """(tensors per file, train-state objects, manifest) of a snapshot, verified first."""
     from safetensors.torch import load_file
 
@@ -75,5 +88,7 @@ def load_snapshot(path: str | os.PathLike, *, verify: bool = True) -> tuple[dict
     if not isinstance(objects, dict) or objects.get("format") != FORMAT:
         raise SnapshotInvalid(path, TRAIN_STATE, f"not an {FORMAT} train state")
     if objects.get("step") != manifest.get("step"):
-        raise SnapshotInvalid(path, TRAIN_STATE, f"step {objects.get('step')} differs from the manifest's {manifest.get('step')}")
+        raise SnapshotInvalid(
+            path, TRAIN_STATE, f"step {objects.get('step')} differs from the manifest's {manifest.get('step')}"
+        )
     return tensors, objects, manifest

@@ -9,6 +9,7 @@ complete snapshots. Old snapshots beyond `keep` are renamed away and removed. A 
 Jobs are queued without a lock (a deque and a non-blocking pipe), so posting one is safe from a
 signal handler.
 """
+
 from __future__ import annotations
 
 import errno
@@ -61,8 +62,15 @@ class DiskWriter:
     unpin(snap): called once a queued snapshot is written, failed or skipped.
     """
 
-    def __init__(self, rank_dir: Path, *, keep: int, identity: dict[str, Any], emit: Callable[..., Any],
-                 unpin: Callable[[MemorySnapshot], None]) -> None:
+    def __init__(
+        self,
+        rank_dir: Path,
+        *,
+        keep: int,
+        identity: dict[str, Any],
+        emit: Callable[..., Any],
+        unpin: Callable[[MemorySnapshot], None],
+    ) -> None:
         self.rank_dir, self.keep, self.identity = rank_dir, keep, identity
         self._emit, self._unpin = emit, unpin
         self.last_write: dict = {}
@@ -176,7 +184,9 @@ class DiskWriter:
             try:  # refuse at write time what could not be loaded safely later
                 torch.load(io.BytesIO(train_state.getvalue()), weights_only=True)
             except Exception as e:
-                raise SnapshotError(f"the training state holds objects that weights_only loading refuses: {e}") from None
+                raise SnapshotError(
+                    f"the training state holds objects that weights_only loading refuses: {e}"
+                ) from None
             tmp.mkdir()
             files: dict[str, dict] = {}
             meta = {"format": FORMAT, "step": str(snap.step)}
@@ -186,7 +196,9 @@ class DiskWriter:
                 # thread is still hashing and copying the next.
                 return fname, write_file(tmp / fname, safetensors_parts(snap.tensors[fname], meta), self._hasher)
 
-            by_size = sorted(snap.tensors, key=lambda f: -sum(t.numel() * t.element_size() for t in snap.tensors[f].values()))
+            by_size = sorted(
+                snap.tensors, key=lambda f: -sum(t.numel() * t.element_size() for t in snap.tensors[f].values())
+            )
             futures = [self._file_writers.submit(write, f) for f in by_size]
             wait_futures(futures)  # all of them, even when one failed: then the cleanup is whole
             for fname, (size, sha) in sorted(f.result() for f in futures):
@@ -223,14 +235,27 @@ class DiskWriter:
                 msg = f"snapshot of step {snap.step} not written to {self.rank_dir}: {e.strerror or e} ({code}); training continues, the in-memory snapshot is kept"
                 self._emit(Reason.SNAPSHOT_FAILED, Severity.CRITICAL, msg, step=snap.step, errno=code, why=why)
             else:
-                self._emit(Reason.SNAPSHOT_FAILED, Severity.CRITICAL, f"snapshot of step {snap.step} not written: {e}", step=snap.step, why=why)
+                self._emit(
+                    Reason.SNAPSHOT_FAILED,
+                    Severity.CRITICAL,
+                    f"snapshot of step {snap.step} not written: {e}",
+                    step=snap.step,
+                    why=why,
+                )
             raise
         snap.disk_path = final
         seconds = time.perf_counter() - t0
         total = sum(f["size"] for f in files.values())
         self.last_write = {"step": snap.step, "bytes": total, "seconds": seconds, "path": str(final)}
-        self._emit(Reason.SNAPSHOT_WRITTEN, Severity.INFO, f"snapshot of step {snap.step} written to {final} ({total} bytes, {seconds:.3f} s)",
-                   step=snap.step, why=why, bytes=total, seconds=f"{seconds:.6f}")  # the agent's snapshot metrics
+        self._emit(
+            Reason.SNAPSHOT_WRITTEN,
+            Severity.INFO,
+            f"snapshot of step {snap.step} written to {final} ({total} bytes, {seconds:.3f} s)",
+            step=snap.step,
+            why=why,
+            bytes=total,
+            seconds=f"{seconds:.6f}",
+        )  # the agent's snapshot metrics
         try:
             self._prune()
         except OSError as e:

@@ -1,6 +1,7 @@
 """Shared test helpers: system tools (skip locally, fail in CI), services the tests start,
 job processes. Test modules import from here (`from support import ...`), never from
 conftest or from each other."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """A real Alertmanager the tests start on 127.0.0.1, and its config adapted to a test webhook."""
+
 from __future__ import annotations
 
 import asyncio
@@ -42,9 +43,17 @@ class Alertmanager:
     def __enter__(self) -> Alertmanager:
         self.log = open(self.dir / "log", "w")
         self.proc = subprocess.Popen(
-            [self.binary, f"--config.file={self.dir / 'alertmanager.yml'}", f"--storage.path={self.dir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address=", "--log.level=debug"],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                self.binary,
+                f"--config.file={self.dir / 'alertmanager.yml'}",
+                f"--storage.path={self.dir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--cluster.listen-address=",
+                "--log.level=debug",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,5 +1,6 @@
 """A probe that is off by default (`default_enabled=False` on its spec): it runs only when
 `[probes.dormant] enabled = true`. Registered by tests/test_probe_registry.py."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from mscale.probes.base import ProbeContext, ProbeSpec
 @dataclass(frozen=True)
 class DormantSection:
     """[probes.dormant]"""
+
     interval_s: float = opt(0.05, "seconds between dormant samples", min=0.01, max=60)
     timeout_s: float = opt(2.0, "deadline for one sample", min=0.01, max=60)
 
@@ -29,5 +31,10 @@ def _factory(ctx: ProbeContext) -> DormantProbe:
     return DormantProbe()
 
 
-SPEC = ProbeSpec(name="dormant", factory=_factory, section=DormantSection, default_enabled=False,
-                 enabled_help="run the dormant probe (off unless asked for)")
+SPEC = ProbeSpec(
+    name="dormant",
+    factory=_factory,
+    section=DormantSection,
+    default_enabled=False,
+    enabled_help="run the dormant probe (off unless asked for)",
+)

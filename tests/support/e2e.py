@@ -1,5 +1,6 @@
 """Processes of the end-to-end tests: the job script an agent-connected training process runs,
 a subprocess wrapper that keeps its log, JSON over HTTP, and polling with a deadline."""
+
 from __future__ import annotations
 
 import json

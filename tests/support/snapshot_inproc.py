@@ -1,4 +1,5 @@
 """A small training job in the test process, driven step by step by the snapshot tests."""
+
 from __future__ import annotations
 
 import random
@@ -18,8 +19,16 @@ class Job:
     def __init__(self, directory=None, **engine_kwargs):
         self.model, self.opt, self.sched, self.scaler, self.loader, self.mpus = build(dataset_size=256)
         engine_kwargs.setdefault("memory_every", 10)
-        self.engine = SnapshotEngine(self.model, self.opt, mpus=self.mpus, scaler=self.scaler, scheduler=self.sched,
-                                     data=self.loader, directory=directory, **engine_kwargs)
+        self.engine = SnapshotEngine(
+            self.model,
+            self.opt,
+            mpus=self.mpus,
+            scaler=self.scaler,
+            scheduler=self.sched,
+            data=self.loader,
+            directory=directory,
+            **engine_kwargs,
+        )
         self.seen: dict[int, list[int]] = {}
 
     def draw(self, step):
@@ -48,7 +57,9 @@ class Job:
         """Everything a restore must bring back, copied."""
         return {
             "params": {k: v.clone() for k, v in self.model.state_dict().items()},
-            "optim": {(n, k): v.clone() for n, p in self.model.named_parameters() for k, v in self.opt.state[p].items()},
+            "optim": {
+                (n, k): v.clone() for n, p in self.model.named_parameters() for k, v in self.opt.state[p].items()
+            },
             "lr": self.sched.get_last_lr(),
             "scale": self.scaler.get_scale(),
             "tracker": self.scaler._get_growth_tracker(),

@@ -21,6 +21,7 @@ imports torch once, then reads commands on stdin: "run ARGS..." forks a child ru
 with ARGS and prints "PID n"; "wait n" reaps it and prints "EXIT n CODE" (-9: SIGKILL). The
 tests start many short-lived jobs this way without paying for the torch import each time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,14 @@ def build(*, cfg: TinyConfig = CFG, rank: int = 0, world: int = 1, dataset_size:
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=25)
-    loader = ResumableLoader(SyntheticCaptions(cfg, size=dataset_size, seed=7), batch_size=8, seed=11, rank=rank, world_size=world)
-    mpus = {"vision": ("001", model.vision_tower), "aligner": ("002", model.multi_modal_projector), "text": ("003", model.language_model)}
+    loader = ResumableLoader(
+        SyntheticCaptions(cfg, size=dataset_size, seed=7), batch_size=8, seed=11, rank=rank, world_size=world
+    )
+    mpus = {
+        "vision": ("001", model.vision_tower),
+        "aligner": ("002", model.multi_modal_projector),
+        "text": ("003", model.language_model),
+    }
     return model, optimizer, scheduler, scaler, loader, mpus
 
 
@@ -80,7 +87,15 @@ def guarded(args, model, net, optimizer, scheduler, scaler, loader, engine) -> t
     from mscale.snapshot.plugin import SnapshotPlugin
 
     plugin = SnapshotPlugin(engine, rollback_on={Reason.LOSS_NONFINITE})
-    guard = attach(model, optimizer, job_id=f"snapshot-test-{args.rank}", rank=args.rank, connect=False, cmsa=False, plugins=[plugin])
+    guard = attach(
+        model,
+        optimizer,
+        job_id=f"snapshot-test-{args.rank}",
+        rank=args.rank,
+        connect=False,
+        cmsa=False,
+        plugins=[plugin],
+    )
     resumed = plugin.resume()
     print(f"STARTED {resumed} {os.getpid()}", flush=True)
     faulted = False
@@ -89,7 +104,9 @@ def guarded(args, model, net, optimizer, scheduler, scaler, loader, engine) -> t
         batch = loader.next_batch()
         inject = args.fault_at == step and not faulted and args.fault_rank in (-1, args.rank)
         faulted = faulted or args.fault_at == step
-        loss = train_step(net, batch, step, fault=inject and args.fault_rank == -1, nan_batch=inject and args.fault_rank != -1)
+        loss = train_step(
+            net, batch, step, fault=inject and args.fault_rank == -1, nan_batch=inject and args.fault_rank != -1
+        )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # no grad scaler here (test_snapshot.py runs the guard with one)
         optimizer.step()  # the guard's step hooks: findings, then on_step_end (the rollback)
@@ -117,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--log-level", default="info")
-    ap.add_argument("--guard", action="store_true", help="drive the engine through the hook library's Guard and SnapshotPlugin")
+    ap.add_argument(
+        "--guard", action="store_true", help="drive the engine through the hook library's Guard and SnapshotPlugin"
+    )
     args = ap.parse_args(argv)
 
     from mscale import logs
@@ -128,16 +147,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.world > 1:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world
+        )
     cfg = TinyConfig(vision_hidden=args.hidden, text_hidden=args.hidden) if args.hidden else CFG
-    model, optimizer, scheduler, scaler, loader, mpus = build(cfg=cfg, rank=args.rank, world=args.world, steps=args.steps)
+    model, optimizer, scheduler, scaler, loader, mpus = build(
+        cfg=cfg, rank=args.rank, world=args.world, steps=args.steps
+    )
     net = model
     if args.world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
         net = DistributedDataParallel(model)
-    engine = SnapshotEngine(model, optimizer, mpus=mpus, scaler=scaler, scheduler=scheduler, data=loader, directory=args.dir,
-                            memory_every=args.memory_every, disk_every=args.disk_every, disk_keep=args.disk_keep, job_id="snapshot-test")
+    engine = SnapshotEngine(
+        model,
+        optimizer,
+        mpus=mpus,
+        scaler=scaler,
+        scheduler=scheduler,
+        data=loader,
+        directory=args.dir,
+        memory_every=args.memory_every,
+        disk_every=args.disk_every,
+        disk_keep=args.disk_keep,
+        job_id="snapshot-test",
+    )
     if args.guard:
         resumed, rollbacks = guarded(args, model, net, optimizer, scheduler, scaler, loader, engine)
         step = args.steps + 1
@@ -154,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             seen.write(f"{step} {','.join(str(int(i)) for i in batch['index'])}\n")
             seen.flush()
         inject = args.fault_at == step and not faulted and args.fault_rank in (-1, args.rank)
-        loss = train_step(net, batch, step, fault=inject and args.fault_rank == -1, nan_batch=inject and args.fault_rank != -1)
+        loss = train_step(
+            net, batch, step, fault=inject and args.fault_rank == -1, nan_batch=inject and args.fault_rank != -1
+        )
         faulted = faulted or args.fault_at == step
         restored = engine.agree_rollback(not bool(torch.isfinite(loss)), skip_batch=args.skip_batch)
         if restored is not None:
@@ -186,10 +222,19 @@ def main(argv: list[str] | None = None) -> int:
                     state[f"optim/{names[id(p)]}/{k}"] = v.contiguous()
         save_file(state, args.out)
     if args.result:
-        Path(args.result).write_text(json.dumps({
-            "rank": args.rank, "resumed": resumed, "rollbacks": rollbacks, "final_step": engine.step,
-            "scale": scaler.get_scale(), "lr": scheduler.get_last_lr(), "findings": [f.to_dict() for f in engine.findings],
-        }))
+        Path(args.result).write_text(
+            json.dumps(
+                {
+                    "rank": args.rank,
+                    "resumed": resumed,
+                    "rollbacks": rollbacks,
+                    "final_step": engine.step,
+                    "scale": scaler.get_scale(),
+                    "lr": scheduler.get_last_lr(),
+                    "findings": [f.to_dict() for f in engine.findings],
+                }
+            )
+        )
     if args.world > 1:
         import torch.distributed as dist
 

@@ -1,6 +1,7 @@
 """A probe as a new contributor would add one: this module plus one line in
 mscale.probes.REGISTRY (tests/test_probe_registry.py adds it). On by default; its sample
 echoes its own config keys, so a test sees the configured values reach the running probe."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from mscale.probes.base import ProbeContext, ProbeSpec
 @dataclass(frozen=True)
 class ThrowawaySection:
     """[probes.throwaway]"""
+
     interval_s: float = opt(0.05, "seconds between throwaway samples", min=0.01, max=60)
     timeout_s: float = opt(2.0, "deadline for one sample", min=0.01, max=60)
     greeting: str = opt("hello", "what the sample says")

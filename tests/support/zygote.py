@@ -1,4 +1,5 @@
 """The snapshot job's fork server, driven from the tests."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,15 @@ class Zygote:
 
     def __init__(self, log: Path) -> None:
         self.log = open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, JOB, "--zygote"], cwd=REPO, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            [sys.executable, JOB, "--zygote"],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            bufsize=1,
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         self.pending: list[str] = []
         self.children: set[int] = set()
@@ -36,9 +44,11 @@ class Zygote:
 
     def expect(self, prefix: str, pid: int | None = None, timeout: float = 240) -> list[str]:
         """The next line starting with prefix (and, if given, ending with pid's fields)."""
+
         def match(line: str) -> bool:
             parts = line.split()
             return line.startswith(prefix) and (pid is None or str(pid) in parts[1:])
+
         for i, line in enumerate(self.pending):
             if match(line):
                 return self.pending.pop(i).split()

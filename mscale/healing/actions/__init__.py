@@ -1,5 +1,6 @@
 """Healing actions: one module each, registered here (one line per action). What the engine
 and the fuse need to know about an action is declared on its spec (base.ActionSpec)."""
+
 from __future__ import annotations
 
 import importlib

@@ -33,6 +33,7 @@ with itself first (`fuse.dispatch(hook, *args)`):
     undo(fuse, mpu)               undo that measure (the MPU came clean)
     avoid_gpus(fuse) -> set[int]  GPUs no MPU of the job may move onto
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping

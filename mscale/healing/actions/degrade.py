@@ -19,6 +19,7 @@ fallback where one applies (`run_degraded`):
 The forward is wrapped by an instance attribute (what nn.Module.__call__ calls), inside the
 guard's hooks: they see the MPU's inputs and outputs as the model does. Undone on recovery.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -185,7 +186,12 @@ class Degraded:
         scale = self.resolution
 
         def reduce(module: Any, args: tuple, kwargs: dict) -> tuple | None:
-            if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 4 or not args[0].is_floating_point():
+            if (
+                not args
+                or not isinstance(args[0], torch.Tensor)
+                or args[0].dim() != 4
+                or not args[0].is_floating_point()
+            ):
                 return None  # only image-like inputs (B, C, H, W) are reduced
             x = args[0]
             size = (max(1, int(x.shape[-2] * scale)), max(1, int(x.shape[-1] * scale)))
@@ -195,8 +201,9 @@ class Degraded:
         if fallback is not None:
             guard.checksum.forget(m)  # its cached weight sums (the weights may have moved)
         self.mpus[m.mpu_id] = (m.module.register_forward_pre_hook(reduce, with_kwargs=True), fallback)
-        log.warning("mpu_degraded", mpu_id=m.mpu_id, fallback=fallback.kind if fallback else "none",
-                    device=str(m.device))
+        log.warning(
+            "mpu_degraded", mpu_id=m.mpu_id, fallback=fallback.kind if fallback else "none", device=str(m.device)
+        )
         if guard.cmsa is not None:
             guard.cmsa.raise_threshold(m, self.clip_factor)
 
@@ -235,7 +242,16 @@ def event(state: Degraded, d) -> tuple[str, dict[str, str]]:
     return f"{where}inputs at {state.resolution:g}x resolution", ({"fallback": kind} if kind else {})
 
 
-ACTION = ActionSpec("l2_degrade", "L2", Level.L2_DEGRADED, apply,
-                    "run the MPU degraded (CPU or bf16 fallback, reduced resolution, raised clip)",
-                    scope="mpu", reruns_forward=True, escalates_to="l3_distill", new_placement=True,
-                    state=Degraded, event=event)
+ACTION = ActionSpec(
+    "l2_degrade",
+    "L2",
+    Level.L2_DEGRADED,
+    apply,
+    "run the MPU degraded (CPU or bf16 fallback, reduced resolution, raised clip)",
+    scope="mpu",
+    reruns_forward=True,
+    escalates_to="l3_distill",
+    new_placement=True,
+    state=Degraded,
+    event=event,
+)

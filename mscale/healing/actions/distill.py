@@ -9,6 +9,7 @@ The term is added by a forward hook on the model, registered when the fuse attac
 guard's own model hook: the loss detector watches the task loss, backward gets the task loss
 plus the L3 term, a step up by design, not a spike).
 """
+
 from __future__ import annotations
 
 import math
@@ -84,12 +85,16 @@ class Distilling:
         if not isinstance(loss, torch.Tensor) or proj is None or text is None:
             return None
         student = proj.float().mean(dim=1)  # (B, H): the failing MPU's output as the text model receives it
-        teacher = text[:, proj.shape[1]:].detach().float().mean(dim=1) if text.shape[1] > proj.shape[1] \
+        teacher = (
+            text[:, proj.shape[1] :].detach().float().mean(dim=1)
+            if text.shape[1] > proj.shape[1]
             else text.detach().float().mean(dim=1)
+        )
         if student.shape != teacher.shape:
             return None
-        kl = F.kl_div(F.log_softmax(student, dim=-1), F.log_softmax(teacher, dim=-1), log_target=True,
-                      reduction="batchmean")
+        kl = F.kl_div(
+            F.log_softmax(student, dim=-1), F.log_softmax(teacher, dim=-1), log_target=True, reduction="batchmean"
+        )
         lo, hi = self.band
         target = (lo + hi) / 2
         task, klv = float(loss.detach()), float(kl.detach())
@@ -116,5 +121,13 @@ def apply(fuse, state: Distilling, d) -> str:
     return "applied"
 
 
-ACTION = ActionSpec("l3_distill", "L3", Level.L3_DISTILLING, apply, "distill the failing MPU from the text MPU",
-                    scope="mpu", new_placement=True, state=Distilling)
+ACTION = ActionSpec(
+    "l3_distill",
+    "L3",
+    Level.L3_DISTILLING,
+    apply,
+    "distill the failing MPU from the text MPU",
+    scope="mpu",
+    new_placement=True,
+    state=Distilling,
+)

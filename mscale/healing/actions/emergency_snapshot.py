@@ -1,5 +1,6 @@
 """A GPU fault or a hang: write the latest in-memory snapshot to disk now, before anything
 else can go wrong."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -29,5 +30,12 @@ def apply(fuse, state: Emergencies, d) -> str:
     return "applied"
 
 
-ACTION = ActionSpec("emergency_snapshot", "none", None, apply, "write the in-memory snapshot to disk now",
-                    scope="job", state=Emergencies)
+ACTION = ActionSpec(
+    "emergency_snapshot",
+    "none",
+    None,
+    apply,
+    "write the in-memory snapshot to disk now",
+    scope="job",
+    state=Emergencies,
+)

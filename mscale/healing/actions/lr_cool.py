@@ -3,6 +3,7 @@
 window and undone right after it, so an LR scheduler keeps its own schedule. While the window
 is open the job's policy level is "cooling" (a spike that persists rolls back); the window
 ends after its steps, or early when the agent sends an end command (its alert resolved)."""
+
 from __future__ import annotations
 
 from mscale.healing.actions.base import ActionFailed, ActionSpec
@@ -62,9 +63,30 @@ def end(fuse, state: Cooling, why: str) -> None:
         return
     state.uncool(fuse.guard.optimizer)
     state.until = -1
-    fuse.engine.record(Decision(state.rule, NAME, "none", Target(fuse.guard.job_id), "cooling",
-                                "cooling_end", why, fuse.guard.current_step, fuse.clock()), "ended")
+    fuse.engine.record(
+        Decision(
+            state.rule,
+            NAME,
+            "none",
+            Target(fuse.guard.job_id),
+            "cooling",
+            "cooling_end",
+            why,
+            fuse.guard.current_step,
+            fuse.clock(),
+        ),
+        "ended",
+    )
 
 
-ACTION = ActionSpec(NAME, "none", None, apply, "cool the learning rate for a window", scope="job",
-                    cools_job=True, state=Cooling, end=end)
+ACTION = ActionSpec(
+    NAME,
+    "none",
+    None,
+    apply,
+    "cool the learning rate for a window",
+    scope="job",
+    cools_job=True,
+    state=Cooling,
+    end=end,
+)

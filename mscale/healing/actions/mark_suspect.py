@@ -1,5 +1,6 @@
 """SUSPECT: a checksum failure below the L1 threshold. Nothing moves; the state machine
 remembers, and a clean stretch clears it."""
+
 from __future__ import annotations
 
 from mscale.healing.actions.base import ActionSpec

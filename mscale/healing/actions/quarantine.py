@@ -1,4 +1,5 @@
 """A fatal GPU fault: mark the GPU unusable for this job (no MPU is moved onto it again)."""
+
 from __future__ import annotations
 
 from mscale.healing.actions.base import ActionFailed, ActionSpec
@@ -24,5 +25,6 @@ def apply(fuse, state: Quarantine, d) -> str:
     return "applied"
 
 
-ACTION = ActionSpec("quarantine_gpu", "none", None, apply, "mark the GPU unusable for the job",
-                    scope="gpu", state=Quarantine)
+ACTION = ActionSpec(
+    "quarantine_gpu", "none", None, apply, "mark the GPU unusable for the job", scope="gpu", state=Quarantine
+)

@@ -1,6 +1,7 @@
 """RECOVERED: a clean stretch after L1/L2/L3. The measures still in force are undone by their
 own actions (`undo` of the L2 and L3 states: fallback, resolution, clip threshold,
 distillation term); an L1 swap stays (the old GPU stays avoided)."""
+
 from __future__ import annotations
 
 from mscale.healing.actions.base import ActionSpec
@@ -12,5 +13,12 @@ def apply(fuse, state, d) -> str:
     return "applied"
 
 
-ACTION = ActionSpec("recover", "none", Level.RECOVERED, apply, "undo the L2/L3 measures after a clean stretch",
-                    scope="mpu", on_recovery=True)
+ACTION = ActionSpec(
+    "recover",
+    "none",
+    Level.RECOVERED,
+    apply,
+    "undo the L2/L3 measures after a clean stretch",
+    scope="mpu",
+    on_recovery=True,
+)

@@ -1,6 +1,7 @@
 """NaN/Inf loss or a persisting spike: drop this step's update (its gradients never reach the
 weights), then, after the step, roll back to the last good in-memory snapshot and skip the
 offending batch. Without a snapshot engine the step is still dropped, and the event says so."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -48,5 +49,12 @@ def apply(fuse, state: Rollbacks, d) -> str:
     return "step_dropped"  # the restore after the step books "applied" (or why not)
 
 
-ACTION = ActionSpec("rollback", "none", None, apply, "drop the step, restore the last good snapshot, skip the batch",
-                    scope="job", state=Rollbacks)
+ACTION = ActionSpec(
+    "rollback",
+    "none",
+    None,
+    apply,
+    "drop the step, restore the last good snapshot, skip the batch",
+    scope="job",
+    state=Rollbacks,
+)

@@ -7,6 +7,7 @@ restored from the last verified in-memory snapshot first. Inside a forward the f
 re-runs the MPU's forward for the current batch on the standby, so the step completes with
 a correct output. No standby: ActionFailed("no healthy standby"), and the fuse escalates.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -58,8 +59,7 @@ def event(state: Swaps, d) -> tuple[str, dict[str, str]]:
     if d.target.mpu_id not in state.last:
         return "", {}
     old, new, restored = state.last[d.target.mpu_id]
-    return (f"gpu {old} -> {new}" + (", weights restored from the snapshot" if restored else ""),
-            {"to_gpu": str(new)})
+    return (f"gpu {old} -> {new}" + (", weights restored from the snapshot" if restored else ""), {"to_gpu": str(new)})
 
 
 def standby_for(fuse, state: Swaps, m: Any) -> int | None:
@@ -67,8 +67,9 @@ def standby_for(fuse, state: Swaps, m: Any) -> int | None:
     import torch
 
     if state.gpu_count is None:
-        state.gpu_count = (torch.cuda.device_count() if torch.cuda.is_available()
-                           else max(8, 1 + max(o.gpu for o in fuse.guard.mpus)))
+        state.gpu_count = (
+            torch.cuda.device_count() if torch.cuda.is_available() else max(8, 1 + max(o.gpu for o in fuse.guard.mpus))
+        )
     bad = set().union(*fuse.dispatch("avoid_gpus")) | {m.gpu}
     used = {o.gpu for o in fuse.guard.mpus if o is not m}
     free = [g for g in range(state.gpu_count) if g not in bad and g not in used]
@@ -95,8 +96,11 @@ def fingerprint(m: Any) -> Any:
     import torch
 
     with torch.no_grad():
-        return torch.stack([p.detach().double().sum() for p in m.module.parameters()]) \
-            if any(True for _ in m.module.parameters()) else torch.zeros(0)
+        return (
+            torch.stack([p.detach().double().sum() for p in m.module.parameters()])
+            if any(True for _ in m.module.parameters())
+            else torch.zeros(0)
+        )
 
 
 def verify_weights(fuse, state: Swaps, m: Any) -> bool:
@@ -140,6 +144,18 @@ def verify_weights(fuse, state: Swaps, m: Any) -> bool:
     return True
 
 
-ACTION = ActionSpec("l1_swap", "L1", Level.L1_SWAPPED, apply, "move the MPU to a standby GPU and re-run its forward",
-                    scope="mpu", reruns_forward=True, drift=True, escalates_to="l2_degrade",
-                    escalate_on_failure=True, new_placement=True, state=Swaps, event=event)
+ACTION = ActionSpec(
+    "l1_swap",
+    "L1",
+    Level.L1_SWAPPED,
+    apply,
+    "move the MPU to a standby GPU and re-run its forward",
+    scope="mpu",
+    reruns_forward=True,
+    drift=True,
+    escalates_to="l2_degrade",
+    escalate_on_failure=True,
+    new_placement=True,
+    state=Swaps,
+    event=event,
+)
