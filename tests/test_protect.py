@@ -256,7 +256,10 @@ def test_stateful_dataloader_resumes_after_a_restart(tmp_path) -> None:
 
 def test_bad_arguments_are_refused_before_anything_is_hooked() -> None:
     model, optimizer = fresh()
-    hooks = lambda: sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())  # noqa: E731
+
+    def hooks() -> int:
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
     n = hooks()
     plain = torch.utils.data.DataLoader(Pairs(64), batch_size=8)
     with pytest.raises(TypeError, match="DataLoader has no state_dict"):
