@@ -11,8 +11,21 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 from support import IN_CI, REPO  # noqa: E402,F401  (fixtures below may use them)
+
+# Fuzz tests: a fixed example budget so the suite's time is bounded, no per-example deadline
+# (a loaded 2-core machine makes timings noise), and in CI the same examples every run, so a
+# red CI reproduces.
+settings.register_profile(
+    "mscale",
+    max_examples=150,
+    deadline=None,
+    derandomize=IN_CI,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("mscale")
 
 
 @pytest.fixture
