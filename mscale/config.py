@@ -169,6 +169,17 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(dotted: str, tp: Any, value: Any, meta: dict, text: str | None) -> Any:
     where = _line_of(text, dotted)
+    if typing.get_origin(tp) is list:  # list[X]: each item an X, min/max/choices apply per item
+        if not isinstance(value, list):
+            raise ConfigError(f"{dotted}{where}: expected a list, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(tp)
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(_coerce(dotted, item, v, meta, None))
+            except ConfigError as e:
+                raise ConfigError(f"{dotted}{where}: item {i}: {str(e).removeprefix(dotted + ': ')}") from None
+        return out
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     ok = isinstance(value, tp) and not (tp in (int, float) and isinstance(value, bool))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mscale.config import opt
-from mscale.link import DEFAULT_LISTEN, DEFAULT_SOCKET, MAX_MESSAGE_BYTES
+from mscale.link import DEFAULT_LISTEN, DEFAULT_SOCKET, MAX_MESSAGE_BYTES, MAX_MPUS
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,9 @@ class AgentSection:
     simulate: str = opt("", "fault timeline YAML: run on simulated GPUs instead of NVML (empty: real GPUs)")
     log_level: str = opt("info", "log level", choices=("debug", "info", "warning", "error"))
     event_history: int = opt(1000, "events kept for GET /api/v1/events", min=10, max=1_000_000)
+    event_history_bytes: int = opt(
+        16 << 20, "bytes of event history kept (messages and labels); the oldest go first", min=1 << 16, max=1 << 32
+    )
     shutdown_timeout_s: float = opt(
         5.0, "longest a clean shutdown may take before tasks are cancelled", min=0.1, max=120
     )
@@ -24,13 +27,27 @@ class AgentSection:
 
 @dataclass(frozen=True)
 class SocketSection:
-    allowed_uids: list = opt(
-        None, "extra user ids allowed on the socket besides the agent's own and root", factory=list
+    allowed_uids: list[int] = opt(
+        None,
+        "extra user ids (integers) allowed on the socket besides the agent's own and root",
+        min=0,
+        max=(1 << 32) - 2,
+        factory=list,
     )
     max_message_bytes: int = opt(
         MAX_MESSAGE_BYTES, "larger messages on the socket are refused and counted", min=1024, max=1 << 30
     )
     mode: int = opt(0o660, "file mode of the socket", min=0, max=0o777)
+    job_expiry_s: float = opt(
+        600.0, "a disconnected job's state and series are removed this long after it left", min=0.1, max=30 * 86400
+    )
+    max_jobs: int = opt(256, "jobs the agent keeps; past it a new job is refused and counted", min=1, max=100_000)
+    max_ranks_per_job: int = opt(
+        64, "live connections (ranks) of one job; past it a registration is refused and counted", min=1, max=4096
+    )
+    max_mpus_per_job: int = opt(
+        MAX_MPUS, "MPUs one job may register; past it the registration is refused and counted", min=1, max=MAX_MPUS
+    )
 
 
 @dataclass(frozen=True)
