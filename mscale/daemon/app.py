@@ -66,7 +66,10 @@ def build_probes(
 
 
 def new_state(config: Config) -> AgentState:
-    return AgentState(node=config.agent.node or socket.gethostname(), events=EventLog(config.agent.event_history))
+    return AgentState(
+        node=config.agent.node or socket.gethostname(),
+        events=EventLog(config.agent.event_history, config.agent.event_history_bytes),
+    )
 
 
 def create_app(

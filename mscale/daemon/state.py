@@ -39,12 +39,20 @@ class ProbeStatus:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-class EventLog:
-    """Bounded history of findings, a counter per (source, reason, severity), subscribers."""
+def finding_bytes(f: Finding) -> int:
+    """What a finding costs the history, roughly: its strings plus a fixed overhead."""
+    return 200 + len(f.source) + len(f.message) + sum(len(k) + len(v) + 8 for k, v in f.labels.items())
 
-    def __init__(self, maxlen: int = 1000) -> None:
+
+class EventLog:
+    """History of findings bounded in count (`maxlen`) and in bytes (`max_bytes`, by
+    `finding_bytes`; the oldest go first), a counter per (source, reason, severity), subscribers."""
+
+    def __init__(self, maxlen: int = 1000, max_bytes: int = 16 << 20) -> None:
         self._lock = threading.Lock()
-        self._items: deque[tuple[int, Finding]] = deque(maxlen=maxlen)
+        self._items: deque[tuple[int, Finding]] = deque()
+        self.maxlen, self.max_bytes = maxlen, max_bytes
+        self.bytes = 0  # finding_bytes of the history now
         self._seq = itertools.count(1)
         self.counts: Counter[tuple[str, str, str]] = Counter()
         self._subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
@@ -54,6 +62,9 @@ class EventLog:
         with self._lock:
             seq = next(self._seq)
             self._items.append((seq, finding))
+            self.bytes += finding_bytes(finding)
+            while len(self._items) > self.maxlen or (self.bytes > self.max_bytes and len(self._items) > 1):
+                self.bytes -= finding_bytes(self._items.popleft()[1])
             self.counts[(finding.source, finding.reason.value, finding.severity.value)] += 1
             subs = list(self._subscribers)
             sync_subs = list(self._sync_subscribers)
@@ -104,6 +115,7 @@ class AgentState:
     jobs: dict[str, Any] = field(default_factory=dict)
     # refused or dropped input, by (where, why): webhook, socket, chaos API
     refused: Counter = field(default_factory=Counter)
+    jobs_expired: int = 0  # jobs removed after socket.job_expiry_s (or early, to stay under socket.max_jobs)
 
     def publish(self, probe: str, snapshot: Any) -> None:
         self.snapshots[probe] = snapshot
