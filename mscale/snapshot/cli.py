@@ -1,9 +1,11 @@
 """`mscale snapshot list|verify|inspect DIR`: look at training snapshots on disk.
 
 DIR is a snapshot directory (`step_00000120`), a directory of them, or one with a
-`rank_NNNNN/` subdirectory per rank. `verify` checks every file against the manifest (size
-and SHA-256) and shows a progress bar on a terminal; exit status 1 when any snapshot fails,
-naming the file at fault, 2 when DIR holds no snapshot.
+`rank_NNNNN/` subdirectory per rank. `verify` checks every file against the manifest (its
+schema and completeness, regular files only, size and SHA-256) and shows a progress bar on a
+terminal. Exit status 1 when a snapshot is refused (by `list`: its manifest; by `inspect`: any
+of its files), naming the file at fault and why; 2 when DIR holds no snapshot. Never a
+traceback, never a hang (a FIFO or device in place of a file is refused, not read).
 
 Uses only the torch-free format module, so it runs where torch is not installed.
 """
@@ -43,7 +45,16 @@ def run(args: argparse.Namespace) -> int:
     if not root.exists():
         print(f"mscale snapshot: {root}: no such directory", file=sys.stderr)
         return 2
-    return {"list": _list, "verify": _verify, "inspect": _inspect}[args.action](root, args)
+    try:
+        return {"list": _list, "verify": _verify, "inspect": _inspect}[args.action](root, args)
+    except (snap.SnapshotError, OSError) as e:  # e.g. DIR unreadable: a reason, not a traceback
+        print(f"mscale snapshot: {_clean(str(e))}", file=sys.stderr)
+        return 1
+
+
+def _clean(text: object) -> str:
+    """`text` safe to print on a terminal: control characters escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 def _size(n: float) -> str:
@@ -72,20 +83,24 @@ def _list(root: Path, args: argparse.Namespace) -> int:
                         "bytes": i.nbytes,
                         "created_unix": m.get("created_unix"),
                         "files": len(m.get("files", {})),
+                        "problem": i.problem,
                     }
                 )
             )
-        return 0
+        return 1 if any(i.problem for i in infos) else 0
     print(f"{'RANK':>4}  {'STEP':>10}  {'STATUS':<10}  {'SIZE':>10}  {'CREATED (UTC)':<19}  {'FILES':>5}  PATH")
     for i in infos:
         m = i.manifest or {}
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m["created_unix"])) if "created_unix" in m else "-"
-        status = "complete" if i.complete else "incomplete"
+        status = "complete" if i.complete else "invalid" if i.problem else "incomplete"
         rank = "-" if i.rank is None else str(i.rank)
         print(
-            f"{rank:>4}  {i.step:>10}  {status:<10}  {_size(i.nbytes) if i.complete else '-':>10}  {created:<19}  {len(m.get('files', {})):>5}  {i.path}"
+            f"{rank:>4}  {i.step:>10}  {status:<10}  {_size(i.nbytes) if i.complete else '-':>10}  {created:<19}  {len(m.get('files', {})):>5}  {_clean(i.path)}"
         )
-    return 0
+    for i in infos:
+        if i.problem:
+            print(f"invalid: {_clean(i.path)}: {_clean(i.problem)}", file=sys.stderr)
+    return 1 if any(i.problem for i in infos) else 0
 
 
 class _Progress:
@@ -153,20 +168,20 @@ def _verify(root: Path, args: argparse.Namespace) -> int:
         except snap.SnapshotInvalid as e:
             failed += 1
             results.append(
-                f"FAILED  step {i.step}{'' if i.rank is None else f' rank {i.rank}'}  {i.path}: {e.file}: {e.why}"
+                f"FAILED  step {i.step}{'' if i.rank is None else f' rank {i.rank}'}  {i.path}: {_clean(e.file)}: {_clean(e.why)}"
             )
     progress.finish()
     for line in results:
         print(line)
     if incomplete:
         print(
-            f"({len(incomplete)} incomplete snapshot(s) left by an interrupted write, ignored: {', '.join(i.path.name for i in incomplete)})"
+            f"({len(incomplete)} incomplete snapshot(s) left by an interrupted write, ignored: {', '.join(_clean(i.path.name) for i in incomplete)})"
         )
     return 1 if failed else 0
 
 
 def _inspect(root: Path, args: argparse.Namespace) -> int:
-    infos = [i for i in snap.list_snapshots(root) if i.complete]
+    infos = [i for i in snap.list_snapshots(root) if i.complete or i.problem]  # a bad newest one is refused
     if args.rank is not None:
         infos = [i for i in infos if i.rank == args.rank]
     elif any(i.rank is not None for i in infos):
@@ -179,12 +194,11 @@ def _inspect(root: Path, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    info = max(infos, key=lambda i: i.step)
-    try:  # the train state is read only once its hash matches the manifest
+    info = max(infos, key=lambda i: (i.step, i.complete))
+    try:  # every file is verified first; the train state is read only then
         summary = snap.summarize(info)
     except snap.SnapshotInvalid as e:
-        hint = "; run `mscale snapshot verify`" if e.file == snap.TRAIN_STATE else ""
-        print(f"mscale snapshot: {e.path / e.file}: {e.why}{hint}", file=sys.stderr)
+        print(f"mscale snapshot: {_clean(e.path / e.file)}: {_clean(e.why)}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
@@ -203,7 +217,7 @@ def _inspect(root: Path, args: argparse.Namespace) -> int:
             if m.get("gpu") is not None
             else m.get("device", "-")
         )
-        print(f"  {mpu_id}  {m.get('name', '-'):<10} {where}")
+        print(f"  {_clean(mpu_id)}  {_clean(m.get('name', '-')):<10} {_clean(where)}")
     print("files")
     for name, m in summary["files"].items():
         print(f"  {name:<40} {_size(m['size']):>10}  sha256 {m['sha256'][:16]}…")

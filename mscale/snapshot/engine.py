@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import os
 import platform
-import re
 import signal
 import threading
 import time
@@ -47,6 +46,7 @@ from mscale.snapshot.format import (
     SnapshotInvalid,
     list_snapshots,
 )
+from mscale.snapshot.manifest import safe_name
 from mscale.snapshot.memory import HostCopier, MemorySnapshot, rng_state, set_rng_state, to_host
 from mscale.snapshot.optim import NamedOptimizer
 from mscale.snapshot.tensors import load_snapshot
@@ -59,10 +59,6 @@ log = structlog.get_logger("mscale.snapshot")
 
 class RollbackUnavailable(SnapshotError):
     """No in-memory snapshot to roll back to (on every rank)."""
-
-
-def _safe_name(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_-]", "-", name)
 
 
 class SnapshotEngine:
@@ -136,6 +132,7 @@ class SnapshotEngine:
                 "rank": self.rank,
                 "world_size": self.world_size,
                 "job_id": self.job_id,
+                "optimizer": optimizer is not None,  # so the manifest's completeness can be checked
                 "mpus": {
                     mpu_id: {"name": self.mpu_names[mpu_id], "file": f, "optim_file": f.replace("_state.", "_optim.")}
                     for mpu_id, (_, f) in self._mpus.items()
@@ -161,7 +158,7 @@ class SnapshotEngine:
                 raise ValueError(f"MPU {name!r} ({mpu_id}) is not a submodule of the model")
             if mpu_id in out:
                 raise ValueError(f"MPU id {mpu_id!r} used twice")
-            out[mpu_id] = (prefix_of[id(module)], f"mpu_{_safe_name(mpu_id)}_{_safe_name(name)}_state.safetensors")
+            out[mpu_id] = (prefix_of[id(module)], f"mpu_{safe_name(mpu_id)}_{safe_name(name)}_state.safetensors")
             self.mpu_names[mpu_id] = name
         self._mpu_modules = {mpu_id: module for name, (mpu_id, module) in mpus.items()}
         return out
@@ -464,10 +461,16 @@ class SnapshotEngine:
             finally:
                 self._unpin(snap)
         else:  # no in-memory copy yet since the start-up resume: back to that disk snapshot
-            assert resumed is not None  # the check above: without an in-memory snapshot, a resumed one
-            tag, (target, path) = "disk", resumed
-            tensors, objects, _ = load_snapshot(path)
+            assert resumed is not None and self.rank_dir is not None  # the check above
+            # ... or, alone and that one refused now, to the newest older one that verifies
+            infos = list_snapshots(self.rank_dir) if self.world_size == 1 else []
+            older = {i.step for i in infos if i.path.parent == self.rank_dir and i.step < resumed[0]}
+            found = self._load_newest_valid([resumed[0], *sorted(older, reverse=True)], collective=False)
+            if found is None:
+                raise RollbackUnavailable(f"the disk snapshot of step {resumed[0]} is refused, and no older one")
+            tag, (target, path, tensors, objects) = "disk", found
             self._apply(tensors, objects, where=str(path), owned=True)
+            self._resumed = (target, path)
         if bad is not None:
             self.data.skip_batch_at(bad)
         with self._lock:  # snapshots newer than the target belong to the abandoned timeline
@@ -530,28 +533,11 @@ class SnapshotEngine:
         # rename, so a bad one is corruption to report, not an interrupted write.
         mine = sorted({i.step for i in list_snapshots(self.rank_dir) if i.path.parent == self.rank_dir}, reverse=True)
         steps = mdist.common_steps(mine, self.group) if self.world_size > 1 else mine
-        for step in steps:
-            path = self.rank_dir / f"step_{step:08d}"
-            loaded: tuple[dict[str, dict[str, torch.Tensor]], dict] | None = None
-            problem: SnapshotError | None = None
-            try:
-                tensors, objects, _ = load_snapshot(path)
-                self._check_fits(tensors, objects, str(path))
-                loaded = (tensors, objects)
-            except SnapshotInvalid as e:
-                problem = e
-                self._emit(
-                    Reason.SNAPSHOT_REFUSED, Severity.WARNING, f"{e}; trying an older snapshot", step=step, file=e.file
-                )
-            except SnapshotError as e:
-                problem = e
-                self._emit(Reason.SNAPSHOT_REFUSED, Severity.WARNING, f"{e}; trying an older snapshot", step=step)
-            if self.world_size > 1 and mdist.any_flag(problem is not None, self.group):
-                continue
-            if loaded is None:
-                continue
-            self._apply(*loaded, where=str(path), owned=True)
-            del loaded, tensors, objects  # the engine's copies are applied: let these go
+        found = self._load_newest_valid(steps, collective=self.world_size > 1)
+        if found is not None:
+            step, path, tensors, objects = found
+            self._apply(tensors, objects, where=str(path), owned=True)
+            del found, tensors, objects  # the engine's copies are applied: let these go
             # Until the first in-memory snapshot, a rollback goes back to this one on disk:
             # copying 3x the parameter bytes again at start-up would double the restore time.
             self._resumed = (step, path)
@@ -572,6 +558,25 @@ class SnapshotEngine:
                 Severity.CRITICAL,
                 f"no valid snapshot in {self.rank_dir}: starting from scratch",
             )
+        return None
+
+    def _load_newest_valid(self, steps: list[int], *, collective: bool) -> tuple[int, Path, Any, dict] | None:
+        """(step, path, tensors, objects) of the newest of `steps` that verifies and fits, each
+        refused one a finding; collective: a step any rank refuses is skipped by all."""
+        assert self.rank_dir is not None
+        for step in steps:
+            path = self.rank_dir / f"step_{step:08d}"
+            try:
+                tensors, objects, _ = load_snapshot(path)
+                self._check_fits(tensors, objects, str(path))
+            except SnapshotError as e:  # SnapshotInvalid names the file at fault
+                file, why = {"file": e.file} if isinstance(e, SnapshotInvalid) else {}, f"{e}; trying an older snapshot"
+                self._emit(Reason.SNAPSHOT_REFUSED, Severity.WARNING, why, step=step, **file)
+                if collective:
+                    mdist.any_flag(True, self.group)
+                continue
+            if not collective or not mdist.any_flag(False, self.group):
+                return step, path, tensors, objects
         return None
 
     # -- shutdown ---------------------------------------------------------------------

@@ -38,7 +38,25 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+from mscale.snapshot.manifest import (
+    BINDING,
+    FORMAT,
+    MANIFEST,
+    MAX_BINDING_BYTES,
+    MAX_MANIFEST_BYTES,
+    NONMPU_FILE,
+    NONMPU_OPTIM_FILE,
+    TRAIN_STATE,
+    SnapshotError,
+    SnapshotInvalid,
+    check_binding,
+    open_dir,
+    open_file,
+    parse_manifest,
+    read_small,
+)
 
 __all__ = [
     "SnapshotError",
@@ -50,14 +68,16 @@ __all__ = [
     "read_manifest",
     "read_train_state",
     "summarize",
+    "open_verified",
+    "Verified",
+    "FORMAT",
+    "MANIFEST",
+    "BINDING",
+    "TRAIN_STATE",
+    "NONMPU_FILE",
+    "NONMPU_OPTIM_FILE",
 ]
 
-FORMAT = "mscale-snapshot/1"
-MANIFEST = "manifest.json"
-BINDING = "resource_binding.json"
-TRAIN_STATE = "train_state.pt"
-NONMPU_FILE = "nonmpu_state.safetensors"
-NONMPU_OPTIM_FILE = "nonmpu_optim.safetensors"
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
 RANK_DIR = re.compile(r"^rank_(\d{5,})$")
 TEMP_PREFIX = ".tmp-"
@@ -65,25 +85,14 @@ ASIDE_PREFIX = ".old-"
 CHUNK = 16 << 20  # write and hash granularity: large enough for syscall overhead to vanish
 
 
-class SnapshotError(RuntimeError):
-    """A snapshot could not be taken, written or restored."""
-
-
-class SnapshotInvalid(SnapshotError):
-    """A snapshot on disk is refused: `file` is the file at fault (relative to `path`)."""
-
-    def __init__(self, path: Path, file: str, why: str) -> None:
-        self.path, self.file, self.why = Path(path), file, why
-        super().__init__(f"snapshot {path} refused: {file}: {why}")
-
-
 @dataclass(frozen=True)
 class SnapshotInfo:
     path: Path
     step: int
     rank: int | None  # None: a single-process directory without rank subdirectories
-    complete: bool  # manifest present (written last, so present means the rename happened)
+    complete: bool  # manifest present and valid (written last: present means the rename happened)
     manifest: dict | None = None
+    problem: str | None = None  # why a step_ directory's manifest is refused
 
     @property
     def nbytes(self) -> int:
@@ -152,68 +161,136 @@ def safetensors_header(entries: Sequence[tuple[str, str, Sequence[int], int]], m
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
+    """The manifest of the snapshot at `path`, checked (manifest.py), or SnapshotInvalid."""
     path = Path(path)
+    dirfd = open_dir(path)
     try:
-        text = (path / MANIFEST).read_text()
-    except FileNotFoundError:
-        raise SnapshotInvalid(path, MANIFEST, "missing (the snapshot was never completed)") from None
-    except OSError as e:
-        raise SnapshotInvalid(path, MANIFEST, f"unreadable: {e.strerror}") from None
+        return _read_manifest_at(dirfd, path)
+    finally:
+        os.close(dirfd)
+
+
+def _read_manifest_at(dirfd: int, path: Path) -> dict:
     try:
-        manifest = json.loads(text)
-    except ValueError as e:
-        raise SnapshotInvalid(path, MANIFEST, f"not valid JSON: {e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise SnapshotInvalid(path, MANIFEST, f"not an {FORMAT} manifest")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not files:
-        raise SnapshotInvalid(path, MANIFEST, "lists no files")
-    for name, meta in files.items():
-        if "/" in name or name in (".", "..") or not isinstance(meta, dict) or not {"size", "sha256"} <= meta.keys():
-            raise SnapshotInvalid(path, MANIFEST, f"bad file entry {name!r}")
+        raw = read_small(dirfd, path, MANIFEST, MAX_MANIFEST_BYTES)
+    except SnapshotInvalid as e:
+        if e.why == "missing":
+            raise SnapshotInvalid(path, MANIFEST, "missing (the snapshot was never completed)") from None
+        raise
+    manifest = parse_manifest(raw, path)
+    m = STEP_DIR.match(path.name)
+    if m and int(m.group(1)) != manifest["step"]:
+        raise SnapshotInvalid(path, MANIFEST, f"says step {manifest['step']}, its directory step {int(m.group(1))}")
     return manifest
 
 
-def _sha256(path: Path, progress: Callable[[int], None] | None = None) -> str:
+def _sha256(fd: int, progress: Callable[[int], None] | None = None) -> str:
     sha = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            sha.update(view[:n])
-            if progress:
-                progress(n)
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    offset = 0
+    while n := os.preadv(fd, [buf], offset):
+        sha.update(view[:n])
+        offset += n
+        if progress:
+            progress(n)
     return sha.hexdigest()
+
+
+class Verified:
+    """An open snapshot whose every file was checked against its manifest: the descriptors
+    hashed are the ones read from (`reader`, `fd_path`), so what loads is what was checked.
+    A context manager: closing it closes the descriptors."""
+
+    def __init__(self, path: Path, dirfd: int, manifest: dict) -> None:
+        self.path, self.dirfd, self.manifest = path, dirfd, manifest
+        self.fds: dict[str, int] = {}
+        self.binding: dict = {}
+        self.objects: dict = {}  # the train state, read without torch (read_train_state)
+
+    def reader(self, name: str) -> IO[bytes]:
+        """A binary file over the verified file `name`, from its start (close it after use)."""
+        fd = os.dup(self.fds[name])
+        os.lseek(fd, 0, os.SEEK_SET)
+        return os.fdopen(fd, "rb")
+
+    def fd_path(self, name: str) -> str:
+        """A path that opens the very file verified (Linux: /proc/self/fd/N)."""
+        proc = f"/proc/self/fd/{self.fds[name]}"
+        return proc if os.path.exists(proc) else str(self.path / name)
+
+    def close(self) -> None:
+        for fd in [*self.fds.values(), self.dirfd]:
+            os.close(fd)
+        self.fds.clear()
+
+    def __enter__(self) -> Verified:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def open_verified(
+    path: str | os.PathLike,
+    *,
+    hashes: bool = True,
+    progress: Callable[[int], None] | None = None,
+    workers: int | None = None,
+) -> Verified:
+    """Opens every file of the snapshot at `path` (regular files in it only, no symbolic
+    links) and checks it against the manifest: size, then SHA-256 unless hashes=False, then
+    the binding names the manifest's MPUs. Raises SnapshotInvalid naming the first file at
+    fault. `progress(n)` is called with each number of bytes hashed, from worker threads."""
+    path = Path(path)
+    v = Verified(path, open_dir(path), {})
+    try:
+        v.manifest = manifest = _read_manifest_at(v.dirfd, path)
+        files = manifest["files"]
+        for name, meta in sorted(files.items()):
+            fd, st = open_file(v.dirfd, path, name)
+            v.fds[name] = fd
+            if st.st_size != meta["size"]:
+                why = f"size {st.st_size} bytes, manifest says {meta['size']} (partial or altered)"
+                raise SnapshotInvalid(path, name, why)
+        if hashes:
+
+            def digest(name: str) -> tuple[str, str]:
+                try:
+                    return name, _sha256(v.fds[name], progress)
+                except OSError as e:
+                    raise SnapshotInvalid(path, name, f"unreadable: {e.strerror or e}") from None
+
+            # Largest first, so the longest hash starts at once; files hash in parallel.
+            names = sorted(files, key=lambda n: -files[n]["size"])
+            with ThreadPoolExecutor(max_workers=workers or min(len(names), os.cpu_count() or 1)) as pool:
+                digests = dict(pool.map(digest, names))
+            for name in sorted(files):
+                if digests[name] != files[name]["sha256"]:
+                    raise SnapshotInvalid(path, name, "SHA-256 differs from the manifest (corrupted)")
+        if files[BINDING]["size"] > MAX_BINDING_BYTES:
+            raise SnapshotInvalid(path, BINDING, f"more than the {MAX_BINDING_BYTES} bytes allowed")
+        with v.reader(BINDING) as f:
+            v.binding = check_binding(f.read(), path, manifest)
+        with v.reader(TRAIN_STATE) as f:  # whether there is optimizer state is its to say
+            v.objects = read_train_state(path / TRAIN_STATE, f)
+        holds = v.objects.get("optimizer") is not None
+        if manifest.get("optimizer", NONMPU_OPTIM_FILE in files) != holds:
+            why = f"its optimizer files do not match the train state (which holds {'' if holds else 'no '}optimizer state)"
+            raise SnapshotInvalid(path, MANIFEST, why)
+    except BaseException:
+        v.close()
+        raise
+    return v
 
 
 def verify_snapshot(
     path: str | os.PathLike, *, progress: Callable[[int], None] | None = None, workers: int | None = None
 ) -> dict:
-    """Checks every file of a snapshot against its manifest (size, then SHA-256); returns the
-    manifest, or raises SnapshotInvalid naming the first file at fault. `progress(n)` is called
-    with each number of bytes hashed, from worker threads."""
-    path = Path(path)
-    manifest = read_manifest(path)
-    files = manifest["files"]
-    for name, meta in sorted(files.items()):
-        try:
-            size = (path / name).stat().st_size
-        except FileNotFoundError:
-            raise SnapshotInvalid(path, name, "missing") from None
-        if size != int(meta["size"]):
-            raise SnapshotInvalid(path, name, f"size {size} bytes, manifest says {meta['size']} (partial or altered)")
-
-    def digest(name: str) -> tuple[str, str]:
-        return name, _sha256(path / name, progress)
-
-    # Largest first, so the longest hash starts at once; files hash in parallel.
-    names = sorted(files, key=lambda n: -int(files[n]["size"]))
-    with ThreadPoolExecutor(max_workers=workers or min(len(names), os.cpu_count() or 1)) as pool:
-        digests = dict(pool.map(digest, names))
-    for name in sorted(files):
-        if digests[name] != files[name]["sha256"]:
-            raise SnapshotInvalid(path, name, "SHA-256 differs from the manifest (corrupted)")
-    return manifest
+    """Checks every file of a snapshot against its manifest (open_verified); returns the
+    manifest, or raises SnapshotInvalid naming the first file at fault."""
+    with open_verified(path, progress=progress, workers=workers) as v:
+        return v.manifest
 
 
 def list_snapshots(root: str | os.PathLike, *, include_incomplete: bool = False) -> list[SnapshotInfo]:
@@ -246,9 +323,9 @@ def _info(path: Path, rank: int | None) -> SnapshotInfo:
     named = int(m.group(1)) if m else -1  # the step in the directory's name
     try:
         manifest = read_manifest(path)
-    except SnapshotInvalid:
-        return SnapshotInfo(path, named, rank, False)
-    return SnapshotInfo(path, int(manifest.get("step", named)), manifest.get("rank", rank), True, manifest)
+    except SnapshotInvalid as e:
+        return SnapshotInfo(path, named, rank, False, problem=f"{e.file}: {e.why}")
+    return SnapshotInfo(path, manifest["step"], manifest["rank"], True, manifest)
 
 
 # -- the train state, without torch -------------------------------------------------------
@@ -375,13 +452,14 @@ def _encode(text: str, encoding: str = "utf-8") -> bytes:
     return codecs.encode(text, encoding)
 
 
-def read_train_state(path: str | os.PathLike) -> dict:
-    """The objects of a `train_state.pt`, read without torch: tensors become TensorInfo.
-    Raises SnapshotInvalid when the file is not a torch.save archive of allowed objects."""
+def read_train_state(path: str | os.PathLike, source: IO[bytes] | None = None) -> dict:
+    """The objects of a `train_state.pt` (read from `source` when given, `path` naming it),
+    without torch: tensors become TensorInfo. Raises SnapshotInvalid when the file is not a
+    torch.save archive of allowed objects."""
     path = Path(path)
     where, name = path.parent, path.name
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(source if source is not None else path) as archive:
             pkl = next((n for n in archive.namelist() if n.endswith("data.pkl") and n.count("/") == 1), None)
             if pkl is None:
                 raise SnapshotInvalid(where, name, "not a torch.save archive (no data.pkl)")
@@ -391,7 +469,18 @@ def read_train_state(path: str | os.PathLike) -> dict:
                 order = "<" if archive.read(f"{prefix}byteorder").strip() == b"little" else ">"
             with archive.open(pkl) as f:
                 objects = _TrainStateUnpickler(f, archive, prefix, order).load()
-    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, struct.error) as e:
+    except (
+        zipfile.BadZipFile,
+        pickle.UnpicklingError,
+        EOFError,
+        LookupError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        NotImplementedError,
+        RecursionError,
+        struct.error,
+    ) as e:
         raise SnapshotInvalid(where, name, f"not a readable train state: {e}") from None
     except OSError as e:
         raise SnapshotInvalid(where, name, f"unreadable: {e.strerror or e}") from None
@@ -405,17 +494,17 @@ def read_train_state(path: str | os.PathLike) -> dict:
 
 def summarize(info: SnapshotInfo) -> dict:
     """What a complete snapshot holds, as JSON-friendly values: manifest fields, files, MPU
-    binding, optimizer groups, scaler, scheduler, data position, RNG kinds. The train state is
-    read only after its hash matched the manifest (SnapshotInvalid otherwise)."""
-    manifest = info.manifest if info.manifest is not None else read_manifest(info.path)
-    ts = info.path / TRAIN_STATE
-    meta = manifest["files"].get(TRAIN_STATE)
-    if meta is None or not ts.exists() or _sha256(ts) != meta["sha256"]:
-        raise SnapshotInvalid(info.path, TRAIN_STATE, "does not match the manifest")
-    objects = read_train_state(ts)
-    binding = {}
-    if (info.path / BINDING).exists():
-        binding = json.loads((info.path / BINDING).read_text())
+    binding, optimizer groups, scaler, scheduler, data position, RNG kinds. Every file is
+    verified first (open_verified), and the train state read only then (SnapshotInvalid)."""
+    with open_verified(info.path) as v:
+        manifest, binding, objects = v.manifest, v.binding, v.objects
+    try:
+        return _summary(info, manifest, binding, objects)
+    except (LookupError, TypeError, ValueError, AttributeError, RecursionError) as e:
+        raise SnapshotInvalid(info.path, TRAIN_STATE, f"holds an unexpected structure: {e!r}") from None
+
+
+def _summary(info: SnapshotInfo, manifest: dict, binding: dict, objects: dict) -> dict:
     return {
         "path": str(info.path),
         "step": manifest["step"],

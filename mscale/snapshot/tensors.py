@@ -14,9 +14,8 @@ from mscale.snapshot.format import (
     TRAIN_STATE,
     SnapshotError,
     SnapshotInvalid,
-    read_manifest,
+    open_verified,
     safetensors_header,
-    verify_snapshot,
 )
 
 __all__ = ["load_snapshot", "safetensors_parts"]
@@ -65,26 +64,30 @@ def safetensors_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str
 def load_snapshot(
     path: str | os.PathLike, *, verify: bool = True
 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict, dict]:
-    """(tensors per file, train-state objects, manifest) of a snapshot, verified first."""
+    """(tensors per file, train-state objects, manifest) of a snapshot, verified first
+    (open_verified: the manifest's schema and completeness, regular files only, sizes, and the
+    SHA-256 of each file unless verify=False). The files read are the descriptors verified."""
     from safetensors.torch import load_file
 
     path = Path(path)
-    manifest = verify_snapshot(path) if verify else read_manifest(path)
-    tensors: dict[str, dict[str, torch.Tensor]] = {}
-    for name in manifest["files"]:
-        if not name.endswith(".safetensors"):
-            continue
-        try:  # a private mapping of the file: model tensors are copied into the model from it
-            loaded = load_file(path / name)
-        except Exception as e:  # a file that passed its hash but does not parse: refuse it
-            raise SnapshotInvalid(path, name, f"not a readable safetensors file: {e}") from None
-        # optimizer tensors become the optimizer's state: fresh memory, not the file's pages
-        # (measured: as fast as torch.load, twice as fast as safetensors' pread backend here)
-        tensors[name] = {k: (v.clone() if k.startswith("optim/") else v) for k, v in loaded.items()}
-    try:
-        objects = torch.load(path / TRAIN_STATE, weights_only=True, map_location="cpu")
-    except Exception as e:
-        raise SnapshotInvalid(path, TRAIN_STATE, f"not loadable with weights_only=True: {e}") from None
+    with open_verified(path, hashes=verify) as snap:
+        manifest = snap.manifest
+        tensors: dict[str, dict[str, torch.Tensor]] = {}
+        for name in manifest["files"]:
+            if not name.endswith(".safetensors"):
+                continue
+            try:  # a private mapping of the file: model tensors are copied into the model from it
+                loaded = load_file(snap.fd_path(name))
+            except Exception as e:  # a file that passed its hash but does not parse: refuse it
+                raise SnapshotInvalid(path, name, f"not a readable safetensors file: {e}") from None
+            # optimizer tensors become the optimizer's state: fresh memory, not the file's pages
+            # (measured: as fast as torch.load, twice as fast as safetensors' pread backend here)
+            tensors[name] = {k: (v.clone() if k.startswith("optim/") else v) for k, v in loaded.items()}
+        try:
+            with snap.reader(TRAIN_STATE) as f:
+                objects = torch.load(f, weights_only=True, map_location="cpu")
+        except Exception as e:
+            raise SnapshotInvalid(path, TRAIN_STATE, f"not loadable with weights_only=True: {e}") from None
     if not isinstance(objects, dict) or objects.get("format") != FORMAT:
         raise SnapshotInvalid(path, TRAIN_STATE, f"not an {FORMAT} train state")
     if objects.get("step") != manifest.get("step"):
