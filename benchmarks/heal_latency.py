@@ -63,7 +63,7 @@ def xid_to_emergency_snapshot(reps: int = 3) -> tuple[list[float], float]:
                     r.one_step()
                 steps.append((time.perf_counter() - t_step) / 12)
                 t0 = time.time()
-                agent.post("/api/v1/chaos", {"kind": "xid", "gpu": 0, "code": 79, "corrupt": "none"})
+                agent.chaos({"kind": "xid", "gpu": 0, "code": 79, "corrupt": "none"})
                 # the job keeps training; the command lands at its next step boundary
                 while not r.fuse.states["emergency_snapshot"].writes:
                     r.one_step()

@@ -26,12 +26,13 @@ class AgentError(Exception):
 class AgentClient:
     """Talks to one agent at `url` ("http://HOST:PORT"; a bare "HOST:PORT" is taken as http)."""
 
-    def __init__(self, url: str = DEFAULT_URL, *, timeout: float = 10.0) -> None:
+    def __init__(self, url: str = DEFAULT_URL, *, timeout: float = 10.0, chaos_token: str = "") -> None:
         if timeout <= 0:
             raise ValueError(f"timeout: expected seconds > 0, got {timeout!r}")
         url = url.strip().rstrip("/")
         self.url = url if "://" in url else f"http://{url}"
         self.timeout = timeout
+        self.chaos_token = chaos_token  # the agent's chaos.token, sent by chaos()
 
     def __repr__(self) -> str:
         return f"AgentClient({self.url!r}, timeout={self.timeout:g})"
@@ -51,8 +52,9 @@ class AgentClient:
         return self.get_text("/metrics")
 
     def chaos(self, body: dict) -> tuple[int, dict]:
-        """POST /api/v1/chaos (the agent takes it from loopback peers only): (HTTP status, reply)."""
-        return self.post_json("/api/v1/chaos", body)
+        """POST /api/v1/chaos with the chaos token (the agent takes it from loopback peers only,
+        and only with chaos on: --simulate or chaos.enabled): (HTTP status, reply)."""
+        return self.post_json("/api/v1/chaos", body, token=self.chaos_token or None)
 
     # --- requests ----------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from mscale.textfile import read_text
 
 if TYPE_CHECKING:
-    from mscale.daemon.settings import AgentSection, SocketSection, WebhookSection
+    from mscale.daemon.settings import AgentSection, ChaosSection, HttpSection, SocketSection, WebhookSection
     from mscale.healing.settings import HealingSection
     from mscale.probes.gpu_health import HealthSection
 
@@ -129,6 +129,8 @@ class Config:
     health: HealthSection = _section("mscale.probes.gpu_health:HealthSection", "GPU health thresholds")
     socket: SocketSection = _section("mscale.daemon.settings:SocketSection", "the hook library's Unix socket")
     webhook: WebhookSection = _section("mscale.daemon.settings:WebhookSection", "the Alertmanager webhook")
+    http: HttpSection = _section("mscale.daemon.settings:HttpSection", "HTTP timeouts, connection caps, Host names")
+    chaos: ChaosSection = _section("mscale.daemon.settings:ChaosSection", "the chaos API (fault injection)")
     healing: HealingSection = _section("mscale.healing.settings:HealingSection", "the healing engine")
 
     def replace(self, **sections: Any) -> Config:
@@ -242,6 +244,9 @@ def _apply_env(cfg: Config) -> Config:
     token = os.environ.get(ENV_PREFIX + "WEBHOOK_TOKEN")
     if token and not cfg.webhook.token:
         cfg = cfg.replace(webhook=dataclasses.replace(cfg.webhook, token=token))
+    chaos_token = os.environ.get(ENV_PREFIX + "CHAOS_TOKEN")
+    if chaos_token and not cfg.chaos.token:
+        cfg = cfg.replace(chaos=dataclasses.replace(cfg.chaos, token=chaos_token))
     return cfg
 
 

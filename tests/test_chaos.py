@@ -32,9 +32,12 @@ def agent():
     structlog.reset_defaults()
 
 
-def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 60, token: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "MSCALE_CHAOS_TOKEN"}
+    if token is not None:
+        env["MSCALE_CHAOS_TOKEN"] = token
     return subprocess.run(
-        [sys.executable, "-m", "mscale", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+        [sys.executable, "-m", "mscale", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env
     )
 
 
@@ -58,7 +61,7 @@ def test_only_loopback_peers_are_accepted():
 )
 def test_bad_chaos_requests_are_refused_and_change_nothing(agent, body, words):
     before = len(agent.events())
-    status, reply = agent.post("/api/v1/chaos", body)
+    status, reply = agent.chaos(body)
     assert status == 400 and words in reply["error"]
     assert not [e for e in agent.events()[before:] if e["reason"] == "chaos_injected"]
 
@@ -71,7 +74,20 @@ def test_xid_through_the_cli_is_seen_by_the_probe_and_healed_in_the_job(agent, t
         )
         for _ in range(12):
             r.one_step()
-        res = cli("chaos", "inject", "xid", "--gpu", "0", "--code", "79", "--corrupt", "none", "--agent", agent.url)
+        res = cli(
+            "chaos",
+            "inject",
+            "xid",
+            "--gpu",
+            "0",
+            "--code",
+            "79",
+            "--corrupt",
+            "none",
+            "--agent",
+            agent.url,
+            token=agent.chaos_token,
+        )
         assert res.returncode == 0, res.stderr
         assert "xid 79 on GPU 0" in res.stdout
         agent.wait_for(lambda evs: [e for e in evs if e["reason"] == "gpu_xid" and e["labels"].get("gpu") == "0"])
@@ -104,7 +120,7 @@ def test_xid_through_the_cli_is_seen_by_the_probe_and_healed_in_the_job(agent, t
         # the newest in-memory snapshot (every 5 steps) when the command came
         assert manifest["step"] % 5 == 0 and 10 <= manifest["step"] <= int(em.labels["step"])
         # a later command for the same fault (e.g. the alert) changes nothing
-        status, _ = agent.post("/api/v1/chaos", {"kind": "corrupt", "gpu": 0, "mode": "noise", "steps": 3})
+        status, _ = agent.chaos({"kind": "corrupt", "gpu": 0, "mode": "noise", "steps": 3})
         assert status == 200
         for _ in range(4):
             r.one_step()
@@ -143,6 +159,7 @@ def test_corruption_through_the_cli_reaches_the_job(agent):
             "corrupted",
             "--agent",
             agent.url,
+            token=agent.chaos_token,
         )
         assert res.returncode == 0 and "delivered to 1 job" in res.stdout, res.stderr
         deadline = time.monotonic() + 20
@@ -158,8 +175,10 @@ def test_corruption_through_the_cli_reaches_the_job(agent):
 
 
 def test_cli_refusals_exit_nonzero(agent):
-    res = cli("chaos", "inject", "xid", "--gpu", "42", "--agent", agent.url)
+    res = cli("chaos", "inject", "xid", "--gpu", "42", "--agent", agent.url, token=agent.chaos_token)
     assert res.returncode == 2 and "gpu" in res.stderr
+    res = cli("chaos", "inject", "nan-loss", "--agent", agent.url)  # no token
+    assert res.returncode == 1 and "refused (401)" in res.stderr and "missing bearer token" in res.stderr
     res = cli("chaos", "inject", "nan-loss", "--agent", "http://127.0.0.1:1")
     assert res.returncode == 1 and "cannot reach" in res.stderr
 
@@ -170,6 +189,7 @@ def test_agent_kill_kills_a_real_agent(tmp_path):
     cfg.write_text(
         f'[agent]\nlisten = "127.0.0.1:{port}"\nsocket_path = "{tmp_path}/a.sock"\n'
         "[probes.ebpf]\nenabled = false\n[probes.host]\nenabled = false\n"
+        '[chaos]\ntoken = "kill-token-0123"\n'  # on through --simulate; its token here
     )
     proc = subprocess.Popen(
         [
@@ -194,7 +214,11 @@ def test_agent_kill_kills_a_real_agent(tmp_path):
                 break
             assert time.monotonic() < deadline and proc.poll() is None, res.stderr
             time.sleep(0.2)
-        res = cli("chaos", "inject", "agent-kill", "--agent", f"http://127.0.0.1:{port}")
+        token_file = tmp_path / "chaos-token"
+        token_file.write_text("kill-token-0123\n")
+        res = cli(
+            "chaos", "inject", "agent-kill", "--agent", f"http://127.0.0.1:{port}", "--token-file", str(token_file)
+        )
         assert res.returncode == 0, res.stderr
         assert proc.wait(timeout=30) == -signal.SIGKILL
     finally:

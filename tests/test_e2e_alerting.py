@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow  # Prometheus, Alertmanager, an agent and a job: a
 
 RULES_DIR = REPO / "mscale" / "rules"
 TOKEN = "e2e-token-0123456789"
+CHAOS = {"Authorization": "Bearer e2e-chaos-token-0123"}  # the agent's chaos.token below
 GPU = 0  # the vision MPU's GPU in the job below
 # A real training job, built as the demo builds it (mscale.demo.scenario.Run): the tiny
 # multimodal model on CPU with the hook library, the fuse, snapshots (in memory, and on disk in
@@ -71,7 +72,7 @@ class Stack:
             f'[agent]\nlisten = "127.0.0.1:{self.agent_port}"\nsocket_path = "{tmp / "agent.sock"}"\n'
             f'node = "e2e-node"\nsimulate = "{tmp / "timeline.yaml"}"\n'
             f"[probes.ebpf]\nenabled = false\n"  # nothing to trace here, and BCC's compile costs seconds of CPU
-            f'[webhook]\ntoken = "{TOKEN}"\n[healing]\n{healing}'
+            f'[webhook]\ntoken = "{TOKEN}"\n[chaos]\ntoken = "e2e-chaos-token-0123"\n[healing]\n{healing}'
         )
         agent = Proc(
             "agent", [sys.executable, "-m", "mscale", "agent", "--config", str(tmp / "agent.toml")], tmp
@@ -148,7 +149,11 @@ class Stack:
         """An Xid on a simulated GPU. corrupt="none": the GPU reports it but the job's outputs stay
         clean, so the job's own checksums do not move the MPU first and the action comes from the
         node (probe or alert)."""
-        http(f"{self.agent_url}/api/v1/chaos", data={"kind": "xid", "gpu": gpu, "code": code, "corrupt": corrupt})
+        http(
+            f"{self.agent_url}/api/v1/chaos",
+            data={"kind": "xid", "gpu": gpu, "code": code, "corrupt": corrupt},
+            headers=CHAOS,
+        )
 
 
 def gpu_uuid(stack: Stack, index: int) -> str:
@@ -354,8 +359,8 @@ def test_every_dashboard_and_rule_query_returns_data(stack: Stack):
     # the scenario, as the demo plays it: a GPU fault, a loss spike, a NaN loss (so that the
     # fault, swap, cooling and rollback series exist)
     stack.inject_xid(GPU, 79, corrupt="noise")
-    http(f"{stack.agent_url}/api/v1/chaos", data={"kind": "loss_spike", "factor": 25})
-    http(f"{stack.agent_url}/api/v1/chaos", data={"kind": "nan_loss"})
+    http(f"{stack.agent_url}/api/v1/chaos", data={"kind": "loss_spike", "factor": 25}, headers=CHAOS)
+    http(f"{stack.agent_url}/api/v1/chaos", data={"kind": "nan_loss"}, headers=CHAOS)
     poll("the Xid in Prometheus", lambda: stack.query("mscale_gpu_xid_errors_total"), logs=stack.logs)
     queries = all_queries()
     for where, expr, _ in queries:

@@ -1,7 +1,9 @@
 """The agent as an aiohttp app factory. Tests drive `create_app` on port 0.
 
 Feature modules (API, webhook, hook link, chaos, healing) each expose `setup(app)`, which
-adds routes and, through `app.cleanup_ctx`, the services they run.
+adds routes and, through `app.cleanup_ctx`, the services they run. The access rules of the
+state-changing routes (mscale.daemon.access) are set up first; serve the app through
+mscale.daemon.httpserver (`make_runner`, `LimitedSite`) for the connection limits.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from mscale.config import Config
-from mscale.daemon import keys
+from mscale.daemon import access, keys
 from mscale.daemon.runner import ProbeRunner
 from mscale.daemon.state import AgentState, EventLog, ProbeStatus
 from mscale.exporters import make_registry
@@ -95,6 +97,7 @@ def create_app(
     app[keys.PROBES] = probes
     app[keys.REGISTRY] = make_registry(state)
     app.cleanup_ctx.append(_probe_runner)
+    access.setup(app)
     for module in features:
         importlib.import_module(module).setup(app)
     return app

@@ -1,6 +1,13 @@
 """POST /api/v1/chaos: inject a fault into this agent's simulated node and its jobs.
 
-Loopback peers only (anything else is refused 403 and counted). A JSON body names the kind:
+Off by default: on only with `--simulate` (`agent.simulate`) or `chaos.enabled = true`;
+off, every call is refused 403 (why="disabled"). On, a call must come from a loopback peer
+(403, why="not_loopback"), pass the rules of every state-changing endpoint
+(mscale.daemon.access: Host/Origin naming this agent, `Content-Type: application/json`) and
+carry the chaos bearer token, `chaos.token` or MSCALE_CHAOS_TOKEN, compared in constant time
+(none configured refuses every call). The body is at most MAX_BODY_BYTES; strings are bounded
+(an MPU name or id MAX_MPU_CHARS, a job id as the link's job ids). Every refusal is counted in
+`mscale_refused_messages_total{where="chaos"}` and changes nothing. A JSON body names the kind:
 
     corrupt     {mpu | gpu, mode: bitflip|noise|nan, steps, job_id?}  MPU output corruption
     loss_spike  {factor: 25, steps: 1, job_id?}                        the loss multiplied
@@ -21,27 +28,35 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import os
+import re
 import signal
 from typing import Any
 
-import structlog
 from aiohttp import web
 
 from mscale import link as protocol
-from mscale.daemon import keys
+from mscale.daemon import access, keys
 from mscale.findings import Finding, Reason, Severity
 from mscale.link import CHAOS_FIELDS
 from mscale.link import CHAOS_KINDS as KINDS
 from mscale.link import CHAOS_MODES as MODES
 
-log = structlog.get_logger("mscale.chaos")
 WHERE = "chaos"
+
+
+MAX_BODY_BYTES = 4096  # the largest valid body is about 150 bytes
+MAX_MPU_CHARS = 64
+MPU_NAME = re.compile(rf"[A-Za-z0-9._:/-]{{1,{MAX_MPU_CHARS}}}")
 
 
 class ChaosError(ValueError):
     pass
+
+
+def enabled(config: Any) -> bool:
+    """The chaos API is on: `chaos.enabled`, or an agent on simulated GPUs (`--simulate`)."""
+    return bool(config.chaos.enabled or config.agent.simulate)
 
 
 def _int(body: dict, key: str, default: Any = None, lo: int = 0, hi: int = 1_000_000) -> int:
@@ -58,6 +73,27 @@ def _num(body: dict, key: str, default: float, lo: float, hi: float) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
         raise ChaosError(f"{key}: expected a number {lo:g}..{hi:g}, got {v!r}")
     return float(v)
+
+
+def _check_fields(body: dict) -> None:
+    """Every field present is checked, whether the kind uses it or not: the event records them."""
+    if "mpu" in body and not (isinstance(body["mpu"], str) and MPU_NAME.fullmatch(body["mpu"])):
+        raise ChaosError(f"mpu: expected an MPU id or name (letters, digits, ._:/-; 1..{MAX_MPU_CHARS} characters)")
+    if "job_id" in body and not (isinstance(body["job_id"], str) and protocol.JOB_ID.fullmatch(body["job_id"])):
+        raise ChaosError(f"job_id: expected a job id matching {protocol.JOB_ID.pattern}")
+    for key, choices in (("mode", MODES), ("corrupt", MODES + ("none",))):
+        if key in body and (not isinstance(body[key], str) or body[key] not in choices):
+            raise ChaosError(f"{key}: expected one of {', '.join(choices)}, got {str(body[key])[:40]!r}")
+    if "gpu" in body:
+        _int(body, "gpu", hi=1023)
+    if "steps" in body:
+        _int(body, "steps", lo=1)
+    if "code" in body:
+        _int(body, "code", lo=1, hi=65535)
+    if "factor" in body:
+        _num(body, "factor", 25.0, 1.0, 1e9)
+    if "seconds" in body:
+        _num(body, "seconds", 5.0, 0.0, 3600.0)
 
 
 def gpu_count(nvml: Any) -> int:
@@ -83,7 +119,8 @@ def command_for(body: Any, nvml: Any = None) -> tuple[str, dict, Any]:
         raise ChaosError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
     extra = sorted(set(body) - set(CHAOS_FIELDS))
     if extra:
-        raise ChaosError(f"unknown field(s): {', '.join(extra)}")
+        raise ChaosError(f"unknown field(s): {', '.join(e[:40] for e in extra[:5])}")
+    _check_fields(body)
     cmd: dict[str, Any] = protocol.chaos(kind) if kind in protocol.CHAOS_JOB_KINDS else {}
     event = None
     if kind == "corrupt":
@@ -93,8 +130,10 @@ def command_for(body: Any, nvml: Any = None) -> tuple[str, dict, Any]:
         if ("mpu" in body) == ("gpu" in body):
             raise ChaosError("corrupt needs exactly one of mpu (id or name) or gpu (index)")
         if "mpu" in body:
-            if not isinstance(body["mpu"], str) or not body["mpu"]:
-                raise ChaosError("mpu: expected an MPU id or name")
+            if not isinstance(body["mpu"], str) or not MPU_NAME.fullmatch(body["mpu"]):
+                raise ChaosError(
+                    f"mpu: expected an MPU id or name (letters, digits, ._:/-; 1..{MAX_MPU_CHARS} characters)"
+                )
             cmd["mpu"] = body["mpu"]
         else:
             cmd["gpu"] = _int(body, "gpu", hi=1023)
@@ -125,8 +164,8 @@ def command_for(body: Any, nvml: Any = None) -> tuple[str, dict, Any]:
             raise ChaosError(f"corrupt: expected one of {', '.join(MODES)}, none; got {corrupt!r}")
         cmd = protocol.chaos("gpu_fault", gpu=gpu, mode=corrupt, fault=kind) if corrupt != "none" else {}
     if "job_id" in body:
-        if not isinstance(body["job_id"], str):
-            raise ChaosError("job_id: expected a string")
+        if not isinstance(body["job_id"], str) or not protocol.JOB_ID.fullmatch(body["job_id"]):
+            raise ChaosError(f"job_id: expected a job id matching {protocol.JOB_ID.pattern}")
         if cmd:
             cmd["job_id"] = body["job_id"]
     return kind, cmd, event
@@ -148,25 +187,24 @@ def _loopback(request: web.Request) -> bool:
     return is_loopback_peer(request.transport.get_extra_info("peername") if request.transport else None)
 
 
-def _refuse(request: web.Request, status: int, why: str, reason: str) -> web.Response:
-    request.app[keys.STATE].refused[(WHERE, why)] += 1
-    log.warning("chaos_refused", why=why, reason=reason, peer=request.remote)
-    return web.json_response({"error": reason}, status=status)
-
-
 async def inject(request: web.Request) -> web.Response:
-    if not _loopback(request):
-        return _refuse(request, 403, "not_loopback", "chaos is accepted from loopback peers only")
-    try:
-        body = json.loads(await request.read())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        return _refuse(request, 400, "malformed", f"body is not JSON: {e}")
     app = request.app
+    cfg = app[keys.CONFIG]
     try:
+        if not enabled(cfg):
+            raise access.Refused(
+                403, "disabled", "the chaos API is off: start the agent with --simulate or set chaos.enabled"
+            )
+        if not _loopback(request):
+            raise access.Refused(403, "not_loopback", "chaos is accepted from loopback peers only")
+        body = await access.json_post(request, token=cfg.chaos.token, what="chaos", max_bytes=MAX_BODY_BYTES)
         kind, cmd, event = command_for(body, app[keys.NVML])
+    except access.Refused as e:
+        return access.refuse(request, WHERE, e)
     except ChaosError as e:
-        return _refuse(request, 400, "malformed", str(e))
+        return access.refuse(request, WHERE, access.Refused(400, "malformed", str(e)))
     state = app[keys.STATE]
+    # the event carries what was validated, never the raw body
     labels = {k: str(v) for k, v in body.items() if k != "kind"}
     state.events.emit(
         Finding(

@@ -11,12 +11,12 @@ import time
 from typing import Any
 
 import structlog
-from aiohttp import web
 
 from mscale import config as configmod
 from mscale import logs
-from mscale.daemon import keys
+from mscale.daemon import httpserver, keys
 from mscale.daemon.app import create_app, new_state
+from mscale.daemon.chaos import enabled as chaos_enabled
 from mscale.daemon.notify import Notifier
 from mscale.link import DEFAULT_HOST, DEFAULT_LISTEN, DEFAULT_SOCKET
 
@@ -82,10 +82,10 @@ async def serve(
     stop = stop or asyncio.Event()
     notifier = notifier or Notifier()
     app = create_app(cfg, state=new_state(cfg), nvml=nvml, clock=clock)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    runner = httpserver.make_runner(app)  # idle timeout; the site adds the connection caps
     await runner.setup()
     host, port = parse_listen(cfg.agent.listen)
-    site = web.TCPSite(runner, host, port)
+    site = httpserver.LimitedSite(runner, host, port)
     await site.start()
     bound = runner.addresses[0]  # the real port when 0 was asked
     url = f"http://{bound[0]}:{bound[1]}"
@@ -93,6 +93,8 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if chaos_enabled(cfg) and not cfg.chaos.token:
+        log.warning("chaos_without_token", hint="set chaos.token or MSCALE_CHAOS_TOKEN; every chaos call is refused")
     notifier.ready(f"serving {url}")
 
     async def watchdog() -> None:

@@ -55,3 +55,44 @@ class WebhookSection:
     token: str = opt("", "bearer token Alertmanager must send (or env MSCALE_WEBHOOK_TOKEN); empty refuses every call")
     max_body_bytes: int = opt(1 << 20, "larger webhook bodies are refused", min=1024, max=1 << 30)
     max_actions_per_minute: int = opt(30, "rate limit on actions triggered by alerts", min=1, max=100000)
+
+
+@dataclass(frozen=True)
+class ChaosSection:
+    enabled: bool = opt(
+        False, "serve the chaos API (POST /api/v1/chaos); also on with --simulate (agent.simulate); off: refused 403"
+    )
+    token: str = opt("", "bearer token chaos calls must send (or env MSCALE_CHAOS_TOKEN); empty refuses every call")
+
+
+@dataclass(frozen=True)
+class HttpSection:
+    idle_timeout_s: float = opt(30.0, "an idle HTTP keep-alive connection is closed after this", min=1, max=3600)
+    header_timeout_s: float = opt(
+        10.0, "a new HTTP connection must send its first request head within this, or it is closed", min=0.5, max=600
+    )
+    body_timeout_s: float = opt(
+        10.0, "a POST body must arrive within this, or the request is refused 408", min=0.5, max=600
+    )
+    max_connections: int = opt(
+        512, "open HTTP connections at most (also kept below the open-files limit)", min=4, max=1_000_000
+    )
+    max_connections_per_peer: int = opt(64, "open HTTP connections from one peer address at most", min=2, max=1_000_000)
+    allowed_hosts: list = opt(
+        None,
+        "extra Host names (NAME or NAME:PORT) state-changing requests may use, besides the listen address, "
+        "loopback names on loopback and the node's name",
+        factory=list,
+    )
+
+    def check(self, key: str) -> None:
+        from mscale.config import ConfigError
+
+        if self.max_connections_per_peer > self.max_connections:
+            raise ConfigError(
+                f"{key}.max_connections_per_peer: expected at most {key}.max_connections "
+                f"({self.max_connections}), got {self.max_connections_per_peer}"
+            )
+        for i, h in enumerate(self.allowed_hosts):
+            if not isinstance(h, str) or not h or len(h) > 255 or any(c.isspace() or c in "/@?#" for c in h):
+                raise ConfigError(f"{key}.allowed_hosts[{i}]: expected a host name or NAME:PORT, got {h!r}")

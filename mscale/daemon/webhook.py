@@ -1,30 +1,29 @@
 """POST /api/v1/alerts: Alertmanager's webhook (payload version 4) into the healing service.
 
 This module authenticates, parses and validates; the healing service (mscale.daemon.healing)
-matches each alert to the policy and books what it did. Bearer token from `webhook.token`
-(or MSCALE_WEBHOOK_TOKEN), compared in constant time; an empty token refuses every call. A
+matches each alert to the policy and books what it did. The rules of every state-changing
+endpoint apply (mscale.daemon.access: Host/Origin naming this agent, the bearer token from
+`webhook.token` or MSCALE_WEBHOOK_TOKEN compared in constant time, an empty token refusing
+every call, `Content-Type: application/json`, at most `webhook.max_body_bytes`, bounded JSON). A
 malformed body is answered 400 with the reason and changes nothing; every refusal is counted
-in `mscale_refused_messages_total{where="webhook"}`, an alert past the action budget too
+in `mscale_refused_messages_total{where="webhook"}`, each action past the action budget too
 (why="rate_limited"). Firing alerts map to actions by alert name and the labels gpu_uuid /
 gpu, mpu_id, job_id; resolved alerts end cooling windows. The same alert delivered twice
 (Alertmanager repeats firing alerts every repeat_interval) acts once; actions are
-rate-limited per minute (`webhook.max_actions_per_minute`). The reply counts the alerts by
-outcome and lists the actions taken.
+rate-limited per minute (`webhook.max_actions_per_minute`, counting actions). The reply
+counts the alerts by outcome and the actions past the budget (`rate_limited`), and lists the
+actions taken.
 """
 
 from __future__ import annotations
 
-import hmac
-import json
 from typing import Any
 
-import structlog
 from aiohttp import web
 
+from mscale.daemon import access, keys
 from mscale.daemon import healing as service
-from mscale.daemon import keys
 
-log = structlog.get_logger("mscale.webhook")
 WHERE = "webhook"
 
 
@@ -73,38 +72,17 @@ def parse(body: Any) -> list[dict]:
     return out
 
 
-def _refuse(request: web.Request, status: int, why: str, reason: str) -> web.Response:
-    request.app[keys.STATE].refused[(WHERE, why)] += 1
-    log.warning("webhook_refused", why=why, reason=reason, peer=request.remote)
-    return web.json_response({"error": reason}, status=status)
-
-
-def _authorised(request: web.Request) -> str | None:
-    """None when the bearer token matches; else why not."""
-    token = request.app[keys.CONFIG].webhook.token
-    if not token:
-        return "no webhook token configured"
-    got = request.headers.get("Authorization", "")
-    scheme, _, presented = got.partition(" ")
-    if scheme.lower() != "bearer" or not presented:
-        return "missing bearer token"
-    if not hmac.compare_digest(presented.strip().encode(), token.encode()):
-        return "wrong bearer token"
-    return None
-
-
 async def alerts(request: web.Request) -> web.Response:
-    why = _authorised(request)
-    if why is not None:
-        return _refuse(request, 401, "unauthorised", why)
+    cfg = request.app[keys.CONFIG]
     try:
-        body = json.loads(await request.read())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        return _refuse(request, 400, "malformed", f"body is not JSON: {e}")
-    try:
+        body = await access.json_post(
+            request, token=cfg.webhook.token, what="webhook", max_bytes=cfg.webhook.max_body_bytes
+        )
         items = parse(body)
+    except access.Refused as e:
+        return access.refuse(request, WHERE, e)
     except PayloadError as e:
-        return _refuse(request, 400, "malformed", str(e))
+        return access.refuse(request, WHERE, access.Refused(400, "malformed", str(e)))
     summary: dict[str, Any] = {
         "firing": 0,
         "resolved": 0,
@@ -113,15 +91,14 @@ async def alerts(request: web.Request) -> web.Response:
         "rate_limited": 0,
         "cooling_ended": 0,
     }
-    for a in items:
-        out = await service.alert(request.app, a, source=WHERE)
+    for out in await service.alerts(request.app, items, source=WHERE):
         summary["firing" if out.firing else "resolved"] += 1
         summary["cooling_ended"] += out.cooling_ended
         if out.result == "duplicate":
             summary["duplicates"] += 1
-        elif out.result == "rate_limited":
-            summary["rate_limited"] += 1
-            request.app[keys.STATE].refused[(WHERE, "rate_limited")] += 1
+        if out.rate_limited:  # actions past the budget, each counted
+            summary["rate_limited"] += out.rate_limited
+            request.app[keys.STATE].refused[(WHERE, "rate_limited")] += out.rate_limited
         for d, result in out.actions:
             summary["actions"].append(
                 {"action": d.action, "job_id": d.target.job_id, "mpu_id": d.target.mpu_id, "result": result}

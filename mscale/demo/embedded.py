@@ -31,15 +31,20 @@ def agent_config(
     socket_path: str,
     listen: str = LOOPBACK_ANY_PORT,
     token: str = "",
+    chaos_token: str = "",
     gpu_interval_s: float = 0.2,
     healing: dict | None = None,
     webhook: dict | None = None,
+    http: dict | None = None,
 ) -> configmod.Config:
     return configmod.from_dict(
         {
             "agent": {"listen": listen, "socket_path": socket_path, "node": "sim-node", "log_level": "warning"},
             "probes": {"gpu": {"interval_s": gpu_interval_s}, "host": {"enabled": False}, "ebpf": {"enabled": False}},
             "webhook": {"token": token or secrets.token_hex(16), **(webhook or {})},
+            # simulated GPUs without a timeline file: chaos on explicitly, with its own token
+            "chaos": {"enabled": True, "token": chaos_token or secrets.token_hex(16)},
+            "http": http or {},
             "healing": healing or {},
         }
     )
@@ -47,7 +52,7 @@ def agent_config(
 
 class EmbeddedAgent:
     """`with EmbeddedAgent() as agent:` ... agent.url, agent.client, agent.socket_path, agent.app,
-    agent.nvml."""
+    agent.nvml; agent.token (the webhook's) and agent.chaos_token, generated."""
 
     def __init__(
         self,
@@ -58,6 +63,7 @@ class EmbeddedAgent:
         gpu_interval_s: float = 0.2,
         healing: dict | None = None,
         webhook: dict | None = None,
+        http: dict | None = None,
     ) -> None:
         from mscale.sim.nvml import SimNvml
 
@@ -70,10 +76,13 @@ class EmbeddedAgent:
         base.mkdir(parents=True, exist_ok=True)
         self.socket_path = str(base / "agent.sock")
         self.token = secrets.token_hex(16)
+        self.chaos_token = secrets.token_hex(16)
         self.config = agent_config(
             socket_path=self.socket_path,
             listen=listen,
             token=self.token,
+            chaos_token=self.chaos_token,
+            http=http,
             gpu_interval_s=gpu_interval_s,
             healing=healing,
             webhook=webhook,
@@ -106,19 +115,20 @@ class EmbeddedAgent:
 
     async def _serve(self) -> None:
         from mscale.daemon.app import create_app
+        from mscale.daemon.httpserver import LimitedSite, make_runner
         from mscale.daemon.main import parse_listen
 
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         self.app = create_app(self.config, nvml=self.nvml)
-        runner = web.AppRunner(self.app, handle_signals=False, access_log=None)
+        runner = make_runner(self.app)
         await runner.setup()
         host, port = parse_listen(self.config.agent.listen)
-        site = web.TCPSite(runner, host, port)
+        site = LimitedSite(runner, host, port)
         await site.start()
         bound = runner.addresses[0]  # the real port when 0 was asked
         self.url = f"http://{bound[0]}:{bound[1]}"
-        self.client = AgentClient(self.url)
+        self.client = AgentClient(self.url, chaos_token=self.chaos_token)
         self._ready.set()
         try:
             await self._stop.wait()
@@ -157,6 +167,10 @@ class EmbeddedAgent:
 
     def post(self, path: str, body: dict, *, token: str | None = None, timeout: float = 10.0) -> tuple[int, Any]:
         return self._client().post_json(path, body, token=token, timeout=timeout)
+
+    def chaos(self, body: dict, *, timeout: float = 10.0) -> tuple[int, Any]:
+        """POST /api/v1/chaos with this agent's chaos token."""
+        return self.post("/api/v1/chaos", body, token=self.chaos_token, timeout=timeout)
 
     def events(self, since: int = 0) -> list[dict]:
         return self._client().events(since)

@@ -1,5 +1,8 @@
 """`mscale chaos inject KIND ...`: inject a fault into a running agent (loopback) and its jobs.
 
+The agent serves chaos only when started with --simulate (or chaos.enabled), and only with its
+chaos token: set MSCALE_CHAOS_TOKEN, or pass --token-file (a file holding the agent's chaos.token).
+
 mscale chaos inject corrupt --mpu vision --mode bitflip --steps 20
 mscale chaos inject corrupt --gpu 3 --mode nan --steps 5
 mscale chaos inject loss-spike --factor 25
@@ -13,6 +16,7 @@ mscale chaos inject agent-kill
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from mscale.agent_client import AgentClient, AgentError
@@ -20,6 +24,7 @@ from mscale.link import CHAOS_FIELDS, CHAOS_KINDS, CHAOS_MODES, DEFAULT_URL
 
 HELP = "inject a fault (MPU corruption, loss spike, NaN loss, Xid/ECC, hang, agent kill) into a running agent and job"
 KINDS = tuple(k.replace("_", "-") for k in CHAOS_KINDS)  # the API's kinds, spelt as CLI words
+TOKEN_ENV = "MSCALE_CHAOS_TOKEN"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,6 +50,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     inj.add_argument("--seconds", type=float, help="hang: how long (default 5)")
     inj.add_argument("--timeout", type=float, default=10.0, metavar="S")
+    inj.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help=f"file holding the agent's chaos token (default: ${TOKEN_ENV})",
+    )
+
+
+def token_of(args: argparse.Namespace) -> str:
+    """The chaos token: the first line of --token-file, else $MSCALE_CHAOS_TOKEN."""
+    if args.token_file:
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                return f.readline(4096).strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--token-file {args.token_file}: {e}") from None
+    return os.environ.get(TOKEN_ENV, "").strip()
 
 
 def body_of(args: argparse.Namespace) -> dict:
@@ -58,7 +79,8 @@ def body_of(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        status, reply = AgentClient(args.agent, timeout=args.timeout).chaos(body_of(args))
+        client = AgentClient(args.agent, timeout=args.timeout, chaos_token=token_of(args))
+        status, reply = client.chaos(body_of(args))
     except (AgentError, ValueError) as e:
         print(f"mscale chaos: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,222 @@
+"""The agent's HTTP listener, with connection limits: no HTTP client can make the agent run
+out of file descriptors or keep /healthz and /metrics from answering.
+
+    runner = make_runner(app)          # web.AppRunner with http.idle_timeout_s as keep-alive
+    await runner.setup()
+    await LimitedSite(runner, host, port).start()
+
+Every accepted connection passes a gate (`_Gate`, a protocol in front of aiohttp's own):
+
+- at most `http.max_connections_per_peer` open from one peer address and
+  `http.max_connections` in all, the latter kept below the process's open-files limit (less a
+  reserve for probes, the hook socket and logs). A connection over a cap first evicts the
+  longest-idle connection that is not serving a request (of the same peer for the per-peer
+  cap, of the busiest peer for the total), so a flood of idle connections cannot keep anyone
+  out; with none idle, the new one is closed at once (why="peer_limit" / "connection_limit").
+- its first request head must arrive within `http.header_timeout_s` (why="header_timeout");
+  between requests aiohttp closes a connection idle for `http.idle_timeout_s`.
+
+Refused and evicted connections are counted in `mscale_refused_messages_total{where="http"}`;
+the log lines about them are rate-limited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+from collections import defaultdict
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from mscale.daemon import keys
+from mscale.daemon.access import RateLimitedLog
+
+log = structlog.get_logger("mscale.http")
+WHERE = "http"
+FD_RESERVE = 128  # descriptors kept for everything that is not an HTTP client
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    """The app's runner, with `http.idle_timeout_s` as aiohttp's keep-alive timeout."""
+    return web.AppRunner(
+        app, handle_signals=False, access_log=None, keepalive_timeout=app[keys.CONFIG].http.idle_timeout_s
+    )
+
+
+def fd_limited(max_connections: int) -> int:
+    """`max_connections`, lowered to fit the soft open-files limit less FD_RESERVE."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return max_connections
+    return max(8, min(max_connections, soft - FD_RESERVE))
+
+
+class Limiter:
+    """Open connections by peer address; admits, evicts and refuses (see the module doc)."""
+
+    def __init__(self, app: web.Application) -> None:
+        cfg = app[keys.CONFIG].http
+        self.state = app[keys.STATE]
+        self.max_total = fd_limited(cfg.max_connections)
+        self.max_per_peer = min(cfg.max_connections_per_peer, self.max_total)
+        self.header_timeout_s = cfg.header_timeout_s
+        self.by_peer: dict[str, dict[_Gate, None]] = defaultdict(dict)  # insertion-ordered sets
+        self.total = 0
+        self.logger = RateLimitedLog()
+        if self.max_total < cfg.max_connections:
+            log.warning(
+                "http_connections_capped_by_nofile",
+                max_connections=cfg.max_connections,
+                effective=self.max_total,
+                hint="raise LimitNOFILE (ulimit -n)",
+            )
+
+    def count(self, why: str, **fields: Any) -> None:
+        self.state.refused[(WHERE, why)] += 1
+        self.logger.warning((WHERE, why), "http_connection_refused", why=why, **fields)
+
+    def admit(self, gate: _Gate) -> bool:
+        peer = gate.peer
+        if len(self.by_peer.get(peer, ())) >= self.max_per_peer:
+            victim = self._idlest(self.by_peer[peer])
+            if victim is None:
+                self.count("peer_limit", peer=peer, limit=self.max_per_peer)
+                return False
+            self.evict(victim)
+        if self.total >= self.max_total:
+            busiest = max(self.by_peer.values(), key=len)
+            victim = self._idlest(busiest) or self._idlest(g for gs in self.by_peer.values() for g in gs)
+            if victim is None:
+                self.count("connection_limit", peer=peer, limit=self.max_total)
+                return False
+            self.evict(victim)
+        self.by_peer[peer][gate] = None
+        self.total += 1
+        return True
+
+    @staticmethod
+    def _idlest(gates: Any) -> _Gate | None:
+        idle = [g for g in gates if g.idle()]
+        return min(idle, key=lambda g: g.last_rx) if idle else None
+
+    def evict(self, gate: _Gate) -> None:
+        self.count("idle_evicted", peer=gate.peer)
+        self.release(gate)
+        gate.close()
+
+    def release(self, gate: _Gate) -> None:
+        conns = self.by_peer.get(gate.peer)
+        if conns is None or gate not in conns:
+            return
+        del conns[gate]
+        self.total -= 1
+        if not conns:
+            del self.by_peer[gate.peer]
+
+
+class _Gate(asyncio.Protocol):
+    """In front of one aiohttp RequestHandler: admission, the first-head deadline, bookkeeping."""
+
+    def __init__(self, limiter: Limiter, make: Any) -> None:
+        self.limiter, self.make = limiter, make
+        self.inner: Any = None
+        self.transport: asyncio.Transport | None = None
+        self.peer = ""
+        self.head_seen = False
+        self._tail = b""
+        self.last_rx = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
+        loop = asyncio.get_running_loop()
+        self.last_rx = loop.time()
+        if not self.limiter.admit(self):
+            transport.abort()  # the descriptor is released now, not after a handshake
+            return
+        self._timer = loop.call_later(self.limiter.header_timeout_s, self._header_deadline)
+        self.inner = self.make()
+        self.inner.connection_made(transport)
+
+    def _header_deadline(self) -> None:
+        self._timer = None
+        if not self.head_seen and self.transport is not None:
+            self.limiter.count("header_timeout", peer=self.peer)
+            self.limiter.release(self)
+            self.close()
+
+    def idle(self) -> bool:
+        """Not serving a request: no request head yet, or aiohttp waiting for the next one."""
+        if self.inner is None:
+            return False
+        if not self.head_seen:
+            return True
+        return not getattr(self.inner, "_request_in_progress", True) and not getattr(self.inner, "_messages", True)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is None:
+            return
+        self.last_rx = asyncio.get_running_loop().time()
+        if not self.head_seen:
+            buf = self._tail + data
+            if b"\r\n\r\n" in buf or b"\n\n" in buf:
+                self.head_seen = True
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
+            else:
+                self._tail = buf[-3:]
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.inner is not None else None
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.limiter.release(self)
+        inner, self.inner, self.transport = self.inner, None, None
+        if inner is not None:
+            inner.connection_lost(exc)
+
+
+class LimitedSite(web.TCPSite):
+    """web.TCPSite whose connections pass the gate; limits from the app's [http] config."""
+
+    __slots__ = ("limiter",)
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with the runner
+        runner = self._runner
+        assert isinstance(runner, web.AppRunner) and runner.server is not None
+        server = runner.server
+        self.limiter = Limiter(runner.app)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Gate(self.limiter, server),
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port,
+        )
+        if self._server.sockets:
+            self._bound_port = self._server.sockets[0].getsockname()[1]
