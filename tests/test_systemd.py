@@ -76,6 +76,8 @@ def test_unit_settings() -> None:
     assert s["NoNewPrivileges"] == "yes" and s["ProtectSystem"] == "strict"
     assert "bpf" in s["SystemCallFilter"].split() and "perf_event_open" in s["SystemCallFilter"].split()
     assert s["RuntimeDirectory"] == "mscale"  # /run/mscale/agent.sock, the default socket path
+    # room for the HTTP connection cap (http.max_connections) and its reserve, well over 1,024
+    assert int(s["LimitNOFILE"]) >= 4096
     assert cp["Install"]["WantedBy"] == "multi-user.target"
 
 

@@ -36,6 +36,7 @@ def agent_config(
     healing: dict | None = None,
     webhook: dict | None = None,
     http: dict | None = None,
+    chaos: dict | None = None,
 ) -> configmod.Config:
     return configmod.from_dict(
         {
@@ -43,7 +44,7 @@ def agent_config(
             "probes": {"gpu": {"interval_s": gpu_interval_s}, "host": {"enabled": False}, "ebpf": {"enabled": False}},
             "webhook": {"token": token or secrets.token_hex(16), **(webhook or {})},
             # simulated GPUs without a timeline file: chaos on explicitly, with its own token
-            "chaos": {"enabled": True, "token": chaos_token or secrets.token_hex(16)},
+            "chaos": {"enabled": True, "token": chaos_token or secrets.token_hex(16), **(chaos or {})},
             "http": http or {},
             "healing": healing or {},
         }
@@ -64,6 +65,7 @@ class EmbeddedAgent:
         healing: dict | None = None,
         webhook: dict | None = None,
         http: dict | None = None,
+        chaos: dict | None = None,
     ) -> None:
         from mscale.sim.nvml import SimNvml
 
@@ -83,6 +85,7 @@ class EmbeddedAgent:
             token=self.token,
             chaos_token=self.chaos_token,
             http=http,
+            chaos=chaos,
             gpu_interval_s=gpu_interval_s,
             healing=healing,
             webhook=webhook,
