@@ -6,15 +6,24 @@ commands; what a job decided in-process (checksums, loss) arrives as its own
 HEAL_ACTION/FUSE_STATE events and only keeps the books (and the per-MPU state the API shows)
 in step. Each condition's policy rule is matched once, here, and every outcome is booked by
 the engine: an alert that Alertmanager repeats (same fingerprint and start) is a duplicate,
-one past the per-minute action budget (`webhook.max_actions_per_minute`) is rate-limited, a
-resolved one forgets its dedup entry and ends the cooling windows its rule started.
+a resolved one forgets its dedup entry and ends the cooling windows its rule started.
+
+The per-minute action budget (`webhook.max_actions_per_minute`) counts actions, not alerts:
+a firing alert whose rule yields three actions takes three. When only some fit, those run in
+the policy's order and the rest are booked `rate_limited`; an alert none of whose actions fit
+is not marked seen, so Alertmanager's repeat may act once the budget allows.
+
+Bounded and O(1) per alert, however long the agent has run: the seen-alerts ledger keeps an
+alert for SEEN_TTL_S and at most SEEN_CAP of them (the oldest evicted first), expired from
+its old end, never scanned; the budget keeps one entry per grant in the last minute. A body
+is handled in slices of SLICE alerts with the event loop served between them, so a large
+body (the body-size limit bounds it) never blocks /healthz, the scrape or the socket.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,12 +37,16 @@ from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing import policy as policymod
 from mscale.healing.engine import Condition, Decision, HealingEngine, Target
+from mscale.healing.ledger import Budget, Ledger
 from mscale.healing.policy import Rule
 
 log = structlog.get_logger("mscale.healing")
 SOURCE = "healing"
-_SEEN = web.AppKey("alerts_seen", dict)  # (fingerprint, startsAt) -> when acted on
-_BUDGET = web.AppKey("alert_action_times", deque)  # when each alert was acted on, last minute
+SEEN_CAP = 16_384  # alerts remembered as acted on; the oldest are forgotten first
+SEEN_TTL_S = 86_400.0  # and for at most a day (Alertmanager repeats within repeat_interval)
+SLICE = 256  # alerts of one body handled between turns of the event loop
+_SEEN = web.AppKey("alerts_seen", Ledger)  # (fingerprint, startsAt) -> when acted on
+_BUDGET = web.AppKey("alert_action_budget", Budget)  # actions taken from alerts, last minute
 
 
 def gpu_ids(state: AgentState) -> dict[str, str]:
@@ -122,12 +135,24 @@ def _targets(app: web.Application):
 
 @dataclass
 class AlertOutcome:
-    """What became of one alert: `result` is acted, duplicate, rate_limited or resolved."""
+    """What became of one alert: `result` is acted, duplicate, rate_limited (no action fitted
+    the budget) or resolved; `rate_limited` counts its actions past the budget."""
 
     firing: bool
     result: str
     actions: list[tuple[Decision, str]] = field(default_factory=list)
     cooling_ended: int = 0  # jobs whose cooling window an end command reached
+    rate_limited: int = 0
+
+
+async def alerts(app: web.Application, items: Iterable[Mapping[str, Any]], *, source: str) -> list[AlertOutcome]:
+    """A body's alerts, in order, in slices of SLICE with the event loop served between them."""
+    out = []
+    for i, a in enumerate(items):
+        if i and not i % SLICE:
+            await asyncio.sleep(0)
+        out.append(await alert(app, a, source=source))
+    return out
 
 
 async def alert(app: web.Application, a: Mapping[str, Any], *, source: str) -> AlertOutcome:
@@ -151,33 +176,27 @@ async def alert(app: web.Application, a: Mapping[str, Any], *, source: str) -> A
     seen = app[_SEEN]
     ident = (a.get("fingerprint") or json.dumps(labels, sort_keys=True), a.get("startsAt", ""))
     if not firing:
-        seen.pop(ident, None)
+        seen.pop(ident)
         ends = engine.resolve(cond, _targets(app), rule) if rule is not None else []
         return AlertOutcome(False, "resolved", cooling_ended=await _end(app, ends))
-    if ident in seen:  # Alertmanager's repeat of an alert already acted on
+    if seen.fresh(ident, now):  # Alertmanager's repeat of an alert already acted on
         engine.refuse(rule, cond, "duplicate", "Alertmanager repeated an alert already acted on")
         return AlertOutcome(True, "duplicate")
-    if rule is not None and any(rule.actions.values()) and not _take(app, now):
-        engine.refuse(
-            rule, cond, "rate_limited", f"action budget of {app[keys.CONFIG].webhook.max_actions_per_minute}/min spent"
+    run: list[Decision] = []
+    over: list[Decision] = []
+    if rule is not None:
+        budget = app[_BUDGET]
+        run, over = engine.decide_within(
+            cond,
+            _targets(app),
+            rule,
+            budget=lambda n: budget.take(n, now),
+            over_why=f"action budget of {budget.per_minute}/min spent",
         )
-        return AlertOutcome(True, "rate_limited")
-    seen[ident] = now
-    done = await act(app, engine.decide(cond, _targets(app), rule)) if rule is not None else []
-    for k in [k for k, t in seen.items() if now - t > 86400]:
-        del seen[k]
-    return AlertOutcome(True, "acted", done)
-
-
-def _take(app: web.Application, now: float) -> bool:
-    """Per-minute action budget for alerts (a sliding window of action times)."""
-    times = app[_BUDGET]
-    while times and now - times[0] >= 60.0:
-        times.popleft()
-    if len(times) >= app[keys.CONFIG].webhook.max_actions_per_minute:
-        return False
-    times.append(now)
-    return True
+    if over and not run:
+        return AlertOutcome(True, "rate_limited", rate_limited=len(over))
+    seen.mark(ident, now)
+    return AlertOutcome(True, "acted", await act(app, run), rate_limited=len(over))
 
 
 async def _end(app: web.Application, ends: list[Decision]) -> int:
@@ -245,6 +264,6 @@ def setup(app: web.Application) -> None:
         emit=state.events.emit,
         publish=lambda snap: state.publish("healing", snap),
     )
-    app[_SEEN] = {}
-    app[_BUDGET] = deque()
+    app[_SEEN] = Ledger(cap=SEEN_CAP, ttl_s=SEEN_TTL_S)
+    app[_BUDGET] = Budget(cfg.webhook.max_actions_per_minute)
     app.cleanup_ctx.append(_run)

@@ -17,6 +17,12 @@ the job already handled and reported) is recorded as `result="duplicate"` and no
 In-process conditions carry an `occurrence` instead (the fuse's step count, or a failing
 stretch of an MPU at one placement): a trigger in a later occurrence is new evidence that the
 last action did not cure the fault, so it escalates instead of being dropped.
+
+The books stay bounded whatever arrives (mscale.healing.ledger): the dedup ledger keeps an
+entry for `dedup_window_s` and at most ACTED_CAP entries (oldest evicted first), the
+occurrence ledger at most ACTED_CAP, the recent decisions the last RECENT; each costs O(1)
+per condition, however long the agent has run. A caller with an action budget passes it to
+`decide_within`: the budget counts actions, not conditions.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from mscale.findings import Finding, Reason, Severity
 from mscale.healing import actions
 from mscale.healing.actions.base import ActionSpec
 from mscale.healing.fsm import IllegalTransition, JobLossState, Level, MpuFuseState, Transition
+from mscale.healing.ledger import Ledger
 from mscale.healing.policy import Policy, Rule
 from mscale.healing.settings import HealingSection
 
@@ -50,6 +57,8 @@ _RANK = {
 # results that mean the action took effect (the state machine moves on)
 DONE = ("applied", "sent")
 ENDED = "ended"  # a job closed what the action started (a cooling window)
+ACTED_CAP = 16_384  # entries in each dedup ledger; the oldest are evicted first
+RECENT = 50  # decisions kept for the status API
 
 
 @dataclass(frozen=True)
@@ -169,10 +178,13 @@ class HealingEngine:
         self._publish = publish
         self.mpus: dict[tuple[str, str], MpuFuseState] = {}
         self.jobs: dict[str, JobLossState] = {}
-        self.acted: dict[tuple, float] = {}  # dedup ledger: condition identity -> when acted
+        # dedup ledgers: condition identity -> when acted (kept for the policy's window), and
+        # (identity, occurrence) -> when acted (in-process: once per occurrence)
+        self.acted = Ledger(cap=ACTED_CAP, ttl_s=policy.dedup_window_s)
+        self.occurrences = Ledger(cap=ACTED_CAP)
         self.actions: Counter[tuple[str, str, str, str]] = Counter()
         self.drift: Counter[tuple[str, str]] = Counter()
-        self.recent: deque[dict] = deque(maxlen=50)
+        self.recent: deque[dict] = deque(maxlen=RECENT)
         self.publish()
 
     # --- books ---------------------------------------------------------------------------
@@ -223,11 +235,28 @@ class HealingEngine:
         """Decisions for one condition. `targets` resolves the rule's target kind from the
         condition's labels (the agent looks at its jobs, the fuse at its own MPUs); `rule` is
         the condition's rule when the caller matched it already."""
+        return self.decide_within(cond, targets, rule)[0]
+
+    def decide_within(
+        self,
+        cond: Condition,
+        targets: Callable[[Rule, Condition], Iterable[Target]],
+        rule: Rule | None = None,
+        *,
+        budget: Callable[[int], int] | None = None,
+        over_why: str = "action budget spent",
+    ) -> tuple[list[Decision], list[Decision]]:
+        """`decide` under an action budget: (decisions to carry out, decisions past the budget).
+        `budget(n)` grants how many of the n decisions may run (and books them); the first that
+        many run, in the policy's order, the rest are booked `rate_limited` (with `over_why`).
+        A condition none of whose actions fit is not marked as acted on, so a repeat may act
+        once the budget allows."""
         rule = rule or self.match(cond)
         if rule is None:
-            return []
+            return [], []
         now = self.clock()
         out: list[Decision] = []
+        made: list[tuple] = []  # the condition identity each decision in `out` acts on
         once: set[tuple] = set()  # job- and GPU-scoped actions: once per job (and GPU) per condition
         acting: set[tuple] = set()  # faults this condition acts on (every MPU on a GPU, say)
         for target in targets(rule, cond):
@@ -259,22 +288,36 @@ class HealingEngine:
                         now,
                     )
                 )
-        for ident in acting:
-            if cond.occurrence is not None:
-                self.acted[ident + (cond.occurrence,)] = now
-            self.acted[ident] = now
+                made.append(ident)
         if not self.cfg.enabled and out:
+            self._mark(acting, cond, now)
             for d in out:
                 self.record(d, "disabled")
-            return []
-        return out
+            return [], []
+        over: list[Decision] = []
+        if budget is not None and out:
+            fit = max(0, min(len(out), budget(len(out))))
+            out, over = out[:fit], out[fit:]
+            # a fault none of whose actions ran is not acted on: a repeat may act later
+            acting -= set(made[fit:]) - set(made[:fit])
+            for d in over:
+                self.record(d, "rate_limited", detail=over_why)
+            if not out:
+                return [], over
+        self._mark(acting, cond, now)
+        return out, over
+
+    def _mark(self, acting: set[tuple], cond: Condition, now: float) -> None:
+        for ident in sorted(acting, key=repr):  # a set's order is not the ledger's to keep
+            if cond.occurrence is not None:
+                self.occurrences.mark(ident + (cond.occurrence,), now)
+            self.acted.mark(ident, now)
 
     def _duplicate(self, ident: tuple, cond: Condition, now: float) -> bool:
         if cond.occurrence is not None:
             # in-process: once per occurrence; a later one is new evidence
-            return ident + (cond.occurrence,) in self.acted
-        last = self.acted.get(ident)
-        return last is not None and now - last < self.policy.dedup_window_s
+            return ident + (cond.occurrence,) in self.occurrences
+        return self.acted.fresh(ident, now, self.policy.dedup_window_s)
 
     def _rate_limited(self, spec: ActionSpec, target: Target, now: float) -> tuple[ActionSpec, str]:
         """A drift past healing.max_swaps_per_hour: the escalation instead, past the level the
@@ -335,7 +378,7 @@ class HealingEngine:
         cooling = [s for s in cooling if s.cools_job]
         out = []
         for target in targets(rule, cond):
-            self.acted.pop((rule.name,) + target.key(rule.target), None)
+            self.acted.pop((rule.name,) + target.key(rule.target))
             if target.job_id and self.job(target.job_id).cooling:
                 out += [
                     Decision(
@@ -490,7 +533,7 @@ class HealingEngine:
             except KeyError:
                 kind = "mpu" if mpu_id else "job"
             target = Target(job_id, mpu_id, lab.get("gpu", ""), lab.get("gpu_uuid", ""))
-            self.acted[(rule,) + target.key(kind)] = self.clock()
+            self.acted.mark((rule,) + target.key(kind), self.clock())
             if spec.drift and result == "applied":
                 self.drift[(job_id, mpu_id)] += 1
             if "state" in lab and mpu_id:
