@@ -2,6 +2,7 @@
 
     format.py       the on-disk format without torch: names, manifest, listing, verifying,
                     reading the train state, inspecting (all `mscale snapshot` uses)
+    manifest.py     the manifest's strict schema and completeness; files opened safely
     tensors.py      the torch side of the format: tensors to safetensors, load_snapshot
     memory.py       snapshots in host memory and the copies that fill them; RNG states
     optim.py        optimizer state keyed by parameter name

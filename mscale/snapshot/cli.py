@@ -185,7 +185,7 @@ def _inspect(root: Path, args: argparse.Namespace) -> int:
     if args.rank is not None:
         infos = [i for i in infos if i.rank == args.rank]
     elif any(i.rank is not None for i in infos):
-        infos = [i for i in infos if i.rank == 0]
+        infos = [i for i in infos if i.rank in (0, None)]  # None: a bad manifest did not say
     if args.step is not None:
         infos = [i for i in infos if i.step == args.step]
     if not infos:

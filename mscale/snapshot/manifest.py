@@ -200,7 +200,7 @@ def parse_manifest(raw: bytes, path: Path) -> dict:
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise bad(f"not an {FORMAT} manifest")
     if unknown := sorted(m.keys() - _KEYS - _OPTIONAL):
-        raise bad(f"unknown key {_printable(unknown[0])!r}")
+        raise bad(f"unknown key '{_printable(unknown[0])}'")
     if missing := sorted(_KEYS - m.keys()):
         raise bad(f"no {missing[0]!r}")
     if not _int(m["step"], 0, 2**63 - 1):
@@ -233,7 +233,7 @@ def _check_mpus(mpus: Any, bad: Any) -> None:
         raise bad("mpus must map MPU ids to their name and files")
     for mpu_id, entry in mpus.items():
         if not MPU_ID.fullmatch(mpu_id):
-            raise bad(f"MPU id {_printable(mpu_id)!r} is not 1-64 of [A-Za-z0-9._-]")
+            raise bad(f"MPU id '{_printable(mpu_id)}' is not 1-64 of [A-Za-z0-9._-]")
         if not isinstance(entry, dict) or entry.keys() != {"name", "file", "optim_file"} or not _text(entry["name"]):
             raise bad(f"MPU {mpu_id}: must hold exactly a printable name, file and optim_file")
         file = f"mpu_{safe_name(mpu_id)}_{safe_name(entry['name'])}_state.safetensors"
@@ -246,7 +246,7 @@ def _check_files(files: Any, bad: Any) -> None:
         raise bad(f"files must list 1 to {MAX_FILES} files")
     for name, meta in files.items():
         if not FILE_NAME.fullmatch(name) or len(name) > MAX_NAME:
-            raise bad(f"file name {_printable(name)!r} is not 1-{MAX_NAME} of [A-Za-z0-9._-], not starting with '.'")
+            raise bad(f"file name '{_printable(name)}' is not 1-{MAX_NAME} of [A-Za-z0-9._-], not starting with '.'")
         if not isinstance(meta, dict) or meta.keys() != {"size", "sha256"}:
             raise bad(f"{name}: must hold exactly size and sha256")
         if not _int(meta["size"], 0, MAX_FILE_BYTES):
