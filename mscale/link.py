@@ -26,7 +26,14 @@ one with a string "type" (binary frames are refused).
 
 A message over the agent's `socket.max_message_bytes` (default MAX_MESSAGE_BYTES), a frame that
 is not a JSON object with a string type, an unknown type, or a register or report that fails
-its validator below is refused with an error frame; the connection and other jobs go on.
+its validator below is refused with an error frame; the connection and other jobs go on. (A
+frame over twice the limit cannot be read: the agent closes the connection, code 1009.)
+
+The validators are a strict schema: the fields each message may carry (REGISTER_FIELDS,
+MPU_FIELDS, REPORT_FIELDS, STEP_FIELDS, MPU_REPORT_FIELDS) and no others; steps, counters and
+sizes integers in 0..MAX_INT, ranks, pids and GPU indexes in their ranges, other numbers finite
+(non-finite ones only as the strings "nan", "inf", "-inf"); strings bounded, identifiers in a
+fixed charset, names printable (`printable` escapes what a CLI prints anyway).
 """
 
 from __future__ import annotations
@@ -64,7 +71,38 @@ MAX_BATCH = 64  # reports per report message: each message stays far below the s
 MAX_REPORTS = 4096  # reports in one message, at most
 MAX_MPUS = 64  # MPUs in one registration, at most
 MAX_GPU_INDEX = 4096  # a registered GPU index is below this
+MAX_INT = (1 << 63) - 1  # steps, counters and sizes are integers in 0..MAX_INT
+MAX_RANK = (1 << 24) - 1
+MAX_PID = 1 << 22  # the kernel's largest pid_max
+MAX_FINDINGS = 256  # findings in one step report, at most
+MAX_TYPE = 64  # characters of a message type
 JOB_ID = re.compile(r"^[A-Za-z0-9._:@/+-]{1,128}$")
+MPU_ID = re.compile(r"[A-Za-z0-9._-]{1,16}")
+GPU_UUID = re.compile(r"[A-Za-z0-9-]*")
+FUSE_LEVEL = re.compile(r"[a-z0-9_]{1,32}")
+SOURCE = re.compile(r"[a-z0-9_.-]{1,32}")
+# the fields each message may carry (the job's client sends exactly these)
+REGISTER_FIELDS = frozenset({"type", "job_id", "rank", "pid", "step", "mpus"})
+MPU_FIELDS = frozenset({"mpu_id", "name", "path", "device", "gpu", "gpu_uuid", "fuse_level", "params"})
+REPORT_FIELDS = frozenset({"type", "job_id", "dropped", "reports"})
+STEP_FIELDS = frozenset({"step", "time", "loss", "grad_norm", "skipped", "mpus", "findings"})
+MPU_REPORT_FIELDS = frozenset(
+    {
+        "forward_s",
+        "backward_s",
+        "grad_norm",
+        "gvc",
+        "clip_ratio",
+        "clipped",
+        "checksum_ok",
+        "checksum_consecutive_failures",
+        "checksum_failures_total",
+        "gpu",
+        "fuse_level",
+        "memory_used_bytes",
+        "memory_total_bytes",
+    }
+)
 # a reported finding is clamped to these on the agent
 MAX_FINDING_LABELS, MAX_LABEL_NAME, MAX_LABEL_VALUE = 32, 64, 256
 MAX_FINDING_MESSAGE, MAX_FINDING_SOURCE = 1000, 32
@@ -160,6 +198,18 @@ def chaos(kind: str, **fields: Any) -> dict:
     return {"type": Command.CHAOS.value, "kind": kind, **fields}
 
 
+def printable(text: Any, limit: int | None = None) -> str:
+    """`text` made safe to print on a terminal: every character that is not printable (escape,
+    other control and format characters, line breaks) shown as its Python escape (\\x1b,
+    \\u202e); cut to `limit` characters first. For strings a job sent, where a CLI prints them."""
+    text = str(text)
+    if limit is not None:
+        text = text[:limit]
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def encode(message: Mapping[str, Any]) -> str:
     """One text frame."""
     return json.dumps(message)
@@ -181,23 +231,50 @@ def _need(cond: bool, detail: str, why: str = "malformed") -> None:
         raise BadMessage(why, detail)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _is_int(v: Any, lo: int = 0, hi: int = MAX_INT) -> bool:
+    """An integer (not a bool) in lo..hi."""
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
 def _is_num(v: Any) -> bool:
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) or v in ("nan", "inf", "-inf")
+    """A report number: null, a finite float, an integer within +-MAX_INT, or "nan"/"inf"/"-inf"
+    (how `number` sends non-finite values). `1e400` arrives as a float infinity and is refused."""
+    if v is None or isinstance(v, str):
+        return v in (None, "nan", "inf", "-inf")
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return _is_int(v, -MAX_INT, MAX_INT)
+
+
+def _is_text(v: Any, lo: int, hi: int, pattern: re.Pattern[str] | None = None) -> bool:
+    """A string of lo..hi characters, printable (no control, format or separator characters
+    other than space, so nothing that drives a terminal), matching `pattern` if given."""
+    return (
+        isinstance(v, str)
+        and lo <= len(v) <= hi
+        and (v.isprintable() if pattern is None else bool(pattern.fullmatch(v)))
+    )
+
+
+def _no_unknown(d: dict, allowed: frozenset[str], where: str) -> None:
+    unknown = sorted(str(k)[:40] for k in d if k not in allowed)
+    _need(not unknown, f"{where}: unknown field(s) {', '.join(map(repr, unknown[:5]))}")
 
 
 def decode(data: str, max_bytes: int | None = None) -> dict:
     """A text frame as a message: a JSON object with a string "type", at most max_bytes."""
-    if max_bytes is not None and len(data.encode()) > max_bytes:
-        raise BadMessage("oversized", f"message of {len(data)} bytes over socket.max_message_bytes")
+    if max_bytes is not None and len(data) > max_bytes // 4 and len(data.encode()) > max_bytes:
+        raise BadMessage(
+            "oversized", f"message of {len(data.encode())} bytes over socket.max_message_bytes ({max_bytes})"
+        )
     try:
         msg = json.loads(data)
-    except ValueError as e:
-        raise BadMessage("malformed", f"not JSON: {e}") from None
+    except ValueError as e:  # also an integer of more than 4300 digits
+        raise BadMessage("malformed", f"not JSON: {str(e)[:200]}") from None
+    except RecursionError:
+        raise BadMessage("malformed", "not JSON: nested too deep") from None
     _need(isinstance(msg, dict) and isinstance(msg.get("type"), str), "expected a JSON object with a string 'type'")
+    _need(len(msg["type"]) <= MAX_TYPE, f"type: at most {MAX_TYPE} characters")
     return msg
 
 
@@ -207,50 +284,88 @@ def check_command(command: Any) -> None:
         raise ValueError("command: expected a dict with a string 'type'")
 
 
-def validate_register(msg: dict) -> None:
+def validate_register(msg: dict, max_mpus: int = MAX_MPUS) -> None:
+    """A registration: job_id, rank, pid, step and 1..max_mpus MPUs, every field of its type and
+    range, no other fields. Too many MPUs is refused with why "mpu_limit"."""
+    _no_unknown(msg, REGISTER_FIELDS, "register")
     _need(
-        isinstance(msg.get("job_id"), str) and bool(JOB_ID.match(msg["job_id"])),
+        isinstance(msg.get("job_id"), str) and bool(JOB_ID.fullmatch(msg["job_id"])),
         "register: job_id must be 1-128 characters of [A-Za-z0-9._:@/+-]",
     )
-    _need(_is_int(msg.get("rank")) and msg["rank"] >= 0, "register: rank must be an integer >= 0")
-    _need(_is_int(msg.get("pid")) and msg["pid"] > 0, "register: pid must be an integer > 0")
+    _need(_is_int(msg.get("rank"), 0, MAX_RANK), f"register: rank must be an integer in 0..{MAX_RANK}")
+    _need(_is_int(msg.get("pid"), 1, MAX_PID), f"register: pid must be an integer in 1..{MAX_PID}")
+    _need(_is_int(msg.get("step", 0), -1, MAX_INT), f"register: step must be an integer in -1..{MAX_INT}")
     mpus = msg.get("mpus")
     if not isinstance(mpus, list) or not 1 <= len(mpus) <= MAX_MPUS:
         raise BadMessage("malformed", f"register: mpus must be a list of 1 to {MAX_MPUS} MPUs")
+    if len(mpus) > max_mpus:
+        raise BadMessage("mpu_limit", f"register: {len(mpus)} MPUs, over socket.max_mpus_per_job ({max_mpus})")
     seen = set()
     for i, m in enumerate(mpus):
         _need(isinstance(m, dict), f"register: mpus[{i}] must be an object")
-        _need(
-            isinstance(m.get("mpu_id"), str) and 1 <= len(m["mpu_id"]) <= 16,
-            f"register: mpus[{i}].mpu_id must be a short string",
-        )
+        _no_unknown(m, MPU_FIELDS, f"register: mpus[{i}]")
+        _need(_is_text(m.get("mpu_id"), 1, 16, MPU_ID), f"register: mpus[{i}].mpu_id must be 1-16 of [A-Za-z0-9._-]")
         _need(m["mpu_id"] not in seen, f"register: mpus[{i}].mpu_id {m['mpu_id']!r} repeated")
         seen.add(m["mpu_id"])
+        _need(_is_text(m.get("name"), 1, 64), f"register: mpus[{i}].name must be 1-64 printable characters")
+        _need(_is_int(m.get("gpu"), 0, MAX_GPU_INDEX - 1), f"register: mpus[{i}].gpu must be a GPU index")
         _need(
-            isinstance(m.get("name"), str) and 1 <= len(m["name"]) <= 64, f"register: mpus[{i}].name must be a string"
+            _is_text(m.get("gpu_uuid", ""), 0, 96, GPU_UUID),
+            f"register: mpus[{i}].gpu_uuid must be up to 96 of [A-Za-z0-9-]",
         )
-        _need(_is_int(m.get("gpu")) and 0 <= m["gpu"] < MAX_GPU_INDEX, f"register: mpus[{i}].gpu must be a GPU index")
-        _need(isinstance(m.get("gpu_uuid", ""), str), f"register: mpus[{i}].gpu_uuid must be a string")
+        for k, hi in (("path", 256), ("device", 64)):
+            _need(_is_text(m.get(k, ""), 0, hi), f"register: mpus[{i}].{k} must be up to {hi} printable characters")
+        _need(
+            _is_text(m.get("fuse_level", "healthy"), 1, 32, FUSE_LEVEL),
+            f"register: mpus[{i}].fuse_level must be 1-32 of [a-z0-9_]",
+        )
+        _need(_is_int(m.get("params", 0)), f"register: mpus[{i}].params must be an integer in 0..{MAX_INT}")
 
 
 def validate_report(msg: dict) -> None:
+    """A batch of step reports: every field of its type and range, no other fields. Findings are
+    checked one by one when applied (`finding`): a bad one is counted, the rest of the report stands."""
+    _no_unknown(msg, REPORT_FIELDS, "report")
     reports = msg.get("reports")
     if not isinstance(reports, list) or len(reports) > MAX_REPORTS:
-        raise BadMessage("malformed", "report: reports must be a list")
-    _need(_is_int(msg.get("dropped", 0)) and msg.get("dropped", 0) >= 0, "report: dropped must be an integer >= 0")
+        raise BadMessage("malformed", f"report: reports must be a list of at most {MAX_REPORTS}")
+    _need(_is_int(msg.get("dropped", 0)), f"report: dropped must be an integer in 0..{MAX_INT}")
     for i, r in enumerate(reports):
         _need(isinstance(r, dict), f"report: reports[{i}] must be an object")
-        _need(_is_int(r.get("step")) and r["step"] >= 0, f"report: reports[{i}].step must be an integer >= 0")
+        _no_unknown(r, STEP_FIELDS, f"report: reports[{i}]")
+        _need(_is_int(r.get("step")), f"report: reports[{i}].step must be an integer in 0..{MAX_INT}")
+        t = r.get("time", 0.0)
+        _need(_is_num(t) and not isinstance(t, str) and (t or 0) >= 0, f"report: reports[{i}].time must be a time")
         _need(
             _is_num(r.get("loss")) and _is_num(r.get("grad_norm")),
             f"report: reports[{i}] loss/grad_norm must be numbers",
         )
-        _need(isinstance(r.get("mpus", {}), dict), f"report: reports[{i}].mpus must be an object")
-        for mid, mr in r.get("mpus", {}).items():
-            _need(isinstance(mr, dict), f"report: reports[{i}].mpus[{mid!r}] must be an object")
+        _need(isinstance(r.get("skipped", False), bool), f"report: reports[{i}].skipped must be a boolean")
+        mpus = r.get("mpus", {})
+        _need(isinstance(mpus, dict) and len(mpus) <= MAX_MPUS, f"report: reports[{i}].mpus must be an object")
+        for mid, mr in mpus.items():
+            where = f"report: reports[{i}].mpus[{str(mid)[:20]!r}]"
+            _need(_is_text(mid, 1, 16, MPU_ID), f"{where}: an MPU id is 1-16 of [A-Za-z0-9._-]")
+            _need(isinstance(mr, dict), f"{where} must be an object")
+            _no_unknown(mr, MPU_REPORT_FIELDS, where)
             for k in ("forward_s", "backward_s", "grad_norm", "gvc", "clip_ratio"):
-                _need(_is_num(mr.get(k)), f"report: reports[{i}].mpus[{mid!r}].{k} must be a number")
-        _need(isinstance(r.get("findings", []), list), f"report: reports[{i}].findings must be a list")
+                _need(_is_num(mr.get(k)), f"{where}.{k} must be a number")
+            for k in ("memory_used_bytes", "memory_total_bytes"):
+                _need(_is_num(mr.get(k)), f"{where}.{k} must be a number")
+            for k in ("checksum_ok", "clipped"):
+                _need(isinstance(mr.get(k, False), bool), f"{where}.{k} must be a boolean")
+            for k in ("checksum_consecutive_failures", "checksum_failures_total"):
+                _need(_is_int(mr.get(k, 0)), f"{where}.{k} must be an integer in 0..{MAX_INT}")
+            _need(_is_int(mr.get("gpu", 0), 0, MAX_GPU_INDEX - 1), f"{where}.gpu must be a GPU index")
+            _need(
+                _is_text(mr.get("fuse_level", "healthy"), 1, 32, FUSE_LEVEL),
+                f"{where}.fuse_level must be 1-32 of [a-z0-9_]",
+            )
+        findings = r.get("findings", [])
+        _need(
+            isinstance(findings, list) and len(findings) <= MAX_FINDINGS,
+            f"report: reports[{i}].findings must be a list of at most {MAX_FINDINGS}",
+        )
 
 
 _REASONS = {r.value: r for r in Reason}
@@ -259,21 +374,28 @@ _SEVERITIES = {s.value: s for s in Severity}
 
 def finding(f: Any) -> Finding | None:
     """A reported finding (the job sends `Finding.to_dict()`) read back, clamped to the sizes
-    above, its source prefixed "hook:"; None when its reason, severity or labels are not understood."""
+    above, its source prefixed "hook:"; None when its reason, severity, source (1-32 of
+    [a-z0-9_.-]) or labels are not understood. A time that is not a finite number >= 0 is
+    replaced by the agent's."""
     if not isinstance(f, dict):
         return None
-    reason, severity = _REASONS.get(f.get("reason", "")), _SEVERITIES.get(f.get("severity", ""))
+    r, sev, message = f.get("reason"), f.get("severity"), f.get("message", "")
+    reason = _REASONS.get(r) if isinstance(r, str) else None
+    severity = _SEVERITIES.get(sev) if isinstance(sev, str) else None
     labels = f.get("labels", {})
-    if reason is None or severity is None or not isinstance(labels, dict):
+    if reason is None or severity is None or not isinstance(labels, dict) or not isinstance(message, str):
+        return None
+    source = f.get("source", "")
+    if not _is_text(source, 1, MAX_FINDING_SOURCE, SOURCE):
         return None
     labels = {str(k)[:MAX_LABEL_NAME]: str(v)[:MAX_LABEL_VALUE] for k, v in list(labels.items())[:MAX_FINDING_LABELS]}
     t = f.get("time")
-    kwargs = {"time": float(t)} if isinstance(t, (int, float)) and not isinstance(t, bool) else {}
+    kwargs = {"time": float(t)} if _is_num(t) and isinstance(t, (int, float)) and t >= 0 else {}
     return Finding(
-        f"hook:{str(f.get('source', ''))[:MAX_FINDING_SOURCE]}",
+        f"hook:{source}",
         reason,
         severity,
-        str(f.get("message", ""))[:MAX_FINDING_MESSAGE],
+        message[:MAX_FINDING_MESSAGE],
         labels,
         **kwargs,
     )

@@ -9,92 +9,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
 import pytest
 import torch
-from aiohttp import web
 
-from mscale.config import Config
-from mscale.daemon import keys
-from mscale.daemon.app import create_app
-from mscale.daemon.settings import AgentSection, SocketSection
 from mscale.hook.guard import attach
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
-from support import free_port, require
-
-FEATURES = ("mscale.daemon.api", "mscale.daemon.link")
-
-
-def metric(text: str, series: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(series + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{series} not in /metrics")
-
-
-def wait_for(cond, timeout_s: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class Agent:
-    """A real agent app (API + link) served from its own thread and event loop."""
-
-    def __init__(self, socket_path: str, **socket_cfg) -> None:
-        self.socket_path = socket_path
-        self.port = free_port()
-        self.config = Config(
-            agent=AgentSection(listen=f"127.0.0.1:{self.port}", socket_path=socket_path),
-            socket=SocketSection(**socket_cfg),
-        )
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        assert self.ready.wait(20), "agent did not start"
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-
-        async def main():
-            self.app = create_app(self.config, probes=[], features=FEATURES)
-            self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
-            await self.runner.setup()
-            await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-            self.stopping = asyncio.Event()
-            self.ready.set()
-            await self.stopping.wait()
-            await self.runner.cleanup()
-
-        self.loop.run_until_complete(main())
-
-    @property
-    def state(self):
-        return self.app[keys.STATE]
-
-    @property
-    def link(self):
-        return self.app[keys.LINK]
-
-    def call(self, coro, timeout_s: float = 10.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def metrics(self) -> str:
-        return urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.stopping.set)
-        self.thread.join(20)
+from support import require
+from support.link_agent import Agent, metric, wait_for
 
 
 def make_job(socket_path: str, job_id: str, seed: int = 0, **kw):

@@ -34,6 +34,7 @@ from mscale.findings import Finding, Reason, Severity
 from mscale.healing.fsm import Level
 
 BASELINE_SKIP = 3
+MAX_FINDING_SERIES = 128  # distinct (source, reason, severity) counted per job: bounds its series
 BASELINE_STEPS = 20
 RECENT = 5
 PHASES = ("forward", "backward")
@@ -47,14 +48,21 @@ def _num(v: Any) -> float:
     """A report number: finite float, or NaN for null / "nan" / "inf" strings."""
     if isinstance(v, bool) or v is None:
         return math.nan
-    if isinstance(v, (int, float)):
-        return float(v)
-    if isinstance(v, str):
+    if isinstance(v, (int, float, str)):
         try:
             return float(v)
-        except ValueError:
+        except (ValueError, OverflowError):  # not a number, or an integer past a float's range
             return math.nan
     return math.nan
+
+
+def sample_value(v: Any) -> float:
+    """A metric sample: a float, NaN for anything float() refuses (a 400-digit integer, None),
+    so that one job's odd value never fails a scrape."""
+    try:
+        return float(v)
+    except (TypeError, ValueError, OverflowError):
+        return math.nan
 
 
 @dataclass
@@ -208,7 +216,8 @@ class SnapshotStats:
             self.failures += 1
         elif f.reason in (Reason.ROLLBACK, Reason.SNAPSHOT_RESUMED):
             seconds, tag = _num(labels.get("recovery_seconds")), labels.get("tag", "")
-            if tag and math.isfinite(seconds):  # a failed rollback carries neither
+            # a failed rollback carries neither; tags are few (memory, disk): bound them anyway
+            if tag and math.isfinite(seconds) and (tag[:32] in self.recovery_seconds or len(self.recovery_seconds) < 8):
                 self.recovery_seconds[tag[:32]] = seconds
 
 
@@ -230,6 +239,11 @@ class JobState:
     connects: int = 1
     findings: Counter = field(default_factory=Counter)  # (source, reason, severity) of reported findings
     snapshots: SnapshotStats = field(default_factory=SnapshotStats)
+    # identity (mscale.daemon.link): the uid that registered the job first owns its id until the
+    # job expires; the live ranks on this node and their processes; when the last one left
+    uid: int | None = None
+    ranks: dict[int, int] = field(default_factory=dict)  # live rank -> pid
+    disconnected_at: float | None = None  # time.monotonic() when the last live rank left
 
     def register(self, msg: dict) -> None:
         """Apply a (re-)registration: MPUs added or rebound keep their history."""
@@ -261,11 +275,16 @@ class JobState:
                 m.update(mr)
         self.refresh(gpus)
 
-    def observe_finding(self, f: Finding) -> None:
-        """Count a finding the job reported (source hook:<detector>)."""
-        self.findings[(f.source, f.reason.value, f.severity.value)] += 1
+    def observe_finding(self, f: Finding) -> bool:
+        """Count a finding the job reported (source hook:<detector>); False (and not counted)
+        when it would be a new series past MAX_FINDING_SERIES."""
+        key = (f.source, f.reason.value, f.severity.value)
+        if key not in self.findings and len(self.findings) >= MAX_FINDING_SERIES:
+            return False
+        self.findings[key] += 1
         if f.source == "hook:snapshot":
             self.snapshots.observe(f)
+        return True
 
     def refresh(self, gpus: dict[int, Any]) -> None:
         for m in self.mpus.values():

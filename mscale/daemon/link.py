@@ -7,7 +7,17 @@ HTTP API. Each connection's peer is checked with SO_PEERCRED: root, the agent's 
 `state.jobs[job_id]` (mscale.daemon.jobs) and the findings in them go to the event log with
 the job's labels, so the healing engine sees in-process detections too. Commands go the other
 way (`send`, `broadcast`). A malformed, unknown or oversized message is refused, counted in
-`state.refused[("socket", why)]` and answered with an error frame; other jobs never notice.
+`state.refused[("socket", why)]` and answered with an error frame, changing nothing; the
+connection and other jobs go on. (A frame over twice `socket.max_message_bytes` cannot be read
+at all: the connection is closed with code 1009, message too big, and counted as oversized.)
+
+Identity and bounds: the first valid registration of a job id binds it to the peer's uid
+(SO_PEERCRED) until the job expires; another uid's registration of it is refused (job_owner).
+A (job, rank) has one live connection: a second one from another process is refused
+(duplicate), the same process reconnecting replaces its dead link. Caps: `socket.max_jobs`
+(a new job past it first pushes out the longest-disconnected one, else job_limit),
+`socket.max_ranks_per_job` (rank_limit), `socket.max_mpus_per_job` (mpu_limit). A job whose
+last rank left is removed, series and all, `socket.job_expiry_s` later.
 The messages, their validators, the command vocabulary and the limits are `mscale.link`'s,
 which the job's client speaks too; this module only serves them.
 """
@@ -20,6 +30,7 @@ import os
 import socket
 import stat
 import struct
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -54,10 +65,12 @@ class LinkServer:
         self.state = app[keys.STATE]
         self.path = self.config.agent.socket_path
         self.allowed_uids = {0, os.getuid(), *self.config.socket.allowed_uids}
-        self.connections: dict[str, web.WebSocketResponse] = {}
+        # job id -> rank -> that rank's live connection
+        self.connections: dict[str, dict[int, web.WebSocketResponse]] = {}
         self.handlers: dict[str, Handler] = {}
         self.error = ""  # why the socket is not served, if it is not
         self._runner: web.AppRunner | None = None
+        self._sweeper: asyncio.Task | None = None
 
     # --- commands to jobs ----------------------------------------------------------------
 
@@ -65,15 +78,16 @@ class LinkServer:
         """Send a command (a dict with "type", see mscale.link.Command) to a connected job;
         False if it is not there."""
         protocol.check_command(command)
-        ws = self.connections.get(job_id)
-        if ws is None or ws.closed:
-            return False
-        try:
-            await ws.send_str(protocol.encode(command))
-            return True
-        except (ConnectionError, RuntimeError) as e:
-            log.warning("command_not_sent", job_id=job_id, error=str(e))
-            return False
+        sent = False
+        for rank, ws in list(self.connections.get(job_id, {}).items()):
+            if ws.closed:
+                continue
+            try:
+                await ws.send_str(protocol.encode(command))
+                sent = True
+            except (ConnectionError, RuntimeError) as e:
+                log.warning("command_not_sent", job_id=job_id, rank=rank, error=str(e))
+        return sent
 
     async def broadcast(self, command: dict) -> int:
         sent = await asyncio.gather(*(self.send(j, command) for j in list(self.connections)))
@@ -111,11 +125,17 @@ class LinkServer:
                 self._runner = None
             return False
         log.info("link_listening", socket=str(path), mode=oct(self.config.socket.mode))
+        self._sweeper = asyncio.ensure_future(self._sweep())
         return True
 
     async def stop(self) -> None:
-        for ws in list(self.connections.values()):
-            await ws.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
+        for ranks in list(self.connections.values()):
+            for ws in list(ranks.values()):
+                await ws.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -124,9 +144,52 @@ class LinkServer:
             except FileNotFoundError:
                 pass
 
+    # --- bounded state ---------------------------------------------------------------------
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Remove the jobs whose last rank left `socket.job_expiry_s` ago (their series go with
+        them); the ids removed."""
+        now = time.monotonic() if now is None else now
+        ttl = self.config.socket.job_expiry_s
+        gone = [
+            job_id
+            for job_id, job in list(self.state.jobs.items())
+            if not job.ranks and job.disconnected_at is not None and now - job.disconnected_at >= ttl
+        ]
+        for job_id in gone:
+            self._drop(job_id, "expired")
+        return gone
+
+    def _drop(self, job_id: str, why: str) -> None:
+        job = self.state.jobs.pop(job_id, None)
+        self.connections.pop(job_id, None)
+        if job is None:
+            return
+        self.state.jobs_expired += 1
+        log.info("job_expired", job_id=job_id, why=why)
+
+    async def _sweep(self) -> None:
+        interval = min(max(self.config.socket.job_expiry_s / 4, 0.05), 5.0)
+        while True:
+            await asyncio.sleep(interval)
+            self.expire()
+
+    def _make_room(self) -> bool:
+        """Room for one more job under socket.max_jobs: the longest-disconnected job goes early
+        if need be; False when every job is connected."""
+        if len(self.state.jobs) < self.config.socket.max_jobs:
+            return True
+        idle = [(j.disconnected_at, k) for k, j in self.state.jobs.items() if not j.ranks and j.disconnected_at]
+        if not idle:
+            return False
+        self._drop(min(idle)[1], "max_jobs")
+        return True
+
+    # --- messages ----------------------------------------------------------------------------
+
     def _refuse(self, why: str, detail: str, **labels: Any) -> None:
         self.state.refused[("socket", why)] += 1
-        log.warning("link_message_refused", why=why, detail=detail, **labels)
+        log.warning("link_message_refused", why=why, detail=detail[:300], **labels)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         cred = peer_uid(request)
@@ -135,17 +198,26 @@ class LinkServer:
                 "peer_uid", f"peer uid {cred[1] if cred else '?'} not allowed", peer_pid=cred[0] if cred else 0
             )
             return web.Response(status=403, text="uid not allowed on the mscale socket\n")
-        ws = web.WebSocketResponse(max_msg_size=self.config.socket.max_message_bytes, heartbeat=30.0)
+        limit = self.config.socket.max_message_bytes
+        # aiohttp reads a frame up to twice the limit, so that a message over the limit gets its
+        # error frame and the connection goes on; past that it cannot be read (closed, 1009)
+        ws = web.WebSocketResponse(max_msg_size=2 * limit, heartbeat=30.0)
         await ws.prepare(request)
-        job: JobState | None = None
+        conn = _Conn(ws, pid=cred[0], uid=cred[1])
         try:
             async for msg in ws:
                 if msg.type == WSMsgType.TEXT:
                     try:
-                        job = await self._message(ws, job, msg.data, cred[0])
+                        await self._message(conn, msg.data)
                     except BadMessage as e:
-                        self._refuse(e.why, str(e), job_id=job.job_id if job else "")
+                        self._refuse(e.why, str(e), job_id=conn.job.job_id if conn.job else "", uid=conn.uid)
                         await ws.send_str(protocol.encode(protocol.error(str(e))))
+                    except (ConnectionError, RuntimeError, asyncio.CancelledError):
+                        raise
+                    except Exception as e:  # a validator's gap: refused and counted, the connection goes on
+                        log.error("link_message_failed", error=f"{type(e).__name__}: {e}"[:300], uid=conn.uid)
+                        self._refuse("internal", f"{type(e).__name__}", job_id=conn.job.job_id if conn.job else "")
+                        await ws.send_str(protocol.encode(protocol.error(f"not understood ({type(e).__name__})")))
                 elif msg.type == WSMsgType.BINARY:
                     self._refuse("malformed", "binary frame")
                     await ws.send_str(protocol.encode(protocol.error("binary frames are not accepted")))
@@ -154,66 +226,113 @@ class LinkServer:
                     why = (
                         "oversized" if "too big" in str(exc).lower() or getattr(exc, "code", 0) == 1009 else "malformed"
                     )
-                    self._refuse(why, str(exc), job_id=job.job_id if job else "")
+                    self._refuse(why, str(exc), job_id=conn.job.job_id if conn.job else "")
                     break
         finally:
-            if job is not None and self.connections.get(job.job_id) is ws:
-                del self.connections[job.job_id]
-                job.connected = False
-                self.state.events.emit(
-                    Finding(
-                        "link",
-                        Reason.JOB_GONE,
-                        Severity.WARNING,
-                        f"job {job.job_id} disconnected",
-                        {"job_id": job.job_id},
-                    )
-                )
+            self._disconnected(conn)
         return ws
 
-    async def _message(
-        self, ws: web.WebSocketResponse, job: JobState | None, data: str, peer_pid: int
-    ) -> JobState | None:
+    def _disconnected(self, conn: _Conn) -> None:
+        job = conn.job
+        if job is None:
+            return
+        live = self.connections.get(job.job_id, {})
+        if live.get(conn.rank) is not conn.ws:
+            return  # replaced by the same process reconnecting, or the job already expired
+        del live[conn.rank]
+        job.ranks.pop(conn.rank, None)
+        if live:
+            return
+        self.connections.pop(job.job_id, None)
+        job.connected = False
+        job.disconnected_at = time.monotonic()
+        self.state.events.emit(
+            Finding(
+                "link",
+                Reason.JOB_GONE,
+                Severity.WARNING,
+                f"job {job.job_id} disconnected",
+                {"job_id": job.job_id},
+            )
+        )
+
+    async def _message(self, conn: _Conn, data: str) -> None:
         msg = protocol.decode(data, self.config.socket.max_message_bytes)
         kind = msg["type"]
         if kind == Msg.REGISTER:
-            protocol.validate_register(msg)
-            job = self._register(ws, msg, peer_pid)
-            await ws.send_str(protocol.encode(protocol.registered(job.job_id, self.state.node)))
-            return job
-        if job is None:
-            raise BadMessage("unregistered", f"{kind}: register first")
+            protocol.validate_register(msg, self.config.socket.max_mpus_per_job)
+            registered = self._register(conn, msg)
+            await conn.ws.send_str(protocol.encode(protocol.registered(registered.job_id, self.state.node)))
+            return
+        job = conn.job
+        if job is None or not self._current(job):  # never registered, or expired meanwhile
+            raise BadMessage("unregistered", f"{str(kind)[:64]}: register first")
         if kind == Msg.REPORT:
             if msg.get("job_id") != job.job_id:
-                raise BadMessage("malformed", f"report: job_id {msg.get('job_id')!r} is not this connection's job")
+                raise BadMessage(
+                    "malformed", f"report: job_id {str(msg.get('job_id'))[:140]!r} is not this connection's job"
+                )
             protocol.validate_report(msg)
             self._report(job, msg)
         elif kind in self.handlers:
-            result = self.handlers[kind](job, msg)
-            if asyncio.iscoroutine(result):
-                await result
+            try:
+                result = self.handlers[kind](job, msg)
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception as e:  # a plugin's handler failing must not end the connection
+                log.error("link_handler_failed", type=kind, job_id=job.job_id, error=f"{type(e).__name__}: {e}")
+                raise BadMessage("handler_error", f"{kind}: not handled ({type(e).__name__})") from None
         elif kind not in protocol.ACCEPTED_SILENTLY:
             raise BadMessage("unknown_type", f"unknown message type {kind!r}")
-        return job
 
-    def _register(self, ws: web.WebSocketResponse, msg: dict, peer_pid: int) -> JobState:
-        job_id = msg["job_id"]
+    def _current(self, job: JobState) -> bool:
+        return self.state.jobs.get(job.job_id) is job
+
+    def _register(self, conn: _Conn, msg: dict) -> JobState:
+        """Check the registration against the job's owner, its live ranks and the caps, then
+        apply it; a refusal (BadMessage) changes nothing."""
+        job_id, rank = msg["job_id"], msg["rank"]
+        if conn.job is not None and (conn.job.job_id, conn.rank) != (job_id, rank):
+            raise BadMessage(
+                "identity",
+                f"register: this connection is job {conn.job.job_id} rank {conn.rank}; "
+                "a re-registration keeps job_id and rank",
+            )
         # the peer's PID as this kernel namespace sees it (the eBPF probe traces it)
-        msg = {**msg, "pid": peer_pid or msg["pid"]}
+        msg = {**msg, "pid": conn.pid or msg["pid"]}
         job = self.state.jobs.get(job_id)
+        live = self.connections.get(job_id, {})
+        old = live.get(rank)
+        if job is not None and job.uid is not None and job.uid != conn.uid:
+            raise BadMessage("job_owner", f"register: job {job_id} belongs to another user (uid {job.uid})")
+        if old is not None and old is not conn.ws and not old.closed and job is not None:
+            if job.ranks.get(rank) != msg["pid"]:
+                raise BadMessage(
+                    "duplicate",
+                    f"register: job {job_id} rank {rank} is already connected (pid {job.ranks.get(rank)})",
+                )
+        elif old is None and len(live) >= self.config.socket.max_ranks_per_job:
+            raise BadMessage(
+                "rank_limit", f"register: job {job_id} has {len(live)} ranks connected (socket.max_ranks_per_job)"
+            )
         if job is None:
-            job = JobState(job_id=job_id, rank=msg["rank"], pid=msg["pid"])
+            if not self._make_room():
+                raise BadMessage("job_limit", f"register: {len(self.state.jobs)} jobs connected (socket.max_jobs)")
+            job = JobState(job_id=job_id, rank=rank, pid=msg["pid"], uid=conn.uid)
             self.state.jobs[job_id] = job
-        elif self.connections.get(job_id) is not ws:
+        elif old is not conn.ws:
             job.connects += 1
-        old = self.connections.get(job_id)
-        if old is not None and old is not ws and not old.closed:
-            asyncio.ensure_future(old.close())  # the job reconnected; the old link is dead to us
+        if job.uid is None:
+            job.uid = conn.uid
+        if old is not None and old is not conn.ws and not old.closed:
+            asyncio.ensure_future(old.close())  # the same process reconnected; its old link is dead to us
+        first = old is not conn.ws
         job.register(msg)
-        job.connected = True
+        job.ranks[rank] = msg["pid"]
+        job.connected, job.disconnected_at = True, None
         job.refresh(gpus_by_index(self.state))
-        first = self.connections.get(job_id) is not ws
-        self.connections[job_id] = ws
+        self.connections.setdefault(job_id, {})[rank] = conn.ws
+        conn.job, conn.rank = job, rank
         if first:
             self.state.events.emit(
                 Finding(
@@ -236,8 +355,9 @@ class LinkServer:
                 finding = self._finding(job, f)
                 if finding is None:
                     self._refuse("bad_finding", f"finding not understood: {str(f)[:200]}", job_id=job.job_id)
+                elif not job.observe_finding(finding):
+                    self._refuse("finding_limit", f"finding {finding.source}/{finding.reason.value}", job_id=job.job_id)
                 else:
-                    job.observe_finding(finding)
                     self.state.events.emit(finding)
 
     def _finding(self, job: JobState, f: Any) -> Finding | None:
@@ -253,6 +373,17 @@ class LinkServer:
             if m.gpu_uuid:
                 labels.setdefault("gpu_uuid", m.gpu_uuid)
         return dataclasses.replace(finding, labels=labels)
+
+
+@dataclasses.dataclass
+class _Conn:
+    """One connection: its websocket, the peer's credentials, and the (job, rank) it registered."""
+
+    ws: web.WebSocketResponse
+    pid: int
+    uid: int
+    job: JobState | None = None
+    rank: int = -1
 
 
 async def _in_use(path: str) -> bool:

@@ -8,7 +8,7 @@ import sys
 import time
 
 from mscale.agent_client import AgentClient, AgentError
-from mscale.link import DEFAULT_URL
+from mscale.link import DEFAULT_URL, printable
 
 HELP = "show GPUs, jobs, MPUs, health scores, fuse levels and the last events of the running agent"
 
@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def table(headers: list[str], rows: list[list[object]]) -> str:
-    cells = [[str(c) for c in r] for r in rows]
+    cells = [[printable(c) for c in r] for r in rows]  # job-supplied strings: no terminal escapes
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
 
     def line(r: list[str]) -> str:
@@ -33,7 +33,7 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
 
 
 def render(view: dict) -> str:
-    out = [f"node {view.get('node', '?')}", ""]
+    out = [f"node {printable(view.get('node', '?'))}", ""]
     gpus = view.get("gpus", [])
     out.append(
         table(
@@ -74,7 +74,7 @@ def render(view: dict) -> str:
                         e["source"],
                         e["reason"],
                         e["severity"],
-                        e["message"][:80],
+                        printable(e["message"], 80),
                     ]
                     for e in evs
                 ],

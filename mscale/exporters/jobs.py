@@ -1,4 +1,8 @@
-"""Training jobs and their MPUs, from the hook library's reports (mscale.daemon.jobs)."""
+"""Training jobs and their MPUs, from the hook library's reports (mscale.daemon.jobs).
+
+Every value goes through `value()`: the socket validates what jobs send, and should anything
+slip past it, one job's odd number becomes NaN in its own series instead of failing the scrape.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,17 @@ from collections.abc import Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from mscale.daemon.jobs import PHASES, gpus_by_index
+from mscale.daemon.jobs import sample_value as value
 from mscale.daemon.state import AgentState
 
 
 def collect(state: AgentState) -> Iterable[Metric]:
+    expired = CounterMetricFamily(
+        "mscale_jobs_expired",
+        "jobs removed after socket.job_expiry_s disconnected (or early, to stay under socket.max_jobs)",
+    )
+    expired.add_metric([], state.jobs_expired)
+    yield expired
     up = GaugeMetricFamily(
         "mscale_job_up", "1 while the training job is connected to the agent", labels=["job_id", "rank"]
     )
@@ -68,26 +79,26 @@ def collect(state: AgentState) -> Iterable[Metric]:
     for job_id, job in sorted(state.jobs.items()):
         job.refresh(gpus)  # the bound GPU's health may have changed since the last report
         up.add_metric([job_id, str(job.rank)], 1.0 if job.connected else 0.0)
-        step.add_metric([job_id], float(job.step))
-        loss.add_metric([job_id], job.loss)
-        gnorm.add_metric([job_id], job.grad_norm)
-        reports.add_metric([job_id], job.reports_total)
-        dropped.add_metric([job_id], job.reports_dropped)
-        skipped.add_metric([job_id], job.steps_skipped)
+        step.add_metric([job_id], value(job.step))
+        loss.add_metric([job_id], value(job.loss))
+        gnorm.add_metric([job_id], value(job.grad_norm))
+        reports.add_metric([job_id], value(job.reports_total))
+        dropped.add_metric([job_id], value(job.reports_dropped))
+        skipped.add_metric([job_id], value(job.steps_skipped))
         for (source, reason, severity), n in sorted(job.findings.items()):
-            findings.add_metric([job_id, source, reason, severity], n)
+            findings.add_metric([job_id, source, reason, severity], value(n))
         for mpu_id, m in sorted(job.mpus.items()):
             info.add_metric([job_id, mpu_id, m.name, str(m.gpu), m.gpu_uuid, m.device, m.fuse_level], 1.0)
-            clip.add_metric([job_id, mpu_id], m.clip_ratio)
-            mnorm.add_metric([job_id, mpu_id], m.grad_norm)
-            fails.add_metric([job_id, mpu_id], m.checksum_failures_total)
-            consec.add_metric([job_id, mpu_id], m.checksum_consecutive_failures)
+            clip.add_metric([job_id, mpu_id], value(m.clip_ratio))
+            mnorm.add_metric([job_id, mpu_id], value(m.grad_norm))
+            fails.add_metric([job_id, mpu_id], value(m.checksum_failures_total))
+            consec.add_metric([job_id, mpu_id], value(m.checksum_consecutive_failures))
             for phase in PHASES:
-                health.add_metric([job_id, mpu_id, m.name, phase], m.health[phase])
-                lat.add_metric([job_id, mpu_id, phase], m.latency[phase].last_s)
+                health.add_metric([job_id, mpu_id, m.name, phase], value(m.health[phase]))
+                lat.add_metric([job_id, mpu_id, phase], value(m.latency[phase].last_s))
                 b = m.latency[phase].baseline_s
                 if b is not None:
-                    base.add_metric([job_id, mpu_id, phase], b)
+                    base.add_metric([job_id, mpu_id, phase], value(b))
     yield from (
         up,
         step,

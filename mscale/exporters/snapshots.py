@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from mscale.daemon.jobs import SNAPSHOT_BUCKETS_S
+from mscale.daemon.jobs import sample_value as value
 from mscale.daemon.state import AgentState
 
 
@@ -43,16 +44,16 @@ def collect(state: AgentState) -> Iterable[Metric]:
     for job_id, job in sorted(state.jobs.items()):
         s = job.snapshots
         # a counter from 0, so that increase() sees the first failure
-        failures.add_metric([job_id], s.failures)
+        failures.add_metric([job_id], value(s.failures))
         if s.last_success_time is not None:
-            last.add_metric([job_id], s.last_success_time)
+            last.add_metric([job_id], value(s.last_success_time))
         if s.last_size_bytes is not None:
-            size.add_metric([job_id], s.last_size_bytes)
+            size.add_metric([job_id], value(s.last_size_bytes))
         if s.writes:
             buckets = [(repr(le), n) for le, n in zip(SNAPSHOT_BUCKETS_S, s.bucket_counts, strict=True)] + [
                 ("+Inf", s.writes)
             ]
-            duration.add_metric([job_id], buckets, s.seconds_total)
+            duration.add_metric([job_id], buckets, value(s.seconds_total))
         for tag, seconds in sorted(s.recovery_seconds.items()):
-            recovery.add_metric([job_id, tag], seconds)
+            recovery.add_metric([job_id, tag], value(seconds))
     yield from (failures, last, duration, size, recovery)
