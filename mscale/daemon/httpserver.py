@@ -151,12 +151,14 @@ class _Gate(asyncio.Protocol):
             self.close()
 
     def idle(self) -> bool:
-        """Not serving a request: no request head yet, or aiohttp waiting for the next one."""
+        """Not serving a request: no complete request head yet, or aiohttp waiting for the next
+        one (its own test for an idle keep-alive connection: a pending `_waiter`)."""
         if self.inner is None:
             return False
         if not self.head_seen:
             return True
-        return not getattr(self.inner, "_request_in_progress", True) and not getattr(self.inner, "_messages", True)
+        waiter = getattr(self.inner, "_waiter", None)
+        return waiter is not None and not waiter.done()
 
     def close(self) -> None:
         if self.transport is not None:
