@@ -289,6 +289,18 @@ def test_a_disk_snapshot_refused_at_rollback_falls_back_to_an_older_one(snaps, p
     fresh.close()
 
 
+def test_the_writer_never_writes_a_manifest_its_loader_would_refuse(tmp_path):
+    """A job id the schema refuses (a terminal escape in it): the write fails loudly (a
+    finding, no step_ directory), instead of leaving a snapshot that can never be loaded."""
+    job = Job(tmp_path, memory_every=5, disk_every=5, job_id="run\x1b[2J")
+    job.run(1, 5)
+    job.engine.flush()
+    failed = [f for f in job.engine.findings if f.reason is Reason.SNAPSHOT_FAILED]
+    assert len(failed) == 1 and "job_id and why must be printable" in failed[0].message
+    assert fmt.list_snapshots(tmp_path, include_incomplete=True) == []
+    job.close()
+
+
 # -- fuzzing the manifest parser --------------------------------------------------------------
 
 JSON = st.recursive(

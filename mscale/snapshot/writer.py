@@ -44,6 +44,7 @@ from mscale.snapshot.format import (
     list_snapshots,
     write_file,
 )
+from mscale.snapshot.manifest import parse_manifest
 from mscale.snapshot.memory import MemorySnapshot
 from mscale.snapshot.tensors import safetensors_parts
 
@@ -217,8 +218,10 @@ class DiskWriter:
                 "versions": {"mscale": __version__, "torch": torch.__version__, "python": platform.python_version()},
                 "files": files,
             }
+            raw_manifest = json.dumps(manifest, indent=2, sort_keys=True).encode()
+            parse_manifest(raw_manifest, tmp)  # never a snapshot its own loader would refuse
             # Written last: a directory with a manifest had every other file fsynced first.
-            write_file(tmp / MANIFEST, [json.dumps(manifest, indent=2, sort_keys=True).encode()], self._hasher)
+            write_file(tmp / MANIFEST, [raw_manifest], self._hasher)
             fsync_dir(tmp)
             aside = None
             if final.exists():  # the same step again (after a rollback): replace it whole
