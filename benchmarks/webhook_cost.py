@@ -9,17 +9,20 @@ temperature warnings no rule matches. The figure is the wall time of the last bo
 the first, in the same agent (target: flat, ratio near 1; before issue 16 the dedup table
 was scanned per alert and kept 24 h, and five bodies of 4,000 grew 6.7x).
 
-Repeated --repeats times, each on a fresh agent; the headline is the median ratio. The
-control is the same history-free work measured again: each repeat's first body against the
-median first body. Verdict: "flat" when the median ratio is within --tolerance of 1 and the
-control's median deviation is below --tolerance; "grows" when the ratio exceeds 1 by more
-than both; otherwise "inconclusive" (the control is noisier than the effect looked for).
+Each agent is first sent a warm-up body of 50 alerts. The control runs interleaved with it:
+after each body, a body of the same shape is posted to another fresh (warmed-up) agent, so
+the control's last/first ratio is what the machine's drift and noise alone make of the same
+positions in the run. Repeated --repeats times; the headline is the median ratio, the
+control's the median of |ratio - 1|. Verdict: "flat" when
+the median ratio is within --tolerance of 1 and the control's deviation is below
+--tolerance; "grows" when the ratio exceeds 1 by more than both; otherwise "inconclusive"
+(the control is noisier than the effect looked for).
 
 A second figure: the longest /healthz answer while a body of --big alerts is processed,
 against the whole body's time (1.0: the event loop was blocked for the whole body, as
 10,000 alerts did for up to 43.6 s before issue 16; the systemd watchdog fires at 30 s).
 
-    .venv/bin/python benchmarks/webhook_cost.py [--bodies 5] [--alerts 4000] [--repeats 3]
+    .venv/bin/python benchmarks/webhook_cost.py [--bodies 5] [--alerts 4000] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -76,10 +79,18 @@ def post(agent: EmbeddedAgent, data: bytes) -> float:
     return elapsed
 
 
-def costs(bodies: int, alerts: int, rep: int) -> list[float]:
-    big = 1 << 30
-    with EmbeddedAgent(webhook={"max_body_bytes": big}) as agent:
-        return [post(agent, body(f"r{rep}b{b}", alerts)) for b in range(bodies)]
+def costs(bodies: int, alerts: int, rep: int) -> tuple[list[float], list[float]]:
+    """(the body costs of one agent with growing history, of a fresh agent per body)."""
+    limits = {"max_body_bytes": 1 << 30}
+    history, control = [], []
+    with EmbeddedAgent(webhook=limits) as agent:
+        post(agent, body(f"r{rep}w", 50))  # warm-up: first-request costs are not history
+        for b in range(bodies):
+            history.append(post(agent, body(f"r{rep}b{b}", alerts)))
+            with EmbeddedAgent(webhook=limits) as fresh:
+                post(fresh, body(f"r{rep}c{b}w", 50))
+                control.append(post(fresh, body(f"r{rep}c{b}", alerts)))
+    return history, control
 
 
 def stall(alerts: int) -> tuple[float, float, int]:
@@ -113,21 +124,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bodies", type=int, default=5, help="bodies posted to one agent (default 5)")
     ap.add_argument("--alerts", type=int, default=4000, help="new alerts per body (default 4000)")
-    ap.add_argument("--repeats", type=int, default=3, help="fresh agents (default 3)")
+    ap.add_argument("--repeats", type=int, default=5, help="fresh agents (default 5)")
     ap.add_argument("--tolerance", type=float, default=0.25, help="flat: |ratio - 1| within this (default 0.25)")
     ap.add_argument("--big", type=int, default=10_000, help="alerts in the stall body (default 10000)")
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
-    runs = []
+    ratios, control, firsts = [], [], []
     for rep in range(args.repeats):
-        c = costs(args.bodies, args.alerts, rep)
-        runs.append(c)
-        print(f"repeat {rep + 1}: " + ", ".join(f"{x:.3f}" for x in c) + f" s  (last/first {c[-1] / c[0]:.2f})")
-    ratios = [c[-1] / c[0] for c in runs]
-    first = statistics.median(c[0] for c in runs)
-    control = [abs(c[0] / first - 1) for c in runs]
-    ratio, noise = statistics.median(ratios), statistics.median(control)
+        h, c = costs(args.bodies, args.alerts, rep)
+        ratios.append(h[-1] / h[0])
+        control.append(abs(c[-1] / c[0] - 1))
+        firsts.append(h[0])
+        print(f"repeat {rep + 1}: " + ", ".join(f"{x:.3f}" for x in h) + f" s  (last/first {h[-1] / h[0]:.2f})")
+        print("  control: " + ", ".join(f"{x:.3f}" for x in c) + f" s  (last/first {c[-1] / c[0]:.2f})")
+    ratio, noise, first = statistics.median(ratios), statistics.median(control), statistics.median(firsts)
     effect = ratio - 1
     if abs(effect) <= args.tolerance and noise < args.tolerance:
         verdict = "flat"
@@ -137,8 +148,8 @@ def main() -> int:
         verdict = "inconclusive"
     print(
         f"\nwebhook cost, body {args.bodies} against body 1 ({args.alerts} new alerts each), median of "
-        f"{args.repeats}: {ratio:.2f}x (first {first:.3f} s); control (first bodies against their "
-        f"median): {noise * 100:.1f}% median deviation; tolerance {args.tolerance * 100:.0f}%: {verdict}"
+        f"{args.repeats}: {ratio:.2f}x (first {first:.3f} s); control (a fresh agent per body, last "
+        f"against first): {noise * 100:.1f}% median deviation; tolerance {args.tolerance * 100:.0f}%: {verdict}"
     )
 
     longest, took, n = stall(args.big)
