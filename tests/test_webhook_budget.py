@@ -256,3 +256,39 @@ def test_engine_under_a_budget_marks_a_fault_acted_only_when_an_action_ran():
 def test_the_shipped_policy_answers_an_xid_alert_with_three_actions_in_order():
     rule = policymod.load("").match("alert", "MscaleGpuFatalXid", "critical", xid(0, "f")["labels"])
     assert rule is not None and list(rule.actions_at("healthy")) == GPU_FATAL
+
+
+async def test_alerts_naming_mpus_the_engine_never_saw_add_no_fuse_state(tmp_path):
+    """An alert for an MPU of a job that is not connected is booked (failed: no job), but its
+    lookup keeps no per-MPU state, so many such alerts do not grow the engine's books."""
+    async with agent(tmp_path, Clock(), max_actions_per_minute=100_000) as a:
+        alerts = [
+            {
+                "status": "firing",
+                "labels": {"alertname": "MscaleChecksumFailures", "job_id": "gone", "mpu_id": f"m{i}"},
+                "startsAt": "2026-11-30T06:00:00Z",
+                "fingerprint": f"c{i}",
+            }
+            for i in range(600)
+        ]
+        reply = await a.post(body(*alerts))
+        assert [r["result"] for r in reply["actions"]] == ["failed"] * 600
+        engine = a.app[keys.ENGINE]
+        assert engine.mpus == {} and engine.jobs == {}
+        assert "mscale_fuse_level{" not in await a.metrics()
+
+
+def test_a_batch_publishes_the_engines_books_once():
+    published: list = []
+    clock = Clock()
+    engine = HealingEngine(policymod.load(""), clock=clock, publish=published.append)
+    published.clear()
+    with engine.batch():
+        for i in range(100):
+            cond = Condition("alert", "MscaleGpuFatalXid", {"gpu": str(i)}, severity="critical")
+            for d in engine.decide(cond, lambda rule, c: [Target(gpu=c.labels["gpu"])]):
+                engine.record(d, "noop")
+        assert published == []
+    assert len(published) == 1 and sum(n for _, n in published[0].actions) == 300
+    engine.record(d, "noop")  # outside a batch: published at once, as before
+    assert len(published) == 2

@@ -146,12 +146,17 @@ class AlertOutcome:
 
 
 async def alerts(app: web.Application, items: Iterable[Mapping[str, Any]], *, source: str) -> list[AlertOutcome]:
-    """A body's alerts, in order, in slices of SLICE with the event loop served between them."""
+    """A body's alerts, in order, in slices of SLICE with the event loop served between them;
+    the engine publishes its books once a slice."""
+    engine: HealingEngine = app[keys.ENGINE]
+    items = list(items)
     out = []
-    for i, a in enumerate(items):
-        if i and not i % SLICE:
+    for start in range(0, len(items), SLICE):
+        if start:
             await asyncio.sleep(0)
-        out.append(await alert(app, a, source=source))
+        with engine.batch():
+            for a in items[start : start + SLICE]:
+                out.append(await alert(app, a, source=source))
     return out
 
 

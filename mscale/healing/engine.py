@@ -27,9 +27,10 @@ per condition, however long the agent has run. A caller with an action budget pa
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,6 +186,8 @@ class HealingEngine:
         self.actions: Counter[tuple[str, str, str, str]] = Counter()
         self.drift: Counter[tuple[str, str]] = Counter()
         self.recent: deque[dict] = deque(maxlen=RECENT)
+        self._batching = 0  # open batch() blocks: publish once at the end of each
+        self._dirty = False
         self.publish()
 
     # --- books ---------------------------------------------------------------------------
@@ -201,9 +204,13 @@ class HealingEngine:
         return self.jobs[job_id]
 
     def level_of(self, rule: Rule, target: Target) -> str:
+        """The target's level; a lookup keeps no books (an alert naming an MPU or job the
+        engine never saw adds no state)."""
         if rule.target == "job":
-            return self.job(target.job_id).level
-        return self.mpu(target.job_id, target.mpu_id).level.value
+            job = self.jobs.get(target.job_id)
+            return job.level if job is not None else JobLossState(target.job_id).level
+        mpu = self.mpus.get((target.job_id, target.mpu_id))
+        return mpu.level.value if mpu is not None else Level.HEALTHY.value
 
     def snapshot(self) -> HealingSnapshot:
         return HealingSnapshot(
@@ -216,8 +223,25 @@ class HealingEngine:
         )
 
     def publish(self) -> None:
+        if self._batching:
+            self._dirty = True
+            return
         if self._publish is not None:
             self._publish(self.snapshot())
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Book many conditions, publish once: the snapshot (sorted books) is built at the end
+        of the block, not per record, so a large batch costs O(1) per record."""
+        self._batching += 1
+        try:
+            yield
+        finally:
+            self._batching -= 1
+            if self._dirty:
+                self._dirty = False
+                if self._publish is not None:
+                    self._publish(self.snapshot())
 
     def emit(self, finding: Finding) -> None:
         if self._emit is not None:
@@ -324,8 +348,8 @@ class HealingEngine:
         MPU already holds (an MPU at L2 goes to L3)."""
         if not spec.drift or not target.mpu_id:
             return spec, ""
-        state = self.mpu(target.job_id, target.mpu_id)
-        if state.swaps_since(now - 3600.0) < self.cfg.max_swaps_per_hour:
+        state = self.mpus.get((target.job_id, target.mpu_id))
+        if state is None or state.swaps_since(now - 3600.0) < self.cfg.max_swaps_per_hour:
             return spec, ""
         self._count(spec.level, spec.name, target.mpu_id, "rate_limited")
         why = f"{self.cfg.max_swaps_per_hour} swaps in the last hour: escalate"
@@ -404,8 +428,8 @@ class HealingEngine:
         """What an action's result means for the job's loss state (its cooling window)."""
         if spec.cools_job and result == "applied":
             self.job(job_id).cooling = True
-        elif spec.cools_job and result == ENDED:
-            self.job(job_id).cooling = False
+        elif spec.cools_job and result == ENDED and job_id in self.jobs:
+            self.jobs[job_id].cooling = False
 
     def record(
         self,
