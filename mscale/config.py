@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import math
 import os
 import re
 import tomllib
@@ -155,14 +156,47 @@ def _fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
 # --- loading -----------------------------------------------------------------------------
 
 
+_HEADER = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(?:#.*)?$")
+_KEY = re.compile(r"""^\s*((?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*')(?:\s*\.\s*(?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*'))*)\s*=""")
+
+
+def _dotted(raw: str) -> str:
+    """`a . "b" . c` -> `a.b.c` (a TOML key or table name, quotes and spaces dropped)."""
+    parts = re.findall(r"""[A-Za-z0-9_-]+|"[^"]*"|'[^']*'""", raw)
+    return ".".join(p.strip("\"'") for p in parts)
+
+
 def _line_of(text: str | None, dotted: str) -> str:
+    """' (line N)': where `dotted` is set (or its table opens) in the TOML `text`, tracking
+    the table each line is in; a key set inside an inline table points at that table."""
     if not text:
         return ""
-    leaf = dotted.rsplit(".", 1)[-1]
-    for no, line in enumerate(text.splitlines(), 1):
-        if re.match(rf"\s*{re.escape(leaf)}\s*=", line) or re.match(rf"\s*\[\s*{re.escape(dotted)}\s*\]", line):
+    table, best, best_len = "", 0, -1
+    for no, line in enumerate(text.split("\n"), 1):
+        header = _HEADER.match(line)
+        if header:
+            table = _dotted(header.group(1))
+            full = table
+        else:
+            key = _KEY.match(line)
+            if not key:
+                continue
+            full = f"{table}.{_dotted(key.group(1))}" if table else _dotted(key.group(1))
+        if full == dotted:
             return f" (line {no})"
-    return ""
+        if dotted.startswith(full + ".") and len(full) > best_len:
+            best, best_len = no, len(full)
+    return f" (line {best})" if best else ""
+
+
+def locate(path: str | os.PathLike, dotted: str) -> str:
+    """'FILE: KEY (line N)' for a key read from the config at `path` (for errors found after
+    loading, e.g. the listen address); just the key when the file cannot be read again."""
+    try:
+        text = read_text(path, ConfigError, "config")
+    except ConfigError:
+        return dotted
+    return f"{path}: {dotted}{_line_of(text, dotted)}"
 
 
 def _type_name(tp: Any) -> str:
@@ -187,6 +221,8 @@ def _coerce(dotted: str, tp: Any, value: Any, meta: dict, text: str | None) -> A
     ok = isinstance(value, tp) and not (tp in (int, float) and isinstance(value, bool))
     if not ok:
         raise ConfigError(f"{dotted}{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if tp is float and not math.isfinite(value):  # nan passes every range check; inf is no setting
+        raise ConfigError(f"{dotted}{where}: expected a finite number, got {value!r}")
     if meta.get("choices") and value not in meta["choices"]:
         raise ConfigError(f"{dotted}{where}: expected one of {', '.join(map(str, meta['choices']))}, got {value!r}")
     lo, hi = meta.get("min"), meta.get("max")
@@ -262,6 +298,8 @@ def load(path: str | os.PathLike | None) -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    except RecursionError:  # arrays or inline tables nested thousands deep
+        raise ConfigError(f"{p}: not valid TOML: nested too deeply") from None
     try:
         return from_dict(data, text=text)
     except ConfigError as e:

@@ -21,7 +21,8 @@ class Notifier:
         usec = env.get("WATCHDOG_USEC", "")
         pid = env.get("WATCHDOG_PID", "")
         ours = not pid or pid == str(os.getpid())
-        self.watchdog_interval_s = int(usec) / 2e6 if usec.isdigit() and ours else None
+        valid = usec.isascii() and usec.isdigit() and len(usec) <= 12  # "²".isdigit() is True too
+        self.watchdog_interval_s = int(usec) / 2e6 if valid and ours else None
         self._sock: socket.socket | None = None
 
     @property

@@ -98,10 +98,15 @@ def load(path: str | Path | None = None) -> Policy:
 def parse(text: str, where: str = "<policy>") -> Policy:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.reader.ReaderError as e:  # a character YAML does not allow (a NUL, a control)
+        at = text.count("\n", 0, e.position) + 1
+        raise PolicyError(f"{where}: line {at}: not valid YAML: {e.reason} (#x{e.character:04x})") from None
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         line = f" line {mark.line + 1}" if mark else ""
-        raise PolicyError(f"{where}:{line}: not valid YAML: {getattr(e, 'problem', e)}") from None
+        raise PolicyError(f"{where}:{line}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
+    except RecursionError:
+        raise PolicyError(f"{where}: not valid YAML: nested too deeply") from None
     return _Parser(where).policy(root)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import functools
 import io
+import re
 from collections import deque
 from dataclasses import dataclass, field
 from importlib import resources
@@ -87,15 +88,26 @@ class XidTable:
         return len(self.entries)
 
 
+_XID_CODE = re.compile(r"[0-9]{1,5}")
+
+
 def parse_xid_table(text: str, source: str = "xid_table.csv") -> XidTable:
     entries: dict[int, XidInfo] = {}
     header_seen = False
-    for no, raw in enumerate(text.splitlines(), 1):
+    # Lines split on "\n" only, as an editor counts them (splitlines would also split on
+    # \x0b, \x1c, U+2028 ... and the line numbers in messages would drift).
+    for no, raw in enumerate(text.split("\n"), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        cells = [c.strip() for c in next(csv.reader(io.StringIO(line)))]
         where = f"{source} line {no}"
+        try:
+            rows = list(csv.reader(io.StringIO(line, newline=""), strict=True))
+        except csv.Error as e:
+            raise XidTableError(f"{where}: not a CSV row ({e})") from None
+        if len(rows) != 1:  # a bare carriage return inside the line splits it
+            raise XidTableError(f"{where}: not one CSV row (a carriage return inside the line?)")
+        cells = [c.strip() for c in rows[0]]
         if not header_seen:
             if cells != ["code", "class", "description"]:
                 raise XidTableError(f"{where}: expected the header 'code,class,description', got {line!r}")
@@ -104,8 +116,10 @@ def parse_xid_table(text: str, source: str = "xid_table.csv") -> XidTable:
         if len(cells) != 3:
             raise XidTableError(f"{where}: expected 3 columns (code,class,description), got {len(cells)}")
         code_s, cls, desc = cells
-        if not code_s.isdigit() or not 1 <= int(code_s) <= 65535:
-            raise XidTableError(f"{where}: code: expected an integer 1..65535, got {code_s!r}")
+        # ASCII digits only: str.isdigit() takes "²" (which int() then refuses) and int()
+        # takes "٣" and "1_0"; five digits bound the conversion.
+        if not _XID_CODE.fullmatch(code_s) or not 1 <= int(code_s) <= 65535:
+            raise XidTableError(f"{where}: code: expected an integer 1..65535, got {code_s[:20]!r}")
         if cls not in XID_CLASSES:
             raise XidTableError(f"{where}: class: expected one of {', '.join(XID_CLASSES)}, got {cls!r}")
         if not desc:

@@ -16,6 +16,7 @@ A malformed file raises TimelineError naming the line at fault (from YAML's node
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ _Parser = Callable[[Any], Any]
 def _int_in(lo: int, hi: int) -> _Parser:
     def parse(v: Any) -> int:
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise ValueError(f"expected an integer {lo}..{hi}, got {v!r}")
+            raise ValueError(f"expected an integer {lo}..{hi}, got {_short(v)}")
         return v
 
     return parse
@@ -47,26 +48,40 @@ def _number_in(lo: float, hi: float, *, above: bool = False) -> _Parser:
     def parse(v: Any) -> float:
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v > lo if above else v >= lo) and v <= hi
         if not ok:
-            raise ValueError(f"expected a number {'above' if above else 'from'} {lo:g} to {hi:g}, got {v!r}")
+            raise ValueError(f"expected a number {'above' if above else 'from'} {lo:g} to {hi:g}, got {_short(v)}")
         return float(v)
 
     return parse
 
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_DURATION = re.compile(r"^\s*([0-9]{1,12}(?:\.[0-9]{1,9})?)\s*(ms|s|m|h)?\s*$")
+MAX_DURATION_S = 366 * 86400.0  # a timeline is a test run: a year bounds a typo, not a use
 
 
 def parse_duration(v: Any) -> float:
-    """'2s', '500ms', '1m', '1h', or a plain number of seconds; never negative."""
+    """'2s', '500ms', '1m', '1h', or a plain number of seconds; finite, 0..MAX_DURATION_S."""
     if isinstance(v, (int, float)) and not isinstance(v, bool):
-        if v < 0:
-            raise ValueError(f"expected a duration >= 0, got {v!r}")
+        # Compared before any float(): a 400-digit integer would overflow it.
+        if not (0 <= v <= MAX_DURATION_S) or (isinstance(v, float) and not math.isfinite(v)):
+            raise ValueError(f"expected a duration from 0 to {MAX_DURATION_S:g}s, got {_short(v)}")
         return float(v)
     m = _DURATION.match(v) if isinstance(v, str) else None
     if not m:
-        raise ValueError(f"expected a duration like 2s, 500ms or 1m, got {v!r}")
-    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+        raise ValueError(f"expected a duration like 2s, 500ms or 1m, got {_short(v)}")
+    seconds = float(m.group(1)) * _UNITS[m.group(2) or "s"]
+    if seconds > MAX_DURATION_S:
+        raise ValueError(f"expected a duration from 0 to {MAX_DURATION_S:g}s, got {_short(v)}")
+    return seconds
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    """repr(v), cut to `limit` characters: messages name the value, not a 300-digit one in full."""
+    try:
+        r = repr(v)
+    except ValueError:  # an int too long for repr (over 4300 digits)
+        return f"an integer of about {int(v.bit_length() * 0.30103)} digits"
+    return r if len(r) <= limit else f"{r[: limit - 3]}..."
 
 
 FAULTS: dict[str, dict[str, tuple[bool, _Parser]]] = {
@@ -134,13 +149,13 @@ def _event(data: dict, gpus: int, where: Callable[[str], str], line: int | None)
     fault = data.get("fault")
     if fault is None:
         raise TimelineError(f"{where('fault')}: missing (one of {', '.join(FAULTS)})")
-    if fault not in FAULTS:
-        raise TimelineError(f"{where('fault')}: expected one of {', '.join(FAULTS)}, got {fault!r}")
+    if not isinstance(fault, str) or fault not in FAULTS:
+        raise TimelineError(f"{where('fault')}: expected one of {', '.join(FAULTS)}, got {_short(fault)}")
     params = FAULTS[fault]
     for key in data:
-        if key not in _COMMON and key not in params:
+        if not isinstance(key, str) or (key not in _COMMON and key not in params):
             allowed = ", ".join(list(_COMMON) + list(params))
-            raise TimelineError(f"{where(key)}: unknown key for fault {fault} (allowed: {allowed})")
+            raise TimelineError(f"{where(str(key))}: unknown key for fault {fault} (allowed: {allowed})")
     kwargs: dict[str, Any] = {"fault": fault, "line": line}
     try:
         kwargs["at_s"] = parse_duration(data.get("at", 0))
@@ -183,34 +198,45 @@ def parse_timeline(text: str, source: str = "<timeline>") -> Timeline:
         if root is None:
             return Timeline(source=source)
 
-        def value(node: yaml.Node) -> Any:
-            return loader.construct_object(node, deep=True)
+        def value(node: yaml.Node, what: str) -> Any:
+            try:
+                return loader.construct_object(node, deep=True)
+            except (ValueError, TypeError, OverflowError) as e:  # e.g. `!!int x`, a date 2001-13-45
+                raise TimelineError(f"{source} line {_line(node)}: {what}: not a valid value ({e})") from None
+
+        def key(node: yaml.Node, what: str) -> str:
+            k = value(node, what) if isinstance(node, yaml.ScalarNode) else None
+            if not isinstance(k, str):
+                raise TimelineError(f"{source} line {_line(node)}: {what}: keys must be plain names")
+            return k
 
         if not isinstance(root, yaml.MappingNode):
             raise TimelineError(f"{source} line {_line(root)}: expected a mapping with gpus and events")
-        top = {value(k): (k, v) for k, v in root.value}
-        for key, (knode, _) in top.items():
-            if key not in ("gpus", "model", "events"):
-                raise TimelineError(f"{source} line {_line(knode)}: {key}: unknown key (known: gpus, model, events)")
+        top = {key(k, "key"): (k, v) for k, v in root.value}
+        for name, (knode, _) in top.items():
+            if name not in ("gpus", "model", "events"):
+                raise TimelineError(
+                    f"{source} line {_line(knode)}: {_short(name)}: unknown key (known: gpus, model, events)"
+                )
         gpus = 8
         if "gpus" in top:
             node = top["gpus"][1]
             try:
-                gpus = _int_in(1, MAX_GPUS)(value(node))
+                gpus = _int_in(1, MAX_GPUS)(value(node, "gpus"))
             except ValueError as e:
                 raise TimelineError(f"{source} line {_line(node)}: gpus: {e}") from None
         model = "h100"
         if "model" in top:
             node = top["model"][1]
-            model = value(node)
-            if model not in MODELS:
+            model = value(node, "model")
+            if not isinstance(model, str) or model not in MODELS:
                 raise TimelineError(
-                    f"{source} line {_line(node)}: model: expected one of {', '.join(MODELS)}, got {model!r}"
+                    f"{source} line {_line(node)}: model: expected one of {', '.join(MODELS)}, got {_short(model)}"
                 )
         events: list[FaultEvent] = []
         if "events" in top:
             node = top["events"][1]
-            if isinstance(node, yaml.ScalarNode) and value(node) is None:
+            if isinstance(node, yaml.ScalarNode) and value(node, "events") is None:
                 node = yaml.SequenceNode("tag:yaml.org,2002:seq", [])
             if not isinstance(node, yaml.SequenceNode):
                 raise TimelineError(f"{source} line {_line(node)}: events: expected a list of events")
@@ -222,20 +248,25 @@ def parse_timeline(text: str, source: str = "<timeline>") -> Timeline:
                 fields = {}
                 lines = {}
                 for k, v in ev.value:
-                    key = value(k)
-                    fields[key] = value(v)
-                    lines[key] = _line(v)
+                    name = key(k, f"events[{i}]")
+                    fields[name] = value(v, f"events[{i}].{name}")
+                    lines[name] = _line(v)
 
-                def where(key: str, i: int = i, ev: yaml.Node = ev, lines: dict = lines) -> str:
-                    return f"{source} line {lines.get(key, _line(ev))}: events[{i}].{key}"
+                def where(name: str, i: int = i, ev: yaml.Node = ev, lines: dict = lines) -> str:
+                    return f"{source} line {lines.get(name, _line(ev))}: events[{i}].{name}"
 
                 events.append(_event(fields, gpus, where, _line(ev)))
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line = f" line {mark.line + 1}" if mark else ""
         raise TimelineError(f"{source}{line}: not valid YAML: {e.problem or e.context}") from None
+    except yaml.reader.ReaderError as e:  # a character YAML does not allow (a NUL, a control)
+        at = text.count("\n", 0, e.position) + 1
+        raise TimelineError(f"{source} line {at}: not valid YAML: {e.reason} (#x{e.character:04x})") from None
     except yaml.YAMLError as e:
         raise TimelineError(f"{source}: not valid YAML: {e}") from None
+    except RecursionError:
+        raise TimelineError(f"{source}: not valid YAML: nested too deeply") from None
     finally:
         loader.dispose()
     events.sort(key=lambda e: e.at_s)  # stable: same-time events keep file order
