@@ -272,7 +272,12 @@ def _check(section: Any, key: str) -> None:
 
 def from_dict(data: dict, *, text: str | None = None) -> Config:
     cfg = _build(Config, data, "", text)
-    _check(cfg, "")
+    try:
+        _check(cfg, "")
+    except ConfigError as e:  # a rule across fields names its key: add the key's line
+        key, sep, rest = str(e).partition(": ")
+        where = _line_of(text, key.split("[", 1)[0]) if sep and "(line " not in key else ""
+        raise ConfigError(f"{key}{where}{sep}{rest}") from None
     return _apply_env(cfg)
 
 

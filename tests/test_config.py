@@ -9,6 +9,8 @@ import sys
 import tomllib
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mscale import config as configmod
 from mscale.config import ConfigError, from_dict, load, parse_bool, reference_markdown
@@ -136,3 +138,95 @@ def test_example_config_loads_and_documents_every_key() -> None:
             assert part in node, f"deploy/agent.toml does not mention {dotted}"
             node = node[part]
     from_dict(data)  # and every value shown is valid too
+
+
+# --- non-finite numbers, lines, and fuzzing (issue 16 item 8) ------------------------------
+
+
+def _float_keys() -> list[str]:
+    """Every float key of the config (from the dataclass types, not a hand list)."""
+    import dataclasses
+
+    out: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for f, tp in configmod._fields(cls):
+            if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+            elif tp is float:
+                out.append(f"{prefix}{f.name}")
+
+    walk(configmod.Config, "")
+    return out
+
+
+def _nested(dotted: str, value: object) -> dict:
+    *tables, leaf = dotted.split(".")
+    data: dict = {leaf: value}
+    for t in reversed(tables):
+        data = {t: data}
+    return data
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_every_float_key_refuses_non_finite(value) -> None:
+    keys = _float_keys()
+    assert "probes.gpu.interval_s" in keys and "healing.lr_cool_factor" in keys and len(keys) >= 15
+    for dotted in keys:
+        with pytest.raises(ConfigError, match=rf"^{re.escape(dotted)}: expected a finite number"):
+            from_dict(_nested(dotted, value))
+
+
+def test_error_names_the_line_in_the_keys_own_table(tmp_path) -> None:
+    # interval_s appears in two tables: the message points at the one at fault
+    path = tmp_path / "agent.toml"
+    path.write_text("[probes.gpu]\ninterval_s = 1\n\n[probes.host]\ninterval_s = nan\n")
+    with pytest.raises(ConfigError, match=r"probes\.host\.interval_s \(line 5\)"):
+        load(path)
+    path.write_text('[probes]\ngpu = { interval_s = "x" }\n')
+    with pytest.raises(ConfigError, match=r"probes\.gpu\.interval_s \(line 2\)"):
+        load(path)
+    path.write_text("[healing]\n\ndistill_weight_min = 0.9\ndistill_weight_max = 0.2\n")
+    with pytest.raises(ConfigError, match=r"healing\.distill_weight_min \(line 3\): expected at most"):
+        load(path)
+
+
+TRICKY_VALUES = [
+    "nan", "+nan", "-nan", "inf", "-inf", "1e400", "-0.0", "0", "1", "-5", "1.5", "9" * 300, "0x10",
+    '"x"', '"256.1.1.1:80"', '"\\u0000"', '"²"', "true", "[1, true]", "[]", '["root", -5, 1.5]', "{a = 1}",
+    "1979-05-27", "07:32:00",
+]  # fmt: skip
+
+
+def _config_lines() -> st.SearchStrategy[list[str]]:
+    keys = _keys()
+    sections = sorted({k.rsplit(".", 1)[0] for k in keys if "." in k}) + ["agnet", "probes.nope"]
+    leaves = sorted({k.rsplit(".", 1)[-1] for k in keys}) + ["interval", "colour"]
+    header = st.sampled_from(sections).map(lambda s: f"[{s}]")
+    assignment = st.tuples(st.sampled_from(leaves), st.sampled_from(TRICKY_VALUES) | st.text(max_size=8)).map(
+        lambda kv: f"{kv[0]} = {kv[1]}"
+    )
+    return st.lists(header | assignment | st.text(max_size=20), max_size=8)
+
+
+@given(lines=_config_lines(), raw=st.binary(max_size=12))
+def test_fuzzed_config_is_a_config_or_a_clear_refusal(lines, raw) -> None:
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "agent.toml"
+        path.write_bytes("\n".join(lines).encode("utf-8", "surrogatepass") + b"\n" + raw)
+        try:
+            cfg = load(path)
+        except ConfigError as e:
+            msg = str(e)
+            assert msg.startswith(str(path)), msg
+            assert "line" in msg, msg  # the line at fault (TOML's own errors say "at line N")
+        else:
+            assert isinstance(cfg, configmod.Config)
+            for dotted in _float_keys():
+                node: object = cfg
+                for part in dotted.split("."):
+                    node = getattr(node, part)
+                assert isinstance(node, float) and node == node and abs(node) != float("inf")

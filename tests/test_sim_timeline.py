@@ -9,6 +9,8 @@ import textwrap
 from importlib import resources
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mscale.sim.timeline import TimelineError, event_from_dict, load_timeline, parse_duration, parse_timeline
 
@@ -211,3 +213,110 @@ def test_an_event_at_zero_is_kept_and_its_xid_heard_by_a_later_listener() -> Non
     assert sim.xid_events().wait(0) is None
     assert [e.fault for _, e in sim.applied] == ["xid", "gpu_lost"]
     sim.close()
+
+
+# --- issue 16 item 8: inputs that ended in tracebacks; fuzzing ------------------------------
+
+ISSUE_16 = [
+    # (text, line at fault, words the message must contain)
+    ("events:\n  - at: " + "9" * 300 + "\n    gpu: 0\n    fault: gpu_lost\n", 2, ["events[0].at", "duration", "..."]),
+    ("events:\n  - {at: " + "9" * 400 + ", gpu: 0, fault: gpu_lost}\n", 2, ["events[0].at"]),
+    ("events:\n  - {at: '" + "9" * 400 + "s', gpu: 0, fault: gpu_lost}\n", 2, ["events[0].at"]),
+    ("events:\n  - {at: .nan, gpu: 0, fault: gpu_lost}\n", 2, ["events[0].at", "nan"]),
+    ("events:\n  - {at: .inf, gpu: 0, fault: gpu_lost}\n", 2, ["events[0].at", "inf"]),
+    ("events:\n  - {at: 1s, gpu: 0, fault: temperature, celsius: .nan}\n", 2, ["events[0].celsius"]),
+    ("events:\n  - {at: 1s, gpu: 0, fault: temperature, celsius: 50, ramp: 1e400}\n", 2, ["events[0].ramp"]),
+    ("events:\n  - ? [a, b]\n    : 1\n    gpu: 0\n    fault: gpu_lost\n", 2, ["events[0]", "plain names"]),
+    ("? {a: 1}\n: 2\n", 1, ["keys must be plain names"]),
+    ("events:\n  - {at: 1s, gpu: 0, fault: [xid]}\n", 2, ["events[0].fault", "['xid']"]),
+    ("events:\n  - {at: 1s, gpu: 0, fault: {a: 1}}\n", 2, ["events[0].fault"]),
+    ("events:\n  - {at: 2001-13-45, gpu: 0, fault: gpu_lost}\n", 2, ["events[0].at", "not a valid value"]),
+    ("gpus: !!int eight\n", 1, ["gpus", "not a valid value"]),
+    ("events:\n  - {1: 2, gpu: 0, fault: gpu_lost}\n", 2, ["events[0]", "plain names"]),
+    ("model: [h100]\n", 1, ["model", "h100"]),
+    ("gpus: 2\n# \x00\n", 2, ["not valid YAML", "#x0000"]),
+]
+
+
+@pytest.mark.parametrize("text,line,words", ISSUE_16)
+def test_issue_16_timelines_refused_with_file_line_and_key(text, line, words) -> None:
+    with pytest.raises(TimelineError) as err:
+        parse_timeline(text, "t.yaml")
+    msg = str(err.value)
+    assert msg.startswith(f"t.yaml line {line}:"), msg
+    assert len(msg) < 400, msg  # a 400-digit value is cut, not echoed whole
+    for w in words:
+        assert w in msg, msg
+
+
+def test_deeply_nested_timeline_is_refused() -> None:
+    with pytest.raises(TimelineError, match=r"^t\.yaml: not valid YAML: nested too deeply"):
+        parse_timeline("events: " + "[" * 5000 + "]" * 5000, "t.yaml")
+
+
+def test_not_utf8_timeline_names_file_and_line(tmp_path) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_bytes(b"gpus: 2\nevents:\n  - {at: 1s, gpu: 0, fault: gpu_lost} # caf\xe9\n")
+    with pytest.raises(TimelineError, match=rf"^{path} line 3: not UTF-8 text \(byte 0xe9 at column 44\)"):
+        load_timeline(path)
+
+
+@pytest.mark.parametrize(
+    "bad", [float("nan"), float("inf"), 10**400, "9" * 400 + "s", 366 * 86400 + 1, "1e3s", "٣s"], ids=repr
+)
+def test_bad_durations_issue_16(bad) -> None:
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(bad)
+
+
+def test_chaos_event_with_a_list_fault_is_refused() -> None:
+    with pytest.raises(TimelineError, match=r"event\.fault"):
+        event_from_dict({"gpu": 0, "fault": ["xid"]}, gpus=8)
+
+
+_VALUES = [
+    "2s", "0", "-1", ".nan", ".inf", "1e400", "9" * 300, "'9" + "9" * 300 + "s'", "2001-13-45", "!!int x",
+    "!!float y", "!!binary '@'", "[a, b]", "{a: 1}", "~", "''", "xid", "temperature", "recover", "79", "3",
+    "&a [*a]", "*nope", "!!python/object:os.system x", "'²'", "h200", "true",
+]  # fmt: skip
+_KEYS = ["at", "gpu", "fault", "code", "count", "per_hour", "celsius", "ramp", "link", "per_min", "colour", "[k]", "1"]
+
+
+def _timeline_text() -> st.SearchStrategy[str]:
+    pair = st.tuples(st.sampled_from(_KEYS), st.sampled_from(_VALUES) | st.text(max_size=6))
+    event = st.lists(pair, max_size=6).map(lambda kvs: "  - " + "\n    ".join(f"{k}: {v}" for k, v in kvs))
+    top = st.tuples(
+        st.sampled_from(["", "gpus: 4\n", "gpus: .nan\n", "model: h200\n", "colour: 1\n"]),
+        st.lists(event, max_size=4),
+        st.text(max_size=10),
+    )
+    return top.map(lambda t: t[0] + "events:\n" + "\n".join(t[1]) + "\n" + t[2])
+
+
+@given(text=_timeline_text() | st.text(max_size=60))
+def test_fuzzed_timeline_is_a_timeline_or_a_clear_refusal(text) -> None:
+    try:
+        tl = parse_timeline(text, "t.yaml")
+    except TimelineError as e:
+        msg = str(e)
+        assert msg.startswith("t.yaml line ") or msg.startswith("t.yaml: not valid YAML"), msg
+    else:
+        assert 1 <= tl.gpus <= 64 and tl.model in ("h100", "h200")
+        for ev in tl.events:
+            assert 0 <= ev.at_s <= 366 * 86400 and 0 <= ev.gpu < tl.gpus and isinstance(ev.fault, str)
+
+
+@given(
+    data=st.dictionaries(
+        st.sampled_from(_KEYS),
+        st.none() | st.integers() | st.floats() | st.text(max_size=5) | st.lists(st.integers(), max_size=2),
+        max_size=6,
+    )
+)
+def test_fuzzed_chaos_event_is_an_event_or_a_clear_refusal(data) -> None:
+    try:
+        ev = event_from_dict(data, gpus=8)
+    except TimelineError as e:
+        assert str(e).startswith("event."), str(e)
+    else:
+        assert 0 <= ev.at_s <= 366 * 86400 and 0 <= ev.gpu < 8

@@ -144,7 +144,7 @@ def open_nvml(cfg: configmod.Config, clock) -> Any:
     return None
 
 
-class _HardStop:
+class HardStop:
     """Armed by the first stop signal: ends the process at the deadline if the clean shutdown
     has not (a hung thread or a wedged loop cannot keep the agent alive past it)."""
 
@@ -192,7 +192,7 @@ async def serve(
     stop = stop or asyncio.Event()
     notifier = notifier or Notifier()
     loop = asyncio.get_running_loop()
-    hard_stop = _HardStop(cfg.agent.shutdown_timeout_s)
+    hard_stop = HardStop(cfg.agent.shutdown_timeout_s)
 
     def on_signal(signum: int, frame: Any) -> None:
         # A Python-level handler, not loop.add_signal_handler: it runs even while the loop is
@@ -225,7 +225,7 @@ async def _start(cfg: configmod.Config, app: web.Application, runner: web.AppRun
 
 
 async def _serve(
-    cfg: configmod.Config, nvml: Any, stop: asyncio.Event, notifier: Notifier, clock, hard_stop: _HardStop
+    cfg: configmod.Config, nvml: Any, stop: asyncio.Event, notifier: Notifier, clock, hard_stop: HardStop
 ) -> None:
     app = create_app(cfg, state=new_state(cfg), nvml=nvml, clock=clock)
     runner = httpserver.make_runner(app)  # idle timeout; the site adds the connection caps

@@ -192,8 +192,9 @@ def _line(node: yaml.Node) -> int:
 
 
 def parse_timeline(text: str, source: str = "<timeline>") -> Timeline:
-    loader = yaml.SafeLoader(text)
+    loader: yaml.SafeLoader | None = None
     try:
+        loader = yaml.SafeLoader(text)  # checks the characters already: inside the try
         root = loader.get_single_node()
         if root is None:
             return Timeline(source=source)
@@ -268,7 +269,8 @@ def parse_timeline(text: str, source: str = "<timeline>") -> Timeline:
     except RecursionError:
         raise TimelineError(f"{source}: not valid YAML: nested too deeply") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     events.sort(key=lambda e: e.at_s)  # stable: same-time events keep file order
     return Timeline(gpus=gpus, model=model, events=tuple(events), source=source)
 
