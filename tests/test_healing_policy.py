@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing import actions
@@ -352,3 +354,81 @@ def test_a_gpu_fault_stays_one_fault_after_its_mpus_moved_off():
     assert len(eng.decide(Condition("reason", "gpu_xid", {"gpu": "2"}, severity="critical"), on_gpu)) == 3
     clock.t += 2
     assert eng.decide(Condition("alert", "MscaleGpuFatalXid", {"gpu": "2"}), moved) == []  # the same fault
+
+
+# --- issue 16 item 8: malformed bytes and values, fuzzing (parser only) ---------------------
+
+
+@pytest.mark.parametrize(
+    "text,line,words",
+    [
+        ("version: 1\n# \x00\nrules: []\n", "line 2", ["not valid YAML", "#x0000"]),
+        ("\x1f", "line 1", ["not valid YAML"]),
+        ("version: 1\ndedup_window_s: .nan\nrules: []\n", "line 2", ["dedup_window_s"]),
+        ("version: 1\ndedup_window_s: nan\nrules: []\n", "line 2", ["dedup_window_s"]),
+        ("version: 1\ndedup_window_s: 1e400\nrules: []\n", "line 2", ["dedup_window_s"]),
+        ("version: 1\ndedup_window_s: " + "9" * 400 + "\nrules: []\n", "line 2", ["dedup_window_s"]),
+        ("version: 1\n? [a]\n: 1\n", "line 2", ["plain names"]),
+        ("version: 1\nrules: &a [*a]\n", "line 2", ["rule: expected a mapping"]),
+    ],
+)
+def test_issue_16_policies_refused_with_file_and_line(text, line, words):
+    with pytest.raises(PolicyError) as e:
+        policymod.parse(text, "p.yaml")
+    assert str(e.value).startswith(f"p.yaml: {line}:"), str(e.value)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_not_utf8_policy_names_file_and_line(tmp_path: Path):
+    path = tmp_path / "p.yaml"
+    path.write_bytes(b"version: 1\nrules:\n  - name: caf\xe9\n")
+    with pytest.raises(PolicyError, match=rf"^{path} line 3: not UTF-8 text \(byte 0xe9 at column 14\)"):
+        policymod.load(path)
+
+
+def test_deeply_nested_policy_is_refused():
+    with pytest.raises(PolicyError, match=r"^p\.yaml: not valid YAML: nested too deeply"):
+        policymod.parse("version: 1\nrules: " + "[" * 5000 + "]" * 5000, "p.yaml")
+
+
+_SHIPPED = policymod.default_text()[0].split("\n")
+_JUNK = [
+    "version: 2", "rules: []", "rules: {}", "dedup_window_s: .nan", "dedup_window_s: -1", "    target: moon",
+    "    actions: {any: [reboot]}", "    reasons: [no_such]", "  - name: x", "- 1", "? [a]", ": b", "&a [*a]",
+    "    labels: {a: [b]}", "    severities: [loud]", "    decide: later", "\t", "'", "{", "*nope", "!!int x",
+]  # fmt: skip
+
+
+@given(
+    edits=st.lists(
+        st.tuples(
+            st.integers(0, len(_SHIPPED)),
+            st.sampled_from(["replace", "insert", "delete"]),
+            st.sampled_from(_JUNK) | st.text(max_size=12),
+        ),
+        max_size=4,
+    )
+)
+def test_fuzzed_policy_is_a_policy_or_a_clear_refusal(edits):
+    """The shipped policy, mutated line by line: a Policy, or a PolicyError naming file and line."""
+    lines = list(_SHIPPED)
+    for at, how, junk in edits:
+        at = min(at, len(lines))
+        if how == "insert":
+            lines.insert(at, junk)
+        elif lines and at < len(lines):
+            if how == "delete":
+                del lines[at]
+            else:
+                lines[at] = junk
+    try:
+        pol = policymod.parse("\n".join(lines), "p.yaml")
+    except PolicyError as e:
+        msg = str(e)
+        assert msg.startswith("p.yaml: line ") or msg == "p.yaml: empty healing policy", msg
+    else:
+        assert pol.rules and 0 <= pol.dedup_window_s <= 86400
+        for rule in pol.rules:
+            assert rule.target in policymod.TARGETS
+            assert all(a in actions.NAMES for acts in rule.actions.values() for a in acts)

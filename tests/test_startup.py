@@ -301,3 +301,26 @@ def test_sigterm_stops_the_agent_within_shutdown_timeout(tmp_path, shutdown_time
         stop_process(proc)
     assert rc == 0, rc
     assert took <= shutdown_timeout_s + margin_s
+
+
+def test_hard_stop_ends_a_wedged_process_at_the_deadline() -> None:
+    """The timer a stop signal arms ends the process at the deadline even when the main
+    thread never returns (here: blocked in a sleep, as a wedged event loop would be)."""
+    code = (
+        "import time\n"
+        "from mscale.daemon.main import HardStop\n"
+        "HardStop(0.5).arm()\n"
+        "print('armed', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "armed\n"
+        started = time.monotonic()
+        rc = proc.wait(timeout=0.5 + 5.0)
+        took = time.monotonic() - started
+        out = proc.stdout.read()
+    finally:
+        stop_process(proc)
+    assert rc == 0 and took < 5.0, (rc, took)
+    assert "agent_shutdown_forced" in out, out
