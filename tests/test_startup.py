@@ -324,3 +324,11 @@ def test_hard_stop_ends_a_wedged_process_at_the_deadline() -> None:
         stop_process(proc)
     assert rc == 0 and took < 5.0, (rc, took)
     assert "agent_shutdown_forced" in out, out
+
+
+@pytest.mark.parametrize("usec", ["²", "12x", "9" * 5000, "-5"])
+def test_malformed_watchdog_usec_means_no_watchdog(usec) -> None:
+    from mscale.daemon.notify import Notifier
+
+    assert Notifier(address="", environ={"WATCHDOG_USEC": usec}).watchdog_interval_s is None
+    assert Notifier(address="", environ={"WATCHDOG_USEC": "2000000"}).watchdog_interval_s == 1.0
