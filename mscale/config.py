@@ -302,7 +302,9 @@ def load(path: str | os.PathLike | None) -> Config:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+        # tomllib says "(at line N, column M)", or "(at end of document)": name that line too
+        last = f"(at end of document, line {text.count(chr(10)) + 1})"
+        raise ConfigError(f"{p}: not valid TOML: {str(e).replace('(at end of document)', last)}") from None
     except RecursionError:  # arrays or inline tables nested thousands deep
         raise ConfigError(f"{p}: not valid TOML: nested too deeply") from None
     try:

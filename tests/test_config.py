@@ -50,6 +50,7 @@ BAD = [
     ("[probes.gpu]\nbackend = 'magic'\n", ["probes.gpu.backend", "nvml, dcgm", "'magic'"]),
     ("[probes]\ngpu = 3\n", ["probes.gpu", "expected a table"]),
     ("not toml = = =\n", ["not valid TOML"]),
+    ("a = 1\n'", ["not valid TOML", "end of document, line 2"]),
 ]
 
 
