@@ -121,6 +121,7 @@ def _health(m: dict, gpu: str) -> str:
     return states[0]
 
 
+@pytest.mark.slow  # a real agent process through a fault timeline: about 3 s
 def test_xid_79_on_gpu_3_fails_it_and_only_it(agent) -> None:
     def xid_seen():
         m = agent.metrics()

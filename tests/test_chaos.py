@@ -183,6 +183,7 @@ def test_cli_refusals_exit_nonzero(agent):
     assert res.returncode == 1 and "cannot reach" in res.stderr
 
 
+@pytest.mark.slow  # a real agent process killed: about 2 s
 def test_agent_kill_kills_a_real_agent(tmp_path):
     port = free_port()
     cfg = tmp_path / "agent.toml"

@@ -127,6 +127,7 @@ def test_no_false_positive_over_1000_clean_fp32_steps() -> None:
     assert all(m.checksum_checks_total == 1000 for m in guard.mpus)
 
 
+@pytest.mark.slow  # bf16 tolerance over many shapes: about 5 s
 def test_bf16_tolerance() -> None:
     """bf16 (CPU autocast): the rtol of 1e-2 (DEFAULT_RTOL) holds over clean steps; exponent
     flips and NaN are caught by ABFT; a mantissa flip sits inside bf16 rounding for ABFT and

@@ -355,6 +355,7 @@ def test_both_attach_modes_count_exactly_and_detach_stops_counting(bpf_ok, calle
 # --- detections ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # waits out a hang timeout: about 3 s
 def test_hang_detected_when_launches_stop_and_cleared_when_they_resume(make_probe, callers, cuda_bins) -> None:
     probe, state = make_probe(hang_timeout_s=1.0, libcuda_path=cuda_bins.lib)  # configured path, not maps
     c = callers()
@@ -401,6 +402,7 @@ def test_blocked_sync_is_a_hang_while_the_launch_probe_is_detached(make_probe, c
     assert len(events(state, Reason.TRAINING_HANG_CLEARED)) == 1
 
 
+@pytest.mark.slow  # fills a stall window: about 3 s
 def test_sync_stall_over_the_window(make_probe, callers) -> None:
     probe, state = make_probe(sync_stall_window_s=1.0, sync_stall_ratio=0.5)
     c = callers()
@@ -484,6 +486,7 @@ def test_an_exited_process_is_cleaned_out_of_the_maps(make_probe, callers) -> No
 # --- duty cycle --------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # spans duty windows: about 3 s
 def test_duty_cycled_mode_exports_sampled_counts_with_the_window(make_probe, callers) -> None:
     probe, state = make_probe(duty_window_s=0.3, duty_period_s=0.9)  # scale 3
     c = callers()

@@ -25,6 +25,8 @@ from mscale.daemon.access import RateLimitedLog
 from mscale.demo.embedded import EmbeddedAgent
 from support import REPO, free_port
 
+pytestmark = pytest.mark.slow  # connection floods against real agents: about 30 s
+
 
 @pytest.fixture(autouse=True)
 def quiet():

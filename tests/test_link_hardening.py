@@ -276,6 +276,7 @@ def test_fuzz_decode_refuses_or_returns_a_typed_object(text) -> None:
 # --- item 4: bounded state -------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 300 connections: about 2 s
 def test_register_then_disconnect_64_mpus_300_times_does_not_grow_metrics(sock: str) -> None:
     agent = Agent(sock, job_expiry_s=0.3)
     try:

@@ -147,6 +147,7 @@ def python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # CLI subprocesses: about 2 s
 def test_the_cli_runs_with_torch_not_importable(snaps, capsys):
     """Each command prints, byte for byte, what it prints in this process (where torch is
     loaded), in a process where `import torch` (and numpy, safetensors) fails."""
@@ -165,6 +166,7 @@ def test_the_cli_runs_with_torch_not_importable(snaps, capsys):
     assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr  # the hiding works
 
 
+@pytest.mark.slow  # interpreter subprocesses: about 2 s
 def test_the_package_and_the_format_module_do_not_import_torch():
     heavy = "sorted(m for m in ('torch', 'numpy', 'safetensors') if m in sys.modules)"
     r = python(f"import sys, mscale.snapshot, mscale.snapshot.format, mscale.snapshot.cli; print({heavy})")

@@ -246,6 +246,7 @@ def _outside_twin(snap: Path, name: str) -> str:
     return "a symbolic link: refused"
 
 
+@pytest.mark.slow  # 12 cases, each CLI run in a subprocess: about 16 s
 @pytest.mark.parametrize("replace", [_directory, _fifo, _dev_zero, _outside_twin])
 @pytest.mark.parametrize("name", ["mpu_002_aligner_state.safetensors", fmt.TRAIN_STATE, fmt.MANIFEST])
 def test_anything_but_a_regular_file_inside_the_snapshot_is_refused_without_hanging(snaps, pristine, replace, name):
@@ -365,6 +366,7 @@ def test_fuzz_manifest_parser_with_deep_nesting(depth, opener):
 
 
 @given(st.binary(max_size=200))
+@pytest.mark.slow  # fuzzed CLI runs: about 2 s
 def test_fuzz_the_cli_on_a_snapshot_directory_changes_nothing(pristine, tmp_path_factory, raw):
     """Whatever the manifest holds, `list` and `verify` answer 0 or 1 and touch no file."""
     d = tmp_path_factory.getbasetemp() / "fuzz" / STEP

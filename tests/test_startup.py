@@ -20,6 +20,8 @@ import pytest
 
 from support import stop_process
 
+pytestmark = pytest.mark.slow  # a real agent process per malformed input: about 30 s
+
 POLICY_OK = "version: 1\nrules:\n  - {name: r, target: mpu, reasons: [checksum_mismatch], actions: {any: [swap_mpu]}}\n"
 
 

@@ -146,6 +146,7 @@ async def test_a_partly_spent_budget_runs_the_actions_that_fit_in_policy_order(t
         assert 'action="emergency_snapshot",level="none",mpu_id="",result="rate_limited"} 1.0' in metrics
 
 
+@pytest.mark.slow  # 17,384 alerts: about 2 s
 async def test_the_seen_alerts_ledger_stays_within_its_cap_and_forgets_the_oldest(tmp_path):
     n = service.SEEN_CAP + 1000
     clock = Clock()
@@ -173,6 +174,7 @@ async def test_the_seen_alerts_ledger_stays_within_its_cap_and_forgets_the_oldes
         assert len(seen) == 1
 
 
+@pytest.mark.slow  # 10,000 alerts: about 1.5 s
 async def test_a_body_of_ten_thousand_alerts_lets_the_loop_serve_between_slices(tmp_path):
     """While one large body is handled, the same loop answers /healthz: an observer on the loop
     sees the body part done, and a /healthz sent then is answered before the body is."""
