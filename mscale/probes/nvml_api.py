@@ -141,14 +141,24 @@ class _RealXidEvents:
     """nvmlEventSetCreate + nvmlDeviceRegisterEvents(XidCriticalError) + nvmlEventSetWait."""
 
     def __init__(self, handles: list) -> None:
-        self._set = pynvml.nvmlEventSetCreate()
+        """Raise NvmlUnavailable naming the NVML error when the event set cannot be set up
+        (the GPU probe then reports down with that reason; the agent keeps serving)."""
+        try:
+            self._set = pynvml.nvmlEventSetCreate()
+        except NVMLError as e:
+            raise NvmlUnavailable(f"NVML Xid events could not be set up: nvmlEventSetCreate: {e}") from None
+        self._lock = threading.Lock()
         for h in handles:
+            if h is None:  # a GPU whose handle failed at open: nothing to listen to
+                continue
             try:
                 pynvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, self._set)
             except NVMLError as e:  # a GPU without Xid events, or already gone: listen to the rest
                 if not is_not_supported(e) and not is_gpu_lost(e):
-                    raise
-        self._lock = threading.Lock()
+                    self.close()
+                    raise NvmlUnavailable(
+                        f"NVML Xid events could not be set up: nvmlDeviceRegisterEvents: {e}"
+                    ) from None
 
     def wait(self, timeout_ms: int) -> XidEvent | None:
         try:
@@ -180,12 +190,24 @@ class RealNvml:
     an index and a UUID to report under."""
 
     def __init__(self) -> None:
-        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        # A GPU whose handle fails (fallen off the bus before we started) keeps its index:
+        # every call on it raises that error, and the other GPUs are probed as usual.
+        self._handles: list = []
+        self._handle_errors: dict[int, int] = {}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            try:
+                self._handles.append(pynvml.nvmlDeviceGetHandleByIndex(i))
+            except NVMLError as e:
+                self._handles.append(None)
+                self._handle_errors[i] = int(getattr(e, "value", pynvml.NVML_ERROR_UNKNOWN))
         self._uuids: dict[int, str] = {}
         self._links: dict[int, tuple[int, ...]] = {}
 
     def _h(self, gpu: int):
-        return self._handles[gpu]
+        h = self._handles[gpu]
+        if h is None:
+            raise NVMLError(self._handle_errors[gpu])
+        return h
 
     def device_count(self) -> int:
         return len(self._handles)
