@@ -35,11 +35,13 @@ PROBE_SCRIPT = textwrap.dedent(
     if isinstance(probe, UnavailableProbe):
         print(json.dumps({"unavailable": probe.reason}))
         sys.exit(0)
-    want_xids = int(sys.argv[1])
+    want_xids, want_lost = int(sys.argv[1]), int(sys.argv[2])
     deadline = time.monotonic() + 10
     while True:
         snap = probe.sample()
-        if sum(n for g in snap.gpus for _, n in g.xid_errors) >= want_xids or time.monotonic() > deadline:
+        xids = sum(n for g in snap.gpus for _, n in g.xid_errors)
+        lost = sum(g.lost for g in snap.gpus)
+        if (xids >= want_xids and lost >= want_lost) or time.monotonic() > deadline:
             break
         time.sleep(0.02)
     probe.close()
@@ -74,12 +76,13 @@ def stub_dir(tmp_path_factory) -> Path:
     return d
 
 
-def run_probe(stub_dir: Path, tmp_path: Path, config: str, *, want_xids: int = 0) -> dict:
+def run_probe(stub_dir: Path, tmp_path: Path, config: str, *, want_xids: int = 0, want_lost: int = 0) -> dict:
+    """Sample until want_xids Xids have arrived and want_lost GPUs are lost (10 s at most)."""
     cfg = tmp_path / "nvml_stub.conf"
     cfg.write_text(textwrap.dedent(config))
     env = {**os.environ, "LD_LIBRARY_PATH": str(stub_dir), "MSCALE_NVML_STUB_CONFIG": str(cfg)}
     out = subprocess.run(
-        [sys.executable, "-c", PROBE_SCRIPT, str(want_xids)],
+        [sys.executable, "-c", PROBE_SCRIPT, str(want_xids), str(want_lost)],
         env=env,
         cwd=REPO,
         capture_output=True,
@@ -122,6 +125,7 @@ FULL_GPU = """
     gpu 0 nvlink_down 1
     gpu 0 nvlink_errors 5 6 7 8
     gpu 0 recovery_action 0
+    gpu 1 recovery_action 2   # NODE_REBOOT
 """
 
 
@@ -163,9 +167,10 @@ def test_every_field_arrives_with_the_stubs_value(stub_dir, tmp_path) -> None:
         for link in g["nvlinks"]
     )
     assert g["recovery_action"] == 0
-    # The second GPU was given nothing: zeros, a made-up identity, no NVLink (a PCIe card).
+    # The second GPU was given only a recovery action: zeros, a made-up identity, no NVLink.
     g1 = out["gpus"][1]
     assert (g1["uuid"], g1["temperature_c"], g1["nvlinks"], g1["lost"]) == ("GPU-stub-1", 0.0, [], False)
+    assert g1["recovery_action"] == 2
 
 
 def test_a_not_supported_field_is_no_data_not_a_failure(stub_dir, tmp_path) -> None:
@@ -212,6 +217,25 @@ def test_a_gpu_lost_at_start_leaves_the_others_probed(stub_dir, tmp_path) -> Non
     assert g1["lost"] is True and g1["health"] == "failed"
     assert "GPU is lost" in g1["lost_reason"]
     assert g1["uuid"] == "GPU-unknown-1"
+
+
+def test_a_gpu_lost_later_is_reported_lost_and_the_others_still_probed(stub_dir, tmp_path) -> None:
+    out = run_probe(
+        stub_dir,
+        tmp_path,
+        """
+        gpus 2
+        gpu 0 temperature 50
+        gpu 1 uuid GPU-later
+        gpu 1 temperature 70
+        gpu 1 lost_after 0.3
+        """,
+        want_lost=1,
+    )
+    g0, g1 = out["gpus"]
+    assert (g0["lost"], g0["temperature_c"], g0["health"]) == (False, 50.0, "healthy")
+    assert (g1["lost"], g1["health"], g1["uuid"]) == (True, "failed", "GPU-later")  # identity kept from start
+    assert "GPU is lost" in g1["lost_reason"]
 
 
 def test_event_set_wait_delivers_xids_to_the_probe(stub_dir, tmp_path) -> None:
