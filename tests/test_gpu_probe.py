@@ -19,9 +19,19 @@ from mscale.config import from_dict
 from mscale.daemon.state import AgentState
 from mscale.exporters import make_registry
 from mscale.findings import Finding, Reason, Severity
+from mscale.healing import policy as policymod
+from mscale.healing.engine import Condition, HealingEngine, Target
+from mscale.healing.settings import HealingSection
 from mscale.probes import nvml_api
 from mscale.probes.gpu import GpuProbe, GpuSnapshot, NvmlReader
-from mscale.probes.gpu_health import HealthModel, XidTableError, load_xid_table, parse_xid_table, xid_markdown
+from mscale.probes.gpu_health import (
+    HealthModel,
+    XidTableError,
+    load_xid_table,
+    parse_xid_table,
+    shipped_xid_table,
+    xid_markdown,
+)
 from mscale.probes.nvml_api import Nvml, NvmlUnavailable, RealNvml, XidEventSource
 from mscale.sim.nvml import SimNvml
 from mscale.sim.timeline import FaultEvent, event_from_dict, parse_timeline
@@ -207,7 +217,8 @@ def test_fatal_xid_fails_the_gpu_once_and_a_reset_clears_it(make_rig) -> None:
     assert [s.health for i, s in enumerate(snap.gpus) if i != 3] == ["healthy"] * 7
     xids = rig.findings(Reason.GPU_XID)
     assert len(xids) == 1 and xids[0].severity is Severity.CRITICAL
-    assert xids[0].labels == {"gpu": "3", "gpu_uuid": g.uuid, "xid": "79", "xid_class": "fatal"}
+    assert xids[0].labels == {"gpu": "3", "gpu_uuid": g.uuid, "xid": "79", "xid_class": "fatal", "action": "RESTART_BM"}
+    assert "drain the node" in xids[0].message
     assert rig.findings(Reason.GPU_HEALTH_CHANGED) == []  # the Xid's finding already said so
     for _ in range(3):
         assert rig.sample().gpus[3].health == "failed"  # sticky until the GPU is reset
@@ -221,7 +232,8 @@ def test_fatal_xid_fails_the_gpu_once_and_a_reset_clears_it(make_rig) -> None:
     "code,health,severity",
     [
         (63, "degraded", Severity.WARNING),
-        (94, "degraded", Severity.WARNING),
+        (94, "healthy", Severity.INFO),  # RESTART_APP: the application's fault, not the GPU's
+        (109, "failed", Severity.CRITICAL),  # RESET_GPU
         (13, "healthy", Severity.INFO),
         (43, "healthy", Severity.INFO),
         (48, "failed", Severity.CRITICAL),
@@ -419,13 +431,51 @@ def test_shipped_xid_table_classes() -> None:
         63: "degrading",
         64: "fatal",
         74: "fatal",
-        94: "degrading",
+        94: "info",
         95: "fatal",
         13: "info",
         31: "info",
         43: "info",
     }
     assert t.classify(12345).cls == "degrading"
+    # NVIDIA's immediate actions (issue 13), and the documented default for unlisted codes
+    actions = {code: t.classify(code).action for code in (109, 94, 69, 8, 13, 31, 32, 68, 74, 79, 12345)}
+    assert actions == {
+        109: "RESET_GPU",
+        94: "RESTART_APP",
+        69: "RESTART_APP",
+        8: "RESTART_APP",
+        13: "RESTART_APP",
+        31: "RESTART_APP",
+        32: "RESTART_APP",
+        68: "RESTART_APP",
+        74: "WORKFLOW_XID_74",
+        79: "RESTART_BM",
+        12345: "UNLISTED",
+    }
+    assert {t.classify(c).applies_to for c in (57, 58, 61)} == {"before A100"}
+
+
+def test_shipped_xid_table_header_names_its_source() -> None:
+    text = (REPO / "mscale" / "probes" / "xid_table.csv").read_text()
+    header = text.split("\ncode,class,", 1)[0]
+    assert all(line.startswith("#") for line in header.splitlines())
+    assert "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html" in header
+    assert re.search(r"read \d{4}-\d{2}-\d{2}", header)
+
+
+V2 = "code,class,action,applies_to,description\n"
+
+
+def test_action_columns_parse_and_a_legacy_table_gets_the_class_action() -> None:
+    t = parse_xid_table("# a comment\n" + V2 + "13,info,RESTART_APP,,x\n74,fatal,WORKFLOW_XID_74,A100 H100,y\n")
+    assert (t.classify(13).action, t.classify(74).action, t.classify(74).applies_to) == (
+        "RESTART_APP",
+        "WORKFLOW_XID_74",
+        "A100 H100",
+    )
+    legacy = parse_xid_table("code,class,description\n79,fatal,x\n13,info,y\n63,degrading,z\n")
+    assert [legacy.classify(c).action for c in (79, 13, 63)] == ["RESET_GPU", "IGNORE", "CONTACT_SUPPORT"]
 
 
 @pytest.mark.parametrize(
@@ -437,6 +487,11 @@ def test_shipped_xid_table_classes() -> None:
         ("# comment\ncode,klass,description\n", 2, ["header"]),
         ("code,class,description\n79,fatal\n", 2, ["3 columns"]),
         ("code,class,description\n79,fatal,\n", 2, ["description"]),
+        (V2 + "79,fatal,REBOOT,,x\n", 2, ["action", "'REBOOT'"]),
+        (V2 + "79,info,RESET_GPU,,x\n", 2, ["class", "RESET_GPU needs the class fatal"]),
+        (V2 + "13,fatal,RESTART_APP,,x\n", 2, ["RESTART_APP needs the class info"]),
+        (V2 + "13,info,IGNORE,A100;rm,x\n", 2, ["applies_to"]),
+        (V2 + "13,info,IGNORE,x\n", 2, ["5 columns"]),
     ],
 )
 def test_bad_xid_tables_name_the_line(body, line, words) -> None:
@@ -485,7 +540,9 @@ def test_exporter_series(make_rig) -> None:
     assert health[("3", "failed")] == 1 and health[("3", "healthy")] == 0 and health[("3", "degraded")] == 0
     assert health[("0", "healthy")] == 1 and health[("1", "degraded")] == 1
     assert sum(health.values()) == 4
-    assert m["mscale_gpu_xid_errors_total"] == [({"gpu": "3", "gpu_uuid": uuid3, "xid": "79"}, 1.0)]
+    assert m["mscale_gpu_xid_errors_total"] == [
+        ({"gpu": "3", "gpu_uuid": uuid3, "xid": "79", "action": "RESTART_BM"}, 1.0)
+    ]
     assert all(set(lb) >= {"gpu", "gpu_uuid"} for name, series in m.items() for lb, _ in series)
     temps = {lb["gpu"]: v for lb, v in m["mscale_gpu_temperature_celsius"]}
     assert temps["2"] == 91
@@ -544,3 +601,51 @@ def test_timeline_xid_at_start_is_counted(make_rig, at) -> None:
     for _ in range(3):
         rig.sample()
     assert rig.sample().gpus[2].xid_errors == ((79, 1),)
+
+
+# --- NVIDIA's immediate action per Xid drives health and healing (issue 13 item 4) --------
+
+_BY_ACTION = {
+    action: sorted(c for c, x in shipped_xid_table().entries.items() if x.action == action)
+    for action in ("RESET_GPU", "RESTART_APP")
+}
+
+
+@pytest.mark.parametrize(
+    "code,action", [(c, a) for a, codes in _BY_ACTION.items() for c in codes], ids=lambda v: str(v)
+)
+def test_catalogue_action_maps_to_the_matching_healing_action(make_rig, code, action) -> None:
+    """Every Xid the table lists as RESET_GPU or RESTART_APP: the probe's finding, through the
+    shipped healing policy and the real engine, leads to the matching response."""
+    rig = make_rig(gpus=2)
+    rig.inject("xid", 1, code=code)
+    g = rig.until(lambda s: s.gpus[1].xid_errors == ((code, 1),)).gpus[1]
+    (f,) = rig.findings(Reason.GPU_XID, 1)
+    assert f.labels["action"] == action and g.xid_actions == ((code, action),)
+    eng = HealingEngine(policymod.load(""), HealingSection())
+    cond = Condition.of(f)
+    rule = eng.match(cond)
+    assert rule is not None
+    done = [d.action for d in eng.decide(cond, lambda r, c: [Target("j1", "001", "1", g.uuid)], rule)]
+    if action == "RESET_GPU":  # swap off and quarantine the GPU until it resets
+        assert g.health == "failed" and rule.name == "gpu_fatal"
+        assert {"quarantine_gpu", "l1_swap"} <= set(done), done
+    else:  # RESTART_APP: the GPU stays in service; the job recovers in-process
+        assert g.health == "healthy" and rule.name == "gpu_xid_restart_app"
+        assert "rollback" in done and "quarantine_gpu" not in done and "l1_swap" not in done, done
+
+
+def test_catalogue_lists_both_actions_the_issue_names() -> None:
+    assert {46, 109, 110, 136, 143, 155, 156, 158} <= set(_BY_ACTION["RESET_GPU"])
+    assert {8, 13, 31, 32, 68, 69, 94} <= set(_BY_ACTION["RESTART_APP"])
+
+
+def test_unlisted_and_ignored_xids_change_no_healing(make_rig) -> None:
+    rig = make_rig(gpus=2)
+    rig.inject("xid", 1, code=999)
+    rig.inject("xid", 1, code=45)
+    rig.until(lambda s: len(s.gpus[1].xid_errors) == 2)
+    eng = HealingEngine(policymod.load(""), HealingSection())
+    by_code = {f.labels["xid"]: f for f in rig.findings(Reason.GPU_XID, 1)}
+    assert by_code["999"].labels["action"] == "UNLISTED" and by_code["45"].labels["action"] == "IGNORE"
+    assert [eng.match(Condition.of(f)) for f in by_code.values()] == [None, None]

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from mscale.daemon.state import AgentState
-from mscale.probes.gpu_health import STATES
+from mscale.probes.gpu_health import STATES, XID_UNLISTED
 from mscale.probes.nvml_api import RECOVERY_ACTIONS, THROTTLE_REASONS
 
 L = ["gpu", "gpu_uuid"]
@@ -78,7 +78,7 @@ def collect(state: AgentState) -> Iterable[Metric]:
         "mscale_gpu_nvlink_errors", "NVLink data-link errors, summed over the GPU's links", labels=L + ["type"]
     )
     xid = CounterMetricFamily(
-        "mscale_gpu_xid_errors", "Xid errors received since the agent started", labels=L + ["xid"]
+        "mscale_gpu_xid_errors", "Xid errors received since the agent started", labels=L + ["xid", "action"]
     )
 
     for g in snap.gpus:
@@ -133,8 +133,9 @@ def collect(state: AgentState) -> Iterable[Metric]:
                     totals[typ] = totals.get(typ, 0) + v
         for typ, v in totals.items():
             link_err.add_metric(lv + [typ], v)
+        actions = dict(g.xid_actions)
         for code, count in g.xid_errors:
-            xid.add_metric(lv + [str(code)], count)
+            xid.add_metric(lv + [str(code), actions.get(code, XID_UNLISTED)], count)
 
     yield from (
         info,

@@ -31,6 +31,12 @@ from mscale.probes.nvml_api import Nvml, NVMLError, XidEvent, is_gpu_lost
 
 log = structlog.get_logger("mscale.probes.gpu")
 _XID_SEVERITY = {"fatal": Severity.CRITICAL, "degrading": Severity.WARNING, "info": Severity.INFO}
+# what the finding tells the operator per NVIDIA's immediate action (docs/xid.md)
+_XID_ADVICE = {
+    "RESET_GPU": "; reset the GPU",
+    "RESTART_BM": "; drain the node and reboot it",
+    "RESTART_APP": "; the job recovers in-process",
+}
 _STATE_SEVERITY = {FAILED: Severity.CRITICAL, "degraded": Severity.WARNING, HEALTHY: Severity.INFO}
 
 
@@ -179,13 +185,20 @@ class GpuProbe:
             self._xid_pending.append(ev)
             uuid = self._uuids.get(ev.gpu, "")
         consequence = {"fatal": "; GPU marked failed", "degrading": "; GPU marked degraded"}.get(info.cls, "")
+        consequence += _XID_ADVICE.get(info.action, "")
         self.emit(
             Finding(
                 "gpu",
                 Reason.GPU_XID,
                 _XID_SEVERITY[info.cls],
-                f"Xid {ev.xid} on GPU {ev.gpu}: {info.description} ({info.cls}{consequence})",
-                {"gpu": str(ev.gpu), "gpu_uuid": uuid, "xid": str(ev.xid), "xid_class": info.cls},
+                f"Xid {ev.xid} on GPU {ev.gpu}: {info.description} ({info.cls}, {info.action}{consequence})",
+                {
+                    "gpu": str(ev.gpu),
+                    "gpu_uuid": uuid,
+                    "xid": str(ev.xid),
+                    "xid_class": info.cls,
+                    "action": info.action,
+                },
                 time=ev.time,
             )
         )
@@ -215,6 +228,7 @@ class GpuProbe:
                 health=upd.health.state,
                 reasons=upd.health.texts,
                 xid_errors=xids,
+                xid_actions=tuple((code, self.model.xids.classify(code).action) for code, _ in xids),
                 last_xid=self._last_xid.get(r.index),
                 sbe_per_hour=upd.sbe_per_hour,
                 pcie_replays_per_min=upd.pcie_replays_per_min,

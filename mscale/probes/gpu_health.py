@@ -32,6 +32,22 @@ STATES: tuple[str, ...] = (HEALTHY, DEGRADED, FAILED)
 _RANK = {HEALTHY: 0, DEGRADED: 1, FAILED: 2}
 XID_CLASSES = ("fatal", "degrading", "info")
 _CLASS_STATE = {"fatal": FAILED, "degrading": DEGRADED}
+# NVIDIA's "Resolution Bucket (Immediate Action)" per Xid, and what the agent does for each
+# (docs/xid.md): RESET_GPU and RESTART_BM fail the GPU until it resets (the healing policy
+# swaps its MPUs off and quarantines it; RESTART_BM also tells the operator to drain the
+# node), RESTART_APP leaves the GPU healthy and asks the job to recover in-process, IGNORE
+# only counts. CONTACT_SUPPORT and the catalogue's WORKFLOW_* buckets keep the row's class.
+XID_ACTIONS = ("RESTART_APP", "RESET_GPU", "RESTART_BM", "IGNORE", "CONTACT_SUPPORT")
+# the class an action implies; the others accept any class
+_ACTION_CLASS = {"RESET_GPU": "fatal", "RESTART_BM": "fatal", "RESTART_APP": "info", "IGNORE": "info"}
+# an Xid the table does not list: degrading, with this action label (bounded, documented)
+XID_UNLISTED = "UNLISTED"
+# a 3-column table (no action column): the action each class stands for
+_LEGACY_ACTION = {"fatal": "RESET_GPU", "degrading": "CONTACT_SUPPORT", "info": "IGNORE"}
+_WORKFLOW = re.compile(r"WORKFLOW_[A-Z0-9_]{1,40}")
+_APPLIES_TO = re.compile(r"[A-Za-z0-9 +<>=/.-]{0,60}")
+_HEADER_V1 = ["code", "class", "description"]
+_HEADER_V2 = ["code", "class", "action", "applies_to", "description"]
 # Rates over a shorter span are computed as if this much time had passed, so one early
 # error after start-up is not a storm.
 MIN_RATE_SPAN_S = 60.0
@@ -46,7 +62,9 @@ class HealthSection:
     pcie_replays_per_min_degraded: float = opt(
         100.0, "PCIe replays per minute above this (a replay storm) is degraded", min=0
     )
-    xid_table: str = opt("", "CSV of Xid code, class (fatal|degrading|info), description (empty: the shipped table)")
+    xid_table: str = opt(
+        "", "CSV of Xid code, class, NVIDIA action, applies_to, description (docs/xid.md; empty: the shipped table)"
+    )
     rate_window_s: float = opt(
         300.0, "window over which the single-bit ECC and PCIe replay rates are measured", min=60, max=86400
     )
@@ -74,6 +92,8 @@ class XidInfo:
     code: int
     cls: str  # fatal | degrading | info
     description: str
+    action: str = XID_UNLISTED  # NVIDIA's immediate action (XID_ACTIONS, WORKFLOW_*) or UNLISTED
+    applies_to: str = ""  # the GPU generations the catalogue lists it for ("": all)
 
 
 class XidTable:
@@ -81,8 +101,9 @@ class XidTable:
         self.entries = dict(entries)
 
     def classify(self, code: int) -> XidInfo:
-        # Unknown codes are degrading: worth a look, not worth draining the GPU for.
-        return self.entries.get(code) or XidInfo(code, "degrading", "Xid not in the table")
+        # Unknown codes are degrading with the action UNLISTED: worth a look, not worth
+        # draining the GPU for, and no healing rule keys on them.
+        return self.entries.get(code) or XidInfo(code, "degrading", "Xid not in the table", XID_UNLISTED)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -93,7 +114,7 @@ _XID_CODE = re.compile(r"[0-9]{1,5}")
 
 def parse_xid_table(text: str, source: str = "xid_table.csv") -> XidTable:
     entries: dict[int, XidInfo] = {}
-    header_seen = False
+    header_seen, header = False, _HEADER_V1
     # Lines split on "\n" only, as an editor counts them (splitlines would also split on
     # \x0b, \x1c, U+2028 ... and the line numbers in messages would drift).
     for no, raw in enumerate(text.split("\n"), 1):
@@ -109,27 +130,44 @@ def parse_xid_table(text: str, source: str = "xid_table.csv") -> XidTable:
             raise XidTableError(f"{where}: not one CSV row (a carriage return inside the line?)")
         cells = [c.strip() for c in rows[0]]
         if not header_seen:
-            if cells != ["code", "class", "description"]:
-                raise XidTableError(f"{where}: expected the header 'code,class,description', got {line!r}")
-            header_seen = True
+            if cells not in (_HEADER_V1, _HEADER_V2):
+                raise XidTableError(
+                    f"{where}: expected the header 'code,class,action,applies_to,description' "
+                    f"(or 'code,class,description'), got {line[:80]!r}"
+                )
+            header, header_seen = cells, True
             continue
-        if len(cells) != 3:
-            raise XidTableError(f"{where}: expected 3 columns (code,class,description), got {len(cells)}")
-        code_s, cls, desc = cells
+        if len(cells) != len(header):
+            raise XidTableError(f"{where}: expected {len(header)} columns ({','.join(header)}), got {len(cells)}")
+        if header == _HEADER_V2:
+            code_s, cls, action, applies, desc = cells
+        else:
+            code_s, cls, desc = cells
+            action, applies = _LEGACY_ACTION.get(cls, ""), ""
         # ASCII digits only: str.isdigit() takes "²" (which int() then refuses) and int()
         # takes "٣" and "1_0"; five digits bound the conversion.
         if not _XID_CODE.fullmatch(code_s) or not 1 <= int(code_s) <= 65535:
             raise XidTableError(f"{where}: code: expected an integer 1..65535, got {code_s[:20]!r}")
         if cls not in XID_CLASSES:
             raise XidTableError(f"{where}: class: expected one of {', '.join(XID_CLASSES)}, got {cls!r}")
+        if action not in XID_ACTIONS and not _WORKFLOW.fullmatch(action):
+            raise XidTableError(
+                f"{where}: action: expected one of {', '.join(XID_ACTIONS)} or WORKFLOW_<NAME>, got {action[:40]!r}"
+            )
+        if _ACTION_CLASS.get(action, cls) != cls:
+            raise XidTableError(f"{where}: class: {action} needs the class {_ACTION_CLASS[action]}, got {cls!r}")
+        if not _APPLIES_TO.fullmatch(applies):
+            raise XidTableError(
+                f"{where}: applies_to: expected GPU generations (e.g. 'A100 H100'), got {applies[:40]!r}"
+            )
         if not desc:
             raise XidTableError(f"{where}: description: expected text, got nothing")
         code = int(code_s)
         if code in entries:
             raise XidTableError(f"{where}: code {code} is listed twice")
-        entries[code] = XidInfo(code, cls, desc)
+        entries[code] = XidInfo(code, cls, desc, action, applies)
     if not header_seen:
-        raise XidTableError(f"{source}: empty table (expected the header 'code,class,description')")
+        raise XidTableError(f"{source}: empty table (expected the header 'code,class,action,applies_to,description')")
     return XidTable(entries)
 
 
@@ -278,7 +316,7 @@ class HealthModel:
                     f"xid:{code}",
                     Reason.GPU_XID,
                     _CLASS_STATE[info.cls],
-                    f"Xid {code} ({info.cls}): {info.description}",
+                    f"Xid {code} ({info.cls}, {info.action}): {info.description}",
                 )
             )
         t = self.cfg.temperature_degraded_c
@@ -333,8 +371,9 @@ class HealthModel:
 def xid_markdown(table: XidTable | None = None) -> str:
     """The Xid table of docs/xid.md, generated from the shipped CSV (a test keeps them in step)."""
     table = table or shipped_xid_table()
-    rows = ["| Xid | class | health | meaning |", "|---|---|---|---|"]
+    rows = ["| Xid | NVIDIA's action | class | health | applies to | meaning |", "|---|---|---|---|---|---|"]
     for code in sorted(table.entries):
         x = table.entries[code]
-        rows.append(f"| {code} | {x.cls} | {_CLASS_STATE.get(x.cls, 'unchanged')} | {x.description} |")
+        health = _CLASS_STATE.get(x.cls, "unchanged")
+        rows.append(f"| {code} | {x.action} | {x.cls} | {health} | {x.applies_to or 'all'} | {x.description} |")
     return "\n".join(rows) + "\n"

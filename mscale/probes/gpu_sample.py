@@ -63,6 +63,7 @@ class GpuSample:
     nvlinks: tuple[NvLinkSample, ...] = ()
     recovery_action: int | None = None
     xid_errors: tuple[tuple[int, int], ...] = ()  # (xid, count since the agent started)
+    xid_actions: tuple[tuple[int, str], ...] = ()  # (xid, NVIDIA's immediate action from the Xid table)
     last_xid: int | None = None
     sbe_per_hour: float | None = None
     pcie_replays_per_min: float | None = None
