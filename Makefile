@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test agent system venv benchmarks clean lint render
+.PHONY: demo test agent system venv benchmarks clean lint render gpu-check
 
 demo: $(STAMP)
 	$(PY) -m mscale demo $(ARGS)
@@ -46,6 +46,11 @@ render: $(STAMP)
 
 benchmarks: $(STAMP)
 	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# The one device check, on a machine with an NVIDIA GPU (under 8 minutes): every gpu-marked
+# test and the CUDA measurements, report in gpu-check/. Without a GPU it says so and exits 0.
+gpu-check: $(STAMP)
+	$(PY) scripts/gpu_check.py --out gpu-check $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache mscale-demo

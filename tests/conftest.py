@@ -31,3 +31,41 @@ settings.load_profile("mscale")
 @pytest.fixture
 def python_exe() -> str:
     return sys.executable
+
+
+_NO_GPU: list[str | None] = []  # the reason there is no GPU (None: there is one), found once
+
+
+def no_gpu_reason() -> str | None:
+    """Why `gpu` tests cannot run here, or None on a machine with an NVIDIA GPU: torch must see
+    a CUDA device and NVML must list one (the tests compare against both)."""
+    if not _NO_GPU:
+        _NO_GPU.append(_probe_gpu())
+    return _NO_GPU[0]
+
+
+def _probe_gpu() -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no GPU: torch.cuda.is_available() is False"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as e:  # no driver library, or NVML refuses: the tests need it
+        return f"no GPU: NVML unavailable ({e})"
+    return None if count else "no GPU: NVML lists no device"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # A `gpu` test skips with the reason where there is no GPU, in CI too (CI never has one),
+    # unlike a missing system tool (support.require_tool fails in CI). Nothing else skips here.
+    if item.get_closest_marker("gpu") is not None:
+        reason = no_gpu_reason()
+        if reason is not None:
+            pytest.skip(reason)
