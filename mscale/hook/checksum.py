@@ -16,7 +16,8 @@ pass over x) is computed only when the residual exceeds rtol times its lower bou
 |sum_n x_n| . c(|W|): the same decision, paid for only by a fault or cancelling inputs.
 The check sums run in float32 (float64 for float64 layers), so a bf16
 layer's tolerance covers its own output rounding, not the check's. rtol per output dtype
-(`DEFAULT_RTOL`): float32 2e-6, bfloat16 1e-2, float16 2e-3, float64 1e-12. With those, no
+(`DEFAULT_RTOL`): float32 2e-6, bfloat16 1e-2, float16 2e-3, float64 1e-12; float32 on CUDA
+while TF32 matmuls are allowed at least `TF32_RTOL` (2e-3, see there). With those, no
 false positive in 1,000 clean fp32 steps of the tiny model (tests/test_checksum.py) nor in
 the bf16 runs, and the faults that matter are caught: an exponent-bit flip (a value scaled
 by 2^k), a flip of the top mantissa bits of an ordinary element, scaled noise, NaN/Inf. A
@@ -28,7 +29,8 @@ under no_grad and compared: max |difference| <= replay_rtol (1e-5) * max |output
 dtype (a recomputation on the same device is bitwise equal with deterministic kernels), so
 replay sees in bf16 what ABFT cannot: a transient mantissa flip. The RNG state of the original
 forward is restored for the replay (dropout draws the same masks) and the training RNG
-stream is put back afterwards, so replay changes no random number the run sees.
+stream is put back afterwards, so replay changes no random number the run sees; BatchNorm's
+running statistics are swapped for copies during the replay, so they are updated once per step.
 
 A non-finite MPU output is always a failure. N consecutive failed checks of an MPU
 (`failures_l1`, default 3) emit CHECKSUM_L1_TRIGGER. Nothing here raises into training:
@@ -57,6 +59,11 @@ DEFAULT_RTOL: dict[torch.dtype, float] = {
     torch.float16: 2e-3,
     torch.float64: 1e-12,
 }
+# TF32 keeps float32's exponent and 10 of its 23 mantissa bits: cuBLAS rounds x and W to it
+# (unit roundoff 2^-11 ~ 4.9e-4 each, so up to ~2^-10 ~ 9.8e-4 per product term of S) and
+# accumulates in float32. 2e-3 is twice that worst case per term, float16's rtol (the same
+# 10-bit mantissa), and still ~5000x below the scaling of a single exponent-bit flip.
+TF32_RTOL = 2e-3
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,7 @@ class ChecksumConfig:
     # noise of non-deterministic kernels, in any dtype
     replay_rtol: float = 1e-5
     rtol: Mapping[torch.dtype, float] = field(default_factory=lambda: dict(DEFAULT_RTOL))
+    tf32_rtol: float = TF32_RTOL  # float32 GEMMs on CUDA while TF32 is allowed (see TF32_RTOL)
 
     def __post_init__(self) -> None:
         if self.replay_every < 0:
@@ -76,8 +84,19 @@ class ChecksumConfig:
         if self.failures_l1 < 1:
             raise ValueError(f"failures_l1: expected >= 1, got {self.failures_l1}")
 
-    def tolerance(self, dtype: torch.dtype) -> float:
-        return self.rtol.get(dtype, DEFAULT_RTOL.get(dtype, 1e-2))
+    def tolerance(
+        self, dtype: torch.dtype, device: torch.device | str | None = None, *, tf32: bool | None = None
+    ) -> float:
+        """rtol for a GEMM with output `dtype` on `device`: by dtype; a float32 GEMM on CUDA while
+        TF32 is allowed (`tf32`, default torch.backends.cuda.matmul.allow_tf32, which
+        torch.set_float32_matmul_precision("high"/"medium") also turns on) at no less than
+        `tf32_rtol`: cuBLAS then rounds its inputs to TF32's 10-bit mantissa."""
+        rtol = self.rtol.get(dtype, DEFAULT_RTOL.get(dtype, 1e-2))
+        if dtype != torch.float32 or device is None or torch.device(device).type != "cuda":
+            return rtol
+        if tf32 is None:
+            tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
+        return max(rtol, self.tf32_rtol) if tf32 else rtol
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:
@@ -104,6 +123,23 @@ def _rng_set(device: torch.device, state: tuple) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
+
+
+def _stand_in_stats(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """Give every normalisation layer with running statistics (BatchNorm's running_mean,
+    running_var, num_batches_tracked), which a training-mode forward updates in place, copies
+    to update instead; returns (layer, name, original) to put back. The originals are not
+    written at all: autograd saved them for the step's backward, and a write, even of the same
+    values, would bump their version and fail that backward."""
+    out: list[tuple[nn.Module, str, torch.Tensor]] = []
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                b = m._buffers.get(name)
+                if b is not None:
+                    m._buffers[name] = b.detach().clone()
+                    out.append((m, name, b))
+    return out
 
 
 class _MpuChecks:
@@ -288,7 +324,8 @@ class ChecksumDetector:
                 off += 3
             else:
                 total, pred, scale = checked
-            tol = self.config.tolerance(dtype) * scale + 1e-30
+            where = checked.device if isinstance(checked, torch.Tensor) else None  # floats: the CPU's
+            tol = self.config.tolerance(dtype, where) * scale + 1e-30
             if not math.isfinite(total):
                 failures.append((Reason.NONFINITE_OUTPUT, "abft", f"layer {layer}: non-finite output"))
                 break
@@ -318,12 +355,15 @@ class ChecksumDetector:
         _rng_set(device, rng)
         st.rng = None
         self.replaying = True
+        stats = _stand_in_stats(mpu.module)  # the step's forward updated them once; not the replay
         try:
             with torch.no_grad():
                 again = output_tensors(mpu.module(*inputs.args, **inputs.kwargs))
         finally:
             self.replaying = False
             _rng_set(device, saved)
+            for layer, name, original in stats:
+                layer._buffers[name] = original
         if len(again) != len(outs):
             return f"replay returned {len(again)} tensors, the step {len(outs)}"
         for i, (a, b) in enumerate(zip(outs, again, strict=True)):

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 import mscale.hook.mpu as mpumod
+import mscale.hook.placement as placement
 from mscale import link as protocol
 from mscale.config import parse_bool
 from mscale.findings import Finding, Severity
@@ -133,6 +134,7 @@ class Guard:
         self._step_findings: list[Finding] = []
         self._last: dict[str, Any] = {}
         self._mpu_by_module = {id(m.module): m for m in self.mpus}
+        self._gpu_uuids = {m.gpu: m.gpu_uuid for m in self.mpus if m.gpu_uuid}  # index -> uuid seen
         self._gvc_buffers: dict[str, tuple] = {}  # grad_stats' sample buffers, reused
         self._main_thread = threading.get_ident()
         self._scaler: Any = None  # a watched GradScaler: the step ends at its update()
@@ -193,14 +195,20 @@ class Guard:
         reacting to a finding before the optimizer step."""
         self._skip_reason = reason or "requested"
 
-    def rebind(self, mpu: Mpu | str, gpu: int, *, gpu_uuid: str = "", device: torch.device | str | None = None) -> Mpu:
-        """Bind an MPU to another GPU index (and move it to `device` if given). On CPU only
-        the simulated binding changes; the agent is told at once."""
+    def rebind(
+        self, mpu: Mpu | str, gpu: int, *, gpu_uuid: str | None = None, device: torch.device | str | None = None
+    ) -> Mpu:
+        """Bind an MPU to another GPU index and, given `device`, move it there with its optimizer
+        state behind a device-boundary adapter (mscale.hook.placement.place). `gpu_uuid`: the
+        given one, else the new GPU's (mpu.uuid_of: CUDA's, or one this job saw for that index).
+        On CPU only the simulated binding changes; the agent is told at once."""
         m = mpu if isinstance(mpu, Mpu) else self.mpu(mpu)
         if device is not None:
-            m.module.to(device)
-        old = m.gpu
-        m.gpu, m.gpu_uuid = int(gpu), gpu_uuid
+            placement.place(m.module, self.optimizer, device)
+        old, seen = m.gpu, {o.gpu: o.gpu_uuid for o in self.mpus if o.gpu_uuid}
+        on_cuda = m.device.type == "cuda"
+        m.gpu, m.gpu_uuid = int(gpu), mpumod.uuid_of(int(gpu), gpu_uuid, seen | self._gpu_uuids, cuda=on_cuda)
+        self._gpu_uuids.update({m.gpu: m.gpu_uuid} if m.gpu_uuid else {})
         self.checksum.forget(m)
         self.log.info("mpu_rebound", mpu_id=m.mpu_id, mpu=m.name, gpu_from=old, gpu=m.gpu, device=str(m.device))
         if self.link is not None:

@@ -155,6 +155,21 @@ def _uuid(gpu: int, module: nn.Module) -> str:
     return ""
 
 
+def uuid_of(gpu: int, given: str | None = None, known: Mapping[int, str] | None = None, *, cuda: bool = True) -> str:
+    """The uuid of GPU `gpu` after a rebind: `given` when the caller knows it; else CUDA's for
+    that index when the MPU is on CUDA (`cuda`; a simulated binding names no real GPU); else one seen for that index in this process (`known`:
+    indices do not change under a running process). Otherwise (a simulated CPU binding to a GPU
+    never seen) "": the old GPU's uuid would name the wrong GPU."""
+    if given:
+        return given
+    if cuda and torch.cuda.is_available() and 0 <= gpu < torch.cuda.device_count():
+        try:
+            return "GPU-" + str(torch.cuda.get_device_properties(gpu).uuid)
+        except (RuntimeError, AttributeError):
+            pass
+    return (known or {}).get(gpu, "")
+
+
 def discover(
     model: nn.Module, mpus: Mapping[str, nn.Module | str] | None = None, gpus: Mapping[str, int] | None = None
 ) -> list[Mpu]:

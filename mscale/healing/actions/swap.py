@@ -79,17 +79,14 @@ def standby_for(fuse, state: Swaps, m: Any) -> int | None:
 
 
 def move_mpu(guard: Any, m: Any, gpu: int) -> None:
-    """Rebind `m` to GPU `gpu`: on a GPU node its parameters, gradients and optimizer
-    state move to that device; on CPU the simulated binding moves."""
+    """Rebind `m` to GPU `gpu`: on a GPU node its parameters, gradients, buffers and optimizer
+    state move to that device behind a device-boundary adapter (`Guard.rebind`, through
+    mscale.hook.placement.place, the helper the L2 CPU fallback uses too), and it takes that
+    GPU's uuid; on CPU the simulated binding moves."""
     import torch
 
     device = torch.device("cuda", gpu) if m.device.type == "cuda" else None
     guard.rebind(m, gpu, device=device)
-    if device is not None and guard.optimizer is not None:
-        for p in m.parameters():
-            for k, v in guard.optimizer.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and v.device != device and v.dim() > 0:
-                    guard.optimizer.state[p][k] = v.to(device)
 
 
 def fingerprint(m: Any) -> Any:
