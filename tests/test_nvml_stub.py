@@ -17,6 +17,8 @@ import pytest
 from support import REPO, free_port, require_tool, stop_process
 from support.e2e import http, poll
 
+pytestmark = pytest.mark.slow  # gcc builds the stand-in, a subprocess per case: about 8 s
+
 STUB_C = REPO / "tests" / "fixtures" / "libnvidia_ml_stub.c"
 
 # Builds the GPU probe the way the agent does (the probe registry's factory, through
