@@ -22,6 +22,7 @@ from mscale.daemon import access, chaos
 from mscale.demo.embedded import EmbeddedAgent
 from mscale.link import CHAOS_FIELDS, CHAOS_KINDS
 from mscale.sim.nvml import SimNvml
+from support.fuzz import json_values
 
 
 @pytest.fixture(scope="module")
@@ -303,11 +304,7 @@ def test_webhook_body_over_the_limit_is_413_and_counted(agent):
 
 # --- fuzz ---------------------------------------------------------------------------------
 
-JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=20,
-)
+JSON = json_values(infinity=True, max_text=20, max_leaves=20)
 
 
 @given(st.binary(max_size=300) | JSON.map(lambda v: json.dumps(v).encode()))

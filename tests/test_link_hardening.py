@@ -25,6 +25,7 @@ from mscale.daemon.state import EventLog, finding_bytes
 from mscale.findings import Finding, Reason, Severity
 from mscale.link import BadMessage
 from support import REPO, require
+from support.fuzz import json_values
 from support.link_agent import Agent, RawLink, metric, wait_for
 
 
@@ -141,15 +142,7 @@ def test_an_oversized_message_gets_its_error_frame_and_the_connection_goes_on(so
 
 
 # fuzz: a message built from a valid one with one field replaced by anything JSON can carry
-JSON = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(10**400), max_value=10**400)
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=40),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=12,
-)
+JSON = json_values(int_bound=10**400, nan=True, infinity=True)
 REG_PATHS = [("job_id",), ("rank",), ("pid",), ("step",), ("mpus",), ("extra",)] + [
     ("mpus", 0, k) for k in ("mpu_id", "name", "gpu", "gpu_uuid", "path", "device", "fuse_level", "params", "x")
 ]

@@ -30,6 +30,7 @@ from mscale.findings import Reason
 from mscale.snapshot import format as fmt
 from mscale.snapshot.manifest import MAX_DEPTH, parse_manifest, required_files
 from support import REPO
+from support.fuzz import json_values
 from support.snapshot_inproc import Job
 
 STEP = "step_00000020"
@@ -304,15 +305,7 @@ def test_the_writer_never_writes_a_manifest_its_loader_would_refuse(tmp_path):
 
 # -- fuzzing the manifest parser --------------------------------------------------------------
 
-JSON = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=40),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
-    max_leaves=12,
-)
+JSON = json_values(int_bound=2**70, max_key=12)
 
 
 @pytest.fixture(scope="module")
