@@ -92,10 +92,19 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict:
     }
 
 
+# every request has its own deadline (aiohttp's default is 300 s, the whole test's budget)
+REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=10)
+
+
 async def until(fn, timeout_s: float = 20.0):
+    """Poll `fn` until it returns something true; a request that timed out or dropped is a
+    try that did not answer, retried while the deadline holds."""
     deadline = time.monotonic() + timeout_s
     while True:
-        result = await fn()
+        try:
+            result = await fn()
+        except (TimeoutError, aiohttp.ClientError):
+            result = None
         if result:
             return result
         assert time.monotonic() < deadline, "condition not met before the deadline"
@@ -112,7 +121,7 @@ async def test_raising_and_hanging_probes_are_isolated() -> None:
     app = create_app(cfg, state=state, probes=probes, features=("mscale.daemon.api",))
     runner, url = await serve(app)
     try:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as session:
 
             async def broken_and_counted():
                 m = await scrape(session, url)
@@ -171,7 +180,7 @@ async def test_gpu_probe_without_nvml_reports_why() -> None:
             assert st.up is True
         else:
             assert st.up is False and "NVML not available" in st.reason
-            async with aiohttp.ClientSession() as session:
+            async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as session:
                 async with session.get(url + "/healthz") as r:
                     assert r.status == 200 and (await r.json())["probes"]["gpu"] is False
     finally:
@@ -184,7 +193,7 @@ async def test_disabled_probe_exports_no_up_series() -> None:
     app = create_app(cfg, features=("mscale.daemon.api",))
     runner, url = await serve(app)
     try:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as session:
             m = await scrape(session, url)
         assert not [k for k in m if k[0] == "mscale_probe_up"]
         assert app[keys.STATE].probe_status["host"].enabled is False
