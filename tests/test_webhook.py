@@ -46,6 +46,18 @@ def step_until(job, cond, timeout=30.0):
         job.one_step()
 
 
+def train_until_reported(job, agent, predicate, timeout=30.0):
+    """Train until the agent's events satisfy predicate: a finding the job made at a step
+    boundary rides in a later step's report, so waiting without training can wait forever."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not (value := predicate(agent.events())):
+        assert time.monotonic() < deadline, "the agent never saw the job's report"
+        job.one_step()
+    return value
+
+
 def refused(agent, why):
     for line in agent.get("/metrics").splitlines():
         if line.startswith(f'mscale_refused_messages_total{{where="webhook",why="{why}"}}'):
@@ -133,14 +145,16 @@ def test_firing_xid_alert_acts_on_the_job_once(agent, job):
     assert len(dups) >= 2
     # the job carries the commands out at its next step: the vision MPU leaves GPU 0
     step_until(job, lambda: job.guard.mpu("vision").gpu != 0)
-    agent.wait_for(
+    train_until_reported(
+        job,
+        agent,
         lambda evs: [
             e
             for e in evs
             if e["source"] == "hook:fuse"
             and e["labels"].get("action") == "l1_swap"
             and e["labels"].get("result") == "applied"
-        ]
+        ],
     )
     assert job.guard.mpu("vision").gpu != 0 and 0 in job.fuse.states["quarantine_gpu"].gpus
     metrics = agent.get("/metrics")
@@ -160,8 +174,10 @@ def test_loss_spike_alert_cools_and_its_resolution_ends_the_window(agent, job):
     status, reply = agent.post("/api/v1/alerts", body, token=agent.token)
     assert status == 200 and [a["action"] for a in reply["actions"]] == ["lr_cool"]
     step_until(job, lambda: job.fuse.cooling)
-    agent.wait_for(
-        lambda evs: [e for e in evs if e["source"] == "hook:fuse" and e["labels"].get("action") == "lr_cool"]
+    train_until_reported(
+        job,
+        agent,
+        lambda evs: [e for e in evs if e["source"] == "hook:fuse" and e["labels"].get("action") == "lr_cool"],
     )
     resolved = {
         "version": "4",
