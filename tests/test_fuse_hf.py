@@ -1,0 +1,199 @@
+"""The fuse on real Hugging Face model code: tiny LlavaForConditionalGeneration (CLIP tower with a
+fixed input size, projector, Llama) and tiny Qwen2VLForConditionalGeneration (dynamic-resolution
+tower with its merger), random weights, built offline (tests/support/tiny_hf.py), trained on CPU
+with the one-line protection. Faults are the test's own: a hook on a linear layer inside the
+vision tower that corrupts its output (as a faulty GEMM would), seen by the guard's checks."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+
+import pytest
+import structlog
+import torch
+
+pytest.importorskip("transformers")
+
+import mscale  # noqa: E402
+from mscale.findings import Reason  # noqa: E402
+from mscale.healing.engine import Decision  # noqa: E402
+from mscale.hook.degrade import family, reduction_for  # noqa: E402
+from support.tiny_hf import tiny_llava, tiny_qwen2vl  # noqa: E402
+
+BUILDERS = {"llava": tiny_llava, "qwen2vl": tiny_qwen2vl}
+
+
+@pytest.fixture(autouse=True)
+def quiet_logs():
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+    yield
+    structlog.reset_defaults()
+
+
+def tower(model):
+    return getattr(model.model, "vision_tower", None) or model.model.visual
+
+
+class Watch:
+    def __init__(self) -> None:
+        self.findings = []
+
+    def on_finding(self, f) -> None:
+        self.findings.append(f)
+
+    def heal(self, action, result="applied"):
+        return [
+            f
+            for f in self.findings
+            if f.reason is Reason.HEAL_ACTION and f.labels.get("action") == action and f.labels["result"] == result
+        ]
+
+    def states(self, mpu_id="001"):
+        return [
+            f.labels["state"] for f in self.findings if f.reason is Reason.FUSE_STATE and f.labels["mpu_id"] == mpu_id
+        ]
+
+
+class Fault:
+    """Scales one element of a vision linear layer's output while on (registered after the guard,
+    in front of its checks: what the checks see is what the GEMM produced)."""
+
+    def __init__(self, model) -> None:
+        self.on = False
+        linear = next(m for m in tower(model).modules() if isinstance(m, torch.nn.Linear))
+        self.handle = linear.register_forward_hook(self._hit, prepend=True)
+
+    def _hit(self, module, args, out):
+        if self.on:
+            out = out.clone()
+            out.view(-1)[0] = out.view(-1)[0] * 64.0 + 3.0
+            return out
+        return None
+
+
+@pytest.mark.parametrize("name", ["llava", "qwen2vl"])
+def test_l2_reduction_keeps_every_shape_and_undo_restores_the_forward(name):
+    model, make_batch = BUILDERS[name](0)
+    batch = make_batch(0, torch.Generator().manual_seed(0))
+    ref = model(**batch)
+    vision = tower(model)
+    assert family(vision) == {"llava": "vit", "qwen2vl": "merge"}[name]
+    assert family(model.model.language_model) is None  # no reduction for a text model
+    seen = []
+    embed = vision.embeddings if name == "llava" else vision.patch_embed
+    h = embed.register_forward_pre_hook(lambda mod, args: seen.append(tuple(args[0].shape)))
+    red = reduction_for(vision, 0.5)
+    out = model(**batch)
+    assert red is not None and red.calls == 1 and red.failures == []
+    assert type(out) is type(ref) and out.logits.shape == ref.logits.shape and torch.isfinite(out.loss)
+    assert not torch.equal(out.logits, ref.logits)  # the tower really ran reduced
+    out.loss.backward()  # gradients flow through the resampling
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in embed.parameters())
+    red.undo()
+    assert "forward" not in vision.__dict__ and torch.equal(model(**batch).logits, ref.logits)
+    h.remove()
+    if name == "llava":  # 16x16 -> 8x8 pixels, then back
+        assert [s[-2:] for s in seen] == [(8, 8), (16, 16)]
+    else:  # a quarter of the patches (8x8 -> 4x4 grid of 2x2 patches, 4 images)
+        assert [s[0] for s in seen] == [64, 256]
+
+
+def train(name, *, fault_steps=(), steps, trainer=False, plugins=()):
+    model, make_batch = BUILDERS[name](0)
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    watch = Watch()
+    guard = mscale.attach(model, opt, job_id=name, snapshots=True, connect=False, plugins=[watch, *plugins])
+    fault = Fault(model)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    task, types = [], set()
+    for s in range(steps):
+        fault.on = s in fault_steps
+        out = model(**make_batch(s, torch.Generator().manual_seed(s)))
+        types.add(type(out).__name__)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        task.append(guard._last.get("loss"))
+    return model, guard, watch, task, types, shapes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llava", "qwen2vl"])
+def test_persistent_vision_fault_escalates_l1_l2_l3_and_recovery_undoes_them(name):
+    steps = 170
+    model, guard, watch, task, types, shapes = train(name, fault_steps=range(5, 60), steps=steps)
+    assert guard.plugin_errors == 0  # nothing raised inside a fuse hook
+    assert (
+        len(task) == steps
+        and types == {"llava": {"LlavaCausalLMOutputWithPast"}, "qwen2vl": {"MultimodalCausalLMOutputWithPast"}}[name]
+    )
+    assert watch.states()[:4] == ["suspect", "l1_swapped", "l2_degraded", "l3_distilling"]
+    assert "recovered" in watch.states()
+    (l2,) = watch.heal("l2_degrade")
+    assert l2.labels["reduction"] == {"llava": "vit", "qwen2vl": "merge"}[name]
+    (l3,) = watch.heal("l3_distill")
+    assert "image-token positions" in l3.message or "image-token positions" in str(l3.labels)
+    fuse = guard.fuse
+    booked = fuse.states["l3_distill"].shares
+    assert booked and sum(1 for *_, calibrating in booked if calibrating) == 1
+    measured = [share for _, _, share, _, calibrating in booked if not calibrating]
+    in_band = [0.15 <= s <= 0.30 for s in measured]
+    # the weight comes from the step before, so a share can leave the band; most may not
+    assert sum(in_band) >= 0.8 * len(measured) and 0.15 <= statistics.median(measured) <= 0.30, measured
+    # recovery undid L2 and L3: the tower's own forward, no term, the parameters as they were
+    assert "forward" not in tower(model).__dict__
+    assert not fuse.states["l2_degrade"].mpus and not fuse.states["l3_distill"].mpus
+    assert {n: p.shape for n, p in model.named_parameters()} == shapes
+    assert guard.mpu("vision").distill_share == 0.0
+
+
+def test_a_reduced_forward_that_raises_is_undone_and_escalates_to_l3():
+    """A tower that refuses the reduced size (here: the test's pre-hook on its embeddings raises
+    for any image under 16x16): the step completes on the tower's own forward, the fuse books
+    the failed L2 measure, undoes it and escalates to L3; no exception reaches the loop."""
+    model, make_batch = tiny_llava(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    watch = Watch()
+    guard = mscale.attach(model, opt, job_id="refuse", snapshots=True, connect=False, plugins=[watch])
+
+    def refuse(module, args):
+        if args[0].shape[-1] < 16:
+            raise ValueError("Input image size (8*8) doesn't match model (16*16).")
+
+    tower(model).embeddings.register_forward_pre_hook(refuse)
+    fault = Fault(model)
+    for s in range(14):
+        fault.on = s >= 2
+        out = model(**make_batch(s, torch.Generator().manual_seed(s)))
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert guard.plugin_errors == 0
+    (failed,) = watch.heal("l2_degrade", "failed")
+    assert "ValueError" in failed.message or "ValueError" in str(failed.labels)
+    assert watch.heal("l3_distill")  # escalated
+    assert guard.mpu("vision").fuse_level == "l3_distilling"
+    (step, mpu_id, error) = guard.fuse.states["l2_degrade"].failed[0]
+    assert mpu_id == "001" and "doesn't match" in error
+    assert guard.fuse.states["l2_degrade"].mpus["001"][0] is None  # the reduction undone
+    assert "forward" not in tower(model).__dict__
+
+
+def test_l3_without_a_text_mpu_is_not_applied_and_says_why():
+    model, make_batch = tiny_llava(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mpus = {"vision": "model.vision_tower", "aligner": "model.multi_modal_projector"}
+    guard = mscale.attach(model, opt, job_id="no-text", snapshots=True, connect=False, mpus=mpus)
+    out = model(**make_batch(0, torch.Generator().manual_seed(0)))
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad()
+    fuse = guard.fuse
+    m = guard.mpu("vision")
+    d = Decision("t", "l3_distill", "L3", fuse._target(m), m.fuse_level, "test", "", guard.current_step, 0.0)
+    assert fuse.run(d) == "failed"
+    assert not fuse.states["l3_distill"].mpus and m.fuse_level != "l3_distilling"
+    booked = [f for f in guard.findings if f.reason is Reason.HEAL_ACTION and f.labels.get("action") == "l3_distill"]
+    assert "no text MPU" in booked[-1].message + str(booked[-1].labels)
