@@ -197,3 +197,55 @@ def test_l3_without_a_text_mpu_is_not_applied_and_says_why():
     assert not fuse.states["l3_distill"].mpus and m.fuse_level != "l3_distilling"
     booked = [f for f in guard.findings if f.reason is Reason.HEAL_ACTION and f.labels.get("action") == "l3_distill"]
     assert "no text MPU" in booked[-1].message + str(booked[-1].labels)
+
+
+@pytest.mark.slow
+def test_trainer_path_escalates_and_recovers_on_tiny_llava(tmp_path):
+    """The same persistent fault under the Hugging Face Trainer with the project's callback:
+    L1 -> L2 -> L3 without an exception, to the last step, and recovery undoes L2 and L3."""
+    from transformers import Trainer, TrainingArguments
+
+    model, make_batch = tiny_llava(0)
+
+    class Items(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 4 * 200
+
+        def __getitem__(self, i: int) -> dict:
+            batch = make_batch(i // 4, torch.Generator().manual_seed(i // 4))
+            return {k: v[i % 4] for k, v in batch.items()}
+
+    watch = Watch()
+    faults = {}
+
+    class FaultFrom5To60:
+        def on_attach(self, guard) -> None:  # after the guard's hooks: in front of its checks
+            faults["f"] = Fault(guard.model)
+
+        def on_step_begin(self, step, batch) -> None:
+            faults["f"].on = 5 <= step < 60
+
+    callback = mscale.MscaleCallback(job_id="trainer", connect=False, snapshots=True, plugins=[watch, FaultFrom5To60()])
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=130,
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        logging_steps=10,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=Items(), callbacks=[callback])
+    trainer.train()
+    guard = callback.guard
+    assert trainer.state.global_step == 130 and guard.plugin_errors == 0
+    assert watch.states()[:5] == ["suspect", "l1_swapped", "l2_degraded", "l3_distilling", "recovered"]
+    assert watch.heal("l2_degrade")[0].labels["reduction"] == "vit"
+    assert guard.fuse.states["l3_distill"].shares  # the term reached the Trainer's loss
+    assert not guard.fuse.states["l2_degrade"].mpus and not guard.fuse.states["l3_distill"].mpus
+    assert "forward" not in tower(model).__dict__

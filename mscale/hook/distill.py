@@ -7,13 +7,19 @@ projector, `aligner`) when there is one, else its own output (`pooler_output` fi
 tower merges into the text width itself); when that is not H wide, a small linear projection
 made at L3 entry (trained by its own optimizer at each step's end, removed on recovery).
 
-Positions: the student's rows are the image placeholders of the model's own inputs,
+Positions, from the model's own inputs: the student's rows fill the image placeholders,
 `input_ids == config.image_token_id` (or `image_token_index`), in order (the models scatter
-the features into those positions the same way); a text MPU that takes the student itself as
-its leading input (the project's tiny model: `language_model(prefix, tokens)`) has it at the
-first positions. Anything else: no term (`Term.build` says why).
+the features into them the same way), so each sample's rows are known; its text positions are
+the others (attention mask honoured). A text MPU that takes the student itself as its leading
+input (the project's tiny model: `language_model(prefix, tokens)`) has it first and the text
+after. Anything else: no term (`Term.why_not`, `Term.loss` say why).
 
-Term: the cosine distance 1 - cos(student, teacher), mean over the positions. Not a KL over
+Term: per sample, the cosine distance between the mean of its student rows and the mean of
+the teacher over its text positions, averaged over the batch: the image's representation is
+pulled toward what the text model makes of its caption, which differs per image, so the term
+keeps image information (matching each image position to the text model's own output at that
+position instead pulled the features toward an image-blind target and the tiny LLaVA forgot
+its images). Not a KL over
 softmaxed hidden states: hidden states are no distributions, and such a KL follows their scale
 (the text model's final-norm gain, the projector's output norm), which drifts as both train;
 the cosine distance is scale-free and bounded (0..2), so its ratio to the task loss moves
@@ -81,6 +87,7 @@ class Captured:
     """One step's tensors for the term."""
 
     input_ids: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
     outputs: dict[str, Any] = field(default_factory=dict)  # mpu_id -> output
     text_inputs: tuple = ()
 
@@ -112,7 +119,7 @@ class Term:
         return ""
 
     def loss(self, cap: Captured) -> tuple[torch.Tensor | None, str]:
-        """(the KL term, "") or (None, why not) for this step's captured tensors."""
+        """(the term, "") or (None, why not) for this step's captured tensors."""
         if self.text is None or self.width is None:
             return None, self.why_not()
         out = cap.outputs.get(self.carrier.mpu_id)
@@ -122,31 +129,45 @@ class Term:
         student, teacher = student_of(out), teacher_of(text_out, self.width)
         if student is None or teacher is None:
             return None, "no hidden-state tensor in the MPU outputs"
-        student = student.reshape(-1, student.shape[-1])
-        if student.shape[-1] != self.width:
-            student = self._project(student)
-        teacher = teacher.detach()
-        placed = self._positions(cap, student, teacher)
+        rows = student.reshape(-1, student.shape[-1])
+        if rows.shape[-1] != self.width:
+            rows = self._project(rows)
+        placed = self._pair(cap, student, rows, teacher.detach())
         if isinstance(placed, str):
             return None, placed
-        return (1 - F.cosine_similarity(student.float(), placed.float(), dim=-1)).mean(), ""
+        s, t = placed
+        return (1 - F.cosine_similarity(s.float(), t.float(), dim=-1)).mean(), ""
 
-    def _positions(self, cap: Captured, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor | str:
+    def _pair(
+        self, cap: Captured, student: torch.Tensor, rows: torch.Tensor, teacher: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | str:
+        """Per sample: (the mean of its student rows, the mean of the teacher over its text positions)."""
         ids = cap.input_ids
+        b = teacher.shape[0]
         if self.token is not None and isinstance(ids, torch.Tensor) and ids.shape == teacher.shape[:2]:
-            mask = ids.to(teacher.device) == self.token
-            rows = teacher[mask]
-            if rows.shape[0] != student.shape[0]:
-                return f"{rows.shape[0]} image-token positions for {student.shape[0]} student rows"
-            return rows
-        lead = cap.text_inputs[0] if cap.text_inputs else None
-        out = cap.outputs.get(self.carrier.mpu_id)
-        carried = student_of(out) if out is not None else None
-        if isinstance(lead, torch.Tensor) and carried is not None and lead is carried and lead.dim() == 3:
+            image = ids.to(teacher.device) == self.token
+            counts = image.sum(dim=1)
+            if int(counts.sum()) != rows.shape[0] or bool((counts == 0).any()):
+                return f"{int(counts.sum())} image-token positions for {rows.shape[0]} student rows"
+            text = ~image
+            if cap.attention_mask is not None and cap.attention_mask.shape == text.shape:
+                text = text & cap.attention_mask.to(text.device).bool()
+            pooled = torch.stack([r.mean(dim=0) for r in torch.split(rows, counts.tolist())])
+        else:
+            lead = cap.text_inputs[0] if cap.text_inputs else None
+            out = cap.outputs.get(self.carrier.mpu_id)
+            carried = student_of(out) if out is not None else None
+            if not (isinstance(lead, torch.Tensor) and lead is carried and lead.dim() == 3 and lead.shape[0] == b):
+                return "the student's positions in the text sequence are not known (no image token id in the model's config)"
             n = lead.shape[1]
-            if teacher.shape[1] >= n:
-                return teacher[:, :n].reshape(-1, teacher.shape[-1])
-        return "the student's positions in the text sequence are not known (no image token id in the model's config)"
+            if teacher.shape[1] <= n:
+                return "no text positions after the student's"
+            text = torch.zeros(teacher.shape[:2], dtype=torch.bool, device=teacher.device)
+            text[:, n:] = True
+            pooled = rows.reshape(b, n, -1).mean(dim=1)
+        weights = text.to(teacher.dtype).unsqueeze(-1)
+        target = (teacher * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
+        return pooled, target
 
     def _project(self, student: torch.Tensor) -> torch.Tensor:
         if self.projection is None or self.projection.in_features != student.shape[-1]:

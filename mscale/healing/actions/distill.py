@@ -111,6 +111,8 @@ class Distilling:
         if module.training and self._captured is not None:
             ids = kwargs.get("input_ids", args[0] if args else None)
             self._captured.input_ids = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+            mask = kwargs.get("attention_mask")
+            self._captured.attention_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
     def _text_input(self, module: Any, args: tuple, kwargs: dict) -> None:
         if module.training and self._captured is not None:
