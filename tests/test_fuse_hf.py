@@ -107,7 +107,7 @@ def train(name, *, fault_steps=(), steps, trainer=False, plugins=()):
     guard = mscale.attach(model, opt, job_id=name, snapshots=True, connect=False, plugins=[watch, *plugins])
     fault = Fault(model)
     shapes = {n: p.shape for n, p in model.named_parameters()}
-    task, types = [], set()
+    task, types, reported = [], set(), []
     for s in range(steps):
         fault.on = s in fault_steps
         out = model(**make_batch(s, torch.Generator().manual_seed(s)))
@@ -116,14 +116,15 @@ def train(name, *, fault_steps=(), steps, trainer=False, plugins=()):
         opt.step()
         opt.zero_grad()
         task.append(guard._last.get("loss"))
-    return model, guard, watch, task, types, shapes
+        reported.append((s, guard._report()["mpus"]["001"]["distill_share"]))  # what the agent exports
+    return model, guard, watch, task, types, shapes, reported
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llava", "qwen2vl"])
 def test_persistent_vision_fault_escalates_l1_l2_l3_and_recovery_undoes_them(name):
     steps = 170
-    model, guard, watch, task, types, shapes = train(name, fault_steps=range(5, 60), steps=steps)
+    model, guard, watch, task, types, shapes, reported = train(name, fault_steps=range(5, 60), steps=steps)
     assert guard.plugin_errors == 0  # nothing raised inside a fuse hook
     assert (
         len(task) == steps
@@ -142,6 +143,11 @@ def test_persistent_vision_fault_escalates_l1_l2_l3_and_recovery_undoes_them(nam
     in_band = [0.15 <= s <= 0.30 for s in measured]
     # the weight comes from the step before, so a share can leave the band; most may not
     assert sum(in_band) >= 0.8 * len(measured) and 0.15 <= statistics.median(measured) <= 0.30, measured
+    # the report to the agent carries the measured share while L3 holds, 0 before and after
+    by_step = {s: share for s, _, share, _, _ in booked}
+    last = max(by_step)  # the recovery step: booked, then the term removed before the report
+    assert all(share == pytest.approx(by_step.get(s, 0.0)) for s, share in reported if s != last)
+    assert reported[-1][1] == 0.0 and reported[0][1] == 0.0
     # recovery undid L2 and L3: the tower's own forward, no term, the parameters as they were
     assert "forward" not in tower(model).__dict__
     assert not fuse.states["l2_degrade"].mpus and not fuse.states["l3_distill"].mpus
