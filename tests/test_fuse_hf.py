@@ -115,7 +115,7 @@ def train(name, *, fault_steps=(), steps, trainer=False, plugins=()):
         out.loss.backward()
         opt.step()
         opt.zero_grad()
-        task.append(guard._last.get("loss"))
+        task.append(guard.summary().get("loss"))
         reported.append((s, guard._report()["mpus"]["001"]["distill_share"]))  # what the agent exports
     return model, guard, watch, task, types, shapes, reported
 
@@ -255,3 +255,61 @@ def test_trainer_path_escalates_and_recovers_on_tiny_llava(tmp_path):
     assert guard.fuse.states["l3_distill"].shares  # the term reached the Trainer's loss
     assert not guard.fuse.states["l2_degrade"].mpus and not guard.fuse.states["l3_distill"].mpus
     assert "forward" not in tower(model).__dict__
+
+
+def test_l3_projects_a_student_narrower_than_the_text_model_and_drops_it_on_close():
+    """A failing MPU whose output reaches the text model without a projector and is not
+    text-wide: the term makes a projection at L3 entry, trains it at each step's end, and
+    close() (recovery) removes it."""
+    from mscale.hook.distill import Captured, Term
+    from mscale.hook.mpu import discover
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = type("C", (), {"image_token_id": 9})()
+            self.vision_tower = torch.nn.Linear(4, 16)
+            self.language_model = torch.nn.Embedding(10, 32)
+
+    model = Model()
+    mpus = discover(model)
+    term = Term(model, mpus, mpus[0])
+    assert term.why_not() == "" and term.carrier is mpus[0] and term.width == 32
+    ids = torch.tensor([[9, 9, 1, 2], [9, 9, 3, 4]])
+    cap = Captured(input_ids=ids)
+    cap.outputs["001"] = model.vision_tower(torch.randn(2, 2, 4))  # (B, 2 image rows, 16)
+    cap.outputs["002"] = torch.randn(2, 4, 32)  # the text model's hidden states
+    loss, why = term.loss(cap)
+    assert why == "" and loss is not None and 0 <= float(loss.detach()) <= 2
+    assert term.projection is not None and term.projection.in_features == 16
+    before = term.projection.weight.detach().clone()
+    loss.backward()
+    assert model.vision_tower.weight.grad is not None  # the student is trained through it
+    term.step()
+    assert not torch.equal(before, term.projection.weight)  # the projection is trained too
+    cap.input_ids = torch.tensor([[9, 1, 1, 2], [9, 9, 3, 4]])  # 3 placeholders for 4 rows
+    assert term.loss(cap)[0] is None and "3 image-token positions for 4 student rows" in term.loss(cap)[1]
+    term.close()
+    assert term.projection is None
+
+
+def test_l3_with_a_zero_band_adds_nothing_and_never_raises_into_the_loop():
+    """distill_weight_min = max = 0 is a valid setting: the term's weight is 0 (it used to take
+    log(0) inside the model's forward hook, which raised into the training loop)."""
+    model, make_batch = tiny_llava(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = mscale.attach(model, opt, job_id="zero-band", snapshots=True, connect=False)
+    guard.fuse.states["l3_distill"].band = (0.0, 0.0)
+    fuse, m = guard.fuse, guard.mpu("vision")
+    losses = []
+    for s in range(4):
+        if s == 1:
+            d = Decision("t", "l3_distill", "L3", fuse._target(m), m.fuse_level, "test", "", s, 0.0)
+            assert fuse.run(d) == "applied"
+        out = model(**make_batch(s, torch.Generator().manual_seed(s)))
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append((float(out.loss.detach()), guard.summary().get("loss")))  # the total, the task loss
+    assert all(total == pytest.approx(task) for total, task in losses[1:])  # the term weighs 0
+    assert [share for _, _, share, _, _ in fuse.states["l3_distill"].shares] == [0.0, 0.0, 0.0]

@@ -27,8 +27,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from mscale.healing.actions.base import ActionFailed, ActionSpec
 from mscale.healing.fsm import Level
+
+log = structlog.get_logger("mscale.fuse")
 
 SMOOTH = 1.0  # weight of the newest step in the average the next weight comes from (1: the last step alone)
 
@@ -119,7 +123,18 @@ class Distilling:
             self._captured.text_inputs = args
 
     def _model_output(self, module: Any, args: tuple, output: Any) -> Any:
-        """Add the KL term to the loss the model returns (before backward sees it)."""
+        """Add the term to the loss the model returns (before backward sees it). A hook on the
+        model itself, outside the guard's plugin calls: an error here would reach the training
+        loop, so it is logged and the step goes on with the task loss alone."""
+        try:
+            return self._add_term(module, output)
+        except Exception as e:
+            log.exception("distill_term_error", error=str(e))
+            for d in self.mpus.values():
+                d.why_not = f"{type(e).__name__}: {e}"
+            return None
+
+    def _add_term(self, module: Any, output: Any) -> Any:
         import torch
 
         if not self.mpus or not module.training or self._captured is None:
@@ -147,7 +162,11 @@ class Distilling:
                 self._calibrating.add(d.mpu_id)
             d.weight = w = previous
             # geometric moving average of the solved weights (SMOOTH 1: the last step's alone)
-            d.next_weight = math.exp(SMOOTH * math.log(solved) + (1 - SMOOTH) * math.log(previous))
+            d.next_weight = (
+                math.exp(SMOOTH * math.log(solved) + (1 - SMOOTH) * math.log(previous))
+                if solved > 0 and previous > 0
+                else solved
+            )
             terms.append((d, w, kl, k))
         if not terms:
             return None
