@@ -313,3 +313,19 @@ def test_l3_with_a_zero_band_adds_nothing_and_never_raises_into_the_loop():
         losses.append((float(out.loss.detach()), guard.summary().get("loss")))  # the total, the task loss
     assert all(total == pytest.approx(task) for total, task in losses[1:])  # the term weighs 0
     assert [share for _, _, share, _, _ in fuse.states["l3_distill"].shares] == [0.0, 0.0, 0.0]
+
+
+def test_l2_on_an_mpu_without_a_reduction_says_so_and_changes_no_shape():
+    model, make_batch = tiny_llava(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    watch = Watch()
+    guard = mscale.attach(model, opt, job_id="no-reduction", snapshots=True, connect=False, plugins=[watch])
+    batch = make_batch(0, torch.Generator().manual_seed(0))
+    ref = model(**batch).logits.shape
+    fuse, text = guard.fuse, guard.mpu("text")
+    d = Decision("t", "l2_degrade", "L2", fuse._target(text), text.fuse_level, "test", "", 0, 0.0)
+    assert fuse.run(d) == "applied"
+    (event,) = [f for f in watch.heal("l2_degrade") if f.labels["mpu_id"] == "003"]
+    assert event.labels["reduction"] == "none" and "no shape-preserving reduction" in event.message
+    assert "fallback" not in event.labels  # on the CPU: no fallback either (bf16 is opt-in)
+    assert model(**batch).logits.shape == ref and "forward" not in text.module.__dict__
