@@ -36,11 +36,12 @@ VARIANTS = ("clean", "no-fuse", "fuse", "fuse-no-l2", "fuse-no-l3", "fuse-bare")
 FAULT = range(5, 60)
 
 
-def one(model_name: str, variant: str, steps: int, seed: int) -> tuple[float, float]:
+def one(model_name: str, variant: str, steps: int, seed: int, resolution: float = 0.5) -> tuple[float, float]:
     model, make_batch = {"llava": tiny_llava, "qwen2vl": tiny_qwen2vl}[model_name](seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     guard = mscale.attach(model, opt, job_id=variant, snapshots=variant != "no-fuse", connect=False)
     if guard.fuse is not None:
+        guard.fuse.states["l2_degrade"].resolution = resolution
         if variant in ("fuse-no-l2", "fuse-bare"):
             guard.fuse.states["l2_degrade"].resolution = 1.0  # no reduction applies
         if variant in ("fuse-no-l3", "fuse-bare"):
@@ -77,15 +78,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--l2-resolution", type=float, default=0.5, help="L2's image scale (the fuse's default 0.5)")
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     torch.set_num_threads(1)
     variants = [v for v in args.variants.split(",") if v]
     if "clean" not in variants:
         variants.insert(0, "clean")
-    results = {v: one(args.model, v, args.steps, args.seed) for v in variants}
+    results = {v: one(args.model, v, args.steps, args.seed, args.l2_resolution) for v in variants}
     base = results["clean"][0]
-    print(f"tiny {args.model}, {args.steps} steps, seed {args.seed}; fault over steps {FAULT.start}-{FAULT.stop - 1}")
+    print(
+        f"tiny {args.model}, {args.steps} steps, seed {args.seed}, L2 at {args.l2_resolution:g}x; "
+        f"fault over steps {FAULT.start}-{FAULT.stop - 1}"
+    )
     for v, (loss, secs) in results.items():
         print(f"  {v:12s} final task loss {loss:.4f}  ratio to clean {loss / base:6.2f}  ({secs:.1f} s)")
 

@@ -280,7 +280,7 @@ def test_l3_projects_a_student_narrower_than_the_text_model_and_drops_it_on_clos
     cap.outputs["001"] = model.vision_tower(torch.randn(2, 2, 4))  # (B, 2 image rows, 16)
     cap.outputs["002"] = torch.randn(2, 4, 32)  # the text model's hidden states
     loss, why = term.loss(cap)
-    assert why == "" and loss is not None and 0 <= float(loss.detach()) <= 2
+    assert why == "" and loss is not None and float(loss.detach()) > 0
     assert term.projection is not None and term.projection.in_features == 16
     before = term.projection.weight.detach().clone()
     loss.backward()

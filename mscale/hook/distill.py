@@ -14,16 +14,16 @@ the others (attention mask honoured). A text MPU that takes the student itself a
 input (the project's tiny model: `language_model(prefix, tokens)`) has it first and the text
 after. Anything else: no term (`Term.why_not`, `Term.loss` say why).
 
-Term: per sample, the cosine distance between the mean of its student rows and the mean of
-the teacher over its text positions, averaged over the batch: the image's representation is
-pulled toward what the text model makes of its caption, which differs per image, so the term
-keeps image information (matching each image position to the text model's own output at that
-position instead pulled the features toward an image-blind target and the tiny LLaVA forgot
-its images). Not a KL over
-softmaxed hidden states: hidden states are no distributions, and such a KL follows their scale
-(the text model's final-norm gain, the projector's output norm), which drifts as both train;
-the cosine distance is scale-free and bounded (0..2), so its ratio to the task loss moves
-slowly and a weight set from the steps before holds the share in its band.
+Term: contrastive, per batch. Each sample's student is the mean of its rows, its teacher the
+mean of the text model's hidden states over its own text positions (what the text model makes
+of its caption); the term is the cross-entropy of each student's cosine similarities to every
+teacher of the batch (temperature 0.1), its own teacher the class. While the text model's
+states say nothing about the image (all teachers alike) the term's gradient on the students is
+zero, so it cannot collapse the images onto one target; once they differ per image it pulls
+each image toward its own caption. A plain distance to the teacher (cosine, or a KL over
+softmaxed hidden states) does collapse them: on the tiny LLaVA under a persistent vision fault
+it left the model at the loss of one that ignores its images long after recovery
+(benchmarks/fuse_real_models.py). Needs two samples in the batch.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from mscale.hook.placement import tensors
+
+TEMPERATURE = 0.1  # of the contrastive term's cosine similarities (CLIP's learned value is about 0.01)
 
 
 def text_width(text: nn.Module) -> int | None:
@@ -136,7 +138,11 @@ class Term:
         if isinstance(placed, str):
             return None, placed
         s, t = placed
-        return (1 - F.cosine_similarity(s.float(), t.float(), dim=-1)).mean(), ""
+        if s.shape[0] < 2:
+            return None, "the contrastive term needs at least 2 samples in the batch"
+        # each image's student against every caption's teacher: its own caption is the class
+        logits = F.normalize(s.float(), dim=-1) @ F.normalize(t.float(), dim=-1).T / TEMPERATURE
+        return F.cross_entropy(logits, torch.arange(s.shape[0], device=logits.device)), ""
 
     def _pair(
         self, cap: Captured, student: torch.Tensor, rows: torch.Tensor, teacher: torch.Tensor

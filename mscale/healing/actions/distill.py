@@ -1,6 +1,6 @@
 """L3 cross-modal distillation: the MPU keeps failing even degraded.
 
-A distillation term (the cosine distance, see mscale.hook.distill) between the detached hidden states of the text MPU (the teacher) and the failing
+A distillation term (contrastive, see mscale.hook.distill) between the detached hidden states of the text MPU (the teacher) and the failing
 MPU's output as the text model receives it (the student), at the student's own positions in
 the text sequence, is added to the loss the model returns, until the MPU recovers; then it is
 removed (with the projection, where one was made). The term's layout comes from the model
@@ -10,7 +10,7 @@ term can be built for a model (no text MPU, the text MPU itself failing, no way 
 student), L3 is not applied: its event says why and the MPU stays at L2.
 
 The weight: the term should be `healing.distill_weight_min`..`max` of the total loss. The
-weight used at a step is set from the task-loss / distance ratio of the step before (the first L3
+weight used at a step is set from the task-loss / term ratio of the step before (the first L3
 step calibrates on its own values); the share the term actually took at each step is measured
 on that step's values (`shares`, and the Mpu's `distill_share`). A ratio that moves fast between steps shows as a share out of the
 band, not hidden by solving the weight on the step it is measured on.
@@ -153,7 +153,7 @@ class Distilling:
                 continue
             k = float(kl.detach())
             if not (math.isfinite(task) and math.isfinite(k) and k > 1e-12 and task > 0):
-                d.why_not = f"task loss {task:.3g}, distance {k:.3g}: no weight"
+                d.why_not = f"task loss {task:.3g}, term {k:.3g}: no weight"
                 continue
             solved = target / (1 - target) * task / k / len(self.mpus)
             previous = d.next_weight
@@ -209,7 +209,7 @@ def event(state: Distilling, d) -> tuple[str, dict[str, str]]:
     via = f"through {t.carrier.name}" if t.carrier is not t.failing else "its own output"
     where = "image-token positions" if t.token is not None else "leading positions of the text input"
     lo, hi = state.band
-    return f"cosine distance to the text MPU's hidden states, student {via}, at the {where}; share {lo:g}-{hi:g}", {}
+    return f"contrastive to the text MPU's hidden states, student {via}, at the {where}; share {lo:g}-{hi:g}", {}
 
 
 ACTION = ActionSpec(
