@@ -94,7 +94,10 @@ class Distilling:
             m = fuse.guard.mpu(d.mpu_id)
             m.distill_share = d.share
         self._calibrating.clear()
-        self._last = self._captured
+        # kept for an L3 entry's check only while an MPU is off healthy (it holds one step's
+        # MPU outputs, the text model's hidden states among them, a step longer)
+        unwell = any(m.fuse_level != Level.HEALTHY.value for m in fuse.guard.mpus)
+        self._last = self._captured if unwell else None
 
     def in_force(self, fuse, m: Any) -> bool:
         return m.mpu_id in self.mpus
