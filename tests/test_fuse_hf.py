@@ -106,6 +106,13 @@ def train(name, *, fault_steps=(), steps, trainer=False, plugins=()):
     watch = Watch()
     guard = mscale.attach(model, opt, job_id=name, snapshots=True, connect=False, plugins=[watch, *plugins])
     fault = Fault(model)
+    # what the tower's patch embedding receives, per forward: pixels per side (CLIP), patches (Qwen2-VL)
+    vision = tower(model)
+    embed = vision.embeddings if hasattr(vision, "embeddings") else vision.patch_embed
+    guard.embedded = []
+    embed.register_forward_pre_hook(
+        lambda mod, args: guard.embedded.append((guard.current_step, args[0].shape[-1 if name == "llava" else 0]))
+    )
     shapes = {n: p.shape for n, p in model.named_parameters()}
     task, types, reported = [], set(), []
     for s in range(steps):
@@ -133,6 +140,11 @@ def test_persistent_vision_fault_escalates_l1_l2_l3_and_recovery_undoes_them(nam
     assert watch.states()[:4] == ["suspect", "l1_swapped", "l2_degraded", "l3_distilling"]
     assert "recovered" in watch.states()
     (l2,) = watch.heal("l2_degrade")
+    # the step that escalated to L2 re-ran the tower reduced: full, then reduced, input
+    full, reduced = {"llava": (16, 8), "qwen2vl": (256, 64)}[name]
+    l2_step = int(l2.labels["step"])
+    assert [size for s, size in guard.embedded if s == l2_step] == [full, reduced]
+    assert [size for s, size in guard.embedded if s == l2_step + 1] == [reduced]
     assert l2.labels["reduction"] == {"llava": "vit", "qwen2vl": "merge"}[name]
     (l3,) = watch.heal("l3_distill")
     assert "image-token positions" in l3.message or "image-token positions" in str(l3.labels)
