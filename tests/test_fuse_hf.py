@@ -341,3 +341,22 @@ def test_l2_on_an_mpu_without_a_reduction_says_so_and_changes_no_shape():
     assert event.labels["reduction"] == "none" and "no shape-preserving reduction" in event.message
     assert "fallback" not in event.labels  # on the CPU: no fallback either (bf16 is opt-in)
     assert model(**batch).logits.shape == ref and "forward" not in text.module.__dict__
+
+
+def test_l3_that_cannot_place_its_student_is_not_applied():
+    """Without an image token id in the config (and the student not the text model's leading
+    input) the student's positions are unknown: the term is tried on the last step, fails, and
+    L3 is booked failed with the reason; the MPU keeps its level."""
+    model, make_batch = tiny_llava(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = mscale.attach(model, opt, job_id="no-positions", snapshots=True, connect=False)
+    out = model(**make_batch(0, torch.Generator().manual_seed(0)))
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad()
+    model.config.image_token_id = None  # the term reads the model's config when L3 starts
+    fuse, m = guard.fuse, guard.mpu("vision")
+    d = Decision("t", "l3_distill", "L3", fuse._target(m), m.fuse_level, "test", "", 1, 0.0)
+    assert fuse.run(d) == "failed" and m.fuse_level == "healthy"
+    booked = [f for f in guard.findings if f.reason is Reason.HEAL_ACTION and f.labels.get("action") == "l3_distill"]
+    assert "positions in the text sequence are not known" in booked[-1].message

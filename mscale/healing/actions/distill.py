@@ -94,10 +94,9 @@ class Distilling:
             m = fuse.guard.mpu(d.mpu_id)
             m.distill_share = d.share
         self._calibrating.clear()
-        # kept for an L3 entry's check only while an MPU is off healthy (it holds one step's
-        # MPU outputs, the text model's hidden states among them, a step longer)
-        unwell = any(m.fuse_level != Level.HEALTHY.value for m in fuse.guard.mpus)
-        self._last = self._captured if unwell else None
+        # an L3 entry builds its term on this step's tensors first (the MPU outputs, the text
+        # model's hidden states among them, stay alive one step longer for it)
+        self._last = self._captured
 
     def in_force(self, fuse, m: Any) -> bool:
         return m.mpu_id in self.mpus
@@ -194,9 +193,11 @@ def apply(fuse, state: Distilling, d) -> str:
         return "noop"
     term = Term(fuse.guard.model, fuse.guard.mpus, m)
     why = term.why_not()
-    if not why and state._last is not None:  # check the term on the last complete step
+    if not why and state._last is None:
+        why = "no complete step yet to build the term on"
+    if not why:  # the term, built on the last complete step: "applied" means it exists
         with torch.no_grad():
-            kl, why = term.loss(state._last)
+            _, why = term.loss(state._last)
     if why:
         term.close()
         raise ActionFailed(f"no distillation term for this model: {why}")
