@@ -36,8 +36,10 @@ VARIANTS = ("clean", "no-fuse", "fuse", "fuse-no-l2", "fuse-no-l3", "fuse-bare")
 FAULT = range(5, 60)
 
 
-def one(model_name: str, variant: str, steps: int, seed: int, resolution: float = 0.5) -> tuple[float, float]:
-    model, make_batch = {"llava": tiny_llava, "qwen2vl": tiny_qwen2vl}[model_name](seed)
+def one(
+    model_name: str, variant: str, steps: int, seed: int, resolution: float = 0.5, image: int = 16
+) -> tuple[float, float]:
+    model, make_batch = tiny_llava(seed, image) if model_name == "llava" else tiny_qwen2vl(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     guard = mscale.attach(model, opt, job_id=variant, snapshots=variant != "no-fuse", connect=False)
     if guard.fuse is not None:
@@ -78,6 +80,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--image", type=int, default=16, help="the tiny LLaVA's image side (16: a 4x4 patch grid)")
     ap.add_argument("--l2-resolution", type=float, default=0.5, help="L2's image scale (the fuse's default 0.5)")
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
@@ -85,10 +88,10 @@ def main() -> None:
     variants = [v for v in args.variants.split(",") if v]
     if "clean" not in variants:
         variants.insert(0, "clean")
-    results = {v: one(args.model, v, args.steps, args.seed, args.l2_resolution) for v in variants}
+    results = {v: one(args.model, v, args.steps, args.seed, args.l2_resolution, args.image) for v in variants}
     base = results["clean"][0]
     print(
-        f"tiny {args.model}, {args.steps} steps, seed {args.seed}, L2 at {args.l2_resolution:g}x; "
+        f"tiny {args.model} ({args.image}px), {args.steps} steps, seed {args.seed}, L2 at {args.l2_resolution:g}x; "
         f"fault over steps {FAULT.start}-{FAULT.stop - 1}"
     )
     for v, (loss, secs) in results.items():

@@ -62,15 +62,16 @@ def _images(patterns: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, t
     return cls, patterns[cls] + noise
 
 
-def tiny_llava(seed: int = 0) -> tuple[LlavaForConditionalGeneration, MakeBatch]:
-    """LLaVA: a CLIP vision tower with a fixed 16x16 input, the projector, a Llama text model."""
+def tiny_llava(seed: int = 0, image: int = LLAVA_IMAGE) -> tuple[LlavaForConditionalGeneration, MakeBatch]:
+    """LLaVA: a CLIP vision tower with a fixed `image` x `image` input (16: a 4x4 patch grid),
+    the projector, a Llama text model."""
     torch.manual_seed(seed)
     vision = CLIPVisionConfig(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
-        image_size=LLAVA_IMAGE,
+        image_size=image,
         patch_size=LLAVA_PATCH,
         projection_dim=32,
     )
@@ -81,7 +82,7 @@ def tiny_llava(seed: int = 0) -> tuple[LlavaForConditionalGeneration, MakeBatch]
         num_attention_heads=4,
         num_key_value_heads=4,
         vocab_size=VOCAB,
-        max_position_embeddings=64,
+        max_position_embeddings=max(64, (image // LLAVA_PATCH) ** 2 + CAPTION + 8),
     )
     cfg = LlavaConfig(
         vision_config=vision,
@@ -91,11 +92,12 @@ def tiny_llava(seed: int = 0) -> tuple[LlavaForConditionalGeneration, MakeBatch]
         vision_feature_select_strategy="default",
     )
     model = LlavaForConditionalGeneration(cfg)
-    patterns, captions = _patterns(seed, LLAVA_IMAGE), _captions(seed)
+    patterns, captions = _patterns(seed, image), _captions(seed)
+    tokens = (image // LLAVA_PATCH) ** 2
 
     def make_batch(step: int, g: torch.Generator) -> Batch:
         cls, pixels = _images(patterns, g)
-        image = torch.full((BATCH, LLAVA_IMAGE_TOKENS), LLAVA_IMAGE_TOKEN)
+        image = torch.full((BATCH, tokens), LLAVA_IMAGE_TOKEN)
         ids = torch.cat([image, captions[cls]], dim=1)
         return {"input_ids": ids, "pixel_values": pixels, "labels": ids.masked_fill(ids == LLAVA_IMAGE_TOKEN, -100)}
 
