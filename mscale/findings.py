@@ -65,6 +65,10 @@ class Reason(str, Enum):
     SNAPSHOT_REFUSED = "snapshot_refused"  # on load: a file fails its manifest check, or does not fit
     SNAPSHOT_RESUMED = "snapshot_resumed"  # start-up restore from disk
     ROLLBACK = "rollback"
+    # Resource contracts and the density guard (mscale.daemon.contract)
+    CONTRACT_VIOLATED = "contract_violated"  # a plan thread runs outside its CPUs
+    CONTRACT_COMPLIANT = "contract_compliant"  # every plan thread runs where its plan says (again)
+    DENSITY_DEVIATION = "density_deviation"  # an MPU's compute density is off its profile, sustained
 
 
 @dataclass(frozen=True)

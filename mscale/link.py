@@ -399,3 +399,134 @@ def finding(f: Any) -> Finding | None:
         labels,
         **kwargs,
     )
+
+
+# --- resource contracts and MSRP (job -> agent, taken by mscale.daemon.contract) --------------
+#   {"type": "contract", job_id, rank, plan: Plan.to_dict()}  when a contract's plan is in force
+#   {"type": "msrp", job_id, rank, gpus: {index: {bandwidth_bytes_per_s, matmul_flops, dtype,
+#    measured_at}}, mpus: {mpu_id: {flops_per_step, achieved_flops, memory_bytes}}}
+
+CONTRACT = "contract"
+MSRP = "msrp"
+CONTRACT_FIELDS = frozenset({"type", "job_id", "rank", "plan"})
+PLAN_FIELDS = frozenset(
+    {
+        "contract_id",
+        "compute_profile",
+        "threads",
+        "gpus",
+        "pools",
+        "rdma",
+        "nvme",
+        "recovery_point",
+        "stateful_io",
+        "notes",
+    }
+)
+PLAN_TABLES = {  # table -> {field: check}
+    "threads": {"name", "cpus", "tag", "numa_node"},
+    "gpus": {"name", "gpu_id", "bdf", "numa_node"},
+    "pools": {"name", "size_kb", "pages", "free"},
+    "rdma": {"name", "device", "port"},
+    "nvme": {"name", "namespace"},
+}
+MSRP_FIELDS = frozenset({"type", "job_id", "rank", "gpus", "mpus"})
+MSRP_GPU_FIELDS = frozenset({"bandwidth_bytes_per_s", "matmul_flops", "dtype", "measured_at"})
+MSRP_MPU_FIELDS = frozenset({"flops_per_step", "achieved_flops", "memory_bytes"})
+MAX_PLAN_ROWS, MAX_PLAN_CPUS, MAX_CPU_INDEX = 64, 1024, 8191
+PLAN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,32}")
+CONTRACT_ID = re.compile(r"[0-9a-f]{12}")
+BDF_TEXT = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+DTYPE = re.compile(r"[a-z0-9]{1,16}")
+
+
+def contract_plan(job_id: str, rank: int, plan: Mapping[str, Any]) -> dict:
+    return {"type": CONTRACT, "job_id": job_id, "rank": rank, "plan": dict(plan)}
+
+
+def msrp(job_id: str, rank: int, gpus: Mapping[str, Any], mpus: Mapping[str, Any]) -> dict:
+    return {"type": MSRP, "job_id": job_id, "rank": rank, "gpus": dict(gpus), "mpus": dict(mpus)}
+
+
+def _row(where: str, row: Any, fields: set[str]) -> dict:
+    _need(isinstance(row, dict), f"{where} must be an object")
+    _no_unknown(row, frozenset(fields), where)
+    _need(_is_text(row.get("name"), 1, 32, PLAN_NAME), f"{where}.name must be 1-32 of [A-Za-z0-9_.-]")
+    node = row.get("numa_node")
+    _need(node is None or _is_int(node, 0, 1023), f"{where}.numa_node must be null or 0..1023")
+    return row
+
+
+def validate_contract(msg: dict) -> None:
+    """A contract's plan, strictly: the fields `Plan.to_dict` writes, each of its type and range."""
+    _no_unknown(msg, CONTRACT_FIELDS, "contract")
+    _need(_is_int(msg.get("rank"), 0, MAX_RANK), f"contract: rank must be an integer in 0..{MAX_RANK}")
+    plan = msg.get("plan")
+    if not isinstance(plan, dict):
+        raise BadMessage("malformed", "contract: plan must be an object")
+    _no_unknown(plan, PLAN_FIELDS, "contract: plan")
+    _need(_is_text(plan.get("contract_id"), 12, 12, CONTRACT_ID), "contract: plan.contract_id must be 12 hex digits")
+    _need(_is_text(plan.get("compute_profile"), 1, 32, PLAN_NAME), "contract: plan.compute_profile must be a name")
+    _need(
+        _is_text(plan.get("recovery_point", "latest"), 1, 32, re.compile(r"latest|step_[0-9]{1,18}")),
+        "contract: plan.recovery_point must be 'latest' or 'step_N'",
+    )
+    _need(isinstance(plan.get("stateful_io", False), bool), "contract: plan.stateful_io must be a boolean")
+    notes = plan.get("notes", [])
+    _need(
+        isinstance(notes, list) and len(notes) <= 16 and all(_is_text(n, 0, 300) for n in notes),
+        "contract: plan.notes must be a list of at most 16 short strings",
+    )
+    for table, fields in PLAN_TABLES.items():
+        rows = plan.get(table, [])
+        _need(isinstance(rows, list) and len(rows) <= MAX_PLAN_ROWS, f"contract: plan.{table}: at most {MAX_PLAN_ROWS}")
+        for i, row in enumerate(rows):
+            where = f"contract: plan.{table}[{i}]"
+            _row(where, row, fields)
+            if table == "threads":
+                cpus = row.get("cpus")
+                _need(
+                    isinstance(cpus, list)
+                    and 0 < len(cpus) <= MAX_PLAN_CPUS
+                    and all(_is_int(c, 0, MAX_CPU_INDEX) for c in cpus),
+                    f"{where}.cpus must be a list of 1..{MAX_PLAN_CPUS} CPUs in 0..{MAX_CPU_INDEX}",
+                )
+                _need(_is_text(row.get("tag"), 0, 15), f"{where}.tag must be up to 15 printable characters")
+            elif table == "gpus":
+                _need(_is_int(row.get("gpu_id"), 0, MAX_GPU_INDEX - 1), f"{where}.gpu_id must be a GPU index")
+                _need(_is_text(row.get("bdf"), 12, 12, BDF_TEXT), f"{where}.bdf must be a PCI address 0000:00:00.0")
+            elif table == "pools":
+                for k in ("size_kb", "pages", "free"):
+                    _need(_is_int(row.get(k)), f"{where}.{k} must be an integer in 0..{MAX_INT}")
+            elif table == "rdma":
+                _need(_is_text(row.get("device"), 1, 64, PLAN_NAME), f"{where}.device must be a device name")
+                _need(_is_int(row.get("port"), 0, 255), f"{where}.port must be 0..255")
+            else:
+                _need(_is_text(row.get("namespace"), 1, 32, PLAN_NAME), f"{where}.namespace must be a name")
+
+
+def validate_msrp(msg: dict) -> None:
+    """A job's MSRP: per GPU index its micro-probe results, per MPU its FLOP counts; numbers finite >= 0."""
+    _no_unknown(msg, MSRP_FIELDS, "msrp")
+    _need(_is_int(msg.get("rank"), 0, MAX_RANK), f"msrp: rank must be an integer in 0..{MAX_RANK}")
+    for table, fields in (("gpus", MSRP_GPU_FIELDS), ("mpus", MSRP_MPU_FIELDS)):
+        rows = msg.get(table, {})
+        _need(
+            isinstance(rows, dict) and len(rows) <= MAX_MPUS, f"msrp: {table} must be an object of at most {MAX_MPUS}"
+        )
+        for key, row in rows.items():
+            where = f"msrp: {table}[{str(key)[:20]!r}]"
+            if table == "gpus":
+                _need(isinstance(key, str) and key.isdigit() and int(key) < MAX_GPU_INDEX, f"{where}: key a GPU index")
+            else:
+                _need(_is_text(key, 1, 16, MPU_ID), f"{where}: an MPU id is 1-16 of [A-Za-z0-9._-]")
+            _need(isinstance(row, dict), f"{where} must be an object")
+            _no_unknown(row, fields, where)
+            for k, v in row.items():
+                if k == "dtype":
+                    _need(_is_text(v, 1, 16, DTYPE), f"{where}.dtype must be 1-16 of [a-z0-9]")
+                else:
+                    _need(
+                        isinstance(v, (int, float)) and not isinstance(v, bool) and _is_num(v) and v >= 0,
+                        f"{where}.{k} must be a finite number >= 0",
+                    )

@@ -23,6 +23,7 @@ MODULES: tuple[str, ...] = (
     "mscale.exporters.jobs",
     "mscale.exporters.snapshots",
     "mscale.exporters.healing",
+    "mscale.exporters.contract",
 )
 
 

@@ -41,6 +41,7 @@ from mscale.config import parse_bool
 from mscale.findings import Finding, Severity
 from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, output_tensors
 from mscale.hook.cmsa import Cmsa, CmsaConfig, grad_stats
+from mscale.hook.contract import join as contract_join
 from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
 from mscale.hook.null import NullGuard
@@ -577,6 +578,7 @@ def attach(
         raise TypeError("data= and scheduler= are what snapshots hold: give snapshots= too")
     position = data_position(data) if cfg is not None else None
     guard = Guard(model, optimizer, job_id=job_id, **kwargs)
+    contract_join(guard)  # the contract in force in this process, if any (mscale.hook.contract)
     if cfg is not None:
         try:
             protect(guard, cfg, data=position, scheduler=scheduler, scaler=kwargs.get("scaler"), resume=resume)
