@@ -256,9 +256,9 @@ def _gpus_sysfs(r: _Reader) -> list[tuple[str, int | None]]:
         if bdf is None:
             continue
         base = f"bus/pci/devices/{name}"
-        vendor = (r.text(f"{base}/vendor") or "").strip().lower()
-        cls = (r.text(f"{base}/class") or "").strip().lower()
-        if vendor == NVIDIA_VENDOR and cls[:6] in GPU_CLASSES:
+        if (r.text(f"{base}/vendor") or "").strip().lower() != NVIDIA_VENDOR:
+            continue  # most of the bus: one read each
+        if (r.text(f"{base}/class") or "").strip().lower()[:6] in GPU_CLASSES:
             found.append((bdf, _numa_node(r, f"{base}/numa_node")))
     return found
 
