@@ -61,6 +61,7 @@ def test_a_contracted_run_pins_its_workers_and_the_agent_reports_compliance(tmp_
         compute_profile="cpu-tiny",
         io_topology={"image_loader": {"cpu_cores": [loader_cpu], "numa_node": 0}},
         fault_tolerance={"recovery_point": "latest"},
+        msrp_report_s=0.0,  # every step: the test need not wait out the default 10 s
     )
     def train(model, image_loader, steps: int) -> set[int]:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -76,7 +77,8 @@ def test_a_contracted_run_pins_its_workers_and_the_agent_reports_compliance(tmp_
         seen["main_during"] = os.sched_getaffinity(0)
         # while the workers live: the agent sees them pinned
         record = wait_for(
-            lambda: next((r for r in agent_records(agent) if r.compliant), None), what="a compliant check"
+            lambda: next((r for r in agent_records(agent) if r.compliant and r.msrp), None),
+            what="a compliant check and the MSRP",
         )
         seen["record"] = record
         seen["metrics"] = agent.metrics()
@@ -106,6 +108,13 @@ def test_a_contracted_run_pins_its_workers_and_the_agent_reports_compliance(tmp_
         assert metric(text, f'mscale_contract_compliant{{contract_id="{cid}",job_id="contract-run",rank="0"}}') == 1
         assert metric(text, 'mscale_contract_thread_present{job_id="contract-run",rank="0",thread="image_loader"}') == 1
         assert seen["status"]["contracts"][0]["threads"][0]["state"] == "compliant"
+        # MSRP: the host's micro-probes for the three simulated GPUs, each MPU's achieved rate
+        assert sorted(record.msrp["gpus"]) == ["0", "1", "2"] and sorted(record.msrp["mpus"]) == ["001", "002", "003"]
+        for mpu_id in ("001", "002", "003"):
+            labels = f'job_id="contract-run",mpu_id="{mpu_id}",rank="0"'
+            assert metric(text, f"mscale_mpu_achieved_flops{{{labels}}}") > 0
+            assert metric(text, f"mscale_mpu_compute_density{{{labels}}}") > 0
+        assert metric(text, 'mscale_msrp_matmul_flops{dtype="float32",gpu="0",job_id="contract-run",rank="0"}') > 0
         (violation,) = seen["violation"][:1]
         assert f"should run on {loader_cpu}" in violation.message and violation.labels["job_id"] == "contract-run"
         assert f"runs on {format_cpulist(cpus)}" in violation.message

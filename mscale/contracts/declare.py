@@ -42,8 +42,9 @@ def active() -> Applied | None:
 class Applied:
     """A validated contract in force: its plan, and what was pinned."""
 
-    def __init__(self, plan: Plan, host: HostView) -> None:
+    def __init__(self, plan: Plan, host: HostView, msrp: Mapping[str, float] | None = None) -> None:
         self.plan, self.host = plan, host
+        self.msrp = dict(msrp) if msrp is not None else None  # MsrpPlugin's settings; None: off
         self.loaders: dict[str, Any] = {}
         self._main: pin.MainPin | None = None
         main = plan.thread(MAIN)
@@ -96,8 +97,10 @@ class ContractDecl:
         proc_root: str | os.PathLike,
         allow_hugepage_allocation: bool,
         use_nvml: bool,
+        msrp: Mapping[str, float] | None = None,
     ) -> None:
         self.contract = contract
+        self.msrp = msrp
         self.sys_root, self.proc_root = sys_root, proc_root
         self.allow_hugepage_allocation = allow_hugepage_allocation
         self.use_nvml = use_nvml
@@ -116,7 +119,7 @@ class ContractDecl:
 
     def apply(self, *, loaders: Mapping[str, Any] | None = None) -> Applied:
         plan, host = self.check()
-        applied = Applied(plan, host)
+        applied = Applied(plan, host, self.msrp)
         try:
             for name, loader in (loaders or {}).items():
                 applied.pin_loader(name, loader)
@@ -162,10 +165,18 @@ def contract(
     proc_root: str | os.PathLike = "/proc",
     allow_hugepage_allocation: bool = False,
     use_nvml: bool = True,
+    msrp: bool = True,
+    msrp_interval_s: float = 900.0,
+    msrp_report_s: float = 10.0,
 ) -> ContractDecl:
     """Declare a resource contract (see mscale.contracts.spec for the fields). Malformed
     arguments raise ContractRefused now; the host is checked when the decorated function is
-    called, or at `.apply()`. allow_hugepage_allocation: config contract.allow_hugepage_allocation."""
+    called, or at `.apply()`. allow_hugepage_allocation: config contract.allow_hugepage_allocation.
+    msrp: measure and report the job's MSRP (mscale.hook.msrp) every msrp_interval_s (config
+    contract.msrp_interval_s), sending it to the agent every msrp_report_s."""
+    for name, v in (("msrp_interval_s", msrp_interval_s), ("msrp_report_s", msrp_report_s)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 86400:
+            raise ValueError(f"{name}: expected seconds in 0..86400, got {v!r}")
     parsed = parse(
         compute_profile,
         dict(io_topology) if isinstance(io_topology, Mapping) else io_topology,
@@ -177,4 +188,5 @@ def contract(
         proc_root=proc_root,
         allow_hugepage_allocation=allow_hugepage_allocation,
         use_nvml=use_nvml,
+        msrp={"interval_s": float(msrp_interval_s), "report_s": float(msrp_report_s)} if msrp else None,
     )

@@ -24,6 +24,7 @@ MODULES: tuple[str, ...] = (
     "mscale.exporters.snapshots",
     "mscale.exporters.healing",
     "mscale.exporters.contract",
+    "mscale.exporters.msrp",
 )
 
 

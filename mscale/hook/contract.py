@@ -1,7 +1,7 @@
 """The contract plugin: carries the job's active contract (mscale.contracts.declare) to the agent.
 
-`join(guard)` (one line in `mscale.attach`) adds it when a contract is in force in this
-process. On attach, and again after every reconnection of the link (a restarted agent has
+`join(guard)` (one line in `mscale.attach`) adds it, and the MSRP plugin (mscale.hook.msrp),
+when a contract is in force in this process. On attach, and again after every reconnection of the link (a restarted agent has
 forgotten), it sends the plan ({"type": "contract"}, mscale.link.contract_plan). It changes
 nothing in the step.
 """
@@ -42,7 +42,12 @@ class ContractPlugin:
 
 
 def join(guard: Any) -> None:
-    """Add the contract plugin to `guard` when a contract is in force in this process."""
+    """Add the contract plugin (and, unless the contract turned it off, the MSRP plugin) to
+    `guard` when a contract is in force in this process."""
     applied = active()
     if applied is not None and getattr(guard, "enabled", False):
         guard.add_plugin(ContractPlugin(applied))
+        if applied.msrp is not None:
+            from mscale.hook.msrp import MsrpPlugin
+
+            guard.add_plugin(MsrpPlugin(interval_s=applied.msrp["interval_s"], report_s=applied.msrp["report_s"]))
