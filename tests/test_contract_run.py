@@ -16,6 +16,7 @@ import torch
 import mscale
 from mscale.contracts.hardware import format_cpulist, parse_cpulist
 from mscale.contracts.settings import ContractSection
+from mscale.contracts.spec import profiles
 from mscale.findings import Reason
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 from support import REPO, require
@@ -48,7 +49,11 @@ def test_a_contracted_run_pins_its_workers_and_the_agent_reports_compliance(tmp_
     agent = Agent(
         sock,
         features=FEATURES,
-        sections={"contract": ContractSection(check_interval_s=0.5, check_timeout_s=0.5)},
+        sections={
+            "contract": ContractSection(
+                check_interval_s=0.5, check_timeout_s=0.5, density_interval_s=1, density_window_s=1
+            )
+        },
     )
     main_before = os.sched_getaffinity(0)
     cfg = TinyConfig()
@@ -81,6 +86,12 @@ def test_a_contracted_run_pins_its_workers_and_the_agent_reports_compliance(tmp_
             what="a compliant check and the MSRP",
         )
         seen["record"] = record
+        # the density guard: the tiny MPUs' densities differ from one another by more than 2x,
+        # so at least one is off its profile by more than 15% for the 1 s window
+        seen["density"] = wait_for(
+            lambda: [e for _, e in agent.state.events.since(0) if e.reason is Reason.DENSITY_DEVIATION],
+            what="a density recommendation",
+        )
         seen["metrics"] = agent.metrics()
         seen["status"] = status(agent, "contract-run")
         worker = sorted(workers)[0]
@@ -115,6 +126,10 @@ def test_a_contracted_run_pins_its_workers_and_the_agent_reports_compliance(tmp_
             assert metric(text, f"mscale_mpu_achieved_flops{{{labels}}}") > 0
             assert metric(text, f"mscale_mpu_compute_density{{{labels}}}") > 0
         assert metric(text, 'mscale_msrp_matmul_flops{dtype="float32",gpu="0",job_id="contract-run",rank="0"}') > 0
+        f = seen["density"][0]
+        assert f.labels["job_id"] == "contract-run" and f.labels["profile"] == "cpu-tiny"
+        assert f.labels["direction"] in ("up", "down") and f.labels["recommended"] in profiles()
+        assert "mscale_density_recommendation{" in text and "mscale_mpu_density_deviation_ratio{" in text
         (violation,) = seen["violation"][:1]
         assert f"should run on {loader_cpu}" in violation.message and violation.labels["job_id"] == "contract-run"
         assert f"runs on {format_cpulist(cpus)}" in violation.message

@@ -10,7 +10,8 @@ exporters read. A thread leaving its CPUs is a `contract_violated` finding, comi
 `contract.max_contracts` plans are kept; past that a new one is refused (contract_limit).
 
 GET /api/v1/contracts lists them, GET /api/v1/contracts/{id} one (contract id or job id):
-`mscale contract status [ID]`.
+`mscale contract status [ID]`. The density and thermal guard (mscale.daemon.density) runs
+here too, over the MSRP the jobs report; its results ride in the snapshot's `extra["density"]`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from aiohttp import web
 
 from mscale import link as protocol
 from mscale.daemon import compliance, keys
-from mscale.daemon.jobs import JobState
+from mscale.daemon.density import DensityGuard
+from mscale.daemon.jobs import JobState, gpus_by_index
 from mscale.findings import Finding, Reason, Severity
 from mscale.link import BadMessage
 
@@ -95,6 +97,7 @@ class ContractService:
         self.checks_total = 0
         self.check_errors_total = 0
         self.extra: dict[str, Any] = {}
+        self.density = DensityGuard(self.config, self.state.events.emit)
         self._wake = asyncio.Event()
 
     # --- link messages ------------------------------------------------------------------
@@ -206,6 +209,19 @@ class ContractService:
             except TimeoutError:
                 pass
 
+    async def run_density(self) -> None:
+        """The density and thermal guard (mscale.daemon.density), every contract.density_interval_s."""
+        while True:
+            await asyncio.sleep(self.config.density_interval_s)
+            try:
+                self.extra["density"] = self.density.evaluate(
+                    list(self.records.values()), self.state.jobs, gpus_by_index(self.state), self.clock()
+                )
+                self.extra["density_findings_total"] = self.density.findings_total
+            except Exception as e:  # the guard must never stop the agent's other work
+                log.error("density_check_failed", error=f"{type(e).__name__}: {e}"[:300])
+            self._publish()
+
     def find(self, key: str) -> list[ContractRecord]:
         return [r for r in self.records.values() if key in (r.contract_id, r.job_id)]
 
@@ -236,7 +252,8 @@ def setup(app: web.Application) -> None:
 
 
 async def _run(app: web.Application) -> AsyncIterator[None]:
-    task = asyncio.ensure_future(app[CONTRACTS].run())
+    tasks = [asyncio.ensure_future(app[CONTRACTS].run()), asyncio.ensure_future(app[CONTRACTS].run_density())]
     yield
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

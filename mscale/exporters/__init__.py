@@ -25,6 +25,7 @@ MODULES: tuple[str, ...] = (
     "mscale.exporters.healing",
     "mscale.exporters.contract",
     "mscale.exporters.msrp",
+    "mscale.exporters.density",
 )
 
 
