@@ -156,9 +156,10 @@ class ContractService:
             return
         self.checks_total += 1
         now = self.clock()
+        read = {(r.job_id, r.rank): r for r in records}
         for key, threads in results.items():
             old = self.records.get(key)
-            if old is None or old.plan is not next(r.plan for r in records if (r.job_id, r.rank) == key):
+            if old is None or old.plan is not read[key].plan:
                 continue  # replaced or gone while read
             new = replace(old, threads=threads, checked_at=now)
             self.records[key] = new
