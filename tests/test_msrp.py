@@ -117,3 +117,32 @@ def test_an_l1_swap_goes_to_the_standby_with_the_best_profile() -> None:
     assert len(swaps) == 1 and swaps[0].labels["to_gpu"] == "6"
     assert r.guard.mpu("vision").gpu == 6
     assert choose_standby(r.guard, r.guard.mpu("vision"), [3, 4, 5, 7]) == 7
+
+
+def test_a_forward_that_raises_leaves_no_counting_mode_behind() -> None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from mscale.hook.msrp import _FlopCount
+
+    class Flaky(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.fail = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            if self.fail:
+                raise RuntimeError("bad batch")
+            return y
+
+    m = Flaky()
+    count = _FlopCount(m)
+    with pytest.raises(RuntimeError):
+        m(torch.ones(2, 4))
+    assert _get_current_dispatch_mode() is None and count.flops is None  # left; nothing counted
+    m.fail = False
+    m(torch.ones(2, 4))
+    assert count.flops == 2 * 2 * 4 * 4  # the first whole forward's matmul
+    m(torch.ones(8, 4))
+    assert count.flops == 2 * 2 * 4 * 4  # counted once, then unhooked

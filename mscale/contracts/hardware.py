@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 MAX_CPUS = 8192
 MAX_ENTRIES = 4096  # PCI devices, block devices, RDMA ports read at most
@@ -346,6 +346,10 @@ class NvmlPci:
         info = self._nvml.nvmlDeviceGetPciInfo(self._nvml.nvmlDeviceGetHandleByIndex(gpu))
         bus = info.busId
         return bus.decode() if isinstance(bus, bytes) else str(bus)
+
+
+if TYPE_CHECKING:  # the real adapter speaks the protocol the view (and its tests) use
+    _REAL: type[PciSource] = NvmlPci
 
 
 def nvml_pci(opener: Callable[[], PciSource] = NvmlPci) -> PciSource | None:

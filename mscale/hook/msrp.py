@@ -90,7 +90,9 @@ class _FlopCount:
         self._mode: FlopCounterMode | None = None
         self._handles = [
             module.register_forward_pre_hook(self._pre),
-            module.register_forward_hook(self._post),
+            # first among the post hooks, so the guard's checksums are not counted as the MPU's
+            # work; always_call: a forward that raises still leaves the counting mode
+            module.register_forward_hook(self._post, prepend=True, always_call=True),
         ]
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
@@ -103,6 +105,8 @@ class _FlopCount:
         if mode is None:
             return
         mode.__exit__(None, None, None)
+        if output is None:  # the forward raised (always_call passes no result): count the next one
+            return
         self.flops = float(mode.get_total_flops())
         self.remove()
 
