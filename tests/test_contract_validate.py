@@ -292,3 +292,26 @@ def test_cli_check_prints_the_plan_or_every_problem(smt: Path, tmp_path: Path) -
     r = mscale("check", str(broken), *roots)
     assert r.returncode == 1 and "[malformed]" in r.stderr and "Traceback" not in r.stderr
     assert load_file(good).contract_id == parse(**EXAMPLE).contract_id
+
+
+def test_the_job_takes_the_allocation_switch_from_the_agents_config(short: Path, tmp_path: Path) -> None:
+    import mscale
+    from mscale.config import ConfigError
+
+    nr = short / "sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages"
+    topo = {"p": {"memory_pool": "hugepage_2MB", "hugepages": 8}}
+    roots = {"sys_root": short / "sys", "proc_root": short / "proc", "use_nvml": False}
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text('[agent]\nlisten = "127.0.0.1:0"\n\n[contract]\nallow_hugepage_allocation = false\n')
+    with pytest.raises(ContractRefused):
+        mscale.contract("balanced", topo, config=str(cfg), **roots).apply()
+    assert nr.read_text() == "16\n"
+    cfg.write_text("[contract]\nallow_hugepage_allocation = true\nmsrp_interval_s = 60\n")
+    decl = mscale.contract("balanced", topo, config=str(cfg), **roots)
+    assert decl.msrp == {"interval_s": 60.0, "report_s": 10.0}
+    with pytest.raises(ContractRefused, match="raised 16 -> 22"):
+        decl.apply()
+    assert nr.read_text() == "22\n"
+    cfg.write_text("[contract]\n\nallow_hugepage_allocation = 1\n")
+    with pytest.raises(ConfigError, match=r"contract.allow_hugepage_allocation \(line 3\): expected a boolean"):
+        mscale.contract("balanced", topo, config=str(cfg), **roots)

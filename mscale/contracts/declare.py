@@ -26,6 +26,7 @@ from typing import Any
 from mscale.contracts import pin
 from mscale.contracts.hardware import HostView, nvml_pci, read_host
 from mscale.contracts.plan import Plan
+from mscale.contracts.settings import section_from_file
 from mscale.contracts.spec import MAIN, Contract, parse
 from mscale.contracts.validate import validate
 
@@ -163,17 +164,25 @@ def contract(
     *,
     sys_root: str | os.PathLike = "/sys",
     proc_root: str | os.PathLike = "/proc",
-    allow_hugepage_allocation: bool = False,
+    allow_hugepage_allocation: bool | None = None,
     use_nvml: bool = True,
     msrp: bool = True,
-    msrp_interval_s: float = 900.0,
+    msrp_interval_s: float | None = None,
     msrp_report_s: float = 10.0,
+    config: str | None = None,
 ) -> ContractDecl:
     """Declare a resource contract (see mscale.contracts.spec for the fields). Malformed
     arguments raise ContractRefused now; the host is checked when the decorated function is
-    called, or at `.apply()`. allow_hugepage_allocation: config contract.allow_hugepage_allocation.
-    msrp: measure and report the job's MSRP (mscale.hook.msrp) every msrp_interval_s (config
-    contract.msrp_interval_s), sending it to the agent every msrp_report_s."""
+    called, or at `.apply()`. allow_hugepage_allocation and msrp_interval_s default to the
+    [contract] table of the agent's config (`config`, else /etc/mscale/agent.toml when it
+    exists, else the defaults: no allocation, 900 s). msrp: measure and report the job's MSRP
+    (mscale.hook.msrp) every msrp_interval_s, sending it to the agent every msrp_report_s."""
+    if allow_hugepage_allocation is None or msrp_interval_s is None:
+        section = section_from_file(config)
+        if allow_hugepage_allocation is None:
+            allow_hugepage_allocation = section.allow_hugepage_allocation
+        if msrp_interval_s is None:
+            msrp_interval_s = section.msrp_interval_s
     for name, v in (("msrp_interval_s", msrp_interval_s), ("msrp_report_s", msrp_report_s)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 86400:
             raise ValueError(f"{name}: expected seconds in 0..86400, got {v!r}")

@@ -42,3 +42,33 @@ class ContractSection:
                 f"{key}.check_timeout_s: expected at most {key}.check_interval_s ({self.check_interval_s}), "
                 f"got {self.check_timeout_s}"
             )
+
+
+def section_from_file(path: str | None = None) -> ContractSection:
+    """The [contract] table of the agent's config file, strictly (ConfigError names the key and
+    line): `path`, else the default path when it exists, else the defaults. Reads only this
+    table, so a training job does not assemble the agent's whole config."""
+    import tomllib
+    from pathlib import Path
+
+    from mscale import config as configmod
+    from mscale.textfile import read_text
+
+    if path is None:
+        if not configmod.DEFAULT_PATH.exists():
+            return ContractSection()
+        path = str(configmod.DEFAULT_PATH)
+    text = read_text(Path(path), ConfigError, "config")
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    table = data.get("contract", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: contract: expected a table [contract]")
+    try:
+        section = configmod._build(ContractSection, table, "contract.", text)
+        section.check("contract")
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return section
