@@ -133,7 +133,9 @@ def test_a_contracted_run_pins_its_workers_and_the_agent_reports_compliance(tmp_
         (violation,) = seen["violation"][:1]
         assert f"should run on {loader_cpu}" in violation.message and violation.labels["job_id"] == "contract-run"
         assert f"runs on {format_cpulist(cpus)}" in violation.message
-        assert "contract-run" in cli_status(agent)
+        shown = cli_status(agent)
+        assert "contract-run" in shown and "image_loader: violated" in shown
+        assert "TFLOP/s per GB" in shown and "against cpu-tiny (0.3), recommended" in shown
     finally:
         guard = seen.get("guard")
         if guard is not None:

@@ -124,6 +124,12 @@ def _status(args: argparse.Namespace) -> int:
                 f"  {printable(t['name'])}: {t['state']}, {t['tasks']} task(s) on CPUs {t['expected']}"
                 + (f"; {bad}" if bad else "")
             )
+        for m in r.get("density", []):
+            rec = f", recommended {printable(m['recommended'])} ({m['direction']})" if m.get("recommended") else ""
+            print(
+                f"  MPU {printable(m['mpu_id'])}: density {m['density']:.4g} TFLOP/s per GB, "
+                f"{m['deviation']:+.0%} against {printable(m['profile'])} ({m['expected']:g}){rec}"
+            )
     return 0
 
 

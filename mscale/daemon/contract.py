@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -227,17 +227,29 @@ class ContractService:
         return [r for r in self.records.values() if key in (r.contract_id, r.job_id)]
 
 
+def _view(service: ContractService, records: list[ContractRecord]) -> dict:
+    """The records as the API shows them, each with its MPUs' latest density comparison."""
+    density = service.extra.get("density", ())
+    out = []
+    for r in records:
+        d = r.to_dict()
+        d["density"] = [asdict(m) for m in density if (m.job_id, m.rank) == (r.job_id, r.rank)]
+        out.append(d)
+    return {"contracts": out}
+
+
 async def list_contracts(request: web.Request) -> web.Response:
     service = request.app[CONTRACTS]
-    return web.json_response({"contracts": [r.to_dict() for r in service.records.values()]})
+    return web.json_response(_view(service, list(service.records.values())))
 
 
 async def one_contract(request: web.Request) -> web.Response:
     key = request.match_info["id"][:140]
-    found = request.app[CONTRACTS].find(key)
+    service = request.app[CONTRACTS]
+    found = service.find(key)
     if not found:
         raise web.HTTPNotFound(text=f"no contract or job {protocol.printable(key, 140)!r}\n")
-    return web.json_response({"contracts": [r.to_dict() for r in found]})
+    return web.json_response(_view(service, found))
 
 
 def setup(app: web.Application) -> None:
