@@ -42,7 +42,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -405,39 +405,62 @@ def finding(f: Any) -> Finding | None:
 #   {"type": "contract", job_id, rank, plan: Plan.to_dict()}  when a contract's plan is in force
 #   {"type": "msrp", job_id, rank, gpus: {index: {bandwidth_bytes_per_s, matmul_flops, dtype,
 #    measured_at}}, mpus: {mpu_id: {flops_per_step, achieved_flops, memory_bytes}}}
+# Each field below is checked by (test, what it must be); every field of a row is required.
 
-CONTRACT = "contract"
-MSRP = "msrp"
-CONTRACT_FIELDS = frozenset({"type", "job_id", "rank", "plan"})
-PLAN_FIELDS = frozenset(
-    {
-        "contract_id",
-        "compute_profile",
-        "threads",
-        "gpus",
-        "pools",
-        "rdma",
-        "nvme",
-        "recovery_point",
-        "stateful_io",
-        "notes",
-    }
-)
-PLAN_TABLES = {  # table -> {field: check}
-    "threads": {"name", "cpus", "tag", "numa_node"},
-    "gpus": {"name", "gpu_id", "bdf", "numa_node"},
-    "pools": {"name", "size_kb", "pages", "free"},
-    "rdma": {"name", "device", "port"},
-    "nvme": {"name", "namespace"},
-}
-MSRP_FIELDS = frozenset({"type", "job_id", "rank", "gpus", "mpus"})
-MSRP_GPU_FIELDS = frozenset({"bandwidth_bytes_per_s", "matmul_flops", "dtype", "measured_at"})
-MSRP_MPU_FIELDS = frozenset({"flops_per_step", "achieved_flops", "memory_bytes"})
+CONTRACT, MSRP = "contract", "msrp"
 MAX_PLAN_ROWS, MAX_PLAN_CPUS, MAX_CPU_INDEX = 64, 1024, 8191
-PLAN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,32}")
-CONTRACT_ID = re.compile(r"[0-9a-f]{12}")
-BDF_TEXT = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
-DTYPE = re.compile(r"[a-z0-9]{1,16}")
+_PLAN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,32}")
+_Check = tuple[Callable[[Any], bool], str]
+_NAME: _Check = (lambda v: _is_text(v, 1, 32, _PLAN_NAME), "1-32 of [A-Za-z0-9_.-]")
+_NODE: _Check = (lambda v: v is None or _is_int(v, 0, 1023), "null or a NUMA node 0..1023")
+_COUNT: _Check = (_is_int, f"an integer in 0..{MAX_INT}")
+_AMOUNT: _Check = (lambda v: not isinstance(v, str) and _is_num(v) and v is not None and v >= 0, "a finite number >= 0")
+PLAN_TABLES: dict[str, dict[str, _Check]] = {
+    "threads": {
+        "name": _NAME,
+        "cpus": (
+            lambda v: (
+                isinstance(v, list) and 0 < len(v) <= MAX_PLAN_CPUS and all(_is_int(c, 0, MAX_CPU_INDEX) for c in v)
+            ),
+            f"1..{MAX_PLAN_CPUS} CPUs in 0..{MAX_CPU_INDEX}",
+        ),
+        "tag": (lambda v: _is_text(v, 0, 15), "up to 15 printable characters"),
+        "numa_node": _NODE,
+    },
+    "gpus": {
+        "name": _NAME,
+        "gpu_id": (lambda v: _is_int(v, 0, MAX_GPU_INDEX - 1), "a GPU index"),
+        "bdf": (lambda v: _is_text(v, 12, 12, re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")), "a BDF"),
+        "numa_node": _NODE,
+    },
+    "pools": {"name": _NAME, "size_kb": _COUNT, "pages": _COUNT, "free": _COUNT},
+    "rdma": {"name": _NAME, "device": _NAME, "port": (lambda v: _is_int(v, 0, 255), "a port 0..255")},
+    "nvme": {"name": _NAME, "namespace": _NAME},
+}
+_ROWS: _Check = (lambda v: isinstance(v, list) and len(v) <= MAX_PLAN_ROWS, f"a list of at most {MAX_PLAN_ROWS}")
+PLAN_FIELDS: dict[str, _Check] = {
+    "contract_id": (lambda v: _is_text(v, 12, 12, re.compile(r"[0-9a-f]{12}")), "12 hex digits"),
+    "compute_profile": _NAME,
+    "recovery_point": (lambda v: _is_text(v, 1, 32, re.compile(r"latest|step_[0-9]{1,18}")), "latest or step_N"),
+    "stateful_io": (lambda v: isinstance(v, bool), "a boolean"),
+    "notes": (lambda v: isinstance(v, list) and len(v) <= 16 and all(_is_text(n, 0, 300) for n in v), "short notes"),
+    **{table: _ROWS for table in PLAN_TABLES},
+}
+MSRP_TABLES: dict[str, dict[str, _Check]] = {
+    "gpus": {
+        "bandwidth_bytes_per_s": _AMOUNT,
+        "matmul_flops": _AMOUNT,
+        "dtype": (lambda v: _is_text(v, 1, 16, re.compile(r"[a-z0-9]{1,16}")), "1-16 of [a-z0-9]"),
+        "measured_at": _AMOUNT,
+    },
+    "mpus": {"flops_per_step": _AMOUNT, "achieved_flops": _AMOUNT, "memory_bytes": _AMOUNT},
+}
+_RANK: _Check = (lambda v: _is_int(v, 0, MAX_RANK), f"a rank in 0..{MAX_RANK}")
+_HEAD: dict[str, _Check] = {
+    "type": (lambda v: isinstance(v, str), "a string"),
+    "job_id": (lambda v: isinstance(v, str) and bool(JOB_ID.fullmatch(v)), "1-128 of [A-Za-z0-9._:@/+-]"),
+    "rank": _RANK,
+}
 
 
 def contract_plan(job_id: str, rank: int, plan: Mapping[str, Any]) -> dict:
@@ -448,85 +471,36 @@ def msrp(job_id: str, rank: int, gpus: Mapping[str, Any], mpus: Mapping[str, Any
     return {"type": MSRP, "job_id": job_id, "rank": rank, "gpus": dict(gpus), "mpus": dict(mpus)}
 
 
-def _row(where: str, row: Any, fields: set[str]) -> dict:
-    _need(isinstance(row, dict), f"{where} must be an object")
-    _no_unknown(row, frozenset(fields), where)
-    _need(_is_text(row.get("name"), 1, 32, PLAN_NAME), f"{where}.name must be 1-32 of [A-Za-z0-9_.-]")
-    node = row.get("numa_node")
-    _need(node is None or _is_int(node, 0, 1023), f"{where}.numa_node must be null or 0..1023")
-    return row
+def _fields(d: Any, checks: Mapping[str, _Check], where: str, required: Iterable[str]) -> None:
+    """`d` an object of only these fields, the required ones present, each passing its check."""
+    _need(isinstance(d, dict), f"{where} must be an object")
+    _no_unknown(d, frozenset(checks), where)
+    for k in required:
+        _need(k in d, f"{where}.{k} is missing")
+    for k, v in d.items():
+        test, what = checks[k]
+        _need(test(v), f"{where}.{k} must be {what}")
 
 
 def validate_contract(msg: dict) -> None:
     """A contract's plan, strictly: the fields `Plan.to_dict` writes, each of its type and range."""
-    _no_unknown(msg, CONTRACT_FIELDS, "contract")
-    _need(_is_int(msg.get("rank"), 0, MAX_RANK), f"contract: rank must be an integer in 0..{MAX_RANK}")
-    plan = msg.get("plan")
-    if not isinstance(plan, dict):
-        raise BadMessage("malformed", "contract: plan must be an object")
-    _no_unknown(plan, PLAN_FIELDS, "contract: plan")
-    _need(_is_text(plan.get("contract_id"), 12, 12, CONTRACT_ID), "contract: plan.contract_id must be 12 hex digits")
-    _need(_is_text(plan.get("compute_profile"), 1, 32, PLAN_NAME), "contract: plan.compute_profile must be a name")
-    _need(
-        _is_text(plan.get("recovery_point", "latest"), 1, 32, re.compile(r"latest|step_[0-9]{1,18}")),
-        "contract: plan.recovery_point must be 'latest' or 'step_N'",
-    )
-    _need(isinstance(plan.get("stateful_io", False), bool), "contract: plan.stateful_io must be a boolean")
-    notes = plan.get("notes", [])
-    _need(
-        isinstance(notes, list) and len(notes) <= 16 and all(_is_text(n, 0, 300) for n in notes),
-        "contract: plan.notes must be a list of at most 16 short strings",
-    )
-    for table, fields in PLAN_TABLES.items():
-        rows = plan.get(table, [])
-        _need(isinstance(rows, list) and len(rows) <= MAX_PLAN_ROWS, f"contract: plan.{table}: at most {MAX_PLAN_ROWS}")
-        for i, row in enumerate(rows):
-            where = f"contract: plan.{table}[{i}]"
-            _row(where, row, fields)
-            if table == "threads":
-                cpus = row.get("cpus")
-                _need(
-                    isinstance(cpus, list)
-                    and 0 < len(cpus) <= MAX_PLAN_CPUS
-                    and all(_is_int(c, 0, MAX_CPU_INDEX) for c in cpus),
-                    f"{where}.cpus must be a list of 1..{MAX_PLAN_CPUS} CPUs in 0..{MAX_CPU_INDEX}",
-                )
-                _need(_is_text(row.get("tag"), 0, 15), f"{where}.tag must be up to 15 printable characters")
-            elif table == "gpus":
-                _need(_is_int(row.get("gpu_id"), 0, MAX_GPU_INDEX - 1), f"{where}.gpu_id must be a GPU index")
-                _need(_is_text(row.get("bdf"), 12, 12, BDF_TEXT), f"{where}.bdf must be a PCI address 0000:00:00.0")
-            elif table == "pools":
-                for k in ("size_kb", "pages", "free"):
-                    _need(_is_int(row.get(k)), f"{where}.{k} must be an integer in 0..{MAX_INT}")
-            elif table == "rdma":
-                _need(_is_text(row.get("device"), 1, 64, PLAN_NAME), f"{where}.device must be a device name")
-                _need(_is_int(row.get("port"), 0, 255), f"{where}.port must be 0..255")
-            else:
-                _need(_is_text(row.get("namespace"), 1, 32, PLAN_NAME), f"{where}.namespace must be a name")
+    _fields(msg, {**_HEAD, "plan": (lambda v: isinstance(v, dict), "an object")}, "contract", ("rank", "plan"))
+    plan = msg["plan"]
+    _fields(plan, PLAN_FIELDS, "contract: plan", ("contract_id", "compute_profile"))
+    for table, checks in PLAN_TABLES.items():
+        for i, row in enumerate(plan.get(table, [])):
+            _fields(row, checks, f"contract: plan.{table}[{i}]", checks)
 
 
 def validate_msrp(msg: dict) -> None:
     """A job's MSRP: per GPU index its micro-probe results, per MPU its FLOP counts; numbers finite >= 0."""
-    _no_unknown(msg, MSRP_FIELDS, "msrp")
-    _need(_is_int(msg.get("rank"), 0, MAX_RANK), f"msrp: rank must be an integer in 0..{MAX_RANK}")
-    for table, fields in (("gpus", MSRP_GPU_FIELDS), ("mpus", MSRP_MPU_FIELDS)):
-        rows = msg.get(table, {})
-        _need(
-            isinstance(rows, dict) and len(rows) <= MAX_MPUS, f"msrp: {table} must be an object of at most {MAX_MPUS}"
-        )
-        for key, row in rows.items():
+    rows: _Check = (lambda v: isinstance(v, dict) and len(v) <= MAX_MPUS, f"an object of at most {MAX_MPUS}")
+    _fields(msg, {**_HEAD, "gpus": rows, "mpus": rows}, "msrp", ("rank",))
+    for table, checks in MSRP_TABLES.items():
+        for key, row in msg.get(table, {}).items():
             where = f"msrp: {table}[{str(key)[:20]!r}]"
             if table == "gpus":
-                _need(isinstance(key, str) and key.isdigit() and int(key) < MAX_GPU_INDEX, f"{where}: key a GPU index")
+                _need(isinstance(key, str) and key.isdigit() and int(key) < MAX_GPU_INDEX, f"{where}: a GPU index")
             else:
                 _need(_is_text(key, 1, 16, MPU_ID), f"{where}: an MPU id is 1-16 of [A-Za-z0-9._-]")
-            _need(isinstance(row, dict), f"{where} must be an object")
-            _no_unknown(row, fields, where)
-            for k, v in row.items():
-                if k == "dtype":
-                    _need(_is_text(v, 1, 16, DTYPE), f"{where}.dtype must be 1-16 of [a-z0-9]")
-                else:
-                    _need(
-                        isinstance(v, (int, float)) and not isinstance(v, bool) and _is_num(v) and v >= 0,
-                        f"{where}.{k} must be a finite number >= 0",
-                    )
+            _fields(row, checks, where, ())

@@ -264,6 +264,15 @@ def test_the_link_refuses_a_plan_out_of_shape(smt: Path, change) -> None:
         validate_contract({"type": "contract", "job_id": "j", "rank": 0, "plan": plan})
 
 
+def test_the_link_takes_a_plan_for_any_job_id_the_link_takes(smt: Path) -> None:
+    plan = check(smt, EXAMPLE["io_topology"], EXAMPLE["compute_profile"]).to_dict()
+    job_id = "team-a/run-42:attempt@node+1." + "x" * 90  # 120 characters of the job-id set
+    validate_contract({"type": "contract", "job_id": job_id, "rank": 7, "plan": plan})
+    with pytest.raises(BadMessage, match="plan.threads\\[0\\].cpus is missing"):
+        broken = {**plan, "threads": [{k: v for k, v in plan["threads"][0].items() if k != "cpus"}]}
+        validate_contract({"type": "contract", "job_id": job_id, "rank": 7, "plan": broken})
+
+
 # --- the CLI ---------------------------------------------------------------------------------
 
 
