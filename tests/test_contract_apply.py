@@ -139,3 +139,46 @@ def test_plans_past_the_cap_are_refused(tmp_path: Path) -> None:
         for raw in raws:
             raw.close()
         agent.stop()
+
+
+@pytest.mark.slow  # two agents one after the other and a job reconnecting: about 6 s
+def test_a_restarted_agent_gets_the_plan_again(tmp_path: Path) -> None:
+    import torch
+
+    from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
+
+    first, _ = two_cpus()
+    sock = str(tmp_path / "agent.sock")
+    agent = Agent(sock, features=FEATURES)
+    cfg = TinyConfig()
+    model = TinyMultimodal(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = iter(torch.utils.data.DataLoader(SyntheticCaptions(cfg, size=10_000), batch_size=2))
+
+    def step() -> None:
+        b = next(data)
+        model(b["images"], b["tokens"])["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+
+    def plans(a: Agent) -> list:
+        return list(getattr(a.state.snapshots.get("contract"), "records", ()))
+
+    with mscale.contract("balanced", {"io": {"cpu_cores": [first]}}, msrp=False) as applied:
+        guard = mscale.attach(model, opt, job_id="restart", socket_path=sock, cmsa=False)
+        try:
+            step()
+            (r,) = wait_for(lambda: plans(agent), what="the plan")
+            assert r.contract_id == applied.plan.contract_id
+            agent.stop()
+            agent = Agent(sock, features=FEATURES)  # a fresh agent knows nothing of the job
+
+            def resent() -> list:
+                step()  # the plugin resends at a step end once the link has reconnected
+                return plans(agent)
+
+            (r,) = wait_for(resent, what="the plan, sent again")
+            assert r.contract_id == applied.plan.contract_id and r.job_id == "restart"
+        finally:
+            guard.detach()
+            agent.stop()
