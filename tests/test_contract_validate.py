@@ -154,6 +154,7 @@ CASES = {
     Code.PROFILE_UNKNOWN: ("smt", {}, "use one of"),
     Code.CORE_UNKNOWN: ("smt", {"l": {"cpu_cores": [64]}}, "online: 0-15"),
     Code.CORE_ISOLATED: ("isolated", {"l": {"cpu_cores": [1, 2]}}, "pick from 0-1,4-9,12-15"),
+    Code.CORE_NOT_ALLOWED: ("smt", {"l": {"cpu_cores": [0, 5]}}, "CPU 5 is outside this process's CPU set (0-3:"),
     Code.CORE_NUMA: ("smt", {"l": {"cpu_cores": [4], "numa_node": 0}}, "use CPUs of node 0 (0-3,8-11)"),
     Code.CORE_SHARED: ("smt", {"a": {"cpu_cores": [1]}, "b": {"cpu_cores": [1]}}, "also a's"),
     Code.NUMA_UNKNOWN: ("smt", {"l": {"cpu_cores": [1], "numa_node": 5}}, "nodes: 0, 1"),
@@ -180,7 +181,9 @@ def test_refusal_code_and_what_to_change(code: Code, request: pytest.FixtureRequ
     root = request.getfixturevalue(fixture)
     before = tree_digest(root)
     profile = "no-such-profile" if code is Code.PROFILE_UNKNOWN else "balanced"
-    e = refused(root, topo, profile)
+    # a job confined to CPUs 0-3 (a cgroup cpuset); None for the others: no such check
+    allowed = {0, 1, 2, 3} if code is Code.CORE_NOT_ALLOWED else None
+    e = refused(root, topo, profile, allowed_cpus=allowed)
     assert e.codes == [code], str(e)
     assert advice in e.problems[0].message, e.problems[0].message
     assert tree_digest(root) == before

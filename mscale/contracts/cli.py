@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict
 
@@ -66,6 +67,7 @@ def _check(args: argparse.Namespace) -> int:
             allow_hugepage_allocation=section.allow_hugepage_allocation,
             sys_root=args.sys_root,
             proc_root=args.proc_root,
+            allowed_cpus=os.sched_getaffinity(0) if args.sys_root == "/sys" else None,
         )
     except ContractRefused as e:
         if args.json:

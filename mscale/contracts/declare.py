@@ -115,6 +115,8 @@ class ContractDecl:
             allow_hugepage_allocation=self.allow_hugepage_allocation,
             sys_root=self.sys_root,
             proc_root=self.proc_root,
+            # this process's CPU set is the real host's: checked when the real tree is read
+            allowed_cpus=os.sched_getaffinity(0) if str(self.sys_root) == "/sys" else None,
         )
         return plan, host
 

@@ -56,6 +56,7 @@ class Code(StrEnum):
     PROFILE_UNKNOWN = "profile_unknown"  # compute_profile not in the catalogue
     CORE_UNKNOWN = "core_unknown"  # a CPU that is not online here
     CORE_ISOLATED = "core_isolated"  # a CPU isolcpus= takes away from the scheduler
+    CORE_NOT_ALLOWED = "core_not_allowed"  # online, but outside the process's CPU set (cgroup cpuset, taskset)
     CORE_NUMA = "core_numa"  # a CPU on another NUMA node than the entry's
     CORE_SHARED = "core_shared"  # two entries pinned to the same CPU
     NUMA_UNKNOWN = "numa_unknown"  # a NUMA node the host does not have

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from mscale.contracts.hardware import HostView, format_cpulist, normalize_bdf, read_host
 from mscale.contracts.plan import GpuPlan, NvmePlan, Plan, PoolPlan, RdmaPlan, ThreadPlan, thread_tag
@@ -22,8 +23,8 @@ def _cpus(cpus: frozenset[int] | set[int]) -> str:
 
 
 class _Check:
-    def __init__(self, host: HostView) -> None:
-        self.host = host
+    def __init__(self, host: HostView, allowed_cpus: frozenset[int] | None) -> None:
+        self.host, self.allowed_cpus = host, allowed_cpus
         self.problems: list[Problem] = []
 
     def bad(self, code: Code, where: str, message: str) -> None:
@@ -41,6 +42,13 @@ class _Check:
                     where,
                     f"CPU {c} is isolated (isolcpus={_cpus(host.isolated)}): the scheduler will not balance onto it; "
                     f"pick from {_cpus(usable)} or remove it from isolcpus= on the kernel command line",
+                )
+            elif self.allowed_cpus is not None and c not in self.allowed_cpus:
+                self.bad(
+                    Code.CORE_NOT_ALLOWED,
+                    where,
+                    f"CPU {c} is outside this process's CPU set ({_cpus(self.allowed_cpus)}: its cgroup cpuset or "
+                    "taskset); pick from those, or give the job that CPU",
                 )
             elif e.numa_node is not None and host.cpus[c].numa_node != e.numa_node:
                 local = host.numa_nodes.get(e.numa_node, frozenset()) - host.isolated
@@ -156,12 +164,14 @@ def validate(
     allow_hugepage_allocation: bool = False,
     sys_root: str | os.PathLike = "/sys",
     proc_root: str | os.PathLike = "/proc",
+    allowed_cpus: frozenset[int] | set[int] | None = None,
 ) -> Plan:
     """The plan for `contract` on `host` (read from the roots when None); ContractRefused
-    with every problem otherwise."""
+    with every problem otherwise. allowed_cpus: the CPUs the process may run on
+    (os.sched_getaffinity(0)), None not to check (a fixture host)."""
     if host is None:
         host = read_host(sys_root, proc_root)
-    check = _Check(host)
+    check = _Check(host, frozenset(allowed_cpus) if allowed_cpus is not None else None)
     threads, gpus, pools, rdma, nvme = [], [], [], [], []
     owner: dict[int, str] = {}
     for i, e in enumerate(contract.io_topology):
@@ -194,7 +204,7 @@ def validate(
         # only when the pool is all that is wrong: nothing changes for a contract refused anyway
         notes = _allocate(contract, host, sys_root)
         host = read_host(sys_root, proc_root)
-        return _revalidated(contract, host, notes)
+        return _revalidated(contract, host, notes, allowed_cpus)
     if check.problems:
         raise ContractRefused(check.problems)
     return Plan(
@@ -239,9 +249,9 @@ def _allocate(contract: Contract, host: HostView, sys_root: str | os.PathLike) -
     return notes
 
 
-def _revalidated(contract: Contract, host: HostView, notes: list[str]) -> Plan:
+def _revalidated(contract: Contract, host: HostView, notes: list[str], allowed_cpus: Any) -> Plan:
     try:
-        plan = validate(contract, host)
+        plan = validate(contract, host, allowed_cpus=allowed_cpus)
     except ContractRefused as e:
         problems = [
             Problem(p.code, p.where, f"{p.message} [allocation: {'; '.join(notes)}]")
