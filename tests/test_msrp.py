@@ -146,3 +146,20 @@ def test_a_forward_that_raises_leaves_no_counting_mode_behind() -> None:
     assert count.flops == 2 * 2 * 4 * 4  # the first whole forward's matmul
     m(torch.ones(8, 4))
     assert count.flops == 2 * 2 * 4 * 4  # counted once, then unhooked
+
+
+@pytest.mark.gpu
+def test_gpu_micro_probes_and_the_nvml_view_of_the_node() -> None:
+    """On a GPU node: bf16 matmul and copy bandwidth in a GPU's range, and every GPU found by
+    NVML with a full BDF that sysfs also lists as an NVIDIA GPU."""
+    from mscale.contracts.hardware import nvml_pci, read_host
+
+    p = probe_device("cuda:0", repeats=5)
+    assert p["dtype"] == "bfloat16"
+    assert p["matmul_flops"] > 1e12 and p["bandwidth_bytes_per_s"] > 1e11  # any data-centre GPU
+    pci = nvml_pci()
+    assert pci is not None
+    host = read_host("/sys", "/proc", pci)
+    assert host.gpu_source == "nvml" and len(host.gpus) == torch.cuda.device_count() == pci.device_count()
+    sysfs = {g.bdf for g in read_host("/sys", "/proc").gpus}
+    assert {g.bdf for g in host.gpus} <= sysfs and host.notes == ()
