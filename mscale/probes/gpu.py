@@ -308,7 +308,11 @@ def _factory(ctx: ProbeContext) -> GpuProbe:
         reader = NvmlReader(ctx.nvml, backend=backend)
     else:  # the agent found no NVML at start-up; this raises NvmlUnavailable with the reason
         reader = NvmlReader(nvml_api.open_real_nvml(), owns=True)
-    return GpuProbe(reader, model, emit=ctx.emit, clock=ctx.clock)
+    try:
+        return GpuProbe(reader, model, emit=ctx.emit, clock=ctx.clock)
+    except BaseException:  # e.g. the Xid event set could not be set up: NVML is let go
+        reader.close()
+        raise
 
 
 # Needs the NVIDIA driver (NVML), a dcgm-exporter endpoint, or --simulate.

@@ -74,6 +74,13 @@ class HealthSection:
         min=0,
         max=30 * 86400,
     )
+    xid_fatal_hold_s: float = opt(
+        3600.0,
+        "on a driver without NVML's recovery-action field, a fatal Xid clears this long after it last "
+        "occurred unless a reset was seen first (docs/xid.md); 0: only a seen reset clears it",
+        min=0,
+        max=30 * 86400,
+    )
 
 
 def worst(*states: str) -> str:
@@ -235,6 +242,7 @@ class _GpuMemory:
     links_seen_up: set[int] = field(default_factory=set)
     xids: dict[int, float] = field(default_factory=dict)  # active code -> last time seen
     recovery_action: int | None = None
+    ecc_volatile: tuple[int | None, int | None] = (None, None)  # (single-bit, double-bit) last read
     lost: bool = False
     health: Health = field(default_factory=lambda: Health(HEALTHY))
 
@@ -276,17 +284,32 @@ class HealthModel:
         """`r` is a GpuSample's readings (mscale.probes.gpu.GpuSample, health not yet set)."""
         m = self._mem(gpu)
         # A GPU reset clears the Xid-based reasons: the driver's recovery action falls back
-        # to none, or a lost GPU answers again.
-        reset = (m.recovery_action not in (None, 0) and r.recovery_action == 0) or (m.lost and not r.lost)
+        # to none, a lost GPU answers again, or a volatile ECC counter goes down (a reset
+        # zeroes them; that is how a driver without the recovery-action field shows one).
+        volatile = (r.ecc_sbe_volatile, r.ecc_dbe_volatile)
+        counters_fell = any(
+            before is not None and now_v is not None and now_v < before
+            for before, now_v in zip(m.ecc_volatile, volatile, strict=True)
+        )
+        reset = (
+            (m.recovery_action not in (None, 0) and r.recovery_action == 0) or (m.lost and not r.lost) or counters_fell
+        )
         if reset:
             m.xids.clear()
             m.links_seen_up.clear()
         if r.recovery_action is not None:
             m.recovery_action = r.recovery_action
+        if not r.lost:
+            m.ecc_volatile = volatile
         m.lost = r.lost
-        hold = self.cfg.xid_degraded_hold_s
+        holds = {"degrading": self.cfg.xid_degraded_hold_s}
+        if m.recovery_action is None and self.cfg.xid_fatal_hold_s > 0:
+            # no recovery-action field: a reset with no counter to show it would otherwise
+            # leave a fatal Xid standing forever
+            holds["fatal"] = self.cfg.xid_fatal_hold_s
         for code, seen in list(m.xids.items()):
-            if self.xids.classify(code).cls == "degrading" and now - seen > hold:
+            hold = holds.get(self.xids.classify(code).cls)
+            if hold is not None and now - seen > hold:
                 del m.xids[code]
 
         sbe_rate = m.sbe.update(now, r.ecc_sbe_volatile)

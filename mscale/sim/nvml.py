@@ -337,7 +337,7 @@ class SimNvml:
         g, _ = self._gpu(gpu)
         return link not in g.links_down
 
-    def nvlink_errors(self, gpu: int, link: int) -> tuple[int, int, int, int]:
+    def nvlink_errors(self, gpu: int, link: int) -> nvml_api.NvLinkErrors:
         g, _ = self._gpu(gpu)
         return 0, g.link_recoveries.get(link, 0), 0, 0
 
