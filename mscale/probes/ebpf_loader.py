@@ -110,6 +110,7 @@ ROLES: tuple[Role, ...] = (
 REQUIRED_SYMBOLS = {DRIVER: ("cuLaunchKernel", "cuStreamSynchronize"), RUNTIME: ("cudaLaunchKernel",)}
 _LIBRARY_NAME = {DRIVER: "CUDA driver", RUNTIME: "CUDA runtime"}
 
+_LAUNCH_PROGS = ("on_launch", "on_rt_launch", "on_rt_return")  # a launch, counted once
 _TOKEN = re.compile(r"@@([A-Z_][A-Z0-9_]*)@@")
 
 
@@ -340,6 +341,25 @@ class CudaBpf:
             self.detach(link)
             raise
         return link
+
+    def attach_launches(self, pid: int, driver: str, runtime: str | None = None) -> list[Link]:
+        """Only the kernel-launch probes, on the driver and (when given) the runtime, with
+        the runtime's return probe that keeps a runtime launch from counting twice: what
+        the device check and the benchmark compare against a profiler."""
+        links: list[Link] = []
+        try:
+            for library, path in ((DRIVER, driver), (RUNTIME, runtime)):
+                if path is None:
+                    continue
+                offsets = self.offsets(path, library)
+                for role in ROLES:
+                    if role.library == library and role.prog in _LAUNCH_PROGS and offsets[role.prog]:
+                        links.append(self.attach(pid, path, role, offsets[role.prog]))
+        except Exception:
+            for link in links:
+                self.detach(link)
+            raise
+        return links
 
     def _fall_back(self, reason: str) -> None:
         self.multi, self.fallback_reason = False, reason
