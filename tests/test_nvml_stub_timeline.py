@@ -44,6 +44,7 @@ events:
   - {at: 5s, gpu: 1, fault: recover}
   - {at: 6s, gpu: 2, fault: recover}
   - {at: 6.5s, gpu: 0, fault: xid, code: 31337}       # not in the table: degraded
+  - {at: 5.5s, gpu: 3, fault: xid, code: 154, recovery_action: 2}   # node reboot required
 """
 STEPS = [k * 0.5 for k in range(16)]  # 0 .. 7.5 s
 
@@ -180,6 +181,9 @@ def test_real_adapter_on_the_stand_in_and_the_simulated_gpus_export_the_same_ser
     assert value(3.0, "mscale_gpu_temperature_celsius", 0) == 89.0
     assert value(7.0, "mscale_gpu_xid_errors_total", 0, xid="31337", action="UNLISTED") == 1.0
     assert value(7.0, "mscale_gpu_health", 0, state="degraded") == 1.0
+    # Xid 154: the simulated driver's line is parsed; on NVML the field is read with the event
+    assert value(5.5, "mscale_gpu_xid_errors_total", 3, xid="154", action="RESTART_BM") == 1.0
+    assert value(5.5, "mscale_gpu_recovery_action", 3) == 2.0
 
 
 # Builds the GPU probe as the agent does and samples once per step of the clock file.

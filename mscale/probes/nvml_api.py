@@ -72,10 +72,15 @@ class NvmlUnavailable(ProbeUnavailable):
     """No NVIDIA driver or no libnvidia-ml here: the GPU probe reports down with this reason."""
 
 
+XID_RECOVERY_ACTION_CHANGED = 154  # the driver names the recovery action it now requires
+
+
 class XidEvent(NamedTuple):
     gpu: int  # index
     xid: int
     time: float  # Unix time the agent received it
+    message: str = ""  # the driver's text, where the source carries it (NVML's events do not)
+    recovery_action: int | None = None  # Xid 154: NVML's recovery-action field, read at once
 
 
 @runtime_checkable
@@ -184,7 +189,15 @@ class _RealXidEvents:
             gpu = pynvml.nvmlDeviceGetIndex(data.device)
         except NVMLError:
             gpu = -1  # the device went away between the event and the lookup
-        return XidEvent(gpu, int(data.eventData), time.time())
+        xid = int(data.eventData)
+        action = None
+        if xid == XID_RECOVERY_ACTION_CHANGED:  # NVML's event has no text: the field says it
+            try:
+                (v,) = pynvml.nvmlDeviceGetFieldValues(data.device, [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])
+                action = int(v.value.uiVal) if v.nvmlReturn == pynvml.NVML_SUCCESS else None
+            except NVMLError:  # not exported, or the GPU went away: the table's row stands
+                action = None
+        return XidEvent(gpu, xid, time.time(), recovery_action=action)
 
     def close(self) -> None:
         with self._lock:
