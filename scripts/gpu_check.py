@@ -5,7 +5,8 @@
 It runs every `gpu`-marked test (tests/test_gpu_paths.py) and measures, on the tiny
 multimodal model:
 
-- NVML through the real adapter against `nvidia-smi --query-gpu` for the same fields;
+- NVML through the real adapter against `nvidia-smi --query-gpu` for the same fields, and what
+  one sample of every GPU costs (with the PCIe throughput calls, about 20 ms each, on their own);
 - eBPF launch counts against torch.profiler's kernel count over 50 training steps (root and BCC),
   at the driver's exported entry points alone and at driver and runtime (libcudart) together;
 - the snapshot stall (one in-memory snapshot) against torch.save of the same state, a ratio;
@@ -40,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 CHECKS = (
     "every gpu-marked test (tests/test_gpu_paths.py)",
-    "NVML (real adapter) against nvidia-smi --query-gpu",
+    "NVML (real adapter) against nvidia-smi --query-gpu; the cost of one GPU sample and of its PCIe throughput calls",
     "eBPF launch counts against torch.profiler's kernel count over 50 steps (driver alone; driver and runtime)",
     "snapshot stall against torch.save (ratio)",
     "guard overhead: median step time with and without the guard (fp32, bf16)",
@@ -171,9 +172,23 @@ def nvml_vs_smi() -> dict:
                     "sm_clock_mhz": [nvml.clocks_mhz(g)[0], sm],
                 }
             )
+        # what one GPU sample costs: NVML samples PCIe throughput over about 20 ms per call,
+        # and the probe makes two per GPU
+        from mscale.probes.gpu import NvmlReader
+
+        reader = NvmlReader(nvml)
+        t0 = time.perf_counter()
+        reader.read()
+        read_ms = (time.perf_counter() - t0) * 1e3
+        pcie_ms = []
+        for g in range(nvml.device_count()):
+            t0 = time.perf_counter()
+            nvml.pcie_throughput_kbs(g)
+            pcie_ms.append((time.perf_counter() - t0) * 1e3)
     finally:
         nvml.close()
-    return {"fields": "[NVML adapter, nvidia-smi]", "gpus": rows}
+    cost = {"read_all_gpus_ms": read_ms, "pcie_throughput_ms_per_gpu": pcie_ms}
+    return {"fields": "[NVML adapter, nvidia-smi]", "gpus": rows, "sample_cost": cost}
 
 
 def ebpf_vs_profiler() -> dict:
