@@ -31,7 +31,7 @@ from mscale.probes.base import ProbeContext, ProbeUnavailable
 from mscale.probes.ebpf_detect import BlockedShare, LaunchWatch
 from mscale.probes.ebpf_loader import SOURCE, specialise
 from support import REPO, require, require_tool
-from support.cuda_stub import DEADLINE_S, Caller, build_cuda_stubs, events, poll, proc_of, register
+from support.cuda_stub import DEADLINE_S, Caller, build_cuda_stubs, events, poll, proc_of, register, wait_duty_state
 
 # --- pure logic: no BPF needed ------------------------------------------------------------
 
@@ -392,7 +392,7 @@ def test_duty_cycled_mode_exports_sampled_counts_with_the_window(make_probe, cal
     while min(clean.values()) < 3:
         assert time.monotonic() < deadline, f"no clean bursts: {clean}"
         attached = clean[True] <= clean[False]
-        seq, _ = _wait_state(probe, attached)
+        seq, _ = wait_duty_state(probe, attached)
         n = 100 if attached else 50
         c.cmd(f"launch {n}")
         if probe.duty_state() == (seq, attached):
@@ -420,16 +420,6 @@ def test_duty_cycled_mode_exports_sampled_counts_with_the_window(make_probe, cal
     assert sample_value(metrics["mscale_cuda_sampled"], "mscale_cuda_sampled") == 1
     assert sample_value(metrics["mscale_cuda_duty_window_seconds"], "mscale_cuda_duty_window_seconds") == 0.3
     assert sample_value(metrics["mscale_cuda_duty_period_seconds"], "mscale_cuda_duty_period_seconds") == 0.9
-
-
-def _wait_state(probe, attached: bool) -> tuple[int, bool]:
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        seq, on = probe.duty_state()
-        if on == attached:
-            return seq, on
-        time.sleep(0.002)
-    raise AssertionError(f"duty cycle never {'attached' if attached else 'detached'}")
 
 
 # --- degrading -------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from mscale.daemon.state import AgentState
 from mscale.probes import spec
 from mscale.probes.base import ProbeContext
 from support import require
-from support.cuda_stub import Caller, build_cuda_stubs, poll, proc_of, register
+from support.cuda_stub import Caller, build_cuda_stubs, poll, proc_of, register, wait_duty_state
 
 pytestmark = pytest.mark.slow  # gcc builds four binaries; BCC compiles the program per test
 
@@ -154,3 +154,26 @@ def test_a_blocked_runtime_sync_is_in_flight_once(make_probe, caller) -> None:
     snap = poll(probe, lambda s: proc_of(s, c.pid).sync_calls >= 1, "the sync's return")
     assert proc_of(snap, c.pid).sync_calls == 1 and not probe.bpf.read_inflight()
     del snap
+
+
+def test_runtime_launch_probes_follow_the_duty_cycle_and_still_count_once(make_probe, caller) -> None:
+    """Duty-cycled: the runtime's launch probes (and their returns) come and go with each
+    window; a burst inside a window counts each launch once, a burst in a gap not at all."""
+    probe, state = make_probe(duty_window_s=0.3, duty_period_s=0.9)
+    c = caller()
+    register(state, "job-dc", c.pid)
+    poll(probe, lambda s: (p := proc_of(s, c.pid)) is not None and p.runtime_library, "runtime attached")
+    seen = proc_of(probe.sample(), c.pid).launches_observed
+    clean = {True: 0, False: 0}
+    deadline = time.monotonic() + 60
+    while min(clean.values()) < 2:
+        assert time.monotonic() < deadline, f"no clean bursts: {clean}"
+        attached = clean[True] <= clean[False]
+        seq, _ = wait_duty_state(probe, attached)
+        c.cmd("rtlaunch 40")
+        now = proc_of(probe.sample(), c.pid).launches_observed
+        if probe.duty_state() == (seq, attached):  # the burst lay wholly in a window or a gap
+            assert now - seen == (40 if attached else 0), (attached, now - seen)
+            clean[attached] += 1
+        seen = now
+    assert not {k.value >> 32 for k in probe.bpf.in_runtime.keys()}  # no mark left behind

@@ -111,3 +111,14 @@ def proc_of(snap: Any, pid: int) -> Any:
 
 def events(state: Any, reason: Any) -> list:
     return [f for _, f in state.events.since(0) if f.reason is reason]
+
+
+def wait_duty_state(probe: Any, attached: bool) -> tuple[int, bool]:
+    """Until the probe's launch/copy probes are attached (a window) or detached (a gap)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        seq, on = probe.duty_state()
+        if on == attached:
+            return seq, on
+        time.sleep(0.002)
+    raise AssertionError(f"duty cycle never {'attached' if attached else 'detached'}")
