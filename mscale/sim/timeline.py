@@ -180,6 +180,10 @@ def _event(data: dict, gpus: int, where: Callable[[str], str], line: int | None)
             kwargs[_PARAM_FIELD[key]] = parse(data[key])
         except ValueError as e:
             raise TimelineError(f"{where(key)}: {e}") from None
+    if kwargs.get("recovery_action") is not None and kwargs.get("code") != 154:
+        raise TimelineError(
+            f"{where('recovery_action')}: only Xid 154 names a recovery action, got code {kwargs['code']}"
+        )
     return FaultEvent(**kwargs)
 
 
