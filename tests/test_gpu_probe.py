@@ -703,3 +703,28 @@ def test_xid_154_message_is_parsed_and_a_bad_one_falls_back() -> None:
     assert model.judge_xid(154, "garbled", recovery_action=4).action == "RESET_GPU"  # the field, then
     assert model.judge_xid(154, "garbled").action == "IGNORE"  # the table's row: nothing to act on
     assert model.judge_xid(154, recovery_message(1, 0), recovery_action=2).action == "IGNORE"  # text first
+
+
+@pytest.mark.parametrize("how", ["xid_79", "xid_154_node_reboot"])
+def test_restart_bm_asks_every_job_on_the_node_to_save_and_the_node_to_drain(make_rig, how) -> None:
+    """RESTART_BM: beside the GPU's own response (gpu_fatal), a node_drain_required finding
+    whose rule has every job on the node write its newest snapshot to disk."""
+    rig = make_rig(gpus=2)
+    if how == "xid_79":
+        rig.inject("xid", 1, code=79)
+    else:
+        rig.sim.inject(FaultEvent(0, 1, "xid", code=154, recovery_action=2))
+    rig.until(lambda s: len(s.gpus[1].xid_errors) == 1)
+    (drain,) = rig.findings(Reason.NODE_DRAIN_REQUIRED)
+    assert drain.severity is Severity.CRITICAL and drain.labels["gpu"] == "1" and "drain the node" in drain.message
+    eng = HealingEngine(policymod.load(""), HealingSection())
+    cond = Condition.of(drain)
+    rule = eng.match(cond)
+    assert rule is not None and rule.name == "node_drain" and rule.target == "job"
+    jobs = [Target("job-on-gpu-1"), Target("job-elsewhere")]  # every job the node runs
+    done = [(d.target.job_id, d.action) for d in eng.decide(cond, lambda r, c: jobs, rule)]
+    assert done == [("job-on-gpu-1", "emergency_snapshot"), ("job-elsewhere", "emergency_snapshot")]
+    # a RESET_GPU Xid is the GPU's affair alone
+    rig.inject("xid", 0, code=46)
+    rig.until(lambda s: len(s.gpus[0].xid_errors) == 1)
+    assert len(rig.findings(Reason.NODE_DRAIN_REQUIRED)) == 1

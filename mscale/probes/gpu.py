@@ -201,6 +201,17 @@ class GpuProbe:
                 time=ev.time,
             )
         )
+        if info.action == "RESTART_BM":  # the node must reboot: every job on it should leave
+            self.emit(
+                Finding(
+                    "gpu",
+                    Reason.NODE_DRAIN_REQUIRED,
+                    Severity.CRITICAL,
+                    f"GPU {ev.gpu} needs the node rebooted (Xid {ev.xid}, RESTART_BM): drain the node",
+                    {"gpu": str(ev.gpu), "gpu_uuid": uuid, "xid": str(ev.xid), "action": info.action},
+                    time=ev.time,
+                )
+            )
 
     # --- sampling ---------------------------------------------------------------------------
 
