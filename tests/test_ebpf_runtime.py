@@ -177,3 +177,16 @@ def test_runtime_launch_probes_follow_the_duty_cycle_and_still_count_once(make_p
             clean[attached] += 1
         seen = now
     assert not {k.value >> 32 for k in probe.bpf.in_runtime.keys()}  # no mark left behind
+
+
+def test_runtime_probes_off_counts_at_the_driver_alone(make_probe, caller) -> None:
+    """probes.ebpf.runtime_probes = false: the runtime is left alone and each runtime launch
+    is still counted once, by the driver's probe on the cuLaunchKernel the runtime calls."""
+    probe, state = make_probe(runtime_probes=False)
+    c = caller()
+    register(state, "job-off", c.pid)
+    poll(probe, lambda s: proc_of(s, c.pid) is not None, "attached")
+    c.cmd("rtlaunch 25")
+    snap = poll(probe, lambda s: proc_of(s, c.pid).launches_observed >= 25, "launches")
+    p = proc_of(snap, c.pid)
+    assert (p.launches_observed, p.runtime_library) == (25, "")

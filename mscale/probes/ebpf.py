@@ -361,7 +361,7 @@ class EbpfProbe:
 
     def _find_runtime(self, tr: _Tracked) -> None:
         """Attach to the libcudart the process maps, once it maps one (checked each sample)."""
-        if tr.runtime:
+        if tr.runtime or not self.cfg.runtime_probes:
             return
         path = find_libcudart(tr.pid)
         if path is None or path == tr.runtime_seen:
@@ -534,6 +534,11 @@ class EbpfProbeSection:
         30.0, "deadline for one read (the first includes compiling the BPF program)", min=0.05, max=600
     )
     libcuda_path: str = opt("", "path of libcuda.so.1 (empty: found per process from /proc/PID/maps)")
+    runtime_probes: bool = opt(
+        True,
+        "also probe the libcudart a process maps, counting each launch once (three uprobe hits per "
+        "runtime launch in a window instead of one; docs/ebpf.md); false: the driver's entry points only",
+    )
     cmdline_pattern: str = opt(
         "", "regex: also trace processes whose command line matches (empty: registered jobs only)"
     )
