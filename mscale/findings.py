@@ -32,6 +32,7 @@ class Reason(str, Enum):
     GPU_HEALTH_CHANGED = "gpu_health_changed"
     GPU_RECOVERED = "gpu_recovered"
     GPU_RESET_REQUIRED = "gpu_reset_required"  # row remap / page retirement pending or failed
+    NODE_DRAIN_REQUIRED = "node_drain_required"  # a GPU needs the node rebooted (RESTART_BM)
     # CUDA driver uprobes (probes/ebpf)
     TRAINING_HANG = "training_hang"
     TRAINING_HANG_CLEARED = "training_hang_cleared"
