@@ -56,7 +56,9 @@ def _fill(template: str, values: dict[str, Any], where: str) -> str:
 
 
 def common_values(params: dict) -> dict[str, Any]:
-    return {**params["selectors"], **params["windows"]}
+    # the cluster's snapshot-freshness rule counts stale jobs by the alert's own threshold
+    stale = {"snapshot_max_age_s": params["alerts"]["MscaleSnapshotStale"]["max_age_s"]}
+    return {**params["selectors"], **params["windows"], **stale}
 
 
 def alert_values(params: dict, name: str) -> dict[str, Any]:
