@@ -22,10 +22,12 @@ NODE = "gpu-node-1"
 MERGE = "application/strategic-merge-patch+json"
 
 
-def snapshot(*failed: int) -> GpuSnapshot:
+def snapshot(*failed: int, degraded: tuple[int, ...] = ()) -> GpuSnapshot:
     gpus = []
     for i in range(4):
-        if i in failed:
+        if i in degraded:
+            gpus.append(GpuSample(index=i, uuid=f"GPU-{i}", health="degraded", reasons=("row remap pending",)))
+        elif i in failed:
             gpus.append(
                 GpuSample(
                     index=i,
@@ -193,7 +195,10 @@ async def test_cordon_circuit_breaker_and_uncordon_after_reset_and_health(api: A
         # still failed: nothing more; healthy again (the model clears a failure only at a reset):
         # uncordoned after uncordon_healthy_checks consecutive healthy checks, not before
         assert await service.check_node() == "none"
-        state.publish("gpu", snapshot())
+        # reset, but GPU 3 comes back degraded: not a passed health check (another GPU's state is no matter)
+        state.publish("gpu", snapshot(degraded=(3,)))
+        assert await service.check_node() == "waiting"
+        state.publish("gpu", snapshot(degraded=(1,)))
         assert await service.check_node() == "waiting"
         assert api.nodes[NODE]["spec"]["unschedulable"] is True
         state.publish("gpu", snapshot(3))  # failed again: the count starts over
@@ -253,3 +258,72 @@ def test_condition_names_every_failed_gpu_and_a_lost_one_first() -> None:
     assert "GPU 0 (GPU-0): GPU is lost; GPU 1 (GPU-1): 2 DBE." in cond.message
     assert "GPU 2" not in cond.message  # degraded is an Event, not the condition
     assert "reseat or replace" in cond.message
+
+
+async def test_end_to_end_fault_cordon_reset_uncordon_on_simulated_gpus(api: ApiServer, tmp_path) -> None:
+    """The agent's own GPU probe on simulated GPUs drives it all: a degraded GPU is an Event, a
+    fatal Xid sets the condition and cordons, and only the GPU's reset (then healthy checks)
+    uncordons."""
+    import time
+
+    from aiohttp import web
+
+    from mscale.config import from_dict
+    from mscale.daemon.app import build_probes, create_app, new_state
+    from mscale.probes.base import ProbeContext
+    from mscale.sim.nvml import SimNvml
+    from mscale.sim.timeline import event_from_dict
+
+    config = from_dict(
+        {
+            "agent": {"listen": "127.0.0.1:0", "socket_path": str(tmp_path / "a.sock")},
+            "probes": {"gpu": {"interval_s": 0.1}},
+            "kubernetes": {
+                "enabled": True,
+                "node_name": NODE,
+                "api_server": api.url,
+                "pod_resources_socket": "",
+                "condition_interval_s": 0.5,
+                "cordon": True,
+                "uncordon_healthy_checks": 2,
+            },
+        }
+    )
+    sim = SimNvml(4)
+    state = new_state(config)
+    ctx = ProbeContext(config=config, state=state, emit=state.events.emit, clock=time.time, nvml=sim)
+    app = create_app(
+        config, state=state, probes=build_probes(config, ctx, ("gpu",)), nvml=sim, features=("mscale.daemon.kube",)
+    )
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+
+    def condition() -> dict:
+        return next((c for c in api.nodes[NODE]["status"]["conditions"] if c["type"] == "GPUUnhealthy"), {})
+
+    try:
+        await wait_until(lambda: condition().get("status") == "False", what="the healthy condition")
+        sim.inject(event_from_dict({"gpu": 1, "fault": "temperature", "celsius": 95}, gpus=4))
+        await wait_until(lambda: api.events, what="an Event for the hot GPU")
+        assert api.events[0]["type"] == "Warning" and "GPU 1" in api.events[0]["message"]
+        assert condition()["status"] == "False"  # degraded is not the condition
+
+        sim.inject(event_from_dict({"gpu": 3, "fault": "xid", "code": 79}, gpus=4))
+        await wait_until(lambda: api.nodes[NODE]["spec"].get("unschedulable"), what="the cordon")
+        assert (condition()["status"], condition()["reason"]) == ("True", "GPUXid79")
+        assert sim.uuids[3] in condition()["message"]
+        assert api.nodes[NODE]["metadata"]["labels"]["mscale.io/cordoned"] == "true"
+
+        sim.inject(event_from_dict({"gpu": 3, "fault": "recover"}, gpus=4))
+        await wait_until(lambda: "unschedulable" not in api.nodes[NODE]["spec"], what="the uncordon")
+        assert condition()["status"] == "False"
+        patches = [(r.path, r.body) for r in api.requests if r.method == "PATCH"]
+        node_path = f"/api/v1/nodes/{NODE}"
+        cordon = next(i for i, (p, b) in enumerate(patches) if p == node_path and b["spec"].get("unschedulable"))
+        cleared = next(i for i, (p, b) in enumerate(patches) if i > cordon and "GPUsHealthy" in str(b))
+        uncordon = next(
+            i for i, (p, b) in enumerate(patches) if p == node_path and b["spec"] == {"unschedulable": None}
+        )
+        assert cordon < cleared < uncordon  # condition cleared by the reset, then healthy checks, then uncordon
+    finally:
+        await runner.cleanup()

@@ -51,13 +51,17 @@ class Condition:
     unhealthy: bool
     reason: str
     message: str
+    failed: frozenset[str] = frozenset()  # UUIDs of the failed GPUs
+    healthy: frozenset[str] = frozenset()  # UUIDs of the GPUs in the `healthy` state
 
 
 def condition_of(snapshot: Any) -> Condition:
     """The node condition the GPU snapshot calls for."""
-    failed = [g for g in getattr(snapshot, "gpus", ()) if g.health == "failed"]
+    gpus = getattr(snapshot, "gpus", ())
+    failed = [g for g in gpus if g.health == "failed"]
+    healthy = frozenset(g.uuid for g in gpus if g.health == "healthy")
     if not failed:
-        return Condition(False, "GPUsHealthy", "no GPU of this node is failed")
+        return Condition(False, "GPUsHealthy", "no GPU of this node is failed", healthy=healthy)
     g = failed[0]
     actions = dict(g.xid_actions)
     if g.lost:
@@ -69,7 +73,8 @@ def condition_of(snapshot: Any) -> Condition:
     else:
         reason, action = "GPUFailed", DEFAULT_ACTION
     what = "; ".join(f"GPU {x.index} ({x.uuid}): " + ("; ".join(x.reasons) or "failed") for x in failed)
-    return Condition(True, reason, f"{what}. Recommended action: {action}."[:1024])
+    message = f"{what}. Recommended action: {action}."[:1024]
+    return Condition(True, reason, message, frozenset(x.uuid for x in failed), healthy)
 
 
 @dataclass
@@ -79,6 +84,7 @@ class NodeStatus:
     condition: Condition | None = None
     condition_written_at: float = 0.0
     cordoned: bool = False  # by this agent (its label is on the node)
+    cordon_gpus: frozenset[str] = frozenset()  # the GPUs that failed while cordoned (empty: adopted, all GPUs)
     healthy_checks: int = 0  # consecutive healthy checks since the failed GPUs came back
     events_posted: int = 0
     events_dropped: int = 0
@@ -100,7 +106,12 @@ class NodeWriter:
     def write_condition(self, cond: Condition, now: float) -> bool:
         """Patch the condition if it changed or its heartbeat is due; True if it was written."""
         last = self.status.condition
-        if last == cond and now - self.status.condition_written_at < self.cfg.condition_heartbeat_s:
+        same = last is not None and (last.unhealthy, last.reason, last.message) == (
+            cond.unhealthy,
+            cond.reason,
+            cond.message,
+        )
+        if same and now - self.status.condition_written_at < self.cfg.condition_heartbeat_s:
             return False
         changed = last is None or last.unhealthy != cond.unhealthy
         entry = {
@@ -149,20 +160,31 @@ class NodeWriter:
         nodes = self.api.list_node(label_selector=f"{CORDON_LABEL}=true", _request_timeout=self._timeout)
         return [n.metadata.name for n in nodes.items]
 
-    def remediate(self, cond: Condition, now: float) -> str:
+    def remediate(self, cond: Condition, now: float, all_gpus: frozenset[str] = frozenset()) -> str:
         """Cordon or uncordon as the condition calls for; returns what it did
-        (cordoned, refused, uncordoned, waiting, none)."""
+        (cordoned, refused, uncordoned, waiting, none). `all_gpus`: every GPU's UUID, what an
+        adopted cordon (whose cause this process never saw) waits on."""
         if not self.cfg.cordon:
             return "none"
+        st = self.status
         if cond.unhealthy:
-            self.status.healthy_checks = 0
-            if self.status.cordoned:
+            st.healthy_checks = 0
+            if st.cordoned:
+                st.cordon_gpus |= cond.failed
                 return "none"
-            return self._cordon(cond, now)
-        if not self.status.cordoned:
+            result = self._cordon(cond, now)
+            if result == "cordoned":
+                st.cordon_gpus = cond.failed
+            return result
+        if not st.cordoned:
             return "none"
-        # The health model clears a failure only at a GPU reset; then it must stay healthy.
-        self.status.healthy_checks += 1
+        # The health model clears a failure only at a GPU reset (or when a lost GPU answers
+        # again); then each GPU that failed must pass the health check (state healthy, not
+        # merely not failed) this many times in a row.
+        if not (st.cordon_gpus or all_gpus) <= cond.healthy:
+            st.healthy_checks = 0
+            return "waiting"
+        st.healthy_checks += 1
         if self.status.healthy_checks < self.cfg.uncordon_healthy_checks:
             return "waiting"
         return self._uncordon()
@@ -218,7 +240,7 @@ class NodeWriter:
             "spec": spec,
         }
         self.api.patch_node(self.node, body, _content_type=MERGE_PATCH, _request_timeout=self._timeout)
-        self.status.cordoned, self.status.healthy_checks = False, 0
+        self.status.cordoned, self.status.healthy_checks, self.status.cordon_gpus = False, 0, frozenset()
         return "uncordoned"
 
 

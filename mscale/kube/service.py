@@ -79,7 +79,8 @@ class KubeService:
         now = self.clock()
         try:
             await self._call(writer.write_condition, cond, now)
-            return str(await self._call(writer.remediate, cond, now))
+            all_gpus = frozenset(g.uuid for g in snap.gpus)
+            return str(await self._call(writer.remediate, cond, now, all_gpus))
         except Exception as e:
             writer.status.api_errors["node"] = writer.status.api_errors.get("node", 0) + 1
             log.warning("kube_node_update_failed", error=str(e)[:300], node=self.node)
