@@ -231,3 +231,52 @@ async def test_off_the_cluster_nothing_changes(tmp_path: Path) -> None:
     text = await _scrape(app)
     assert "mscale_kube_" not in text
     assert not any("pod" in lb for lb in _labels_of(text, "mscale_gpu_temperature_celsius"))
+
+
+async def test_off_the_cluster_a_reported_pod_is_ignored(tmp_path: Path) -> None:
+    """A job whose environment happens to carry POD_NAME registers as always; an agent not on
+    Kubernetes keeps no pod and adds no label."""
+    import aiohttp
+    from aiohttp import web
+
+    config = Config(agent=AgentSection(listen="127.0.0.1:0", socket_path=str(tmp_path / "a.sock")))
+    app = create_app(config, probes=[], features=("mscale.daemon.api", "mscale.daemon.link", "mscale.daemon.kube"))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        mpus = [{"mpu_id": "001", "name": "text", "gpu": 0}]
+        msg = protocol.register(
+            job_id="j", rank=0, pid=os.getpid(), step=0, mpus=mpus, pod={"name": "p", "namespace": "n"}
+        )
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=config.agent.socket_path)) as s:
+            async with s.ws_connect("http://localhost/v1/link") as ws:
+                await ws.send_str(json.dumps(msg))
+                assert json.loads((await ws.receive(timeout=10)).data)["type"] == "registered"
+        job = app[keys.STATE].jobs["j"]
+        assert job.pods == {}
+        async with aiohttp.ClientSession() as http:
+            text = await (await http.get(f"http://127.0.0.1:{runner.addresses[0][1]}/metrics")).text()
+        assert 'pod="p"' not in text and 'job_id="j"' in text
+    finally:
+        await runner.cleanup()
+
+
+def test_the_hook_library_sends_its_pod_from_the_downward_api(monkeypatch, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import mscale
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    monkeypatch.setenv("POD_NAME", "llm-0")
+    monkeypatch.setenv("POD_NAMESPACE", "train")
+    guard = mscale.attach(
+        model, job_id="j", mpus={"text": model[0]}, socket_path=str(tmp_path / "none.sock"), snapshots=False
+    )
+    try:
+        msg = guard.registration()
+        assert msg["pod"] == {"name": "llm-0", "namespace": "train"}
+        protocol.validate_register(msg)
+        monkeypatch.delenv("POD_NAME")
+        assert "pod" not in guard.registration()  # off Kubernetes the registration is as before
+    finally:
+        guard.detach()
