@@ -4,6 +4,7 @@ request the agent makes is checked field by field."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 
 import pytest
@@ -327,3 +328,24 @@ async def test_end_to_end_fault_cordon_reset_uncordon_on_simulated_gpus(api: Api
         assert cordon < cleared < uncordon  # condition cleared by the reset, then healthy checks, then uncordon
     finally:
         await runner.cleanup()
+
+
+async def test_a_slow_api_server_builds_no_backlog_of_events(api: ApiServer) -> None:
+    clock = Clock()
+    api.hold = asyncio.Event()
+    service, state = await start(api, clock, max_events_per_minute=5)
+    try:
+        warn = Finding("gpu", Reason.GPU_TEMPERATURE, Severity.WARNING, "GPU 1: 88 C", {"gpu": "1"})
+        for _ in range(20):
+            state.events.emit(warn)
+        # one post in flight, held by the server; the queue behind it holds a minute's worth (5), the rest dropped
+        posts = lambda: sum(r.method == "POST" for r in api.requests)  # noqa: E731
+        await wait_until(lambda: posts() == 1 and service._queue.qsize() == 5, what="a held post")
+        assert service.writer.status.events_dropped == 14
+        api.hold.set()
+        st = service.writer.status
+        await wait_until(lambda: st.events_posted + st.events_dropped == 20, what="every finding handled")
+        # then the rate limit: 5 posted in the minute, the sixth dropped
+        assert (st.events_posted, st.events_dropped, len(api.events)) == (5, 15, 5)
+    finally:
+        await service.stop()

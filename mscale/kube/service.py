@@ -36,6 +36,7 @@ class KubeService:
         self.pod_resources_errors = 0
         self._tasks: list[asyncio.Task] = []
         self._event_times: deque[float] = deque()
+        self._queue: asyncio.Queue | None = None
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wait_for(asyncio.to_thread(fn, *args), self.cfg.request_timeout_s + 1)
@@ -121,6 +122,10 @@ class KubeService:
     async def _events_loop(self, queue: asyncio.Queue) -> None:
         while True:
             f = await queue.get()
+            # a slow API server builds no backlog: past a minute's worth, the oldest are dropped (counted)
+            while queue.qsize() > self.cfg.max_events_per_minute:
+                if self.wants_event(queue.get_nowait()) and self.writer is not None:
+                    self.writer.status.events_dropped += 1
             if self.wants_event(f):
                 await self.post_event(f)
 
@@ -145,10 +150,12 @@ class KubeService:
         self.state.snapshots[NODE_SNAPSHOT] = self.writer.status
         self._tasks.append(asyncio.create_task(self._node_loop(), name="kube-node"))
         if cfg.events:
-            queue = self.state.events.subscribe()
-            self._tasks.append(asyncio.create_task(self._events_loop(queue), name="kube-events"))
+            self._queue = self.state.events.subscribe()
+            self._tasks.append(asyncio.create_task(self._events_loop(self._queue), name="kube-events"))
 
     async def stop(self) -> None:
+        if self._queue is not None:
+            self.state.events.unsubscribe(self._queue)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

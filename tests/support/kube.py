@@ -94,6 +94,7 @@ class ApiServer:
     requests: list[Recorded] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
     port: int = 0
+    hold: asyncio.Event | None = None  # set: event posts wait for it (a slow API server)
 
     def node(self, name: str, *, labels: dict | None = None, unschedulable: bool = False) -> None:
         self.nodes[name] = {
@@ -157,6 +158,8 @@ class ApiServer:
 
     async def create_event(self, request: web.Request) -> web.Response:
         rec = await self._record(request)
+        if self.hold is not None:
+            await asyncio.wait_for(self.hold.wait(), 10)
         self.events.append(rec.body)
         return web.json_response(rec.body, status=201)
 
