@@ -9,8 +9,6 @@ import datetime as dt
 
 import pytest
 
-pytest.importorskip("kubernetes", reason="the kube extra is part of dev")
-
 from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason, Severity
 from mscale.kube.node import condition_of

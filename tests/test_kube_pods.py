@@ -9,9 +9,6 @@ import os
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("grpc", reason="the kube extra (grpcio) is part of dev")
-
 from prometheus_client.parser import text_string_to_metric_families
 
 from mscale import link as protocol
