@@ -117,6 +117,7 @@ def _config(tmp_path: Path, pod_path: str, **kube) -> Config:
     )
 
 
+@pytest.mark.slow  # waits out refreshes and the cache's max age: about 3 s
 async def test_gpu_series_gain_pod_labels_and_follow_the_kubelet(tmp_path: Path, pod_socket) -> None:
     path, server = pod_socket
     config = _config(tmp_path, path, pod_resources_max_age_s=1.0)
@@ -259,6 +260,7 @@ async def test_off_the_cluster_a_reported_pod_is_ignored(tmp_path: Path) -> None
         await runner.cleanup()
 
 
+@pytest.mark.slow  # imports torch: about 4 s on its own
 def test_the_hook_library_sends_its_pod_from_the_downward_api(monkeypatch, tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     import mscale

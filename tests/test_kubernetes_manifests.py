@@ -120,6 +120,7 @@ def test_monitors_select_the_agent_pods_on_their_named_port(rendered) -> None:
     assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports
 
 
+@pytest.mark.slow  # promtool check and every promtool rule test: about 3 s
 def test_prometheus_rule_carries_the_shipped_rules(rendered, tmp_path: Path) -> None:
     (rule,) = by_kind(rendered["observe-only"], "PrometheusRule")
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
