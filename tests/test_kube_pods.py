@@ -279,3 +279,20 @@ def test_the_hook_library_sends_its_pod_from_the_downward_api(monkeypatch, tmp_p
         assert "pod" not in guard.registration()  # off Kubernetes the registration is as before
     finally:
         guard.detach()
+
+
+def test_a_job_across_pods_labels_by_rank_and_never_guesses() -> None:
+    from mscale.daemon.jobs import JobState
+    from mscale.kube.attribution import _job_pod
+    from mscale.kube.podresources import PodMap, PodRef
+
+    pods = PodMap(devices={"GPU-0": PodRef("ml", "w-0", "trainer"), "GPU-1": PodRef("ml", "w-1", "trainer")})
+    job = JobState(job_id="j", rank=0, pid=1)
+    for rank in (0, 1):
+        job.register({"rank": rank, "pid": 10 + rank, "mpus": [], "pod": {"name": f"w-{rank}", "namespace": "ml"}})
+        job.ranks[rank] = 10 + rank
+    assert _job_pod(job, "1", pods) == PodRef("ml", "w-1", "trainer")
+    assert _job_pod(job, None, pods) is None  # a job-wide series of a job in two pods: no label
+    del job.ranks[1]  # rank 1 left; a job-wide series is now the one live rank's pod
+    assert _job_pod(job, None, pods) == PodRef("ml", "w-0", "trainer")
+    assert _job_pod(job, None, None) == PodRef("ml", "w-0", "")  # no pod-resources: no container

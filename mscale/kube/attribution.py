@@ -22,6 +22,8 @@ def _job_pod(job: Any, rank: str | None, pods: PodMap | None) -> PodRef | None:
     by_rank: Mapping[int, tuple[str, str]] = getattr(job, "pods", None) or {}
     if not by_rank:
         return None
+    live = getattr(job, "ranks", None) or {}  # a rank that left may have run in another pod
+    by_rank = {r: p for r, p in by_rank.items() if r in live} or by_rank
     if rank is not None and rank.isdigit() and int(rank) in by_rank:
         ns, pod = by_rank[int(rank)]
     elif len(set(by_rank.values())) == 1:
