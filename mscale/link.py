@@ -13,7 +13,8 @@ Where the agent is, by default:
 Wire format: a websocket at PATH on the Unix socket; JSON text frames, one object each, every
 one with a string "type" (binary frames are refused).
   job -> agent   {"type": "register", job_id, rank, pid, step, mpus: [{mpu_id, name, path,
-                  device, gpu, gpu_uuid, fuse_level, params}]}              first, and on a rebind
+                  device, gpu, gpu_uuid, fuse_level, params}], local_rank?, world_size?}
+                                                                           first, and on a rebind
                  {"type": "report", job_id, dropped, reports: [{step, time, loss, grad_norm,
                   skipped, mpus: {mpu_id: {forward_s, backward_s, grad_norm, gvc, clip_ratio,
                   ...}}, findings: [Finding.to_dict()]}]}                    batched per step
@@ -82,7 +83,7 @@ GPU_UUID = re.compile(r"[A-Za-z0-9-]*")
 FUSE_LEVEL = re.compile(r"[a-z0-9_]{1,32}")
 SOURCE = re.compile(r"[a-z0-9_.-]{1,32}")
 # the fields each message may carry (the job's client sends exactly these)
-REGISTER_FIELDS = frozenset({"type", "job_id", "rank", "pid", "step", "mpus"})
+REGISTER_FIELDS = frozenset({"type", "job_id", "rank", "pid", "step", "mpus", "local_rank", "world_size"})
 MPU_FIELDS = frozenset({"mpu_id", "name", "path", "device", "gpu", "gpu_uuid", "fuse_level", "params"})
 REPORT_FIELDS = frozenset({"type", "job_id", "dropped", "reports"})
 STEP_FIELDS = frozenset({"step", "time", "loss", "grad_norm", "skipped", "mpus", "findings"})
@@ -150,8 +151,19 @@ CHAOS_JOB_KINDS = ("corrupt", "gpu_fault", "loss_spike", "nan_loss", "hang")
 # --- building messages -----------------------------------------------------------------------
 
 
-def register(*, job_id: str, rank: int, pid: int, step: int, mpus: list[dict]) -> dict:
-    return {"type": Msg.REGISTER.value, "job_id": job_id, "rank": rank, "pid": pid, "step": step, "mpus": mpus}
+def register(
+    *, job_id: str, rank: int, pid: int, step: int, mpus: list[dict], local_rank: int = 0, world_size: int = 1
+) -> dict:
+    return {
+        "type": Msg.REGISTER.value,
+        "job_id": job_id,
+        "rank": rank,
+        "pid": pid,
+        "step": step,
+        "mpus": mpus,
+        "local_rank": local_rank,
+        "world_size": world_size,
+    }
 
 
 def report(job_id: str, dropped: int, reports: list[dict]) -> dict:
@@ -293,6 +305,11 @@ def validate_register(msg: dict, max_mpus: int = MAX_MPUS) -> None:
         "register: job_id must be 1-128 characters of [A-Za-z0-9._:@/+-]",
     )
     _need(_is_int(msg.get("rank"), 0, MAX_RANK), f"register: rank must be an integer in 0..{MAX_RANK}")
+    _need(_is_int(msg.get("local_rank", 0), 0, MAX_RANK), f"register: local_rank must be an integer in 0..{MAX_RANK}")
+    _need(
+        "world_size" not in msg or (_is_int(msg["world_size"], 1, MAX_RANK + 1) and msg["rank"] < msg["world_size"]),
+        f"register: world_size must be an integer in 1..{MAX_RANK + 1}, above rank",
+    )
     _need(_is_int(msg.get("pid"), 1, MAX_PID), f"register: pid must be an integer in 1..{MAX_PID}")
     _need(_is_int(msg.get("step", 0), -1, MAX_INT), f"register: step must be an integer in -1..{MAX_INT}")
     mpus = msg.get("mpus")
