@@ -45,7 +45,7 @@ from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
 from mscale.hook.null import NullGuard
 from mscale.hook.plugin import HOOKS
-from mscale.hook.protect import SnapshotConfig, data_position, protect, snapshot_config
+from mscale.hook.protect import SnapshotConfig, agree, data_position, protect, snapshot_config
 from mscale.hook.ranks import identify
 
 log = structlog.get_logger("mscale.hook")
@@ -579,6 +579,7 @@ def attach(
         raise TypeError("data= and scheduler= are what snapshots hold: give snapshots= too")
     position = data_position(data) if cfg is not None else None
     guard = Guard(model, optimizer, job_id=job_id, **kwargs)
+    agree(guard)  # several ranks: decisions agreed at each step (mscale.hook.agree)
     if cfg is not None:
         try:
             protect(guard, cfg, data=position, scheduler=scheduler, scaler=kwargs.get("scaler"), resume=resume)

@@ -23,6 +23,9 @@ What a rollback does with the data depends on the loader given as `data`:
   and a restart starts the data from its beginning.
 - an object without `state_dict`/`load_state_dict` (a plain torch `DataLoader`): refused with
   a TypeError, since its position cannot be snapshotted.
+
+With several ranks (a torch.distributed process group) `agree` adds the step agreement
+(mscale.hook.agree) and the rollback is collective: every rank restores the same step.
 """
 
 from __future__ import annotations
@@ -139,6 +142,15 @@ class Protection:
         self.engine.close()
 
 
+def agree(guard: Guard) -> None:
+    """Add the step-end agreement (mscale.hook.agree) when the process group has several ranks."""
+    from mscale.hook.agree import Agreement
+
+    agreement = Agreement()
+    if agreement.world_size > 1:
+        guard.add_plugin(agreement)
+
+
 def protect(
     guard: Guard,
     cfg: SnapshotConfig,
@@ -178,11 +190,6 @@ def protect(
     )
     fuse = FusePlugin(snapshot_engine=engine)
     try:
-        if engine.world_size > 1:
-            raise ValueError(
-                f"snapshots=: the fuse's rollback restores one process, and this job has "
-                f"{engine.world_size} ranks (they would diverge); attach without snapshots= here"
-            )
         held = list_snapshots(cfg.directory) if cfg.directory is not None else []
         if held and not resume:
             raise ValueError(
@@ -190,7 +197,7 @@ def protect(
                 f"{max(i.step for i in held)}); resume from them, or give an empty directory"
             )
         step = None
-        if held:
+        if held or (resume and engine.world_size > 1):  # with several ranks resume is collective
             restoring = isinstance(data, LoopData)
             if restoring:
                 data.restoring = True

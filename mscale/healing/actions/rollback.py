@@ -1,6 +1,8 @@
 """NaN/Inf loss or a persisting spike: drop this step's update (its gradients never reach the
 weights), then, after the step, roll back to the last good in-memory snapshot and skip the
-offending batch. Without a snapshot engine the step is still dropped, and the event says so."""
+offending batch. Without a snapshot engine the step is still dropped, and the event says so.
+With several ranks the restore is the engine's collective `agree_rollback`, run at every step
+end on every rank (mscale.hook.agree): all ranks restore the same step, or none does."""
 
 from __future__ import annotations
 
@@ -18,11 +20,37 @@ class Rollbacks:
         self.skipped_steps: list[int] = []
 
     def settle(self, fuse, step: int) -> bool:
+        engine = fuse.snapshot_engine
+        if getattr(engine, "world_size", 1) > 1:
+            return self._agree(fuse, engine, step)
         if self.pending is None:
             return False
         d, self.pending = self.pending, None
         self._rollback(fuse, d, step)
         return True  # the step's state was dropped or replaced: not snapshotted
+
+    def _agree(self, fuse, engine, step: int) -> bool:
+        """Several ranks: the engine's collective commit point, on every rank at every step end
+        (as SnapshotPlugin does), so all ranks restore the same step or none does, whichever
+        rank asked."""
+        d, self.pending = self.pending, None
+        try:
+            to = engine.agree_rollback(d is not None, skip_batch=True)
+        except Exception as e:  # no snapshot common to every rank: the step stays dropped everywhere
+            self.skipped_steps.append(step)
+            self.rollbacks.append({"step": step, "to": None, "error": str(e)})
+            if d is not None:
+                fuse.engine.record(d, "failed", detail=f"rollback: {e}")
+            return True
+        if to is None:
+            return False
+        self.skipped_steps.append(step)
+        self.rollbacks.append({"step": step, "to": int(to)})
+        fuse.dispatch("weights_settled")
+        if d is not None:
+            fuse.engine.record(d, "applied", detail=f"restored step {to} on every rank, batch of step {step} skipped")
+        fuse.guard.set_step(int(to) + 1)
+        return True
 
     def _rollback(self, fuse, d, step: int) -> None:
         self.skipped_steps.append(step)

@@ -1,0 +1,159 @@
+"""A job of several gloo ranks training the tiny model under DDP with the guard (no tests here).
+
+    python tests/support/ddp_job.py --world 2 --port P --out DIR --scenario nan|checksum|plain
+        [--socket S] [--snapshots] [--steps 8] [--fault-rank 1] [--fault-at 3]
+
+imports torch once, then forks one child per rank (no threads before the fork), each joining a
+gloo process group on 127.0.0.1:P (60 s collective timeout) and training TinyMultimodal wrapped
+in DistributedDataParallel, attached with `mscale.attach` (the agreement is added by attach;
+--snapshots: in-memory snapshots every step and the fuse). Each rank's batch at step s is its
+own (seed = rank). Faults, once, on --fault-rank before the forward of step --fault-at:
+nan: one NaN pixel in its batch; checksum: a mantissa flip in the vision MPU's first GEMM.
+Each rank writes DIR/rank_R.json: the steps it skipped and why, its rollbacks, the findings
+it made, a hash of its parameters after each step, the agreements, the final hash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+import torch.distributed as dist
+
+from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
+
+MAX_LOOPS = 64  # steps run, rollbacks included: a bound on the loop whatever happens
+
+
+def param_hash(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def batch(data: SyntheticCaptions, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    items = [data[(2 * step + i) % len(data)] for i in range(2)]
+    return torch.stack([b["images"] for b in items]), torch.stack([b["tokens"] for b in items])
+
+
+class Recorder:
+    """A guard plugin noting, at each step end, whether the update was dropped and the weights."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.guard = model, None
+        self.ends: list[dict] = []
+
+    def on_attach(self, guard) -> None:
+        self.guard = guard
+
+    def on_step_end(self, step: int, loss) -> None:
+        self.ends.append({"step": step, "skip": self.guard._skip_reason, "hash": param_hash(self.model)})
+
+
+def rank_main(args: argparse.Namespace, rank: int) -> int:
+    import mscale
+    from mscale.hook.protect import SnapshotConfig
+    from mscale.sim.inject import inject
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=args.world, timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    cfg = TinyConfig()
+    model = TinyMultimodal(cfg)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    rec = Recorder(model)
+    kw: dict = {"socket_path": args.socket} if args.socket else {"connect": False}
+    snaps = SnapshotConfig(memory_every=1, memory_keep=2) if args.snapshots else None
+    guard = mscale.attach(ddp, opt, job_id="ddp-job", snapshots=snaps, plugins=[rec], **kw)
+    data = SyntheticCaptions(cfg, size=64, seed=rank)
+    faulted = False
+    for _ in range(MAX_LOOPS):
+        step = guard.current_step
+        if step >= args.steps:
+            break
+        images, tokens = batch(data, step)
+        fault = rank == args.fault_rank and step == args.fault_at and not faulted
+        injector = None
+        if fault:
+            faulted = True
+            if args.scenario == "nan":
+                images[0, 0, 0, 0] = float("nan")
+            elif args.scenario == "checksum":
+                injector = inject(guard, kind="mantissa_flip", mpu="vision", element="max")
+        loss = ddp(images, tokens)["loss"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if injector is not None:
+            injector.remove()
+    fuse = getattr(guard, "fuse", None)
+    agreement = next((p for p in guard.plugins if type(p).__name__ == "Agreement"), None)
+    out = {
+        "rank": rank,
+        "world": guard.world_size,
+        "guard_rank": guard.rank,
+        "final_step": guard.current_step,
+        "ends": rec.ends,
+        "rollbacks": fuse.states["rollback"].rollbacks if fuse is not None else [],
+        "findings": [[f.source, f.reason.value] for f in guard.findings],
+        "agreements": len(agreement.history) if agreement is not None else 0,
+        "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+        "hash": param_hash(model),
+    }
+    if args.socket:  # the last report goes out before the link closes
+        deadline = time.monotonic() + 10
+        while guard.link is not None and (guard.link.queue or not guard.link.connected) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    guard.detach()
+    dist.barrier()
+    dist.destroy_process_group()
+    Path(args.out, f"rank_{rank}.json").write_text(json.dumps(out))
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--scenario", choices=("nan", "checksum", "plain"), default="plain")
+    ap.add_argument("--socket", default="")
+    ap.add_argument("--snapshots", action="store_true")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--fault-rank", type=int, default=1)
+    ap.add_argument("--fault-at", type=int, default=3)
+    args = ap.parse_args()
+    children = []
+    for rank in range(args.world):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = rank_main(args, rank)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children.append(pid)
+    worst = 0
+    for pid in children:
+        _, status = os.waitpid(pid, 0)
+        worst = worst or os.waitstatus_to_exitcode(status)
+    return worst
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
