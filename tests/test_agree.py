@@ -3,9 +3,6 @@ under DistributedDataParallel, each rank a real process (tests/support/ddp_job.p
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,41 +12,8 @@ import mscale
 from mscale.hook.agree import Agreement
 from mscale.hook.ranks import identify
 from mscale.sim.tinymm import TinyConfig, TinyMultimodal
-from support import REPO, free_port
+from support.ddp_run import run_job, skipped_steps
 from support.link_agent import Agent, wait_for
-
-
-def run_job(tmp_path: Path, *, world: int = 2, timeout_s: float = 240, **opts: object) -> list[dict]:
-    out = tmp_path / "out"
-    out.mkdir()
-    argv = [
-        sys.executable,
-        "tests/support/ddp_job.py",
-        "--world",
-        str(world),
-        "--port",
-        str(free_port()),
-        "--out",
-        str(out),
-    ]
-    for k, v in opts.items():
-        flag = "--" + k.replace("_", "-")
-        argv += [flag] if v is True else [flag, str(v)]
-    log = tmp_path / "job.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-            raise AssertionError("the job timed out:\n" + log.read_text()[-3000:]) from None
-    assert code == 0, log.read_text()[-3000:]
-    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(world)]
-
-
-def skipped_steps(rank: dict) -> list[int]:
-    return [e["step"] for e in rank["ends"] if e["skip"]]
 
 
 @pytest.mark.slow

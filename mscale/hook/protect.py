@@ -143,12 +143,21 @@ class Protection:
 
 
 def agree(guard: Guard) -> None:
-    """Add the step-end agreement (mscale.hook.agree) when the process group has several ranks."""
+    """With several ranks in the process group: add the step agreement (mscale.hook.agree) and
+    the replica check (mscale.hook.replicas, every healing.replica_check_steps steps), kept as
+    `guard.agreement` and `guard.replicas` (None with one rank)."""
+    from mscale.healing.settings import HealingSection
     from mscale.hook.agree import Agreement
+    from mscale.hook.replicas import ReplicaCheck
 
     agreement = Agreement()
-    if agreement.world_size > 1:
+    several = agreement.world_size > 1
+    replicas = ReplicaCheck(HealingSection().replica_check_steps) if several else None
+    if several:
         guard.add_plugin(agreement)
+        guard.add_plugin(replicas)
+    setattr(guard, "agreement", agreement if several else None)  # noqa: B010 (not Guard's own attributes)
+    setattr(guard, "replicas", replicas)  # noqa: B010
 
 
 def protect(

@@ -1,14 +1,15 @@
 """A job of several gloo ranks training the tiny model under DDP with the guard (no tests here).
 
-    python tests/support/ddp_job.py --world 2 --port P --out DIR --scenario nan|checksum|plain
-        [--socket S] [--snapshots] [--steps 8] [--fault-rank 1] [--fault-at 3]
+    python tests/support/ddp_job.py --world 2 --port P --out DIR --scenario nan|checksum|corrupt|plain
+        [--socket S] [--snapshots] [--steps 8] [--fault-rank 1] [--fault-at 3] [--replica-every K]
 
 imports torch once, then forks one child per rank (no threads before the fork), each joining a
 gloo process group on 127.0.0.1:P (60 s collective timeout) and training TinyMultimodal wrapped
 in DistributedDataParallel, attached with `mscale.attach` (the agreement is added by attach;
 --snapshots: in-memory snapshots every step and the fuse). Each rank's batch at step s is its
 own (seed = rank). Faults, once, on --fault-rank before the forward of step --fault-at:
-nan: one NaN pixel in its batch; checksum: a mantissa flip in the vision MPU's first GEMM.
+nan: one NaN pixel in its batch; checksum: a mantissa flip in the vision MPU's first GEMM;
+corrupt: one element of the vision MPU's first weight scaled by 1.5 (a corrupted weight).
 Each rank writes DIR/rank_R.json: the steps it skipped and why, its rollbacks, the findings
 it made, a hash of its parameters after each step, the agreements, the final hash.
 """
@@ -22,6 +23,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 if __name__ == "__main__":  # run as a script from the repository root
@@ -78,6 +80,8 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
     kw: dict = {"socket_path": args.socket} if args.socket else {"connect": False}
     snaps = SnapshotConfig(memory_every=1, memory_keep=2) if args.snapshots else None
     guard = mscale.attach(ddp, opt, job_id="ddp-job", snapshots=snaps, plugins=[rec], **kw)
+    if guard.replicas is not None:
+        guard.replicas.every = args.replica_every
     data = SyntheticCaptions(cfg, size=64, seed=rank)
     faulted = False
     for _ in range(MAX_LOOPS):
@@ -93,6 +97,9 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
                 images[0, 0, 0, 0] = float("nan")
             elif args.scenario == "checksum":
                 injector = inject(guard, kind="mantissa_flip", mpu="vision", element="max")
+            elif args.scenario == "corrupt":
+                with torch.no_grad():
+                    guard.mpu("vision").parameters()[0].view(-1)[7] *= 1.5
         loss = ddp(images, tokens)["loss"]
         loss.backward()
         opt.step()
@@ -110,6 +117,8 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         "rollbacks": fuse.states["rollback"].rollbacks if fuse is not None else [],
         "findings": [[f.source, f.reason.value] for f in guard.findings],
         "agreements": len(agreement.history) if agreement is not None else 0,
+        "repairs": guard.replicas.repairs if guard.replicas is not None else [],
+        "replica_checks": guard.replicas.checks if guard.replicas is not None else 0,
         "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
         "hash": param_hash(model),
     }
@@ -129,7 +138,8 @@ def main() -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--scenario", choices=("nan", "checksum", "plain"), default="plain")
+    ap.add_argument("--scenario", choices=("nan", "checksum", "corrupt", "plain"), default="plain")
+    ap.add_argument("--replica-every", type=int, default=100)
     ap.add_argument("--socket", default="")
     ap.add_argument("--snapshots", action="store_true")
     ap.add_argument("--steps", type=int, default=8)
@@ -143,6 +153,8 @@ def main() -> int:
             code = 1
             try:
                 code = rank_main(args, rank)
+            except BaseException:
+                traceback.print_exc()
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()

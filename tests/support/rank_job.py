@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 if __name__ == "__main__":  # run as a script from the repository root
@@ -70,6 +71,8 @@ def main() -> int:
             code = 1
             try:
                 code = rank_main(args, rank)
+            except BaseException:
+                traceback.print_exc()
             finally:
                 os._exit(code)
         children.append(pid)
