@@ -176,6 +176,13 @@ def protect(
     from mscale.snapshot.engine import SnapshotEngine
     from mscale.snapshot.format import list_snapshots
 
+    if any(hasattr(p, "device_mesh") for p in guard.model.parameters()):
+        raise ValueError(
+            "snapshots=: the model's parameters are sharded (FSDP2 DTensors), and the snapshot "
+            "engine copies whole tensors: it does not hold shards yet. Attach without snapshots= (the "
+            "guard, checksums, CMSA over all shards and the step agreement work) and checkpoint with "
+            "torch.distributed.checkpoint"
+        )
     fuse: Any = None
 
     def emit(finding: Any) -> None:  # the writer thread's findings reach the guard through the fuse

@@ -2,10 +2,12 @@
 
     python tests/support/ddp_job.py --world 2 --port P --out DIR --scenario nan|checksum|corrupt|plain
         [--socket S] [--snapshots] [--steps 8] [--fault-rank 1] [--fault-at 3] [--replica-every K]
+        [--wrap ddp|fsdp]
 
 imports torch once, then forks one child per rank (no threads before the fork), each joining a
 gloo process group on 127.0.0.1:P (60 s collective timeout) and training TinyMultimodal wrapped
-in DistributedDataParallel, attached with `mscale.attach` (the agreement is added by attach;
+in DistributedDataParallel (--wrap fsdp: sharded with FSDP2 `fully_shard`, each MPU and then
+the model), attached with `mscale.attach` (the agreement is added by attach;
 --snapshots: in-memory snapshots every step and the fuse). Each rank's batch at step s is its
 own (seed = rank). Faults, once, on --fault-rank before the forward of step --fault-at:
 nan: one NaN pixel in its batch; checksum: a mantissa flip in the vision MPU's first GEMM;
@@ -37,11 +39,23 @@ from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 MAX_LOOPS = 64  # steps run, rollbacks included: a bound on the loop whatever happens
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (DTensor) tensor; a plain one as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def param_hash(model: torch.nn.Module) -> str:
+    """A hash of this rank's parameters (its shards, when sharded)."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(local(p.detach()).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def full_norm(m) -> float:
+    """The MPU's gradient norm over the whole gradient (all shards gathered when sharded)."""
+    grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in m.parameters()]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
 
 def batch(data: SyntheticCaptions, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +88,14 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
     torch.manual_seed(0)
     cfg = TinyConfig()
     model = TinyMultimodal(cfg)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if args.wrap == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for sub in (model.vision_tower, model.multi_modal_projector, model.language_model):
+            fully_shard(sub)
+        ddp = fully_shard(model)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     rec = Recorder(model)
     kw: dict = {"socket_path": args.socket} if args.socket else {"connect": False}
@@ -84,6 +105,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         guard.replicas.every = args.replica_every
     data = SyntheticCaptions(cfg, size=64, seed=rank)
     faulted = False
+    norms: list[dict] = []
     for _ in range(MAX_LOOPS):
         step = guard.current_step
         if step >= args.steps:
@@ -102,7 +124,10 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
                     guard.mpu("vision").parameters()[0].view(-1)[7] *= 1.5
         loss = ddp(images, tokens)["loss"]
         loss.backward()
+        norms.append({m.name: [None, full_norm(m)] for m in guard.mpus})
         opt.step()
+        for m in guard.mpus:
+            norms[-1][m.name][0] = m.grad_norm
         opt.zero_grad()
         if injector is not None:
             injector.remove()
@@ -119,8 +144,10 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         "agreements": len(agreement.history) if agreement is not None else 0,
         "repairs": guard.replicas.repairs if guard.replicas is not None else [],
         "replica_checks": guard.replicas.checks if guard.replicas is not None else 0,
-        "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+        "finite": all(bool(torch.isfinite(local(p)).all()) for p in model.parameters()),
         "hash": param_hash(model),
+        "norms": norms,
+        "sharded": any(hasattr(p, "to_local") for p in model.parameters()),
     }
     if args.socket:  # the last report goes out before the link closes
         deadline = time.monotonic() + 10
@@ -140,6 +167,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--scenario", choices=("nan", "checksum", "corrupt", "plain"), default="plain")
     ap.add_argument("--replica-every", type=int, default=100)
+    ap.add_argument("--wrap", choices=("ddp", "fsdp"), default="ddp")
     ap.add_argument("--socket", default="")
     ap.add_argument("--snapshots", action="store_true")
     ap.add_argument("--steps", type=int, default=8)
