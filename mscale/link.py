@@ -137,6 +137,13 @@ class Command(StrEnum):
     CHAOS = "chaos"  # a fault for the chaos plugin (mscale.sim.chaos_job)
 
 
+# a standby GPU for an L1 swap, from the agent's node view (mscale.daemon.standby,
+# mscale.hook.standby): the job asks, the agent answers that rank only
+STANDBY_REQUEST = "standby_request"  # job -> agent: {type, id, mpu_id, gpu, avoid: [gpu, ...]}
+STANDBY = "standby"  # agent -> job: {type, id, gpu (null: none), gpu_uuid, why}
+STANDBY_REQUEST_FIELDS = frozenset({"type", "id", "mpu_id", "gpu", "avoid"})
+MAX_AVOID = 256
+
 # the fields a heal command may carry besides type and action
 HEAL_FIELDS = ("rule", "level", "mpu_id", "gpu", "gpu_uuid", "reason", "why", "fault_key", "decided_at", "end")
 
@@ -337,6 +344,27 @@ def validate_register(msg: dict, max_mpus: int = MAX_MPUS) -> None:
             f"register: mpus[{i}].fuse_level must be 1-32 of [a-z0-9_]",
         )
         _need(_is_int(m.get("params", 0)), f"register: mpus[{i}].params must be an integer in 0..{MAX_INT}")
+
+
+def standby_request(*, id: int, mpu_id: str, gpu: int, avoid: list[int]) -> dict:
+    return {"type": STANDBY_REQUEST, "id": id, "mpu_id": mpu_id, "gpu": gpu, "avoid": sorted(set(avoid))}
+
+
+def standby(id: int, gpu: int | None, gpu_uuid: str = "", why: str = "") -> dict:
+    return {"type": STANDBY, "id": id, "gpu": gpu, "gpu_uuid": gpu_uuid, "why": why}
+
+
+def validate_standby_request(msg: dict) -> None:
+    """A standby request: an id, the MPU, the GPU it leaves, the GPUs the job avoids."""
+    _no_unknown(msg, STANDBY_REQUEST_FIELDS, "standby_request")
+    _need(_is_int(msg.get("id")), f"standby_request: id must be an integer in 0..{MAX_INT}")
+    _need(_is_text(msg.get("mpu_id"), 1, 16, MPU_ID), "standby_request: mpu_id must be 1-16 of [A-Za-z0-9._-]")
+    _need(_is_int(msg.get("gpu"), 0, MAX_GPU_INDEX - 1), "standby_request: gpu must be a GPU index")
+    avoid = msg.get("avoid", [])
+    _need(
+        isinstance(avoid, list) and len(avoid) <= MAX_AVOID and all(_is_int(g, 0, MAX_GPU_INDEX - 1) for g in avoid),
+        f"standby_request: avoid must be a list of at most {MAX_AVOID} GPU indexes",
+    )
 
 
 def validate_report(msg: dict) -> None:

@@ -99,7 +99,8 @@ class LinkServer:
         return sum(sent)
 
     def on_message(self, type_: str, handler: Handler) -> None:
-        """Handle another message type from jobs (e.g. a plugin's); handler(job, msg)."""
+        """Handle another message type from jobs (e.g. a plugin's); handler(job, msg), with
+        msg["rank"] the sending connection's rank (whatever the job put there)."""
         if type_ in protocol.RESERVED:
             raise ValueError(f"{type_!r} is the link's own message type")
         self.handlers[type_] = handler
@@ -282,9 +283,11 @@ class LinkServer:
             self._report(job, conn.rank, msg)
         elif kind in self.handlers:
             try:
-                result = self.handlers[kind](job, msg)
+                result = self.handlers[kind](job, {**msg, "rank": conn.rank})  # the connection's rank
                 if asyncio.iscoroutine(result):
                     await result
+            except BadMessage:  # the handler's validator refused the message: said as it is
+                raise
             except Exception as e:  # a plugin's handler failing must not end the connection
                 log.error("link_handler_failed", type=kind, job_id=job.job_id, error=f"{type(e).__name__}: {e}")
                 raise BadMessage("handler_error", f"{kind}: not handled ({type(e).__name__})") from None

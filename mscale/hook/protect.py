@@ -205,6 +205,10 @@ def protect(
         binding=lambda: {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None} for m in guard.mpus},
     )
     fuse = FusePlugin(snapshot_engine=engine)
+    if guard.link is not None:  # an L1 swap's standby from the agent's node view
+        from mscale.hook.standby import AgentStandby
+
+        fuse.ask_standby = AgentStandby(guard)
     try:
         held = list_snapshots(cfg.directory) if cfg.directory is not None else []
         if held and not resume:

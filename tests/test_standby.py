@@ -1,0 +1,129 @@
+"""A standby the node agrees on: a rank's L1 swap asks the agent, which answers from its node
+view (GPU health from the GPU probe on simulated GPUs, every rank's GPUs, quarantines, the
+MPU's history), or "none", which escalates to L2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import mscale
+from mscale import link as protocol
+from mscale.config import from_dict
+from mscale.findings import Finding, Reason, Severity
+from mscale.probes.gpu import GpuProbe, NvmlReader
+from mscale.probes.gpu_health import HealthModel
+from mscale.sim.nvml import SimNvml
+from mscale.sim.timeline import event_from_dict
+from mscale.sim.tinymm import TinyConfig, TinyMultimodal
+from support.link_agent import Agent, wait_for
+
+JOB = "standby-job"
+
+
+def gpu_snapshot(gpus: int, failed: int):
+    """The GPU probe's snapshot of a simulated node where GPU `failed` lost itself."""
+    sim = SimNvml(gpus, model="h100")
+    sim.inject(event_from_dict({"gpu": failed, "fault": "gpu_lost"}, gpus=gpus))
+    probe = GpuProbe(NvmlReader(sim, backend="sim"), HealthModel(from_dict({}).health), emit=lambda f: None)
+    return probe.sample()
+
+
+def rank(sock: str, r: int, gpus: dict[str, int]):
+    torch.manual_seed(0)
+    model = TinyMultimodal(TinyConfig())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = mscale.attach(model, opt, job_id=JOB, rank=r, socket_path=sock, snapshots=True, gpus=gpus)
+    wait_for(lambda: guard.link.connected, 20, f"rank {r} connected")
+    return guard
+
+
+def swap(guard, mpu_id: str, gpu: int) -> dict:
+    cmd = protocol.heal("l1_swap", rule="gpu_fatal", level="L1", mpu_id=mpu_id, gpu=str(gpu), reason="gpu_xid")
+    return guard.fuse.on_command(cmd)
+
+
+def test_the_agent_grants_a_free_healthy_gpu_then_none_which_escalates_to_l2(tmp_path: Path) -> None:
+    sock = str(tmp_path / "run" / "agent.sock")
+    agent = Agent(sock)
+    agent.state.publish("gpu", gpu_snapshot(8, failed=6))
+    assert {g.index: g.health for g in agent.state.snapshots["gpu"].gpus}[6] == "failed"
+    g0 = rank(sock, 0, {"vision": 0, "aligner": 1, "text": 2})
+    g1 = rank(sock, 1, {"vision": 3, "aligner": 4, "text": 5})
+    try:
+        wait_for(
+            lambda: len(agent.state.jobs.get(JOB, {}).ranks if JOB in agent.state.jobs else ()) == 2, 20, "2 ranks"
+        )
+        # rank 0's vision leaves GPU 0: 1-5 are other MPUs' (rank 1's too), 6 failed: 7
+        assert swap(g0, "001", 0) == {"ok": True, "result": "applied"}
+        assert g0.mpu("001").gpu == 7 and g0.fuse.ask_standby.answers[-1]["gpu"] == 7
+        # rank 1's vision leaves GPU 3: 7 was just promised to rank 0, nothing else: none -> L2
+        result = swap(g1, "001", 3)
+        assert result["ok"] and g1.mpu("001").gpu == 3
+        answer = g1.fuse.ask_standby.answers[-1]
+        assert answer["gpu"] is None and "unhealthy: 6" in answer["why"] and "7" in answer["why"]
+        levels = {m.mpu_id: m.fuse_level for m in g1.mpus}
+        assert levels["001"] == "l2_degraded"
+        events = [f for _, f in agent.state.events.since(0) if f.source == "standby"]
+        assert [(f.labels["rank"], f.labels["result"], f.labels.get("standby_gpu")) for f in events] == [
+            ("0", "granted", "7"),
+            ("1", "none", None),
+        ]
+        # a quarantine the node saw is respected: rank 0's aligner leaves 1; 7 is its own now
+        agent.state.events.emit(
+            Finding(
+                "healing",
+                Reason.HEAL_ACTION,
+                Severity.WARNING,
+                "q",
+                {"action": "quarantine_gpu", "result": "sent", "gpu": "0"},
+            )
+        )
+        assert swap(g0, "002", 1)["ok"]
+        assert g0.fuse.ask_standby.answers[-1]["gpu"] is None  # 0 quarantined, 0 also left by 001
+    finally:
+        g0.detach()
+        g1.detach()
+        agent.stop()
+
+
+def test_a_bad_standby_request_is_refused_and_counted(tmp_path: Path) -> None:
+    from support.link_agent import RawLink
+
+    sock = str(tmp_path / "run" / "agent.sock")
+    agent = Agent(sock)
+    raw = RawLink(sock)
+    try:
+        reg = protocol.register(job_id="j", rank=0, pid=1, step=0, mpus=[{"mpu_id": "001", "name": "v", "gpu": 0}])
+        assert '"registered"' in raw.ask(protocol.encode(reg))
+        bad = {"type": "standby_request", "id": 1, "mpu_id": "001", "gpu": 0, "avoid": ["x"]}
+        got = raw.ask(protocol.encode(bad))
+        assert '"error"' in got and "avoid" in got
+        assert agent.state.refused[("socket", "malformed")] == 1
+        good = {**bad, "avoid": [1]}
+        assert '"standby"' in raw.ask(protocol.encode(good))  # the connection goes on
+        assert "no GPU data" in raw.ask(protocol.encode({**good, "id": 2}))
+    finally:
+        raw.close()
+        agent.stop()
+
+
+def test_without_an_agent_answer_the_job_chooses_alone() -> None:
+    model = TinyMultimodal(TinyConfig())
+    guard = mscale.attach(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), job_id="alone", connect=False, snapshots=True
+    )
+    try:
+        assert getattr(guard.fuse, "ask_standby", None) is None
+        assert swap(guard, "001", 0)["ok"] and guard.mpu("001").gpu == 3  # the first GPU no MPU uses
+    finally:
+        guard.detach()
+
+
+def test_timeout_must_be_positive() -> None:
+    from mscale.hook.standby import AgentStandby
+
+    with pytest.raises(ValueError, match="timeout_s"):
+        AgentStandby(object(), timeout_s=0)
