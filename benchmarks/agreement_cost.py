@@ -20,7 +20,11 @@ Printed per world size, over --repeats repeats of --steps steps each (after --wa
   median plain step (the headline against the < 1% target); the same for one replica check,
   and per step at the default interval (the check's time / 100);
 - paired: the median of (agreed - plain) over the median plain step, a cross-check that
-  includes any effect on the rest of the step. It is "inconclusive" when the control (the
+  includes any effect on the rest of the step. Each arm starts and ends at a barrier: a
+  collective placed after the optimizer step would otherwise be charged the other ranks'
+  lag, which without it is paid at the next step's gradient all-reduce (a shift, not a cost).
+  The direct times still include the lag at their own point (the rollback commit waits for
+  the slowest rank's optimizer step), so they overstate the cost when ranks share few cores. It is "inconclusive" when the control (the
   spread of plain against plain: the median absolute difference of consecutive plain steps)
   is larger than the effect, as it is when the effect is tens of microseconds on a step of
   hundreds of milliseconds on a shared CPU.
@@ -91,7 +95,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
         b = batches[i % len(batches)]
         took: dict[str, float] = {}
         for arm in ("plain", "agreed") if i % 2 == 0 else ("agreed", "plain"):
-            t0 = time.perf_counter()
+            dist.barrier()  # every arm starts with the ranks aligned and ends at a barrier (below),
+            t0 = time.perf_counter()  # so the skew between ranks is charged to neither arm
             loss = model(b["images"], b["tokens"])["loss"]
             loss.backward()
             c = 0.0
@@ -110,6 +115,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
                 if replicas.check(i):
                     raise SystemExit("the replicas diverged in the benchmark")
                 took["replica"] = time.perf_counter() - c0
+            dist.barrier()
             took[arm] = time.perf_counter() - t0
         if i >= args.warmup:
             rows.append(took)

@@ -40,6 +40,12 @@ def rank(sock: str, r: int, gpus: dict[str, int]):
     return guard
 
 
+def quarantine(agent: Agent, gpu: int) -> None:
+    """What the node's healing engine emits when it quarantines a GPU."""
+    labels = {"action": "quarantine_gpu", "result": "sent", "gpu": str(gpu)}
+    agent.state.events.emit(Finding("healing", Reason.HEAL_ACTION, Severity.WARNING, "quarantined", labels))
+
+
 def swap(guard, mpu_id: str, gpu: int) -> dict:
     cmd = protocol.heal("l1_swap", rule="gpu_fatal", level="L1", mpu_id=mpu_id, gpu=str(gpu), reason="gpu_xid")
     return guard.fuse.on_command(cmd)
@@ -48,41 +54,35 @@ def swap(guard, mpu_id: str, gpu: int) -> dict:
 def test_the_agent_grants_a_free_healthy_gpu_then_none_which_escalates_to_l2(tmp_path: Path) -> None:
     sock = str(tmp_path / "run" / "agent.sock")
     agent = Agent(sock)
-    agent.state.publish("gpu", gpu_snapshot(8, failed=6))
-    assert {g.index: g.health for g in agent.state.snapshots["gpu"].gpus}[6] == "failed"
+    agent.state.publish("gpu", gpu_snapshot(8, failed=0))
+    assert {g.index: g.health for g in agent.state.snapshots["gpu"].gpus}[0] == "failed"
     g0 = rank(sock, 0, {"vision": 0, "aligner": 1, "text": 2})
     g1 = rank(sock, 1, {"vision": 3, "aligner": 4, "text": 5})
     try:
         wait_for(
             lambda: len(agent.state.jobs.get(JOB, {}).ranks if JOB in agent.state.jobs else ()) == 2, 20, "2 ranks"
         )
-        # rank 0's vision leaves GPU 0: 1-5 are other MPUs' (rank 1's too), 6 failed: 7
+        # rank 0's vision leaves the failed GPU 0: 1-5 hold MPUs (3-5 rank 1's): 6, which no MPU uses
         assert swap(g0, "001", 0) == {"ok": True, "result": "applied"}
-        assert g0.mpu("001").gpu == 7 and g0.fuse.ask_standby.answers[-1]["gpu"] == 7
-        # rank 1's vision leaves GPU 3: 7 was just promised to rank 0, nothing else: none -> L2
-        result = swap(g1, "001", 3)
-        assert result["ok"] and g1.mpu("001").gpu == 3
+        assert g0.mpu("001").gpu == 6 and g0.fuse.ask_standby.answers[-1]["gpu"] == 6
+        quarantine(agent, 7)
+        # rank 1's vision leaves GPU 3: 6 is rank 0's, 7 quarantined, nothing free: the GPU of its
+        # own aligner (a rank's MPUs may share a GPU; another rank's, never)
+        assert swap(g1, "001", 3)["ok"] and g1.mpu("001").gpu == 4
+        quarantine(agent, 5)
+        # rank 1's aligner leaves 4: its text's GPU 5 quarantined too: none -> L2
+        assert swap(g1, "002", 4)["ok"] and g1.mpu("002").gpu == 4
         answer = g1.fuse.ask_standby.answers[-1]
-        assert answer["gpu"] is None and "unhealthy: 6" in answer["why"] and "7" in answer["why"]
-        levels = {m.mpu_id: m.fuse_level for m in g1.mpus}
-        assert levels["001"] == "l2_degraded"
+        assert answer["gpu"] is None
+        for what in ("unhealthy: 0", "quarantined: 5, 7", "in use by another rank: "):
+            assert what in answer["why"], answer["why"]
+        assert g1.mpu("002").fuse_level == "l2_degraded"
         events = [f for _, f in agent.state.events.since(0) if f.source == "standby"]
         assert [(f.labels["rank"], f.labels["result"], f.labels.get("standby_gpu")) for f in events] == [
-            ("0", "granted", "7"),
+            ("0", "granted", "6"),
+            ("1", "granted", "4"),
             ("1", "none", None),
         ]
-        # a quarantine the node saw is respected: rank 0's aligner leaves 1; 7 is its own now
-        agent.state.events.emit(
-            Finding(
-                "healing",
-                Reason.HEAL_ACTION,
-                Severity.WARNING,
-                "q",
-                {"action": "quarantine_gpu", "result": "sent", "gpu": "0"},
-            )
-        )
-        assert swap(g0, "002", 1)["ok"]
-        assert g0.fuse.ask_standby.answers[-1]["gpu"] is None  # 0 quarantined, 0 also left by 001
     finally:
         g0.detach()
         g1.detach()

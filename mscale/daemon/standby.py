@@ -10,12 +10,13 @@ its node view. A GPU qualifies when it is:
   double-bit error, a lost GPU), and there is a snapshot at all;
 - not quarantined: a quarantine_gpu action was applied or sent for it on this node (the
   healing events), until the agent restarts;
-- not in use by another MPU of any rank of any job here, nor promised a moment ago to
-  another request (a grant is held RESERVE_S seconds, until the rank re-registers on it);
-- not one this MPU of this job left before (its history here: it failed there), nor one the
+- not in use by another rank of any job here, nor promised a moment ago to another rank (a
+  grant is held RESERVE_S seconds, until the rank re-registers on it);
+- not one this MPU of this rank left before (its history here: it failed there), nor one the
   job avoids.
 
-The lowest such index is granted; none: the answer says why, and the job's fuse escalates
+The lowest such index no MPU uses is granted, else the lowest one only this rank's other MPUs
+use (a rank whose GPU failed moves all its MPUs to one standby); none: the answer says why, and the job's fuse escalates
 (L2, degraded in place). Every answer is an event (heal_action, action standby, result
 granted or none) with the job, rank and MPU.
 """
@@ -44,11 +45,11 @@ _BOOK = web.AppKey("standby_book", object)
 @dataclass
 class StandbyBook:
     """What the agent remembers between requests: quarantined GPUs, recent grants, each
-    (job, MPU)'s GPUs left."""
+    (job, rank, MPU)'s GPUs left."""
 
     quarantined: set[int] = field(default_factory=set)
     reserved: dict[int, tuple[float, str, int, str]] = field(default_factory=dict)  # gpu -> (until, job, rank, mpu)
-    left: dict[tuple[str, str], set[int]] = field(default_factory=dict)
+    left: dict[tuple[str, int, str], set[int]] = field(default_factory=dict)
 
     def observe(self, f: Finding) -> None:
         """Quarantines from the healing events (the agent's own decisions and the jobs')."""
@@ -64,22 +65,26 @@ class StandbyBook:
         if not gpus:
             return None, "", "the agent has no GPU data"
         self.reserved = {g: r for g, r in self.reserved.items() if r[0] > now}
-        used: set[int] = set()
+        others: set[int] = set()  # GPUs of other ranks (of any job): never shared
+        own: set[int] = set()  # GPUs of this rank's other MPUs: shared only when nothing is free
         for jid, job in state.jobs.items():
             for rs, m in job.iter_mpus():
-                if (jid, rs.rank, m.mpu_id) != (job_id, rank, msg["mpu_id"]):
-                    used.add(m.gpu)
-        key = (job_id, msg["mpu_id"])
+                if (jid, rs.rank) != (job_id, rank):
+                    others.add(m.gpu)
+                elif m.mpu_id != msg["mpu_id"]:
+                    own.add(m.gpu)
+        key = (job_id, rank, msg["mpu_id"])
         history = self.left.get(key, set())
         out = {
             "unhealthy": {i for i, g in gpus.items() if getattr(g, "health", "healthy") != "healthy"},
             "quarantined": self.quarantined & set(gpus),
-            "in use by a rank": used & set(gpus),
-            "reserved": {g for g, r in self.reserved.items() if r[1:] != (job_id, rank, msg["mpu_id"])},
+            "in use by another rank": others & set(gpus),
+            "promised to another rank": {g for g, r in self.reserved.items() if r[1:3] != (job_id, rank)},
             "left before by this MPU": history,
             "avoided by the job": set(msg.get("avoid", [])) | {msg["gpu"]},
         }
-        free = sorted(set(gpus) - set().union(*out.values()))
+        usable = set(gpus) - set().union(*out.values())
+        free = sorted(usable - own) or sorted(usable & own)
         if not free:
             why = "; ".join(f"{what}: {', '.join(map(str, sorted(g)))}" for what, g in out.items() if g)
             return None, "", f"no standby among {len(gpus)} GPUs ({why})"

@@ -2,7 +2,7 @@
 
     python tests/support/ddp_job.py --world 2 --port P --out DIR --scenario nan|checksum|corrupt|plain
         [--socket S] [--snapshots] [--steps 8] [--fault-rank 1] [--fault-at 3] [--replica-every K]
-        [--wrap ddp|fsdp]
+        [--wrap ddp|fsdp] [--sockets A,B --snapdir D --hold-at N --go FILE]
 
 imports torch once, then forks one child per rank (no threads before the fork), each joining a
 gloo process group on 127.0.0.1:P (60 s collective timeout) and training TinyMultimodal wrapped
@@ -12,7 +12,10 @@ the model), attached with `mscale.attach` (the agreement is added by attach;
 own (seed = rank). Faults, once, on --fault-rank before the forward of step --fault-at:
 nan: one NaN pixel in its batch; checksum: a mantissa flip in the vision MPU's first GEMM;
 corrupt: one element of the vision MPU's first weight scaled by 1.5 (a corrupted weight).
-Each rank writes DIR/rank_R.json: the steps it skipped and why, its rollbacks, the findings
+Several nodes on one machine (--sockets A,B: ranks split evenly over the agents' sockets in
+order, LOCAL_RANK = rank within its node, every MPU of a rank on simulated GPU LOCAL_RANK;
+--snapdir: disk snapshots there; --hold-at N --go FILE: every rank waits before step N until
+FILE exists, 120 s at most). Each rank writes DIR/rank_R.json: the steps it skipped and why, its rollbacks, the findings
 it made, a hash of its parameters after each step, the agreements, the final hash.
 """
 
@@ -83,7 +86,10 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
     from mscale.sim.inject import inject
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), LOCAL_RANK=str(rank))
+    sockets = [s for s in args.sockets.split(",") if s] or ([args.socket] if args.socket else [])
+    per_node = max(1, args.world // max(1, len(sockets)))
+    local_rank = rank % per_node if sockets else rank
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), LOCAL_RANK=str(local_rank))
     dist.init_process_group("gloo", rank=rank, world_size=args.world, timeout=datetime.timedelta(seconds=60))
     torch.manual_seed(0)
     cfg = TinyConfig()
@@ -98,8 +104,14 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     rec = Recorder(model)
-    kw: dict = {"socket_path": args.socket} if args.socket else {"connect": False}
-    snaps = SnapshotConfig(memory_every=1, memory_keep=2) if args.snapshots else None
+    kw: dict = {"socket_path": sockets[rank // per_node]} if sockets else {"connect": False}
+    if args.sockets:
+        kw["gpus"] = {"vision": local_rank, "aligner": local_rank, "text": local_rank}
+    snaps = (
+        SnapshotConfig(directory=args.snapdir or None, memory_every=1, memory_keep=2, disk_every=0)
+        if args.snapshots
+        else None
+    )
     guard = mscale.attach(ddp, opt, job_id="ddp-job", snapshots=snaps, plugins=[rec], **kw)
     if guard.replicas is not None:
         guard.replicas.every = args.replica_every
@@ -110,6 +122,10 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         step = guard.current_step
         if step >= args.steps:
             break
+        if step == args.hold_at and args.go:
+            deadline = time.monotonic() + 120
+            while not os.path.exists(args.go) and time.monotonic() < deadline:
+                time.sleep(0.05)
         images, tokens = batch(data, step)
         fault = rank == args.fault_rank and step == args.fault_at and not faulted
         injector = None
@@ -148,6 +164,17 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         "hash": param_hash(model),
         "norms": norms,
         "sharded": any(hasattr(p, "to_local") for p in model.parameters()),
+        "node": guard.link.node if guard.link is not None else "",
+        "gpus": {m.mpu_id: m.gpu for m in guard.mpus},
+        "fuse_levels": {m.mpu_id: m.fuse_level for m in guard.mpus},
+        "heal": [
+            [f.labels.get("action", ""), f.labels.get("result", "")]
+            for f in guard.findings
+            if f.reason.value == "heal_action"
+        ],
+        "emergency": [str(w.result(timeout=60)) for w in fuse.states["emergency_snapshot"].writes]
+        if fuse is not None
+        else [],
     }
     if args.socket:  # the last report goes out before the link closes
         deadline = time.monotonic() + 10
@@ -168,6 +195,10 @@ def main() -> int:
     ap.add_argument("--scenario", choices=("nan", "checksum", "corrupt", "plain"), default="plain")
     ap.add_argument("--replica-every", type=int, default=100)
     ap.add_argument("--wrap", choices=("ddp", "fsdp"), default="ddp")
+    ap.add_argument("--sockets", default="")
+    ap.add_argument("--snapdir", default="")
+    ap.add_argument("--hold-at", type=int, default=-1)
+    ap.add_argument("--go", default="")
     ap.add_argument("--socket", default="")
     ap.add_argument("--snapshots", action="store_true")
     ap.add_argument("--steps", type=int, default=8)
