@@ -28,11 +28,11 @@ CHAOS = {"Authorization": "Bearer two-nodes-chaos-0123"}
 JOB = "ddp-job"  # tests/support/ddp_job.py's
 
 
-def agent(tmp: Path, node: str) -> tuple[Proc, int, Path]:
+def agent(tmp: Path, node: str, gpus: int) -> tuple[Proc, int, Path]:
     d = tmp / node
     d.mkdir()
     port = free_port()
-    (d / "timeline.yaml").write_text("gpus: 3\nevents: []\n")  # two ranks and a standby
+    (d / "timeline.yaml").write_text(f"gpus: {gpus}\nevents: []\n")
     (d / "agent.toml").write_text(
         f'[agent]\nlisten = "127.0.0.1:{port}"\nsocket_path = "{d / "agent.sock"}"\nnode = "{node}"\n'
         f'simulate = "{d / "timeline.yaml"}"\n[probes.ebpf]\nenabled = false\n'
@@ -42,13 +42,18 @@ def agent(tmp: Path, node: str) -> tuple[Proc, int, Path]:
 
 
 @pytest.mark.slow
-def test_an_xid_on_node_b_heals_node_b_ranks_and_the_job_goes_on(tmp_path: Path) -> None:
+@pytest.mark.parametrize("standby", [True, False], ids=["standby", "no-standby"])
+def test_an_xid_on_node_b_heals_node_b_ranks_and_the_job_goes_on(tmp_path: Path, standby: bool) -> None:
+    """standby: 3 GPUs a node, node B's agent grants GPU 2 and rank 3 swaps (L1); no-standby:
+    2 GPUs, the agent has none, rank 3 degrades its MPUs in place (L2, its CMSA thresholds
+    raised), and the replicas still stay equal (the ranks clip with the agreed thresholds)."""
     prometheus = require_tool("prometheus")
     procs: list[Proc] = []
     job: subprocess.Popen | None = None
     try:
-        a, port_a, dir_a = agent(tmp_path, "node-a")
-        b, port_b, dir_b = agent(tmp_path, "node-b")
+        gpus = 3 if standby else 2
+        a, port_a, dir_a = agent(tmp_path, "node-a", gpus)
+        b, port_b, dir_b = agent(tmp_path, "node-b", gpus)
         procs += [a, b]
         prom_port = free_port()
         cfg = {
@@ -145,10 +150,14 @@ def test_an_xid_on_node_b_heals_node_b_ranks_and_the_job_goes_on(tmp_path: Path)
         assert [[e["hash"] for e in r["ends"]] for r in ranks[1:]] == [[e["hash"] for e in ranks[0]["ends"]]] * 3
         # only rank 3 (node B, GPU 1) acted: emergency snapshot on disk, its MPUs moved off GPU 1
         assert ranks[3]["emergency"] and all(Path(p).is_dir() for p in ranks[3]["emergency"])
-        # node B's agent gave rank 3 its free GPU 2 (GPU 0 is rank 2's): all three MPUs moved there
-        assert ranks[3]["gpus"] == {"001": 2, "002": 2, "003": 2}
-        assert set(ranks[3]["fuse_levels"].values()) == {"l1_swapped"}
-        assert {a for a, res in ranks[3]["heal"] if res == "applied"} >= {"emergency_snapshot", "l1_swap"}
+        applied = {a for a, res in ranks[3]["heal"] if res == "applied"}
+        if standby:  # node B's agent gave rank 3 its free GPU 2 (GPU 0 is rank 2's): all three MPUs moved there
+            assert ranks[3]["gpus"] == {"001": 2, "002": 2, "003": 2}
+            assert set(ranks[3]["fuse_levels"].values()) == {"l1_swapped"}
+            assert applied >= {"emergency_snapshot", "l1_swap"}
+        else:  # none: L2, degraded in place
+            assert set(ranks[3]["fuse_levels"].values()) == {"l2_degraded"}
+            assert applied >= {"emergency_snapshot", "l2_degrade"} and "l1_swap" not in applied
         for r in ranks[:3]:
             assert r["heal"] == [] and r["emergency"] == [] and set(r["fuse_levels"].values()) == {"healthy"}
         assert ranks[2]["gpus"] == {"001": 0, "002": 0, "003": 0}

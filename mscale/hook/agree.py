@@ -16,12 +16,16 @@ several ranks) makes every rank take the same decision in the same step:
         rollback         a rollback is pending on the rank (the fuse's, e.g. an agent command)
         swaps            MPUs the rank moved to a standby in this step (L1)
         loss_sum, loss_n the rank's finite loss and 1 (or 0, 0)
+        multipliers      each MPU's CMSA clip-threshold multiplier (an L2 degrade raises it
+                         on its rank), one number per MPU
 
     then on every rank: the step's loss becomes the mean over ranks (NaN when any rank's was
     not finite), so the loss detector, hence LR cooling and the NaN rollback, judge the same
     loss everywhere; the update is dropped on all ranks when any rank dropped it, had a
     non-finite loss or a failed checksum (a STEP_DROPPED_AGREED finding on the ranks that
-    found nothing themselves). The rollback itself is the snapshot engine's collective
+    found nothing themselves); CMSA clips with the mean of the ranks' multipliers on every
+    rank for this step (each rank's own is put back at the step end), since a threshold
+    raised on one rank alone would give that replica another update than the others'. The rollback itself is the snapshot engine's collective
     `agree_rollback` at every step end (mscale.healing.actions.rollback), which restores the
     newest step every rank holds, or none.
 
@@ -80,6 +84,7 @@ class Agreement:
         self.seconds = 0.0
         self.collectives = 0
         self._reruns_at_begin = 0
+        self._own: dict[str, float] | None = None  # this rank's CMSA multipliers, while agreed ones apply
 
     def on_attach(self, guard: Any) -> None:
         self.guard = guard
@@ -90,7 +95,7 @@ class Agreement:
         self._reruns_at_begin = len(fuse.reruns) if fuse is not None else 0
 
     def local(self) -> list[float]:
-        """This rank's contribution, in FIELDS order."""
+        """This rank's contribution, in FIELDS order, then the CMSA multipliers by MPU."""
         g = self.guard
         loss = g._step_loss()
         finite = loss is not None and math.isfinite(loss)
@@ -105,7 +110,17 @@ class Agreement:
             float(swaps),
             float(loss) if finite else 0.0,
             1.0 if finite else 0.0,
+            *self._multipliers(),
         ]
+
+    def _multipliers(self) -> list[float]:
+        cmsa = getattr(self.guard, "cmsa", None)
+        return [float(cmsa.multiplier[m.mpu_id]) for m in self.guard.mpus] if cmsa is not None else []
+
+    def on_step_end(self, step: int, loss: Any = None) -> None:
+        own, self._own = self._own, None
+        if own is not None and self.guard.cmsa is not None:
+            self.guard.cmsa.multiplier.update(own)
 
     def reduce(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=_device(self.group))
@@ -123,6 +138,11 @@ class Agreement:
         total = self.reduce(mine)
         skip, nonfinite, failed, rollback, swaps = (round(v) for v in total[:5])
         loss_sum, loss_n = total[5], total[6]
+        cmsa = getattr(g, "cmsa", None)
+        if cmsa is not None and len(total) > len(FIELDS):
+            self._own = dict(cmsa.multiplier)
+            for m, v in zip(g.mpus, total[len(FIELDS) :], strict=True):
+                cmsa.multiplier[m.mpu_id] = v / self.world_size
         if nonfinite:
             loss: float | None = math.nan
         elif loss_n:
