@@ -24,10 +24,11 @@ Printed per world size, over --repeats repeats of --steps steps each (after --wa
   collective placed after the optimizer step would otherwise be charged the other ranks'
   lag, which without it is paid at the next step's gradient all-reduce (a shift, not a cost).
   The direct times still include the lag at their own point (the rollback commit waits for
-  the slowest rank's optimizer step), so they overstate the cost when ranks share few cores. It is "inconclusive" when the control (the
-  spread of plain against plain: the median absolute difference of consecutive plain steps)
-  is larger than the effect, as it is when the effect is tens of microseconds on a step of
-  hundreds of milliseconds on a shared CPU.
+  the slowest rank's optimizer step), so they overstate the cost when ranks share few cores.
+  The paired figure is "inconclusive" when the control (plain against plain: the median
+  absolute difference of consecutive plain steps) is larger than the effect, or when the
+  repeats disagree on its sign, as they do when the effect is milliseconds on a step of
+  seconds on a shared CPU.
 
 The verdict is the median over repeats. Ranks are forked processes on 127.0.0.1.
 
@@ -182,14 +183,17 @@ def main() -> int:
     for world in (int(w) for w in args.worlds.split(",")):
         reps = [summarise(run(world, args)) for _ in range(args.repeats)]
         med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
-        inconclusive = med["control_s"] > abs(med["effect_s"])
+        paired = [r["paired"] for r in reps]
+        # the control: plain against plain within a repeat, and the repeats against each other
+        inconclusive = med["control_s"] > abs(med["effect_s"]) or min(paired) < 0 < max(paired)
         missed |= med["direct"] >= TARGET or med["replica"] / DEFAULT_EVERY >= TARGET
         print(
             f"{world} ranks: step {med['step_s'] * 1e3:.1f} ms, agreement collectives "
             f"{med['collectives_s'] * 1e6:.0f} us: direct ratio {med['direct'] * 100:.3f}% "
             f"({'meets' if med['direct'] < TARGET else 'MISSES'} < {TARGET:.0%}); paired "
             f"{med['paired'] * 100:+.3f}% ({med['effect_s'] * 1e3:+.2f} ms against a control of "
-            f"{med['control_s'] * 1e3:.2f} ms: {'inconclusive' if inconclusive else 'conclusive'}); "
+            f"{med['control_s'] * 1e3:.2f} ms, repeats {min(paired) * 100:+.1f}%..{max(paired) * 100:+.1f}%: "
+            f"{'inconclusive' if inconclusive else 'conclusive'}); "
             f"median of {args.repeats} repeats x {args.steps} steps"
         )
         per_step = med["replica"] / DEFAULT_EVERY
