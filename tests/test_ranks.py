@@ -151,3 +151,23 @@ def test_job_figures_are_aggregated_on_purpose() -> None:
     job.ranks.pop(0)  # rank 0 gone: the lowest live rank speaks for the job
     assert (job.lead, job.loss) == (2, 4.0)
     assert [(rs.rank, m.gpu) for rs, m in job.iter_mpus()] == [(0, 0), (1, 1), (2, 2)]
+
+
+def test_the_host_probe_measures_every_live_rank_of_a_job() -> None:
+    """A job of two ranks here: both processes are measured (not only the first rank's)."""
+    import os
+
+    from mscale.probes.host import HostProbe
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        job = JobState(job_id="j")
+        job.register(_reg(0, os.getpid()))
+        job.register(_reg(1, child.pid))
+        job.ranks = {0: os.getpid(), 1: child.pid}
+        assert job.pids == sorted([os.getpid(), child.pid])
+        snap = HostProbe(jobs=lambda: [job]).sample()
+        assert sorted(p.pid for p in snap.processes) == job.pids and {p.job_id for p in snap.processes} == {"j"}
+    finally:
+        child.stdin.close()
+        child.wait(10)

@@ -408,6 +408,11 @@ class JobState:
         return max((s.steps_skipped for s in self.rank_states.values()), default=0)
 
     @property
+    def pids(self) -> list[int]:
+        """The processes of the job's live ranks here (the probes trace and measure each)."""
+        return sorted({pid for pid in self.ranks.values() if pid > 0})
+
+    @property
     def last_report_at(self) -> float:
         return max((s.last_report_at for s in self.rank_states.values()), default=0.0)
 
