@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +14,23 @@ import pytest
 from support import REPO
 
 
-def demo(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "mscale", "demo", *argv], cwd=REPO, capture_output=True, text=True, timeout=300
+def demo(*argv: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """The demo as a user runs it; on a timeout its whole process group (agents, ranks) is killed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mscale", "demo", *argv],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=10)
+        raise AssertionError("the demo timed out") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.mark.slow

@@ -5,7 +5,9 @@ The ranks are real processes reporting through the hook library's link client.""
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -53,7 +55,7 @@ def test_eight_ranks_of_one_job_are_kept_and_exported_per_rank(tmp_path: Path) -
     proc = subprocess.Popen(
         [sys.executable, "tests/support/rank_job.py", "--socket", sock, "--job", JOB, "--ranks", str(RANKS),
          "--steps", str(STEPS), "--stop", str(stop)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True,
+        cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
     )  # fmt: skip
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_reader, args=(proc, lines), daemon=True).start()
@@ -110,7 +112,7 @@ def test_eight_ranks_of_one_job_are_kept_and_exported_per_rank(tmp_path: Path) -
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)  # the ranks too
             proc.wait(timeout=10)
         log.close()
         agent.stop()
@@ -155,8 +157,6 @@ def test_job_figures_are_aggregated_on_purpose() -> None:
 
 def test_the_host_probe_measures_every_live_rank_of_a_job() -> None:
     """A job of two ranks here: both processes are measured (not only the first rank's)."""
-    import os
-
     from mscale.probes.host import HostProbe
 
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)

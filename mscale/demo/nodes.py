@@ -60,6 +60,18 @@ def _until(what: str, fn, timeout_s: float = DEADLINE_S) -> Any:
     raise TimeoutError(f"timed out waiting for {what}")
 
 
+def _reap(pid: int, deadline: float) -> int:
+    """A rank's exit code, waiting until `deadline` (time.monotonic()); past it killed (-9)."""
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)  # reaped at once: SIGKILL cannot be caught
+    return -9
+
+
 def _rank(rank: int, world: int, ranks: int, port: int, socket: str, tmp: Path) -> None:
     import logging
 
@@ -184,10 +196,7 @@ def main(*, nodes: int, ranks: int, out: str) -> int:
 
         _until(f"{name_b}'s decisions", lambda: {"emergency_snapshot", "l1_swap"} <= sent(), 60)
         (tmp / "go").touch()
-        codes = []
-        for pid in children:
-            _, status = os.waitpid(pid, 0)
-            codes.append(os.waitstatus_to_exitcode(status))
+        codes = [_reap(pid, time.monotonic() + DEADLINE_S) for pid in children]
         children = []
         results = [json.loads((tmp / f"rank_{r}.json").read_text()) for r in range(world) if codes[r] == 0]
         faulty = world - 1
