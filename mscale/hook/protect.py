@@ -25,7 +25,8 @@ What a rollback does with the data depends on the loader given as `data`:
   a TypeError, since its position cannot be snapshotted.
 
 With several ranks (a torch.distributed process group) `agree` adds the step agreement
-(mscale.hook.agree) and the rollback is collective: every rank restores the same step.
+(mscale.hook.agree) and the rollback is collective: every rank restores the same step. A
+sharded model (FSDP2) is snapshotted shard by shard, through mscale.snapshot.sharded.
 """
 
 from __future__ import annotations
@@ -175,23 +176,22 @@ def protect(
     from mscale.hook.fuse import FusePlugin
     from mscale.snapshot.engine import SnapshotEngine
     from mscale.snapshot.format import list_snapshots
+    from mscale.snapshot.sharded import LocalView, is_sharded
 
-    if any(hasattr(p, "device_mesh") for p in guard.model.parameters()):
-        raise ValueError(
-            "snapshots=: the model's parameters are sharded (FSDP2 DTensors), and the snapshot "
-            "engine copies whole tensors: it does not hold shards yet. Attach without snapshots= (the "
-            "guard, checksums, CMSA over all shards and the step agreement work) and checkpoint with "
-            "torch.distributed.checkpoint"
-        )
     fuse: Any = None
 
     def emit(finding: Any) -> None:  # the writer thread's findings reach the guard through the fuse
         fuse.snapshot_emit(finding)
 
+    model, module_of = guard.model, (lambda m: m)
+    optimizer: Any = guard.optimizer
+    if is_sharded(model):  # FSDP2: the engine holds each rank's shard, through local views
+        view = LocalView(model, optimizer)
+        model, optimizer, module_of = view.model, view.optimizer, view.module
     engine = SnapshotEngine(
-        guard.model,
-        guard.optimizer,
-        mpus={m.name: (m.mpu_id, m.module) for m in guard.mpus},
+        model,
+        optimizer,
+        mpus={m.name: (m.mpu_id, module_of(m.module)) for m in guard.mpus},
         scaler=scaler,
         scheduler=scheduler,
         data=data,

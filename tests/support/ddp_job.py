@@ -108,7 +108,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
     if args.sockets:
         kw["gpus"] = {"vision": local_rank, "aligner": local_rank, "text": local_rank}
     snaps = (
-        SnapshotConfig(directory=args.snapdir or None, memory_every=1, memory_keep=2, disk_every=0)
+        SnapshotConfig(directory=args.snapdir or None, memory_every=1, memory_keep=2, disk_every=args.disk_every)
         if args.snapshots
         else None
     )
@@ -197,6 +197,7 @@ def main() -> int:
     ap.add_argument("--wrap", choices=("ddp", "fsdp"), default="ddp")
     ap.add_argument("--sockets", default="")
     ap.add_argument("--snapdir", default="")
+    ap.add_argument("--disk-every", type=int, default=0)
     ap.add_argument("--hold-at", type=int, default=-1)
     ap.add_argument("--go", default="")
     ap.add_argument("--socket", default="")
