@@ -103,8 +103,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
             c = 0.0
             if arm == "agreed":
                 c0 = time.perf_counter()
-                agreement.reduce([0.0, 0.0, 0.0, 0.0, 0.0, float(loss.detach()), 1.0])
+                agreement.reduce([0.0, 0.0, 0.0, 0.0, 0.0, float(loss.detach()), 1.0, 1.0, 1.0, 1.0])
                 c = time.perf_counter() - c0
+                took["decide"] = c
             opt.step()
             opt.zero_grad(set_to_none=True)
             if arm == "agreed":
@@ -157,6 +158,8 @@ def summarise(rows: list[dict]) -> dict:
         "step_s": step,
         "collectives_s": statistics.median(r["collectives"] for r in rows),
         "direct": statistics.median(r["collectives"] for r in rows) / step,
+        "decide_s": statistics.median(r["decide"] for r in rows),
+        "decide": statistics.median(r["decide"] for r in rows) / step,
         "replica_s": statistics.median(r["replica"] for r in rows),
         "replica": statistics.median(r["replica"] for r in rows) / step,
         "paired": effect / step,
@@ -201,6 +204,11 @@ def main() -> int:
             f"{world} ranks: replica check {med['replica_s'] * 1e3:.2f} ms: {med['replica'] * 100:.3f}% of a step "
             f"when run every step; {per_step * 100:.4f}% per step at every {DEFAULT_EVERY} steps, the default "
             f"({'meets' if per_step < TARGET else 'MISSES'} < {TARGET:.0%})"
+        )
+        print(
+            f"{world} ranks: of which the decision all_reduce (after the backward, ranks aligned by DDP) "
+            f"{med['decide_s'] * 1e6:.0f} us = {med['decide'] * 100:.3f}% of a step; the rest is the rollback "
+            "commit point after the optimizer step, which waits there for the slowest rank"
         )
         for i, r in enumerate(reps):
             print(
