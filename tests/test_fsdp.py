@@ -3,10 +3,13 @@ per-MPU gradient norms over all shards, the step agreement, and snapshots of eac
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from support import REPO
 from support.ddp_run import run_job
 
 
@@ -60,3 +63,12 @@ def test_fsdp2_snapshots_hold_each_ranks_shard_and_a_rollback_restores_it_bitwis
     full = {"model/" + k: tuple(v.shape) for k, v in _tiny().vision_tower.state_dict().items()}
     key = next(k for k in shapes[0] if k.endswith("patch_embed.weight"))
     assert shapes[0][key][0] + shapes[1][key][0] == full[key.replace("model/vision_tower.", "model/")][0]
+    # a shard is not a whole model: the DCP export refuses it and says why
+    done = subprocess.run(
+        [sys.executable, "-m", "mscale", "snapshot", "export", "--format", "dcp", str(snaps), str(tmp_path / "dcp")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and "one rank's shard" in done.stderr and not (tmp_path / "dcp").exists()

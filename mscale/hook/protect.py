@@ -176,7 +176,7 @@ def protect(
     from mscale.hook.fuse import FusePlugin
     from mscale.snapshot.engine import SnapshotEngine
     from mscale.snapshot.format import list_snapshots
-    from mscale.snapshot.sharded import LocalView, is_sharded
+    from mscale.snapshot.sharded import LocalView, ShardingMarker, is_sharded
 
     fuse: Any = None
 
@@ -185,9 +185,11 @@ def protect(
 
     model, module_of = guard.model, (lambda m: m)
     optimizer: Any = guard.optimizer
+    extra: dict[str, Any] = {}
     if is_sharded(model):  # FSDP2: the engine holds each rank's shard, through local views
         view = LocalView(model, optimizer)
         model, optimizer, module_of = view.model, view.optimizer, view.module
+        extra["sharding"] = ShardingMarker(guard.world_size)
     engine = SnapshotEngine(
         model,
         optimizer,
@@ -202,6 +204,7 @@ def protect(
         disk_keep=cfg.disk_keep,
         emit=emit,
         job_id=guard.job_id,
+        extra=extra,
         binding=lambda: {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None} for m in guard.mpus},
     )
     fuse = FusePlugin(snapshot_engine=engine)

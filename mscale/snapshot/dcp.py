@@ -31,6 +31,13 @@ from mscale.snapshot.tensors import load_snapshot
 def state_dict_of(snapshot: str | os.PathLike) -> dict:
     """The DCP state dict (see the module docstring) of one verified snapshot directory."""
     tensors, objects, _manifest = load_snapshot(snapshot)
+    sharding = (objects.get("extra") or {}).get("sharding") or {}
+    if sharding.get("sharded"):
+        raise SnapshotError(
+            f"{snapshot}: holds one rank's shard of a model sharded over {sharding.get('world_size')} ranks "
+            "(FSDP2); exporting a shard as a whole-model checkpoint would mislead. Save a sharded model "
+            "with torch.distributed.checkpoint from the job"
+        )
     model: dict[str, torch.Tensor] = {}
     state: dict[str, dict] = {}
     for file in tensors.values():

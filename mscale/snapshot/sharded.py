@@ -146,3 +146,17 @@ class LocalView:
     def module(self, real: nn.Module) -> nn.Module:
         """The mirror of a sub-module of the model (an MPU)."""
         return self._modules[id(real)]
+
+
+class ShardingMarker:
+    """Snapshotted with a sharded model's state (the engine's `extra`), so that tools reading a
+    snapshot know it holds one rank's shard, not the whole model."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    def state_dict(self) -> dict:
+        return {"sharded": True, "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.world_size = int(state.get("world_size", self.world_size))
