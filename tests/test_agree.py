@@ -62,6 +62,12 @@ def test_a_checksum_failure_on_one_rank_drops_the_update_on_every_rank(tmp_path:
     assert ["checksum", "checksum_failure"] in ranks[1]["findings"]
     assert ["checksum", "checksum_failure"] not in ranks[0]["findings"]
     assert [e["hash"] for e in ranks[0]["ends"]] == [e["hash"] for e in ranks[1]["ends"]]
+    # CMSA and the loss detector under DDP: each MPU's norm is the averaged gradient's, alike on both ranks
+    for r in ranks:
+        for step in r["norms"]:
+            for name, (guard_norm, whole) in step.items():
+                assert guard_norm == pytest.approx(whole, rel=1e-5), name
+    assert ranks[0]["norms"] == ranks[1]["norms"]
 
 
 @pytest.mark.slow
