@@ -24,6 +24,7 @@ def test_fsdp2_norms_cover_every_shard_and_a_nan_on_one_rank_drops_the_step_ever
     ranks = run_job(tmp_path, wrap="fsdp", scenario="nan")
     for r in ranks:
         assert r["sharded"] and r["finite"] and r["final_step"] == 8
+        assert not r["replicas"]  # shards are not replicas: no fingerprint comparison
         for step in r["norms"]:
             for name, (guard_norm, whole) in step.items():
                 if guard_norm == guard_norm:  # NaN at the faulty step on every rank

@@ -150,12 +150,16 @@ def agree(guard: Guard) -> None:
     from mscale.healing.settings import HealingSection
     from mscale.hook.agree import Agreement
     from mscale.hook.replicas import ReplicaCheck
+    from mscale.snapshot.sharded import is_sharded
 
     agreement = Agreement()
     several = agreement.world_size > 1
-    replicas = ReplicaCheck(HealingSection().replica_check_steps) if several else None
+    # replicas only: the ranks of a sharded (FSDP2) model hold different shards, not copies
+    replicated = several and not is_sharded(guard.model)
+    replicas = ReplicaCheck(HealingSection().replica_check_steps) if replicated else None
     if several:
         guard.add_plugin(agreement)
+    if replicas is not None:
         guard.add_plugin(replicas)
     setattr(guard, "agreement", agreement if several else None)  # noqa: B010 (not Guard's own attributes)
     setattr(guard, "replicas", replicas)  # noqa: B010
