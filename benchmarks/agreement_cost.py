@@ -8,23 +8,21 @@ caption tokens per sample, batch 8; one torch thread) wrapped in DistributedData
 arms per batch, their order alternating:
 
 - plain: forward, backward (DDP's gradient all-reduce), optimizer step;
-- agreed: the same plus what the agreement adds to a step: the all_reduce of its seven float64
-  numbers at the decision point (`Agreement.reduce`, after the backward) and the rollback
-  commit point (the engine's `any_flag` all_reduce) after the optimizer step; then the replica
+- agreed: the same plus what the agreement adds to a step: the all_reduce of its numbers at
+  the decision point (`Agreement.reduce`, after the backward; with it the fuse's rollback
+  needs no commit collective of its own unless a rank has a fault); then the replica
   check (`ReplicaCheck.check`: fingerprint every MPU's weights, one all_reduce), run here at
   every step to measure it, in the job every `healing.replica_check_steps` (default 100).
 
 Printed per world size, over --repeats repeats of --steps steps each (after --warmup):
 
-- direct: the median time of the two agreement collectives as measured around them, over the
+- direct: the median time of the agreement's collective as measured around it, over the
   median plain step (the headline against the < 1% target); the same for one replica check,
   and per step at the default interval (the check's time / 100);
 - paired: the median of (agreed - plain) over the median plain step, a cross-check that
   includes any effect on the rest of the step. Each arm starts and ends at a barrier: a
   collective placed after the optimizer step would otherwise be charged the other ranks'
   lag, which without it is paid at the next step's gradient all-reduce (a shift, not a cost).
-  The direct times still include the lag at their own point (the rollback commit waits for
-  the slowest rank's optimizer step), so they overstate the cost when ranks share few cores.
   The paired figure is "inconclusive" when the control (plain against plain: the median
   absolute difference of consecutive plain steps) is larger than the effect, or when the
   repeats disagree on its sign, as they do when the effect is milliseconds on a step of
@@ -77,7 +75,6 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     from mscale.hook.agree import Agreement
     from mscale.hook.mpu import discover
     from mscale.hook.replicas import ReplicaCheck
-    from mscale.snapshot.distributed import any_flag
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -105,13 +102,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
                 c0 = time.perf_counter()
                 agreement.reduce([0.0, 0.0, 0.0, 0.0, 0.0, float(loss.detach()), 1.0, 1.0, 1.0, 1.0])
                 c = time.perf_counter() - c0
-                took["decide"] = c
             opt.step()
             opt.zero_grad(set_to_none=True)
             if arm == "agreed":
-                c0 = time.perf_counter()
-                any_flag(False)
-                c += time.perf_counter() - c0
                 took["collectives"] = c
                 c0 = time.perf_counter()
                 if replicas.check(i):
@@ -158,8 +151,6 @@ def summarise(rows: list[dict]) -> dict:
         "step_s": step,
         "collectives_s": statistics.median(r["collectives"] for r in rows),
         "direct": statistics.median(r["collectives"] for r in rows) / step,
-        "decide_s": statistics.median(r["decide"] for r in rows),
-        "decide": statistics.median(r["decide"] for r in rows) / step,
         "replica_s": statistics.median(r["replica"] for r in rows),
         "replica": statistics.median(r["replica"] for r in rows) / step,
         "paired": effect / step,
@@ -191,7 +182,7 @@ def main() -> int:
         inconclusive = med["control_s"] > abs(med["effect_s"]) or min(paired) < 0 < max(paired)
         missed |= med["direct"] >= TARGET or med["replica"] / DEFAULT_EVERY >= TARGET
         print(
-            f"{world} ranks: step {med['step_s'] * 1e3:.1f} ms, agreement collectives "
+            f"{world} ranks: step {med['step_s'] * 1e3:.1f} ms, agreement all_reduce "
             f"{med['collectives_s'] * 1e6:.0f} us: direct ratio {med['direct'] * 100:.3f}% "
             f"({'meets' if med['direct'] < TARGET else 'MISSES'} < {TARGET:.0%}); paired "
             f"{med['paired'] * 100:+.3f}% ({med['effect_s'] * 1e3:+.2f} ms against a control of "
@@ -204,11 +195,6 @@ def main() -> int:
             f"{world} ranks: replica check {med['replica_s'] * 1e3:.2f} ms: {med['replica'] * 100:.3f}% of a step "
             f"when run every step; {per_step * 100:.4f}% per step at every {DEFAULT_EVERY} steps, the default "
             f"({'meets' if per_step < TARGET else 'MISSES'} < {TARGET:.0%})"
-        )
-        print(
-            f"{world} ranks: of which the decision all_reduce (after the backward, ranks aligned by DDP) "
-            f"{med['decide_s'] * 1e6:.0f} us = {med['decide'] * 100:.3f}% of a step; the rest is the rollback "
-            "commit point after the optimizer step, which waits there for the slowest rank"
         )
         for i, r in enumerate(reps):
             print(

@@ -71,6 +71,18 @@ def test_a_checksum_failure_on_one_rank_drops_the_update_on_every_rank(tmp_path:
 
 
 @pytest.mark.slow
+def test_a_rollback_asked_of_one_rank_rolls_every_rank_back(tmp_path: Path) -> None:
+    """A rollback command that reached rank 1 alone (before step 3): its count in the agreement
+    makes rank 0 restore the same step too, with no collective of its own, and the replicas
+    stay bitwise equal through the replay."""
+    ranks = run_job(tmp_path, scenario="rollback_cmd", snapshots=True)
+    for r in ranks:
+        assert r["rollbacks"] == [{"step": 3, "to": 2}] and r["final_step"] == 8 and r["finite"]
+        assert [e["step"] for e in r["ends"]] == [0, 1, 2, 3, 3, 4, 5, 6, 7]  # step 3 run again
+    assert [e["hash"] for e in ranks[0]["ends"]] == [e["hash"] for e in ranks[1]["ends"]]
+
+
+@pytest.mark.slow
 def test_four_ranks_roll_back_together(tmp_path: Path) -> None:
     ranks = run_job(tmp_path, world=4, scenario="nan", snapshots=True, fault_rank=2, steps=6)
     assert {r["hash"] for r in ranks} == {ranks[0]["hash"]}

@@ -11,7 +11,8 @@ the model), attached with `mscale.attach` (the agreement is added by attach;
 --snapshots: in-memory snapshots every step and the fuse). Each rank's batch at step s is its
 own (seed = rank). Faults, once, on --fault-rank before the forward of step --fault-at:
 nan: one NaN pixel in its batch; checksum: a mantissa flip in the vision MPU's first GEMM;
-corrupt: one element of the vision MPU's first weight scaled by 1.5 (a corrupted weight).
+corrupt: one element of the vision MPU's first weight scaled by 1.5 (a corrupted weight);
+rollback_cmd: a heal rollback command handed to that rank's fuse alone.
 Several nodes on one machine (--sockets A,B: ranks split evenly over the agents' sockets in
 order, LOCAL_RANK = rank within its node, every MPU of a rank on simulated GPU LOCAL_RANK;
 --snapdir: disk snapshots there; --hold-at N --go FILE: every rank waits before step N until
@@ -135,6 +136,10 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
                 images[0, 0, 0, 0] = float("nan")
             elif args.scenario == "checksum":
                 injector = inject(guard, kind="mantissa_flip", mpu="vision", element="max")
+            elif args.scenario == "rollback_cmd":  # the agent's rollback reaches this rank only
+                from mscale import link
+
+                guard.fuse.on_command(link.heal("rollback", rule="test", level="none", reason="gpu_xid"))
             elif args.scenario == "corrupt":
                 with torch.no_grad():
                     guard.mpu("vision").parameters()[0].view(-1)[7] *= 1.5
@@ -193,7 +198,7 @@ def main() -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--scenario", choices=("nan", "checksum", "corrupt", "plain"), default="plain")
+    ap.add_argument("--scenario", choices=("nan", "checksum", "corrupt", "rollback_cmd", "plain"), default="plain")
     ap.add_argument("--replica-every", type=int, default=100)
     ap.add_argument("--wrap", choices=("ddp", "fsdp"), default="ddp")
     ap.add_argument("--sockets", default="")
