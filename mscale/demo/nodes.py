@@ -23,9 +23,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from mscale.agent_client import AgentClient, AgentError
 
 CHAOS_TOKEN = "mscale-demo-nodes-chaos"
 HOLD_AT, STEPS = 4, 10
@@ -40,11 +41,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _http(url: str, data: Any = None, headers: dict | None = None) -> Any:
-    body = None if data is None else json.dumps(data).encode()
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
-    with urllib.request.urlopen(req, timeout=5) as r:
-        return json.loads(r.read() or b"null")
+def _agent(port: int) -> AgentClient:
+    return AgentClient(f"http://127.0.0.1:{port}", timeout=5, chaos_token=CHAOS_TOKEN)
 
 
 def _until(what: str, fn, timeout_s: float = DEADLINE_S) -> Any:
@@ -54,7 +52,7 @@ def _until(what: str, fn, timeout_s: float = DEADLINE_S) -> Any:
             v = fn()
             if v:
                 return v
-        except OSError:
+        except (OSError, AgentError):
             pass
         time.sleep(0.2)
     raise TimeoutError(f"timed out waiting for {what}")
@@ -164,11 +162,7 @@ def main(*, nodes: int, ranks: int, out: str) -> int:
             children.append(pid)
 
         def held(port: int) -> bool:
-            jobs = [
-                j
-                for j in _http(f"http://127.0.0.1:{port}/api/v1/status?events=1")["jobs"]
-                if j["job_id"] == "demo-nodes"
-            ]
+            jobs = [j for j in _agent(port).status(events=1)["jobs"] if j["job_id"] == "demo-nodes"]
             return (
                 bool(jobs)
                 and len(jobs[0]["ranks"]) == ranks
@@ -179,15 +173,13 @@ def main(*, nodes: int, ranks: int, out: str) -> int:
             _until(f"{name}'s ranks at step {HOLD_AT - 1}", lambda p=p: held(p))
         name_b, port_b, _, _ = agents[-1]
         gpu = ranks - 1
-        _http(
-            f"http://127.0.0.1:{port_b}/api/v1/chaos",
-            {"kind": "xid", "gpu": gpu, "code": 79, "corrupt": "none"},
-            {"Authorization": f"Bearer {CHAOS_TOKEN}"},
-        )
+        code, reply = _agent(port_b).chaos({"kind": "xid", "gpu": gpu, "code": 79, "corrupt": "none"})
+        if code != 200:
+            raise RuntimeError(f"{name_b} refused the Xid injection: {reply}")
         print(f"injected Xid 79 on {name_b} GPU {gpu}", flush=True)
 
         def sent() -> set[str]:
-            evs = _http(f"http://127.0.0.1:{port_b}/api/v1/events?limit=10000")["events"]
+            evs = _agent(port_b).events()
             return {
                 e["labels"].get("action", "")
                 for e in evs
