@@ -60,6 +60,7 @@ def test_the_exported_checkpoint_loads_bitwise_with_dcp(snapshot, tmp_path: Path
     assert "train.step" in meta and sum(k.startswith("optim.state.") for k in meta) >= len(optim)
 
 
+@pytest.mark.slow  # two exports as a user runs them: a torch import each
 def test_export_refuses_a_non_empty_target_and_a_corrupted_snapshot(snapshot, tmp_path: Path) -> None:
     d, _, _ = snapshot
     busy = tmp_path / "busy"
