@@ -140,7 +140,7 @@ class Command(StrEnum):
 # a standby GPU for an L1 swap, from the agent's node view (mscale.daemon.standby,
 # mscale.hook.standby): the job asks, the agent answers that rank only
 STANDBY_REQUEST = "standby_request"  # job -> agent: {type, id, mpu_id, gpu, avoid: [gpu, ...]}
-STANDBY = "standby"  # agent -> job: {type, id, gpu (null: none), gpu_uuid, why}
+STANDBY = "standby"  # agent -> job: {type, id, gpu (null: none), gpu_uuid, why, decided (false: no node view)}
 STANDBY_REQUEST_FIELDS = frozenset({"type", "id", "mpu_id", "gpu", "avoid"})
 MAX_AVOID = 256
 
@@ -350,8 +350,8 @@ def standby_request(*, id: int, mpu_id: str, gpu: int, avoid: list[int]) -> dict
     return {"type": STANDBY_REQUEST, "id": id, "mpu_id": mpu_id, "gpu": gpu, "avoid": sorted(set(avoid))}
 
 
-def standby(id: int, gpu: int | None, gpu_uuid: str = "", why: str = "") -> dict:
-    return {"type": STANDBY, "id": id, "gpu": gpu, "gpu_uuid": gpu_uuid, "why": why}
+def standby(id: int, gpu: int | None, gpu_uuid: str = "", why: str = "", *, decided: bool = True) -> dict:
+    return {"type": STANDBY, "id": id, "gpu": gpu, "gpu_uuid": gpu_uuid, "why": why, "decided": decided}
 
 
 def validate_standby_request(msg: dict) -> None:

@@ -4,6 +4,7 @@ MPU's history), or "none", which escalates to L2."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,8 @@ def test_a_bad_standby_request_is_refused_and_counted(tmp_path: Path) -> None:
         assert agent.state.refused[("socket", "malformed")] == 1
         good = {**bad, "avoid": [1]}
         assert '"standby"' in raw.ask(protocol.encode(good))  # the connection goes on
-        assert "no GPU data" in raw.ask(protocol.encode({**good, "id": 2}))
+        no_view = json.loads(raw.ask(protocol.encode({**good, "id": 2})))
+        assert no_view["gpu"] is None and no_view["decided"] is False and "no GPU data" in no_view["why"]
     finally:
         raw.close()
         agent.stop()
@@ -127,3 +129,18 @@ def test_timeout_must_be_positive() -> None:
 
     with pytest.raises(ValueError, match="timeout_s"):
         AgentStandby(object(), timeout_s=0)
+
+
+def test_an_agent_without_gpu_data_leaves_the_choice_to_the_job(tmp_path: Path) -> None:
+    """No GPU probe snapshot: the agent has no view, says so, and the swap goes on with the job's
+    own choice (an L1 swap, not an escalation)."""
+    sock = str(tmp_path / "run" / "agent.sock")
+    agent = Agent(sock)
+    g = rank(sock, 0, {"vision": 0, "aligner": 1, "text": 2})
+    try:
+        assert swap(g, "001", 0) == {"ok": True, "result": "applied"}
+        assert g.fuse.ask_standby.answers[-1]["decided"] is False
+        assert g.mpu("001").gpu == 3 and g.mpu("001").fuse_level == "l1_swapped"
+    finally:
+        g.detach()
+        agent.stop()

@@ -15,7 +15,8 @@ its node view. A GPU qualifies when it is:
 - not one this MPU of this rank left before (its history here: it failed there), nor one the
   job avoids.
 
-The lowest such index no MPU uses is granted, else the lowest one only this rank's other MPUs
+Without GPU data (no GPU probe snapshot) the agent has no view: it says so and the job
+chooses alone. The lowest such index no MPU uses is granted, else the lowest one only this rank's other MPUs
 use (a rank whose GPU failed moves all its MPUs to one standby); none: the answer says why, and the job's fuse escalates
 (L2, degraded in place). Every answer is an event (heal_action, action standby, result
 granted or none) with the job, rank and MPU.
@@ -38,6 +39,7 @@ from mscale.findings import Finding, Reason, Severity
 log = structlog.get_logger("mscale.standby")
 SOURCE = "standby"
 RESERVE_S = 60.0
+NO_VIEW = "the agent has no GPU data"  # not a "none": the job chooses alone
 MAX_HISTORY = 4096  # (job, mpu) pairs remembered with the GPUs they left
 _BOOK = web.AppKey("standby_book", object)
 
@@ -63,7 +65,7 @@ class StandbyBook:
         snap = state.snapshots.get("gpu")
         gpus = {g.index: g for g in getattr(snap, "gpus", ()) or ()}
         if not gpus:
-            return None, "", "the agent has no GPU data"
+            return None, "", NO_VIEW
         self.reserved = {g: r for g, r in self.reserved.items() if r[0] > now}
         others: set[int] = set()  # GPUs of other ranks (of any job): never shared
         own: set[int] = set()  # GPUs of this rank's other MPUs: shared only when nothing is free
@@ -128,6 +130,7 @@ def setup(app: web.Application) -> None:
                 },
             )
         )
-        await link.send(job.job_id, protocol.standby(msg["id"], gpu, uuid, why), ranks=[rank])
+        reply = protocol.standby(msg["id"], gpu, uuid, why, decided=why != NO_VIEW)
+        await link.send(job.job_id, reply, ranks=[rank])
 
     link.on_message(protocol.STANDBY_REQUEST, handle)

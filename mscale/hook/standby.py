@@ -5,7 +5,8 @@ to the agent (`mscale.attach` with snapshots= sets it as `fuse.ask_standby`): it
 `standby_request` (the MPU, the GPU it leaves, the GPUs the job avoids) and waits up to
 `timeout_s` for the agent's answer, which the link thread routes here, not to the step-boundary
 command queue. Returns the GPU index granted; -1 when the agent has none (the swap fails and
-the fuse escalates to L2); None when there is no link or no answer in time, and the swap falls
+the fuse escalates to L2); None when there is no link, no answer in time or no view of the
+node's GPUs on the agent, and the swap falls
 back to the job's own choice (fail-open: training never waits on the agent longer than that).
 """
 
@@ -62,6 +63,8 @@ class AgentStandby:
             log.warning("standby_unanswered", mpu_id=m.mpu_id, timeout_s=self.timeout_s)
             return None
         self.answers = [*self.answers[-(MAX_PENDING - 1) :], answer]
+        if answer.get("decided") is False:  # the agent has no view of the node's GPUs
+            return None
         gpu = answer.get("gpu")
         if isinstance(gpu, int) and not isinstance(gpu, bool) and gpu >= 0:
             log.info("standby_granted", mpu_id=m.mpu_id, gpu=gpu, why=answer.get("why", ""))
