@@ -60,7 +60,7 @@ def test_eight_ranks_of_one_job_are_kept_and_exported_per_rank(tmp_path: Path) -
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_reader, args=(proc, lines), daemon=True).start()
     try:
-        trained = _trained(lines, RANKS, 240)
+        trained = _trained(lines, RANKS, 480)
         assert {r: s for r, (s, _) in trained.items()} == {r: STEPS + r - 1 for r in range(RANKS)}
         job = wait_for(lambda: agent.state.jobs.get(JOB), what="registration")
         wait_for(lambda: job.reports_total == sum(STEPS + r for r in range(RANKS)), 60, "every rank's reports")
