@@ -6,12 +6,9 @@ The ranks are real processes reporting through the hook library's link client.""
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -26,41 +23,27 @@ JOB = "job-8"
 RANKS, STEPS = 8, 6  # rank i trains STEPS + i steps: 0..STEPS+i-1
 
 
-def _reader(proc: subprocess.Popen, lines: queue.Queue) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.put(line.strip())
-
-
-def _trained(lines: queue.Queue, n: int, timeout_s: float) -> dict[int, tuple[int, float]]:
-    out: dict[int, tuple[int, float]] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(out) < n:
-        try:
-            line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
-        except queue.Empty:
-            raise AssertionError(f"timed out: {len(out)} of {n} ranks trained") from None
-        if line.startswith("TRAINED "):
-            _, rank, step, loss = line.split()
-            out[int(rank)] = (int(step), float(loss))
-    return out
+def _trained(out: Path, n: int, timeout_s: float) -> dict[int, tuple[int, float]]:
+    """Each rank's (last step, loss), once all n have written theirs."""
+    wait_for(lambda: len(list(out.glob("rank_*"))) == n, timeout_s, f"{n} ranks trained")
+    rows = [f.read_text().split() for f in out.glob("rank_*")]
+    return {int(r): (int(step), float(loss)) for r, step, loss in rows}
 
 
 @pytest.mark.slow
 def test_eight_ranks_of_one_job_are_kept_and_exported_per_rank(tmp_path: Path) -> None:
     sock = str(tmp_path / "run" / "agent.sock")
-    stop = tmp_path / "stop"
+    stop, out = tmp_path / "stop", tmp_path / "out"
+    out.mkdir()
     agent = Agent(sock)
     log = open(tmp_path / "ranks.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "tests/support/rank_job.py", "--socket", sock, "--job", JOB, "--ranks", str(RANKS),
-         "--steps", str(STEPS), "--stop", str(stop)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
+         "--steps", str(STEPS), "--stop", str(stop), "--out", str(out)],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_reader, args=(proc, lines), daemon=True).start()
     try:
-        trained = _trained(lines, RANKS, 480)
+        trained = _trained(out, RANKS, 480)
         assert {r: s for r, (s, _) in trained.items()} == {r: STEPS + r - 1 for r in range(RANKS)}
         job = wait_for(lambda: agent.state.jobs.get(JOB), what="registration")
         wait_for(lambda: job.reports_total == sum(STEPS + r for r in range(RANKS)), 60, "every rank's reports")

@@ -1,11 +1,12 @@
 """Ranks of one training job as real processes (no tests in this file).
 
-    python tests/support/rank_job.py --socket S --job J --ranks 8 --steps 6 --stop FILE
+    python tests/support/rank_job.py --socket S --job J --ranks 8 --steps 6 --stop FILE --out DIR
 
 imports torch and the hook library once, then forks one child per rank (RANK, LOCAL_RANK and
 WORLD_SIZE in its environment, as a launcher sets them; no process group). Rank i trains the
 tiny model attached to the agent at S for `steps + i` steps (so the ranks stand at different
-steps), prints "TRAINED rank last_step loss" and stays connected until FILE exists (deadline
+steps), writes "rank last_step loss" to DIR/rank_i (atomically: a file there is whole; the
+ranks' logs share stdout) and stays connected until FILE exists (deadline
 600 s), then detaches and exits. The parent exits with the first failing child's status.
 """
 
@@ -48,7 +49,9 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         opt.step()
         opt.zero_grad()
         loss = float(out)
-    print(f"TRAINED {rank} {guard.current_step - 1} {loss!r}", flush=True)
+    tmp = Path(args.out, f".rank_{rank}")
+    tmp.write_text(f"{rank} {guard.current_step - 1} {loss!r}")
+    tmp.rename(Path(args.out, f"rank_{rank}"))
     deadline = time.monotonic() + DEADLINE_S
     while not os.path.exists(args.stop) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -63,6 +66,7 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--stop", required=True)
+    ap.add_argument("--out", required=True)
     args = ap.parse_args()
     children = []
     for rank in range(args.ranks):
