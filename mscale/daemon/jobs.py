@@ -325,6 +325,8 @@ class JobState:
     uid: int | None = None
     ranks: dict[int, int] = field(default_factory=dict)  # live rank -> pid
     disconnected_at: float | None = None  # time.monotonic() when the last live rank left
+    # Kubernetes: rank -> (namespace, pod) the rank reported from the downward API (mscale.kube.attribution)
+    pods: dict[int, tuple[str, str]] = field(default_factory=dict)
 
     # --- ranks -------------------------------------------------------------------------------
 
@@ -354,6 +356,8 @@ class JobState:
             rs = self.rank_states[rank] = RankState(rank=rank, pid=msg["pid"])
         rs.register(msg)
         rs.connected = True
+        if "pod" in msg:  # Kubernetes: the pod this rank runs in
+            self.pods[rank] = (msg["pod"]["namespace"], msg["pod"]["name"])
         if len(self.rank_states) == 1:
             self.rank, self.pid = rank, msg["pid"]
         return rs

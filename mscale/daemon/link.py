@@ -49,7 +49,7 @@ from mscale.link import BadMessage, Msg
 
 log = structlog.get_logger("mscale.link")
 
-Handler = Callable[[JobState, dict], Awaitable[None] | None]
+Handler = Callable[..., Awaitable[None] | None]  # (job, msg), or (job, msg, rank) with_rank
 
 
 def peer_uid(request: web.Request) -> tuple[int, int] | None:
@@ -71,6 +71,7 @@ class LinkServer:
         # job id -> rank -> that rank's live connection
         self.connections: dict[str, dict[int, web.WebSocketResponse]] = {}
         self.handlers: dict[str, Handler] = {}
+        self._with_rank: dict[str, bool] = {}
         self.error = ""  # why the socket is not served, if it is not
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task | None = None
@@ -98,12 +99,13 @@ class LinkServer:
         sent = await asyncio.gather(*(self.send(j, command) for j in list(self.connections)))
         return sum(sent)
 
-    def on_message(self, type_: str, handler: Handler) -> None:
-        """Handle another message type from jobs (e.g. a plugin's); handler(job, msg), with
-        msg["rank"] the sending connection's rank (whatever the job put there)."""
+    def on_message(self, type_: str, handler: Handler, *, with_rank: bool = False) -> None:
+        """Handle another message type from jobs (e.g. a plugin's); handler(job, msg), or
+        handler(job, msg, rank) with the sending connection's rank when with_rank."""
         if type_ in protocol.RESERVED:
             raise ValueError(f"{type_!r} is the link's own message type")
         self.handlers[type_] = handler
+        self._with_rank[type_] = with_rank
 
     # --- serving ---------------------------------------------------------------------------
 
@@ -283,10 +285,11 @@ class LinkServer:
             self._report(job, conn.rank, msg)
         elif kind in self.handlers:
             try:
-                result = self.handlers[kind](job, {**msg, "rank": conn.rank})  # the connection's rank
+                handler: Any = self.handlers[kind]
+                result = handler(job, msg, conn.rank) if self._with_rank.get(kind) else handler(job, msg)
                 if asyncio.iscoroutine(result):
                     await result
-            except BadMessage:  # the handler's validator refused the message: said as it is
+            except BadMessage:  # the handler's own validator refused it: keep its reason
                 raise
             except Exception as e:  # a plugin's handler failing must not end the connection
                 log.error("link_handler_failed", type=kind, job_id=job.job_id, error=f"{type(e).__name__}: {e}")
@@ -309,6 +312,8 @@ class LinkServer:
             )
         # the peer's PID as this kernel namespace sees it (the eBPF probe traces it)
         msg = {**msg, "pid": conn.pid or msg["pid"]}
+        if not self.config.kubernetes.enabled:
+            msg.pop("pod", None)  # pod labels only on Kubernetes (mscale.kube)
         job = self.state.jobs.get(job_id)
         live = self.connections.get(job_id, {})
         old = live.get(rank)

@@ -106,8 +106,7 @@ def setup(app: web.Application) -> None:
     if link is None:
         return
 
-    async def handle(job: Any, msg: dict) -> None:
-        rank = int(msg.pop("rank"))
+    async def handle(job: Any, msg: dict, rank: int) -> None:
         protocol.validate_standby_request(msg)
         gpu, uuid, why = book.choose(state, job.job_id, rank, msg, time.monotonic())
         granted = gpu is not None
@@ -133,4 +132,4 @@ def setup(app: web.Application) -> None:
         reply = protocol.standby(msg["id"], gpu, uuid, why, decided=why != NO_VIEW)
         await link.send(job.job_id, reply, ranks=[rank])
 
-    link.on_message(protocol.STANDBY_REQUEST, handle)
+    link.on_message(protocol.STANDBY_REQUEST, handle, with_rank=True)

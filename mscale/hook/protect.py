@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from mscale.contracts.msrp import msrp_binding
+
 if TYPE_CHECKING:
     from mscale.hook.guard import Guard
 
@@ -209,7 +211,9 @@ def protect(
         emit=emit,
         job_id=guard.job_id,
         extra=extra,
-        binding=lambda: {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None} for m in guard.mpus},
+        binding=lambda: {
+            m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None, **msrp_binding(guard, m)} for m in guard.mpus
+        },
     )
     fuse = FusePlugin(snapshot_engine=engine)
     if guard.link is not None:  # an L1 swap's standby from the agent's node view
