@@ -1,8 +1,9 @@
 """Two nodes on one machine, end to end: two real agents (`mscale agent`, their own node names,
 ports, sockets and simulated GPUs), a job of 2 nodes x 2 ranks (gloo over loopback, DDP), and
 Prometheus scraping both with `node` labels and the shipped rules. An Xid on node B's GPU 1
-(through node B's chaos API, into its simulated NVML) makes node B's agent send the
-emergency snapshot, the quarantine and the L1 swap to the rank on that GPU only; that rank
+(through node B's chaos API, into its simulated NVML) makes node B's agent send an emergency
+snapshot to its ranks (Xid 79 asks for the node to be drained) and the quarantine and the L1
+swap to the rank on that GPU only; that rank
 takes them at its next step boundary, its standby granted by node B's agent (the GPU no rank
 uses); all four ranks stay in step; the alert carries node B;
 the job never restarts."""
@@ -148,8 +149,10 @@ def test_an_xid_on_node_b_heals_node_b_ranks_and_the_job_goes_on(tmp_path: Path,
         assert [r["node"] for r in ranks] == ["node-a", "node-a", "node-b", "node-b"]
         assert {r["hash"] for r in ranks} == {ranks[0]["hash"]}  # in step: the replicas equal
         assert [[e["hash"] for e in r["ends"]] for r in ranks[1:]] == [[e["hash"] for e in ranks[0]["ends"]]] * 3
-        # only rank 3 (node B, GPU 1) acted: emergency snapshot on disk, its MPUs moved off GPU 1
-        assert ranks[3]["emergency"] and all(Path(p).is_dir() for p in ranks[3]["emergency"])
+        # Xid 79 means "reboot the node" (RESTART_BM): every rank on node B writes an emergency
+        # snapshot (the drain); rank 3, on GPU 1, also moves its MPUs off it; node A does nothing
+        for r in ranks[2:]:
+            assert r["emergency"] and all(Path(p).is_dir() for p in r["emergency"])
         applied = {a for a, res in ranks[3]["heal"] if res == "applied"}
         if standby:  # node B's agent gave rank 3 its free GPU 2 (GPU 0 is rank 2's): all three MPUs moved there
             assert ranks[3]["gpus"] == {"001": 2, "002": 2, "003": 2}
@@ -158,9 +161,11 @@ def test_an_xid_on_node_b_heals_node_b_ranks_and_the_job_goes_on(tmp_path: Path,
         else:  # none: L2, degraded in place
             assert set(ranks[3]["fuse_levels"].values()) == {"l2_degraded"}
             assert applied >= {"emergency_snapshot", "l2_degrade"} and "l1_swap" not in applied
-        for r in ranks[:3]:
+        for r in ranks[:2]:
             assert r["heal"] == [] and r["emergency"] == [] and set(r["fuse_levels"].values()) == {"healthy"}
+        assert [a for a, res in ranks[2]["heal"] if res == "applied"] == ["emergency_snapshot"]
         assert ranks[2]["gpus"] == {"001": 0, "002": 0, "003": 0}
+        assert set(ranks[2]["fuse_levels"].values()) == {"healthy"}
     finally:
         if job is not None and job.poll() is None:
             import os

@@ -4,12 +4,13 @@ N real agents (`mscale agent` subprocesses, each with its own node name, port, s
 R+1 simulated GPUs: one per rank and a standby) and a job of N x R ranks (forked processes, a
 gloo group over loopback, the tiny model under DistributedDataParallel, `mscale.attach` with
 snapshots in memory and on disk). Once every rank is training, an Xid 79 is injected through
-the last node's chaos API on its last rank's GPU; that node's agent sends the emergency
-snapshot, the quarantine and the L1 swap to that rank only, which takes them at its next step
-and moves its MPUs to the standby the agent grants, while every rank goes on in step. The
+the last node's chaos API on its last rank's GPU; that node's agent sends an emergency snapshot
+to its ranks (the Xid asks for the node to be drained) and the quarantine and the L1 swap to
+that rank only, which takes them at its next step and moves its MPUs to the standby the agent
+grants, while every rank goes on in step. The
 summary (printed, and DIR/summary.json) says per rank where it ran, what it did, and whether
-the replicas ended bitwise equal; the exit status is 0 only when they did and only the faulty
-rank acted.
+the replicas ended bitwise equal; the exit status is 0 only when they did, only the faulty
+node's ranks acted and only the faulty rank moved.
 """
 
 from __future__ import annotations
@@ -196,7 +197,10 @@ def main(*, nodes: int, ranks: int, out: str) -> int:
             len(results) == world
             and len({r["weights"] for r in results}) == 1
             and all(r["steps"] == STEPS for r in results)
-            and all(bool(r["actions"]) == (r["rank"] == faulty) for r in results)
+            and all(
+                bool(r["actions"]) == (r["node"] == name_b) for r in results
+            )  # node B's ranks: the drain's snapshot
+            and all(r["fuse"] == ["healthy"] for r in results if r["rank"] != faulty)  # only the faulty rank moved
         )
         summary = {
             "nodes": names,
@@ -212,7 +216,8 @@ def main(*, nodes: int, ranks: int, out: str) -> int:
                 f"{r['rank']:<5}{r['node']:<8}{r['local_rank']:<6}{r['steps']:<6}{gpus:<28}{','.join(r['fuse']):<14}{', '.join(sorted(set(r['actions']))) or '-'}"
             )
         print(
-            f"\nXid 79 on {name_b} GPU {gpu}: only rank {faulty} acted; all {world} ranks ran {STEPS} steps in one "
+            f"\nXid 79 on {name_b} GPU {gpu}: {name_b}'s ranks took an emergency snapshot (Xid 79 asks for the "
+            f"node to be drained), only rank {faulty} moved its MPUs; all {world} ranks ran {STEPS} steps in one "
             f"process each (no restart); replicas bitwise equal: {'yes' if len({r['weights'] for r in results}) == 1 else 'NO'}"
         )
         Path(out).mkdir(parents=True, exist_ok=True)
