@@ -324,6 +324,7 @@ def test_emergency_writes_the_latest_memory_snapshot_on_command_and_on_sigusr1(t
     assert path == tmp_path / "step_00000005"  # the last snapshot taken, not the live state
     assert load_snapshot(path)[1]["step"] == 5
     job.run(8, 10)
+    job.engine.latest().wait_ready(30)  # a copy still in flight is not chosen (test_snapshot_overlap)
     old = signal.getsignal(signal.SIGUSR1)
     job.engine.install_signal_handler()
     try:
