@@ -31,6 +31,7 @@ from mscale.snapshot.format import (
 from mscale.snapshot.plugin import SnapshotPlugin
 from mscale.snapshot.tensors import load_snapshot
 from support import require
+from support.digest import blake3_tree
 from support.snapshot_inproc import Job
 from support.snapshot_job import build
 
@@ -130,7 +131,7 @@ def test_disk_layout_manifest_and_binding(tmp_path):
         if name == MANIFEST:
             continue
         data = (snap / name).read_bytes()
-        assert manifest["files"][name] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert manifest["files"][name] == {"size": len(data), "blake3_tree": blake3_tree(data)}
     binding = json.loads((snap / "resource_binding.json").read_text())
     assert {k: v["name"] for k, v in binding["mpus"].items()} == {"001": "vision", "002": "aligner", "003": "text"}
     assert binding["mpus"]["001"]["device"] == "cpu"
