@@ -88,10 +88,12 @@ def read_and_verify(
     hashes: bool = True,
     progress: Callable[[int], None] | None = None,
     workers: int | None = None,
+    pool: ThreadPoolExecutor | None = None,
 ) -> dict[str, Any]:
     """Reads every file (its size already checked) and checks its digest against `metas`, in
     one pass. into(name, size): a writable buffer the file is read into (returned per name);
-    without it, each file goes through a scratch buffer and nothing is kept. Raises
+    without it, each file goes through a scratch buffer and nothing is kept. pool: the threads
+    to use (else `workers` new ones). Raises
     SnapshotInvalid naming the first file (in name order) that differs or cannot be read."""
     bufs: dict[str, Any] = {}
     leaves: dict[str, list] = {}
@@ -138,8 +140,11 @@ def read_and_verify(
 
     # Largest first, so the longest task starts at once.
     tasks.sort(key=lambda t: -t[0])
-    with ThreadPoolExecutor(max_workers=max(1, min(workers or os.cpu_count() or 1, len(tasks) or 1))) as pool:
+    if pool is not None:  # the caller's threads, already started
         problems = sorted((name, why) for name, why in pool.map(run, tasks) if why)
+    else:
+        with ThreadPoolExecutor(max_workers=max(1, min(workers or os.cpu_count() or 1, len(tasks) or 1))) as own:
+            problems = sorted((name, why) for name, why in own.map(run, tasks) if why)
     if problems:
         raise SnapshotInvalid(path, *problems[0])
     if hashes:

@@ -562,7 +562,7 @@ class SnapshotEngine:
         for step in steps:
             path = self.rank_dir / f"step_{step:08d}"
             try:
-                tensors, objects, _ = load_snapshot(path)
+                tensors, objects, _ = load_snapshot(path, pool=self._copier.pool())
                 self._check_fits(tensors, objects, str(path))
             except SnapshotError as e:  # SnapshotInvalid names the file at fault
                 file, why = {"file": e.file} if isinstance(e, SnapshotInvalid) else {}, f"{e}; trying an older snapshot"

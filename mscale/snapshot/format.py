@@ -221,12 +221,13 @@ def open_verified(
     progress: Callable[[int], None] | None = None,
     workers: int | None = None,
     into: Callable[[str, int], Any] | None = None,
+    pool: ThreadPoolExecutor | None = None,
 ) -> Verified:
     """Opens every file of the snapshot at `path` (regular files in it only, no symbolic
     links) and checks it against the manifest: size, then the digest unless hashes=False
     (read and hashed in one pass, in parallel: digest.py), then the binding names the
     manifest's MPUs. into(name, size): a writable buffer to read the file `name` into and
-    keep (None: not kept). Raises SnapshotInvalid naming the first file at fault.
+    keep (None: not kept). pool: threads to read with (default: new ones). Raises SnapshotInvalid naming the first file at fault.
     `progress(n)` is called with each number of bytes read, from worker threads."""
     path = Path(path)
     v = Verified(path, open_dir(path), {})
@@ -247,7 +248,9 @@ def open_verified(
                 return bytearray(size)
             return into(name, size) if into is not None else None
 
-        v.contents = read_and_verify(path, v.fds, files, into=keep, hashes=hashes, progress=progress, workers=workers)
+        v.contents = read_and_verify(
+            path, v.fds, files, into=keep, hashes=hashes, progress=progress, workers=workers, pool=pool
+        )
         v.binding = check_binding(bytes(v.contents[BINDING]), path, manifest)
         with v.reader(TRAIN_STATE) as f:  # whether there is optimizer state is its to say
             v.objects = read_train_state(path / TRAIN_STATE, f)

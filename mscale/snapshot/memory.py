@@ -285,6 +285,14 @@ class HostCopier:
         """fence() as an optimizer step pre-hook."""
         self.fence()
 
+    def pool(self) -> ThreadPoolExecutor:
+        """The copy threads, started once (a restore reads its files with them too)."""
+        if self._copy_pool is None:
+            self._copy_pool = ThreadPoolExecutor(
+                max_workers=self.copy_threads, thread_name_prefix="mscale-snapshot-copy"
+            )
+        return self._copy_pool
+
     def parallel_copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """dst.copy_(src) for every pair, spread over a few threads by bytes (copy_ releases
         the GIL). Measured here: steadier than torch's intra-op threads, which degrade badly
@@ -295,10 +303,7 @@ class HostCopier:
                 for dst, src in pairs:
                     dst.copy_(src)
             return
-        if self._copy_pool is None:
-            self._copy_pool = ThreadPoolExecutor(
-                max_workers=self.copy_threads, thread_name_prefix="mscale-snapshot-copy"
-            )
+        pool = self.pool()
         buckets: list[list] = [[] for _ in range(n)]
         loads = [0] * n
         for dst, src in sorted(pairs, key=lambda p: -p[0].numel() * p[0].element_size()):
@@ -311,7 +316,7 @@ class HostCopier:
                 for dst, src in bucket:
                     dst.copy_(src)
 
-        list(self._copy_pool.map(run, buckets))
+        list(pool.map(run, buckets))
 
     def close(self) -> None:
         self.fence()

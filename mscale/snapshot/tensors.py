@@ -110,7 +110,7 @@ def tensors_from_bytes(data: torch.Tensor, path: Path, name: str) -> dict[str, t
 
 
 def load_snapshot(
-    path: str | os.PathLike, *, verify: bool = True, workers: int | None = None
+    path: str | os.PathLike, *, verify: bool = True, workers: int | None = None, pool: Any = None
 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict, dict]:
     """(tensors per file, train-state objects, manifest) of a snapshot, verified as it is
     read (open_verified: the manifest's schema and completeness, regular files only, sizes, and
@@ -125,7 +125,7 @@ def load_snapshot(
         raw[name] = torch.empty(size, dtype=torch.uint8)
         return raw[name].numpy()
 
-    with open_verified(path, hashes=verify, into=into, workers=workers) as snap:
+    with open_verified(path, hashes=verify, into=into, workers=workers, pool=pool) as snap:
         manifest = snap.manifest
         tensors = {
             name: tensors_from_bytes(raw.pop(name), path, name) for name in sorted(manifest["files"]) if name in raw
