@@ -93,3 +93,25 @@ def test_the_emergency_write_takes_the_newest_snapshot_whose_copy_landed(tmp_pat
     assert job.engine.emergency(why="test").result(30) == tmp_path / "step_00000010"
     assert load_snapshot(tmp_path / "step_00000010")[1]["step"] == 10
     job.close()
+
+
+def test_wait_copy_lets_other_writers_wait_for_the_copy_in_flight():
+    job = Job(memory_every=10)
+    job.run(1, 9)
+    gate = _hold_copies(job)
+    assert job.step(10)
+    snap = job.engine.latest()
+    at10 = job.state()
+    waited = threading.Thread(target=job.engine.wait_copy)
+    waited.start()
+    _wait_for(lambda: job.engine._copier.waiting)
+    assert not snap.is_ready()
+    gate.set()
+    waited.join(60)
+    assert not waited.is_alive() and snap.is_ready()
+    with torch.no_grad():  # a write outside optimizer.step(), after wait_copy()
+        for p in job.model.parameters():
+            p.mul_(0.5)
+    assert job.engine.rollback() == 10
+    assert_same_state(job.state(), at10)
+    job.close()

@@ -124,6 +124,7 @@ class SnapshotEngine:
         self._copier = HostCopier(copy_threads if copy_threads is not None else min(4, os.cpu_count() or 1))
         self._late = mem.late_keys(model, optimizer)  # copied beside training, fenced by the next step
         self._fence = optimizer.register_step_pre_hook(self._copier.fence_hook) if optimizer else None
+        self.wait_copy = self._copier.fence  # before writing parameters outside optimizer.step()
         self._closed = False
         self._prev_handler: Any = None
         self._resumed: tuple[int, Path] | None = None
