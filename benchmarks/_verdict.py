@@ -11,8 +11,8 @@ the machine was too noisy to tell: the verdict is "inconclusive", not a guess.
     rep.verdict("stall: torch.save / ours", ratios, target=20, control=save_a_over_save_b)
     rep.write()   # merged into the JSON file under "snapshot", other benchmarks' entries kept
 
-The noise is the control's median distance from 1.00; without a control, the ratios' own
-median absolute deviation, relative to their median.
+The noise is the larger of the control's median distance from 1.00 and the ratios' own
+median absolute deviation (relative to their median; absolute for an added fraction).
 """
 
 from __future__ import annotations
@@ -44,13 +44,12 @@ def mad(xs: list[float], around: float) -> float:
 
 
 def noise_of(xs: list[float], control: list[float] | None = None) -> float:
-    """Relative noise: the control's median distance from its truth, 1.00; without one, the
-    samples' median absolute deviation against their median. Medians both: one reading
-    disturbed by a neighbour neither decides a verdict nor voids it."""
-    if control:
-        return mad(control, 1.0)
+    """Relative noise: the larger of the control's median distance from its truth, 1.00, and
+    the samples' own median absolute deviation against their median. Medians both: one
+    reading disturbed by a neighbour neither decides a verdict nor voids it."""
     m = statistics.median(xs)
-    return mad(xs, m) / abs(m) if m else float("inf")
+    own = mad(xs, m) / abs(m) if m else float("inf")
+    return max(own, mad(control, 1.0)) if control else own
 
 
 def judge(xs: list[float], target: float, *, higher: bool = True, control: list[float] | None = None) -> str:
@@ -67,7 +66,7 @@ def judge_at_most(xs: list[float], limit: float, *, control: list[float] | None 
     """For an added cost (a fraction, e.g. 0.01 for 1%): met when the median stays below the
     limit by more than the control's noise (an absolute fraction), MISSED when above by more."""
     m = statistics.median(xs)
-    noise = noise_of(xs, control) if control else mad(xs, m)
+    noise = max(mad(xs, m), mad(control, 1.0) if control else 0.0)
     if abs(m - limit) <= noise:
         return "inconclusive"
     return "met" if m < limit else "MISSED"
@@ -110,7 +109,8 @@ class Report:
         else:
             v = judge(xs, target, higher=higher, control=control)
             goal = f"{'>=' if higher else '<='} {target:g}"
-        noise = noise_of(xs, control) if (control or not at_most) else mad(xs, statistics.median(xs))
+        m = statistics.median(xs)
+        noise = max(mad(xs, m), mad(control, 1.0) if control else 0.0) if at_most else noise_of(xs, control)
         self.data["verdicts"][label] = {
             **stats(xs),
             "samples": xs,
@@ -118,7 +118,7 @@ class Report:
             "target": goal,
             "verdict": v,
             "noise": noise,
-            "control": stats(control) if control else None,
+            "control": {**stats(control), "samples": control} if control else None,
         }
         ctl = f"; control {fmt(control, '', 3)}" if control else ""
         shown = fmt([x * 100 for x in xs], "%", 2) if at_most else fmt(xs, unit, digits)

@@ -29,6 +29,8 @@ def test_an_added_cost_is_met_missed_or_inconclusive_against_the_control():
     assert judge_at_most([0.002, 0.004, 0.003], 0.01, control=quiet) == "met"
     assert judge_at_most([0.03, 0.025, 0.028], 0.01, control=quiet) == "MISSED"
     assert judge_at_most([0.002, 0.004, 0.003], 0.01, control=[0.95, 1.0, 1.05]) == "inconclusive"
+    # a quiet-looking control does not rescue samples that scatter more than the margin
+    assert judge_at_most([-0.17, -0.07, 0.09], 0.01, control=[0.93, 0.88, 1.07]) == "inconclusive"
 
 
 def test_a_report_merges_into_one_json_file_per_run(tmp_path, capsys):
