@@ -39,10 +39,12 @@ $(STAMP): pyproject.toml
 	echo $(abspath $(VENV))/debian-bcc > $$($(PY) -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')/debian_bcc.pth
 	touch $(STAMP)
 
-# Re-render the committed rules, docs/alerts.md, docs/runbooks.md and dashboard JSON from params.yaml.
+# Re-render the committed rules, docs/alerts.md, docs/runbooks.md, dashboard JSON and the Kubernetes
+# renders (their PrometheusRule comes from the same params.yaml) from params.yaml.
 render: $(STAMP)
 	$(PY) -m mscale.rules.render
 	$(PY) -m mscale.dashboards.build
+	bash deploy/kubernetes/render.sh
 
 # Every benchmark at its quick default (under 20 minutes on 2 cores), each verdict on the median
 # of its repeats; every figure into one JSON file (BENCH_JSON), the table printed from it at the end.

@@ -279,6 +279,8 @@ class LinkServer:
                 result = self.handlers[kind](job, msg)
                 if asyncio.iscoroutine(result):
                     await result
+            except BadMessage:  # the handler's own validator refused it: keep its reason
+                raise
             except Exception as e:  # a plugin's handler failing must not end the connection
                 log.error("link_handler_failed", type=kind, job_id=job.job_id, error=f"{type(e).__name__}: {e}")
                 raise BadMessage("handler_error", f"{kind}: not handled ({type(e).__name__})") from None
@@ -300,6 +302,8 @@ class LinkServer:
             )
         # the peer's PID as this kernel namespace sees it (the eBPF probe traces it)
         msg = {**msg, "pid": conn.pid or msg["pid"]}
+        if not self.config.kubernetes.enabled:
+            msg.pop("pod", None)  # pod labels only on Kubernetes (mscale.kube)
         job = self.state.jobs.get(job_id)
         live = self.connections.get(job_id, {})
         old = live.get(rank)
