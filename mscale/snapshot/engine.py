@@ -123,7 +123,7 @@ class SnapshotEngine:
         self._spare: list[MemorySnapshot] = []  # retired, unpinned: buffers to reuse
         self._copier = HostCopier(copy_threads if copy_threads is not None else min(4, os.cpu_count() or 1))
         self._late = mem.late_keys(model, optimizer)  # copied beside training, fenced by the next step
-        self._fence = optimizer.register_step_pre_hook(self._copier.fence_hook) if optimizer else None
+        self._fence = mem.fence_on_step(optimizer, self._copier)
         self.wait_copy = self._copier.fence  # before writing parameters outside optimizer.step()
         self._closed = False
         self._prev_handler: Any = None

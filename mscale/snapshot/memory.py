@@ -167,12 +167,21 @@ def host_buffers(
 
 def late_keys(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Callable[[str], bool]:
     """Which snapshot keys may be copied beside the next forward and backward: the optimizer's
-    parameters and state, which only its step writes. Without an optimizer: none."""
-    if optimizer is None:
+    parameters and state, which only its step writes. Without an optimizer whose step can be
+    hooked (none, or a wrapper such as the FSDP path's LocalOptimizer): none."""
+    if optimizer is None or not hasattr(optimizer, "register_step_pre_hook"):
         return lambda key: False
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     params = {"model/" + n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in held}
     return lambda key: key.startswith("optim/") or key in params
+
+
+def fence_on_step(optimizer: Any, copier: HostCopier) -> Any:
+    """Registers copier.fence() as the optimizer's step pre-hook; the handle, or None where the
+    optimizer's step cannot be hooked (late_keys then defers nothing)."""
+    if optimizer is None or not hasattr(optimizer, "register_step_pre_hook"):
+        return None
+    return optimizer.register_step_pre_hook(copier.fence_hook)
 
 
 class HostCopier:
