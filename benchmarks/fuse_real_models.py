@@ -28,6 +28,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _verdict import Report, add_json_arg  # noqa: E402
 
 import mscale  # noqa: E402
 from support.tiny_hf import tiny_llava, tiny_qwen2vl  # noqa: E402
@@ -79,6 +82,7 @@ def main() -> None:
     ap.add_argument("--model", choices=("llava", "qwen2vl"), default="llava")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    add_json_arg(ap)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--image", type=int, default=16, help="the tiny LLaVA's image side (16: a 4x4 patch grid)")
     ap.add_argument("--l2-resolution", type=float, default=0.5, help="L2's image scale (the fuse's default 0.5)")
@@ -94,8 +98,12 @@ def main() -> None:
         f"tiny {args.model} ({args.image}px), {args.steps} steps, seed {args.seed}, L2 at {args.l2_resolution:g}x; "
         f"fault over steps {FAULT.start}-{FAULT.stop - 1}"
     )
+    rep = Report("fuse_real_models", args.json)
     for v, (loss, secs) in results.items():
         print(f"  {v:12s} final task loss {loss:.4f}  ratio to clean {loss / base:6.2f}  ({secs:.1f} s)")
+        if v != "clean":
+            rep.figure(f"{args.model} {v}: final task loss / fault-free", [loss / base], unit="x", show=False)
+    rep.write()
 
 
 if __name__ == "__main__":
