@@ -49,6 +49,7 @@ class Reason(str, Enum):
     GRAD_NORM_SPIKE = "grad_norm_spike"
     GRAD_NORM_NONFINITE = "grad_norm_nonfinite"
     GRAD_NORM_JUMP = "grad_norm_jump"
+    WEIGHT_CORRUPTION = "weight_corruption"  # a weight changed outside the optimizer (hook/weights)
     # Agent and link
     PROBE_DOWN = "probe_down"
     PROBE_UP = "probe_up"

@@ -1,0 +1,272 @@
+"""A weight corrupted between steps (`w.view(-1)[k] *= 1024` under no_grad, by the test's own
+code after optimizer.step()) is found by its fingerprint before the next forward, attributed
+to its MPU and tensor, and repaired from the newest in-memory snapshot: the repaired run ends
+bitwise equal to the fault-free run. On the tiny multimodal model (the demo's loop), on a
+tiny Hugging Face LLaVA in a plain loop and under the Trainer."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import structlog
+import torch
+
+import mscale
+from mscale.demo.scenario import RunConfig, run
+from mscale.findings import Finding
+from mscale.healing.settings import HealingSection
+from mscale.hook.guard import Guard
+from mscale.hook.weights import Fingerprint
+
+K = 5  # the element multiplied by 1024
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+    yield
+    structlog.reset_defaults()
+
+
+def corrupt(weight: torch.Tensor) -> None:
+    with torch.no_grad():
+        weight.view(-1)[K] *= 1024
+
+
+def equal_states(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
+    """Names of the tensors in which two models' state_dicts differ (bitwise)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    return [k for k in sa if not torch.equal(sa[k], sb[k])]
+
+
+def of(findings: list[Finding], reason: str, **labels: str) -> list[Finding]:
+    return [f for f in findings if f.reason.value == reason and all(f.labels.get(k) == v for k, v in labels.items())]
+
+
+# --- fingerprints ---------------------------------------------------------------------------
+
+
+def test_fingerprint_sees_every_single_element_change_and_nothing_else() -> None:
+    torch.manual_seed(0)
+    big = torch.randn(1100, 1000)  # over BATCH_MAX: fingerprinted on its own
+    small = [torch.randn(7, 5), torch.randn(3).to(torch.bfloat16), torch.randn(4, 4)]
+    fp = Fingerprint([*small, big])
+    ref = fp.compute()
+    assert torch.equal(fp.compute(), ref)  # deterministic
+    with torch.no_grad():
+        for t, i in ((small[0], 3), (small[1], 1), (big, 123_456), (small[2], 0)):
+            bits = t.view(-1)[i : i + 1].view(torch.int32 if t.element_size() == 4 else torch.int16)
+            for flip in (1, 1 << (8 * t.element_size() - 1)):  # lowest mantissa bit, sign bit
+                bits ^= flip
+                now = fp.compute()
+                assert (now != ref).nonzero().flatten().tolist() == [
+                    next(j for j, u in enumerate(fp.tensors) if u is t)
+                ]
+                bits ^= flip
+                assert torch.equal(fp.compute(), ref)
+
+
+# --- the tiny multimodal model (the demo's loop, a loader rewound in place) ------------------
+
+
+def _tinymm(memory_every: int, *, at: int | None, healing: HealingSection | None = None):
+    done: list[int] = []
+
+    def between_steps(r) -> None:
+        if at is not None and r.guard.current_step == at and not done:
+            done.append(at)
+            corrupt(r.model.vision_tower.layers[0].linear1.weight)
+
+    cfg = RunConfig(steps=28, memory_every=memory_every, before_step=between_steps)
+    if healing is not None:
+        cfg.healing = healing
+    return run(cfg)
+
+
+@pytest.mark.parametrize(
+    ("memory_every", "repair", "steps_run"),
+    [(1, "in_place", 28), (5, "rollback", 28 + 3)],  # 5: back to step 20, steps 21-23 again
+)
+def test_tinymm_weight_corruption_found_in_the_next_step_and_repaired_bitwise(memory_every, repair, steps_run) -> None:
+    clean = _tinymm(memory_every, at=None)
+    hit = _tinymm(memory_every, at=23)
+    (f,) = of(hit.findings, "weight_corruption")
+    assert f.labels["step"] == "23" and f.labels["mpu"] == "vision" and f.labels["mpu_id"] == "001"
+    assert f.labels["tensor"] == "vision_tower.layers.0.linear1.weight" and f.severity.value == "critical"
+    (fixed,) = of(hit.findings, "heal_action", action="restore_weights", result="applied")
+    assert fixed.labels["repair"] == repair and fixed.labels["step"] == "23"
+    assert hit.steps == 28 and hit.steps_run == steps_run
+    assert not of(clean.findings, "weight_corruption")
+    assert equal_states(clean.guard.model, hit.guard.model) == []
+
+
+def test_tinymm_weight_corruption_without_healing_is_reported_once_and_stays() -> None:
+    """The control: the same fault with the healing engine off is found (once) and not
+    repaired, and the run ends elsewhere, so the bitwise test above can fail."""
+    clean = _tinymm(5, at=None)
+    hit = _tinymm(5, at=23, healing=HealingSection(enabled=False))
+    assert [f.labels["step"] for f in of(hit.findings, "weight_corruption")] == ["23"]
+    assert not of(hit.findings, "heal_action", result="applied")
+    assert "vision_tower.layers.0.linear1.weight" in equal_states(clean.guard.model, hit.guard.model)
+
+
+def test_frozen_weight_corrupted_between_steps_is_found_and_restored() -> None:
+    """A frozen tower (requires_grad off, no optimizer touches it) is fingerprinted once and
+    checked every step; its corruption is restored from the snapshot."""
+    torch.manual_seed(0)
+    from mscale.hook.fuse import FusePlugin
+    from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
+    from mscale.snapshot.data import ResumableLoader
+    from mscale.snapshot.engine import SnapshotEngine
+
+    model = TinyMultimodal(TinyConfig())
+    frozen = model.multi_modal_projector
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    before = {k: v.clone() for k, v in frozen.state_dict().items()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    data = ResumableLoader(SyntheticCaptions(TinyConfig(), size=256, seed=0), batch_size=8, seed=0)
+    guard = Guard(model, opt, job_id="frozen", connect=False)
+    findings: list[Finding] = []
+
+    class Keep:
+        def on_finding(self, f: Finding) -> None:
+            findings.append(f)
+
+    guard.add_plugin(Keep())
+    fuse = FusePlugin(config=HealingSection(frozen_weights_every=1))
+    engine = SnapshotEngine(model, opt, mpus={m.name: (m.mpu_id, m.module) for m in guard.mpus}, data=data)
+    fuse.snapshot_engine = engine
+    engine.snapshot(step=-1)
+    guard.add_plugin(fuse)
+    try:
+        while guard.current_step < 8:
+            if guard.current_step == 6 and not of(findings, "weight_corruption"):
+                corrupt(frozen.linear_1.weight)
+            b = data.next_batch()
+            opt.zero_grad()
+            model(b["images"], b["tokens"])["loss"].backward()
+            opt.step()
+    finally:
+        engine.close()
+        guard.detach()
+    (f,) = of(findings, "weight_corruption")
+    assert f.labels["step"] == "6" and f.labels["weights"] == "frozen" and f.labels["mpu"] == "aligner"
+    assert of(findings, "heal_action", action="restore_weights", result="applied")
+    assert all(torch.equal(before[k], v) for k, v in frozen.state_dict().items())
+
+
+# --- a tiny Hugging Face LLaVA ------------------------------------------------------------
+
+
+FC1 = "model.vision_tower.encoder.layers.0.mlp.fc1.weight"
+
+
+def _llava_loop(*, at: int | None, memory_every: int, tensor: str = FC1, steps: int = 16):
+    """A plain loop whose batch is a function of the guard's step, so a rollback re-draws the
+    same batches (the loop's own data position is the step)."""
+    from support.tiny_hf import tiny_llava
+
+    model, make_batch = tiny_llava(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    findings: list[Finding] = []
+
+    class Keep:
+        def on_finding(self, f: Finding) -> None:
+            findings.append(f)
+
+    guard = mscale.attach(
+        model,
+        opt,
+        job_id="llava-weights",
+        connect=False,
+        plugins=[Keep()],
+        snapshots=mscale.SnapshotConfig(memory_every=memory_every),
+    )
+    assert isinstance(guard, Guard)
+    weight = dict(model.named_parameters())[tensor]
+    done = False
+    try:
+        while guard.current_step < steps:
+            if guard.current_step == at and not done:
+                done = True
+                corrupt(weight)
+            batch = make_batch(guard.current_step, torch.Generator().manual_seed(guard.current_step))
+            opt.zero_grad()
+            model(**batch).loss.backward()
+            opt.step()
+    finally:
+        guard.detach()
+    return model, findings
+
+
+@pytest.mark.parametrize(
+    ("memory_every", "tensor", "mpu", "repair"),
+    [(1, FC1, "vision", "in_place"), (4, "lm_head.weight", None, "rollback")],  # lm_head: outside every MPU
+)
+def test_llava_weight_corruption_repaired_bitwise_in_a_plain_loop(memory_every, tensor, mpu, repair) -> None:
+    clean, _ = _llava_loop(at=None, memory_every=memory_every)
+    hit, findings = _llava_loop(at=10, memory_every=memory_every, tensor=tensor)
+    (f,) = of(findings, "weight_corruption")
+    assert f.labels["step"] == "10" and f.labels.get("mpu") == mpu and f.labels["tensor"] == tensor
+    (fixed,) = of(findings, "heal_action", action="restore_weights", result="applied")
+    assert fixed.labels["repair"] == repair
+    assert equal_states(clean, hit) == []
+
+
+def _llava_trainer(tmp_path, *, at: int | None):
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from support.tiny_hf import tiny_llava
+
+    model, make_batch = tiny_llava(seed=0)
+    rows = [
+        {k: v[i] for k, v in make_batch(s, torch.Generator().manual_seed(s)).items()}
+        for s in range(8)
+        for i in range(4)
+    ]
+    findings: list[Finding] = []
+
+    class Keep:
+        def on_finding(self, f: Finding) -> None:
+            findings.append(f)
+
+    class CorruptAfterStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # after optimizer.step()
+            if state.global_step == at:
+                corrupt(model.model.vision_tower.encoder.layers[0].mlp.fc1.weight)
+            return control
+
+    callback = mscale.MscaleCallback(
+        job_id="llava-trainer-weights",
+        connect=False,
+        plugins=[Keep()],
+        snapshots=mscale.SnapshotConfig(memory_every=1),
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=8,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback, CorruptAfterStep()])
+    trainer.train()
+    return model, findings
+
+
+def test_llava_weight_corruption_repaired_bitwise_under_the_trainer(tmp_path) -> None:
+    clean, _ = _llava_trainer(tmp_path / "clean", at=None)
+    hit, findings = _llava_trainer(tmp_path / "hit", at=5)
+    (f,) = of(findings, "weight_corruption")
+    assert f.labels["step"] == "5" and f.labels["mpu"] == "vision"
+    (fixed,) = of(findings, "heal_action", action="restore_weights", result="applied")
+    assert fixed.labels["repair"] == "in_place"
+    assert equal_states(clean, hit) == []
