@@ -270,3 +270,24 @@ def test_llava_weight_corruption_repaired_bitwise_under_the_trainer(tmp_path) ->
     (fixed,) = of(findings, "heal_action", action="restore_weights", result="applied")
     assert fixed.labels["repair"] == "in_place"
     assert equal_states(clean, hit) == []
+
+
+def test_chaos_loss_spike_keeps_a_hugging_face_output_type() -> None:
+    """The chaos plugin's loss faults on a model returning a transformers ModelOutput: the loss
+    is multiplied in place and `model(**batch).loss` still works (a plain dict broke it)."""
+    from mscale.sim.chaos_job import ChaosPlugin
+    from support.tiny_hf import tiny_llava
+
+    model, make_batch = tiny_llava(seed=0)
+    chaos = ChaosPlugin()
+    guard = Guard(model, None, job_id="chaos-hf", connect=False, plugins=[chaos])
+    try:
+        batch = make_batch(0, torch.Generator().manual_seed(0))
+        clean = model(**batch).loss.item()
+        guard.step()
+        chaos.inject("loss_spike", factor=25.0)
+        out = model(**batch)
+        assert type(out).__name__ == "LlavaCausalLMOutputWithPast"
+        assert out.loss.item() == pytest.approx(25 * clean, rel=1e-5) and out["loss"] is out.loss
+    finally:
+        guard.detach()
