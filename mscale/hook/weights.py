@@ -8,8 +8,8 @@ Small tensors are fingerprinted together in one fused pass per device and width 
 int views concatenated, one cumulative sum, read at each tensor's end), large ones one by
 one: on the tiny multimodal model (63 tensors) a pass costs ~0.07 ms against a ~8 ms step.
 
-`WeightWatch` keeps the fingerprints of a guard's model: the trained weights (in the
-optimizer, requiring a gradient) are fingerprinted each time the weights settle after a
+`WeightWatch` keeps the fingerprints of a guard's model: the trained weights (those requiring
+a gradient) are fingerprinted each time the weights settle after a
 step (after the optimizer, after a rollback) and checked at the next step's begin, before
 its forward; the frozen ones are fingerprinted once and checked every `frozen_every` steps.
 A mismatch is a WEIGHT_CORRUPTION finding per tensor, labelled with its MPU (none for a
@@ -99,7 +99,6 @@ class WeightWatch:
 
     def _build(self) -> None:
         g = self.guard
-        in_opt = {id(p) for grp in (g.optimizer.param_groups if g.optimizer else []) for p in grp["params"]}
         owner: dict[int, Any] = {}
         for m in g.mpus:
             for p in m.module.parameters():  # frozen ones too (Mpu.parameters() is the trained)
@@ -107,7 +106,9 @@ class WeightWatch:
         trained: list[tuple[str, torch.Tensor]] = []
         frozen: list[tuple[str, torch.Tensor]] = []
         for name, p in g.model.named_parameters():
-            (trained if p.requires_grad and id(p) in in_opt else frozen).append((name, p))
+            # requiring a gradient: trained, by this optimizer or another (a second optimizer's
+            # update is not a corruption); not requiring one: frozen
+            (trained if p.requires_grad else frozen).append((name, p))
         self.owner = {name: owner.get(id(p)) for name, p in trained + frozen}
         self.names = {"trained": [n for n, _ in trained], "frozen": [n for n, _ in frozen]}
         self.prints = {"trained": Fingerprint([p for _, p in trained]), "frozen": Fingerprint([p for _, p in frozen])}
