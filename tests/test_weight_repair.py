@@ -102,6 +102,7 @@ def test_tinymm_weight_corruption_found_in_the_next_step_and_repaired_bitwise(me
     assert equal_states(clean.guard.model, hit.guard.model) == []
 
 
+@pytest.mark.slow  # two runs
 def test_tinymm_weight_corruption_without_healing_is_reported_once_and_stays() -> None:
     """The control: the same fault with the healing engine off is found (once) and not
     repaired, and the run ends elsewhere, so the bitwise test above can fail."""
@@ -202,6 +203,7 @@ def _llava_loop(*, at: int | None, memory_every: int, tensor: str = FC1, steps: 
     return model, findings
 
 
+@pytest.mark.slow  # two runs of the LLaVA
 @pytest.mark.parametrize(
     ("memory_every", "tensor", "mpu", "repair"),
     [(1, FC1, "vision", "in_place"), (4, "lm_head.weight", None, "rollback")],  # lm_head: outside every MPU
@@ -216,17 +218,30 @@ def test_llava_weight_corruption_repaired_bitwise_in_a_plain_loop(memory_every, 
     assert equal_states(clean, hit) == []
 
 
-def _llava_trainer(tmp_path, *, at: int | None):
+def _trainer(tmp_path, model_name: str, *, at: int | None):
+    """The real Trainer on the tiny LLaVA or the tiny multimodal model (whose forward takes
+    images= and tokens= and returns a dict with the loss); the test's callback corrupts a
+    vision weight after the optimizer step of step `at`."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from support.tiny_hf import tiny_llava
+    if model_name == "llava":
+        from support.tiny_hf import tiny_llava
 
-    model, make_batch = tiny_llava(seed=0)
-    rows = [
-        {k: v[i] for k, v in make_batch(s, torch.Generator().manual_seed(s)).items()}
-        for s in range(8)
-        for i in range(4)
-    ]
+        model, make_batch = tiny_llava(seed=0)
+        rows = [
+            {k: v[i] for k, v in make_batch(s, torch.Generator().manual_seed(s)).items()}
+            for s in range(8)
+            for i in range(4)
+        ]
+        weight = model.model.vision_tower.encoder.layers[0].mlp.fc1.weight
+    else:
+        from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
+
+        torch.manual_seed(0)
+        model = TinyMultimodal(TinyConfig())
+        data = SyntheticCaptions(TinyConfig(), size=32)
+        rows = [{"images": data[i]["images"], "tokens": data[i]["tokens"]} for i in range(32)]
+        weight = model.vision_tower.layers[0].linear1.weight
     findings: list[Finding] = []
 
     class Keep:
@@ -236,11 +251,11 @@ def _llava_trainer(tmp_path, *, at: int | None):
     class CorruptAfterStep(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):  # after optimizer.step()
             if state.global_step == at:
-                corrupt(model.model.vision_tower.encoder.layers[0].mlp.fc1.weight)
+                corrupt(weight)
             return control
 
     callback = mscale.MscaleCallback(
-        job_id="llava-trainer-weights",
+        job_id=f"{model_name}-trainer-weights",
         connect=False,
         plugins=[Keep()],
         snapshots=mscale.SnapshotConfig(memory_every=1),
@@ -262,14 +277,39 @@ def _llava_trainer(tmp_path, *, at: int | None):
     return model, findings
 
 
-def test_llava_weight_corruption_repaired_bitwise_under_the_trainer(tmp_path) -> None:
-    clean, _ = _llava_trainer(tmp_path / "clean", at=None)
-    hit, findings = _llava_trainer(tmp_path / "hit", at=5)
+@pytest.mark.slow  # two runs
+@pytest.mark.parametrize("model_name", ["llava", "tinymm"])
+def test_weight_corruption_repaired_bitwise_under_the_trainer(tmp_path, model_name) -> None:
+    clean, _ = _trainer(tmp_path / "clean", model_name, at=None)
+    hit, findings = _trainer(tmp_path / "hit", model_name, at=5)
     (f,) = of(findings, "weight_corruption")
     assert f.labels["step"] == "5" and f.labels["mpu"] == "vision"
     (fixed,) = of(findings, "heal_action", action="restore_weights", result="applied")
     assert fixed.labels["repair"] == "in_place"
     assert equal_states(clean, hit) == []
+
+
+def test_a_guard_without_its_optimizer_sees_training_as_no_corruption() -> None:
+    """Weights requiring a gradient are re-fingerprinted at every step end, whoever updates
+    them: a guard attached without the optimizer finds nothing in a clean run."""
+    from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
+
+    torch.manual_seed(0)
+    model = TinyMultimodal(TinyConfig())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = mscale.attach(model, None, job_id="no-optimizer", connect=False, snapshots=True)
+    data = SyntheticCaptions(TinyConfig(), size=64)
+    try:
+        for i in range(6):
+            b = torch.utils.data.default_collate([data[i * 4 + j] for j in range(4)])
+            opt.zero_grad()
+            loss = model(b["images"], b["tokens"])["loss"]
+            loss.backward()
+            opt.step()
+            guard.step(loss)
+    finally:
+        guard.detach()
+    assert guard.current_step == 6 and not of(list(guard.findings), "weight_corruption")
 
 
 def test_chaos_loss_spike_keeps_a_hugging_face_output_type() -> None:
