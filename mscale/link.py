@@ -93,6 +93,7 @@ MPU_REPORT_FIELDS = frozenset(
         "grad_norm",
         "gvc",
         "clip_ratio",
+        "distill_share",
         "clipped",
         "checksum_ok",
         "checksum_consecutive_failures",
@@ -348,7 +349,7 @@ def validate_report(msg: dict) -> None:
             _need(_is_text(mid, 1, 16, MPU_ID), f"{where}: an MPU id is 1-16 of [A-Za-z0-9._-]")
             _need(isinstance(mr, dict), f"{where} must be an object")
             _no_unknown(mr, MPU_REPORT_FIELDS, where)
-            for k in ("forward_s", "backward_s", "grad_norm", "gvc", "clip_ratio"):
+            for k in ("forward_s", "backward_s", "grad_norm", "gvc", "clip_ratio", "distill_share"):
                 _need(_is_num(mr.get(k)), f"{where}.{k} must be a number")
             for k in ("memory_used_bytes", "memory_total_bytes"):
                 _need(_is_num(mr.get(k)), f"{where}.{k} must be a number")

@@ -227,8 +227,11 @@ def test_corruption_persisting_in_l2_engages_l3_then_removes_it_after_recovery(r
     ((l3_step, _),) = heal(r, "l3_distill")
     ((rec_step, _),) = heal(r, "recover")
     assert l3_step == 26 and rec_step > 45
-    shares = [(s, share) for s, mpu, share, _ in r.fuse.states["l3_distill"].shares]
-    assert shares and {s for s, _ in shares} == set(range(l3_step, rec_step + 1))  # incl. the recovery step
+    booked = r.fuse.states["l3_distill"].shares
+    assert booked and {s for s, *_ in booked} == set(range(l3_step, rec_step + 1))  # incl. the recovery step
+    assert [s for s, *_, calibrating in booked if calibrating] == [l3_step]  # the first step sets the weight
+    # every later step uses the weight set from the step before: the share is measured, not solved
+    shares = [(s, share) for s, _, share, _, calibrating in booked if not calibrating]
     lo, hi = 0.15, 0.30
     assert all(lo <= share <= hi for _, share in shares), shares
     assert not r.fuse.states["l3_distill"].mpus  # removed on recovery

@@ -71,6 +71,7 @@ def test_register_reports_and_metrics(sock: str) -> None:
                     60 <= value <= 100
                 )  # healthy (latency may wobble on a shared CPU; no checksum, GPU or memory penalty)
         assert 'cmsa_clip_ratio{job_id="job-a",mpu_id="003"}' in text
+        assert 'mscale_distill_share{job_id="job-a",mpu_id="001"} 0.0' in text  # no L3 term
         assert 'mscale_job_up{job_id="job-a",rank="0"} 1.0' in text
         assert 'mscale_job_loss{job_id="job-a"}' in text
         assert 'mscale_mpu_checksum_failures_total{job_id="job-a",mpu_id="002"} 0.0' in text

@@ -112,6 +112,7 @@ class MpuState:
     grad_norm: float = math.nan
     gvc: float = math.nan
     clip_ratio: float = 0.0
+    distill_share: float = 0.0  # the L3 distillation term's share of the job's loss
     checksum_ok: bool = True
     checksum_consecutive_failures: int = 0
     checksum_failures_total: int = 0
@@ -126,6 +127,8 @@ class MpuState:
         self.gvc = _num(r.get("gvc"))
         cr = _num(r.get("clip_ratio"))
         self.clip_ratio = cr if math.isfinite(cr) else self.clip_ratio
+        ds = _num(r.get("distill_share", 0.0))
+        self.distill_share = ds if math.isfinite(ds) else 0.0
         self.checksum_ok = bool(r.get("checksum_ok", True))
         self.checksum_consecutive_failures = int(r.get("checksum_consecutive_failures", 0) or 0)
         total = int(r.get("checksum_failures_total", self.checksum_failures_total) or 0)
@@ -175,6 +178,7 @@ class MpuState:
             "backward_baseline_s": self.latency["backward"].baseline_s,
             "grad_norm": self.grad_norm,
             "clip_ratio": self.clip_ratio,
+            "distill_share": self.distill_share,
             "checksum_consecutive_failures": self.checksum_consecutive_failures,
             "checksum_failures_total": self.checksum_failures_total,
         }

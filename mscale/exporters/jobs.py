@@ -54,6 +54,11 @@ def collect(state: AgentState) -> Iterable[Metric]:
     clip = GaugeMetricFamily(
         "cmsa_clip_ratio", "share of steps whose gradients CMSA clipped, per MPU", labels=["job_id", "mpu_id"]
     )
+    share = GaugeMetricFamily(
+        "mscale_distill_share",
+        "share of the job's loss that the L3 distillation term of this MPU took in the last reported step (0: none)",
+        labels=["job_id", "mpu_id"],
+    )
     mnorm = GaugeMetricFamily(
         "mscale_mpu_grad_norm", "gradient norm of the MPU in the last reported step", labels=["job_id", "mpu_id"]
     )
@@ -90,6 +95,7 @@ def collect(state: AgentState) -> Iterable[Metric]:
         for mpu_id, m in sorted(job.mpus.items()):
             info.add_metric([job_id, mpu_id, m.name, str(m.gpu), m.gpu_uuid, m.device, m.fuse_level], 1.0)
             clip.add_metric([job_id, mpu_id], value(m.clip_ratio))
+            share.add_metric([job_id, mpu_id], value(m.distill_share))
             mnorm.add_metric([job_id, mpu_id], value(m.grad_norm))
             fails.add_metric([job_id, mpu_id], value(m.checksum_failures_total))
             consec.add_metric([job_id, mpu_id], value(m.checksum_consecutive_failures))
@@ -111,6 +117,7 @@ def collect(state: AgentState) -> Iterable[Metric]:
         health,
         info,
         clip,
+        share,
         mnorm,
         lat,
         base,

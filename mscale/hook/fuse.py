@@ -320,6 +320,21 @@ class FusePlugin:
                     self.pending_rerun.add(m.mpu_id)
         return result
 
+    def reduction_failed(self, m: Any, spec: Any, detail: str) -> None:
+        """A measure of `spec` in force on `m` failed while running (its action state undid it):
+        book a failed event of that action and run the next level's action."""
+        step = self.guard.current_step
+        target, level = self._target(m), m.fuse_level
+        self._engine.record(
+            Decision("fuse", spec.name, spec.level, target, level, "action_error", detail, step, self.clock()),
+            "failed",
+            detail=detail,
+        )
+        if spec.escalates_to:
+            nxt = actions.get(spec.escalates_to)
+            why = f"{spec.level} failed: {detail}"
+            self.run(Decision("fuse", nxt.name, nxt.level, target, level, "action_error", why, step, self.clock()))
+
     def _in_forward(self) -> bool:
         # between the step's first forward and the optimizer step (not at a step boundary),
         # in a step whose update is kept

@@ -519,6 +519,7 @@ class Guard:
                 "checksum_consecutive_failures": m.consecutive_failures,
                 "checksum_failures_total": m.checksum_failures_total,
                 "clip_ratio": self.cmsa.clip_ratio(m.mpu_id) if self.cmsa else 0.0,
+                "distill_share": protocol.number(m.distill_share),  # the fuse's L3 term (0 when none)
                 "clipped": bool(last.get("clipped", {}).get(m.mpu_id, False)),
                 "gpu": m.gpu,
                 "fuse_level": m.fuse_level,

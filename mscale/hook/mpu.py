@@ -62,6 +62,7 @@ class Mpu:
     backward_s: float = 0.0
     grad_norm: float = 0.0
     gvc: float = 0.0
+    distill_share: float = 0.0  # the L3 term's share of the loss at the last step (the fuse's L3)
     _fwd_start: float | None = field(default=None, repr=False)  # the guard's, at each forward
     _bwd_start: float = field(default=0.0, repr=False)
     _bwd_end: float = field(default=0.0, repr=False)

@@ -34,6 +34,10 @@ class TinyConfig:
     def patches(self) -> int:
         return (self.image_size // self.patch) ** 2
 
+    @property
+    def patch_size(self) -> int:  # the name vision towers use (the fuse's L2 reads it)
+        return self.patch
+
 
 def _block(hidden: int, heads: int, ffn_mult: int) -> nn.TransformerEncoderLayer:
     # dropout 0: bitwise-reproducible training and replay checks compare exactly
@@ -51,7 +55,9 @@ class VisionTower(nn.Module):
         )
         self.norm = nn.LayerNorm(cfg.vision_hidden)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    def forward(self, images: torch.Tensor, interpolate_pos_encoding: bool = False) -> torch.Tensor:
+        """Any multiple of the patch size: the position table is interpolated when the patch
+        count differs (as `interpolate_pos_encoding=True` asks of CLIP)."""
         b, c, h, w = images.shape
         p = self.cfg.patch
         x = images.unfold(2, p, p).unfold(3, p, p)  # B C H/p W/p p p

@@ -1,9 +1,12 @@
 """L2 modality degradation: the standby fails too, or none is healthy.
 
-The MPU keeps training degraded: image inputs of a vision MPU at half resolution (a forward
-pre-hook pools them, so the tower sees a quarter of the patches), its CMSA clip threshold
-raised by the fuse's `l2_clip_factor` to absorb the noisier gradients, and its forward on a
-fallback where one applies (`run_degraded`):
+The MPU keeps training degraded: a vision tower of a known family runs at reduced resolution
+with every output shape kept (`mscale.hook.degrade`: fixed-size towers that interpolate their
+position embeddings, such as CLIP and SigLIP, and dynamic-resolution ones over flattened
+patches, such as Qwen2-VL's, at the fuse's `l2_resolution`); for any other MPU no reduction
+applies and the event says so. Its CMSA clip threshold is raised by the fuse's
+`l2_clip_factor` to absorb the noisier gradients, and its forward runs on a fallback where
+one applies (`run_degraded`):
 
 - on an accelerator (cuda) the MPU always moves to the CPU (parameters, gradients, buffers,
   the optimizer state of its parameters: `mscale.hook.placement.place`, as the L1 swap); the
@@ -19,6 +22,9 @@ fallback where one applies (`run_degraded`):
 
 The forward is wrapped by an instance attribute (what nn.Module.__call__ calls), inside the
 guard's hooks: they see the MPU's inputs and outputs as the model does. Undone on recovery.
+A reduced forward that raises runs unreduced for that call; the fuse then undoes the
+reduction, books the failure (a failed l2_degrade event) and escalates the MPU to L3: no error
+of the degradation reaches the training loop.
 """
 
 from __future__ import annotations
@@ -79,13 +85,15 @@ def cpu_fallback(module: Any, optimizer: Any = None) -> Fallback:
 
 
 class Degraded:
-    """Per job: the MPUs running degraded, each with its resolution pre-hook and its fallback."""
+    """Per job: the MPUs running degraded, each with its shape-preserving reduction (None when
+    none applies to the model: mscale.hook.degrade) and its fallback."""
 
     def __init__(self, fuse) -> None:
         self.resolution: float = fuse.l2_resolution
         self.clip_factor: float = fuse.l2_clip_factor
         self.precision: bool = fuse.l2_precision_fallback
-        self.mpus: dict[str, tuple[Any, Fallback | None]] = {}  # mpu_id -> (pre-hook handle, fallback)
+        self.mpus: dict[str, tuple[Any, Fallback | None]] = {}  # mpu_id -> (Reduction or None, fallback)
+        self.failed: list[tuple[int, str, str]] = []  # (step, mpu_id, error) of reduced forwards that raised
 
     @property
     def fallbacks(self) -> dict[str, str]:
@@ -95,29 +103,20 @@ class Degraded:
     def degrade(self, guard: Any, m: Any) -> None:
         if m.mpu_id in self.mpus:
             return
-        import torch
-        from torch.nn import functional as F
-
-        scale = self.resolution
-
-        def reduce(module: Any, args: tuple, kwargs: dict) -> tuple | None:
-            if (
-                not args
-                or not isinstance(args[0], torch.Tensor)
-                or args[0].dim() != 4
-                or not args[0].is_floating_point()
-            ):
-                return None  # only image-like inputs (B, C, H, W) are reduced
-            x = args[0]
-            size = (max(1, int(x.shape[-2] * scale)), max(1, int(x.shape[-1] * scale)))
-            return (F.interpolate(x, size=size, mode="bilinear", align_corners=False), *args[1:]), kwargs
+        from mscale.hook.degrade import reduction_for
 
         fallback = run_degraded(m.module, guard.optimizer, precision=self.precision)
         if fallback is not None:
             guard.checksum.forget(m)  # its cached weight sums (the weights may have moved)
-        self.mpus[m.mpu_id] = (m.module.register_forward_pre_hook(reduce, with_kwargs=True), fallback)
+        # installed after the fallback: the reduction runs on the fallback's side of the boundary
+        reduction = reduction_for(m.module, self.resolution)
+        self.mpus[m.mpu_id] = (reduction, fallback)
         log.warning(
-            "mpu_degraded", mpu_id=m.mpu_id, fallback=fallback.kind if fallback else "none", device=str(m.device)
+            "mpu_degraded",
+            mpu_id=m.mpu_id,
+            reduction=reduction.kind if reduction else "none",
+            fallback=fallback.kind if fallback else "none",
+            device=str(m.device),
         )
         if guard.cmsa is not None:
             guard.cmsa.raise_threshold(m, self.clip_factor)
@@ -125,11 +124,26 @@ class Degraded:
     def in_force(self, fuse, m: Any) -> bool:
         return m.mpu_id in self.mpus
 
-    def undo(self, fuse, m: Any) -> None:
-        h, fallback = self.mpus.pop(m.mpu_id, (None, None))
-        if h is None:
+    def mpu_output(self, fuse, m: Any, output: Any) -> None:
+        """A reduced forward of `m` raised (its own forward ran instead): undo the reduction,
+        book the failure, escalate to L3."""
+        reduction = self.mpus.get(m.mpu_id, (None, None))[0]
+        if reduction is None or not reduction.failures:
             return
-        h.remove()
+        error = reduction.failures[-1]
+        reduction.undo()
+        self.mpus[m.mpu_id] = (None, self.mpus[m.mpu_id][1])
+        step = fuse.guard.current_step
+        self.failed.append((step, m.mpu_id, error))
+        log.error("mpu_reduction_failed", mpu_id=m.mpu_id, error=error, step=step)
+        fuse.reduction_failed(m, ACTION, f"reduced forward raised ({error}); undone, this forward ran unreduced")
+
+    def undo(self, fuse, m: Any) -> None:
+        if m.mpu_id not in self.mpus:
+            return
+        reduction, fallback = self.mpus.pop(m.mpu_id)
+        if reduction is not None:
+            reduction.undo()
         if fallback is not None:
             fallback.undo()
             fuse.guard.checksum.forget(m)
@@ -137,8 +151,9 @@ class Degraded:
             fuse.guard.cmsa.reset_threshold(m)
 
     def detach(self, fuse) -> None:
-        for h, fallback in self.mpus.values():
-            h.remove()
+        for reduction, fallback in self.mpus.values():
+            if reduction is not None:
+                reduction.undo()
             if fallback is not None:
                 fallback.undo()
         self.mpus.clear()
@@ -152,9 +167,14 @@ def apply(fuse, state: Degraded, d) -> str:
 def event(state: Degraded, d) -> tuple[str, dict[str, str]]:
     if d.target.mpu_id not in state.mpus:
         return "", {}
-    kind = state.fallbacks.get(d.target.mpu_id)
-    where = {"cpu": "moved to the CPU, ", "bf16": "forward in bf16, "}.get(kind or "", "")
-    return f"{where}inputs at {state.resolution:g}x resolution", ({"fallback": kind} if kind else {})
+    reduction, fallback = state.mpus[d.target.mpu_id]
+    kind = fallback.kind if fallback else None
+    where = {"cpu": "moved to the CPU", "bf16": "forward in bf16"}.get(kind or "", "no fallback on this device")
+    what = reduction.detail if reduction else "no shape-preserving reduction applies to this model: fallback alone"
+    labels = {"reduction": reduction.kind if reduction else "none"}
+    if kind:
+        labels["fallback"] = kind
+    return f"{what}; {where}", labels
 
 
 ACTION = ActionSpec(

@@ -1,13 +1,24 @@
 """L3 cross-modal distillation: the MPU keeps failing even degraded.
 
-A KL term between the detached text-MPU hidden state and the projected output of the failing
-MPU is added to the loss, weighted so that it is `healing.distill_weight_min`..`max` of the
-total (adapted every step), until the MPU recovers; then it is removed. The text MPU itself
-cannot be distilled from itself: for it the action fails.
+A distillation term (the cosine distance, see mscale.hook.distill) between the detached hidden states of the text MPU (the teacher) and the failing
+MPU's output as the text model receives it (the student), at the student's own positions in
+the text sequence, is added to the loss the model returns, until the MPU recovers; then it is
+removed (with the projection, where one was made). The term's layout comes from the model
+(mscale.hook.distill.Term: the projector where there is one, the image-token mask of the
+model's inputs), so it works on LLaVA-, Qwen2-VL-style and the project's tiny model. When no
+term can be built for a model (no text MPU, the text MPU itself failing, no way to place the
+student), L3 is not applied: its event says why and the MPU stays at L2.
+
+The weight: the term should be `healing.distill_weight_min`..`max` of the total loss. The
+weight used at a step is set from the task-loss / distance ratio of the step before (the first L3
+step calibrates on its own values); the share the term actually took at each step is measured
+on that step's values (`shares`, and the Mpu's `distill_share`). A ratio that moves fast between steps shows as a share out of the
+band, not hidden by solving the weight on the step it is measured on.
 
 The term is added by a forward hook on the model, registered when the fuse attaches (after the
 guard's own model hook: the loss detector watches the task loss, backward gets the task loss
-plus the L3 term, a step up by design, not a spike).
+plus the L3 term, a step up by design, not a spike). The model's output keeps its type
+(a ModelOutput or a dict has its `loss` replaced in place).
 """
 
 from __future__ import annotations
@@ -16,109 +27,189 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from mscale.healing.actions.base import ActionFailed, ActionSpec
 from mscale.healing.fsm import Level
+
+log = structlog.get_logger("mscale.fuse")
+
+SMOOTH = 1.0  # weight of the newest step in the average the next weight comes from (1: the last step alone)
 
 
 @dataclass
 class Distill:
-    """L3 state of one MPU: the KL weight, adapted so the term is a fixed share of the loss."""
+    """L3 state of one MPU."""
 
     mpu_id: str
-    weight: float = 0.0
-    share: float = 0.0  # the KL term's share of the total loss at the last step
+    term: Any  # mscale.hook.distill.Term
+    weight: float | None = None  # None until the first L3 step calibrates it
+    next_weight: float | None = None  # from this step's ratio, used at the next step
+    share: float = 0.0  # the term's share of the total loss at the last step (measured)
+    why_not: str = ""  # why the term could not be added at the last step ("" when it was)
 
 
 class Distilling:
-    """Per job: the MPUs being distilled, this step's captured outputs, the shares per step."""
+    """Per job: the MPUs being distilled, the tensors captured for the term, the shares per step."""
 
     def __init__(self, fuse) -> None:
         self.band = (fuse.cfg.distill_weight_min, fuse.cfg.distill_weight_max)
         self.mpus: dict[str, Distill] = {}
-        self.shares: list[tuple[int, str, float, float]] = []  # (step, mpu_id, share of loss, weight)
-        self._captured: dict[str, Any] = {}
-        self._handle: Any = None
+        # (step, mpu_id, share of the total loss, weight, calibration step?)
+        self.shares: list[tuple[int, str, float, float, bool]] = []
+        self._captured: Any = None
+        self._last: Any = None  # the previous complete step's capture (L3 entry checks the term on it)
+        self._handles: list[Any] = []
+        self._calibrating: set[str] = set()
 
     def attach(self, fuse) -> None:
-        self._handle = fuse.guard.model.register_forward_hook(self._model_output)
+        from mscale.hook.distill import Captured
+
+        self._captured = Captured()
+        model = fuse.guard.model
+        text = next((m for m in fuse.guard.mpus if m.name == "text"), None)
+        self._handles.append(model.register_forward_pre_hook(self._model_input, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._model_output))
+        if text is not None:
+            self._handles.append(text.module.register_forward_pre_hook(self._text_input, with_kwargs=True))
 
     def detach(self, fuse) -> None:
+        for d in self.mpus.values():
+            d.term.close()
         self.mpus.clear()
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
 
     def step_begin(self, fuse) -> None:
-        self._captured = {}
+        from mscale.hook.distill import Captured
+
+        self._captured = Captured()
 
     def step_end(self, fuse, step: int) -> None:
         for d in self.mpus.values():
-            self.shares.append((step, d.mpu_id, d.share, d.weight))
+            d.term.step()
+            if d.weight is not None and not d.why_not:
+                self.shares.append((step, d.mpu_id, d.share, d.weight, d.mpu_id in self._calibrating))
+            m = fuse.guard.mpu(d.mpu_id)
+            m.distill_share = d.share
+        self._calibrating.clear()
+        self._last = self._captured
 
     def in_force(self, fuse, m: Any) -> bool:
         return m.mpu_id in self.mpus
 
     def undo(self, fuse, m: Any) -> None:
-        self.mpus.pop(m.mpu_id, None)
+        d = self.mpus.pop(m.mpu_id, None)
+        if d is not None:
+            d.term.close()
+        m.distill_share = 0.0
 
     def mpu_output(self, fuse, mpu: Any, output: Any) -> None:
+        if self._captured is not None:
+            self._captured.outputs[mpu.mpu_id] = output
+
+    def _model_input(self, module: Any, args: tuple, kwargs: dict) -> None:
         import torch
 
-        if not self.mpus or mpu.name not in ("aligner", "text"):
-            return
-        t = output[1] if mpu.name == "text" and isinstance(output, tuple) and len(output) > 1 else output
-        t = getattr(t, "last_hidden_state", t)
-        if isinstance(t, (tuple, list)):
-            t = t[0]
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            self._captured[mpu.name] = t
+        if module.training and self._captured is not None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            self._captured.input_ids = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+            mask = kwargs.get("attention_mask")
+            self._captured.attention_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+    def _text_input(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if module.training and self._captured is not None:
+            self._captured.text_inputs = args
 
     def _model_output(self, module: Any, args: tuple, output: Any) -> Any:
-        """Add the KL term to the loss the model returns (before backward sees it)."""
-        import torch
-        from torch.nn import functional as F
+        """Add the term to the loss the model returns (before backward sees it). A hook on the
+        model itself, outside the guard's plugin calls: an error here would reach the training
+        loop, so it is logged and the step goes on with the task loss alone."""
+        try:
+            return self._add_term(module, output)
+        except Exception as e:
+            log.exception("distill_term_error", error=str(e))
+            for d in self.mpus.values():
+                d.why_not = f"{type(e).__name__}: {e}"
+            return None
 
-        if not self.mpus or not module.training:
+    def _add_term(self, module: Any, output: Any) -> Any:
+        import torch
+
+        if not self.mpus or not module.training or self._captured is None:
             return None
-        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-        proj, text = self._captured.get("aligner"), self._captured.get("text")
-        if not isinstance(loss, torch.Tensor) or proj is None or text is None:
+        is_map = isinstance(output, dict)
+        loss = output.get("loss") if is_map else getattr(output, "loss", None)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             return None
-        student = proj.float().mean(dim=1)  # (B, H): the failing MPU's output as the text model receives it
-        teacher = (
-            text[:, proj.shape[1] :].detach().float().mean(dim=1)
-            if text.shape[1] > proj.shape[1]
-            else text.detach().float().mean(dim=1)
-        )
-        if student.shape != teacher.shape:
-            return None
-        kl = F.kl_div(
-            F.log_softmax(student, dim=-1), F.log_softmax(teacher, dim=-1), log_target=True, reduction="batchmean"
-        )
+        task = float(loss.detach())
         lo, hi = self.band
         target = (lo + hi) / 2
-        task, klv = float(loss.detach()), float(kl.detach())
-        total_extra = loss.new_zeros(())
-        n = len(self.mpus)
+        terms: list[tuple[Distill, float, Any, float]] = []  # (state, weight, term, its value)
         for d in self.mpus.values():
-            if math.isfinite(task) and math.isfinite(klv) and klv > 1e-12 and task > 0:
-                # the weight that makes the term `target` of the total, kept in the band
-                d.weight = target / (1 - target) * task / klv / n
-            d.share = (d.weight * klv) / (task + n * d.weight * klv) if task + klv > 0 else 0.0
-            total_extra = total_extra + d.weight * kl
-        new_loss = loss + total_extra.to(loss.dtype)
-        if isinstance(output, dict):
-            return {**output, "loss": new_loss}
-        output.loss = new_loss
+            kl, d.why_not = d.term.loss(self._captured)
+            if kl is None:
+                continue
+            k = float(kl.detach())
+            if not (math.isfinite(task) and math.isfinite(k) and k > 1e-12 and task > 0):
+                d.why_not = f"task loss {task:.3g}, distance {k:.3g}: no weight"
+                continue
+            solved = target / (1 - target) * task / k / len(self.mpus)
+            previous = d.next_weight
+            if d.weight is None or previous is None:
+                previous = solved  # the first L3 step calibrates on itself (booked as such)
+                self._calibrating.add(d.mpu_id)
+            d.weight = w = previous
+            # geometric moving average of the solved weights (SMOOTH 1: the last step's alone)
+            d.next_weight = (
+                math.exp(SMOOTH * math.log(solved) + (1 - SMOOTH) * math.log(previous))
+                if solved > 0 and previous > 0
+                else solved
+            )
+            terms.append((d, w, kl, k))
+        if not terms:
+            return None
+        extra = sum(w * k for _, w, _, k in terms)
+        for d, w, _, k in terms:
+            d.share = w * k / (task + extra)
+        new_loss = loss + sum(w * kl for _, w, kl, _ in terms).to(loss.dtype)
+        if is_map:
+            output["loss"] = new_loss  # in place: the output keeps its type
+        else:
+            output.loss = new_loss
         return output
 
 
 def apply(fuse, state: Distilling, d) -> str:
+    import torch
+
+    from mscale.hook.distill import Term
+
     m = fuse.guard.mpu(d.target.mpu_id)
-    if m.name == "text":
-        raise ActionFailed("the text MPU is the teacher; nothing to distill from")
-    state.mpus.setdefault(m.mpu_id, Distill(m.mpu_id))
+    if m.mpu_id in state.mpus:
+        return "noop"
+    term = Term(fuse.guard.model, fuse.guard.mpus, m)
+    why = term.why_not()
+    if not why and state._last is not None:  # check the term on the last complete step
+        with torch.no_grad():
+            kl, why = term.loss(state._last)
+    if why:
+        term.close()
+        raise ActionFailed(f"no distillation term for this model: {why}")
+    state.mpus[m.mpu_id] = Distill(m.mpu_id, term)
     return "applied"
+
+
+def event(state: Distilling, d) -> tuple[str, dict[str, str]]:
+    dist = state.mpus.get(d.target.mpu_id)
+    if dist is None:
+        return "", {}
+    t = dist.term
+    via = f"through {t.carrier.name}" if t.carrier is not t.failing else "its own output"
+    where = "image-token positions" if t.token is not None else "leading positions of the text input"
+    lo, hi = state.band
+    return f"cosine distance to the text MPU's hidden states, student {via}, at the {where}; share {lo:g}-{hi:g}", {}
 
 
 ACTION = ActionSpec(
@@ -130,4 +221,5 @@ ACTION = ActionSpec(
     scope="mpu",
     new_placement=True,
     state=Distilling,
+    event=event,
 )

@@ -1,0 +1,185 @@
+"""The L3 distillation term on any layout (used by mscale.healing.actions.distill).
+
+Teacher: the text MPU's final hidden states (`last_hidden_state`, or the first (B, S, H)
+tensor of its output whose width is the text hidden size H), detached. Student: the failing
+MPU's output as the text model receives it: the output of the MPU downstream of it (the
+projector, `aligner`) when there is one, else its own output (`pooler_output` first: Qwen2-VL's
+tower merges into the text width itself); when that is not H wide, a small linear projection
+made at L3 entry (trained by its own optimizer at each step's end, removed on recovery).
+
+Positions, from the model's own inputs: the student's rows fill the image placeholders,
+`input_ids == config.image_token_id` (or `image_token_index`), in order (the models scatter
+the features into them the same way), so each sample's rows are known; its text positions are
+the others (attention mask honoured). A text MPU that takes the student itself as its leading
+input (the project's tiny model: `language_model(prefix, tokens)`) has it first and the text
+after. Anything else: no term (`Term.why_not`, `Term.loss` say why).
+
+Term: per sample, the cosine distance between the mean of its student rows and the mean of
+the teacher over its text positions, averaged over the batch: the image's representation is
+pulled toward what the text model makes of its caption, which differs per image, so the term
+keeps image information (matching each image position to the text model's own output at that
+position instead pulled the features toward an image-blind target and the tiny LLaVA forgot
+its images). Not a KL over
+softmaxed hidden states: hidden states are no distributions, and such a KL follows their scale
+(the text model's final-norm gain, the projector's output norm), which drifts as both train;
+the cosine distance is scale-free and bounded (0..2), so its ratio to the task loss moves
+slowly and a weight set from the steps before holds the share in its band.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from mscale.hook.placement import tensors
+
+
+def text_width(text: nn.Module) -> int | None:
+    """The text MPU's hidden size: its config's, else its input embedding's width."""
+    cfg = getattr(text, "config", None)
+    h = getattr(cfg, "hidden_size", None)
+    if isinstance(h, int) and h > 0:
+        return h
+    for m in text.modules():
+        if isinstance(m, nn.Embedding):
+            return int(m.embedding_dim)
+    return None
+
+
+def image_token_id(model: nn.Module) -> int | None:
+    cfg = getattr(model, "config", None)
+    for key in ("image_token_id", "image_token_index"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int):
+            return v
+    return None
+
+
+def teacher_of(output: Any, width: int) -> torch.Tensor | None:
+    t = getattr(output, "last_hidden_state", None)
+    if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[-1] == width:
+        return t
+    for t in tensors(output):
+        if t.dim() == 3 and t.is_floating_point() and t.shape[-1] == width:
+            return t
+    return None
+
+
+def student_of(output: Any) -> torch.Tensor | None:
+    for key in ("pooler_output", "last_hidden_state"):
+        t = getattr(output, key, None)
+        if isinstance(t, (tuple, list)) and t and all(isinstance(x, torch.Tensor) for x in t):
+            t = torch.cat(list(t))
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 2:
+            return t
+    for t in tensors(output):
+        if t.is_floating_point() and t.dim() >= 2:
+            return t
+    return None
+
+
+@dataclass
+class Captured:
+    """One step's tensors for the term."""
+
+    input_ids: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+    outputs: dict[str, Any] = field(default_factory=dict)  # mpu_id -> output
+    text_inputs: tuple = ()
+
+
+class Term:
+    """The distillation term of one failing MPU: where its student comes from, how it is
+    placed against the teacher, the projection when one is needed."""
+
+    def __init__(self, model: nn.Module, mpus: list[Any], failing: Any, optimizer_lr: float = 1e-3) -> None:
+        self.model, self.failing = model, failing
+        self.text = next((m for m in mpus if m.name == "text"), None)
+        aligner = next((m for m in mpus if m.name == "aligner"), None)
+        # the MPU whose output the text model receives: the projector, for the encoders upstream of it
+        self.carrier = aligner if aligner is not None and failing.name not in ("aligner", "text") else failing
+        self.width = text_width(self.text.module) if self.text is not None else None
+        self.token = image_token_id(model)
+        self.projection: nn.Linear | None = None
+        self._opt: torch.optim.Optimizer | None = None
+        self.lr = optimizer_lr
+
+    def why_not(self) -> str:
+        """Why no term can be built for this layout ("" when one can)."""
+        if self.text is None:
+            return "no text MPU to take the teacher from"
+        if self.failing is self.text:
+            return "the text MPU is the teacher; nothing to distill from"
+        if self.width is None:
+            return "the text MPU's hidden size is unknown"
+        return ""
+
+    def loss(self, cap: Captured) -> tuple[torch.Tensor | None, str]:
+        """(the term, "") or (None, why not) for this step's captured tensors."""
+        if self.text is None or self.width is None:
+            return None, self.why_not()
+        out = cap.outputs.get(self.carrier.mpu_id)
+        text_out = cap.outputs.get(self.text.mpu_id)
+        if out is None or text_out is None:
+            return None, "the failing MPU or the text MPU did not run this step"
+        student, teacher = student_of(out), teacher_of(text_out, self.width)
+        if student is None or teacher is None:
+            return None, "no hidden-state tensor in the MPU outputs"
+        rows = student.reshape(-1, student.shape[-1])
+        if rows.shape[-1] != self.width:
+            rows = self._project(rows)
+        placed = self._pair(cap, student, rows, teacher.detach())
+        if isinstance(placed, str):
+            return None, placed
+        s, t = placed
+        return (1 - F.cosine_similarity(s.float(), t.float(), dim=-1)).mean(), ""
+
+    def _pair(
+        self, cap: Captured, student: torch.Tensor, rows: torch.Tensor, teacher: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | str:
+        """Per sample: (the mean of its student rows, the mean of the teacher over its text positions)."""
+        ids = cap.input_ids
+        b = teacher.shape[0]
+        if self.token is not None and isinstance(ids, torch.Tensor) and ids.shape == teacher.shape[:2]:
+            image = ids.to(teacher.device) == self.token
+            counts = image.sum(dim=1)
+            if int(counts.sum()) != rows.shape[0] or bool((counts == 0).any()):
+                return f"{int(counts.sum())} image-token positions for {rows.shape[0]} student rows"
+            text = ~image
+            if cap.attention_mask is not None and cap.attention_mask.shape == text.shape:
+                text = text & cap.attention_mask.to(text.device).bool()
+            pooled = torch.stack([r.mean(dim=0) for r in torch.split(rows, counts.tolist())])
+        else:
+            lead = cap.text_inputs[0] if cap.text_inputs else None
+            out = cap.outputs.get(self.carrier.mpu_id)
+            carried = student_of(out) if out is not None else None
+            if not (isinstance(lead, torch.Tensor) and lead is carried and lead.dim() == 3 and lead.shape[0] == b):
+                return "the student's positions in the text sequence are not known (no image token id in the model's config)"
+            n = lead.shape[1]
+            if teacher.shape[1] <= n:
+                return "no text positions after the student's"
+            text = torch.zeros(teacher.shape[:2], dtype=torch.bool, device=teacher.device)
+            text[:, n:] = True
+            pooled = rows.reshape(b, n, -1).mean(dim=1)
+        weights = text.to(teacher.dtype).unsqueeze(-1)
+        target = (teacher * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
+        return pooled, target
+
+    def _project(self, student: torch.Tensor) -> torch.Tensor:
+        if self.projection is None or self.projection.in_features != student.shape[-1]:
+            self.projection = nn.Linear(student.shape[-1], int(self.width or 0)).to(student.device)
+            self._opt = torch.optim.Adam(self.projection.parameters(), lr=self.lr)
+        return self.projection(student.to(self.projection.weight.dtype))
+
+    def step(self) -> None:
+        """Train the projection made here (the model's optimizer does not hold it)."""
+        if self._opt is not None:
+            self._opt.step()
+            self._opt.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        self.projection, self._opt = None, None

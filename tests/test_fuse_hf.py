@@ -1,0 +1,331 @@
+"""The fuse on real Hugging Face model code: tiny LlavaForConditionalGeneration (CLIP tower with a
+fixed input size, projector, Llama) and tiny Qwen2VLForConditionalGeneration (dynamic-resolution
+tower with its merger), random weights, built offline (tests/support/tiny_hf.py), trained on CPU
+with the one-line protection. Faults are the test's own: a hook on a linear layer inside the
+vision tower that corrupts its output (as a faulty GEMM would), seen by the guard's checks."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+
+import pytest
+import structlog
+import torch
+
+pytest.importorskip("transformers")
+
+import mscale  # noqa: E402
+from mscale.findings import Reason  # noqa: E402
+from mscale.healing.engine import Decision  # noqa: E402
+from mscale.hook.degrade import family, reduction_for  # noqa: E402
+from support.tiny_hf import tiny_llava, tiny_qwen2vl  # noqa: E402
+
+BUILDERS = {"llava": tiny_llava, "qwen2vl": tiny_qwen2vl}
+
+
+@pytest.fixture(autouse=True)
+def quiet_logs():
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+    yield
+    structlog.reset_defaults()
+
+
+def tower(model):
+    return getattr(model.model, "vision_tower", None) or model.model.visual
+
+
+class Watch:
+    def __init__(self) -> None:
+        self.findings = []
+
+    def on_finding(self, f) -> None:
+        self.findings.append(f)
+
+    def heal(self, action, result="applied"):
+        return [
+            f
+            for f in self.findings
+            if f.reason is Reason.HEAL_ACTION and f.labels.get("action") == action and f.labels["result"] == result
+        ]
+
+    def states(self, mpu_id="001"):
+        return [
+            f.labels["state"] for f in self.findings if f.reason is Reason.FUSE_STATE and f.labels["mpu_id"] == mpu_id
+        ]
+
+
+class Fault:
+    """Scales one element of a vision linear layer's output while on (registered after the guard,
+    in front of its checks: what the checks see is what the GEMM produced)."""
+
+    def __init__(self, model) -> None:
+        self.on = False
+        linear = next(m for m in tower(model).modules() if isinstance(m, torch.nn.Linear))
+        self.handle = linear.register_forward_hook(self._hit, prepend=True)
+
+    def _hit(self, module, args, out):
+        if self.on:
+            out = out.clone()
+            out.view(-1)[0] = out.view(-1)[0] * 64.0 + 3.0
+            return out
+        return None
+
+
+@pytest.mark.parametrize("name", ["llava", "qwen2vl"])
+def test_l2_reduction_keeps_every_shape_and_undo_restores_the_forward(name):
+    model, make_batch = BUILDERS[name](0)
+    batch = make_batch(0, torch.Generator().manual_seed(0))
+    ref = model(**batch)
+    vision = tower(model)
+    assert family(vision) == {"llava": "vit", "qwen2vl": "merge"}[name]
+    assert family(model.model.language_model) is None  # no reduction for a text model
+    seen = []
+    embed = vision.embeddings if name == "llava" else vision.patch_embed
+    h = embed.register_forward_pre_hook(lambda mod, args: seen.append(tuple(args[0].shape)))
+    red = reduction_for(vision, 0.5)
+    out = model(**batch)
+    assert red is not None and red.calls == 1 and red.failures == []
+    assert type(out) is type(ref) and out.logits.shape == ref.logits.shape and torch.isfinite(out.loss)
+    assert not torch.equal(out.logits, ref.logits)  # the tower really ran reduced
+    out.loss.backward()  # gradients flow through the resampling
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in embed.parameters())
+    red.undo()
+    assert "forward" not in vision.__dict__ and torch.equal(model(**batch).logits, ref.logits)
+    h.remove()
+    if name == "llava":  # 16x16 -> 8x8 pixels, then back
+        assert [s[-2:] for s in seen] == [(8, 8), (16, 16)]
+    else:  # a quarter of the patches (8x8 -> 4x4 grid of 2x2 patches, 4 images)
+        assert [s[0] for s in seen] == [64, 256]
+
+
+def train(name, *, fault_steps=(), steps, trainer=False, plugins=()):
+    model, make_batch = BUILDERS[name](0)
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    watch = Watch()
+    guard = mscale.attach(model, opt, job_id=name, snapshots=True, connect=False, plugins=[watch, *plugins])
+    fault = Fault(model)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    task, types, reported = [], set(), []
+    for s in range(steps):
+        fault.on = s in fault_steps
+        out = model(**make_batch(s, torch.Generator().manual_seed(s)))
+        types.add(type(out).__name__)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        task.append(guard.summary().get("loss"))
+        reported.append((s, guard._report()["mpus"]["001"]["distill_share"]))  # what the agent exports
+    return model, guard, watch, task, types, shapes, reported
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llava", "qwen2vl"])
+def test_persistent_vision_fault_escalates_l1_l2_l3_and_recovery_undoes_them(name):
+    steps = 170
+    model, guard, watch, task, types, shapes, reported = train(name, fault_steps=range(5, 60), steps=steps)
+    assert guard.plugin_errors == 0  # nothing raised inside a fuse hook
+    assert (
+        len(task) == steps
+        and types == {"llava": {"LlavaCausalLMOutputWithPast"}, "qwen2vl": {"MultimodalCausalLMOutputWithPast"}}[name]
+    )
+    assert watch.states()[:4] == ["suspect", "l1_swapped", "l2_degraded", "l3_distilling"]
+    assert "recovered" in watch.states()
+    (l2,) = watch.heal("l2_degrade")
+    assert l2.labels["reduction"] == {"llava": "vit", "qwen2vl": "merge"}[name]
+    (l3,) = watch.heal("l3_distill")
+    assert "image-token positions" in l3.message or "image-token positions" in str(l3.labels)
+    fuse = guard.fuse
+    booked = fuse.states["l3_distill"].shares
+    assert booked and sum(1 for *_, calibrating in booked if calibrating) == 1
+    measured = [share for _, _, share, _, calibrating in booked if not calibrating]
+    in_band = [0.15 <= s <= 0.30 for s in measured]
+    # the weight comes from the step before, so a share can leave the band; most may not
+    assert sum(in_band) >= 0.8 * len(measured) and 0.15 <= statistics.median(measured) <= 0.30, measured
+    # the report to the agent carries the measured share while L3 holds, 0 before and after
+    by_step = {s: share for s, _, share, _, _ in booked}
+    last = max(by_step)  # the recovery step: booked, then the term removed before the report
+    assert all(share == pytest.approx(by_step.get(s, 0.0)) for s, share in reported if s != last)
+    assert reported[-1][1] == 0.0 and reported[0][1] == 0.0
+    # recovery undid L2 and L3: the tower's own forward, no term, the parameters as they were
+    assert "forward" not in tower(model).__dict__
+    assert not fuse.states["l2_degrade"].mpus and not fuse.states["l3_distill"].mpus
+    assert {n: p.shape for n, p in model.named_parameters()} == shapes
+    assert guard.mpu("vision").distill_share == 0.0
+
+
+def test_a_reduced_forward_that_raises_is_undone_and_escalates_to_l3():
+    """A tower that refuses the reduced size (here: the test's pre-hook on its embeddings raises
+    for any image under 16x16): the step completes on the tower's own forward, the fuse books
+    the failed L2 measure, undoes it and escalates to L3; no exception reaches the loop."""
+    model, make_batch = tiny_llava(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    watch = Watch()
+    guard = mscale.attach(model, opt, job_id="refuse", snapshots=True, connect=False, plugins=[watch])
+
+    def refuse(module, args):
+        if args[0].shape[-1] < 16:
+            raise ValueError("Input image size (8*8) doesn't match model (16*16).")
+
+    tower(model).embeddings.register_forward_pre_hook(refuse)
+    fault = Fault(model)
+    for s in range(14):
+        fault.on = s >= 2
+        out = model(**make_batch(s, torch.Generator().manual_seed(s)))
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert guard.plugin_errors == 0
+    (failed,) = watch.heal("l2_degrade", "failed")
+    assert "ValueError" in failed.message or "ValueError" in str(failed.labels)
+    assert watch.heal("l3_distill")  # escalated
+    assert guard.mpu("vision").fuse_level == "l3_distilling"
+    (step, mpu_id, error) = guard.fuse.states["l2_degrade"].failed[0]
+    assert mpu_id == "001" and "doesn't match" in error
+    assert guard.fuse.states["l2_degrade"].mpus["001"][0] is None  # the reduction undone
+    assert "forward" not in tower(model).__dict__
+
+
+def test_l3_without_a_text_mpu_is_not_applied_and_says_why():
+    model, make_batch = tiny_llava(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mpus = {"vision": "model.vision_tower", "aligner": "model.multi_modal_projector"}
+    guard = mscale.attach(model, opt, job_id="no-text", snapshots=True, connect=False, mpus=mpus)
+    out = model(**make_batch(0, torch.Generator().manual_seed(0)))
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad()
+    fuse = guard.fuse
+    m = guard.mpu("vision")
+    d = Decision("t", "l3_distill", "L3", fuse._target(m), m.fuse_level, "test", "", guard.current_step, 0.0)
+    assert fuse.run(d) == "failed"
+    assert not fuse.states["l3_distill"].mpus and m.fuse_level != "l3_distilling"
+    booked = [f for f in guard.findings if f.reason is Reason.HEAL_ACTION and f.labels.get("action") == "l3_distill"]
+    assert "no text MPU" in booked[-1].message + str(booked[-1].labels)
+
+
+@pytest.mark.slow
+def test_trainer_path_escalates_and_recovers_on_tiny_llava(tmp_path):
+    """The same persistent fault under the Hugging Face Trainer with the project's callback:
+    L1 -> L2 -> L3 without an exception, to the last step, and recovery undoes L2 and L3."""
+    from transformers import Trainer, TrainingArguments
+
+    model, make_batch = tiny_llava(0)
+
+    class Items(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 4 * 200
+
+        def __getitem__(self, i: int) -> dict:
+            batch = make_batch(i // 4, torch.Generator().manual_seed(i // 4))
+            return {k: v[i % 4] for k, v in batch.items()}
+
+    watch = Watch()
+    faults = {}
+
+    class FaultFrom5To60:
+        def on_attach(self, guard) -> None:  # after the guard's hooks: in front of its checks
+            faults["f"] = Fault(guard.model)
+
+        def on_step_begin(self, step, batch) -> None:
+            faults["f"].on = 5 <= step < 60
+
+    callback = mscale.MscaleCallback(job_id="trainer", connect=False, snapshots=True, plugins=[watch, FaultFrom5To60()])
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=130,
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        logging_steps=10,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=Items(), callbacks=[callback])
+    trainer.train()
+    guard = callback.guard
+    assert trainer.state.global_step == 130 and guard.plugin_errors == 0
+    assert watch.states()[:5] == ["suspect", "l1_swapped", "l2_degraded", "l3_distilling", "recovered"]
+    assert watch.heal("l2_degrade")[0].labels["reduction"] == "vit"
+    assert guard.fuse.states["l3_distill"].shares  # the term reached the Trainer's loss
+    assert not guard.fuse.states["l2_degrade"].mpus and not guard.fuse.states["l3_distill"].mpus
+    assert "forward" not in tower(model).__dict__
+
+
+def test_l3_projects_a_student_narrower_than_the_text_model_and_drops_it_on_close():
+    """A failing MPU whose output reaches the text model without a projector and is not
+    text-wide: the term makes a projection at L3 entry, trains it at each step's end, and
+    close() (recovery) removes it."""
+    from mscale.hook.distill import Captured, Term
+    from mscale.hook.mpu import discover
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = type("C", (), {"image_token_id": 9})()
+            self.vision_tower = torch.nn.Linear(4, 16)
+            self.language_model = torch.nn.Embedding(10, 32)
+
+    model = Model()
+    mpus = discover(model)
+    term = Term(model, mpus, mpus[0])
+    assert term.why_not() == "" and term.carrier is mpus[0] and term.width == 32
+    ids = torch.tensor([[9, 9, 1, 2], [9, 9, 3, 4]])
+    cap = Captured(input_ids=ids)
+    cap.outputs["001"] = model.vision_tower(torch.randn(2, 2, 4))  # (B, 2 image rows, 16)
+    cap.outputs["002"] = torch.randn(2, 4, 32)  # the text model's hidden states
+    loss, why = term.loss(cap)
+    assert why == "" and loss is not None and 0 <= float(loss.detach()) <= 2
+    assert term.projection is not None and term.projection.in_features == 16
+    before = term.projection.weight.detach().clone()
+    loss.backward()
+    assert model.vision_tower.weight.grad is not None  # the student is trained through it
+    term.step()
+    assert not torch.equal(before, term.projection.weight)  # the projection is trained too
+    cap.input_ids = torch.tensor([[9, 1, 1, 2], [9, 9, 3, 4]])  # 3 placeholders for 4 rows
+    assert term.loss(cap)[0] is None and "3 image-token positions for 4 student rows" in term.loss(cap)[1]
+    term.close()
+    assert term.projection is None
+
+
+def test_l3_with_a_zero_band_adds_nothing_and_never_raises_into_the_loop():
+    """distill_weight_min = max = 0 is a valid setting: the term's weight is 0 (it used to take
+    log(0) inside the model's forward hook, which raised into the training loop)."""
+    model, make_batch = tiny_llava(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = mscale.attach(model, opt, job_id="zero-band", snapshots=True, connect=False)
+    guard.fuse.states["l3_distill"].band = (0.0, 0.0)
+    fuse, m = guard.fuse, guard.mpu("vision")
+    losses = []
+    for s in range(4):
+        if s == 1:
+            d = Decision("t", "l3_distill", "L3", fuse._target(m), m.fuse_level, "test", "", s, 0.0)
+            assert fuse.run(d) == "applied"
+        out = model(**make_batch(s, torch.Generator().manual_seed(s)))
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append((float(out.loss.detach()), guard.summary().get("loss")))  # the total, the task loss
+    assert all(total == pytest.approx(task) for total, task in losses[1:])  # the term weighs 0
+    assert [share for _, _, share, _, _ in fuse.states["l3_distill"].shares] == [0.0, 0.0, 0.0]
+
+
+def test_l2_on_an_mpu_without_a_reduction_says_so_and_changes_no_shape():
+    model, make_batch = tiny_llava(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    watch = Watch()
+    guard = mscale.attach(model, opt, job_id="no-reduction", snapshots=True, connect=False, plugins=[watch])
+    batch = make_batch(0, torch.Generator().manual_seed(0))
+    ref = model(**batch).logits.shape
+    fuse, text = guard.fuse, guard.mpu("text")
+    d = Decision("t", "l2_degrade", "L2", fuse._target(text), text.fuse_level, "test", "", 0, 0.0)
+    assert fuse.run(d) == "applied"
+    (event,) = [f for f in watch.heal("l2_degrade") if f.labels["mpu_id"] == "003"]
+    assert event.labels["reduction"] == "none" and "no shape-preserving reduction" in event.message
+    assert "fallback" not in event.labels  # on the CPU: no fallback either (bf16 is opt-in)
+    assert model(**batch).logits.shape == ref and "forward" not in text.module.__dict__
