@@ -331,3 +331,30 @@ def test_chaos_loss_spike_keeps_a_hugging_face_output_type() -> None:
         assert out.loss.item() == pytest.approx(25 * clean, rel=1e-5) and out["loss"] is out.loss
     finally:
         guard.detach()
+
+
+def test_frozen_weights_are_checked_every_k_steps_and_reported_once() -> None:
+    """frozen_every=3: a frozen weight changed before step 4 is found at step 6 (the next
+    check), once; the trained ones are checked at every step."""
+    from mscale.hook.weights import WeightWatch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    guard = Guard(model, None, job_id="frozen-every", connect=False, mpus={"vision": model[0], "text": model[1]})
+    found: list[Finding] = []
+    watch = WeightWatch(guard, frozen_every=3, emit=found.append)
+    try:
+        for step in range(10):
+            if step == 4:
+                corrupt(model[0].weight)
+            if step == 8:
+                corrupt(model[1].weight)
+            watch.check(step)
+            watch.settle()
+    finally:
+        guard.detach()
+    assert [(f.labels["step"], f.labels["weights"], f.labels["mpu"]) for f in found] == [
+        ("6", "frozen", "vision"),
+        ("8", "trained", "text"),
+    ]
