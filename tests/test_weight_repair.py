@@ -358,3 +358,13 @@ def test_frozen_weights_are_checked_every_k_steps_and_reported_once() -> None:
         ("6", "frozen", "vision"),
         ("8", "trained", "text"),
     ]
+
+
+def test_fingerprint_of_a_non_contiguous_tensor_follows_its_updates() -> None:
+    base = torch.randn(6, 5)
+    t = base.t()  # non-contiguous: its flat reshape is a copy
+    fp = Fingerprint([t, torch.randn(3)])
+    ref = fp.compute()
+    with torch.no_grad():
+        t[1, 2] *= 1024
+    assert (fp.compute() != ref).nonzero().flatten().tolist() == [0]

@@ -54,12 +54,14 @@ class Fingerprint:
         groups: dict[tuple, list[int]] = {}
         plan: list[tuple[list[int], list[torch.Tensor], torch.Tensor | None]] = []
         for i, t in enumerate(self.tensors):
-            if t.numel() > BATCH_MAX:
-                plan.append(([i], [_int_view(t)], None))
+            if t.numel() > BATCH_MAX or not t.is_contiguous():
+                # on its own, viewed afresh at each pass (a non-contiguous tensor's flat
+                # reshape is a copy: kept, it would go stale)
+                plan.append(([i], [t], None))
             else:
                 groups.setdefault((t.device, t.element_size(), t.is_floating_point()), []).append(i)
         for idx in groups.values():
-            views = [_int_view(self.tensors[i]) for i in idx]
+            views = [_int_view(self.tensors[i]) for i in idx]  # views: they follow in-place updates
             ends = torch.tensor([v.numel() for v in views], device=views[0].device).cumsum(0) - 1
             plan.append((idx, views, ends))
         self._plan = plan
@@ -73,7 +75,7 @@ class Fingerprint:
         with torch.no_grad():
             for idx, views, ends in self._plan:
                 if ends is None:
-                    sums = views[0].sum(dtype=torch.int64).reshape(1)
+                    sums = _int_view(views[0]).sum(dtype=torch.int64).reshape(1)
                 elif not views:
                     continue
                 else:
