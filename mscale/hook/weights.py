@@ -108,8 +108,8 @@ class WeightWatch:
         trained: list[tuple[str, torch.Tensor]] = []
         frozen: list[tuple[str, torch.Tensor]] = []
         for name, p in g.model.named_parameters():
-            # requiring a gradient: trained, by this optimizer or another (a second optimizer's
-            # update is not a corruption); not requiring one: frozen
+            # requiring a gradient: trained (re-fingerprinted at each step end, whatever updated
+            # it before then); not requiring one: frozen
             (trained if p.requires_grad else frozen).append((name, p))
         self.owner = {name: owner.get(id(p)) for name, p in trained + frozen}
         self.names = {"trained": [n for n, _ in trained], "frozen": [n for n, _ in frozen]}
