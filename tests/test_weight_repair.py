@@ -71,7 +71,7 @@ def test_fingerprint_sees_every_single_element_change_and_nothing_else() -> None
 # --- the tiny multimodal model (the demo's loop, a loader rewound in place) ------------------
 
 
-def _tinymm(memory_every: int, *, at: int | None, healing: HealingSection | None = None):
+def _tinymm(memory_every: int, *, at: int | None, healing: HealingSection | None = None, steps: int = 28):
     done: list[int] = []
 
     def between_steps(r) -> None:
@@ -79,7 +79,7 @@ def _tinymm(memory_every: int, *, at: int | None, healing: HealingSection | None
             done.append(at)
             corrupt(r.model.vision_tower.layers[0].linear1.weight)
 
-    cfg = RunConfig(steps=28, memory_every=memory_every, before_step=between_steps)
+    cfg = RunConfig(steps=steps, memory_every=memory_every, before_step=between_steps)
     if healing is not None:
         cfg.healing = healing
     return run(cfg)
@@ -99,6 +99,16 @@ def test_tinymm_weight_corruption_found_in_the_next_step_and_repaired_bitwise(me
     assert fixed.labels["repair"] == repair and fixed.labels["step"] == "23"
     assert hit.steps == 28 and hit.steps_run == steps_run
     assert not of(clean.findings, "weight_corruption")
+    assert equal_states(clean.guard.model, hit.guard.model) == []
+
+
+def test_tinymm_repair_that_rolls_back_into_cmsas_cold_start_is_still_bitwise() -> None:
+    """Corrupted before step 8, the newest snapshot is of step 5: the re-run steps 6-8 lie in
+    CMSA's 10-step cold start, which counts steps (not calls), so they clip as they did."""
+    clean = _tinymm(5, at=None, steps=14)
+    hit = _tinymm(5, at=8, steps=14)
+    (fixed,) = of(hit.findings, "heal_action", action="restore_weights", result="applied")
+    assert fixed.labels["repair"] == "rollback" and hit.steps_run == 14 + 3
     assert equal_states(clean.guard.model, hit.guard.model) == []
 
 
