@@ -378,3 +378,17 @@ def test_fingerprint_of_a_non_contiguous_tensor_follows_its_updates() -> None:
     with torch.no_grad():
         t[1, 2] *= 1024
     assert (fp.compute() != ref).nonzero().flatten().tolist() == [0]
+
+
+def test_fingerprint_passes_are_bounded_and_equal_to_per_tensor_sums(monkeypatch) -> None:
+    """Small tensors share fused passes of at most BATCH_MAX elements (the pass's int64 copy
+    stays bounded for a large model); the result is each tensor's own sum, whatever the split."""
+    import mscale.hook.weights as weights
+
+    monkeypatch.setattr(weights, "BATCH_MAX", 50)
+    ts = [torch.randn(7, 5), torch.randn(30), torch.randn(20), torch.randn(3).bfloat16(), torch.randn(100)]
+    fp = weights.Fingerprint(ts)
+    got = fp.compute()
+    assert all(sum(ts[i].numel() for i in idx) <= 50 or len(idx) == 1 for idx, _, _ in fp._plan)
+    ints = {4: torch.int32, 2: torch.int16}
+    assert got.tolist() == [int(t.reshape(-1).view(ints[t.element_size()]).sum(dtype=torch.int64)) for t in ts]

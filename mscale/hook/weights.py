@@ -29,7 +29,8 @@ import torch
 from mscale.findings import Finding, Reason, Severity
 
 SOURCE = "weights"
-BATCH_MAX = 1 << 20  # elements: tensors up to this size share the fused pass (its int64 copy)
+# elements of one fused pass (its int64 copy: 8 MiB); larger tensors go on their own
+BATCH_MAX = 1 << 20
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -51,7 +52,8 @@ class Fingerprint:
         return tuple((tuple(t.shape), t.dtype, t.device) for t in self.tensors)
 
     def _build(self) -> None:
-        groups: dict[tuple, list[int]] = {}
+        groups: dict[tuple, list[list[int]]] = {}  # (device, width, float) -> chunks of indices
+        filled: dict[tuple, int] = {}  # elements in each group's last chunk
         plan: list[tuple[list[int], list[torch.Tensor], torch.Tensor | None]] = []
         for i, t in enumerate(self.tensors):
             if t.numel() > BATCH_MAX or not t.is_contiguous():
@@ -59,8 +61,14 @@ class Fingerprint:
                 # reshape is a copy: kept, it would go stale)
                 plan.append(([i], [t], None))
             else:
-                groups.setdefault((t.device, t.element_size(), t.is_floating_point()), []).append(i)
-        for idx in groups.values():
+                key = (t.device, t.element_size(), t.is_floating_point())
+                chunks = groups.setdefault(key, [[]])
+                if filled.get(key, 0) + t.numel() > BATCH_MAX:
+                    chunks.append([])
+                    filled[key] = 0
+                chunks[-1].append(i)
+                filled[key] = filled.get(key, 0) + t.numel()
+        for idx in (chunk for chunks in groups.values() for chunk in chunks if chunk):
             views = [_int_view(self.tensors[i]) for i in idx]  # views: they follow in-place updates
             ends = torch.tensor([v.numel() for v in views], device=views[0].device).cumsum(0) - 1
             plan.append((idx, views, ends))
