@@ -175,12 +175,12 @@ def test_frozen_weight_corrupted_between_steps_is_found_and_restored() -> None:
 FC1 = "model.vision_tower.encoder.layers.0.mlp.fc1.weight"
 
 
-def _llava_loop(*, at: int | None, memory_every: int, tensor: str = FC1, steps: int = 16):
+def _llava_loop(*, at: int | None, memory_every: int, tensor: str = FC1, steps: int = 16, qwen: bool = False):
     """A plain loop whose batch is a function of the guard's step, so a rollback re-draws the
-    same batches (the loop's own data position is the step)."""
-    from support.tiny_hf import tiny_llava
+    same batches (the loop's own data position is the step). qwen: the tiny Qwen2-VL instead."""
+    from support.tiny_hf import tiny_llava, tiny_qwen2vl
 
-    model, make_batch = tiny_llava(seed=0)
+    model, make_batch = (tiny_qwen2vl if qwen else tiny_llava)(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     findings: list[Finding] = []
 
@@ -225,6 +225,17 @@ def test_llava_weight_corruption_repaired_bitwise_in_a_plain_loop(memory_every, 
     assert f.labels["step"] == "10" and f.labels.get("mpu") == mpu and f.labels["tensor"] == tensor
     (fixed,) = of(findings, "heal_action", action="restore_weights", result="applied")
     assert fixed.labels["repair"] == repair
+    assert equal_states(clean, hit) == []
+
+
+@pytest.mark.slow  # two runs of the Qwen2-VL
+def test_qwen2vl_weight_corruption_repaired_bitwise_in_a_plain_loop() -> None:
+    tensor = "model.visual.blocks.0.attn.qkv.weight"
+    clean, _ = _llava_loop(at=None, memory_every=4, tensor=tensor, qwen=True)
+    hit, findings = _llava_loop(at=10, memory_every=4, tensor=tensor, qwen=True)
+    (f,) = of(findings, "weight_corruption")
+    assert f.labels["step"] == "10" and f.labels["mpu"] == "vision" and f.labels["tensor"] == tensor
+    assert of(findings, "heal_action", action="restore_weights", result="applied")
     assert equal_states(clean, hit) == []
 
 
