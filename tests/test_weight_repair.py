@@ -239,7 +239,7 @@ def test_qwen2vl_weight_corruption_repaired_bitwise_in_a_plain_loop() -> None:
     assert equal_states(clean, hit) == []
 
 
-def _trainer(tmp_path, model_name: str, *, at: int | None):
+def _trainer(tmp_path, model_name: str, *, at: int | None, memory_every: int = 1):
     """The real Trainer on the tiny LLaVA or the tiny multimodal model (whose forward takes
     images= and tokens= and returns a dict with the loss); the test's callback corrupts a
     vision weight after the optimizer step of step `at`."""
@@ -279,7 +279,7 @@ def _trainer(tmp_path, model_name: str, *, at: int | None):
         job_id=f"{model_name}-trainer-weights",
         connect=False,
         plugins=[Keep()],
-        snapshots=mscale.SnapshotConfig(memory_every=1),
+        snapshots=mscale.SnapshotConfig(memory_every=memory_every),
     )
     args = TrainingArguments(
         output_dir=str(tmp_path),
@@ -308,6 +308,22 @@ def test_weight_corruption_repaired_bitwise_under_the_trainer(tmp_path, model_na
     (fixed,) = of(findings, "heal_action", action="restore_weights", result="applied")
     assert fixed.labels["repair"] == "in_place"
     assert equal_states(clean, hit) == []
+
+
+@pytest.mark.slow  # two runs
+def test_under_the_trainer_an_older_snapshot_rolls_back_and_the_corruption_is_gone(tmp_path) -> None:
+    """memory_every=4, corrupted after the Trainer's 6th step (the guard's step 5): the newest
+    snapshot is of step 4 and the Trainer's loader cannot rewind, so the job rolls back to it
+    and goes on (step 5 undone, not re-run: not bitwise), and the
+    x1024 element is gone: it ends near the clean run's value, not 1024 times it."""
+    clean, _ = _trainer(tmp_path / "clean", "llava", at=None, memory_every=4)
+    hit, findings = _trainer(tmp_path / "hit", "llava", at=6, memory_every=4)
+    (fixed,) = of(findings, "heal_action", action="restore_weights", result="applied")
+    assert fixed.labels["repair"] == "rollback"
+    assert [f.labels["step"] for f in of(findings, "rollback")] == ["4"]
+    w = "model.vision_tower.encoder.layers.0.mlp.fc1.weight"
+    a, b = dict(clean.named_parameters())[w].view(-1)[K].item(), dict(hit.named_parameters())[w].view(-1)[K].item()
+    assert abs(b - a) < 0.1 * abs(a) + 0.05, (a, b)
 
 
 def test_a_guard_without_its_optimizer_sees_training_as_no_corruption() -> None:
