@@ -423,7 +423,8 @@ def plot(
     xs = list(range(len(r.losses)))
     steps = [s for s, _ in r.losses]
     vals = [loss if math.isfinite(loss) else float("nan") for _, loss in r.losses]
-    ax1.plot(steps, vals, color="tab:blue", lw=1, label="faulted run (healed)")
+    healed = "healed" if summary["healed_all"] else "not every fault healed"
+    ax1.plot(steps, vals, color="tab:blue", lw=1, label=f"faulted run ({healed})")
     for s, loss in r.losses:
         if not math.isfinite(loss):
             ax1.axvline(s, color="red", lw=0.6, ls=":")
