@@ -4,6 +4,13 @@
    over --calls calls (default 1,000,000): no probe, an entry uprobe (the launch
    program), entry plus return (the synchronise programs: map update at entry, histogram
    at return). Printed as ns per call and as a ratio to the bare call.
+   The same for a launch through the stub CUDA runtime (cudaLaunchKernel, which calls the
+   stub driver's cuLaunchKernel): no probe, the driver's launch probe alone, and both
+   layers as the probe attaches them (runtime entry and return, the driver's entry finding
+   the thread marked), so the price of counting each launch once is on the table. Twice:
+   with the runtime's entry points starting with `push %rbp`, an instruction the kernel
+   emulates at a uprobe, and with `sub $n,%rsp`, which it must single-step out of line (a
+   real libcudart's first instructions decide which price it pays).
 2. Added time on a launch-bound loop (each stub launch does --work-ns, default 5 us, of
    CPU work, like the CPU side of a real launch) under the probe in its default
    duty-cycled mode, against the same loop in an untraced twin process. The two processes
@@ -34,6 +41,27 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 FIXTURES = REPO / "tests" / "fixtures"
+
+
+def build_runtime(d: Path, *, frame_pointer: bool) -> tuple[str, str]:
+    """The stub libcudart (over the libcuda build() made in d, in a folder of its own) and a
+    caller linking both; frame_pointer: its functions start with push %rbp."""
+    sub = d / ("rt-push" if frame_pointer else "rt-sub")
+    sub.mkdir()
+    rt, caller = sub / "libcudart.so.12", sub / "cuda_caller_rt"
+    link = [f"-L{d}", f"-L{sub}", "-l:libcuda.so.1", f"-Wl,-rpath,{sub}:{d}"]
+    flags = ["-fno-omit-frame-pointer"] if frame_pointer else ["-fomit-frame-pointer"]
+    subprocess.run(
+        ["gcc", "-O2", *flags, "-shared", "-fPIC", "-Wl,-soname,libcudart.so.12", "-o", str(rt)]
+        + [str(FIXTURES / "libcudart_stub.c"), *link],
+        check=True,
+    )
+    subprocess.run(
+        ["gcc", "-O2", "-DWITH_CUDART", "-o", str(caller), str(FIXTURES / "cuda_caller.c"), f"-L{sub}"]
+        + ["-l:libcudart.so.12", *link, "-pthread"],
+        check=True,
+    )
+    return str(rt), str(caller)
 
 
 def build(d: Path) -> tuple[str, str]:
@@ -82,9 +110,10 @@ class Caller:
         assert out.startswith("ok"), out
         return out
 
-    def bench(self, n: int) -> tuple[float, float]:
-        """(wall seconds, thread CPU seconds) for n launches, timed inside the caller."""
-        _, _, _, wall, cpu = self.cmd(f"bench {n}").split()
+    def bench(self, n: int, command: str = "bench") -> tuple[float, float]:
+        """(wall seconds, thread CPU seconds) for n launches, timed inside the caller
+        (command rtbench: through the runtime)."""
+        _, _, _, wall, cpu = self.cmd(f"{command} {n}").split()
         return int(wall) / 1e9, int(cpu) / 1e9
 
     def close(self) -> None:
@@ -116,6 +145,30 @@ def per_call(lib: str, caller_path: str, calls: int, attach_mode: str) -> list[t
             bpf.detach(link)
         rows.append(("no probe, after detach", c.bench(calls)))
         assert bpf.read_stats()[c.pid].launches == calls  # the probes really ran
+        return rows
+    finally:
+        c.close()
+        bpf.close()
+
+
+def per_runtime_call(lib: str, rt: str, caller_path: str, calls: int, attach_mode: str) -> list:
+    from mscale.probes.ebpf_loader import ROLES, CudaBpf
+
+    roles = {r.prog: r for r in ROLES}
+    bpf = CudaBpf(max_pids=4, max_threads=64, attach_mode=attach_mode)
+    c = Caller(caller_path)
+    try:
+        c.bench(calls // 10, "rtbench")  # warm up
+        bpf.add_pid(c.pid)
+        rows = [("no probe", c.bench(calls, "rtbench"))]
+        driver = bpf.attach(c.pid, lib, roles["on_launch"], bpf.offsets(lib)["on_launch"])
+        rows.append(("driver probe only", c.bench(calls, "rtbench")))
+        bpf.detach(driver)
+        links = bpf.attach_launches(c.pid, lib, rt)
+        rows.append(("both layers, deduped", c.bench(calls, "rtbench")))
+        for link in links:
+            bpf.detach(link)
+        assert bpf.read_stats()[c.pid].launches == 2 * calls  # each launch counted once per phase
         return rows
     finally:
         c.close()
@@ -218,6 +271,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   {'':24s} {'CPU ns/call':>12s} {'vs bare':>9s} {'wall ns/call':>13s}")
         for name, (wall, cpu) in rows:
             print(f"   {name:24s} {cpu / args.calls * 1e9:12.1f} {cpu / bare:8.1f}x {wall / args.calls * 1e9:13.1f}")
+
+        for frame_pointer, first in ((True, "push %rbp, emulated"), (False, "sub $n,%rsp, single-stepped")):
+            rt, caller_rt = build_runtime(Path(tmp), frame_pointer=frame_pointer)
+            print(f"\n1b. cudaLaunchKernel through the runtime ({first}), {args.calls:,} calls each")
+            rt_rows = per_runtime_call(lib, rt, caller_rt, args.calls, args.attach_mode)
+            rt_bare = rt_rows[0][1][1]
+            print(f"   {'':24s} {'CPU ns/call':>12s} {'vs bare':>9s} {'wall ns/call':>13s}")
+            for name, (wall, cpu) in rt_rows:
+                ns = cpu / args.calls * 1e9
+                print(f"   {name:24s} {ns:12.1f} {cpu / rt_bare:8.1f}x {wall / args.calls * 1e9:13.1f}")
 
         print(f"\n2. launch-bound loop, {args.work_ns} ns of work per launch, traced vs untraced twin")
         for label, window, period, seconds, trace in (

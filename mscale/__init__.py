@@ -32,6 +32,8 @@ _LAZY: dict[str, str] = {
     "SnapshotConfig": "mscale.hook.protect",
     "ResumableLoader": "mscale.snapshot.data",
     "ResumableFileStream": "mscale.snapshot.data",
+    "contract": "mscale.contracts.declare",
+    "ContractRefused": "mscale.contracts.spec",
     "Finding": "mscale.findings",
     "Reason": "mscale.findings",
     "Severity": "mscale.findings",

@@ -14,6 +14,7 @@ COMMANDS: dict[str, str] = {
     "rules": "mscale.rules.cli",
     "dashboards": "mscale.dashboards.cli",
     "snapshot": "mscale.snapshot.cli",
+    "contract": "mscale.contracts.cli",
 }
 
 

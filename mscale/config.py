@@ -11,6 +11,7 @@ this module is), so every room may import `opt` from here without a cycle:
                               `default_enabled`
   [health]                    mscale.probes.gpu_health
   [healing]                   mscale.healing.settings
+  [contract]                  mscale.contracts.settings
 
 Every key has a default, a type and (where it matters) a range; a test keeps
 docs/configuration.md in step. Unknown keys, wrong types and out-of-range values raise `ConfigError` naming
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from mscale.textfile import read_text
 
 if TYPE_CHECKING:
+    from mscale.contracts.settings import ContractSection
     from mscale.daemon.settings import AgentSection, ChaosSection, HttpSection, SocketSection, WebhookSection
     from mscale.healing.settings import HealingSection
     from mscale.probes.gpu_health import HealthSection
@@ -133,6 +135,9 @@ class Config:
     http: HttpSection = _section("mscale.daemon.settings:HttpSection", "HTTP timeouts, connection caps, Host names")
     chaos: ChaosSection = _section("mscale.daemon.settings:ChaosSection", "the chaos API (fault injection)")
     healing: HealingSection = _section("mscale.healing.settings:HealingSection", "the healing engine")
+    contract: ContractSection = _section(
+        "mscale.contracts.settings:ContractSection", "resource contracts, MSRP and the density guard"
+    )
 
     def replace(self, **sections: Any) -> Config:
         return dataclasses.replace(self, **sections)

@@ -32,6 +32,7 @@ class Reason(str, Enum):
     GPU_HEALTH_CHANGED = "gpu_health_changed"
     GPU_RECOVERED = "gpu_recovered"
     GPU_RESET_REQUIRED = "gpu_reset_required"  # row remap / page retirement pending or failed
+    NODE_DRAIN_REQUIRED = "node_drain_required"  # a GPU needs the node rebooted (RESTART_BM)
     # CUDA driver uprobes (probes/ebpf)
     TRAINING_HANG = "training_hang"
     TRAINING_HANG_CLEARED = "training_hang_cleared"
@@ -66,6 +67,10 @@ class Reason(str, Enum):
     SNAPSHOT_REFUSED = "snapshot_refused"  # on load: a file fails its manifest check, or does not fit
     SNAPSHOT_RESUMED = "snapshot_resumed"  # start-up restore from disk
     ROLLBACK = "rollback"
+    # Resource contracts and the density guard (mscale.daemon.contract)
+    CONTRACT_VIOLATED = "contract_violated"  # a plan thread runs outside its CPUs
+    CONTRACT_COMPLIANT = "contract_compliant"  # every plan thread runs where its plan says (again)
+    DENSITY_DEVIATION = "density_deviation"  # an MPU's compute density is off its profile, sustained
 
 
 @dataclass(frozen=True)

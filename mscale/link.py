@@ -42,7 +42,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -400,3 +400,108 @@ def finding(f: Any) -> Finding | None:
         labels,
         **kwargs,
     )
+
+
+# --- resource contracts and MSRP (job -> agent, taken by mscale.daemon.contract) --------------
+#   {"type": "contract", job_id, rank, plan: Plan.to_dict()}  when a contract's plan is in force
+#   {"type": "msrp", job_id, rank, gpus: {index: {bandwidth_bytes_per_s, matmul_flops, dtype,
+#    measured_at}}, mpus: {mpu_id: {flops_per_step, achieved_flops, memory_bytes}}}
+# Each field below is checked by (test, what it must be); every field of a row is required.
+
+CONTRACT, MSRP = "contract", "msrp"
+MAX_PLAN_ROWS, MAX_PLAN_CPUS, MAX_CPU_INDEX = 64, 1024, 8191
+_PLAN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,32}")
+_Check = tuple[Callable[[Any], bool], str]
+_NAME: _Check = (lambda v: _is_text(v, 1, 32, _PLAN_NAME), "1-32 of [A-Za-z0-9_.-]")
+_NODE: _Check = (lambda v: v is None or _is_int(v, 0, 1023), "null or a NUMA node 0..1023")
+_COUNT: _Check = (_is_int, f"an integer in 0..{MAX_INT}")
+_AMOUNT: _Check = (lambda v: not isinstance(v, str) and _is_num(v) and v is not None and v >= 0, "a finite number >= 0")
+PLAN_TABLES: dict[str, dict[str, _Check]] = {
+    "threads": {
+        "name": _NAME,
+        "cpus": (
+            lambda v: (
+                isinstance(v, list) and 0 < len(v) <= MAX_PLAN_CPUS and all(_is_int(c, 0, MAX_CPU_INDEX) for c in v)
+            ),
+            f"1..{MAX_PLAN_CPUS} CPUs in 0..{MAX_CPU_INDEX}",
+        ),
+        "tag": (lambda v: _is_text(v, 0, 15), "up to 15 printable characters"),
+        "numa_node": _NODE,
+    },
+    "gpus": {
+        "name": _NAME,
+        "gpu_id": (lambda v: _is_int(v, 0, MAX_GPU_INDEX - 1), "a GPU index"),
+        "bdf": (lambda v: _is_text(v, 12, 12, re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")), "a BDF"),
+        "numa_node": _NODE,
+    },
+    "pools": {"name": _NAME, "size_kb": _COUNT, "pages": _COUNT, "free": _COUNT},
+    "rdma": {"name": _NAME, "device": _NAME, "port": (lambda v: _is_int(v, 0, 255), "a port 0..255")},
+    "nvme": {"name": _NAME, "namespace": _NAME},
+}
+_ROWS: _Check = (lambda v: isinstance(v, list) and len(v) <= MAX_PLAN_ROWS, f"a list of at most {MAX_PLAN_ROWS}")
+PLAN_FIELDS: dict[str, _Check] = {
+    "contract_id": (lambda v: _is_text(v, 12, 12, re.compile(r"[0-9a-f]{12}")), "12 hex digits"),
+    "compute_profile": _NAME,
+    "recovery_point": (lambda v: _is_text(v, 1, 32, re.compile(r"latest|step_[0-9]{1,18}")), "latest or step_N"),
+    "stateful_io": (lambda v: isinstance(v, bool), "a boolean"),
+    "notes": (lambda v: isinstance(v, list) and len(v) <= 16 and all(_is_text(n, 0, 300) for n in v), "short notes"),
+    **{table: _ROWS for table in PLAN_TABLES},
+}
+MSRP_TABLES: dict[str, dict[str, _Check]] = {
+    "gpus": {
+        "bandwidth_bytes_per_s": _AMOUNT,
+        "matmul_flops": _AMOUNT,
+        "dtype": (lambda v: _is_text(v, 1, 16, re.compile(r"[a-z0-9]{1,16}")), "1-16 of [a-z0-9]"),
+        "measured_at": _AMOUNT,
+    },
+    "mpus": {"flops_per_step": _AMOUNT, "achieved_flops": _AMOUNT, "memory_bytes": _AMOUNT},
+}
+_RANK: _Check = (lambda v: _is_int(v, 0, MAX_RANK), f"a rank in 0..{MAX_RANK}")
+_HEAD: dict[str, _Check] = {
+    "type": (lambda v: isinstance(v, str), "a string"),
+    "job_id": (lambda v: isinstance(v, str) and bool(JOB_ID.fullmatch(v)), "1-128 of [A-Za-z0-9._:@/+-]"),
+    "rank": _RANK,
+}
+
+
+def contract_plan(job_id: str, rank: int, plan: Mapping[str, Any]) -> dict:
+    return {"type": CONTRACT, "job_id": job_id, "rank": rank, "plan": dict(plan)}
+
+
+def msrp(job_id: str, rank: int, gpus: Mapping[str, Any], mpus: Mapping[str, Any]) -> dict:
+    return {"type": MSRP, "job_id": job_id, "rank": rank, "gpus": dict(gpus), "mpus": dict(mpus)}
+
+
+def _fields(d: Any, checks: Mapping[str, _Check], where: str, required: Iterable[str]) -> None:
+    """`d` an object of only these fields, the required ones present, each passing its check."""
+    _need(isinstance(d, dict), f"{where} must be an object")
+    _no_unknown(d, frozenset(checks), where)
+    for k in required:
+        _need(k in d, f"{where}.{k} is missing")
+    for k, v in d.items():
+        test, what = checks[k]
+        _need(test(v), f"{where}.{k} must be {what}")
+
+
+def validate_contract(msg: dict) -> None:
+    """A contract's plan, strictly: the fields `Plan.to_dict` writes, each of its type and range."""
+    _fields(msg, {**_HEAD, "plan": (lambda v: isinstance(v, dict), "an object")}, "contract", ("rank", "plan"))
+    plan = msg["plan"]
+    _fields(plan, PLAN_FIELDS, "contract: plan", ("contract_id", "compute_profile"))
+    for table, checks in PLAN_TABLES.items():
+        for i, row in enumerate(plan.get(table, [])):
+            _fields(row, checks, f"contract: plan.{table}[{i}]", checks)
+
+
+def validate_msrp(msg: dict) -> None:
+    """A job's MSRP: per GPU index its micro-probe results, per MPU its FLOP counts; numbers finite >= 0."""
+    rows: _Check = (lambda v: isinstance(v, dict) and len(v) <= MAX_MPUS, f"an object of at most {MAX_MPUS}")
+    _fields(msg, {**_HEAD, "gpus": rows, "mpus": rows}, "msrp", ("rank",))
+    for table, checks in MSRP_TABLES.items():
+        for key, row in msg.get(table, {}).items():
+            where = f"msrp: {table}[{str(key)[:20]!r}]"
+            if table == "gpus":
+                _need(isinstance(key, str) and key.isdigit() and int(key) < MAX_GPU_INDEX, f"{where}: a GPU index")
+            else:
+                _need(_is_text(key, 1, 16, MPU_ID), f"{where}: an MPU id is 1-16 of [A-Za-z0-9._-]")
+            _fields(row, checks, where, ())

@@ -12,14 +12,11 @@ import asyncio
 import importlib.util
 import math
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 import types
-from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
@@ -34,10 +31,7 @@ from mscale.probes.base import ProbeContext, ProbeUnavailable
 from mscale.probes.ebpf_detect import BlockedShare, LaunchWatch
 from mscale.probes.ebpf_loader import SOURCE, specialise
 from support import REPO, require, require_tool
-
-FIXTURES = Path(__file__).parent / "fixtures"
-DEADLINE_S = 20.0
-
+from support.cuda_stub import DEADLINE_S, Caller, build_cuda_stubs, events, poll, proc_of, register, wait_duty_state
 
 # --- pure logic: no BPF needed ------------------------------------------------------------
 
@@ -100,89 +94,13 @@ def test_blocked_share_needs_a_whole_window() -> None:
 
 @pytest.fixture(scope="module")
 def cuda_bins(tmp_path_factory) -> types.SimpleNamespace:
-    gcc = require_tool("gcc", why="compiles the stub libcuda.so.1")
-    d = tmp_path_factory.mktemp("cuda")
-    lib = d / "libcuda.so.1"
-    subprocess.run(
-        [
-            gcc,
-            "-O2",
-            "-fno-ipa-icf",
-            "-shared",
-            "-fPIC",
-            "-Wl,-soname,libcuda.so.1",
-            "-o",
-            str(lib),
-            str(FIXTURES / "libcuda_stub.c"),
-        ],
-        check=True,
-    )
-    caller = d / "cuda_caller"
-    subprocess.run(
-        [
-            gcc,
-            "-O2",
-            "-o",
-            str(caller),
-            str(FIXTURES / "cuda_caller.c"),
-            f"-L{d}",
-            "-l:libcuda.so.1",
-            f"-Wl,-rpath,{d}",
-            "-pthread",
-        ],
-        check=True,
-    )
-    return types.SimpleNamespace(lib=str(lib), caller=str(caller), dir=d)
+    return build_cuda_stubs(tmp_path_factory.mktemp("cuda"))
 
 
 @pytest.fixture(scope="module")
 def bpf_ok() -> None:
     require(importlib.util.find_spec("bcc") is not None, "BCC (python3-bpfcc) is not importable")
     require(os.geteuid() == 0, "BPF uprobes need root (CAP_BPF, CAP_PERFMON)")
-
-
-class Caller:
-    """One cuda_caller process; `cmd` waits for its answer, never a sleep."""
-
-    def __init__(self, path: str, *args: str) -> None:
-        self.proc = subprocess.Popen([path, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.pending: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        self.expect("ready")
-        self.pid = self.proc.pid
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.strip())
-
-    def send(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def expect(self, prefix: str, timeout: float = DEADLINE_S) -> str:
-        for i, line in enumerate(self.pending):
-            if line.startswith(prefix):
-                return self.pending.pop(i)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"caller never said {prefix!r}; it said {self.pending}") from None
-            if line.startswith(prefix):
-                return line
-            assert not line.startswith("err"), line
-            self.pending.append(line)
-
-    def cmd(self, line: str) -> str:
-        self.send(line)
-        return self.expect(f"ok {line}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
 
 
 @pytest.fixture
@@ -213,30 +131,6 @@ def make_probe(bpf_ok):
     yield build
     for p in made:
         p.close()
-
-
-def register(state: AgentState, job_id: str, pid: int) -> None:
-    # the hook-link room's JobState carries more; the probe reads .pid and .job_id
-    state.jobs[job_id] = types.SimpleNamespace(job_id=job_id, pid=pid, rank=0, mpus={})
-
-
-def poll(probe, cond, what: str, timeout: float = DEADLINE_S):
-    deadline = time.monotonic() + timeout
-    snap = None
-    while time.monotonic() < deadline:
-        snap = probe.sample()
-        if cond(snap):
-            return snap
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}; last snapshot {snap}")
-
-
-def proc_of(snap, pid: int):
-    return next((p for p in snap.processes if p.pid == pid), None)
-
-
-def events(state: AgentState, reason: Reason) -> list:
-    return [f for _, f in state.events.since(0) if f.reason is reason]
 
 
 def scrape(state: AgentState) -> dict:
@@ -498,7 +392,7 @@ def test_duty_cycled_mode_exports_sampled_counts_with_the_window(make_probe, cal
     while min(clean.values()) < 3:
         assert time.monotonic() < deadline, f"no clean bursts: {clean}"
         attached = clean[True] <= clean[False]
-        seq, _ = _wait_state(probe, attached)
+        seq, _ = wait_duty_state(probe, attached)
         n = 100 if attached else 50
         c.cmd(f"launch {n}")
         if probe.duty_state() == (seq, attached):
@@ -526,16 +420,6 @@ def test_duty_cycled_mode_exports_sampled_counts_with_the_window(make_probe, cal
     assert sample_value(metrics["mscale_cuda_sampled"], "mscale_cuda_sampled") == 1
     assert sample_value(metrics["mscale_cuda_duty_window_seconds"], "mscale_cuda_duty_window_seconds") == 0.3
     assert sample_value(metrics["mscale_cuda_duty_period_seconds"], "mscale_cuda_duty_period_seconds") == 0.9
-
-
-def _wait_state(probe, attached: bool) -> tuple[int, bool]:
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        seq, on = probe.duty_state()
-        if on == attached:
-            return seq, on
-        time.sleep(0.002)
-    raise AssertionError(f"duty cycle never {'attached' if attached else 'detached'}")
 
 
 # --- degrading -------------------------------------------------------------------------------

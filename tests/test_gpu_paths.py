@@ -271,8 +271,8 @@ def test_ebpf_launch_counts_match_torch_profiler_kernels() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     try:
-        from mscale.probes.ebpf import find_libcuda
-        from mscale.probes.ebpf_loader import ROLES, CudaBpf, preflight
+        from mscale.probes.ebpf import find_libcuda, find_libcudart
+        from mscale.probes.ebpf_loader import CudaBpf, preflight
 
         preflight()
         bpf = CudaBpf(max_pids=4, max_threads=1024)
@@ -285,24 +285,24 @@ def test_ebpf_launch_counts_match_torch_profiler_kernels() -> None:
         pid = os.getpid()
         lib = find_libcuda(pid)
         assert lib is not None, "libcuda not mapped by a process that ran CUDA kernels"
-        launch = next(r for r in ROLES if r.prog == "on_launch")
         bpf.add_pid(pid)
-        link = bpf.attach(pid, lib, launch, bpf.offsets(lib)["on_launch"])
-        before = bpf.read_stats().get(pid)
+        # both layers, as the probe attaches them: a runtime launch counts once
+        links = bpf.attach_launches(pid, lib, find_libcudart(pid))
+        before = bpf.read_stats()[pid].launches
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             job.train(50)
             torch.cuda.synchronize()
-        after = bpf.read_stats()[pid]
-        bpf.detach(link)
+        seen = bpf.read_stats()[pid].launches - before
+        for link in links:
+            bpf.detach(link)
     finally:
         bpf.close()
         job.close()
-    seen = after.launches - (before.launches if before else 0)
     kernels = sum(
         1
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
     )
     assert kernels > 0
-    assert seen > 0, "no launch reached libcuda's exported entry points (cuGetProcAddress?)"
+    assert seen > 0, "no launch seen at libcuda's exported entry points or libcudart's"
     assert abs(seen - kernels) <= max(5, kernels // 50), f"eBPF saw {seen} launches, the profiler {kernels} kernels"

@@ -231,7 +231,8 @@ def test_fatal_xid_fails_the_gpu_once_and_a_reset_clears_it(make_rig) -> None:
 @pytest.mark.parametrize(
     "code,health,severity",
     [
-        (63, "degraded", Severity.WARNING),
+        (142, "degraded", Severity.WARNING),  # CONTACT_SUPPORT
+        (63, "healthy", Severity.INFO),  # IGNORE: a row remap that worked
         (94, "healthy", Severity.INFO),  # RESTART_APP: the application's fault, not the GPU's
         (109, "failed", Severity.CRITICAL),  # RESET_GPU
         (13, "healthy", Severity.INFO),
@@ -260,7 +261,7 @@ def test_repeated_xids_count_each(make_rig) -> None:
 
 def test_degrading_xid_expires_after_the_hold(make_rig) -> None:
     rig = make_rig(gpus=1, xid_degraded_hold_s=60)
-    rig.inject("xid", 0, code=63)
+    rig.inject("xid", 0, code=142)
     rig.until(lambda s: s.gpus[0].health == "degraded")
     rig.clock.advance(30)
     assert rig.sample().gpus[0].health == "degraded"
@@ -428,7 +429,7 @@ def test_shipped_xid_table_classes() -> None:
     assert classes == {
         79: "fatal",
         48: "fatal",
-        63: "degrading",
+        63: "info",
         64: "fatal",
         74: "fatal",
         94: "info",
@@ -449,7 +450,7 @@ def test_shipped_xid_table_classes() -> None:
         31: "RESTART_APP",
         32: "RESTART_APP",
         68: "RESTART_APP",
-        74: "WORKFLOW_XID_74",
+        74: "WORKFLOW_NVLINK_ERR",
         79: "RESTART_BM",
         12345: "UNLISTED",
     }
@@ -635,9 +636,17 @@ def test_catalogue_action_maps_to_the_matching_healing_action(make_rig, code, ac
         assert "rollback" in done and "quarantine_gpu" not in done and "l1_swap" not in done, done
 
 
-def test_catalogue_lists_both_actions_the_issue_names() -> None:
-    assert {46, 109, 110, 136, 143, 155, 156, 158} <= set(_BY_ACTION["RESET_GPU"])
-    assert {8, 13, 31, 32, 68, 69, 94} <= set(_BY_ACTION["RESTART_APP"])
+# NVIDIA's Xid catalogue (the revision xid_table.csv's header cites): every code whose
+# "Resolution Bucket (Immediate Action)" is RESET_GPU or RESTART_APP on a generation it lists
+CATALOGUE_RESET_GPU = {46, 62, 64, 95, 109, 110, 119, 120, 136, 140, 143, 155, 156, 158}
+CATALOGUE_RESTART_APP = {8, 11, 13, 25, 31, 32, 39, 40, 41, 60, 68, 69, 70, 71, 72, 75, 76, 77, 80}
+CATALOGUE_RESTART_APP |= {82, 83, 84, 85, 86, 88, 89, 94, *range(96, 106), *range(126, 136), 139}
+
+
+def test_the_table_lists_every_catalogue_reset_gpu_and_restart_app_code() -> None:
+    """So the parametrised test above covers the catalogue's codes, not just the table's."""
+    assert set(_BY_ACTION["RESET_GPU"]) == CATALOGUE_RESET_GPU
+    assert set(_BY_ACTION["RESTART_APP"]) == CATALOGUE_RESTART_APP
 
 
 def test_unlisted_and_ignored_xids_change_no_healing(make_rig) -> None:
@@ -647,5 +656,75 @@ def test_unlisted_and_ignored_xids_change_no_healing(make_rig) -> None:
     rig.until(lambda s: len(s.gpus[1].xid_errors) == 2)
     eng = HealingEngine(policymod.load(""), HealingSection())
     by_code = {f.labels["xid"]: f for f in rig.findings(Reason.GPU_XID, 1)}
-    assert by_code["999"].labels["action"] == "UNLISTED" and by_code["45"].labels["action"] == "IGNORE"
+    assert by_code["999"].labels["action"] == "UNLISTED" and by_code["45"].labels["action"] == "WORKFLOW_XID_45"
     assert [eng.match(Condition.of(f)) for f in by_code.values()] == [None, None]
+
+
+# --- Xid 154: the recovery action it names decides (issue 13 item 4) -----------------------
+
+
+@pytest.mark.parametrize(
+    "value,action,health,rule",
+    [
+        (1, "RESET_GPU", "failed", "gpu_fatal"),  # gpu_reset
+        (2, "RESTART_BM", "failed", "gpu_fatal"),  # node_reboot
+        (4, "RESET_GPU", "failed", "gpu_fatal"),  # drain_and_reset
+        (3, "CONTACT_SUPPORT", "degraded", None),  # drain_p2p
+        (0, "IGNORE", "healthy", None),  # none
+    ],
+)
+def test_xid_154_takes_the_recovery_action_it_names(make_rig, value, action, health, rule) -> None:
+    rig = make_rig(gpus=2)
+    rig.sim.inject(FaultEvent(0, 1, "xid", code=154, recovery_action=value))
+    g = rig.until(lambda s: s.gpus[1].xid_errors == ((154, 1),)).gpus[1]
+    (f,) = rig.findings(Reason.GPU_XID, 1)
+    name = nvml_api.RECOVERY_ACTIONS[value]
+    assert (f.labels["action"], f.labels["recovery_action"], g.xid_actions) == (action, name, ((154, action),))
+    assert g.health == health and g.recovery_action == value
+    matched = HealingEngine(policymod.load(""), HealingSection()).match(Condition.of(f))
+    assert (matched.name if matched else None) == rule
+
+
+def test_xid_154_message_is_parsed_and_a_bad_one_falls_back() -> None:
+    from mscale.probes.gpu_health import parse_recovery_action
+    from mscale.sim.nvml import recovery_message
+
+    assert parse_recovery_action(recovery_message(0, 2)) == 2
+    assert (
+        parse_recovery_action(
+            "NVRM: Xid (PCI:0000:97:00): 154, GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)"
+        )
+        == 1
+    )
+    assert parse_recovery_action("GPU recovery action changed from 0x0 (None) to 0x7 (OS Reboot)") == 2  # by its name
+    assert parse_recovery_action("GPU recovery action changed from 0x0 (None) to 0x9 (Something New)") is None
+    assert parse_recovery_action("Xid 154 with no action in it") is None
+    model = HealthModel(from_dict({}).health)
+    assert model.judge_xid(154, "garbled", recovery_action=4).action == "RESET_GPU"  # the field, then
+    assert model.judge_xid(154, "garbled").action == "IGNORE"  # the table's row: nothing to act on
+    assert model.judge_xid(154, recovery_message(1, 0), recovery_action=2).action == "IGNORE"  # text first
+
+
+@pytest.mark.parametrize("how", ["xid_79", "xid_154_node_reboot"])
+def test_restart_bm_asks_every_job_on_the_node_to_save_and_the_node_to_drain(make_rig, how) -> None:
+    """RESTART_BM: beside the GPU's own response (gpu_fatal), a node_drain_required finding
+    whose rule has every job on the node write its newest snapshot to disk."""
+    rig = make_rig(gpus=2)
+    if how == "xid_79":
+        rig.inject("xid", 1, code=79)
+    else:
+        rig.sim.inject(FaultEvent(0, 1, "xid", code=154, recovery_action=2))
+    rig.until(lambda s: len(s.gpus[1].xid_errors) == 1)
+    (drain,) = rig.findings(Reason.NODE_DRAIN_REQUIRED)
+    assert drain.severity is Severity.CRITICAL and drain.labels["gpu"] == "1" and "drain the node" in drain.message
+    eng = HealingEngine(policymod.load(""), HealingSection())
+    cond = Condition.of(drain)
+    rule = eng.match(cond)
+    assert rule is not None and rule.name == "node_drain" and rule.target == "job"
+    jobs = [Target("job-on-gpu-1"), Target("job-elsewhere")]  # every job the node runs
+    done = [(d.target.job_id, d.action) for d in eng.decide(cond, lambda r, c: jobs, rule)]
+    assert done == [("job-on-gpu-1", "emergency_snapshot"), ("job-elsewhere", "emergency_snapshot")]
+    # a RESET_GPU Xid is the GPU's affair alone
+    rig.inject("xid", 0, code=46)
+    rig.until(lambda s: len(s.gpus[0].xid_errors) == 1)
+    assert len(rig.findings(Reason.NODE_DRAIN_REQUIRED)) == 1

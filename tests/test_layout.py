@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "mscale"
-NO_DAEMON = ("hook", "snapshot", "healing", "probes", "sim", "rules", "dashboards")
-NO_TORCH = ("daemon", "probes", "exporters", "healing")
+NO_DAEMON = ("hook", "snapshot", "healing", "probes", "sim", "rules", "dashboards", "contracts")
+NO_TORCH = ("daemon", "probes", "exporters", "healing", "contracts")
 
 
 def _module_name(path: Path) -> str:

@@ -294,10 +294,26 @@ def test_an_init_error_is_nvml_not_available(stub_dir, tmp_path) -> None:
     assert out["unavailable"].startswith("NVML not available:")
 
 
-def test_the_agent_keeps_serving_when_the_event_set_fails(stub_dir, tmp_path) -> None:
+@pytest.mark.parametrize(
+    "config, reason",
+    [
+        (
+            "gpus 2\nevent_set_create_error 999\n",
+            "NVML Xid events could not be set up: nvmlEventSetCreate: Unknown Error",
+        ),
+        ("gpus 2\ninit_error 9\n", "NVML not available: Driver Not Loaded"),
+        ("gpus 2\nerror count 999\n", "NVML initialised but listing GPUs failed: Unknown Error"),
+        (
+            "gpus 2\ngpu 1 error register_events 999\n",
+            "NVML Xid events could not be set up: nvmlDeviceRegisterEvents: Unknown Error",
+        ),
+    ],
+    ids=["event_set_create", "init", "count", "register_events"],
+)
+def test_the_agent_keeps_serving_when_nvml_fails(stub_dir, tmp_path, config, reason) -> None:
     """`mscale agent` on the stand-in (no --simulate): the GPU probe reports down with
     NVML's reason, the agent answers on HTTP and its other probes run."""
-    (tmp_path / "nvml_stub.conf").write_text("gpus 2\nevent_set_create_error 999\n")
+    (tmp_path / "nvml_stub.conf").write_text(config)
     (tmp_path / "agent.toml").write_text("[probes.ebpf]\nenabled = false\n")
     port = free_port()
     env = {
@@ -319,10 +335,7 @@ def test_the_agent_keeps_serving_when_the_event_set_fails(stub_dir, tmp_path) ->
             logs=log.read_text,
         )
         assert probes["gpu"]["up"] is False
-        assert (
-            probes["gpu"]["reason"]
-            == "unavailable: NVML Xid events could not be set up: nvmlEventSetCreate: Unknown Error"
-        )
+        assert probes["gpu"]["reason"] == f"unavailable: {reason}"
         assert probes["host"]["up"] is True
         assert proc.poll() is None
     finally:

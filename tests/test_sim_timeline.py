@@ -94,6 +94,8 @@ BAD = [
     ("gpus: 8\nevents:\n  - 5\n", 3, ["events[0]", "mapping"]),
     ("- 1\n- 2\n", 1, ["expected a mapping"]),
     ("model: a100\n", 1, ["model", "h100"]),
+    ("events:\n  - {at: 1s, gpu: 0, fault: xid, code: 79, recovery_action: 2}\n", 2, ["recovery_action", "154"]),
+    ("events:\n  - {at: 1s, gpu: 0, fault: xid, code: 154, recovery_action: 7}\n", 2, ["recovery_action", "0..4"]),
 ]
 
 

@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mscale.probes.gpu_health import XID_CLASSES, XidTableError, load_xid_table, parse_xid_table
+from mscale.config import from_dict
+from mscale.probes.gpu_health import XID_CLASSES, HealthModel, XidTableError, load_xid_table, parse_xid_table
+from mscale.probes.gpu_sample import GpuSample
 
 HEADER = "code,class,description\n"
 
@@ -76,3 +78,22 @@ def test_fuzzed_xid_table_is_a_table_or_a_clear_refusal(edits) -> None:
     else:
         for code, info in table.entries.items():
             assert 1 <= code <= 65535 and info.cls in XID_CLASSES and info.description
+
+
+def test_without_a_recovery_action_a_fatal_xid_lapses_after_its_hold() -> None:
+    """A driver without NVML's recovery-action field and a reset that left no counter to show
+    it: the fatal Xid clears health.xid_fatal_hold_s after it last occurred (docs/xid.md)."""
+    model = HealthModel(from_dict({"health": {"xid_fatal_hold_s": 600}}).health)
+    plain = GpuSample(index=0, uuid="GPU-x", recovery_action=None, ecc_sbe_volatile=0)
+    model.observe_xid(0, 48, 1000.0)
+    assert model.update(0, plain, 1000.0).health.state == "failed"
+    assert model.update(0, plain, 1599.0).health.state == "failed"
+    model.observe_xid(0, 48, 1599.0)  # it recurs: the hold starts again
+    assert model.update(0, plain, 2100.0).health.state == "failed"
+    assert model.update(0, plain, 2200.0).health.state == "healthy"
+    # A driver that reports the field keeps the Xid until the action returns to none.
+    model = HealthModel(from_dict({"health": {"xid_fatal_hold_s": 600}}).health)
+    model.observe_xid(0, 48, 1000.0)
+    reporting = GpuSample(index=0, uuid="GPU-x", recovery_action=1)
+    assert model.update(0, reporting, 5000.0).health.state == "failed"
+    assert model.update(0, GpuSample(index=0, uuid="GPU-x", recovery_action=0), 5001.0).health.state == "healthy"

@@ -32,6 +32,7 @@ FEATURES: tuple[str, ...] = (
     "mscale.daemon.chaos",
     "mscale.daemon.status_api",
     "mscale.daemon.healing",
+    "mscale.daemon.contract",
 )
 
 

@@ -279,6 +279,8 @@ class LinkServer:
                 result = self.handlers[kind](job, msg)
                 if asyncio.iscoroutine(result):
                     await result
+            except BadMessage:  # the handler's own validator refused it: keep its reason
+                raise
             except Exception as e:  # a plugin's handler failing must not end the connection
                 log.error("link_handler_failed", type=kind, job_id=job.job_id, error=f"{type(e).__name__}: {e}")
                 raise BadMessage("handler_error", f"{kind}: not handled ({type(e).__name__})") from None

@@ -1,4 +1,6 @@
-"""MPU health: health score per MPU, fuse level over time, drifts, checksums, CMSA clipping."""
+"""MPU health: health score per MPU, fuse level over time, drifts, checksums, CMSA clipping,
+and the resources a contract gives each MPU (compute density against its profile, achieved
+FLOP/s, the contract's compliance)."""
 
 from __future__ import annotations
 
@@ -95,6 +97,34 @@ def build(ctx: Ctx):
                         max=1,
                         threshold=ctx.alert("MscaleCmsaClipHigh")["ratio"],
                         description="Share of steps in which CMSA clipped the MPU's gradients.",
+                    ),
+                ],
+            ),
+            (
+                "Resources (contracts, MSRP)",
+                [
+                    Panel(
+                        "Compute density against the contract's profile",
+                        [
+                            (f"mscale_mpu_compute_density{s}", "{{job_id}} {{mpu_id}} measured"),
+                            (f"mscale_mpu_density_expected{s}", "{{job_id}} {{mpu_id}} {{profile}}"),
+                        ],
+                        unit="short",
+                        description="Achieved TFLOP/s per GB of the MPU's memory; the density guard recommends "
+                        "another profile when they part by more than contract.density_deviation.",
+                    ),
+                    Panel(
+                        "Achieved FLOP/s per MPU",
+                        [(f"mscale_mpu_achieved_flops{s}", "{{job_id}} {{mpu_id}}")],
+                        unit="short",
+                        description="Step FLOPs (FlopCounterMode) over forward + backward time.",
+                    ),
+                    Panel(
+                        "Contract compliance",
+                        [(f"min by (job_id) (mscale_contract_compliant{s})", "{{job_id}}")],
+                        min=0,
+                        max=1,
+                        description="1: every named I/O thread and loader worker runs on its planned CPUs.",
                     ),
                 ],
             ),

@@ -23,6 +23,9 @@ MODULES: tuple[str, ...] = (
     "mscale.exporters.jobs",
     "mscale.exporters.snapshots",
     "mscale.exporters.healing",
+    "mscale.exporters.contract",
+    "mscale.exporters.msrp",
+    "mscale.exporters.density",
 )
 
 

@@ -110,6 +110,18 @@ def output_tensors(output: Any) -> list[torch.Tensor]:
     return []
 
 
+def loss_of(output: Any) -> torch.Tensor | None:
+    """The scalar loss in a model's output (a 0-d tensor, or a mapping or ModelOutput with
+    "loss"); None when there is none."""
+    if isinstance(output, torch.Tensor):
+        return output if output.dim() == 0 else None
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    else:
+        loss = getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
+
+
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 

@@ -39,8 +39,9 @@ import mscale.hook.placement as placement
 from mscale import link as protocol
 from mscale.config import parse_bool
 from mscale.findings import Finding, Severity
-from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, output_tensors
+from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, loss_of, output_tensors
 from mscale.hook.cmsa import Cmsa, CmsaConfig, grad_stats
+from mscale.hook.contract import join as contract_join
 from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
 from mscale.hook.null import NullGuard
@@ -326,7 +327,7 @@ class Guard:
     def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self.checksum.replaying or not module.training:
             return
-        loss = _loss_of(output)
+        loss = loss_of(output)
         if loss is not None:
             self._losses.append(loss.detach())
 
@@ -578,6 +579,7 @@ def attach(
         raise TypeError("data= and scheduler= are what snapshots hold: give snapshots= too")
     position = data_position(data) if cfg is not None else None
     guard = Guard(model, optimizer, job_id=job_id, **kwargs)
+    contract_join(guard)  # the contract in force in this process, if any (mscale.hook.contract)
     if cfg is not None:
         try:
             protect(guard, cfg, data=position, scheduler=scheduler, scaler=kwargs.get("scaler"), resume=resume)
@@ -585,13 +587,3 @@ def attach(
             guard.detach()
             raise
     return guard
-
-
-def _loss_of(output: Any) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor):
-        return output if output.dim() == 0 else None
-    if isinstance(output, Mapping):
-        loss = output.get("loss")
-    else:
-        loss = getattr(output, "loss", None)
-    return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from mscale.contracts.msrp import msrp_binding
+
 if TYPE_CHECKING:
     from mscale.hook.guard import Guard
 
@@ -174,7 +176,9 @@ def protect(
         disk_keep=cfg.disk_keep,
         emit=emit,
         job_id=guard.job_id,
-        binding=lambda: {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None} for m in guard.mpus},
+        binding=lambda: {
+            m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None, **msrp_binding(guard, m)} for m in guard.mpus
+        },
     )
     fuse = FusePlugin(snapshot_engine=engine)
     try:

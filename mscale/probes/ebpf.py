@@ -1,8 +1,11 @@
-"""eBPF probe: uprobes on the CUDA driver of every training process, no change to the job.
+"""eBPF probe: uprobes on the CUDA driver and runtime of every training process, no change
+to the job.
 
 Which processes: the jobs registered through the hook library (`state.jobs[*].pid`) plus
 any whose command line matches `cmdline_pattern`. Each is attached through its own
-libcuda (found in /proc/PID/maps, or `libcuda_path`) with a pid filter. The BPF program
+libcuda (found in /proc/PID/maps, or `libcuda_path`) with a pid filter, and through the
+libcudart it maps once it does (PyTorch's, usually): each launch, copy and synchronise
+counts once, at the runtime when it came through it, else at the driver. The BPF program
 (ebpf_cuda.bpf.c) counts in the kernel; `sample()` reads the maps, judges hangs, sync
 stalls and allocation failures, and publishes an immutable `EbpfSnapshot`.
 
@@ -28,7 +31,7 @@ from mscale.config import opt
 from mscale.findings import Finding, Reason, Severity
 from mscale.probes.base import ProbeContext, ProbeSpec, ProbeUnavailable
 from mscale.probes.ebpf_detect import BlockedShare, LaunchWatch
-from mscale.probes.ebpf_loader import DIRECTIONS, HIST_SLOTS, ROLES, Link, PidCounters, preflight
+from mscale.probes.ebpf_loader import DIRECTIONS, HIST_SLOTS, ROLES, RUNTIME, Link, PidCounters, Role, preflight
 
 if TYPE_CHECKING:
     from mscale.probes.ebpf_loader import CudaBpf, InflightSync
@@ -37,6 +40,7 @@ log = structlog.get_logger("mscale.probes.ebpf")
 
 SOURCE = "ebpf"
 _LIBCUDA = re.compile(r"/libcuda\.so(\.\d+)*$")
+_LIBCUDART = re.compile(r"/libcudart\.so(\.\d+)*$")
 _ZERO = PidCounters(0, 0, 0, (0,) * len(DIRECTIONS), (0,) * len(DIRECTIONS), 0, 0, 0, 0, 0, 0, (0,) * HIST_SLOTS)
 
 
@@ -65,6 +69,7 @@ class CudaProcess:
     launch_quiet_s: float | None  # since the last launch seen; None: never seen one
     sync_stall: bool
     error: str = ""  # a probe that could not attach (the others still count)
+    runtime_library: str = ""  # the libcudart attached too ("": none mapped, driver only)
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,15 @@ class _Tracked:
     hang_cause: str = ""
     stall: bool = False
     error: str = ""
+    runtime: str = ""  # libcudart, once mapped and attached
+    rt_offsets: dict[str, list[int]] = field(default_factory=dict)
+    runtime_seen: str = ""  # the libcudart last tried (not retried on every sample)
+
+    def targets(self, role: Role) -> tuple[str, list[int]]:
+        """(library path, offsets) of a role in this process; no offsets: not attached."""
+        if role.library == RUNTIME:
+            return self.runtime, self.rt_offsets.get(role.prog, []) if self.runtime else []
+        return self.library, self.offsets.get(role.prog, [])
 
 
 def _proc_start(pid: int) -> int | None:
@@ -124,13 +138,22 @@ def _proc_start(pid: int) -> int | None:
 
 def find_libcuda(pid: int) -> str | None:
     """The libcuda a process has mapped, as a path that reaches the same file from here."""
+    return find_library(pid, _LIBCUDA)
+
+
+def find_libcudart(pid: int) -> str | None:
+    """The CUDA runtime a process has mapped (none when it links it statically)."""
+    return find_library(pid, _LIBCUDART)
+
+
+def find_library(pid: int, name: re.Pattern) -> str | None:
     try:
         maps = open(f"/proc/{pid}/maps").read()
     except OSError:
         return None
     for line in maps.splitlines():
         parts = line.split(None, 5)
-        if len(parts) < 6 or not _LIBCUDA.search(parts[5]):
+        if len(parts) < 6 or not name.search(parts[5]):
             continue
         path, inode = parts[5], int(parts[4])
         try:
@@ -233,8 +256,9 @@ class EbpfProbe:
     def _attach_high(self, tr: _Tracked) -> None:
         try:
             for role in ROLES:
-                if role.high_rate and tr.offsets[role.prog]:
-                    tr.high.append(self._bpf.attach(tr.pid, tr.library, role, tr.offsets[role.prog]))
+                path, offsets = tr.targets(role)
+                if role.high_rate and offsets:
+                    tr.high.append(self._bpf.attach(tr.pid, path, role, offsets))
         except Exception as e:
             tr.error = f"launch/copy probes: {e}"
             log.warning("ebpf_attach_failed", pid=tr.pid, job_id=tr.job_id, error=str(e))
@@ -277,6 +301,7 @@ class EbpfProbe:
         for pid, job_id in targets.items():
             if pid in self._tracked:
                 self._tracked[pid].job_id = job_id
+                self._find_runtime(self._tracked[pid])
                 continue
             start = _proc_start(pid)
             if start is None:
@@ -319,8 +344,9 @@ class EbpfProbe:
         self._bpf.add_pid(pid)  # before attaching: the entry is the in-kernel pid filter
         try:
             for role in ROLES:
-                if not role.high_rate and offsets[role.prog]:
-                    tr.rare.append(self._bpf.attach(pid, library, role, offsets[role.prog]))
+                path, offs = tr.targets(role)  # the driver's for now; the runtime's once found
+                if not role.high_rate and offs:
+                    tr.rare.append(self._bpf.attach(pid, path, role, offs))
         except Exception as e:
             self._detach(tr.rare)
             self._bpf.remove_pid(pid)
@@ -331,6 +357,32 @@ class EbpfProbe:
         if self._high_on:
             self._attach_high(tr)
         log.info("ebpf_attached", pid=pid, job_id=job_id, library=library, mode=self._bpf.attach_mode)
+        self._find_runtime(tr)
+
+    def _find_runtime(self, tr: _Tracked) -> None:
+        """Attach to the libcudart the process maps, once it maps one (checked each sample)."""
+        if tr.runtime or not self.cfg.runtime_probes:
+            return
+        path = find_libcudart(tr.pid)
+        if path is None or path == tr.runtime_seen:
+            return
+        tr.runtime_seen = path
+        rare: list[Link] = []
+        high: list[Link] = []
+        try:
+            offsets = self._bpf.offsets(path, RUNTIME)
+            for role in ROLES:
+                if role.library == RUNTIME and offsets[role.prog] and (self._high_on or not role.high_rate):
+                    (high if role.high_rate else rare).append(self._bpf.attach(tr.pid, path, role, offsets[role.prog]))
+        except Exception as e:  # all or none (an entry probe without its return would mute the driver's)
+            self._detach(rare + high)
+            tr.error = f"runtime probes ({path}): {e}"
+            log.warning("ebpf_runtime_attach_failed", pid=tr.pid, library=path, error=str(e))
+            return
+        tr.runtime, tr.rt_offsets = path, offsets
+        tr.rare += rare
+        tr.high += high
+        log.info("ebpf_runtime_attached", pid=tr.pid, job_id=tr.job_id, library=path)
 
     def _untrack(self, tr: _Tracked, why: str) -> None:
         self._detach(tr.rare)
@@ -466,6 +518,7 @@ class EbpfProbe:
             launch_quiet_s=tr.watch.quiet_s(now),
             sync_stall=tr.stall,
             error=tr.error,
+            runtime_library=tr.runtime,
         )
 
     def _emit(self, reason: Reason, severity: Severity, message: str, labels: dict[str, str]) -> None:
@@ -481,6 +534,11 @@ class EbpfProbeSection:
         30.0, "deadline for one read (the first includes compiling the BPF program)", min=0.05, max=600
     )
     libcuda_path: str = opt("", "path of libcuda.so.1 (empty: found per process from /proc/PID/maps)")
+    runtime_probes: bool = opt(
+        True,
+        "also probe the libcudart a process maps, counting each launch once (three uprobe hits per "
+        "runtime launch in a window instead of one; docs/ebpf.md); false: the driver's entry points only",
+    )
     cmdline_pattern: str = opt(
         "", "regex: also trace processes whose command line matches (empty: registered jobs only)"
     )

@@ -1,4 +1,4 @@
-/* CUDA driver uprobes for the mscale agent (mscale/probes/ebpf.py loads this).
+/* CUDA driver and runtime uprobes for the mscale agent (mscale/probes/ebpf.py loads this).
  *
  * Everything is aggregated here, in the kernel: one `stats` entry per traced process holds
  * counters and the log2 histogram of synchronise times; the agent reads the maps on its
@@ -8,6 +8,13 @@
  * The agent creates a zeroed `stats` entry before it attaches to a process and deletes it
  * when the process exits; a hit from a process without an entry is ignored, so the entry
  * doubles as the pid filter.
+ *
+ * Each launch, copy and synchronise is counted once whichever layer it was seen in: the
+ * runtime's entry points (libcudart: cudaLaunchKernel, cudaMemcpyAsync, ...) count and mark
+ * the thread as inside the runtime until they return, and the driver entry points the
+ * runtime calls on that thread (cuLaunchKernel, ...) then count nothing. A driver call made
+ * directly (a process without libcudart, Triton, a statically linked runtime) counts at the
+ * driver.
  *
  * Tokens (a NAME between two pairs of at-signs) are filled in at load time from an explicit map
  * (ebpf_loader.specialise); a token without a value, or a value without a token, fails the load.
@@ -27,6 +34,14 @@
 
 #define SYNC_STREAM 1
 #define SYNC_CTX 2
+#define SYNC_EVENT 3
+
+/* what the runtime is doing on a thread (rt_entry.kind) */
+#define RT_LAUNCH 1 /* a launch or copy: microseconds */
+#define RT_SYNC 2   /* a synchronise: as long as the GPU takes */
+/* A launch mark older than this is stale: its return probe was detached with the duty cycle
+ * while the call ran, and it must not silence the driver probes on that thread for good. */
+#define RT_LAUNCH_MARK_NS 1000000000ULL
 
 struct pid_stats {
     u64 launches;       /* cuLaunchKernel[Ex][_ptsz] */
@@ -56,43 +71,83 @@ BPF_HASH(stats, u32, struct pid_stats, MAX_PIDS);
 BPF_HASH(inflight, u64, struct sync_entry, MAX_THREADS);
 BPF_HASH(alloc_req, u64, u64, MAX_THREADS); /* requested bytes, from entry to return */
 
+struct rt_entry {
+    u64 ts; /* entry time, CLOCK_MONOTONIC ns */
+    u32 kind;
+    u32 pad;
+};
+/* threads inside a CUDA runtime call, from its entry probe to its return probe */
+BPF_HASH(in_runtime, u64, struct rt_entry, MAX_THREADS);
+
 static __always_inline struct pid_stats *traced(u64 pid_tgid) {
     u32 tgid = pid_tgid >> 32;
     return stats.lookup(&tgid);
 }
 
+/* A driver call the runtime makes on this thread: the runtime's probe counted it. */
+static __always_inline int runtime_counted(u64 id, u32 kind) {
+    struct rt_entry *e = in_runtime.lookup(&id);
+    if (!e || e->kind != kind)
+        return 0;
+    return kind == RT_SYNC || bpf_ktime_get_ns() - e->ts < RT_LAUNCH_MARK_NS;
+}
+
+static __always_inline void runtime_enter(u64 id, u32 kind) {
+    struct rt_entry e = {.ts = bpf_ktime_get_ns(), .kind = kind};
+    in_runtime.update(&id, &e);
+}
+
 /* --- high rate: attached for a window every period --------------------------------- */
 
-int on_launch(struct pt_regs *ctx) {
-    struct pid_stats *s = traced(bpf_get_current_pid_tgid());
+static __always_inline int count_launch(int graph, int runtime) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct pid_stats *s = traced(id);
     if (!s)
         return 0;
-    __sync_fetch_and_add(&s->launches, 1);
+    if (runtime)
+        runtime_enter(id, RT_LAUNCH);
+    else if (runtime_counted(id, RT_LAUNCH))
+        return 0;
+    if (graph)
+        __sync_fetch_and_add(&s->graph_launches, 1);
+    else
+        __sync_fetch_and_add(&s->launches, 1);
     s->last_launch_ns = bpf_ktime_get_ns();
     return 0;
 }
 
-int on_graph_launch(struct pt_regs *ctx) {
-    struct pid_stats *s = traced(bpf_get_current_pid_tgid());
-    if (!s)
-        return 0;
-    __sync_fetch_and_add(&s->graph_launches, 1);
-    s->last_launch_ns = bpf_ktime_get_ns();
+int on_launch(struct pt_regs *ctx) { return count_launch(0, 0); }
+int on_graph_launch(struct pt_regs *ctx) { return count_launch(1, 0); }
+int on_rt_launch(struct pt_regs *ctx) { return count_launch(0, 1); }
+int on_rt_graph_launch(struct pt_regs *ctx) { return count_launch(1, 1); }
+
+/* The return of a runtime launch or copy (high rate, with them). */
+int on_rt_return(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct rt_entry *e = in_runtime.lookup(&id);
+    if (e && e->kind == RT_LAUNCH)
+        in_runtime.delete(&id);
     return 0;
 }
 
 /* The byte count is the third argument of every async copy; the pre-v2 entry points take
  * it as a 32-bit unsigned int, whose register's upper half is undefined. */
-#define COPY_PROBE(name, dir, type)                                       \
-    int name(struct pt_regs *ctx) {                                       \
-        struct pid_stats *s = traced(bpf_get_current_pid_tgid());         \
-        if (!s)                                                           \
-            return 0;                                                     \
-        u64 bytes = (type)PT_REGS_PARM3(ctx);                             \
-        __sync_fetch_and_add(&s->copies[dir], 1);                         \
-        __sync_fetch_and_add(&s->copy_bytes[dir], bytes);                 \
-        return 0;                                                         \
-    }
+static __always_inline int count_copy(u32 dir, u64 bytes, int runtime) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct pid_stats *s = traced(id);
+    if (!s)
+        return 0;
+    if (runtime)
+        runtime_enter(id, RT_LAUNCH);
+    else if (runtime_counted(id, RT_LAUNCH))
+        return 0;
+    __sync_fetch_and_add(&s->copies[dir], 1);
+    __sync_fetch_and_add(&s->copy_bytes[dir], bytes);
+    return 0;
+}
+
+#define COPY_PROBE(name, dir, type) \
+    int name(struct pt_regs *ctx) { return count_copy(dir, (type)PT_REGS_PARM3(ctx), 0); }
 
 COPY_PROBE(on_copy_htod, DIR_HTOD, u64)
 COPY_PROBE(on_copy_htod32, DIR_HTOD, u32)
@@ -102,22 +157,45 @@ COPY_PROBE(on_copy_dtod, DIR_DTOD, u64)
 COPY_PROBE(on_copy_dtod32, DIR_DTOD, u32)
 COPY_PROBE(on_copy_default, DIR_DEFAULT, u64)
 
+/* cudaMemcpyAsync(dst, src, count, kind, stream): cudaMemcpyKind 1 host to device, 2 device
+ * to host, 3 device to device; 0 (host to host) and 4 (default: the driver infers it) count
+ * as default. */
+int on_rt_copy(struct pt_regs *ctx) {
+    u32 kind = (u32)PT_REGS_PARM4(ctx);
+    u64 bytes = (u64)PT_REGS_PARM3(ctx);
+    /* a constant index per branch: the verifier bounds copies[dir] by it */
+    if (kind == 1)
+        return count_copy(DIR_HTOD, bytes, 1);
+    if (kind == 2)
+        return count_copy(DIR_DTOH, bytes, 1);
+    if (kind == 3)
+        return count_copy(DIR_DTOD, bytes, 1);
+    return count_copy(DIR_DEFAULT, bytes, 1);
+}
+
 /* --- rare: always attached ---------------------------------------------------------- */
 
-static __always_inline int sync_enter(u32 kind) {
+static __always_inline int sync_enter(u32 kind, int runtime) {
     u64 id = bpf_get_current_pid_tgid();
     if (!traced(id))
         return 0;
+    if (runtime)
+        runtime_enter(id, RT_SYNC);
+    else if (runtime_counted(id, RT_SYNC))
+        return 0; /* the runtime's synchronise entered first: it times the call */
     struct sync_entry e = {.ts = bpf_ktime_get_ns(), .kind = kind};
     inflight.update(&id, &e);
     return 0;
 }
 
-int on_stream_sync(struct pt_regs *ctx) { return sync_enter(SYNC_STREAM); }
-int on_ctx_sync(struct pt_regs *ctx) { return sync_enter(SYNC_CTX); }
+int on_stream_sync(struct pt_regs *ctx) { return sync_enter(SYNC_STREAM, 0); }
+int on_ctx_sync(struct pt_regs *ctx) { return sync_enter(SYNC_CTX, 0); }
+int on_event_sync(struct pt_regs *ctx) { return sync_enter(SYNC_EVENT, 0); }
+int on_rt_stream_sync(struct pt_regs *ctx) { return sync_enter(SYNC_STREAM, 1); }
+int on_rt_device_sync(struct pt_regs *ctx) { return sync_enter(SYNC_CTX, 1); }
+int on_rt_event_sync(struct pt_regs *ctx) { return sync_enter(SYNC_EVENT, 1); }
 
-int on_sync_return(struct pt_regs *ctx) {
-    u64 id = bpf_get_current_pid_tgid();
+static __always_inline int sync_return(u64 id) {
     struct sync_entry *e = inflight.lookup(&id);
     if (!e)
         return 0; /* entered before we attached */
@@ -133,6 +211,21 @@ int on_sync_return(struct pt_regs *ctx) {
         slot = HIST_SLOTS - 1;
     __sync_fetch_and_add(&s->sync_hist[slot], 1);
     return 0;
+}
+
+int on_sync_return(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    if (runtime_counted(id, RT_SYNC))
+        return 0; /* the driver call inside the runtime's: the runtime's return counts */
+    return sync_return(id);
+}
+
+int on_rt_sync_return(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct rt_entry *e = in_runtime.lookup(&id);
+    if (e && e->kind == RT_SYNC)
+        in_runtime.delete(&id);
+    return sync_return(id);
 }
 
 static __always_inline int alloc_enter(u64 bytes) {

@@ -1,4 +1,4 @@
-"""Loading the CUDA-driver BPF program and attaching it to one process's libcuda.
+"""Loading the CUDA BPF program and attaching it to one process's libcuda and libcudart.
 
 Split from probes/ebpf.py so the benchmark can drive the same programs and attachments.
 BCC is imported only inside `CudaBpf` (never at import time).
@@ -32,15 +32,17 @@ log = structlog.get_logger("mscale.probes.ebpf")
 SOURCE = Path(__file__).with_name("ebpf_cuda.bpf.c")
 DIRECTIONS = ("htod", "dtoh", "dtod", "default")  # index order of copies[] in the BPF C
 HIST_SLOTS = 64
-SYNC_KINDS = {1: "cuStreamSynchronize", 2: "cuCtxSynchronize"}
+SYNC_KINDS = {1: "cuStreamSynchronize", 2: "cuCtxSynchronize", 3: "cuEventSynchronize"}
+DRIVER, RUNTIME = "driver", "runtime"  # libcuda, libcudart
 
 
 @dataclass(frozen=True)
 class Role:
     prog: str  # BPF function in ebpf_cuda.bpf.c
-    symbols: tuple[str, ...]  # driver entry points it handles, where the library exports them
+    symbols: tuple[str, ...]  # entry points it handles, where the library exports them
     retprobe: bool = False
     high_rate: bool = False  # duty-cycled (launch, copy); the others stay attached
+    library: str = DRIVER  # DRIVER (libcuda) or RUNTIME (libcudart)
 
 
 ROLES: tuple[Role, ...] = (
@@ -59,13 +61,56 @@ ROLES: tuple[Role, ...] = (
     Role("on_copy_default", ("cuMemcpyAsync", "cuMemcpyAsync_ptsz"), high_rate=True),
     Role("on_stream_sync", ("cuStreamSynchronize", "cuStreamSynchronize_ptsz")),
     Role("on_ctx_sync", ("cuCtxSynchronize",)),
-    Role("on_sync_return", ("cuStreamSynchronize", "cuStreamSynchronize_ptsz", "cuCtxSynchronize"), retprobe=True),
+    Role("on_event_sync", ("cuEventSynchronize",)),
+    Role(
+        "on_sync_return",
+        ("cuStreamSynchronize", "cuStreamSynchronize_ptsz", "cuCtxSynchronize", "cuEventSynchronize"),
+        retprobe=True,
+    ),
     Role("on_alloc", ("cuMemAlloc_v2",)),
     Role("on_alloc32", ("cuMemAlloc",)),
     Role("on_alloc_return", ("cuMemAlloc_v2", "cuMemAlloc"), retprobe=True),
+    # the runtime: each call counts here and marks its thread, so the driver calls it makes
+    # are not counted again (ebpf_cuda.bpf.c)
+    Role(
+        "on_rt_launch",
+        ("cudaLaunchKernel", "cudaLaunchKernel_ptsz", "cudaLaunchKernelExC", "cudaLaunchKernelExC_ptsz"),
+        high_rate=True,
+        library=RUNTIME,
+    ),
+    Role("on_rt_graph_launch", ("cudaGraphLaunch", "cudaGraphLaunch_ptsz"), high_rate=True, library=RUNTIME),
+    Role("on_rt_copy", ("cudaMemcpyAsync", "cudaMemcpyAsync_ptsz"), high_rate=True, library=RUNTIME),
+    Role(
+        "on_rt_return",
+        (
+            "cudaLaunchKernel",
+            "cudaLaunchKernel_ptsz",
+            "cudaLaunchKernelExC",
+            "cudaLaunchKernelExC_ptsz",
+            "cudaGraphLaunch",
+            "cudaGraphLaunch_ptsz",
+            "cudaMemcpyAsync",
+            "cudaMemcpyAsync_ptsz",
+        ),
+        retprobe=True,
+        high_rate=True,
+        library=RUNTIME,
+    ),
+    Role("on_rt_stream_sync", ("cudaStreamSynchronize", "cudaStreamSynchronize_ptsz"), library=RUNTIME),
+    Role("on_rt_device_sync", ("cudaDeviceSynchronize",), library=RUNTIME),
+    Role("on_rt_event_sync", ("cudaEventSynchronize",), library=RUNTIME),
+    Role(
+        "on_rt_sync_return",
+        ("cudaStreamSynchronize", "cudaStreamSynchronize_ptsz", "cudaDeviceSynchronize", "cudaEventSynchronize"),
+        retprobe=True,
+        library=RUNTIME,
+    ),
 )
-REQUIRED_SYMBOLS = ("cuLaunchKernel", "cuStreamSynchronize")  # else it is not a CUDA driver
+# else it is not that library
+REQUIRED_SYMBOLS = {DRIVER: ("cuLaunchKernel", "cuStreamSynchronize"), RUNTIME: ("cudaLaunchKernel",)}
+_LIBRARY_NAME = {DRIVER: "CUDA driver", RUNTIME: "CUDA runtime"}
 
+_LAUNCH_PROGS = ("on_launch", "on_rt_launch", "on_rt_return")  # a launch, counted once
 _TOKEN = re.compile(r"@@([A-Z_][A-Z0-9_]*)@@")
 
 
@@ -226,6 +271,7 @@ class CudaBpf:
         self.stats = self.bpf[b"stats"]
         self.inflight = self.bpf[b"inflight"]
         self.alloc_req = self.bpf[b"alloc_req"]
+        self.in_runtime = self.bpf[b"in_runtime"]
         if attach_mode not in ("auto", "uprobe_multi", "perf_event"):
             raise ValueError(f"attach_mode: expected auto, uprobe_multi or perf_event, got {attach_mode!r}")
         # None: the first attach finds out whether the kernel has uprobe_multi links
@@ -239,21 +285,23 @@ class CudaBpf:
         return {True: "uprobe_multi", False: "perf_event", None: "unknown"}[self.multi]
 
     # symbols -------------------------------------------------------------------------
-    def offsets(self, path: str) -> dict[str, list[int]]:
-        """role.prog -> file offsets of its symbols in this library (cached per file)."""
+    def offsets(self, path: str, library: str = DRIVER) -> dict[str, list[int]]:
+        """role.prog -> file offsets of its symbols in this library (cached per file), for
+        the roles of `library` (DRIVER or RUNTIME)."""
         st = os.stat(path)
-        key = (path, st.st_dev, st.st_ino, st.st_mtime_ns)
+        key = (path, st.st_dev, st.st_ino, st.st_mtime_ns, library)
         if key not in self._symbols:
-            wanted = {s for r in ROLES for s in r.symbols}
+            roles = [r for r in ROLES if r.library == library]
+            wanted = {s for r in roles for s in r.symbols}
             names = {n.decode() for n, _ in self._BPF.get_user_functions_and_addresses(path.encode(), b".*")} & wanted
-            missing = [s for s in REQUIRED_SYMBOLS if s not in names]
+            missing = [s for s in REQUIRED_SYMBOLS[library] if s not in names]
             if missing:
-                raise ValueError(f"{path} does not export {', '.join(missing)}: not a CUDA driver library")
+                raise ValueError(f"{path} does not export {', '.join(missing)}: not a {_LIBRARY_NAME[library]} library")
             resolved: dict[str, int] = {}
             for name in sorted(names):
                 resolved[name] = self._BPF._check_path_symbol(path.encode(), name.encode(), 0, -1)[1]
             out: dict[str, list[int]] = {}
-            for role in ROLES:
+            for role in roles:
                 seen: set[int] = set()
                 offs = []
                 for s in role.symbols:  # aliases at one address: one uprobe, one count
@@ -294,6 +342,25 @@ class CudaBpf:
             raise
         return link
 
+    def attach_launches(self, pid: int, driver: str, runtime: str | None = None) -> list[Link]:
+        """Only the kernel-launch probes, on the driver and (when given) the runtime, with
+        the runtime's return probe that keeps a runtime launch from counting twice: what
+        the device check and the benchmark compare against a profiler."""
+        links: list[Link] = []
+        try:
+            for library, path in ((DRIVER, driver), (RUNTIME, runtime)):
+                if path is None:
+                    continue
+                offsets = self.offsets(path, library)
+                for role in ROLES:
+                    if role.library == library and role.prog in _LAUNCH_PROGS and offsets[role.prog]:
+                        links.append(self.attach(pid, path, role, offsets[role.prog]))
+        except Exception:
+            for link in links:
+                self.detach(link)
+            raise
+        return links
+
     def _fall_back(self, reason: str) -> None:
         self.multi, self.fallback_reason = False, reason
         log.info("ebpf_attach_fallback", mode="perf_event", reason=reason)
@@ -320,7 +387,7 @@ class CudaBpf:
             del self.stats[self.stats.Key(pid)]
         except KeyError:
             pass
-        for table in (self.inflight, self.alloc_req):
+        for table in (self.inflight, self.alloc_req, self.in_runtime):
             for k in [k for k in table.keys() if k.value >> 32 == pid]:
                 try:
                     del table[k]
@@ -328,7 +395,7 @@ class CudaBpf:
                     pass
 
     def forget_thread(self, tid_key: int) -> None:
-        for table in (self.inflight, self.alloc_req):
+        for table in (self.inflight, self.alloc_req, self.in_runtime):
             try:
                 del table[table.Key(tid_key)]
             except KeyError:
@@ -362,7 +429,7 @@ class CudaBpf:
     def map_pids(self) -> set[int]:
         """Every process id with an entry in any map (tests check exits leave none)."""
         pids = {k.value for k in self.stats.keys()}
-        for table in (self.inflight, self.alloc_req):
+        for table in (self.inflight, self.alloc_req, self.in_runtime):
             pids |= {k.value >> 32 for k in table.keys()}
         return pids
 

@@ -25,7 +25,7 @@ from mscale.config import opt
 from mscale.findings import Finding, Reason, Severity
 from mscale.probes import nvml_api
 from mscale.probes.base import ProbeContext, ProbeSpec
-from mscale.probes.gpu_health import FAILED, HEALTHY, STATES, HealthModel
+from mscale.probes.gpu_health import FAILED, HEALTHY, STATES, XID_RECOVERY_ACTION_CHANGED, HealthModel, XidInfo
 from mscale.probes.gpu_sample import MHZ, GpuSample, GpuSnapshot, NvLinkSample, Reader, Reading
 from mscale.probes.nvml_api import Nvml, NVMLError, XidEvent, is_gpu_lost
 
@@ -149,9 +149,10 @@ class GpuProbe:
     ) -> None:
         self.reader, self.model, self.emit, self.clock = reader, model, emit, clock
         self._lock = threading.Lock()
-        self._xid_pending: list[XidEvent] = []
+        self._xid_pending: list[tuple[XidEvent, XidInfo]] = []
         self._xid_counts: Counter[tuple[int, int]] = Counter()
         self._last_xid: dict[int, int] = {}
+        self._xid_action: dict[tuple[int, int], str] = {}  # (gpu, code) -> the latest action
         self._uuids: dict[int, str] = dict(enumerate(getattr(reader, "uuids", ())))
         self._stop = threading.Event()
         self._xid_thread: threading.Thread | None = None
@@ -180,28 +181,37 @@ class GpuProbe:
             source.close()
 
     def _on_xid(self, ev: XidEvent) -> None:
-        info = self.model.xids.classify(ev.xid)
+        info = self.model.judge_xid(ev.xid, ev.message, ev.recovery_action)
         with self._lock:
-            self._xid_pending.append(ev)
+            self._xid_pending.append((ev, info))
             uuid = self._uuids.get(ev.gpu, "")
         consequence = {"fatal": "; GPU marked failed", "degrading": "; GPU marked degraded"}.get(info.cls, "")
         consequence += _XID_ADVICE.get(info.action, "")
+        labels = {"gpu": str(ev.gpu), "gpu_uuid": uuid, "xid": str(ev.xid), "xid_class": info.cls}
+        labels["action"] = info.action
+        if ev.xid == XID_RECOVERY_ACTION_CHANGED:  # bounded: NVML's five names, or unknown
+            labels["recovery_action"] = info.recovery_action or "unknown"
         self.emit(
             Finding(
                 "gpu",
                 Reason.GPU_XID,
                 _XID_SEVERITY[info.cls],
                 f"Xid {ev.xid} on GPU {ev.gpu}: {info.description} ({info.cls}, {info.action}{consequence})",
-                {
-                    "gpu": str(ev.gpu),
-                    "gpu_uuid": uuid,
-                    "xid": str(ev.xid),
-                    "xid_class": info.cls,
-                    "action": info.action,
-                },
+                labels,
                 time=ev.time,
             )
         )
+        if info.action == "RESTART_BM":  # the node must reboot: every job on it should leave
+            self.emit(
+                Finding(
+                    "gpu",
+                    Reason.NODE_DRAIN_REQUIRED,
+                    Severity.CRITICAL,
+                    f"GPU {ev.gpu} needs the node rebooted (Xid {ev.xid}, RESTART_BM): drain the node",
+                    {"gpu": str(ev.gpu), "gpu_uuid": uuid, "xid": str(ev.xid), "action": info.action},
+                    time=ev.time,
+                )
+            )
 
     # --- sampling ---------------------------------------------------------------------------
 
@@ -215,10 +225,11 @@ class GpuProbe:
             self._on_xid(ev)
         with self._lock:
             pending, self._xid_pending = self._xid_pending, []
-        for ev in pending:
+        for ev, info in pending:
             self._xid_counts[(ev.gpu, ev.xid)] += 1
             self._last_xid[ev.gpu] = ev.xid
-            self.model.observe_xid(ev.gpu, ev.xid, ev.time)
+            self._xid_action[(ev.gpu, ev.xid)] = info.action  # Xid 154's: the latest one's
+            self.model.observe_xid(ev.gpu, ev.xid, ev.time, info)
         out = []
         for r in reading.gpus:
             upd = self.model.update(r.index, r, now)
@@ -228,7 +239,7 @@ class GpuProbe:
                 health=upd.health.state,
                 reasons=upd.health.texts,
                 xid_errors=xids,
-                xid_actions=tuple((code, self.model.xids.classify(code).action) for code, _ in xids),
+                xid_actions=tuple((code, self._xid_action[(r.index, code)]) for code, _ in xids),
                 last_xid=self._last_xid.get(r.index),
                 sbe_per_hour=upd.sbe_per_hour,
                 pcie_replays_per_min=upd.pcie_replays_per_min,
@@ -308,7 +319,11 @@ def _factory(ctx: ProbeContext) -> GpuProbe:
         reader = NvmlReader(ctx.nvml, backend=backend)
     else:  # the agent found no NVML at start-up; this raises NvmlUnavailable with the reason
         reader = NvmlReader(nvml_api.open_real_nvml(), owns=True)
-    return GpuProbe(reader, model, emit=ctx.emit, clock=ctx.clock)
+    try:
+        return GpuProbe(reader, model, emit=ctx.emit, clock=ctx.clock)
+    except BaseException:  # e.g. the Xid event set could not be set up: NVML is let go
+        reader.close()
+        raise
 
 
 # Needs the NVIDIA driver (NVML), a dcgm-exporter endpoint, or --simulate.

@@ -48,6 +48,34 @@ _WORKFLOW = re.compile(r"WORKFLOW_[A-Z0-9_]{1,40}")
 _APPLIES_TO = re.compile(r"[A-Za-z0-9 +<>=/.-]{0,60}")
 _HEADER_V1 = ["code", "class", "description"]
 _HEADER_V2 = ["code", "class", "action", "applies_to", "description"]
+# Xid 154 names the recovery action the driver now requires (NVML's values); what it stands
+# for, as an immediate action and class (docs/xid.md). Drain P2P has no catalogue bucket of its
+# own: contact support, degraded.
+XID_RECOVERY_ACTION_CHANGED = 154
+RECOVERY_XID_ACTION: dict[int, tuple[str, str, str]] = {  # value -> (name, action, class)
+    0: ("none", "IGNORE", "info"),
+    1: ("gpu_reset", "RESET_GPU", "fatal"),
+    2: ("node_reboot", "RESTART_BM", "fatal"),
+    3: ("drain_p2p", "CONTACT_SUPPORT", "degrading"),
+    4: ("drain_and_reset", "RESET_GPU", "fatal"),
+}
+_RECOVERY_BY_TEXT = {"none": 0, "gpu reset required": 1, "node reboot required": 2, "os reboot": 2}
+_RECOVERY_BY_TEXT |= {"drain p2p": 3, "drain and reset": 4}
+_XID154_TEXT = re.compile(r"recovery action changed from .*? to (0x[0-9a-fA-F]{1,8})\s*(?:\(([^)]{0,60})\))?")
+
+
+def parse_recovery_action(message: str) -> int | None:
+    """The new action of an Xid 154 line ('... changed from 0x0 (None) to 0x2 (Node Reboot
+    Required)'): by its number, else by its name; None when the text names none we know."""
+    m = _XID154_TEXT.search(message[:1000])
+    if m is None:
+        return None
+    value = int(m.group(1), 16)
+    if value in RECOVERY_XID_ACTION:
+        return value
+    return _RECOVERY_BY_TEXT.get((m.group(2) or "").strip().lower())
+
+
 # Rates over a shorter span are computed as if this much time had passed, so one early
 # error after start-up is not a storm.
 MIN_RATE_SPAN_S = 60.0
@@ -74,6 +102,13 @@ class HealthSection:
         min=0,
         max=30 * 86400,
     )
+    xid_fatal_hold_s: float = opt(
+        3600.0,
+        "on a driver without NVML's recovery-action field, a fatal Xid clears this long after it last "
+        "occurred unless a reset was seen first (docs/xid.md); 0: only a seen reset clears it",
+        min=0,
+        max=30 * 86400,
+    )
 
 
 def worst(*states: str) -> str:
@@ -94,6 +129,7 @@ class XidInfo:
     description: str
     action: str = XID_UNLISTED  # NVIDIA's immediate action (XID_ACTIONS, WORKFLOW_*) or UNLISTED
     applies_to: str = ""  # the GPU generations the catalogue lists it for ("": all)
+    recovery_action: str = ""  # Xid 154: the recovery action it named (RECOVERY_XID_ACTION)
 
 
 class XidTable:
@@ -235,6 +271,8 @@ class _GpuMemory:
     links_seen_up: set[int] = field(default_factory=set)
     xids: dict[int, float] = field(default_factory=dict)  # active code -> last time seen
     recovery_action: int | None = None
+    xid_info: dict[int, XidInfo] = field(default_factory=dict)  # how each active code was judged
+    ecc_volatile: tuple[int | None, int | None] = (None, None)  # (single-bit, double-bit) last read
     lost: bool = False
     health: Health = field(default_factory=lambda: Health(HEALTHY))
 
@@ -266,28 +304,63 @@ class HealthModel:
             self._gpus[gpu] = _GpuMemory(RateWindow(self.cfg.rate_window_s), RateWindow(self.cfg.rate_window_s))
         return self._gpus[gpu]
 
-    def observe_xid(self, gpu: int, code: int, now: float) -> XidInfo:
+    def judge_xid(self, code: int, message: str = "", recovery_action: int | None = None) -> XidInfo:
+        """The table's row for `code`; for Xid 154, the recovery action it names (from its
+        message, else the field read with it) decides the action and class."""
         info = self.xids.classify(code)
+        if code != XID_RECOVERY_ACTION_CHANGED:
+            return info
+        value = parse_recovery_action(message) if message else None
+        value = value if value is not None else recovery_action
+        if value not in RECOVERY_XID_ACTION:
+            return info
+        name, action, cls = RECOVERY_XID_ACTION[value]
+        return XidInfo(code, cls, f"GPU recovery action changed to {name}", action, info.applies_to, name)
+
+    def observe_xid(self, gpu: int, code: int, now: float, info: XidInfo | None = None) -> XidInfo:
+        info = info or self.xids.classify(code)
+        m = self._mem(gpu)
         if info.cls in _CLASS_STATE:
-            self._mem(gpu).xids[code] = now
+            m.xids[code] = now
+            m.xid_info[code] = info
+        elif code in m.xid_info:  # a later Xid 154 naming no action: the earlier one lapses
+            m.xids.pop(code, None)
+            del m.xid_info[code]
         return info
 
     def update(self, gpu: int, r: Any, now: float) -> Update:
         """`r` is a GpuSample's readings (mscale.probes.gpu.GpuSample, health not yet set)."""
         m = self._mem(gpu)
         # A GPU reset clears the Xid-based reasons: the driver's recovery action falls back
-        # to none, or a lost GPU answers again.
-        reset = (m.recovery_action not in (None, 0) and r.recovery_action == 0) or (m.lost and not r.lost)
+        # to none, a lost GPU answers again, or a volatile ECC counter goes down (a reset
+        # zeroes them; that is how a driver without the recovery-action field shows one).
+        volatile = (r.ecc_sbe_volatile, r.ecc_dbe_volatile)
+        counters_fell = any(
+            before is not None and now_v is not None and now_v < before
+            for before, now_v in zip(m.ecc_volatile, volatile, strict=True)
+        )
+        reset = (
+            (m.recovery_action not in (None, 0) and r.recovery_action == 0) or (m.lost and not r.lost) or counters_fell
+        )
         if reset:
             m.xids.clear()
+            m.xid_info.clear()
             m.links_seen_up.clear()
         if r.recovery_action is not None:
             m.recovery_action = r.recovery_action
+        if not r.lost:
+            m.ecc_volatile = volatile
         m.lost = r.lost
-        hold = self.cfg.xid_degraded_hold_s
+        holds = {"degrading": self.cfg.xid_degraded_hold_s}
+        if m.recovery_action is None and self.cfg.xid_fatal_hold_s > 0:
+            # no recovery-action field: a reset with no counter to show it would otherwise
+            # leave a fatal Xid standing forever
+            holds["fatal"] = self.cfg.xid_fatal_hold_s
         for code, seen in list(m.xids.items()):
-            if self.xids.classify(code).cls == "degrading" and now - seen > hold:
+            hold = holds.get(m.xid_info.get(code, self.xids.classify(code)).cls)
+            if hold is not None and now - seen > hold:
                 del m.xids[code]
+                m.xid_info.pop(code, None)
 
         sbe_rate = m.sbe.update(now, r.ecc_sbe_volatile)
         replay_rate = m.replay.update(now, r.pcie_replay_count)
@@ -310,7 +383,7 @@ class HealthModel:
         if r.remapped_rows_failed:
             add(HealthReason("remap_failed", Reason.GPU_RESET_REQUIRED, FAILED, "row remapping failed"))
         for code in sorted(m.xids):
-            info = self.xids.classify(code)
+            info = m.xid_info.get(code) or self.xids.classify(code)
             add(
                 HealthReason(
                     f"xid:{code}",

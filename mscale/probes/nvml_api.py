@@ -50,22 +50,37 @@ def throttle_names(mask: int) -> tuple[str, ...]:
     return tuple(name for name, bit in THROTTLE_REASONS.items() if mask & bit)
 
 
+class GpuUnopened(pynvml.NVMLError):
+    """Every call on a GPU whose handle NVML refused at start (with that refusal's code):
+    the agent cannot watch it, so it counts as lost, with NVML's reason."""
+
+
 def is_gpu_lost(e: BaseException) -> bool:
-    return isinstance(e, NVMLError) and getattr(e, "value", None) == GPU_IS_LOST
+    """The whole GPU is out of reach: fallen off the bus, or never opened."""
+    return isinstance(e, GpuUnopened) or (isinstance(e, NVMLError) and getattr(e, "value", None) == GPU_IS_LOST)
 
 
 def is_not_supported(e: BaseException) -> bool:
     return isinstance(e, NVMLError) and getattr(e, "value", None) == NOT_SUPPORTED
 
 
+# (replay, recovery, CRC flit, CRC data); None: a counter this GPU does not report
+NvLinkErrors = tuple[int | None, int | None, int | None, int | None]
+
+
 class NvmlUnavailable(ProbeUnavailable):
     """No NVIDIA driver or no libnvidia-ml here: the GPU probe reports down with this reason."""
+
+
+XID_RECOVERY_ACTION_CHANGED = 154  # the driver names the recovery action it now requires
 
 
 class XidEvent(NamedTuple):
     gpu: int  # index
     xid: int
     time: float  # Unix time the agent received it
+    message: str = ""  # the driver's text, where the source carries it (NVML's events do not)
+    recovery_action: int | None = None  # Xid 154: NVML's recovery-action field, read at once
 
 
 @runtime_checkable
@@ -122,8 +137,9 @@ class Nvml(Protocol):
         ...
 
     def nvlink_up(self, gpu: int, link: int) -> bool: ...
-    def nvlink_errors(self, gpu: int, link: int) -> tuple[int, int, int, int]:
-        """(replay, recovery, CRC flit, CRC data) error counters"""
+    def nvlink_errors(self, gpu: int, link: int) -> NvLinkErrors:
+        """(replay, recovery, CRC flit, CRC data) error counters; None for a counter the
+        GPU does not report (the others still count)"""
         ...
 
     def recovery_action(self, gpu: int) -> int:
@@ -173,7 +189,15 @@ class _RealXidEvents:
             gpu = pynvml.nvmlDeviceGetIndex(data.device)
         except NVMLError:
             gpu = -1  # the device went away between the event and the lookup
-        return XidEvent(gpu, int(data.eventData), time.time())
+        xid = int(data.eventData)
+        action = None
+        if xid == XID_RECOVERY_ACTION_CHANGED:  # NVML's event has no text: the field says it
+            try:
+                (v,) = pynvml.nvmlDeviceGetFieldValues(data.device, [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])
+                action = int(v.value.uiVal) if v.nvmlReturn == pynvml.NVML_SUCCESS else None
+            except NVMLError:  # not exported, or the GPU went away: the table's row stands
+                action = None
+        return XidEvent(gpu, xid, time.time(), recovery_action=action)
 
     def close(self) -> None:
         with self._lock:
@@ -206,7 +230,7 @@ class RealNvml:
     def _h(self, gpu: int):
         h = self._handles[gpu]
         if h is None:
-            raise NVMLError(self._handle_errors[gpu])
+            raise GpuUnopened(self._handle_errors[gpu])
         return h
 
     def device_count(self) -> int:
@@ -296,18 +320,25 @@ class RealNvml:
     def nvlink_up(self, gpu: int, link: int) -> bool:
         return pynvml.nvmlDeviceGetNvLinkState(self._h(gpu), link) == pynvml.NVML_FEATURE_ENABLED
 
-    def nvlink_errors(self, gpu: int, link: int) -> tuple[int, int, int, int]:
+    def nvlink_errors(self, gpu: int, link: int) -> NvLinkErrors:
+        # One counter the driver does not report (NOT_SUPPORTED, ...) is None on its own;
+        # a GPU that fell off the bus fails the whole call.
         h = self._h(gpu)
-        replay, recovery, crc_flit, crc_data = (
-            int(pynvml.nvmlDeviceGetNvLinkErrorCounter(h, link, c))
-            for c in (
-                pynvml.NVML_NVLINK_ERROR_DL_REPLAY,
-                pynvml.NVML_NVLINK_ERROR_DL_RECOVERY,
-                pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT,
-                pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA,
-            )
+
+        def counter(c: int) -> int | None:
+            try:
+                return int(pynvml.nvmlDeviceGetNvLinkErrorCounter(h, link, c))
+            except NVMLError as e:
+                if is_gpu_lost(e):
+                    raise
+                return None
+
+        return (
+            counter(pynvml.NVML_NVLINK_ERROR_DL_REPLAY),
+            counter(pynvml.NVML_NVLINK_ERROR_DL_RECOVERY),
+            counter(pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT),
+            counter(pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA),
         )
-        return replay, recovery, crc_flit, crc_data
 
     def recovery_action(self, gpu: int) -> int:
         (v,) = pynvml.nvmlDeviceGetFieldValues(self._h(gpu), [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])

@@ -232,6 +232,30 @@ text model, and every step that stays at L3 drifts further from the undisturbed 
 2. Swaps away from the same GPU again and again: that GPU is failing, take it out of service.""",
     ),
     Alert(
+        "MscaleMpuDensityDeviation",
+        "training",
+        "mscale_density_recommendation{$agent} == 1",
+        "MPU {{ $labels.mpu_id }} of job {{ $labels.job_id }}: compute density off its profile, "
+        "recommended {{ $labels.recommended }} ({{ $labels.direction }})",
+        "The compute density of MPU {{ $labels.mpu_id }} of job {{ $labels.job_id }} on node "
+        "{{ $labels.node }} (GPU {{ $labels.gpu }}) has deviated from its contract's profile "
+        "{{ $labels.profile }} for the agent's window; the profile nearest to what it achieves is "
+        "{{ $labels.recommended }}. Direction hold: a scale-up is withheld because the GPU is at or "
+        "above the thermal limit.",
+        """The agent's density guard compares each MPU's achieved TFLOP/s per GB of its memory with
+the compute profile its resource contract names ([contracts.md](contracts.md)). This alert is
+for the scheduler and the job's owner; nothing is changed by the agent.
+
+1. `mscale contract status JOB` and `GET /api/v1/events` (reason `density_deviation`): the
+   measured density, the profile, the recommendation and, for `hold`, the GPU temperature.
+2. Direction `up`: the MPU does more work per GB than its profile expects; give it the
+   recommended profile (more compute) at the next reschedule. `down`: it is starved (memory- or
+   input-bound): check its data loader's compliance (`mscale_contract_compliant`) and the
+   GPU's clocks before moving it to a lighter profile.
+3. Direction `hold`: cool the GPU first (MscaleGpuTemperatureHigh, airflow); the
+   recommendation follows once it is below `contract.thermal_limit_c`.""",
+    ),
+    Alert(
         "MscaleCmsaClipHigh",
         "training",
         "cmsa_clip_ratio{$agent} > $ratio",

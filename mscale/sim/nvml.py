@@ -5,7 +5,8 @@ by a fault timeline as the clock passes each event; `inject(event)` applies one 
 chaos API uses it). Faults change only what they name:
 
   xid            an Xid event through the event-wait interface; a fatal one (per the Xid
-                 table) also sets the recovery action to gpu_reset, as the driver does. An
+                 table) also sets the recovery action to gpu_reset, as the driver does; Xid 154
+                 with recovery_action sets that action and carries the driver's line naming it. An
                  Xid due before anyone listens (`at: 0s`: the reader's first call applies
                  it) waits for the first event source instead of being lost
   ecc_dbe        double-bit ECC counters + count, an uncorrectable row remap pending
@@ -42,6 +43,18 @@ MODELS = {
     "h200": ("NVIDIA H200", 143771, 700, 1980, 3201),
 }
 SW_THERMAL_C, HW_THERMAL_C = 87.0, 90.0
+
+
+# the driver's names for NVML's recovery actions, as its Xid 154 line writes them
+_RECOVERY_TEXT = {0: "None", 1: "GPU Reset Required", 2: "Node Reboot Required", 3: "Drain P2P", 4: "Drain and Reset"}
+
+
+def recovery_message(old: int, new: int) -> str:
+    """Xid 154's text: 'GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)'."""
+    return (
+        f"GPU recovery action changed from {old:#x} ({_RECOVERY_TEXT.get(old, 'Unknown')}) "
+        f"to {new:#x} ({_RECOVERY_TEXT.get(new, 'Unknown')})"
+    )
 
 
 def _lost() -> nvml_api.NVMLError:
@@ -178,9 +191,14 @@ class SimNvml:
         if f == "xid":
             from mscale.probes.gpu_health import shipped_xid_table  # the driver's own view of severity
 
-            if shipped_xid_table().classify(ev.code or 0).cls == "fatal":
+            message = ""
+            if ev.code == nvml_api.XID_RECOVERY_ACTION_CHANGED and ev.recovery_action is not None:
+                # the driver's own line for it, which the probe parses
+                message = recovery_message(g.recovery_action, ev.recovery_action)
+                g.recovery_action = ev.recovery_action
+            elif shipped_xid_table().classify(ev.code or 0).cls == "fatal":
                 g.recovery_action = nvml_api.RECOVERY_GPU_RESET
-            xid = XidEvent(g.index, int(ev.code or 0), self._clock())
+            xid = XidEvent(g.index, int(ev.code or 0), self._clock(), message=message)
             for src in self._sources:
                 src.queue.append(xid)
             if not self._sources:
@@ -337,7 +355,7 @@ class SimNvml:
         g, _ = self._gpu(gpu)
         return link not in g.links_down
 
-    def nvlink_errors(self, gpu: int, link: int) -> tuple[int, int, int, int]:
+    def nvlink_errors(self, gpu: int, link: int) -> nvml_api.NvLinkErrors:
         g, _ = self._gpu(gpu)
         return 0, g.link_recoveries.get(link, 0), 0, 0
 

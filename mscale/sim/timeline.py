@@ -8,6 +8,7 @@
         fault: xid          # see FAULTS
         code: 79
       - {at: 5s, gpu: 1, fault: temperature, celsius: 88, ramp: 3s}
+      - {at: 6s, gpu: 2, fault: xid, code: 154, recovery_action: 2}   # NVML's values 0..4
 
 A malformed file raises TimelineError naming the line at fault (from YAML's node marks).
 `event_from_dict` checks one event the same way (the chaos API injects through it).
@@ -85,7 +86,8 @@ def _short(v: Any, limit: int = 60) -> str:
 
 
 FAULTS: dict[str, dict[str, tuple[bool, _Parser]]] = {
-    "xid": {"code": (True, _int_in(1, 65535))},
+    # recovery_action (Xid 154): what the driver now requires, NVML's values 0..4
+    "xid": {"code": (True, _int_in(1, 65535)), "recovery_action": (False, _int_in(0, 4))},
     "ecc_dbe": {"count": (False, _int_in(1, 1_000_000))},
     "ecc_sbe_storm": {"per_hour": (True, _number_in(0, 1e9, above=True))},
     "temperature": {"celsius": (True, _number_in(0, 150)), "ramp": (False, parse_duration)},
@@ -107,6 +109,7 @@ class FaultEvent:
     gpu: int
     fault: str
     code: int | None = None  # xid
+    recovery_action: int | None = None  # xid 154
     count: int = 1  # ecc_dbe
     per_hour: float | None = None  # ecc_sbe_storm
     celsius: float | None = None  # temperature
@@ -136,6 +139,7 @@ class Timeline:
 
 _PARAM_FIELD = {
     "code": "code",
+    "recovery_action": "recovery_action",
     "count": "count",
     "per_hour": "per_hour",
     "celsius": "celsius",
@@ -176,6 +180,10 @@ def _event(data: dict, gpus: int, where: Callable[[str], str], line: int | None)
             kwargs[_PARAM_FIELD[key]] = parse(data[key])
         except ValueError as e:
             raise TimelineError(f"{where(key)}: {e}") from None
+    if kwargs.get("recovery_action") is not None and kwargs.get("code") != 154:
+        raise TimelineError(
+            f"{where('recovery_action')}: only Xid 154 names a recovery action, got code {kwargs['code']}"
+        )
     return FaultEvent(**kwargs)
 
 

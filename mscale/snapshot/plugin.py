@@ -7,6 +7,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from mscale.contracts.msrp import msrp_binding
 from mscale.findings import Finding, Reason, Severity
 from mscale.snapshot.engine import SnapshotEngine
 from mscale.snapshot.format import SnapshotError
@@ -83,7 +84,8 @@ class SnapshotPlugin:
         return self.engine
 
     def _binding(self) -> dict:
-        return {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None} for m in self.guard.mpus}
+        g = self.guard
+        return {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None, **msrp_binding(g, m)} for m in g.mpus}
 
     def _emit(self, finding: Finding) -> None:
         if threading.current_thread() is self._thread:

@@ -40,12 +40,23 @@ def wait_for(cond, timeout_s: float = 20.0, what: str = "condition"):
 class Agent:
     """A real agent app (API + link) served from its own thread and event loop."""
 
-    def __init__(self, socket_path: str, agent_cfg: dict | None = None, **socket_cfg) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        agent_cfg: dict | None = None,
+        *,
+        features: tuple[str, ...] = FEATURES,
+        sections: dict | None = None,
+        **socket_cfg,
+    ) -> None:
+        """`features`: the agent's feature modules; `sections`: other config sections by name."""
         self.socket_path = socket_path
         self.port = free_port()
+        self.features = features
         self.config = Config(
             agent=AgentSection(listen=f"127.0.0.1:{self.port}", socket_path=socket_path, **(agent_cfg or {})),
             socket=SocketSection(**socket_cfg),
+            **(sections or {}),
         )
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
@@ -57,7 +68,7 @@ class Agent:
         asyncio.set_event_loop(self.loop)
 
         async def main():
-            self.app = create_app(self.config, probes=[], features=FEATURES)
+            self.app = create_app(self.config, probes=[], features=self.features)
             self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
             await self.runner.setup()
             await web.TCPSite(self.runner, "127.0.0.1", self.port).start()

@@ -63,8 +63,11 @@ def event(state: Swaps, d) -> tuple[str, dict[str, str]]:
 
 
 def standby_for(fuse, state: Swaps, m: Any) -> int | None:
-    """A healthy GPU for `m`: none the job avoids, not its own, preferably unused."""
+    """A healthy GPU for `m`: none the job avoids, not its own, preferably unused; among
+    those, the one with the best measured profile (mscale.contracts.msrp)."""
     import torch
+
+    from mscale.contracts.msrp import choose_standby
 
     if state.gpu_count is None:
         state.gpu_count = (
@@ -75,7 +78,7 @@ def standby_for(fuse, state: Swaps, m: Any) -> int | None:
     free = [g for g in range(state.gpu_count) if g not in bad and g not in used]
     shared = [g for g in range(state.gpu_count) if g not in bad and g in used]
     candidates = free or shared
-    return candidates[0] if candidates else None
+    return choose_standby(fuse.guard, m, candidates)  # the best measured profile (MSRP) first
 
 
 def move_mpu(guard: Any, m: Any, gpu: int) -> None:
