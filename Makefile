@@ -39,10 +39,12 @@ $(STAMP): pyproject.toml
 	echo $(abspath $(VENV))/debian-bcc > $$($(PY) -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')/debian_bcc.pth
 	touch $(STAMP)
 
-# Re-render the committed rules, docs/alerts.md, docs/runbooks.md and dashboard JSON from params.yaml.
+# Re-render the committed rules, docs/alerts.md, docs/runbooks.md, dashboard JSON and the Kubernetes
+# renders (their PrometheusRule comes from the same params.yaml) from params.yaml.
 render: $(STAMP)
 	$(PY) -m mscale.rules.render
 	$(PY) -m mscale.dashboards.build
+	bash deploy/kubernetes/render.sh
 
 benchmarks: $(STAMP)
 	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -12,6 +12,7 @@ this module is), so every room may import `opt` from here without a cycle:
   [health]                    mscale.probes.gpu_health
   [healing]                   mscale.healing.settings
   [contract]                  mscale.contracts.settings
+  [kubernetes]                mscale.kube.settings
 
 Every key has a default, a type and (where it matters) a range; a test keeps
 docs/configuration.md in step. Unknown keys, wrong types and out-of-range values raise `ConfigError` naming
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from mscale.contracts.settings import ContractSection
     from mscale.daemon.settings import AgentSection, ChaosSection, HttpSection, SocketSection, WebhookSection
     from mscale.healing.settings import HealingSection
+    from mscale.kube.settings import KubernetesSection
     from mscale.probes.gpu_health import HealthSection
 
 DEFAULT_PATH = Path("/etc/mscale/agent.toml")
@@ -138,6 +140,7 @@ class Config:
     contract: ContractSection = _section(
         "mscale.contracts.settings:ContractSection", "resource contracts, MSRP and the density guard"
     )
+    kubernetes: KubernetesSection = _section("mscale.kube.settings:KubernetesSection", "running on Kubernetes")
 
     def replace(self, **sections: Any) -> Config:
         return dataclasses.replace(self, **sections)

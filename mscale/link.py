@@ -82,7 +82,7 @@ GPU_UUID = re.compile(r"[A-Za-z0-9-]*")
 FUSE_LEVEL = re.compile(r"[a-z0-9_]{1,32}")
 SOURCE = re.compile(r"[a-z0-9_.-]{1,32}")
 # the fields each message may carry (the job's client sends exactly these)
-REGISTER_FIELDS = frozenset({"type", "job_id", "rank", "pid", "step", "mpus"})
+REGISTER_FIELDS = frozenset({"type", "job_id", "rank", "pid", "step", "mpus", "pod"})
 MPU_FIELDS = frozenset({"mpu_id", "name", "path", "device", "gpu", "gpu_uuid", "fuse_level", "params"})
 REPORT_FIELDS = frozenset({"type", "job_id", "dropped", "reports"})
 STEP_FIELDS = frozenset({"step", "time", "loss", "grad_norm", "skipped", "mpus", "findings"})
@@ -151,8 +151,23 @@ CHAOS_JOB_KINDS = ("corrupt", "gpu_fault", "loss_spike", "nan_loss", "hang")
 # --- building messages -----------------------------------------------------------------------
 
 
-def register(*, job_id: str, rank: int, pid: int, step: int, mpus: list[dict]) -> dict:
-    return {"type": Msg.REGISTER.value, "job_id": job_id, "rank": rank, "pid": pid, "step": step, "mpus": mpus}
+def register(*, job_id: str, rank: int, pid: int, step: int, mpus: list[dict], pod: dict | None = None) -> dict:
+    msg = {"type": Msg.REGISTER.value, "job_id": job_id, "rank": rank, "pid": pid, "step": step, "mpus": mpus}
+    return msg if pod is None else {**msg, "pod": pod}
+
+
+# Kubernetes: a training pod's downward API sets these (deploy/kubernetes/examples/training-pod.yaml)
+POD_NAME_ENV, POD_NAMESPACE_ENV = "POD_NAME", "POD_NAMESPACE"
+POD_FIELDS = frozenset({"name", "namespace"})
+POD_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # a DNS subdomain
+NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS label
+
+
+def pod_from_env(env: Mapping[str, str] | None = None) -> dict | None:
+    """The job's pod from the downward API's variables; None off Kubernetes (or if malformed)."""
+    env = os.environ if env is None else env
+    pod = {"name": env.get(POD_NAME_ENV, ""), "namespace": env.get(POD_NAMESPACE_ENV, "")}
+    return pod if POD_NAME.fullmatch(pod["name"]) and NAMESPACE.fullmatch(pod["namespace"]) else None
 
 
 def report(job_id: str, dropped: int, reports: list[dict]) -> dict:
@@ -321,6 +336,12 @@ def validate_register(msg: dict, max_mpus: int = MAX_MPUS) -> None:
             f"register: mpus[{i}].fuse_level must be 1-32 of [a-z0-9_]",
         )
         _need(_is_int(m.get("params", 0)), f"register: mpus[{i}].params must be an integer in 0..{MAX_INT}")
+    if "pod" in msg:
+        pod = msg["pod"]
+        _need(isinstance(pod, dict), "register: pod must be an object {name, namespace}")
+        _no_unknown(pod, POD_FIELDS, "register: pod")
+        _need(_is_text(pod.get("name"), 1, 253, POD_NAME), "register: pod.name must be a Kubernetes pod name")
+        _need(_is_text(pod.get("namespace"), 1, 63, NAMESPACE), "register: pod.namespace must be a namespace name")
 
 
 def validate_report(msg: dict) -> None:

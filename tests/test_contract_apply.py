@@ -168,7 +168,7 @@ def test_a_restarted_agent_gets_the_plan_again(tmp_path: Path) -> None:
         guard = mscale.attach(model, opt, job_id="restart", socket_path=sock, cmsa=False)
         try:
             step()
-            (r,) = wait_for(lambda: plans(agent), what="the plan")
+            (r,) = wait_for(lambda: plans(agent), 60, what="the plan")
             assert r.contract_id == applied.plan.contract_id
             agent.stop()
             agent = Agent(sock, features=FEATURES)  # a fresh agent knows nothing of the job
@@ -177,7 +177,7 @@ def test_a_restarted_agent_gets_the_plan_again(tmp_path: Path) -> None:
                 step()  # the plugin resends at a step end once the link has reconnected
                 return plans(agent)
 
-            (r,) = wait_for(resent, what="the plan, sent again")
+            (r,) = wait_for(resent, 60, what="the plan, sent again")  # a loaded machine: reconnects
             assert r.contract_id == applied.plan.contract_id and r.job_id == "restart"
         finally:
             guard.detach()

@@ -83,6 +83,7 @@ def test_a_contracted_run_pins_its_workers_and_the_agent_reports_compliance(tmp_
         # while the workers live: the agent sees them pinned
         record = wait_for(
             lambda: next((r for r in agent_records(agent) if r.compliant and r.msrp), None),
+            60,
             what="a compliant check and the MSRP",
         )
         seen["record"] = record
@@ -90,6 +91,7 @@ def test_a_contracted_run_pins_its_workers_and_the_agent_reports_compliance(tmp_
         # so at least one is off its profile by more than 15% for the 1 s window
         seen["density"] = wait_for(
             lambda: [e for _, e in agent.state.events.since(0) if e.reason is Reason.DENSITY_DEVIATION],
+            60,
             what="a density recommendation",
         )
         seen["metrics"] = agent.metrics()
@@ -98,6 +100,7 @@ def test_a_contracted_run_pins_its_workers_and_the_agent_reports_compliance(tmp_
         os.sched_setaffinity(worker, cpus)  # an operator's taskset moves one worker off its CPUs
         seen["violation"] = wait_for(
             lambda: [e for _, e in agent.state.events.since(0) if e.reason is Reason.CONTRACT_VIOLATED],
+            60,
             what="the violation",
         )
         seen["guard"] = guard

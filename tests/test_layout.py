@@ -15,7 +15,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "mscale"
 NO_DAEMON = ("hook", "snapshot", "healing", "probes", "sim", "rules", "dashboards", "contracts")
-NO_TORCH = ("daemon", "probes", "exporters", "healing", "contracts")
+NO_TORCH = ("daemon", "probes", "exporters", "healing", "contracts", "kube")
 
 
 def _module_name(path: Path) -> str:

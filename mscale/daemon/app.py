@@ -33,6 +33,7 @@ FEATURES: tuple[str, ...] = (
     "mscale.daemon.status_api",
     "mscale.daemon.healing",
     "mscale.daemon.contract",
+    "mscale.daemon.kube",
 )
 
 
@@ -70,7 +71,7 @@ def build_probes(
 
 def new_state(config: Config) -> AgentState:
     return AgentState(
-        node=config.agent.node or socket.gethostname(),
+        node=config.agent.node or config.kubernetes.node() or socket.gethostname(),
         events=EventLog(config.agent.event_history, config.agent.event_history_bytes),
     )
 

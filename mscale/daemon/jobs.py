@@ -248,10 +248,14 @@ class JobState:
     uid: int | None = None
     ranks: dict[int, int] = field(default_factory=dict)  # live rank -> pid
     disconnected_at: float | None = None  # time.monotonic() when the last live rank left
+    # Kubernetes: rank -> (namespace, pod) the rank reported from the downward API (mscale.kube.attribution)
+    pods: dict[int, tuple[str, str]] = field(default_factory=dict)
 
     def register(self, msg: dict) -> None:
         """Apply a (re-)registration: MPUs added or rebound keep their history."""
         self.rank, self.pid = msg["rank"], msg["pid"]
+        if "pod" in msg:  # Kubernetes: the pod this rank runs in
+            self.pods[msg["rank"]] = (msg["pod"]["namespace"], msg["pod"]["name"])
         mpus = {}
         for d in msg["mpus"]:
             old = self.mpus.get(d["mpu_id"])

@@ -302,6 +302,8 @@ class LinkServer:
             )
         # the peer's PID as this kernel namespace sees it (the eBPF probe traces it)
         msg = {**msg, "pid": conn.pid or msg["pid"]}
+        if not self.config.kubernetes.enabled:
+            msg.pop("pod", None)  # pod labels only on Kubernetes (mscale.kube)
         job = self.state.jobs.get(job_id)
         live = self.connections.get(job_id, {})
         old = live.get(rank)

@@ -14,6 +14,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from mscale.daemon.state import AgentState
+from mscale.kube.attribution import add_pod_labels
 
 MODULES: tuple[str, ...] = (
     "mscale.exporters.agent",
@@ -26,6 +27,7 @@ MODULES: tuple[str, ...] = (
     "mscale.exporters.contract",
     "mscale.exporters.msrp",
     "mscale.exporters.density",
+    "mscale.exporters.kube",
 )
 
 
@@ -37,8 +39,10 @@ class AgentCollector(Collector):
         self.collectors = [importlib.import_module(m).collect for m in modules]
 
     def collect(self) -> Iterable[Metric]:
-        for fn in self.collectors:
-            yield from fn(self.state)
+        families = (family for fn in self.collectors for family in fn(self.state))
+        # Kubernetes: pod, namespace and container labels on GPU and job series (mscale.kube);
+        # off the cluster every family passes unchanged
+        yield from add_pod_labels(families, self.state)
 
 
 def make_registry(state: AgentState, modules: Iterable[str] = MODULES) -> CollectorRegistry:

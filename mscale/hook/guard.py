@@ -251,6 +251,7 @@ class Guard:
             pid=os.getpid(),
             step=self.current_step,
             mpus=[m.describe() for m in self.mpus],
+            pod=protocol.pod_from_env(),
         )
 
     def observe(self, loss: torch.Tensor | float) -> None:

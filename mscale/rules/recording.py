@@ -45,4 +45,41 @@ RECORDS: tuple[Record, ...] = (
         "node:mscale_heal_actions:increase$event",
         "sum by (node, level, action, result) (increase(mscale_heal_actions_total{$agent}[$event]))",
     ),
+    # Cluster views (one Prometheus per cluster; federation or remote-write adds a `cluster`
+    # external label, docs/kubernetes.md). GPUs per health state, per node and per cluster:
+    Record("node:mscale_gpus:count", "sum by (node, state) (mscale_gpu_health{$agent})"),
+    Record("cluster:mscale_gpus:count", "sum by (state) (mscale_gpu_health{$agent})"),
+    Record(
+        "cluster:mscale_gpus_healthy:ratio",
+        'sum(mscale_gpu_health{$agent,state="healthy"}) / count(mscale_gpu_health{$agent,state="healthy"})',
+    ),
+    # per job: the GPUs its MPUs run on that are not healthy (0 when all are)
+    Record(
+        "job:mscale_gpus_unhealthy:count",
+        "count by (job_id) ("
+        "  count by (job_id, node, gpu_uuid) (mscale_mpu_info{$agent})"
+        '  * on (node, gpu_uuid) group_left () (mscale_gpu_health{$agent,state="healthy"} == 0)'
+        ") or (count by (job_id) (mscale_mpu_info{$agent}) * 0)",
+    ),
+    # fuse level: a job's highest over its MPUs and nodes; jobs per level in the cluster
+    Record("job:mscale_fuse_level:max", "max by (job_id) (mscale_fuse_level{$agent})"),
+    Record(
+        "cluster:mscale_jobs:count_by_fuse_level",
+        'count_values("fuse_level", max by (job_id) (mscale_fuse_level{$agent}))',
+    ),
+    # snapshot freshness: seconds since a job's newest snapshot (any rank), the cluster's worst,
+    # and how many jobs are older than MscaleSnapshotStale's max_age_s
+    Record(
+        "job:mscale_snapshot_age:seconds",
+        "time() - max by (job_id) (mscale_snapshot_last_success_timestamp_seconds{$agent} > 0)",
+    ),
+    Record(
+        "cluster:mscale_snapshot_age_seconds:max",
+        "max(time() - max by (job_id) (mscale_snapshot_last_success_timestamp_seconds{$agent} > 0))",
+    ),
+    Record(
+        "cluster:mscale_jobs_snapshot_stale:count",
+        "count((time() - max by (job_id) (mscale_snapshot_last_success_timestamp_seconds{$agent} > 0))"
+        " > $snapshot_max_age_s) or vector(0)",
+    ),
 )

@@ -18,6 +18,7 @@ import yaml
 
 from mscale.rules import params as paramsmod
 from mscale.rules.alerts import ALERTS, Alert
+from mscale.rules.operator import PROMETHEUS_RULE_FILE, prometheus_rule
 from mscale.rules.recording import RECORDS
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -55,7 +56,9 @@ def _fill(template: str, values: dict[str, Any], where: str) -> str:
 
 
 def common_values(params: dict) -> dict[str, Any]:
-    return {**params["selectors"], **params["windows"]}
+    # the cluster's snapshot-freshness rule counts stale jobs by the alert's own threshold
+    stale = {"snapshot_max_age_s": params["alerts"]["MscaleSnapshotStale"]["max_age_s"]}
+    return {**params["selectors"], **params["windows"], **stale}
 
 
 def alert_values(params: dict, name: str) -> dict[str, Any]:
@@ -90,6 +93,12 @@ def alert_rule(params: dict, alert: Alert) -> dict[str, Any]:
 
 
 def render_rules(params: dict) -> dict[str, str]:
+    alerts, records = rule_documents(params)
+    return {ALERTS_FILE: HEADER + _dump(alerts), RECORDING_FILE: HEADER + _dump(records)}
+
+
+def rule_documents(params: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The alert and recording rule files as data (also the PrometheusRule's groups)."""
     missing = set(params["alerts"]) ^ {a.name for a in ALERTS}
     if missing:
         raise RenderError(f"params.yaml and alerts.py disagree on these alerts: {', '.join(sorted(missing))}")
@@ -108,7 +117,7 @@ def render_rules(params: dict) -> dict[str, str]:
             }
         ]
     }
-    return {ALERTS_FILE: HEADER + _dump(alerts), RECORDING_FILE: HEADER + _dump(records)}
+    return alerts, records
 
 
 def render_alertmanager(params: dict, *, agent_url: str | None = None, token_file: str | None = None) -> str:
@@ -263,6 +272,8 @@ def committed_files(params: dict) -> dict[Path, str]:
     files[REPO_DIR / "deploy" / ALERTMANAGER_FILE] = am
     files[DOCS_DIR / "alerts.md"] = alerts_markdown(params)
     files[DOCS_DIR / "runbooks.md"] = runbooks_markdown(params)
+    alerts, records = rule_documents(params)
+    files[REPO_DIR / PROMETHEUS_RULE_FILE] = HEADER + _dump(prometheus_rule(records["groups"] + alerts["groups"]))
     return files
 
 

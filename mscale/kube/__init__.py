@@ -1,0 +1,9 @@
+"""AGENT: running on Kubernetes. Pod attribution from the kubelet's pod-resources API
+(podresources.py, attribution.py), the GPU-health node condition, Events and cordon through the
+official Kubernetes client (node.py), run by the agent's kube service (service.py) when
+[kubernetes] enabled is set. Off the cluster nothing here is imported.
+
+The optional dependencies (grpcio, protobuf, kubernetes: `pip install megascale-omni[kube]`)
+are imported only by the service. May import: findings, config, probes' snapshot types.
+Never imports torch, nor mscale.daemon (the daemon imports this room).
+"""
