@@ -13,7 +13,8 @@ Where the agent is, by default:
 Wire format: a websocket at PATH on the Unix socket; JSON text frames, one object each, every
 one with a string "type" (binary frames are refused).
   job -> agent   {"type": "register", job_id, rank, pid, step, mpus: [{mpu_id, name, path,
-                  device, gpu, gpu_uuid, fuse_level, params}]}              first, and on a rebind
+                  device, gpu, gpu_uuid, fuse_level, params}], local_rank?, world_size?}
+                                                                           first, and on a rebind
                  {"type": "report", job_id, dropped, reports: [{step, time, loss, grad_norm,
                   skipped, mpus: {mpu_id: {forward_s, backward_s, grad_norm, gvc, clip_ratio,
                   ...}}, findings: [Finding.to_dict()]}]}                    batched per step
@@ -82,7 +83,7 @@ GPU_UUID = re.compile(r"[A-Za-z0-9-]*")
 FUSE_LEVEL = re.compile(r"[a-z0-9_]{1,32}")
 SOURCE = re.compile(r"[a-z0-9_.-]{1,32}")
 # the fields each message may carry (the job's client sends exactly these)
-REGISTER_FIELDS = frozenset({"type", "job_id", "rank", "pid", "step", "mpus", "pod"})
+REGISTER_FIELDS = frozenset({"type", "job_id", "rank", "pid", "step", "mpus", "local_rank", "world_size", "pod"})
 MPU_FIELDS = frozenset({"mpu_id", "name", "path", "device", "gpu", "gpu_uuid", "fuse_level", "params"})
 REPORT_FIELDS = frozenset({"type", "job_id", "dropped", "reports"})
 STEP_FIELDS = frozenset({"step", "time", "loss", "grad_norm", "skipped", "mpus", "findings"})
@@ -137,6 +138,13 @@ class Command(StrEnum):
     CHAOS = "chaos"  # a fault for the chaos plugin (mscale.sim.chaos_job)
 
 
+# a standby GPU for an L1 swap, from the agent's node view (mscale.daemon.standby,
+# mscale.hook.standby): the job asks, the agent answers that rank only
+STANDBY_REQUEST = "standby_request"  # job -> agent: {type, id, mpu_id, gpu, avoid: [gpu, ...]}
+STANDBY = "standby"  # agent -> job: {type, id, gpu (null: none), gpu_uuid, why, decided (false: no node view)}
+STANDBY_REQUEST_FIELDS = frozenset({"type", "id", "mpu_id", "gpu", "avoid"})
+MAX_AVOID = 256
+
 # the fields a heal command may carry besides type and action
 HEAL_FIELDS = ("rule", "level", "mpu_id", "gpu", "gpu_uuid", "reason", "why", "fault_key", "decided_at", "end")
 
@@ -151,8 +159,27 @@ CHAOS_JOB_KINDS = ("corrupt", "gpu_fault", "loss_spike", "nan_loss", "hang")
 # --- building messages -----------------------------------------------------------------------
 
 
-def register(*, job_id: str, rank: int, pid: int, step: int, mpus: list[dict], pod: dict | None = None) -> dict:
-    msg = {"type": Msg.REGISTER.value, "job_id": job_id, "rank": rank, "pid": pid, "step": step, "mpus": mpus}
+def register(
+    *,
+    job_id: str,
+    rank: int,
+    pid: int,
+    step: int,
+    mpus: list[dict],
+    local_rank: int = 0,
+    world_size: int = 1,
+    pod: dict | None = None,
+) -> dict:
+    msg = {
+        "type": Msg.REGISTER.value,
+        "job_id": job_id,
+        "rank": rank,
+        "pid": pid,
+        "step": step,
+        "mpus": mpus,
+        "local_rank": local_rank,
+        "world_size": world_size,
+    }
     return msg if pod is None else {**msg, "pod": pod}
 
 
@@ -309,6 +336,11 @@ def validate_register(msg: dict, max_mpus: int = MAX_MPUS) -> None:
         "register: job_id must be 1-128 characters of [A-Za-z0-9._:@/+-]",
     )
     _need(_is_int(msg.get("rank"), 0, MAX_RANK), f"register: rank must be an integer in 0..{MAX_RANK}")
+    _need(_is_int(msg.get("local_rank", 0), 0, MAX_RANK), f"register: local_rank must be an integer in 0..{MAX_RANK}")
+    _need(
+        "world_size" not in msg or (_is_int(msg["world_size"], 1, MAX_RANK + 1) and msg["rank"] < msg["world_size"]),
+        f"register: world_size must be an integer in 1..{MAX_RANK + 1}, above rank",
+    )
     _need(_is_int(msg.get("pid"), 1, MAX_PID), f"register: pid must be an integer in 1..{MAX_PID}")
     _need(_is_int(msg.get("step", 0), -1, MAX_INT), f"register: step must be an integer in -1..{MAX_INT}")
     mpus = msg.get("mpus")
@@ -342,6 +374,27 @@ def validate_register(msg: dict, max_mpus: int = MAX_MPUS) -> None:
         _no_unknown(pod, POD_FIELDS, "register: pod")
         _need(_is_text(pod.get("name"), 1, 253, POD_NAME), "register: pod.name must be a Kubernetes pod name")
         _need(_is_text(pod.get("namespace"), 1, 63, NAMESPACE), "register: pod.namespace must be a namespace name")
+
+
+def standby_request(*, id: int, mpu_id: str, gpu: int, avoid: list[int]) -> dict:
+    return {"type": STANDBY_REQUEST, "id": id, "mpu_id": mpu_id, "gpu": gpu, "avoid": sorted(set(avoid))}
+
+
+def standby(id: int, gpu: int | None, gpu_uuid: str = "", why: str = "", *, decided: bool = True) -> dict:
+    return {"type": STANDBY, "id": id, "gpu": gpu, "gpu_uuid": gpu_uuid, "why": why, "decided": decided}
+
+
+def validate_standby_request(msg: dict) -> None:
+    """A standby request: an id, the MPU, the GPU it leaves, the GPUs the job avoids."""
+    _no_unknown(msg, STANDBY_REQUEST_FIELDS, "standby_request")
+    _need(_is_int(msg.get("id")), f"standby_request: id must be an integer in 0..{MAX_INT}")
+    _need(_is_text(msg.get("mpu_id"), 1, 16, MPU_ID), "standby_request: mpu_id must be 1-16 of [A-Za-z0-9._-]")
+    _need(_is_int(msg.get("gpu"), 0, MAX_GPU_INDEX - 1), "standby_request: gpu must be a GPU index")
+    avoid = msg.get("avoid", [])
+    _need(
+        isinstance(avoid, list) and len(avoid) <= MAX_AVOID and all(_is_int(g, 0, MAX_GPU_INDEX - 1) for g in avoid),
+        f"standby_request: avoid must be a list of at most {MAX_AVOID} GPU indexes",
+    )
 
 
 def validate_report(msg: dict) -> None:

@@ -102,23 +102,26 @@ def test_xid_through_the_cli_is_seen_by_the_probe_and_healed_in_the_job(agent, t
                         and e["labels"].get("job_id") == "chaotic"
                     ]
                 )
-                == 3
+                == 4  # gpu_fatal: snapshot, quarantine, swap; node_drain (RESTART_BM): snapshot
             )
         )
         while r.guard.mpu("vision").gpu == 0 and r.guard.current_step < 30:
             r.one_step()
         assert r.guard.mpu("vision").gpu == 3 and 0 in r.fuse.states["quarantine_gpu"].gpus
-        (fut,) = r.fuse.states["emergency_snapshot"].writes
-        path = Path(fut.result(timeout=30))
-        assert path.parent == tmp_path and (path / "manifest.json").exists()
-        manifest = json.loads((path / "manifest.json").read_text())
-        (em,) = [
+        # one emergency snapshot per command (gpu_fatal's, and node_drain's for a RESTART_BM Xid),
+        # each the newest in-memory snapshot (every 5 steps) when its command came
+        writes = r.fuse.states["emergency_snapshot"].writes
+        applied = [
             f
             for f in r.findings
             if f.labels.get("action") == "emergency_snapshot" and f.labels.get("result") == "applied"
         ]
-        # the newest in-memory snapshot (every 5 steps) when the command came
-        assert manifest["step"] % 5 == 0 and 10 <= manifest["step"] <= int(em.labels["step"])
+        assert len(writes) == len(applied) == 2
+        for fut, em in zip(writes, applied, strict=True):
+            path = Path(fut.result(timeout=30))
+            assert path.parent == tmp_path and (path / "manifest.json").exists()
+            manifest = json.loads((path / "manifest.json").read_text())
+            assert manifest["step"] % 5 == 0 and 10 <= manifest["step"] <= int(em.labels["step"])
         # a later command for the same fault (e.g. the alert) changes nothing
         status, _ = agent.chaos({"kind": "corrupt", "gpu": 0, "mode": "noise", "steps": 3})
         assert status == 200

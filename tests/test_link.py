@@ -65,16 +65,17 @@ def test_register_reports_and_metrics(sock: str) -> None:
         for mpu_id, name in (("001", "vision"), ("002", "aligner"), ("003", "text")):
             for phase in ("forward", "backward"):
                 value = metric(
-                    text, f'mpu_health_score{{job_id="job-a",mpu="{name}",mpu_id="{mpu_id}",phase="{phase}"}}'
+                    text,
+                    f'mpu_health_score{{job_id="job-a",local_rank="0",mpu="{name}",mpu_id="{mpu_id}",phase="{phase}",rank="0"}}',
                 )
                 assert (
                     60 <= value <= 100
                 )  # healthy (latency may wobble on a shared CPU; no checksum, GPU or memory penalty)
-        assert 'cmsa_clip_ratio{job_id="job-a",mpu_id="003"}' in text
-        assert 'mscale_distill_share{job_id="job-a",mpu_id="001"} 0.0' in text  # no L3 term
-        assert 'mscale_job_up{job_id="job-a",rank="0"} 1.0' in text
+        assert 'cmsa_clip_ratio{job_id="job-a",local_rank="0",mpu_id="003",rank="0"}' in text
+        assert 'mscale_distill_share{job_id="job-a",local_rank="0",mpu_id="001",rank="0"} 0.0' in text  # no L3 term
+        assert 'mscale_job_up{job_id="job-a",local_rank="0",rank="0"} 1.0' in text
         assert 'mscale_job_loss{job_id="job-a"}' in text
-        assert 'mscale_mpu_checksum_failures_total{job_id="job-a",mpu_id="002"} 0.0' in text
+        assert 'mscale_mpu_checksum_failures_total{job_id="job-a",local_rank="0",mpu_id="002",rank="0"} 0.0' in text
         # a command reaches the plugins at the next step boundary
         got = []
 
@@ -117,7 +118,10 @@ def test_checksum_findings_reach_the_agent(sock: str) -> None:
             and l1[0].labels["mpu_id"] == "002"
             and l1[0].source == "hook:checksum"
         )
-        assert 'mscale_mpu_checksum_consecutive_failures{job_id="job-f",mpu_id="002"} 3.0' in agent.metrics()
+        assert (
+            'mscale_mpu_checksum_consecutive_failures{job_id="job-f",local_rank="0",mpu_id="002",rank="0"} 3.0'
+            in agent.metrics()
+        )
     finally:
         guard.detach()
         agent.stop()

@@ -86,7 +86,7 @@ def test_a_bad_register_is_refused_counted_and_leaves_no_ghost_job(sock: str, fr
         assert metric(text, 'mscale_refused_messages_total{where="socket",why="malformed"}') == 1
         # the connection goes on: a valid registration on it is taken
         assert answer(raw.ask(json.dumps(reg())))["type"] == "registered"
-        assert 'mscale_job_up{job_id="job-1",rank="0"} 1.0' in agent.metrics()
+        assert 'mscale_job_up{job_id="job-1",local_rank="0",rank="0"} 1.0' in agent.metrics()
     finally:
         raw.close()
         agent.stop()

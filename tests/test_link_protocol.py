@@ -34,7 +34,7 @@ def test_messages_are_byte_compatible_with_the_wire_format():
     assert (
         protocol.encode(protocol.register(job_id="j", rank=0, pid=7, step=3, mpus=mpus))
         == '{"type": "register", "job_id": "j", "rank": 0, "pid": 7, "step": 3, '
-        '"mpus": [{"mpu_id": "001", "name": "vision", "gpu": 0}]}'
+        '"mpus": [{"mpu_id": "001", "name": "vision", "gpu": 0}], "local_rank": 0, "world_size": 1}'
     )
     assert (
         protocol.encode(protocol.report("j", 2, [{"step": 1}]))
@@ -113,10 +113,16 @@ def test_decode_refuses_oversized_malformed_and_untyped_frames():
         ({"mpus": []}, "mpus must be a list of 1 to 64"),
         ({"mpus": [{"mpu_id": "001", "name": "v", "gpu": 0}] * 2}, "repeated"),
         ({"mpus": [{"mpu_id": "001", "name": "v", "gpu": 4096}]}, "gpu must be a GPU index"),
+        ({"local_rank": -1}, "local_rank"),
+        ({"local_rank": "0"}, "local_rank"),
+        ({"world_size": 0}, "world_size"),
+        ({"rank": 4, "world_size": 4}, "above rank"),
+        ({"world_size": 1.5}, "world_size"),
     ],
 )
 def test_register_validator(change, words):
     protocol.validate_register(REG)
+    protocol.validate_register({**REG, "rank": 3, "local_rank": 3, "world_size": 8})  # both optional
     with pytest.raises(BadMessage, match=words):
         protocol.validate_register({**REG, **change})
 

@@ -29,6 +29,7 @@ FEATURES: tuple[str, ...] = (
     "mscale.daemon.api",
     "mscale.daemon.webhook",
     "mscale.daemon.link",
+    "mscale.daemon.standby",
     "mscale.daemon.chaos",
     "mscale.daemon.status_api",
     "mscale.daemon.healing",

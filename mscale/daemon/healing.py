@@ -60,9 +60,26 @@ def gpu_ids(state: AgentState) -> dict[str, str]:
 
 
 def _mpus(state: AgentState) -> Iterable[tuple[str, MpuState]]:
+    """Every rank's MPUs (each rank's on its own GPU), by job."""
     for job_id, job in list(state.jobs.items()):
-        for mpu in list(getattr(job, "mpus", {}).values()):
-            yield job_id, mpu
+        if hasattr(job, "iter_mpus"):
+            for _rs, mpu in list(job.iter_mpus()):
+                yield job_id, mpu
+        else:
+            for mpu in list(getattr(job, "mpus", {}).values()):
+                yield job_id, mpu
+
+
+def target_ranks(state: AgentState, t: Target) -> list[int] | None:
+    """The ranks a decision on a GPU goes to: those whose MPU is bound to it (None: every rank
+    of the job, for job and MPU targets, or when no rank is known to be there)."""
+    job = state.jobs.get(t.job_id)
+    if job is None or not t.gpu or not hasattr(job, "iter_mpus"):
+        return None
+    ranks = sorted(
+        {rs.rank for rs, m in job.iter_mpus() if str(m.gpu) == t.gpu and (not t.mpu_id or m.mpu_id == t.mpu_id)}
+    )
+    return ranks or None
 
 
 def resolve_targets(state: AgentState, rule: Rule, cond: Condition) -> list[Target]:
@@ -109,7 +126,7 @@ async def act(app: web.Application, decisions: list[Decision]) -> list[tuple[Dec
             done.append((d, "failed"))
             continue
         try:
-            ok = await link.send(d.target.job_id, d.command())
+            ok = await link.send(d.target.job_id, d.command(), ranks=target_ranks(app[keys.STATE], d.target))
         except Exception as e:  # a dead peer must not stop the engine; the event says why
             log.warning("heal_send_failed", job_id=d.target.job_id, error=repr(e))
             ok = False
@@ -218,7 +235,10 @@ async def _end(app: web.Application, ends: list[Decision]) -> int:
 def _mirror(state: AgentState, f: Finding) -> None:
     """Keep the per-job MPU view (fuse level, binding) in step with what the job did."""
     job = state.jobs.get(f.labels.get("job_id", ""))
-    mpu = getattr(job, "mpus", {}).get(f.labels.get("mpu_id", "")) if job is not None else None
+    rank = f.labels.get("rank", "")
+    ranks = getattr(job, "rank_states", {})
+    mpus = ranks[int(rank)].mpus if rank.isdigit() and int(rank) in ranks else getattr(job, "mpus", {})
+    mpu = mpus.get(f.labels.get("mpu_id", "")) if job is not None else None
     if mpu is None:
         return
     if "state" in f.labels and hasattr(mpu, "fuse_level"):

@@ -27,6 +27,7 @@ import math
 import statistics
 import time
 from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,36 +227,30 @@ class SnapshotStats:
 
 
 @dataclass
-class JobState:
-    job_id: str
+class RankState:
+    """One rank of a job on this node: its process, its MPUs (each bound to this rank's GPU)
+    and its step figures. A rank's MPU health is its own: rank 3's vision MPU runs on another
+    GPU than rank 0's."""
+
     rank: int
     pid: int
+    local_rank: int = 0
+    world_size: int = 1
     mpus: dict[str, MpuState] = field(default_factory=dict)
     connected: bool = True
-    registered_at: float = field(default_factory=time.time)
     last_report_at: float = 0.0
     step: int = -1
     loss: float = math.nan
     grad_norm: float = math.nan
     reports_total: int = 0
-    reports_dropped: int = 0  # dropped by the hook's bounded queue (agent slow or down)
+    reports_dropped: int = 0  # dropped by the rank's bounded queue (agent slow or down)
     steps_skipped: int = 0
-    connects: int = 1
-    findings: Counter = field(default_factory=Counter)  # (source, reason, severity) of reported findings
-    snapshots: SnapshotStats = field(default_factory=SnapshotStats)
-    # identity (mscale.daemon.link): the uid that registered the job first owns its id until the
-    # job expires; the live ranks on this node and their processes; when the last one left
-    uid: int | None = None
-    ranks: dict[int, int] = field(default_factory=dict)  # live rank -> pid
-    disconnected_at: float | None = None  # time.monotonic() when the last live rank left
-    # Kubernetes: rank -> (namespace, pod) the rank reported from the downward API (mscale.kube.attribution)
-    pods: dict[int, tuple[str, str]] = field(default_factory=dict)
 
     def register(self, msg: dict) -> None:
         """Apply a (re-)registration: MPUs added or rebound keep their history."""
-        self.rank, self.pid = msg["rank"], msg["pid"]
-        if "pod" in msg:  # Kubernetes: the pod this rank runs in
-            self.pods[msg["rank"]] = (msg["pod"]["namespace"], msg["pod"]["name"])
+        self.pid = msg["pid"]
+        self.local_rank = int(msg.get("local_rank", self.local_rank))
+        self.world_size = int(msg.get("world_size", self.world_size))
         mpus = {}
         for d in msg["mpus"]:
             old = self.mpus.get(d["mpu_id"])
@@ -283,6 +278,152 @@ class JobState:
                 m.update(mr)
         self.refresh(gpus)
 
+    def refresh(self, gpus: dict[int, Any]) -> None:
+        for m in self.mpus.values():
+            sample = gpus.get(m.gpu)
+            if sample is not None and not m.gpu_uuid:
+                m.gpu_uuid = str(getattr(sample, "uuid", "") or "")
+            m.score(sample)
+
+    def to_dict(self) -> dict:
+        return {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "world_size": self.world_size,
+            "pid": self.pid,
+            "connected": self.connected,
+            "step": self.step,
+            "loss": self.loss,
+            "grad_norm": self.grad_norm,
+            "reports_total": self.reports_total,
+            "reports_dropped": self.reports_dropped,
+            "steps_skipped": self.steps_skipped,
+            "mpus": {k: m.to_dict() for k, m in sorted(self.mpus.items())},
+        }
+
+
+class RankLimit(Exception):
+    """A new rank past the job's bound on ranks, none of them disconnected to make room."""
+
+
+@dataclass
+class JobState:
+    """A job on this node: its ranks (`rank_states`, keyed by global rank), and the job-level
+    figures aggregated on purpose from them: `step` the minimum over the live ranks (the job is
+    as far as its slowest rank), `loss` and `grad_norm` as the lowest rank (rank 0 where it runs
+    here) reports them (DDP averages the gradients, and rank 0's loss is what the training
+    script logs), report counters summed. The findings and snapshot figures are per job."""
+
+    job_id: str
+    rank: int = 0  # the first registration's; `lead` is the rank the job figures come from now
+    pid: int = 0
+    rank_states: dict[int, RankState] = field(default_factory=dict)
+    max_ranks: int = 4096  # rank_states bound (socket.max_ranks_per_job)
+    connected: bool = True
+    registered_at: float = field(default_factory=time.time)
+    connects: int = 1
+    findings: Counter = field(default_factory=Counter)  # (source, reason, severity) of reported findings
+    snapshots: SnapshotStats = field(default_factory=SnapshotStats)
+    # identity (mscale.daemon.link): the uid that registered the job first owns its id until the
+    # job expires; the live ranks on this node and their processes; when the last one left
+    uid: int | None = None
+    ranks: dict[int, int] = field(default_factory=dict)  # live rank -> pid
+    disconnected_at: float | None = None  # time.monotonic() when the last live rank left
+    # Kubernetes: rank -> (namespace, pod) the rank reported from the downward API (mscale.kube.attribution)
+    pods: dict[int, tuple[str, str]] = field(default_factory=dict)
+
+    # --- ranks -------------------------------------------------------------------------------
+
+    def rank_state(self, rank: int | None = None) -> RankState:
+        """A rank's state (None: the lead rank); KeyError when the rank never registered."""
+        if rank is None:
+            return self.rank_states[self.lead]
+        return self.rank_states[rank]
+
+    @property
+    def lead(self) -> int:
+        """The rank the job-level loss comes from: the lowest live rank, else the lowest known."""
+        live = [r for r in self.rank_states if r in self.ranks]
+        return min(live or self.rank_states or [self.rank])
+
+    def register(self, msg: dict) -> RankState:
+        """Apply a (re-)registration of one rank. Past `max_ranks` ranks a disconnected rank's
+        state makes room (the one gone longest); with none, RankLimit and nothing changes."""
+        rank = msg["rank"]
+        rs = self.rank_states.get(rank)
+        if rs is None:
+            if len(self.rank_states) >= self.max_ranks:
+                gone = [(s.last_report_at, r) for r, s in self.rank_states.items() if r not in self.ranks]
+                if not gone:
+                    raise RankLimit(f"job {self.job_id} holds {len(self.rank_states)} ranks")
+                del self.rank_states[min(gone)[1]]
+            rs = self.rank_states[rank] = RankState(rank=rank, pid=msg["pid"])
+        rs.register(msg)
+        rs.connected = True
+        if "pod" in msg:  # Kubernetes: the pod this rank runs in
+            self.pods[rank] = (msg["pod"]["namespace"], msg["pod"]["name"])
+        if len(self.rank_states) == 1:
+            self.rank, self.pid = rank, msg["pid"]
+        return rs
+
+    def disconnect(self, rank: int) -> None:
+        rs = self.rank_states.get(rank)
+        if rs is not None:
+            rs.connected = False
+
+    def apply_report(self, r: dict, gpus: dict[int, Any], rank: int | None = None) -> None:
+        self.rank_state(rank).apply_report(r, gpus)
+
+    def iter_mpus(self) -> Iterator[tuple[RankState, MpuState]]:
+        """Every rank's MPUs, by rank."""
+        for _, rs in sorted(self.rank_states.items()):
+            for _, m in sorted(rs.mpus.items()):
+                yield rs, m
+
+    # --- job-level figures, aggregated on purpose --------------------------------------------
+
+    @property
+    def mpus(self) -> dict[str, MpuState]:
+        """The lead rank's MPUs (a single-rank job's MPUs); `iter_mpus` for every rank's."""
+        return self.rank_states[self.lead].mpus if self.rank_states else {}
+
+    @property
+    def step(self) -> int:
+        live = [s.step for r, s in self.rank_states.items() if r in self.ranks]
+        steps = live or [s.step for s in self.rank_states.values()]
+        return min(steps) if steps else -1
+
+    @property
+    def loss(self) -> float:
+        return self.rank_states[self.lead].loss if self.rank_states else math.nan
+
+    @property
+    def grad_norm(self) -> float:
+        return self.rank_states[self.lead].grad_norm if self.rank_states else math.nan
+
+    @property
+    def reports_total(self) -> int:
+        return sum(s.reports_total for s in self.rank_states.values())
+
+    @property
+    def reports_dropped(self) -> int:
+        return sum(s.reports_dropped for s in self.rank_states.values())
+
+    @property
+    def steps_skipped(self) -> int:
+        """Steps skipped, as the rank that skipped most counts them (with agreed decisions
+        every rank skips the same steps)."""
+        return max((s.steps_skipped for s in self.rank_states.values()), default=0)
+
+    @property
+    def pids(self) -> list[int]:
+        """The processes of the job's live ranks here (the probes trace and measure each)."""
+        return sorted({pid for pid in self.ranks.values() if pid > 0})
+
+    @property
+    def last_report_at(self) -> float:
+        return max((s.last_report_at for s in self.rank_states.values()), default=0.0)
+
     def observe_finding(self, f: Finding) -> bool:
         """Count a finding the job reported (source hook:<detector>); False (and not counted)
         when it would be a new series past MAX_FINDING_SERIES."""
@@ -295,24 +436,19 @@ class JobState:
         return True
 
     def refresh(self, gpus: dict[int, Any]) -> None:
-        for m in self.mpus.values():
-            sample = gpus.get(m.gpu)
-            if sample is not None and not m.gpu_uuid:
-                m.gpu_uuid = str(getattr(sample, "uuid", "") or "")
-            m.score(sample)
+        for rs in self.rank_states.values():
+            rs.refresh(gpus)
 
     def to_dict(self) -> dict:
         return {
             "job_id": self.job_id,
-            "rank": self.rank,
-            "pid": self.pid,
             "connected": self.connected,
             "step": self.step,
             "loss": self.loss,
             "grad_norm": self.grad_norm,
             "reports_total": self.reports_total,
             "reports_dropped": self.reports_dropped,
-            "mpus": {k: m.to_dict() for k, m in sorted(self.mpus.items())},
+            "ranks": {str(r): s.to_dict() for r, s in sorted(self.rank_states.items())},
         }
 
 

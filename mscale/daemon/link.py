@@ -16,8 +16,11 @@ Identity and bounds: the first valid registration of a job id binds it to the pe
 A (job, rank) has one live connection: a second one from another process is refused
 (duplicate), the same process reconnecting replaces its dead link. Caps: `socket.max_jobs`
 (a new job past it first pushes out the longest-disconnected one, else job_limit),
-`socket.max_ranks_per_job` (rank_limit), `socket.max_mpus_per_job` (mpu_limit). A job whose
-last rank left is removed, series and all, `socket.job_expiry_s` later.
+`socket.max_ranks_per_job` (rank_limit: live ranks, and the ranks whose state the job keeps,
+where a rank gone longest makes room for a new one), `socket.max_mpus_per_job` (mpu_limit).
+State is per (job, rank) (mscale.daemon.jobs.RankState); a finding carries the rank of the
+connection that reported it. A job whose last rank left is removed, series and all,
+`socket.job_expiry_s` later.
 The messages, their validators, the command vocabulary and the limits are `mscale.link`'s,
 which the job's client speaks too; this module only serves them.
 """
@@ -31,7 +34,7 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +43,13 @@ from aiohttp import WSMsgType, web
 
 from mscale import link as protocol
 from mscale.daemon import keys
-from mscale.daemon.jobs import JobState, gpus_by_index
+from mscale.daemon.jobs import JobState, RankLimit, gpus_by_index
 from mscale.findings import Finding, Reason, Severity
 from mscale.link import BadMessage, Msg
 
 log = structlog.get_logger("mscale.link")
 
-Handler = Callable[[JobState, dict], Awaitable[None] | None]
+Handler = Callable[..., Awaitable[None] | None]  # (job, msg), or (job, msg, rank) with_rank
 
 
 def peer_uid(request: web.Request) -> tuple[int, int] | None:
@@ -68,19 +71,22 @@ class LinkServer:
         # job id -> rank -> that rank's live connection
         self.connections: dict[str, dict[int, web.WebSocketResponse]] = {}
         self.handlers: dict[str, Handler] = {}
+        self._with_rank: dict[str, bool] = {}
         self.error = ""  # why the socket is not served, if it is not
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task | None = None
 
     # --- commands to jobs ----------------------------------------------------------------
 
-    async def send(self, job_id: str, command: dict) -> bool:
-        """Send a command (a dict with "type", see mscale.link.Command) to a connected job;
-        False if it is not there."""
+    async def send(self, job_id: str, command: dict, *, ranks: Iterable[int] | None = None) -> bool:
+        """Send a command (a dict with "type", see mscale.link.Command) to a connected job's
+        ranks (`ranks`: only those, e.g. the ranks whose MPU is on a faulty GPU); False if none
+        of them is there."""
         protocol.check_command(command)
+        only = None if ranks is None else set(ranks)
         sent = False
         for rank, ws in list(self.connections.get(job_id, {}).items()):
-            if ws.closed:
+            if ws.closed or (only is not None and rank not in only):
                 continue
             try:
                 await ws.send_str(protocol.encode(command))
@@ -93,11 +99,13 @@ class LinkServer:
         sent = await asyncio.gather(*(self.send(j, command) for j in list(self.connections)))
         return sum(sent)
 
-    def on_message(self, type_: str, handler: Handler) -> None:
-        """Handle another message type from jobs (e.g. a plugin's); handler(job, msg)."""
+    def on_message(self, type_: str, handler: Handler, *, with_rank: bool = False) -> None:
+        """Handle another message type from jobs (e.g. a plugin's); handler(job, msg), or
+        handler(job, msg, rank) with the sending connection's rank when with_rank."""
         if type_ in protocol.RESERVED:
             raise ValueError(f"{type_!r} is the link's own message type")
         self.handlers[type_] = handler
+        self._with_rank[type_] = with_rank
 
     # --- serving ---------------------------------------------------------------------------
 
@@ -241,6 +249,7 @@ class LinkServer:
             return  # replaced by the same process reconnecting, or the job already expired
         del live[conn.rank]
         job.ranks.pop(conn.rank, None)
+        job.disconnect(conn.rank)
         if live:
             return
         self.connections.pop(job.job_id, None)
@@ -273,10 +282,11 @@ class LinkServer:
                     "malformed", f"report: job_id {str(msg.get('job_id'))[:140]!r} is not this connection's job"
                 )
             protocol.validate_report(msg)
-            self._report(job, msg)
+            self._report(job, conn.rank, msg)
         elif kind in self.handlers:
             try:
-                result = self.handlers[kind](job, msg)
+                handler: Any = self.handlers[kind]
+                result = handler(job, msg, conn.rank) if self._with_rank.get(kind) else handler(job, msg)
                 if asyncio.iscoroutine(result):
                     await result
             except BadMessage:  # the handler's own validator refused it: keep its reason
@@ -322,41 +332,50 @@ class LinkServer:
         if job is None:
             if not self._make_room():
                 raise BadMessage("job_limit", f"register: {len(self.state.jobs)} jobs connected (socket.max_jobs)")
-            job = JobState(job_id=job_id, rank=rank, pid=msg["pid"], uid=conn.uid)
+            job = JobState(
+                job_id=job_id, rank=rank, pid=msg["pid"], uid=conn.uid, max_ranks=self.config.socket.max_ranks_per_job
+            )
+            job.register(msg)
             self.state.jobs[job_id] = job
-        elif old is not conn.ws:
-            job.connects += 1
+        else:
+            try:
+                job.register(msg)
+            except RankLimit as e:
+                raise BadMessage("rank_limit", f"register: {e} (socket.max_ranks_per_job)") from None
+            if old is not conn.ws:
+                job.connects += 1
         if job.uid is None:
             job.uid = conn.uid
         if old is not None and old is not conn.ws and not old.closed:
             asyncio.ensure_future(old.close())  # the same process reconnected; its old link is dead to us
         first = old is not conn.ws
-        job.register(msg)
         job.ranks[rank] = msg["pid"]
         job.connected, job.disconnected_at = True, None
         job.refresh(gpus_by_index(self.state))
         self.connections.setdefault(job_id, {})[rank] = conn.ws
         conn.job, conn.rank = job, rank
         if first:
+            rs = job.rank_state(rank)
             self.state.events.emit(
                 Finding(
                     "link",
                     Reason.JOB_REGISTERED,
                     Severity.INFO,
-                    f"job {job_id} rank {job.rank} pid {job.pid}: "
-                    + ", ".join(f"{m.mpu_id}={m.name}@gpu{m.gpu}" for m in job.mpus.values()),
-                    {"job_id": job_id, "rank": str(job.rank), "pid": str(job.pid)},
+                    f"job {job_id} rank {rank} (local {rs.local_rank} of world {rs.world_size}) pid {rs.pid}: "
+                    + ", ".join(f"{m.mpu_id}={m.name}@gpu{m.gpu}" for m in rs.mpus.values()),
+                    {"job_id": job_id, "rank": str(rank), "local_rank": str(rs.local_rank), "pid": str(rs.pid)},
                 )
             )
         return job
 
-    def _report(self, job: JobState, msg: dict) -> None:
+    def _report(self, job: JobState, rank: int, msg: dict) -> None:
         gpus = gpus_by_index(self.state)
-        job.reports_dropped = max(job.reports_dropped, msg.get("dropped", 0))
+        rs = job.rank_state(rank)
+        rs.reports_dropped = max(rs.reports_dropped, msg.get("dropped", 0))
         for r in msg["reports"]:
-            job.apply_report(r, gpus)
+            rs.apply_report(r, gpus)
             for f in r.get("findings", []):
-                finding = self._finding(job, f)
+                finding = self._finding(job, rank, f)
                 if finding is None:
                     self._refuse("bad_finding", f"finding not understood: {str(f)[:200]}", job_id=job.job_id)
                 elif not job.observe_finding(finding):
@@ -364,14 +383,16 @@ class LinkServer:
                 else:
                     self.state.events.emit(finding)
 
-    def _finding(self, job: JobState, f: Any) -> Finding | None:
-        """A reported finding with the job's labels: its job_id, and the GPU of its MPU."""
+    def _finding(self, job: JobState, rank: int, f: Any) -> Finding | None:
+        """A reported finding with the job's labels: its job_id, the rank that made it (its
+        connection's, whatever the finding says), and the GPU of the rank's MPU."""
         finding = protocol.finding(f)
         if finding is None:
             return None
         labels = dict(finding.labels)
-        labels["job_id"] = job.job_id
-        m = job.mpus.get(labels.get("mpu_id", ""))
+        rs = job.rank_state(rank)
+        labels["job_id"], labels["rank"], labels["local_rank"] = job.job_id, str(rank), str(rs.local_rank)
+        m = rs.mpus.get(labels.get("mpu_id", ""))
         if m is not None:
             labels.setdefault("gpu", str(m.gpu))
             if m.gpu_uuid:

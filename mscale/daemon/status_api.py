@@ -1,6 +1,9 @@
-"""GET /api/v1/status: one view for `mscale status` (GPUs, jobs, MPUs, fuse, last events)."""
+"""GET /api/v1/status: one view for `mscale status` (GPUs, jobs and their ranks, each rank's
+MPUs with health and fuse level, last events)."""
 
 from __future__ import annotations
+
+import math
 
 from aiohttp import web
 
@@ -8,7 +11,9 @@ from mscale.daemon import keys
 
 
 def _num(v):
-    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    """A number JSON can carry: NaN and infinities are null."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return v if ok else None
 
 
 def view(app: web.Application, *, last: int = 15) -> dict:
@@ -22,25 +27,40 @@ def view(app: web.Application, *, last: int = 15) -> dict:
     levels = {(j, m): s for j, m, s in getattr(heal, "levels", ())}
     jobs = []
     for job_id, job in sorted(state.jobs.items()):
-        mpus = []
-        for mpu_id, m in sorted(getattr(job, "mpus", {}).items()):
-            mpus.append(
+        ranks = []
+        for rank, rs in sorted(getattr(job, "rank_states", {}).items()):
+            mpus = []
+            for mpu_id, m in sorted(rs.mpus.items()):
+                # the agent's books are per job: they speak for the lead rank; other ranks as reported
+                fuse = levels.get((job_id, mpu_id), "") if rank == job.lead else ""
+                mpus.append(
+                    {
+                        "mpu_id": mpu_id,
+                        "name": m.name,
+                        "gpu": m.gpu,
+                        "health_score": _num(m.health_score),
+                        "fuse": fuse or m.fuse_level or "healthy",
+                    }
+                )
+            ranks.append(
                 {
-                    "mpu_id": mpu_id,
-                    "name": getattr(m, "name", ""),
-                    "gpu": getattr(m, "gpu", None),
-                    "health_score": _num(getattr(m, "health_score", None)),
-                    "fuse": levels.get((job_id, mpu_id), getattr(m, "fuse_level", "") or "healthy"),
+                    "rank": rank,
+                    "local_rank": rs.local_rank,
+                    "world_size": rs.world_size,
+                    "pid": rs.pid,
+                    "connected": rank in job.ranks,
+                    "step": rs.step,
+                    "loss": _num(rs.loss),
+                    "mpus": mpus,
                 }
             )
         jobs.append(
             {
                 "job_id": job_id,
-                "rank": getattr(job, "rank", 0),
-                "pid": getattr(job, "pid", 0),
-                "step": getattr(job, "step", None),
-                "connected": getattr(job, "connected", None),
-                "mpus": mpus,
+                "step": job.step,  # the minimum over its live ranks
+                "loss": _num(job.loss),  # the lowest rank's
+                "connected": job.connected,
+                "ranks": ranks,
             }
         )
     events = [dict(seq=s, **f.to_dict()) for s, f in state.events.since(0, last)]

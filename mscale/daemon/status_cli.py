@@ -10,7 +10,7 @@ import time
 from mscale.agent_client import AgentClient, AgentError
 from mscale.link import DEFAULT_URL, printable
 
-HELP = "show GPUs, jobs, MPUs, health scores, fuse levels and the last events of the running agent"
+HELP = "show GPUs, jobs and their ranks, MPUs, health scores, fuse levels and the last events of the running agent"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,21 +47,30 @@ def render(view: dict) -> str:
     rows = []
     cooling = set(view.get("cooling", []))
     for job in view.get("jobs", []):
-        for m in job.get("mpus", []) or [{}]:
-            score = m.get("health_score")
-            rows.append(
-                [
-                    job["job_id"] + (" (LR cooled)" if job["job_id"] in cooling else ""),
-                    job.get("pid", ""),
-                    job.get("step") if job.get("step") is not None else "-",
-                    m.get("mpu_id", "-"),
-                    m.get("name", "-"),
-                    m.get("gpu", "-"),
-                    "-" if score is None else f"{score:.0f}",
-                    m.get("fuse", "-"),
-                ]
-            )
-    out.append(table(["JOB", "PID", "STEP", "MPU", "NAME", "GPU", "HEALTH", "FUSE"], rows) if rows else "no jobs")
+        for r in job.get("ranks", []) or [{}]:
+            for m in r.get("mpus", []) or [{}]:
+                score = m.get("health_score")
+                rows.append(
+                    [
+                        job["job_id"] + (" (LR cooled)" if job["job_id"] in cooling else ""),
+                        r.get("rank", "-"),
+                        r.get("local_rank", "-"),
+                        r.get("pid", "-"),
+                        r.get("step") if r.get("step") is not None else "-",
+                        m.get("mpu_id", "-"),
+                        m.get("name", "-"),
+                        m.get("gpu", "-"),
+                        "-" if score is None else f"{score:.0f}",
+                        m.get("fuse", "-"),
+                    ]
+                )
+    headers = ["JOB", "RANK", "LOCAL", "PID", "STEP", "MPU", "NAME", "GPU", "HEALTH", "FUSE"]
+    out.append(table(headers, rows) if rows else "no jobs")
+    steps = [
+        f"{j['job_id']}: step {j.get('step')} (slowest rank), {len(j.get('ranks', []))} ranks"
+        for j in view.get("jobs", [])
+    ]
+    out.extend(steps)
     out.append("")
     evs = view.get("events", [])
     if evs:

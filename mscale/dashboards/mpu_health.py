@@ -25,7 +25,7 @@ def build(ctx: Ctx):
                 [
                     Panel(
                         "Health score per MPU",
-                        [(f"{health}{s}", "{{job_id}} {{mpu}} ({{mpu_id}})")],
+                        [(f"{health}{s}", "{{job_id}} r{{rank}} {{mpu}} ({{mpu_id}})")],
                         min=0,
                         max=100,
                         threshold=score,
@@ -34,7 +34,7 @@ def build(ctx: Ctx):
                     ),
                     Panel(
                         "Health score by phase",
-                        [(f"mpu_health_score{s}", "{{job_id}} {{mpu}} {{phase}}")],
+                        [(f"mpu_health_score{s}", "{{job_id}} r{{rank}} {{mpu}} {{phase}}")],
                         min=0,
                         max=100,
                         threshold=score,
@@ -73,8 +73,8 @@ def build(ctx: Ctx):
                         "Latency against the MPU's own baseline",
                         [
                             (
-                                f"mscale_mpu_latency_seconds{s} / on (instance, job_id, mpu_id, phase) mscale_mpu_latency_baseline_seconds{s}",
-                                "{{job_id}} {{mpu_id}} {{phase}}",
+                                f"mscale_mpu_latency_seconds{s} / on (instance, job_id, rank, mpu_id, phase) mscale_mpu_latency_baseline_seconds{s}",
+                                "{{job_id}} r{{rank}} {{mpu_id}} {{phase}}",
                             )
                         ],
                         unit="short",

@@ -50,9 +50,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="consecutive checksum failures that trigger L1 (healing.checksum_failures_l1); a large N "
         "leaves corrupted MPUs marked suspect, which the summary does not count as healed",
     )
+    p.add_argument("--nodes", type=int, default=1, help="several nodes on this machine, one agent each (1..4)")
+    p.add_argument("--ranks", type=int, default=1, help="ranks per node, one DDP job across the nodes (1..4)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.nodes, args.ranks) != (1, 1):  # mscale.demo.nodes: agents per node, a job across them
+        if not (1 <= args.nodes <= 4 and 1 <= args.ranks <= 4 and args.nodes * args.ranks >= 2):
+            print("mscale demo: --nodes and --ranks must be 1..4, with at least 2 ranks in all", file=sys.stderr)
+            return 2
+        from mscale.demo.nodes import main as nodes_main
+
+        return nodes_main(nodes=args.nodes, ranks=args.ranks, out=args.out)
     from mscale.demo.run import main
 
     steps = 120 if args.short else args.steps

@@ -23,6 +23,13 @@ class HealingSection:
     frozen_weights_every: int = opt(
         1, "steps between checks of the frozen weights' fingerprints (trained ones: every step)", min=1, max=1_000_000
     )
+    replica_check_steps: int = opt(
+        100,
+        "with several ranks, every N steps the replicas compare per-MPU weight fingerprints and a "
+        "diverged rank's MPU is repaired from a healthy rank (0: never)",
+        min=0,
+        max=1_000_000,
+    )
     policy: str = opt("", "healing policy YAML (empty: the shipped default policy)")
     l2_precision_fallback: bool = opt(
         False,

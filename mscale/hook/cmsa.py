@@ -62,6 +62,25 @@ def _sample(g: torch.Tensor) -> torch.Tensor:
     return g[::GVC_ROWS] if g.dim() >= 2 and g.shape[0] >= 8 * GVC_ROWS else g
 
 
+def _local(g: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (FSDP2 DTensor) gradient; a plain one as it is."""
+    return g.to_local() if hasattr(g, "to_local") else g
+
+
+def _over_shards(values: torch.Tensor, counts: list[int], mpus: Sequence[Mpu]) -> torch.Tensor:
+    """Sums the per-shard sums (norms squared, GVC sums, sample counts appended) over the shard
+    group when the MPUs' parameters are sharded (FSDP2 on a 1-D mesh), so that the norms and
+    GVC are the whole gradient's on every rank; `values` unchanged otherwise."""
+    mesh = next((p.device_mesh for m in mpus for p in m.parameters() if hasattr(p, "device_mesh")), None)
+    if mesh is None:
+        return values
+    import torch.distributed as dist
+
+    out = torch.cat([values, torch.tensor(counts, dtype=values.dtype, device=values.device)])
+    dist.all_reduce(out, group=mesh.get_group() if mesh.ndim == 1 else None)
+    return out
+
+
 def grad_stats(
     mpus: Sequence[Mpu], params: Iterable[torch.nn.Parameter], buffers: dict | None = None
 ) -> tuple[float, dict[str, tuple[float, float]]]:
@@ -79,7 +98,7 @@ def grad_stats(
     for m in mpus:
         ps = m.parameters()
         in_mpus.update(id(p) for p in ps)
-        grads = [p.grad for p in ps if p.grad is not None]
+        grads = [_local(p.grad) for p in ps if p.grad is not None]
         if not grads:
             counts.append(0)
             rows.append(torch.zeros(4, dtype=torch.float64))
@@ -111,7 +130,7 @@ def grad_stats(
             stats[1] = stats[1].square()
             rows.append(torch.cat((l2sq.reshape(1), stats)))  # stays on the device: one sync below
     # the rest of the model (outside every MPU) only adds to the global norm
-    rest = [p.grad for p in params if p.grad is not None and id(p) not in in_mpus]
+    rest = [_local(p.grad) for p in params if p.grad is not None and id(p) not in in_mpus]
     if rest:
         other = torch.stack(torch._foreach_norm(rest, 2)).to(torch.float64).square().sum()
     else:
@@ -120,7 +139,8 @@ def grad_stats(
     # are on (rows of MPUs without gradients are CPU zeros; a no-op on CPU)
     devs = [r.device for r in rows] + [other.device]
     dev = max(set(devs), key=devs.count)
-    values = torch.cat([r.to(dev) for r in rows] + [other.reshape(1).to(dev)]).tolist()
+    values = _over_shards(torch.cat([r.to(dev) for r in rows] + [other.reshape(1).to(dev)]), counts, mpus).tolist()
+    counts = [round(c) for c in values[len(rows) * 4 + 1 :]] or counts
     out: dict[str, tuple[float, float]] = {}
     total = values[-1]
     for i, m in enumerate(mpus):

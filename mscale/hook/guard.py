@@ -46,7 +46,8 @@ from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
 from mscale.hook.null import NullGuard
 from mscale.hook.plugin import HOOKS
-from mscale.hook.protect import SnapshotConfig, data_position, protect, snapshot_config
+from mscale.hook.protect import SnapshotConfig, agree, data_position, protect, snapshot_config
+from mscale.hook.ranks import identify
 
 log = structlog.get_logger("mscale.hook")
 
@@ -98,7 +99,7 @@ class Guard:
         optimizer: torch.optim.Optimizer | None,
         *,
         job_id: str,
-        rank: int = 0,
+        rank: int | None = None,
         mpus: Mapping[str, nn.Module | str] | None = None,
         gpus: Mapping[str, int] | None = None,
         checksum: ChecksumConfig | None = None,
@@ -112,7 +113,7 @@ class Guard:
     ) -> None:
         if not isinstance(job_id, str) or not job_id:
             raise ValueError("job_id: expected a non-empty string naming the training job")
-        self.job_id, self.rank = job_id, int(rank)
+        self.job_id, (self.rank, self.local_rank, self.world_size) = job_id, identify(rank)
         self.model, self.optimizer = model, optimizer
         self.mpus: list[Mpu] = mpumod.discover(model, mpus, gpus)
         self.log = log.bind(job_id=job_id, rank=self.rank)
@@ -247,7 +248,7 @@ class Guard:
     def registration(self) -> dict:
         return protocol.register(
             job_id=self.job_id,
-            rank=self.rank,
+            **{"rank": self.rank, "local_rank": self.local_rank, "world_size": self.world_size},
             pid=os.getpid(),
             step=self.current_step,
             mpus=[m.describe() for m in self.mpus],
@@ -377,6 +378,7 @@ class Guard:
         return replaced
 
     def _pre_step(self) -> None:
+        self._dispatch("on_step_decide", self.current_step)  # before the statistics: see mscale.hook.agree
         try:
             self._statistics()
         except Exception as e:
@@ -580,6 +582,7 @@ def attach(
         raise TypeError("data= and scheduler= are what snapshots hold: give snapshots= too")
     position = data_position(data) if cfg is not None else None
     guard = Guard(model, optimizer, job_id=job_id, **kwargs)
+    agree(guard)  # several ranks: decisions agreed at each step (mscale.hook.agree)
     contract_join(guard)  # the contract in force in this process, if any (mscale.hook.contract)
     if cfg is not None:
         try:

@@ -11,6 +11,10 @@ fuse). Calls happen in the training thread, in this order for each step:
                                    after each MPU forward and its checksums (not for the
                                    checksum's own replays); return a value to replace the
                                    MPU's output (the fuse's re-run)
+    on_step_decide(step)           at the optimizer's step pre-hook, before the gradient
+                                   statistics and the loss detector: where the ranks agree on
+                                   the step (mscale.hook.agree; a collective, so every rank's
+                                   guard calls it once per optimizer step)
     on_finding(finding)            as each finding is made: checksums inside the forward,
                                    loss and gradient statistics in the optimizer's step
                                    pre-hook (before the update; at scaler.update() for a
@@ -48,6 +52,7 @@ HOOKS: tuple[str, ...] = (
     "on_attach",
     "on_step_begin",
     "on_mpu_output",
+    "on_step_decide",
     "on_finding",
     "on_step_end",
     "on_command",
@@ -63,6 +68,8 @@ class Plugin(Protocol):
     def on_step_begin(self, step: int, batch: ModelInputs) -> None: ...
 
     def on_mpu_output(self, mpu: Mpu, inputs: ModelInputs, output: Any) -> Any: ...
+
+    def on_step_decide(self, step: int) -> None: ...
 
     def on_finding(self, finding: Finding) -> None: ...
 

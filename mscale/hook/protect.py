@@ -23,6 +23,10 @@ What a rollback does with the data depends on the loader given as `data`:
   and a restart starts the data from its beginning.
 - an object without `state_dict`/`load_state_dict` (a plain torch `DataLoader`): refused with
   a TypeError, since its position cannot be snapshotted.
+
+With several ranks (a torch.distributed process group) `agree` adds the step agreement
+(mscale.hook.agree) and the rollback is collective: every rank restores the same step. A
+sharded model (FSDP2) is snapshotted shard by shard, through mscale.snapshot.sharded.
 """
 
 from __future__ import annotations
@@ -141,6 +145,28 @@ class Protection:
         self.engine.close()
 
 
+def agree(guard: Guard) -> None:
+    """With several ranks in the process group: add the step agreement (mscale.hook.agree) and
+    the replica check (mscale.hook.replicas, every healing.replica_check_steps steps), kept as
+    `guard.agreement` and `guard.replicas` (None with one rank)."""
+    from mscale.healing.settings import HealingSection
+    from mscale.hook.agree import Agreement
+    from mscale.hook.replicas import ReplicaCheck
+    from mscale.snapshot.sharded import is_sharded
+
+    agreement = Agreement()
+    several = agreement.world_size > 1
+    # replicas only: the ranks of a sharded (FSDP2) model hold different shards, not copies
+    replicated = several and not is_sharded(guard.model)
+    replicas = ReplicaCheck(HealingSection().replica_check_steps) if replicated else None
+    if several:
+        guard.add_plugin(agreement)
+    if replicas is not None:
+        guard.add_plugin(replicas)
+    setattr(guard, "agreement", agreement if several else None)  # noqa: B010 (not Guard's own attributes)
+    setattr(guard, "replicas", replicas)  # noqa: B010
+
+
 def protect(
     guard: Guard,
     cfg: SnapshotConfig,
@@ -156,16 +182,24 @@ def protect(
     from mscale.hook.fuse import FusePlugin
     from mscale.snapshot.engine import SnapshotEngine
     from mscale.snapshot.format import list_snapshots
+    from mscale.snapshot.sharded import LocalView, ShardingMarker, is_sharded
 
     fuse: Any = None
 
     def emit(finding: Any) -> None:  # the writer thread's findings reach the guard through the fuse
         fuse.snapshot_emit(finding)
 
+    model, module_of = guard.model, (lambda m: m)
+    optimizer: Any = guard.optimizer
+    extra: dict[str, Any] = {}
+    if is_sharded(model):  # FSDP2: the engine holds each rank's shard, through local views
+        view = LocalView(model, optimizer)
+        model, optimizer, module_of = view.model, view.optimizer, view.module
+        extra["sharding"] = ShardingMarker(guard.world_size)
     engine = SnapshotEngine(
-        guard.model,
-        guard.optimizer,
-        mpus={m.name: (m.mpu_id, m.module) for m in guard.mpus},
+        model,
+        optimizer,
+        mpus={m.name: (m.mpu_id, module_of(m.module)) for m in guard.mpus},
         scaler=scaler,
         scheduler=scheduler,
         data=data,
@@ -176,17 +210,17 @@ def protect(
         disk_keep=cfg.disk_keep,
         emit=emit,
         job_id=guard.job_id,
+        extra=extra,
         binding=lambda: {
             m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None, **msrp_binding(guard, m)} for m in guard.mpus
         },
     )
     fuse = FusePlugin(snapshot_engine=engine)
+    if guard.link is not None:  # an L1 swap's standby from the agent's node view
+        from mscale.hook.standby import AgentStandby
+
+        fuse.ask_standby = AgentStandby(guard)
     try:
-        if engine.world_size > 1:
-            raise ValueError(
-                f"snapshots=: the fuse's rollback restores one process, and this job has "
-                f"{engine.world_size} ranks (they would diverge); attach without snapshots= here"
-            )
         held = list_snapshots(cfg.directory) if cfg.directory is not None else []
         if held and not resume:
             raise ValueError(
@@ -194,7 +228,7 @@ def protect(
                 f"{max(i.step for i in held)}); resume from them, or give an empty directory"
             )
         step = None
-        if held:
+        if held or (resume and engine.world_size > 1):  # with several ranks resume is collective
             restoring = isinstance(data, LoopData)
             if restoring:
                 data.restoring = True

@@ -276,9 +276,9 @@ class EbpfProbe:
     def _targets(self) -> dict[int, str]:
         out: dict[int, str] = {}
         for job in list(self.ctx.state.jobs.values()):
-            pid = getattr(job, "pid", None)
-            if isinstance(pid, int) and pid > 0:
-                out[pid] = str(getattr(job, "job_id", ""))
+            for pid in getattr(job, "pids", None) or [getattr(job, "pid", None)]:  # every live rank
+                if isinstance(pid, int) and pid > 0:
+                    out[pid] = str(getattr(job, "job_id", ""))
         if self.pattern is not None:
             me = os.getpid()
             for entry in os.listdir("/proc"):

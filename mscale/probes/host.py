@@ -119,8 +119,12 @@ class HostProbe:
 
     def _sample_processes(self) -> tuple[tuple[ProcessSample, ...], tuple[str, ...]]:
         out, gone, seen = [], [], set()
-        for job in self.jobs():
-            pid, job_id = int(getattr(job, "pid", 0) or 0), str(getattr(job, "job_id", ""))
+        targets = [
+            (int(pid or 0), str(getattr(job, "job_id", "")))
+            for job in self.jobs()
+            for pid in (getattr(job, "pids", None) or [getattr(job, "pid", 0)])  # every live rank
+        ]
+        for pid, job_id in targets:
             if pid <= 0:
                 continue
             seen.add(pid)

@@ -28,12 +28,12 @@ class Alert:
 
 
 def mpu_with_gpu(expr: str) -> str:
-    """Attach the MPU's gpu/gpu_uuid (from mscale_mpu_info) so GPU alerts can inhibit it;
-    the `or` keeps the alert when the info series is missing."""
+    """Attach the MPU's gpu/gpu_uuid (from mscale_mpu_info, per rank: each rank's MPU is on its
+    own GPU) so GPU alerts can inhibit it; the `or` keeps the alert when the info series is missing."""
     info = "mscale_mpu_info{$agent}"
     return (
-        f"(({expr}) * on (instance, job_id, mpu_id) group_left (gpu, gpu_uuid) {info}) "
-        f"or (({expr}) unless on (instance, job_id, mpu_id) {info})"
+        f"(({expr}) * on (instance, job_id, rank, mpu_id) group_left (gpu, gpu_uuid) {info}) "
+        f"or (({expr}) unless on (instance, job_id, rank, mpu_id) {info})"
     )
 
 

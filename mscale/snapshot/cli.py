@@ -1,4 +1,5 @@
-"""`mscale snapshot list|verify|inspect DIR`: look at training snapshots on disk.
+"""`mscale snapshot list|verify|inspect DIR`: look at training snapshots on disk; `export --format
+dcp DIR OUT` writes one as a torch.distributed.checkpoint (mscale.snapshot.dcp, which needs torch).
 
 DIR is a snapshot directory (`step_00000120`), a directory of them, or one with a
 `rank_NNNNN/` subdirectory per rank. `verify` checks every file against the manifest (its
@@ -7,7 +8,7 @@ terminal. Exit status 1 when a snapshot is refused (by `list`: its manifest; by 
 of its files), naming the file at fault and why; 2 when DIR holds no snapshot. Never a
 traceback, never a hang (a FIFO or device in place of a file is refused, not read).
 
-Uses only the torch-free format module, so it runs where torch is not installed.
+Uses only the torch-free format module, so it runs where torch is not installed (export aside).
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     i.add_argument("--step", type=int, default=None)
     i.add_argument("--rank", type=int, default=None, help="with rank subdirectories: which rank (default 0)")
     i.add_argument("--json", action="store_true")
+    e = sub.add_parser("export", help="write a snapshot as another format's checkpoint (needs torch)")
+    e.add_argument("dir", metavar="DIR")
+    e.add_argument("out", metavar="OUT", help="a new or empty directory")
+    e.add_argument("--format", choices=("dcp",), required=True, help="dcp: torch.distributed.checkpoint")
+    e.add_argument("--step", type=int, default=None)
+    e.add_argument("--rank", type=int, default=None, help="with rank subdirectories: which rank (default 0)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"mscale snapshot: {root}: no such directory", file=sys.stderr)
         return 2
     try:
-        return {"list": _list, "verify": _verify, "inspect": _inspect}[args.action](root, args)
+        return {"list": _list, "verify": _verify, "inspect": _inspect, "export": _export}[args.action](root, args)
     except (snap.SnapshotError, OSError) as e:  # e.g. DIR unreadable: a reason, not a traceback
         print(f"mscale snapshot: {_clean(str(e))}", file=sys.stderr)
         return 1
@@ -178,6 +185,38 @@ def _verify(root: Path, args: argparse.Namespace) -> int:
             f"({len(incomplete)} incomplete snapshot(s) left by an interrupted write, ignored: {', '.join(_clean(i.path.name) for i in incomplete)})"
         )
     return 1 if failed else 0
+
+
+def _export(root: Path, args: argparse.Namespace) -> int:
+    """The chosen snapshot (as `inspect` chooses it) in another format: mscale.snapshot.dcp."""
+    infos = _chosen(root, args)
+    if not infos:
+        print(f"mscale snapshot: no complete snapshot under {root}", file=sys.stderr)
+        return 2
+    info = max(infos, key=lambda i: (i.step, i.complete))
+    from mscale.snapshot.dcp import export  # torch: only here
+
+    try:
+        done = export(info.path, args.out)
+    except snap.SnapshotInvalid as e:
+        print(f"mscale snapshot: {_clean(e.path / e.file)}: {_clean(e.why)}", file=sys.stderr)
+        return 1
+    print(
+        f"exported {_clean(done['snapshot'])} (step {done['step']}) to {_clean(done['out'])} as a DCP "
+        f"checkpoint: {done['model_tensors']} model tensors, optimizer state of {done['optimizer_parameters']} parameters"
+    )
+    return 0
+
+
+def _chosen(root: Path, args: argparse.Namespace) -> list:
+    infos = [i for i in snap.list_snapshots(root) if i.complete or i.problem]  # a bad newest one is refused
+    if args.rank is not None:
+        infos = [i for i in infos if i.rank == args.rank]
+    elif any(i.rank is not None for i in infos):
+        infos = [i for i in infos if i.rank in (0, None)]  # None: a bad manifest did not say
+    if args.step is not None:
+        infos = [i for i in infos if i.step == args.step]
+    return infos
 
 
 def _inspect(root: Path, args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from mscale.daemon.app import create_app
 from mscale.daemon.settings import AgentSection, SocketSection
 from support import free_port
 
-FEATURES = ("mscale.daemon.api", "mscale.daemon.link", "mscale.daemon.status_api")
+FEATURES = ("mscale.daemon.api", "mscale.daemon.link", "mscale.daemon.standby", "mscale.daemon.status_api")
 
 
 def metric(text: str, series: str) -> float:

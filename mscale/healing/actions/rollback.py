@@ -2,7 +2,10 @@
 weights), then, after the step, roll back to the last good in-memory snapshot and skip the
 offending batch (not for a weight corrupted between steps: the batch was not at fault, and the
 steps since the snapshot re-run on the same batches). Without a snapshot engine the step is
-still dropped, and the event says so."""
+still dropped, and the event says so. With several ranks the restore is the engine's
+collective `agree_rollback`, run at every step end on every rank (mscale.hook.agree): all ranks
+restore the same step, or none does (and every rank skips the batch: whether to keep it is
+not agreed across ranks)."""
 
 from __future__ import annotations
 
@@ -22,11 +25,45 @@ class Rollbacks:
         self.skipped_steps: list[int] = []
 
     def settle(self, fuse, step: int) -> bool:
+        engine = fuse.snapshot_engine
+        if getattr(engine, "world_size", 1) > 1:
+            return self._agree(fuse, engine, step)
         if self.pending is None:
             return False
         d, self.pending = self.pending, None
         self._rollback(fuse, d, step)
         return True  # the step's state was dropped or replaced: not snapshotted
+
+    def _agree(self, fuse, engine, step: int) -> bool:
+        """Several ranks: all ranks restore the same step or none does, whichever rank asked.
+        When the step agreement ran for this step (mscale.hook.agree), the ranks already know:
+        a rollback pending before it is in its count, and one decided after it was decided on
+        the agreed loss and norms, alike on every rank; so no further collective, unless there
+        is a fault (the newest step every rank holds). Otherwise the engine's collective commit
+        point, on every rank at every step end, as SnapshotPlugin does."""
+        d, self.pending = self.pending, None
+        agreement = getattr(fuse.guard, "agreement", None)
+        last = agreement.history[-1] if agreement is not None and agreement.history else None
+        try:
+            if last is not None and last.step == step:
+                to = _to_newest_common(engine) if d is not None or last.rollback else None
+            else:
+                to = engine.agree_rollback(d is not None, skip_batch=True)
+        except Exception as e:  # no snapshot common to every rank: the step stays dropped everywhere
+            self.skipped_steps.append(step)
+            self.rollbacks.append({"step": step, "to": None, "error": str(e)})
+            if d is not None:
+                fuse.engine.record(d, "failed", detail=f"rollback: {e}")
+            return True
+        if to is None:
+            return False
+        self.skipped_steps.append(step)
+        self.rollbacks.append({"step": step, "to": int(to)})
+        fuse.dispatch("weights_settled")
+        if d is not None:
+            fuse.engine.record(d, "applied", detail=f"restored step {to} on every rank, batch of step {step} skipped")
+        fuse.guard.set_step(int(to) + 1)
+        return True
 
     def _rollback(self, fuse, d, step: int) -> None:
         skip = d.reason not in KEEP_BATCH
@@ -48,6 +85,17 @@ class Rollbacks:
         kept = "skipped" if skip else "re-run with the steps since"
         fuse.engine.record(d, "applied", detail=f"restored step {to}, batch of step {step} {kept}")
         fuse.guard.set_step(to + 1)  # the restored state continues at its next step
+
+
+def _to_newest_common(engine) -> int:
+    """Every rank, once the ranks agree there is a fault: restore the newest in-memory snapshot
+    every rank holds (one gather of the steps held), the faulty batch skipped."""
+    from mscale.snapshot import distributed as mdist  # torch: job side only
+
+    target = mdist.newest_common(engine.held_steps, engine.group)
+    if target is None:
+        raise RuntimeError("no in-memory snapshot common to every rank: no rank rolls back")
+    return engine.rollback(target, skip_batch=True)
 
 
 def apply(fuse, state: Rollbacks, d) -> str:

@@ -6,6 +6,9 @@ weights themselves fail their checksum (a fingerprint taken after every step) th
 restored from the last verified in-memory snapshot first. Inside a forward the fuse then
 re-runs the MPU's forward for the current batch on the standby, so the step completes with
 a correct output. No standby: ActionFailed("no healthy standby"), and the fuse escalates.
+With a link to the agent the standby is the agent's answer from its node view (every rank's
+GPUs, their health, quarantines: mscale.hook.standby, mscale.daemon.standby); its "none"
+escalates the same way, and only without an answer in time does the job choose alone.
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ def standby_for(fuse, state: Swaps, m: Any) -> int | None:
             torch.cuda.device_count() if torch.cuda.is_available() else max(8, 1 + max(o.gpu for o in fuse.guard.mpus))
         )
     bad = set().union(*fuse.dispatch("avoid_gpus")) | {m.gpu}
+    asked = fuse.ask_standby(m, bad) if getattr(fuse, "ask_standby", None) else None  # the node's view
+    if asked is not None:  # (mscale.hook.standby): a GPU, or -1 for none; None: no answer, choose here
+        return asked if asked >= 0 else None
     used = {o.gpu for o in fuse.guard.mpus if o is not m}
     free = [g for g in range(state.gpu_count) if g not in bad and g not in used]
     shared = [g for g in range(state.gpu_count) if g not in bad and g in used]

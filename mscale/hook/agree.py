@@ -1,0 +1,176 @@
+"""Agreed decisions across ranks: one small all-reduce at each step's decision point.
+
+Under DDP every rank holds a replica of the model and applies the same averaged gradient, so a
+decision taken by one rank alone splits the replicas: a NaN in one rank's batch rolled back
+on that rank only, a checksum failure that drops one rank's update while DDP has already
+averaged the corrupted gradient into every rank's, LR cooled on the rank whose local loss
+spiked. `Agreement` (a guard plugin, added by `mscale.attach` when the process group has
+several ranks) makes every rank take the same decision in the same step:
+
+    at the optimizer step pre-hook (`on_step_decide`), before the gradient statistics and the
+    loss detector, each rank contributes a few numbers to ONE all_reduce(SUM) of float64:
+
+        skip             the rank already dropped this step's update (a plugin asked)
+        nonfinite        the rank's loss is NaN/Inf
+        checksum_failed  an MPU output of the rank failed its checksum (not re-run clean)
+        rollback         a rollback is pending on the rank (the fuse's, e.g. an agent command)
+        swaps            MPUs the rank moved to a standby in this step (L1)
+        loss_sum, loss_n the rank's finite loss and 1 (or 0, 0)
+        multipliers      each MPU's CMSA clip-threshold multiplier (an L2 degrade raises it
+                         on its rank), one number per MPU
+
+    then on every rank: the step's loss becomes the mean over ranks (NaN when any rank's was
+    not finite), so the loss detector, hence LR cooling and the NaN rollback, judge the same
+    loss everywhere; the update is dropped on all ranks when any rank dropped it, had a
+    non-finite loss or a failed checksum (a STEP_DROPPED_AGREED finding on the ranks that
+    found nothing themselves); CMSA clips with the mean of the ranks' multipliers on every
+    rank for this step (each rank's own is put back at the step end), since a threshold
+    raised on one rank alone would give that replica another update than the others'. The rollback itself is the snapshot engine's collective
+    `agree_rollback` at every step end (mscale.healing.actions.rollback), which restores the
+    newest step every rank holds, or none.
+
+Every rank's guard must call it once per optimizer step (the guard does: one optimizer
+pre-hook per step), so all ranks run the same number of collectives. A step the grad scaler
+skips has no optimizer step and no agreement; under DDP its inf/NaN gradients are the same on
+every rank, so every rank's scaler skips it. Without an initialised process group, or with one
+rank, the plugin does nothing (the guard does not add it).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mscale.findings import Finding, Reason, Severity
+from mscale.snapshot.distributed import _device, rank_and_size
+
+SOURCE = "agree"
+FIELDS = ("skip", "nonfinite", "checksum_failed", "rollback", "swaps", "loss_sum", "loss_n")
+HISTORY = 256  # agreements kept (tests, benchmarks)
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What the ranks agreed on for one step (counts are over ranks)."""
+
+    step: int
+    skip: int
+    nonfinite: int
+    checksum_failed: int
+    rollback: int
+    swaps: int
+    loss: float | None  # the mean over ranks; NaN when a rank's loss was not finite; None: no loss
+
+    @property
+    def drop(self) -> bool:
+        return bool(self.skip or self.nonfinite or self.checksum_failed)
+
+
+class Agreement:
+    """The guard plugin (see the module docstring). `group`: the process group (default: the
+    world); `seconds` sums the time spent in the collective (the benchmark reads it)."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.rank, self.world_size = rank_and_size(group)
+        self.guard: Any = None
+        self.history: collections.deque[Agreed] = collections.deque(maxlen=HISTORY)
+        self.seconds = 0.0
+        self.collectives = 0
+        self._reruns_at_begin = 0
+        self._own: dict[str, float] | None = None  # this rank's CMSA multipliers, while agreed ones apply
+
+    def on_attach(self, guard: Any) -> None:
+        self.guard = guard
+        self.rank, self.world_size = rank_and_size(self.group)
+
+    def on_step_begin(self, step: int, batch: Any) -> None:
+        fuse = getattr(self.guard, "fuse", None)
+        self._reruns_at_begin = len(fuse.reruns) if fuse is not None else 0
+
+    def local(self) -> list[float]:
+        """This rank's contribution, in FIELDS order, then the CMSA multipliers by MPU."""
+        g = self.guard
+        loss = g._step_loss()
+        finite = loss is not None and math.isfinite(loss)
+        fuse = getattr(g, "fuse", None)
+        pending = getattr(getattr(fuse, "states", {}).get("rollback"), "pending", None)
+        swaps = len(fuse.reruns) - self._reruns_at_begin if fuse is not None else 0
+        return [
+            1.0 if g._skip_reason else 0.0,
+            1.0 if loss is not None and not finite else 0.0,
+            1.0 if any(not m.last_checksum_ok for m in g.mpus) else 0.0,
+            1.0 if pending is not None else 0.0,
+            float(swaps),
+            float(loss) if finite else 0.0,
+            1.0 if finite else 0.0,
+            *self._multipliers(),
+        ]
+
+    def _multipliers(self) -> list[float]:
+        cmsa = getattr(self.guard, "cmsa", None)
+        return [float(cmsa.multiplier[m.mpu_id]) for m in self.guard.mpus] if cmsa is not None else []
+
+    def on_step_end(self, step: int, loss: Any = None) -> None:
+        own, self._own = self._own, None
+        if own is not None and self.guard.cmsa is not None:
+            self.guard.cmsa.multiplier.update(own)
+
+    def reduce(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=_device(self.group))
+        t0 = time.perf_counter()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        self.seconds += time.perf_counter() - t0
+        self.collectives += 1
+        return t.tolist()
+
+    def on_step_decide(self, step: int) -> None:
+        if self.world_size < 2:
+            return
+        g = self.guard
+        mine = self.local()
+        total = self.reduce(mine)
+        skip, nonfinite, failed, rollback, swaps = (round(v) for v in total[:5])
+        loss_sum, loss_n = total[5], total[6]
+        cmsa = getattr(g, "cmsa", None)
+        if cmsa is not None and len(total) > len(FIELDS):
+            self._own = dict(cmsa.multiplier)
+            for m, v in zip(g.mpus, total[len(FIELDS) :], strict=True):
+                cmsa.multiplier[m.mpu_id] = v / self.world_size
+        if nonfinite:
+            loss: float | None = math.nan
+        elif loss_n:
+            loss = loss_sum / loss_n
+        else:
+            loss = None
+        a = Agreed(step, skip, nonfinite, failed, rollback, swaps, loss)
+        self.history.append(a)
+        if loss is not None:
+            g._losses[:] = [loss]  # every rank's detector judges the same loss
+        if a.drop and not g._skip_reason:
+            why = ", ".join(
+                f"{n} rank(s) {what}"
+                for n, what in (
+                    (skip, "dropped it"),
+                    (nonfinite, "had a non-finite loss"),
+                    (failed, "failed a checksum"),
+                )
+                if n
+            )
+            g.request_skip(f"agreed across {self.world_size} ranks: {why}")
+            if not (mine[1] or mine[2]):
+                g.emit(
+                    Finding(
+                        SOURCE,
+                        Reason.STEP_DROPPED_AGREED,
+                        Severity.WARNING,
+                        f"step {step}: update dropped on every rank ({why})",
+                        {"rank": str(self.rank), "step": str(step)},
+                    )
+                )

@@ -1,0 +1,75 @@
+"""`mscale snapshot export --format dcp`: one snapshot as a torch.distributed.checkpoint (DCP)
+checkpoint, for tools that read DCP (torchtitan, torch.distributed.checkpoint.load, the
+format converters `torch.distributed.checkpoint.format_utils` ships).
+
+The checkpoint holds the state dict in the FQN-keyed form of torch.distributed.checkpoint's
+`get_state_dict`:
+
+    {"model": {fqn: tensor},                          every parameter and buffer
+     "optim": {"state": {fqn: {key: value}},          tensors and scalars per parameter
+               "param_groups": [{..., "params": [fqn, ...]}]},
+     "train": {"step": int}}
+
+so `dcp.load({"model": model.state_dict()}, checkpoint_id=DIR)` fills a model in place. The
+snapshot is verified first (sizes and SHA-256 against its manifest); a refused one exports
+nothing. Under DDP every rank's snapshot holds the whole model: rank 0's is exported unless
+another is named. Written by one process with no process group (DCP's single-process save).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from mscale.snapshot.format import SnapshotError
+from mscale.snapshot.tensors import load_snapshot
+
+
+def state_dict_of(snapshot: str | os.PathLike) -> dict:
+    """The DCP state dict (see the module docstring) of one verified snapshot directory."""
+    tensors, objects, _manifest = load_snapshot(snapshot)
+    sharding = (objects.get("extra") or {}).get("sharding") or {}
+    if sharding.get("sharded"):
+        raise SnapshotError(
+            f"{snapshot}: holds one rank's shard of a model sharded over {sharding.get('world_size')} ranks "
+            "(FSDP2); exporting a shard as a whole-model checkpoint would mislead. Save a sharded model "
+            "with torch.distributed.checkpoint from the job"
+        )
+    model: dict[str, torch.Tensor] = {}
+    state: dict[str, dict] = {}
+    for file in tensors.values():
+        for key, t in file.items():
+            kind, _, rest = key.partition("/")
+            if kind == "model":
+                model[rest] = t
+            elif kind == "optim":
+                fqn, _, name = rest.rpartition("/")
+                state.setdefault(fqn, {})[name] = t
+    opt = objects.get("optimizer") or {}
+    for fqn, scalars in (opt.get("scalars") or {}).items():
+        state.setdefault(fqn, {}).update(scalars)
+    out: dict = {"model": model, "train": {"step": int(objects["step"])}}
+    if opt:
+        out["optim"] = {"state": state, "param_groups": opt.get("param_groups", [])}
+    return out
+
+
+def export(snapshot: str | os.PathLike, out: str | os.PathLike) -> dict:
+    """Write the snapshot at `snapshot` as a DCP checkpoint in `out` (a new or empty directory);
+    a summary of what was written."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise SnapshotError(f"{out}: exists and is not an empty directory (refusing to mix checkpoints)")
+    sd = state_dict_of(snapshot)
+    out.mkdir(parents=True, exist_ok=True)
+    dcp.save(sd, checkpoint_id=str(out), no_dist=True)
+    return {
+        "snapshot": str(snapshot),
+        "out": str(out),
+        "step": sd["train"]["step"],
+        "model_tensors": len(sd["model"]),
+        "optimizer_parameters": len(sd.get("optim", {}).get("state", {})),
+    }
