@@ -46,8 +46,14 @@ render: $(STAMP)
 	$(PY) -m mscale.dashboards.build
 	bash deploy/kubernetes/render.sh
 
+# Every benchmark at its quick default (under 20 minutes on 2 cores), each verdict on the median
+# of its repeats; every figure into one JSON file (BENCH_JSON), the table printed from it at the end.
+# README table: .venv/bin/python benchmarks/_table.py FILE --readme README.md (see docs in the script).
+BENCH_JSON ?= benchmarks/results/latest.json
 benchmarks: $(STAMP)
-	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	rm -f $(BENCH_JSON)
+	for b in benchmarks/[!_]*.py; do echo "== $$b"; $(PY) $$b --json $(BENCH_JSON) || exit 1; done
+	$(PY) benchmarks/_table.py $(BENCH_JSON)
 
 # The one device check, on a machine with an NVIDIA GPU (under 8 minutes): every gpu-marked
 # test and the CUDA measurements, report in gpu-check/. Without a GPU it says so and exits 0.

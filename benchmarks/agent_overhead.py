@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Agent overhead: 8 simulated GPUs probed every second for --duration seconds (default 60).
+"""Agent overhead: 8 simulated GPUs probed every second for --duration seconds (default 30).
 
 Prints the agent's CPU (percent of one core) and peak RSS against their targets (< 1 % of a
 core, < 80 MB), and /metrics scrape latency p50/p99 against Debian's prometheus-node-exporter
@@ -13,7 +13,13 @@ agent probes and is scraped every --scrape-interval seconds (Prometheus-like); p
 measures scrape latency over --latency-scrapes back-to-back scrapes of each target. Peak RSS
 is the agent's high-water mark over the whole run.
 
-    .venv/bin/python benchmarks/agent_overhead.py [--duration 60] [--strict]
+Both phases are split into --repeats blocks (3 by default); every verdict is on the median
+of the blocks' figures, their range printed (benchmarks/_verdict.py). The latency control:
+node_exporter's own scrapes split into two interleaved halves, whose p99 ratio is truly 1.00;
+when it strays further than the agent's p99 ratio from its target, the verdict is
+"inconclusive".
+
+    .venv/bin/python benchmarks/agent_overhead.py [--duration 30] [--repeats 3] [--json PATH] [--strict]
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ import os
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +39,10 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from _verdict import Report, add_json_arg  # noqa: E402
+
 TIMELINE = """\
 gpus: 8
 model: h100
@@ -86,7 +95,9 @@ def peak_rss_bytes(pid: int) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--duration", type=float, default=60.0, help="seconds to measure (default 60)")
+    ap.add_argument("--duration", type=float, default=30.0, help="seconds to measure CPU (default 30)")
+    ap.add_argument("--repeats", type=int, default=3, help="blocks each phase is split into")
+    add_json_arg(ap)
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds after start-up before measuring")
     ap.add_argument(
         "--scrape-interval",
@@ -148,18 +159,24 @@ def main() -> int:
         size: dict[str, int] = {}
 
         # Phase 1, overhead: the agent probing, scraped as a Prometheus server would.
-        ca0, cn0, t0 = pa.cpu_times(), pn.cpu_times(), time.monotonic()
-        next_scrape = t0
-        while time.monotonic() - t0 < args.duration:
-            if time.monotonic() >= next_scrape:
-                for name, conn in conns.items():
-                    size[name] = scrape(conn)[1]
-                next_scrape += args.scrape_interval
-            time.sleep(max(0.0, min(next_scrape, t0 + args.duration) - time.monotonic()))
-        wall = time.monotonic() - t0
-        ca1, cn1 = pa.cpu_times(), pn.cpu_times()
-        agent_cpu = (ca1.user + ca1.system - ca0.user - ca0.system) / wall * 100
-        node_cpu = (cn1.user + cn1.system - cn0.user - cn0.system) / wall * 100
+        agent_cpu, node_cpu, peaks = [], [], []
+        block = args.duration / args.repeats
+        wall = 0.0
+        next_scrape = time.monotonic()
+        for _ in range(args.repeats):
+            ca0, cn0, t0 = pa.cpu_times(), pn.cpu_times(), time.monotonic()
+            while time.monotonic() - t0 < block:
+                if time.monotonic() >= next_scrape:
+                    for name, conn in conns.items():
+                        size[name] = scrape(conn)[1]
+                    next_scrape += args.scrape_interval
+                time.sleep(max(0.0, min(next_scrape, t0 + block) - time.monotonic()))
+            took = time.monotonic() - t0
+            wall += took
+            ca1, cn1 = pa.cpu_times(), pn.cpu_times()
+            agent_cpu.append((ca1.user + ca1.system - ca0.user - ca0.system) / took * 100)
+            peaks.append(peak_rss_bytes(agent.pid) / 1e6)  # the high-water mark so far
+            node_cpu.append((cn1.user + cn1.system - cn0.user - cn0.system) / took * 100)
 
         # Phase 2, latency: alternate scrapes so both targets see the same machine load.
         lat: dict[str, list[float]] = {k: [] for k in conns}
@@ -167,7 +184,7 @@ def main() -> int:
             for name, conn in conns.items():
                 lat[name].append(scrape(conn)[0])
             time.sleep(0.02)
-        agent_peak = peak_rss_bytes(agent.pid) / 1e6
+        peaks.append(peak_rss_bytes(agent.pid) / 1e6)
         node_peak = peak_rss_bytes(node.pid) / 1e6
         conns["agent"].request("GET", "/metrics")
         page = conns["agent"].getresponse().read().decode()
@@ -185,38 +202,50 @@ def main() -> int:
                 p.kill()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    a50, a99 = pct(lat["agent"], 50) * 1e3, pct(lat["agent"], 99) * 1e3
-    n50, n99 = pct(lat["node_exporter"], 50) * 1e3, pct(lat["node_exporter"], 99) * 1e3
-    rows = [
-        ("agent CPU, % of one core", agent_cpu, TARGET_CPU_PCT, "target"),
-        ("agent peak RSS, MB", agent_peak, TARGET_RSS_MB, "target"),
-        ("scrape p50, ms (vs node_exporter)", a50, n50, "node_exporter"),
-        ("scrape p99, ms (vs node_exporter)", a99, n99, "node_exporter"),
-    ]
+    rep = Report("agent_overhead", args.json)
+    k = max(1, len(lat["agent"]) // args.repeats)
+    blocks = [slice(i * k, (i + 1) * k) for i in range(args.repeats)]
+
+    def per_block(name: str, q: float) -> list[float]:
+        return [pct(lat[name][b], q) * 1e3 for b in blocks]
+
+    a50, a99, n50, n99 = (
+        per_block("agent", 50),
+        per_block("agent", 99),
+        per_block("node_exporter", 50),
+        per_block("node_exporter", 99),
+    )
+    node = lat["node_exporter"]
+    control = [pct(node[b][0::2], 99) / pct(node[b][1::2], 99) for b in blocks]  # truly 1.00
     print(
         f"agent_overhead: 8 simulated GPUs, GPU probe every 1 s; CPU over {wall:.0f} s with a scrape every "
         f"{args.scrape_interval:g} s; latency over {len(lat['agent'])} alternating scrapes per target; "
-        f"{os.cpu_count()} CPUs"
+        f"{os.cpu_count()} CPUs, {args.repeats} blocks"
     )
     print(
         f"  /metrics size: agent {size['agent']} bytes ({gpu_series} mscale_gpu_* lines), "
         f"node_exporter {size['node_exporter']} bytes"
     )
-    print(
-        f"  baseline in the same run: node_exporter CPU {node_cpu:.2f} % of a core, peak RSS {node_peak:.1f} MB, "
-        f"scrape mean {statistics.fmean(lat['node_exporter']) * 1e3:.2f} ms"
-    )
-    print(f"  {'figure':<38} {'measured':>10} {'against':>10}  {'ratio':>6}  verdict")
-    missed = 0
-    for label, value, base, what in rows:
-        ratio = value / base if base else float("inf")
-        ok = ratio <= 1.0 if "p50" not in label else True  # p50 is shown for context; the target is p99
-        verdict = ("meets" if ok else "MISSES") + f" ({what})"
-        if "p50" in label:
-            verdict = f"context ({what})"
-        missed += not ok
-        print(f"  {label:<38} {value:>10.2f} {base:>10.2f}  {ratio:>6.2f}  {verdict}")
-    return 1 if args.strict and missed else 0
+    rep.figure("node_exporter CPU, % of a core (baseline)", node_cpu, unit="%", digits=2)
+    rep.figure("node_exporter peak RSS, MB (baseline)", [node_peak], unit="MB", digits=1)
+    rep.figure("scrape p50 agent, ms", a50, unit="ms", digits=2)
+    rep.figure("scrape p50 node_exporter, ms", n50, unit="ms", digits=2)
+    rep.figure("scrape p99 agent, ms", a99, unit="ms", digits=2)
+    rep.figure("scrape p99 node_exporter, ms", n99, unit="ms", digits=2)
+    verdicts = [
+        rep.verdict("agent CPU, % of one core", agent_cpu, TARGET_CPU_PCT, higher=False, unit="%"),
+        # the high-water mark after each CPU block and after the latency phase: the last is the run's peak
+        rep.verdict("agent peak RSS, MB", peaks, TARGET_RSS_MB, higher=False, unit=" MB", digits=1),
+        rep.verdict(
+            "scrape p99: agent / node_exporter",
+            [x / y for x, y in zip(a99, n99, strict=True)],
+            1.0,
+            higher=False,
+            control=control,
+        ),
+    ]
+    rep.write()
+    return 1 if args.strict and "MISSED" in verdicts else 0
 
 
 if __name__ == "__main__":

@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _verdict import Report, add_json_arg  # noqa: E402
 
 from mscale.contracts.hardware import read_host  # noqa: E402
 from mscale.contracts.spec import ContractRefused, parse  # noqa: E402
@@ -85,7 +88,9 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--target-ms", type=float, default=15.0)
+    add_json_arg(ap)
     args = ap.parse_args()
+    rep = Report("contract_validate", args.json)
     cpus = sorted(os.sched_getaffinity(0))
     contract = parse(
         "balanced",
@@ -130,6 +135,9 @@ def main() -> int:
         f"(medians: {statistics.median(v50):.3f} ms vs {statistics.median(b50):.3f} ms, "
         f"{statistics.median(v50) / statistics.median(b50):.2f}x)"
     )
+    rep.figure("baseline walk p99, ms", b99, unit="ms")
+    rep.verdict("validation p99, ms", v99, args.target_ms, higher=False, unit=" ms")
+    rep.write()
     return 0
 
 

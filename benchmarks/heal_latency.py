@@ -14,16 +14,21 @@
    steps since re-run); and the fingerprints' own cost per step (record + check).
 5. Goodput on the tiny Hugging Face LLaVA: a run with five faults (SDC on the vision MPU's GPU:
    L1; a 25x loss spike; a NaN loss; corruption that follows the vision MPU: L1, L2, L3 and
-   recovery; a weight corrupted between steps) against its fault-free run, useful steps per CPU-second, median of repeats; target >= 0.9, the
-   verdict "inconclusive" when the fault-free repeats spread more than the effect.
+   recovery; a weight corrupted between steps) against its fault-free run, useful steps per
+   CPU-second per round, target >= 0.9, the fault-free runs against each other the control.
 
 Each figure is printed as a ratio against a baseline measured in the same run (the median
-step time, the fault-free throughput). Run: .venv/bin/python benchmarks/heal_latency.py
-(`--only weights,llava` runs those parts alone).
+step time, the fault-free throughput), as the median of its repeats with their range
+(benchmarks/_verdict.py); goodput pairs a faulty and a fault-free run per round, and the
+fault-free runs against each other are its control (truly 1.00).
+
+    .venv/bin/python benchmarks/heal_latency.py [--rounds 3] [--steps 200] [--json PATH]
+        [--only weights,llava]     (those parts alone)
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import statistics
 import sys
@@ -34,6 +39,9 @@ from pathlib import Path
 import structlog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _verdict import Report, add_json_arg  # noqa: E402
 
 from mscale.demo.scenario import Fault, Run, RunConfig, run  # noqa: E402
 
@@ -85,22 +93,30 @@ def xid_to_emergency_snapshot(reps: int = 3) -> tuple[list[float], float]:
     return out, statistics.median(steps)
 
 
-def goodput() -> tuple[float, float, int]:
-    steps = 300
+def goodput(rounds: int, steps: int) -> tuple[list[float], list[float], list[float], list[float], int]:
+    """Per round: useful steps per CPU-second and per wall-second of the faulty run against
+    the fault-free one, the held-out loss ratio; and the control: fault-free against the
+    previous round's fault-free run. Plus the steps lost to rollbacks (last round)."""
     faults = (
-        Fault(30, "corrupt", {"gpu": 0, "mode": "noise", "steps": 20}),
-        Fault(90, "corrupt", {"mpu": "vision", "mode": "noise", "steps": 25}),
-        Fault(170, "loss_spike", {"factor": 25.0}),
-        Fault(210, "nan_loss", {}),
-        Fault(250, "corrupt", {"gpu": 1, "mode": "noise", "steps": 20}),
+        Fault(steps // 10, "corrupt", {"gpu": 0, "mode": "noise", "steps": 20}),
+        Fault(3 * steps // 10, "corrupt", {"mpu": "vision", "mode": "noise", "steps": 25}),
+        Fault(55 * steps // 100, "loss_spike", {"factor": 25.0}),
+        Fault(70 * steps // 100, "nan_loss", {}),
+        Fault(85 * steps // 100, "corrupt", {"gpu": 1, "mode": "noise", "steps": 20}),
     )
-    refs, bads = [], []
-    for _ in range(2):  # alternate and keep the best of each: the machine is shared
-        refs.append(run(RunConfig(steps=steps)))
-        bads.append(run(RunConfig(steps=steps, faults=faults)))
-    ref, bad = min(refs, key=lambda r: r.cpu_s), min(bads, key=lambda r: r.cpu_s)
-    wall = (bad.steps / min(b.wall_s for b in bads)) / (ref.steps / min(r.wall_s for r in refs))
-    return (bad.steps / bad.cpu_s) / (ref.steps / ref.cpu_s), wall, bad.eval_loss / ref.eval_loss, bad.steps_lost
+    cpu, wall, loss, control = [], [], [], []
+    prev = None
+    lost = 0
+    for _ in range(rounds):  # a fault-free and a faulty run back to back, each round
+        ref = run(RunConfig(steps=steps))
+        bad = run(RunConfig(steps=steps, faults=faults))
+        cpu.append((bad.steps / bad.cpu_s) / (ref.steps / ref.cpu_s))
+        wall.append((bad.steps / bad.wall_s) / (ref.steps / ref.wall_s))
+        loss.append(bad.eval_loss / ref.eval_loss)
+        if prev is not None:
+            control.append((ref.steps / ref.cpu_s) / (prev.steps / prev.cpu_s))
+        prev, lost = ref, bad.steps_lost
+    return cpu, wall, loss, control, lost
 
 
 def weight_repair(reps: int = 5) -> dict[str, list[float]]:
@@ -205,7 +221,7 @@ def llava_goodput(reps: int = 5, steps: int = 300) -> tuple[list[float], list[fl
         return steps / cpu, runs - steps, healed
 
     ratios, clean, lost, healed = [], [], [], []
-    for _ in range(reps):  # alternated: the machine is shared
+    for _ in range(reps):  # a fault-free and a faulty run back to back, each round
         c, _, _ = one(False)
         f, n, ok = one(True)
         clean.append(c)
@@ -215,71 +231,61 @@ def llava_goodput(reps: int = 5, steps: int = 300) -> tuple[list[float], list[fl
     return ratios, clean, lost, healed
 
 
-def verdict(ratios: list[float], control: list[float], target: float) -> str:
-    """Against `target`: the median ratio, with the control's spread (max-min over median of
-    the fault-free repeats) as the noise; "inconclusive" when that noise exceeds the effect."""
-    med = statistics.median(ratios)
-    noise = (max(control) - min(control)) / statistics.median(control) if len(control) > 1 else 0.0
-    if noise > abs(1.0 - med):
-        return f"inconclusive (control spread {noise:.1%} > effect {abs(1.0 - med):.1%})"
-    return ("meets" if med >= target else "misses") + f" the target {target} (control spread {noise:.1%})"
-
-
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3, help="goodput rounds (a fault-free and a faulty run each)")
+    ap.add_argument("--steps", type=int, default=200, help="steps of each goodput run")
+    ap.add_argument("--only", default="", help="comma-separated parts to run alone: weights, llava")
+    add_json_arg(ap)
+    args = ap.parse_args()
+    rep = Report("heal_latency", args.json)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
-    only = set(sys.argv[sys.argv.index("--only") + 1].split(",")) if "--only" in sys.argv else set()
-    if only:
-        return extras(only)
+    if args.only:
+        extras(rep, set(args.only.split(",")))
+        rep.write()
+        return 0
     trig, inj, st = checksum_to_swap()
     print("checksum failure -> swapped (tiny model, CPU, 1 thread)")
-    print(f"  step time (baseline, same run)       {st * 1e3:8.2f} ms")
-    print(
-        f"  Nth failure -> swapped, re-run done  {statistics.median(trig) * 1e3:8.2f} ms   "
-        f"= {statistics.median(trig) / st:5.2f} x step time (median of {len(trig)})"
-    )
-    print(
-        f"  first failure -> swapped, re-run     {statistics.median(inj) * 1e3:8.2f} ms   "
-        f"= {statistics.median(inj) / st:5.2f} x step time (3 failing steps of evidence)"
-    )
+    rep.figure("step time (baseline, same run), ms", [st * 1e3], unit="ms", digits=2)
+    rep.figure("Nth failure -> swapped, re-run done, x step time", [t / st for t in trig], unit="x")
+    rep.figure("first failure -> swapped (3 steps of evidence), x step time", [t / st for t in inj], unit="x")
     xs, st2 = xid_to_emergency_snapshot()
     print("Xid -> emergency snapshot written (agent probe -> engine -> link -> fuse -> disk)")
-    print(f"  step time (baseline, same run)       {st2 * 1e3:8.2f} ms")
-    print(
-        f"  Xid injected -> snapshot on disk     {statistics.median(xs) * 1e3:8.2f} ms   "
-        f"= {statistics.median(xs) / st2:5.2f} x step time (median of {len(xs)})"
-    )
-    ratio, wall, loss_ratio, lost = goodput()
-    print("goodput of a run with 5 faults healed vs the fault-free run (300 steps, best of 2 each)")
-    print(f"  useful steps per CPU-second, ratio   {ratio:8.3f}")
-    print(f"  useful steps per wall-second, ratio  {wall:8.3f}   (noisy on a shared machine)")
-    print(f"  final held-out loss ratio            {loss_ratio:8.4f}   (steps lost to rollbacks: {lost})")
-    return extras({"weights", "llava"})
+    rep.figure("step time of the Xid runs (baseline), ms", [st2 * 1e3], unit="ms", digits=2)
+    rep.figure("Xid injected -> snapshot on disk, ms", [x * 1e3 for x in xs], unit="ms", digits=1)
+    rep.figure("Xid injected -> snapshot on disk, x step time", [x / st2 for x in xs], unit="x")
+    cpu, wall, loss, control, lost = goodput(args.rounds, args.steps)
+    print(f"goodput of a run with 5 faults healed vs the fault-free run ({args.steps} steps, {args.rounds} rounds)")
+    rep.figure("useful steps per CPU-second, faulty / fault-free", cpu, unit="x", digits=3)
+    rep.figure("useful steps per wall-second, faulty / fault-free", wall, unit="x", digits=3)
+    rep.figure("control: fault-free / fault-free (CPU)", control, unit="x", digits=3)
+    rep.figure("final held-out loss, faulty / fault-free", loss, unit="x", digits=4)
+    print(f"  steps lost to rollbacks: {lost}")
+    extras(rep, {"weights", "llava"})
+    rep.write()
+    return 0
 
 
-def extras(parts: set[str]) -> int:
-    med = statistics.median
+def extras(rep: Report, parts: set[str]) -> None:
     if "weights" in parts:
         w = weight_repair()
-        n = len(w["in_place_detect_steps"])
-        print(f"weight corruption (x1024 between steps) -> detected and repaired (tiny model, median of {n})")
-        for path, how in (
-            ("in_place", "in place (snapshot of the last step)"),
-            ("rollback", "rollback (snapshot <= 5 steps old)"),
-        ):
-            print(
-                f"  {how:38s} detected {med(w[path + '_detect_steps']):+.0f} steps after, repaired in "
-                f"{med(w[path + '_repair_x_step']):5.2f} x step time ({med(w[path + '_rerun_steps']):.0f} steps re-run)"
-            )
-        print(f"  fingerprints' cost per step (record + check)  {med(w['fingerprint_x_step']):6.2%} of a step")
+        print("weight corruption (x1024 between steps) -> detected and repaired (tiny model)")
+        for path, how in (("in_place", "in place"), ("rollback", "by rollback (snapshot <= 5 steps old)")):
+            rep.figure(f"{how}: steps from corruption to finding", w[path + "_detect_steps"], unit="steps", digits=0)
+            rep.figure(f"{how}: repair, x step time", w[path + "_repair_x_step"], unit="x")
+            rep.figure(f"{how}: steps re-run", w[path + "_rerun_steps"], unit="steps", digits=0)
+        rep.figure(
+            "fingerprints per step (record + check), share of a step", w["fingerprint_x_step"], unit="x", digits=4
+        )
     if "llava" in parts:
         ratios, clean, lost, healed = llava_goodput()
-        print(f"goodput on the tiny LLaVA: 5 faults healed vs fault-free (300 steps, median of {len(ratios)})")
-        print(
-            f"  useful steps per CPU-second, ratio   {med(ratios):8.3f}   (repeats: {', '.join(f'{r:.3f}' for r in ratios)})"
+        control = [b / a for a, b in zip(clean, clean[1:], strict=False)]
+        print(f"goodput on the tiny LLaVA: 5 faults healed vs fault-free (300 steps, {len(ratios)} rounds)")
+        rep.verdict(
+            "tiny LLaVA: useful steps per CPU-second, faulty / fault-free", ratios, 0.9, control=control, digits=3
         )
-        print(f"  steps lost (re-run after rollbacks)  {med(lost):8.0f}   every run healed: {all(healed)}")
-        print(f"  verdict: {verdict(ratios, clean, 0.9)}")
-    return 0
+        rep.figure("tiny LLaVA: steps re-run after rollbacks", [float(n) for n in lost], unit="steps", digits=0)
+        print(f"  every faulty run healed: {all(healed)}")
 
 
 if __name__ == "__main__":

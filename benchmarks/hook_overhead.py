@@ -1,8 +1,8 @@
 """Step time with the hook library attached against the same loop without it, on CPU.
 
-Three identical TinyMultimodal models, trained on the same batches, one step of each per
-batch, the order of the three arms rotating through all six permutations so every arm sees
-the same machine load and none always runs with another's data in cache; one torch thread.
+Four identical TinyMultimodal models, trained on the same batches, one step of each per
+batch, the order of the arms rotating through all their permutations so every arm sees the
+same machine load and none always runs with another's data in cache; one torch thread.
 The arms:
 
 - plain: forward, backward, optimizer step; no clipping (the comparison the target was
@@ -13,6 +13,13 @@ The arms:
 - guarded: no clip_grad_norm_ call (CMSA clips per MPU), ABFT on every linear every step,
   replay 1 step in 100, the loss/grad statistics, reports to a running agent (`mscale agent`
   started here as a subprocess on a temporary Unix socket, probes that need hardware off).
+- control: a second plain + clip_grad_norm_ loop. control / clip is truly 1.00: how far it
+  strays is the noise a verdict must exceed (benchmarks/_verdict.py).
+
+The timed steps are split into --repeats blocks; each block gives the ratio of medians, and
+the verdict (target: at most +1% against plain + clip_grad_norm_ at the realistic shape) is
+on the median of the blocks' ratios, their range printed, "inconclusive" when the control
+strays further from 1.00 than the overhead from the target.
 
 Prints, per shape, the median step time of each arm and the guarded arm's added time against
 each baseline, labelled: median ratio (the headline), the median of the paired differences
@@ -56,6 +63,9 @@ from mscale.hook.checksum import ChecksumConfig  # noqa: E402
 from mscale.hook.guard import attach  # noqa: E402
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _verdict import Report, add_json_arg  # noqa: E402
+
 
 def start_agent(tmp: str) -> tuple[subprocess.Popen, str]:
     sock = os.path.join(tmp, "agent.sock")
@@ -80,12 +90,12 @@ def start_agent(tmp: str) -> tuple[subprocess.Popen, str]:
 
 SHAPES = {
     # name: (TinyConfig overrides, default timed steps)
-    "original": (dict(image_size=32, ffn_mult=2, seq_len=32), 200),
-    "realistic": (dict(image_size=48, ffn_mult=4, seq_len=64), 100),
+    "original": (dict(image_size=32, ffn_mult=2, seq_len=32), 45),
+    "realistic": (dict(image_size=48, ffn_mult=4, seq_len=64), 45),
 }
 
 
-def run_shape(name: str, args: argparse.Namespace, sock: str) -> dict:
+def run_shape(name: str, args: argparse.Namespace, sock: str, rep: Report) -> dict:
     overrides, default_steps = SHAPES[name]
     steps = args.steps or default_steps
     cfg = TinyConfig(
@@ -111,6 +121,7 @@ def run_shape(name: str, args: argparse.Namespace, sock: str) -> dict:
 
     plain, plain_opt = model_and_opt()
     clipped, clipped_opt = model_and_opt()
+    control, control_opt = model_and_opt()
     guarded, guarded_opt = model_and_opt()
     guard = attach(
         guarded, guarded_opt, job_id=f"bench-{name}", socket_path=sock, checksum=ChecksumConfig(replay_every=100)
@@ -140,6 +151,7 @@ def run_shape(name: str, args: argparse.Namespace, sock: str) -> dict:
     arms = {
         "plain": lambda b: step(plain, plain_opt, b),
         "clip": lambda b: step(clipped, clipped_opt, b, clip=True),
+        "control": lambda b: step(control, control_opt, b, clip=True),
         "guarded": lambda b: step(guarded, guarded_opt, b),
     }
     orders = list(itertools.permutations(arms))
@@ -164,21 +176,24 @@ def run_shape(name: str, args: argparse.Namespace, sock: str) -> dict:
     )
     print(f"  (clip_grad_norm_ itself: {(med['clip'] / med['plain'] - 1) * 100:+.2f}% on the plain median)")
     replays = sum(1 for i in range(args.warmup, n) if i % 100 == 99)
+    print(f"  ({replays} ABFT replay step(s) among the timed steps)")
+    size = max(1, len(times["plain"]) // args.repeats)  # blocks of consecutive steps
+    blocks = [slice(i * size, (i + 1) * size) for i in range(args.repeats)]
+
+    def block_ratios(arm: str, base: str) -> list[float]:
+        return [statistics.median(times[arm][b]) / statistics.median(times[base][b]) for b in blocks]
+
+    ctl = block_ratios("control", "clip")
+    rep.figure(f"{name}: control / plain+clip (A/A)", ctl, unit="x", digits=4)
     out = {}
     for base in ("plain", "clip"):
-        g, p = times["guarded"], times[base]
-        md = statistics.median(x - y for x, y in zip(g, p, strict=True))
-        r = {
-            "median": med["guarded"] / med[base] - 1,
-            "paired": md / med[base],
-            "mean": mean["guarded"] / mean[base] - 1,
-        }
-        out[base] = r
-        print(
-            f"guarded vs {LABELS[base]}: median ratio {med['guarded'] / med[base]:.4f} "
-            f"({r['median'] * 100:+.2f}% added; target < 3%), paired difference {md * 1e3:+.2f} ms "
-            f"({r['paired'] * 100:+.2f}%), mean {r['mean'] * 100:+.2f}% (includes {replays} replay step(s))"
-        )
+        added = [r - 1 for r in block_ratios("guarded", base)]
+        out[base] = added
+        label = f"{name}: guarded vs {LABELS[base]}, added"
+        if name == "realistic" and base == "clip":
+            rep.verdict(label, added, 0.01, at_most=True, control=ctl)
+        else:
+            rep.figure(label, [a * 100 for a in added], unit="%", digits=2)
     print("guard's own time per step, mean, by part (share of the plain step's mean):")
     for k, v in parts.items():
         m = sum(v) / len(v)
@@ -191,19 +206,22 @@ def run_shape(name: str, args: argparse.Namespace, sock: str) -> dict:
     return out
 
 
-LABELS = {"plain": "plain (no clip)", "clip": "plain + clip_grad_norm_", "guarded": "guarded"}
+LABELS = {"plain": "plain (no clip)", "clip": "plain + clip_grad_norm_", "guarded": "guarded", "control": "control"}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=("both", *SHAPES), default="both")
-    ap.add_argument("--steps", type=int, default=0, help="timed steps per shape (0: 200 original, 100 realistic)")
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=0, help="timed steps per shape (0: 45 each)")
+    ap.add_argument("--repeats", type=int, default=3, help="blocks the timed steps are split into")
+    ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steady on a shared machine)")
+    add_json_arg(ap)
     args = ap.parse_args()
+    rep = Report("hook_overhead", args.json)
     if args.hidden < 512:
         raise SystemExit("--hidden: the target is stated for hidden >= 512")
     torch.set_num_threads(args.threads)
@@ -218,19 +236,12 @@ def main() -> int:
     results = {}
     try:
         for name in SHAPES if args.shape == "both" else (args.shape,):
-            results[name] = run_shape(name, args, sock)
+            results[name] = run_shape(name, args, sock, rep)
     finally:
         agent.terminate()
         agent.wait(10)
         shutil.rmtree(tmp, ignore_errors=True)
-    print("\nadded step time of the guarded loop (target < 3%); median, paired, mean (with replay):")
-    for k, r in results.items():
-        for base in ("plain", "clip"):
-            x = r[base]
-            print(
-                f"  {k:9s} vs {LABELS[base]:24s} {x['median'] * 100:+.2f}%, {x['paired'] * 100:+.2f}%, "
-                f"{x['mean'] * 100:+.2f}%"
-            )
+    rep.write()
     return 0
 
 

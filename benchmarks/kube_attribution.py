@@ -22,7 +22,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _verdict import Report, add_json_arg  # noqa: E402
 from prometheus_client import generate_latest  # noqa: E402
 
 from mscale.config import from_dict  # noqa: E402
@@ -84,7 +86,9 @@ def main() -> int:
     # three more labels on nearly every sample: the text alone grows by about half, so up to
     # twice the plain page's time is the budget (about 1 ms on an 8-GPU page here)
     p.add_argument("--budget", type=float, default=1.0, help="allowed relative cost of the labels")
+    add_json_arg(p)
     args = p.parse_args()
+    rep = Report("kube_attribution", args.json)
     plain = make_registry(state_with_jobs(pods=False))
     plain_again = make_registry(state_with_jobs(pods=False))
     labelled_state = state_with_jobs(pods=True)
@@ -118,6 +122,10 @@ def main() -> int:
         f"of which building the families (exporters + relabel pass, no text): "
         f"{statistics.median(collect_ratios):.2f}x; the rest is the longer exposition text"
     )
+    rep.figure("control: plain / plain render", controls, unit="x")
+    rep.figure("families only (no text): with pod labels / without", collect_ratios, unit="x")
+    rep.verdict("scrape render with pod labels / without", ratios, 1 + args.budget, higher=False, control=controls)
+    rep.write()
     return 0
 
 

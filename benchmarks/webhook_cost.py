@@ -12,17 +12,16 @@ was scanned per alert and kept 24 h, and five bodies of 4,000 grew 6.7x).
 Each agent is first sent a warm-up body of 50 alerts. The control runs interleaved with it:
 after each body, a body of the same shape is posted to another fresh (warmed-up) agent, so
 the control's last/first ratio is what the machine's drift and noise alone make of the same
-positions in the run. Repeated --repeats times; the headline is the median ratio, the
-control's the median of |ratio - 1|. Verdict: "flat" when
-the median ratio is within --tolerance of 1 and the control's deviation is below
---tolerance; "grows" when the ratio exceeds 1 by more than both; otherwise "inconclusive"
-(the control is noisier than the effect looked for).
+positions in the run. Repeated --repeats times; the verdict is on the median growth
+(last/first - 1) against --tolerance (benchmarks/_verdict.py): "met" (flat) when it stays
+below by more than the control's noise, "MISSED" (grows) when above by more, otherwise
+"inconclusive" (the control is noisier than the effect looked for).
 
 A second figure: the longest /healthz answer while a body of --big alerts is processed,
 against the whole body's time (1.0: the event loop was blocked for the whole body, as
 10,000 alerts did for up to 43.6 s before issue 16; the systemd watchdog fires at 30 s).
 
-    .venv/bin/python benchmarks/webhook_cost.py [--bodies 5] [--alerts 4000] [--repeats 5]
+    .venv/bin/python benchmarks/webhook_cost.py [--bodies 5] [--alerts 4000] [--repeats 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ import argparse
 import http.client
 import json
 import logging
-import statistics
 import sys
 import threading
 import time
@@ -41,6 +39,9 @@ from urllib.parse import urlsplit
 import structlog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _verdict import Report, add_json_arg  # noqa: E402
 
 from mscale.demo.embedded import EmbeddedAgent  # noqa: E402
 
@@ -124,32 +125,27 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bodies", type=int, default=5, help="bodies posted to one agent (default 5)")
     ap.add_argument("--alerts", type=int, default=4000, help="new alerts per body (default 4000)")
-    ap.add_argument("--repeats", type=int, default=5, help="fresh agents (default 5)")
+    ap.add_argument("--repeats", type=int, default=3, help="fresh agents (default 3)")
     ap.add_argument("--tolerance", type=float, default=0.25, help="flat: |ratio - 1| within this (default 0.25)")
     ap.add_argument("--big", type=int, default=10_000, help="alerts in the stall body (default 10000)")
+    add_json_arg(ap)
     args = ap.parse_args()
+    report = Report("webhook_cost", args.json)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
     ratios, control, firsts = [], [], []
     for rep in range(args.repeats):
         h, c = costs(args.bodies, args.alerts, rep)
         ratios.append(h[-1] / h[0])
-        control.append(abs(c[-1] / c[0] - 1))
+        control.append(c[-1] / c[0])
         firsts.append(h[0])
         print(f"repeat {rep + 1}: " + ", ".join(f"{x:.3f}" for x in h) + f" s  (last/first {h[-1] / h[0]:.2f})")
         print("  control: " + ", ".join(f"{x:.3f}" for x in c) + f" s  (last/first {c[-1] / c[0]:.2f})")
-    ratio, noise, first = statistics.median(ratios), statistics.median(control), statistics.median(firsts)
-    effect = ratio - 1
-    if abs(effect) <= args.tolerance and noise < args.tolerance:
-        verdict = "flat"
-    elif effect > max(args.tolerance, noise):
-        verdict = "grows"
-    else:
-        verdict = "inconclusive"
-    print(
-        f"\nwebhook cost, body {args.bodies} against body 1 ({args.alerts} new alerts each), median of "
-        f"{args.repeats}: {ratio:.2f}x (first {first:.3f} s); control (a fresh agent per body, last "
-        f"against first): {noise * 100:.1f}% median deviation; tolerance {args.tolerance * 100:.0f}%: {verdict}"
+    print(f"\nwebhook cost, body {args.bodies} against body 1 ({args.alerts} new alerts each):")
+    report.figure("first body, s", firsts, unit="s")
+    report.figure("control: last/first body, fresh agent per body", control, unit="x")
+    report.verdict(
+        "growth: last body / first body - 1", [r - 1 for r in ratios], args.tolerance, at_most=True, control=control
     )
 
     longest, took, n = stall(args.big)
@@ -157,6 +153,8 @@ def main() -> int:
         f"longest /healthz answer during a {args.big}-alert body: {longest * 1e3:.1f} ms of the body's "
         f"{took:.2f} s ({longest / took:.3f} of it; 1.0 = loop blocked throughout), {n} answers"
     )
+    report.figure(f"longest /healthz answer / {args.big}-alert body time", [longest / took], unit="x", digits=3)
+    report.write()
     return 0
 
 

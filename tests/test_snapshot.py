@@ -31,6 +31,7 @@ from mscale.snapshot.format import (
 from mscale.snapshot.plugin import SnapshotPlugin
 from mscale.snapshot.tensors import load_snapshot
 from support import require
+from support.digest import blake3_tree
 from support.snapshot_inproc import Job
 from support.snapshot_job import build
 
@@ -130,7 +131,7 @@ def test_disk_layout_manifest_and_binding(tmp_path):
         if name == MANIFEST:
             continue
         data = (snap / name).read_bytes()
-        assert manifest["files"][name] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert manifest["files"][name] == {"size": len(data), "blake3_tree": blake3_tree(data)}
     binding = json.loads((snap / "resource_binding.json").read_text())
     assert {k: v["name"] for k, v in binding["mpus"].items()} == {"001": "vision", "002": "aligner", "003": "text"}
     assert binding["mpus"]["001"]["device"] == "cpu"
@@ -324,6 +325,7 @@ def test_emergency_writes_the_latest_memory_snapshot_on_command_and_on_sigusr1(t
     assert path == tmp_path / "step_00000005"  # the last snapshot taken, not the live state
     assert load_snapshot(path)[1]["step"] == 5
     job.run(8, 10)
+    job.engine.latest().wait_ready(30)  # a copy still in flight is not chosen (test_snapshot_overlap)
     old = signal.getsignal(signal.SIGUSR1)
     job.engine.install_signal_handler()
     try:

@@ -72,7 +72,7 @@ def test_verify_passes_then_names_the_corrupted_file(snaps, tmp_path, capsys):
     f.write_bytes(bytes(data))
     code, out, _ = cli(capsys, "verify", str(broken))
     assert code == 1
-    assert "FAILED  step 20" in out and "mpu_002_aligner_state.safetensors: SHA-256 differs" in out
+    assert "FAILED  step 20" in out and "mpu_002_aligner_state.safetensors: BLAKE3 differs" in out
     assert "OK      step 10" in out
     code, out, _ = cli(capsys, "verify", "--step", "10", str(broken))
     assert code == 0 and "step 20" not in out

@@ -269,7 +269,7 @@ def test_inspect_of_a_corrupted_tensor_file_exits_1(snaps):
     data[-5] ^= 0x40
     f.write_bytes(bytes(data))
     code, out, err = cli("inspect", str(snaps))
-    assert code == 1 and out == "" and "mpu_001_vision_state.safetensors: SHA-256 differs" in err
+    assert code == 1 and out == "" and "mpu_001_vision_state.safetensors: BLAKE3 differs" in err
     code, out, _ = cli("inspect", "--step", "10", str(snaps))
     assert code == 0 and "step       10" in out
 
@@ -322,7 +322,7 @@ def check_parse(raw: bytes) -> None:
         assert e.file == fmt.MANIFEST and e.why and str(e).startswith(f"snapshot {path} refused: manifest.json: ")
         return
     assert m == json.loads(raw) and required_files(m).keys() == m["files"].keys()
-    assert all(isinstance(f["size"], int) and len(f["sha256"]) == 64 for f in m["files"].values())
+    assert all(isinstance(f["size"], int) and len(f["blake3_tree"]) == 64 for f in m["files"].values())
 
 
 @given(st.binary(max_size=300))

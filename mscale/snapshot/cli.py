@@ -3,7 +3,7 @@ dcp DIR OUT` writes one as a torch.distributed.checkpoint (mscale.snapshot.dcp, 
 
 DIR is a snapshot directory (`step_00000120`), a directory of them, or one with a
 `rank_NNNNN/` subdirectory per rank. `verify` checks every file against the manifest (its
-schema and completeness, regular files only, size and SHA-256) and shows a progress bar on a
+schema and completeness, regular files only, size and digest) and shows a progress bar on a
 terminal. Exit status 1 when a snapshot is refused (by `list`: its manifest; by `inspect`: any
 of its files), naming the file at fault and why; 2 when DIR holds no snapshot. Never a
 traceback, never a hang (a FIFO or device in place of a file is refused, not read).
@@ -259,7 +259,8 @@ def _inspect(root: Path, args: argparse.Namespace) -> int:
         print(f"  {_clean(mpu_id)}  {_clean(m.get('name', '-')):<10} {_clean(where)}")
     print("files")
     for name, m in summary["files"].items():
-        print(f"  {name:<40} {_size(m['size']):>10}  sha256 {m['sha256'][:16]}…")
+        kind = "blake3_tree" if "blake3_tree" in m else "sha256"
+        print(f"  {name:<40} {_size(m['size']):>10}  {kind} {m[kind][:16]}…")
     for key in ("optimizer", "scaler", "scheduler", "data"):
         if summary[key] is not None:
             print(f"{key:<10} {json.dumps(summary[key], default=str)}")

@@ -7,6 +7,8 @@ running step N+1 continues exactly as the uninterrupted run would have.
 
 - In memory, every `memory_every` steps: a copy into reused host buffers (pinned, on a side
   CUDA stream, when the state is on a GPU), the last `memory_keep` kept. Rollbacks use these.
+  Parameters and optimizer state are copied beside the next forward and backward; the next
+  optimizer step waits only for what is left of the copy (memory.py).
 - On disk, every `disk_every` steps, on demand and in an emergency: the writer thread
   (`writer.py`) writes the in-memory copy so that a crash at any point leaves only complete
   snapshots. A failed write (disk full) is a Finding; training and the in-memory copy go on.
@@ -36,6 +38,7 @@ import torch
 from torch import nn
 
 import mscale.snapshot.distributed as mdist
+import mscale.snapshot.memory as mem
 from mscale.findings import Finding, Reason, Severity
 from mscale.snapshot.format import (
     FORMAT,
@@ -119,6 +122,9 @@ class SnapshotEngine:
         self._kept: list[MemorySnapshot] = []  # oldest first
         self._spare: list[MemorySnapshot] = []  # retired, unpinned: buffers to reuse
         self._copier = HostCopier(copy_threads if copy_threads is not None else min(4, os.cpu_count() or 1))
+        self._late = mem.late_keys(model, optimizer)  # copied beside training, fenced by the next step
+        self._fence = mem.fence_on_step(optimizer, self._copier)
+        self.wait_copy = self._copier.fence  # before writing parameters outside optimizer.step()
         self._closed = False
         self._prev_handler: Any = None
         self._resumed: tuple[int, Path] | None = None
@@ -231,10 +237,9 @@ class SnapshotEngine:
         }
 
     def _buffers_for(self, files: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
-        """Host buffers shaped like `files`, reused where they fit: those of the oldest kept
-        snapshot when keeping this one would evict it anyway (so `memory_keep` sets of buffers
-        suffice), else of a retired one. Fresh host memory costs page faults on first touch,
-        often more than the copy itself."""
+        """Host buffers shaped like `files`: the oldest kept snapshot's when keeping this one
+        evicts it anyway (so `memory_keep` sets suffice), else a retired one's. Fresh host
+        memory costs page faults on first touch, often more than the copy itself."""
         with self._lock:
             old = None
             if len(self._kept) >= self.memory_keep and self._kept[0].pins == 0:
@@ -242,17 +247,7 @@ class SnapshotEngine:
                 old.retired = True
             elif self._spare:
                 old = self._spare.pop()
-        pin = any(t.is_cuda for d in files.values() for t in d.values())
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for fname, d in files.items():
-            prev = old.tensors.get(fname, {}) if old else {}
-            out[fname] = {}
-            for key, t in d.items():
-                b = prev.get(key)
-                if b is None or b.shape != t.shape or b.dtype != t.dtype:
-                    b = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-                out[fname][key] = b
-        return out
+        return mem.host_buffers(files, old.tensors if old else {})
 
     def snapshot(self, step: int | None = None) -> MemorySnapshot:
         """Takes an in-memory snapshot of the current state now (at a step boundary)."""
@@ -261,9 +256,9 @@ class SnapshotEngine:
         t0 = time.perf_counter()
         files, objects = self._live_state()
         bufs = self._buffers_for(files)
-        events = self._copier.copy_state(files, bufs)
+        ready = self._copier.copy_state(files, bufs, self._late)
         nbytes = sum(t.numel() * t.element_size() for d in bufs.values() for t in d.values())
-        snap = MemorySnapshot(self.step, bufs, objects, self._binding(), nbytes, ready=events)
+        snap = MemorySnapshot(self.step, bufs, objects, self._binding(), nbytes, ready=ready)
         with self._lock:
             self._kept = [s for s in self._kept if s.step != snap.step]
             self._kept.append(snap)
@@ -402,6 +397,7 @@ class SnapshotEngine:
         """Restores the live objects from a snapshot's tensors and objects. owned: the tensors
         are fresh (read from disk) and may become the optimizer's state without a copy."""
         self._check_fits(tensors, objects, where)
+        self._copier.fence()  # a snapshot copy still reading the live tensors finishes first
         if self.data is not None:  # first: it validates before it changes anything
             self.data.load_state_dict(copy.deepcopy(objects["data"]))
         model_sd: dict[str, torch.Tensor] = {}
@@ -567,7 +563,7 @@ class SnapshotEngine:
         for step in steps:
             path = self.rank_dir / f"step_{step:08d}"
             try:
-                tensors, objects, _ = load_snapshot(path)
+                tensors, objects, _ = load_snapshot(path, pool=self._copier.pool())
                 self._check_fits(tensors, objects, str(path))
             except SnapshotError as e:  # SnapshotInvalid names the file at fault
                 file, why = {"file": e.file} if isinstance(e, SnapshotInvalid) else {}, f"{e}; trying an older snapshot"
@@ -590,6 +586,8 @@ class SnapshotEngine:
                 signal.signal(signum, prev)
         if self._disk is not None:
             self._disk.close(timeout)
+        if self._fence is not None:
+            self._fence.remove()
         self._copier.close()
         self._closed = True
 

@@ -2,7 +2,7 @@
 
 Listing, verifying and inspecting snapshots need nothing but the standard library, so
 `mscale snapshot list|verify|inspect` starts in milliseconds and runs where torch is not
-installed: a manifest is JSON, hashes are read with hashlib, a safetensors file is an 8-byte
+installed: a manifest is JSON, digests are BLAKE3 (or hashlib's SHA-256), a safetensors file is an 8-byte
 little-endian header length, a JSON header and then the data, and `train_state.pt` (a
 torch.save zip archive) is read here by an unpickler that builds only plain values and
 refuses every other global.
@@ -17,7 +17,7 @@ several ranks share DIR):
     train_state.pt                      optimizer groups and scalars, scaler, scheduler, RNG,
                                         data position, step (weights_only-loadable objects)
     resource_binding.json               MPU -> device index and UUID
-    manifest.json                       every file above with size and SHA-256; step, versions
+    manifest.json                       every file above with size and digest (digest.py); step, versions
 
 A snapshot is written to `.tmp-step_N-...` and renamed to `step_N` once every file and the
 manifest (written last) are fsynced, so a `step_` directory with a manifest is complete.
@@ -26,7 +26,7 @@ manifest (written last) are fsynced, so a `step_` directory with a manifest is c
 from __future__ import annotations
 
 import codecs
-import hashlib
+import io
 import json
 import os
 import pickle
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from mscale.snapshot.digest import TreeHasher, read_and_verify
 from mscale.snapshot.manifest import (
     BINDING,
     FORMAT,
@@ -119,11 +120,11 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
 
 def write_file(
     path: Path, parts: Iterable[memoryview | bytes], hasher_pool: ThreadPoolExecutor, *, fsync: bool = True
-) -> tuple[int, str]:
-    """Writes parts to a new file (and fsyncs it unless told not to); returns (size, sha256).
-    The hash of each chunk runs in a helper thread while the chunk is written (both release
-    the GIL)."""
-    sha = hashlib.sha256()
+) -> tuple[int, dict]:
+    """Writes parts to a new file (and fsyncs it unless told not to); returns (size, digest
+    entry for the manifest). The hash of each chunk runs in a helper thread while the chunk
+    is written (both release the GIL)."""
+    sha = TreeHasher()
     size = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
@@ -139,7 +140,7 @@ def write_file(
             os.fsync(fd)
     finally:
         os.close(fd)
-    return size, sha.hexdigest()
+    return size, {"blake3_tree": sha.hexdigest()}
 
 
 def safetensors_header(entries: Sequence[tuple[str, str, Sequence[int], int]], metadata: dict[str, str]) -> bytes:
@@ -184,40 +185,22 @@ def _read_manifest_at(dirfd: int, path: Path) -> dict:
     return manifest
 
 
-def _sha256(fd: int, progress: Callable[[int], None] | None = None) -> str:
-    sha = hashlib.sha256()
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    offset = 0
-    while n := os.preadv(fd, [buf], offset):
-        sha.update(view[:n])
-        offset += n
-        if progress:
-            progress(n)
-    return sha.hexdigest()
-
-
 class Verified:
-    """An open snapshot whose every file was checked against its manifest: the descriptors
-    hashed are the ones read from (`reader`, `fd_path`), so what loads is what was checked.
-    A context manager: closing it closes the descriptors."""
+    """An open snapshot whose every file was checked against its manifest. The files were
+    read once, hashed as they were read: what the caller asked to keep (`contents`, always
+    the train state and the binding) is exactly the bytes verified. A context manager:
+    closing it closes the descriptors."""
 
     def __init__(self, path: Path, dirfd: int, manifest: dict) -> None:
         self.path, self.dirfd, self.manifest = path, dirfd, manifest
         self.fds: dict[str, int] = {}
+        self.contents: dict[str, Any] = {}  # file name -> the buffer it was read into
         self.binding: dict = {}
         self.objects: dict = {}  # the train state, read without torch (read_train_state)
 
     def reader(self, name: str) -> IO[bytes]:
-        """A binary file over the verified file `name`, from its start (close it after use)."""
-        fd = os.dup(self.fds[name])
-        os.lseek(fd, 0, os.SEEK_SET)
-        return os.fdopen(fd, "rb")
-
-    def fd_path(self, name: str) -> str:
-        """A path that opens the very file verified (Linux: /proc/self/fd/N)."""
-        proc = f"/proc/self/fd/{self.fds[name]}"
-        return proc if os.path.exists(proc) else str(self.path / name)
+        """A binary file over the verified contents of `name` (close it after use)."""
+        return io.BytesIO(self.contents[name])
 
     def close(self) -> None:
         for fd in [*self.fds.values(), self.dirfd]:
@@ -237,11 +220,15 @@ def open_verified(
     hashes: bool = True,
     progress: Callable[[int], None] | None = None,
     workers: int | None = None,
+    into: Callable[[str, int], Any] | None = None,
+    pool: ThreadPoolExecutor | None = None,
 ) -> Verified:
     """Opens every file of the snapshot at `path` (regular files in it only, no symbolic
-    links) and checks it against the manifest: size, then SHA-256 unless hashes=False, then
-    the binding names the manifest's MPUs. Raises SnapshotInvalid naming the first file at
-    fault. `progress(n)` is called with each number of bytes hashed, from worker threads."""
+    links) and checks it against the manifest: size, then the digest unless hashes=False
+    (read and hashed in one pass, in parallel: digest.py), then the binding names the
+    manifest's MPUs. into(name, size): a writable buffer to read the file `name` into and
+    keep (None: not kept). pool: threads to read with (default: new ones). Raises SnapshotInvalid naming the first file at fault.
+    `progress(n)` is called with each number of bytes read, from worker threads."""
     path = Path(path)
     v = Verified(path, open_dir(path), {})
     try:
@@ -253,25 +240,18 @@ def open_verified(
             if st.st_size != meta["size"]:
                 why = f"size {st.st_size} bytes, manifest says {meta['size']} (partial or altered)"
                 raise SnapshotInvalid(path, name, why)
-        if hashes:
-
-            def digest(name: str) -> tuple[str, str]:
-                try:
-                    return name, _sha256(v.fds[name], progress)
-                except OSError as e:
-                    raise SnapshotInvalid(path, name, f"unreadable: {e.strerror or e}") from None
-
-            # Largest first, so the longest hash starts at once; files hash in parallel.
-            names = sorted(files, key=lambda n: -files[n]["size"])
-            with ThreadPoolExecutor(max_workers=workers or min(len(names), os.cpu_count() or 1)) as pool:
-                digests = dict(pool.map(digest, names))
-            for name in sorted(files):
-                if digests[name] != files[name]["sha256"]:
-                    raise SnapshotInvalid(path, name, "SHA-256 differs from the manifest (corrupted)")
         if files[BINDING]["size"] > MAX_BINDING_BYTES:
             raise SnapshotInvalid(path, BINDING, f"more than the {MAX_BINDING_BYTES} bytes allowed")
-        with v.reader(BINDING) as f:
-            v.binding = check_binding(f.read(), path, manifest)
+
+        def keep(name: str, size: int) -> Any:
+            if name in (BINDING, TRAIN_STATE):
+                return bytearray(size)
+            return into(name, size) if into is not None else None
+
+        v.contents = read_and_verify(
+            path, v.fds, files, into=keep, hashes=hashes, progress=progress, workers=workers, pool=pool
+        )
+        v.binding = check_binding(bytes(v.contents[BINDING]), path, manifest)
         with v.reader(TRAIN_STATE) as f:  # whether there is optimizer state is its to say
             v.objects = read_train_state(path / TRAIN_STATE, f)
         holds = v.objects.get("optimizer") is not None
@@ -514,7 +494,7 @@ def _summary(info: SnapshotInfo, manifest: dict, binding: dict, objects: dict) -
         "created_unix": manifest.get("created_unix"),
         "why": manifest.get("why"),
         "versions": manifest.get("versions"),
-        "files": {n: {"size": m["size"], "sha256": m["sha256"]} for n, m in sorted(manifest["files"].items())},
+        "files": {n: dict(m) for n, m in sorted(manifest["files"].items())},  # size and digest
         "mpus": binding.get("mpus", manifest.get("mpus", {})),
         "optimizer": _optimizer_summary(objects.get("optimizer")),
         "scaler": plain(objects.get("scaler")),

@@ -3,7 +3,7 @@
 A snapshot loads only what its manifest vouches for, so the manifest is parsed strictly
 before anything is believed: a bounded size, a nesting depth counted before `json.loads`
 (which would otherwise recurse as deep as the file asks), then a schema (types, ranges, file
-names of a small charset and length, SHA-256 as 64 hex digits, no unknown keys) and a
+names of a small charset and length, digests as 64 hex digits, no unknown keys) and a
 completeness check: the files it lists must be exactly those the format requires for what it
 declares (each MPU's state and optimizer file, the non-MPU files, the train state, the
 binding), so an entry removed from the manifest is a refusal, not a file quietly not loaded.
@@ -246,12 +246,14 @@ def _check_files(files: Any, bad: Any) -> None:
     for name, meta in files.items():
         if not FILE_NAME.fullmatch(name) or len(name) > MAX_NAME:
             raise bad(f"file name '{_printable(name)}' is not 1-{MAX_NAME} of [A-Za-z0-9._-], not starting with '.'")
-        if not isinstance(meta, dict) or meta.keys() != {"size", "sha256"}:
-            raise bad(f"{name}: must hold exactly size and sha256")
+        # blake3_tree since the digests are checked in parallel (digest.py); sha256 before
+        if not isinstance(meta, dict) or meta.keys() not in ({"size", "blake3_tree"}, {"size", "sha256"}):
+            raise bad(f"{name}: must hold exactly size and blake3_tree (or sha256)")
         if not _int(meta["size"], 0, MAX_FILE_BYTES):
             raise bad(f"{name}: size must be an integer number of bytes, not {_printable(repr(meta['size']))}")
-        if not isinstance(meta["sha256"], str) or not SHA256.fullmatch(meta["sha256"]):
-            raise bad(f"{name}: sha256 must be 64 lowercase hex digits")
+        kind = "blake3_tree" if "blake3_tree" in meta else "sha256"
+        if not isinstance(meta[kind], str) or not SHA256.fullmatch(meta[kind]):
+            raise bad(f"{name}: {kind} must be 64 lowercase hex digits")
 
 
 def required_files(manifest: dict) -> dict[str, str]:

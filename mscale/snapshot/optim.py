@@ -100,17 +100,11 @@ class NamedOptimizer:
             if fqn in opt_tensors or fqn in saved["scalars"]:
                 wanted[fqn] = {**saved["scalars"].get(fqn, {}), **opt_tensors.get(fqn, {})}
         # In place when the live state has the same structure (a rollback): no allocation, and
-        # the snapshot's buffers are never aliased by the optimizer.
-        in_place = True
-        for p, fqn in zip(params, self.names, strict=True):
-            cur, want = opt.state.get(p, {}), wanted.get(fqn, {})
-            if cur.keys() != want.keys() or any(
-                isinstance(v, torch.Tensor) != isinstance(cur[k], torch.Tensor)
-                or (isinstance(v, torch.Tensor) and (v.shape != cur[k].shape or v.dtype != cur[k].dtype))
-                for k, v in want.items()
-            ):
-                in_place = False
-                break
+        # the snapshot's buffers are never aliased by the optimizer. Fresh tensors (owned, read
+        # from disk) are handed over instead: copying them would only cost another pass.
+        in_place = not owned and all(
+            _same_layout(opt.state.get(p, {}), wanted.get(fqn, {})) for p, fqn in zip(params, self.names, strict=True)
+        )
         with torch.no_grad():
             if in_place:
                 pairs = []
@@ -144,3 +138,12 @@ class NamedOptimizer:
             for sg in saved["param_groups"]
         ]
         opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _same_layout(cur: dict, want: dict) -> bool:
+    """Whether the live state `cur` of a parameter can take `want` in place."""
+    return cur.keys() == want.keys() and not any(
+        isinstance(v, torch.Tensor) != isinstance(cur[k], torch.Tensor)
+        or (isinstance(v, torch.Tensor) and (v.shape != cur[k].shape or v.dtype != cur[k].dtype))
+        for k, v in want.items()
+    )

@@ -81,7 +81,7 @@ class DiskWriter:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         # Two files are written at once, each hashed chunk by chunk in a helper thread while
-        # the chunk is written: SHA-256 (~1.5 GB/s a core) would otherwise bound the write.
+        # the chunk is written (BLAKE3 chunk tree, digest.py): hashing would otherwise bound it.
         self._hasher = ThreadPoolExecutor(max_workers=_WRITERS, thread_name_prefix="mscale-snapshot-hash")
         self._file_writers = ThreadPoolExecutor(max_workers=_WRITERS, thread_name_prefix="mscale-snapshot-write")
         self._thread = threading.Thread(target=self._loop, name="mscale-snapshot-writer", daemon=True)
@@ -192,7 +192,7 @@ class DiskWriter:
             files: dict[str, dict] = {}
             meta = {"format": FORMAT, "step": str(snap.step)}
 
-            def write(fname: str) -> tuple[str, tuple[int, str]]:
+            def write(fname: str) -> tuple[str, tuple[int, dict]]:
                 # fsync in the writer: the device flushes one file while the other writer
                 # thread is still hashing and copying the next.
                 return fname, write_file(tmp / fname, safetensors_parts(snap.tensors[fname], meta), self._hasher)
@@ -202,13 +202,13 @@ class DiskWriter:
             )
             futures = [self._file_writers.submit(write, f) for f in by_size]
             wait_futures(futures)  # all of them, even when one failed: then the cleanup is whole
-            for fname, (size, sha) in sorted(f.result() for f in futures):
-                files[fname] = {"size": size, "sha256": sha}
-            size, sha = write_file(tmp / TRAIN_STATE, [train_state.getbuffer()], self._hasher)
-            files[TRAIN_STATE] = {"size": size, "sha256": sha}
+            for fname, (size, digest) in sorted(f.result() for f in futures):
+                files[fname] = {"size": size, **digest}
+            size, digest = write_file(tmp / TRAIN_STATE, [train_state.getbuffer()], self._hasher)
+            files[TRAIN_STATE] = {"size": size, **digest}
             raw = json.dumps(snap.binding, indent=2, sort_keys=True).encode()
-            size, sha = write_file(tmp / BINDING, [raw], self._hasher)
-            files[BINDING] = {"size": size, "sha256": sha}
+            size, digest = write_file(tmp / BINDING, [raw], self._hasher)
+            files[BINDING] = {"size": size, **digest}
             manifest = {
                 "format": FORMAT,
                 "step": snap.step,
