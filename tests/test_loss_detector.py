@@ -57,16 +57,30 @@ def test_one_spike_does_not_blind_the_detector_to_the_next() -> None:
     assert "151" not in steps and "153" not in steps  # back to normal right after
 
 
-def test_warn_between_3_and_6_sigma() -> None:
-    values = [2.0 + 0.01 * ((i * 7) % 5 - 2) for i in range(100)]  # median 2.0, MAD 0.01
+def test_warn_between_5_and_10_sigma_above_the_baseline() -> None:
+    values = [2.0 * (1 + 0.01 * ((i * 7) % 5 - 2)) for i in range(100)]  # flat: the scale is its floor
     det = LossDetector()
     run(values, det)
-    med, scale = det.series["loss"].location_scale()
-    (f,) = det.observe(100, med + 4 * scale)
+    s = det.series["loss"]
+    assert s.location_scale()[2] == det.config.scale_floor
+    assert det.observe(100, s.bound(4.9)) == []
+    (f,) = det.observe(101, s.bound(5.5))
     assert f.reason is Reason.LOSS_SPIKE_WARN and f.severity is Severity.WARNING and f.labels["level"] == "warn"
-    (f,) = det.observe(101, med + 7 * scale)
+    (f,) = det.observe(102, s.bound(10.5))
     assert f.reason is Reason.LOSS_SPIKE_ACTION
-    assert det.observe(102, med - 50 * scale) == []  # a drop is not a spike
+    assert det.observe(103, s.bound(-50)) == []  # a drop is not a spike
+
+
+def test_the_baseline_follows_a_trend_and_warm_up_is_quiet() -> None:
+    """Early training: the loss falls 20x in 30 steps, gradient norms rise 8x and fall back;
+    nothing alarms, and after it a 10x gradient-norm jump is still caught."""
+    loss = [5.0 * math.exp(-i / 10) + 0.2 for i in range(120)]
+    grad = [1.0 + 7.0 * math.sin(math.pi * min(i, 40) / 40) for i in range(120)]
+    det = LossDetector()
+    found = [f for i, (a, g) in enumerate(zip(loss, grad, strict=True)) for f in det.observe(i, a, g)]
+    assert found == []
+    (f,) = det.observe(120, loss[-1], grad[-1] * 10)
+    assert f.reason in (Reason.GRAD_NORM_SPIKE, Reason.GRAD_NORM_JUMP) and f.labels["step"] == "120"
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])

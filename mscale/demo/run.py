@@ -18,6 +18,7 @@ import structlog
 
 from mscale.demo.scenario import Run, RunConfig, relative_gap
 from mscale.demo.scenario import run as run_plain
+from mscale.demo.verdict import judge
 from mscale.link import DEFAULT_HOST
 
 JOB = "demo-tinymm"
@@ -33,6 +34,7 @@ class ScriptedFault:
     sent_step: int = -1
     sent_time: float = 0.0
     reply: dict = field(default_factory=dict)
+    mpus: dict = field(default_factory=dict)  # mpu_id -> (name, gpu) when it was sent
 
 
 def script(steps: int) -> list[ScriptedFault]:
@@ -143,7 +145,16 @@ def _mpu_view(agent: Any, r: Run) -> list[dict]:
     return out
 
 
-def main(*, steps: int, out: str, listen: str, seed: int = 0, hold: bool = False) -> int:
+def main(
+    *,
+    steps: int,
+    out: str,
+    listen: str,
+    seed: int = 0,
+    hold: bool = False,
+    heal: bool = True,
+    checksum_failures_l1: int = 3,
+) -> int:
     from mscale import logs
     from mscale.demo.embedded import EmbeddedAgent
 
@@ -159,9 +170,13 @@ def main(*, steps: int, out: str, listen: str, seed: int = 0, hold: bool = False
     if address != listen:
         print(f"mscale demo: {listen} is busy; using a free port")
     faults = script(steps)
-    with EmbeddedAgent(
-        listen=address, healing={"recovery_clean_steps": max(10, steps // 18), "lr_cool_steps": max(5, steps // 36)}
-    ) as agent:
+    healing = {
+        "recovery_clean_steps": max(10, steps // 18),
+        "lr_cool_steps": max(5, steps // 36),
+        "enabled": heal,
+        "checksum_failures_l1": checksum_failures_l1,
+    }
+    with EmbeddedAgent(listen=address, healing=healing) as agent:
         client = agent.client
         if client is None:  # set by start(), which __enter__ ran
             raise RuntimeError("the embedded agent did not start")
@@ -173,7 +188,10 @@ def main(*, steps: int, out: str, listen: str, seed: int = 0, hold: bool = False
         print(f"  reference run: {steps} steps without faults ...", flush=True)
         ref = run_plain(RunConfig(steps=steps, seed=seed, healing=healing_cfg, job_id=JOB + "-ref"))
         print(f"  reference done in {ref.wall_s:.1f} s, held-out loss {ref.eval_loss:.4f}")
-        print(f"  faulted run: {steps} steps, {len(faults)} faults scripted; the job reports to the agent")
+        print(
+            f"  faulted run: {steps} steps, {len(faults)} faults scripted; the job reports to the agent"
+            + ("" if heal else " (healing off: detect and report only)")
+        )
         r = Run(
             RunConfig(
                 steps=steps,
@@ -196,6 +214,7 @@ def main(*, steps: int, out: str, listen: str, seed: int = 0, hold: bool = False
                     if f.sent_step < 0 and step >= f.at:
                         status, f.reply = client.chaos(f.chaos)
                         f.sent_step, f.sent_time = step, time.time()
+                        f.mpus = {m.mpu_id: (m.name, m.gpu) for m in r.guard.mpus}
                         live.say(f"  step {step}: injected {f.name} (chaos API {status}) -> expect {f.expect}")
                         if f.chaos["kind"] in ("xid", "ecc"):  # the agent's probe and engine act on it
                             agent.wait_for(
@@ -317,7 +336,17 @@ def summarise(
             if rb["step"] >= f.sent_step and (until is None or rb["step"] < until)
         ]
         row["steps_lost"] = sum(rb["step"] - (rb["to"] if rb["to"] is not None else rb["step"] - 1) for rb in lost)
-        row["healed"] = row["detected"] != "no" and bool(acts)
+        healed, row["healed_by"], row["evidence"] = judge(
+            f.chaos,
+            f.sent_step,
+            until,
+            fs,
+            r.checks,
+            r.losses,
+            mpus_at_start=f.mpus,
+            nan_in_weights=r.nonfinite_weights,
+        )
+        row["healed"] = row["detected"] != "no" and healed
         rows.append(row)
     gap = relative_gap(eval_loss, ref.eval_loss)
     heal_lines = [
@@ -352,7 +381,8 @@ def render(s: dict) -> str:
             ", ".join(x["actions"]) or "-",
             x["duplicates"],
             x["steps_lost"],
-            "yes" if x["healed"] else "NO",
+            "yes" if x["healed"] else "no",
+            (", ".join(x["healed_by"]) + ": " if x["healed"] else "") + x["evidence"],
         ]
         for i, x in enumerate(s["faults"])
     ]
@@ -360,8 +390,11 @@ def render(s: dict) -> str:
         "",
         "Summary",
         "=======",
-        table(["#", "FAULT", "STEP", "DETECTED", "ACTIONS", "DUP", "LOST", "HEALED"], rows),
+        table(["#", "FAULT", "STEP", "DETECTED", "ACTIONS", "DUP", "LOST", "HEALED", "HEALED BY / WHY NOT"], rows),
         "",
+        "HEALED: the action the fault's level calls for was applied and the fault's effect ended "
+        "(clean checks on the new placement, the loss back in its band); marking an MPU suspect is not healing.",
+        f"faults healed: {sum(1 for x in s['faults'] if x['healed'])} of {len(s['faults'])}",
         f"steps: {s['steps']} completed, {s['steps_run']} run, {s['steps_lost']} lost to rollbacks",
         f"final held-out loss: {s['final_loss']:.4f} vs {s['reference_loss']:.4f} without faults "
         f"({100 * s['loss_gap']:.2f}% apart)"
@@ -390,7 +423,8 @@ def plot(
     xs = list(range(len(r.losses)))
     steps = [s for s, _ in r.losses]
     vals = [loss if math.isfinite(loss) else float("nan") for _, loss in r.losses]
-    ax1.plot(steps, vals, color="tab:blue", lw=1, label="faulted run (healed)")
+    healed = "healed" if summary["healed_all"] else "not every fault healed"
+    ax1.plot(steps, vals, color="tab:blue", lw=1, label=f"faulted run ({healed})")
     for s, loss in r.losses:
         if not math.isfinite(loss):
             ax1.axvline(s, color="red", lw=0.6, ls=":")

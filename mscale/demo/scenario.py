@@ -162,6 +162,7 @@ class Run:
         self.losses: list[tuple[int, float]] = []
         self.health: list[tuple[int, dict]] = []
         self.levels: list[tuple[int, dict]] = []
+        self.checks: list[tuple[int, dict[str, tuple[int, bool]]]] = []  # (step, {mpu_id: (gpu, checksum ok)})
         self.steps_run = 0
         self.nonfinite_weights = False
 
@@ -189,6 +190,7 @@ class Run:
             self.nonfinite_weights = True
         levels = {m.name: m.fuse_level for m in g.mpus}
         self.levels.append((step, levels))
+        self.checks.append((step, {m.mpu_id: (m.gpu, m.last_checksum_ok) for m in g.mpus}))
         info = {
             "step": step,
             "next": g.current_step,

@@ -20,6 +20,9 @@ class HealingSection:
     lr_cool_steps: int = opt(20, "length of the cooling window in steps", min=1, max=1_000_000)
     distill_weight_min: float = opt(0.15, "lower bound of the L3 distillation share of the loss", min=0.0, max=1.0)
     distill_weight_max: float = opt(0.30, "upper bound of the L3 distillation share of the loss", min=0.0, max=1.0)
+    frozen_weights_every: int = opt(
+        1, "steps between checks of the frozen weights' fingerprints (trained ones: every step)", min=1, max=1_000_000
+    )
     replica_check_steps: int = opt(
         100,
         "with several ranks, every N steps the replicas compare per-MPU weight fingerprints and a "

@@ -7,7 +7,8 @@ matrix, see `grad_stats`), GVC_i its gradient variation coefficient, mult_i 1
 unless raised (`raise_threshold`, used by the L2 fuse to absorb a degraded MPU's noisier
 gradients). When ||g_i|| > clip_i the MPU's gradients are scaled to clip_i.
 
-Cold start (`warmup_steps`, default 10): the first half unclipped (alpha unknown), the
+Cold start (`warmup_steps`, default 10, counted in training steps from the first one seen, so
+that steps re-run after a rollback clip as they did): the first half unclipped (alpha unknown), the
 second half with a small alpha (`probe_alpha`), then alpha is fitted once: rho is the
 Pearson correlation, over the warm-up steps, between the mean GVC of a step and the loss
 improvement that followed it (loss_t - loss_t+1). Noisy gradients that went with progress
@@ -167,8 +168,8 @@ class Cmsa:
         self.clip: dict[str, float] = {}
         self.steps = 0  # steps with clipping active
         self.clipped: dict[str, int] = {m.mpu_id: 0 for m in self.mpus}
-        self._seen = 0
-        self._warm: list[tuple[float, float]] = []  # (mean GVC, loss) per warm-up step
+        self._first: int | None = None  # the first step seen: the cold start counts from it
+        self._warm: dict[int, tuple[float, float]] = {}  # step -> (mean GVC, loss) in the warm-up
 
     # --- API for the fuse --------------------------------------------------------------
 
@@ -187,23 +188,29 @@ class Cmsa:
     def clip_ratio(self, mpu_id: str) -> float:
         return self.clipped.get(mpu_id, 0) / self.steps if self.steps else 0.0
 
-    def threshold(self, mpu: Mpu) -> float:
-        alpha = self.alpha or 0.0
+    def threshold(self, mpu: Mpu, alpha: float | None = None) -> float:
+        alpha = (self.alpha if alpha is None else alpha) or 0.0
         gvc = mpu.gvc if math.isfinite(mpu.gvc) else 0.0
         return self.config.base * self.multiplier[mpu.mpu_id] * (1.0 + alpha * gvc)
 
     # --- per step (called by the Guard after grad_stats filled mpu.grad_norm / mpu.gvc) --
 
     def apply(self, step: int, loss: float | None) -> dict[str, bool]:
+        """Clip this step's gradients. The cold start is counted in steps from the first one
+        seen, not in calls: a rollback that re-runs steps of the warm-up re-runs them as they
+        ran (unclipped, then probing), and their figures replace the abandoned ones."""
         c = self.config
-        i = self._seen
-        self._seen += 1
+        if self._first is None:
+            self._first = step
+        i = max(0, step - self._first)
+        alpha = None
         if i < c.warmup_steps:
             gvcs = [m.gvc for m in self.mpus if math.isfinite(m.gvc)]
             if loss is not None and math.isfinite(loss) and gvcs:
-                self._warm.append((sum(gvcs) / len(gvcs), loss))
+                self._warm[step] = (sum(gvcs) / len(gvcs), loss)
             if i < c.warmup_steps // 2:
                 return {}  # unclipped: alpha unknown
+            alpha = c.probe_alpha
             if self.alpha is None:
                 self.alpha = c.probe_alpha
         elif self.rho is None:
@@ -211,7 +218,7 @@ class Cmsa:
         self.steps += 1
         out: dict[str, bool] = {}
         for m in self.mpus:
-            clip = self.threshold(m)
+            clip = self.threshold(m, alpha)
             self.clip[m.mpu_id] = clip
             # the norm from grad_stats' pass (shared with the loss detector); a factor
             # clip/norm >= 1 would leave the gradients as they are: no multiply then
@@ -226,7 +233,8 @@ class Cmsa:
 
     def _fit(self) -> None:
         c = self.config
-        pairs = [(g, self._warm[i][1] - self._warm[i + 1][1]) for i, (g, _) in enumerate(self._warm[:-1])]
+        warm = [self._warm[s] for s in sorted(self._warm)]
+        pairs = [(g, warm[i][1] - warm[i + 1][1]) for i, (g, _) in enumerate(warm[:-1])]
         rho = _pearson(pairs)
         self.rho = rho if rho is not None else 0.0
         if self.rho >= 0:

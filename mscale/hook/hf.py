@@ -15,7 +15,9 @@ Without `snapshots`, a step with a non-finite loss or gradient has its update dr
 the optimizer back to the newest in-memory snapshot. The Trainer owns the rest and keeps it: its
 step counter, its LR scheduler (which follows that counter) and its data loader, which goes on
 with the batch after the faulty one; so the faulty batch is passed over and the steps since the
-snapshot are undone, not re-run (`SnapshotConfig(memory_every=1)` makes that none). Restarts go
+snapshot are undone, not re-run (`SnapshotConfig(memory_every=1)` makes that none). A weight
+changed between steps is found before the next forward and restored from the snapshot; with
+`memory_every=1` in place, exactly, with no step lost (see docs/healing.md). Restarts go
 through the Trainer's own checkpoints (`resume_from_checkpoint`): a snapshot directory that
 already holds snapshots is refused (give each run its own).
 """

@@ -292,7 +292,7 @@ offending batch.
         "The loss of job {{ $labels.job_id }} on node {{ $labels.node }} jumped beyond the action "
         "threshold ({{ $labels.reason }}) {{ $value }} times in $event; the healing engine cooled the "
         "learning rate. The agent's events (GET /api/v1/events) give the steps.",
-        """A spike beyond the action threshold (6 sigma of the rolling window by default). The
+        """A spike beyond the action threshold (10 sigma above the loss's trend-following baseline by default). The
 engine multiplies the LR by 0.1 for a cooling window, and rolls back if the spike persists.
 
 1. Training stability dashboard: loss against its rolling band, gradient norm per MPU: which

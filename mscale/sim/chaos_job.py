@@ -116,7 +116,10 @@ class ChaosPlugin:
             if fault["left"] <= 0:
                 self.loss_faults.pop(0)
         new = loss * fault["factor"] if fault["kind"] == "loss_spike" else loss * float("nan")
-        if isinstance(output, dict):
+        if type(output) is dict:
             return {**output, "loss": new}
+        if isinstance(output, dict):  # transformers' ModelOutput: in place, keeping its type
+            output["loss"] = new
+            return output
         output.loss = new
         return output

@@ -15,6 +15,7 @@ REGISTRY: dict[str, str] = {
     "recover": "mscale.healing.actions.recover",
     "lr_cool": "mscale.healing.actions.lr_cool",
     "rollback": "mscale.healing.actions.rollback",
+    "restore_weights": "mscale.healing.actions.restore_weights",
     "emergency_snapshot": "mscale.healing.actions.emergency_snapshot",
     "quarantine_gpu": "mscale.healing.actions.quarantine",
 }

@@ -1,14 +1,19 @@
 """NaN/Inf loss or a persisting spike: drop this step's update (its gradients never reach the
 weights), then, after the step, roll back to the last good in-memory snapshot and skip the
-offending batch. Without a snapshot engine the step is still dropped, and the event says so.
-With several ranks the restore is the engine's collective `agree_rollback`, run at every step
-end on every rank (mscale.hook.agree): all ranks restore the same step, or none does."""
+offending batch (not for a weight corrupted between steps: the batch was not at fault, and the
+steps since the snapshot re-run on the same batches). Without a snapshot engine the step is
+still dropped, and the event says so. With several ranks the restore is the engine's
+collective `agree_rollback`, run at every step end on every rank (mscale.hook.agree): all ranks
+restore the same step, or none does (and every rank skips the batch: whether to keep it is
+not agreed across ranks)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from mscale.healing.actions.base import ActionSpec
+
+KEEP_BATCH = ("weight_corruption",)  # reasons whose batch is re-run, not skipped
 
 
 class Rollbacks:
@@ -61,21 +66,24 @@ class Rollbacks:
         return True
 
     def _rollback(self, fuse, d, step: int) -> None:
-        self.skipped_steps.append(step)
+        skip = d.reason not in KEEP_BATCH
+        if skip:
+            self.skipped_steps.append(step)
         engine = fuse.snapshot_engine
         if engine is None or not hasattr(engine, "rollback"):
             self.rollbacks.append({"step": step, "to": None})
             fuse.engine.record(d, "noop", detail="no snapshot engine: the step was dropped, nothing restored")
             return
         try:
-            to = int(engine.rollback(skip_batch=True))
+            to = int(engine.rollback(skip_batch=skip))
         except Exception as e:  # no snapshot yet, or a corrupt one: the step stays dropped
             self.rollbacks.append({"step": step, "to": None, "error": str(e)})
             fuse.engine.record(d, "failed", detail=f"rollback: {e}")
             return
         self.rollbacks.append({"step": step, "to": to})
         fuse.dispatch("weights_settled")
-        fuse.engine.record(d, "applied", detail=f"restored step {to}, batch of step {step} skipped")
+        kept = "skipped" if skip else "re-run with the steps since"
+        fuse.engine.record(d, "applied", detail=f"restored step {to}, batch of step {step} {kept}")
         fuse.guard.set_step(to + 1)  # the restored state continues at its next step
 
 

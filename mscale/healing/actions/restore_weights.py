@@ -1,0 +1,129 @@
+"""A weight changed outside the optimizer (WEIGHT_CORRUPTION, found by the fingerprints of
+mscale.hook.weights before the step's forward): put the weights back from the newest
+in-memory snapshot, exactly.
+
+- That snapshot is of the last completed step (the state the fingerprints were taken of,
+  e.g. `memory_every=1`): the corrupted MPUs' parameters and optimizer state are restored
+  from it in place, checked against their fingerprints, and the step runs on the repaired
+  weights. No step is lost.
+- It is older (step S): the corrupted MPUs' parameters are set to S's so this step's forward
+  runs on sane weights, its update is dropped, and after it the job rolls back to S (the
+  rollback action, which for this reason does not skip a batch: the data was not at fault).
+  With a loader that rewinds in place the steps since S re-run on the same batches and the
+  run continues bitwise as the fault-free run would have; with one that does not (the
+  Trainer's) those steps are undone, not re-run.
+
+The per-job state is the fingerprint watch itself (mscale.hook.weights.WeightWatch): made
+when the fuse attaches, checked at each step's begin, re-recorded whenever the weights settle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mscale.healing.actions.base import ActionFailed, ActionSpec
+
+
+class Watch:
+    """Per job: the fingerprint watch and what each repair did."""
+
+    def __init__(self, fuse) -> None:
+        self.watch: Any = None
+        self.repairs: list[dict] = []  # {"step", "snapshot", "in_place", "tensors", "mpus"} per repair
+
+    def attach(self, fuse) -> None:
+        from mscale.hook.weights import WeightWatch
+
+        self.watch = WeightWatch(fuse.guard, frozen_every=fuse.cfg.frozen_weights_every)
+
+    def step_begin(self, fuse) -> None:
+        if self.watch is not None:
+            self.watch.check(fuse.guard.current_step)
+
+    def weights_settled(self, fuse) -> None:
+        if self.watch is not None:
+            self.watch.settle()
+
+
+def _restore(guard: Any, snap: Any, names: set[str], *, optimizer: bool) -> int:
+    """Copy the parameters `names` (and, with `optimizer`, their optimizer state) back from the
+    in-memory snapshot `snap`; returns how many tensors were copied."""
+    import torch
+
+    params = dict(guard.model.named_parameters())
+    opt = guard.optimizer
+    n = 0
+    with torch.no_grad():
+        for tensors in snap.tensors.values():
+            for key, saved in tensors.items():
+                kind, _, rest = key.partition("/")
+                if kind == "model" and rest in names and rest in params:
+                    params[rest].copy_(saved)
+                    n += 1
+                elif kind == "optim" and optimizer and opt is not None:
+                    fqn, _, k = rest.rpartition("/")
+                    p = params.get(fqn)
+                    if fqn in names and p is not None and isinstance(opt.state.get(p, {}).get(k), torch.Tensor):
+                        opt.state[p][k].copy_(saved)
+    return n
+
+
+def apply(fuse, state: Watch, d) -> str:
+    from mscale.healing.engine import Decision
+
+    watch = state.watch
+    bad = list(watch.corrupted) if watch is not None else []
+    if not bad:
+        return "noop"  # found and repaired already (another finding of the same step)
+    engine = fuse.snapshot_engine
+    snap = engine.latest() if engine is not None else None
+    if snap is None:
+        raise ActionFailed("no in-memory snapshot to restore the weights from")
+    snap.wait_ready()
+    mpus = {mpu_id for mpu_id, _ in bad if mpu_id}
+    names = {name for mpu_id, name in bad if not mpu_id}
+    names |= {name for name, m in watch.owner.items() if m is not None and m.mpu_id in mpus}
+    in_place = snap.step == engine.step  # the snapshot holds the state the fingerprints were taken of
+    n = _restore(fuse.guard, snap, names, optimizer=in_place)
+    if not n:
+        raise ActionFailed(f"the in-memory snapshot of step {snap.step} holds none of {sorted(names)[:3]}")
+    step = fuse.guard.current_step
+    if in_place and not watch.matches():
+        in_place = False  # the snapshot does not hold exactly those weights: roll back instead
+    state.repairs.append(
+        {"step": step, "snapshot": snap.step, "in_place": in_place, "tensors": n, "mpus": sorted(mpus)}
+    )
+    watch.corrupted = []
+    if not in_place:
+        why = f"weights of step {snap.step} restored for this step's forward; roll the job back to it"
+        result = fuse.run(Decision(d.rule, "rollback", "none", d.target, d.before, d.reason, why, d.step, fuse.clock()))
+        if result == "failed":
+            raise ActionFailed(f"the rollback to step {snap.step} failed")
+    return "applied"
+
+
+def event(state: Watch, d) -> tuple[str, dict[str, str]]:
+    if not state.repairs:
+        return "", {}
+    r = state.repairs[-1]
+    what = f"{r['tensors']} tensors of MPU(s) {', '.join(r['mpus']) or '-'}"
+    if r["in_place"]:
+        return f"{what} restored in place from the snapshot of step {r['snapshot']}: no step lost", {
+            "repair": "in_place"
+        }
+    return (
+        f"{what} set to the snapshot of step {r['snapshot']}; the step is dropped and the job rolls back to it",
+        {"repair": "rollback"},
+    )
+
+
+ACTION = ActionSpec(
+    "restore_weights",
+    "none",
+    None,
+    apply,
+    "restore corrupted weights from the newest in-memory snapshot (in place, or roll back to it)",
+    scope="job",
+    state=Watch,
+    event=event,
+)
