@@ -34,6 +34,16 @@ def corrupt(weight: torch.Tensor) -> None:
         weight.view(-1)[K] *= 1024
 
 
+def after_the_copy(guard) -> None:
+    """Wait until the newest snapshot's copy landed (it runs beside the next step), so a weight
+    hit now is not in it: the in-place repair. A hit while the copy is in flight is
+    test_a_weight_hit_while_the_snapshot_copies_is_repaired_from_the_snapshot_before."""
+    for p in guard.plugins:
+        engine = getattr(p, "snapshot_engine", None)
+        if engine is not None:
+            engine.wait_copy()
+
+
 def equal_states(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
     """Names of the tensors in which two models' state_dicts differ (bitwise)."""
     sa, sb = a.state_dict(), b.state_dict()
@@ -77,6 +87,7 @@ def _tinymm(memory_every: int, *, at: int | None, healing: HealingSection | None
     def between_steps(r) -> None:
         if at is not None and r.guard.current_step == at and not done:
             done.append(at)
+            after_the_copy(r.guard)
             corrupt(r.model.vision_tower.layers[0].linear1.weight)
 
     cfg = RunConfig(steps=steps, memory_every=memory_every, before_step=between_steps)
@@ -203,6 +214,7 @@ def _llava_loop(*, at: int | None, memory_every: int, tensor: str = FC1, steps: 
         while guard.current_step < steps:
             if guard.current_step == at and not done:
                 done = True
+                after_the_copy(guard)
                 corrupt(weight)
             batch = make_batch(guard.current_step, torch.Generator().manual_seed(guard.current_step))
             opt.zero_grad()
@@ -272,6 +284,7 @@ def _trainer(tmp_path, model_name: str, *, at: int | None, memory_every: int = 1
     class CorruptAfterStep(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):  # after optimizer.step()
             if state.global_step == at:
+                after_the_copy(callback.guard)
                 corrupt(weight)
             return control
 
@@ -419,3 +432,30 @@ def test_fingerprint_passes_are_bounded_and_equal_to_per_tensor_sums(monkeypatch
     assert all(sum(ts[i].numel() for i in idx) <= 50 or len(idx) == 1 for idx, _, _ in fp._plan)
     ints = {4: torch.int32, 2: torch.int16}
     assert got.tolist() == [int(t.reshape(-1).view(ints[t.element_size()]).sum(dtype=torch.int64)) for t in ts]
+
+
+def test_a_weight_hit_while_the_snapshot_copies_is_repaired_from_the_snapshot_before() -> None:
+    """The snapshot of step 22 copies the weights beside step 23; a weight hit before that copy
+    landed is in it. The repair finds the restored weights differ from their fingerprints,
+    restores the snapshot of step 21 instead and rolls back to it: still bitwise."""
+    import threading
+
+    clean = _tinymm(1, at=None)
+    gate = threading.Event()
+
+    def hold_the_copy_then_corrupt(r) -> None:
+        if r.guard.current_step == 22:
+            # a job queued first on the copier's background thread holds step 22's copy behind it
+            r.snapshots._copier._background.submit(gate.wait, 60)
+        elif r.guard.current_step == 23 and not gate.is_set():
+            corrupt(r.model.vision_tower.layers[0].linear1.weight)
+            gate.set()
+
+    hit = run(RunConfig(steps=28, memory_every=1, before_step=hold_the_copy_then_corrupt))
+    assert gate.is_set()
+    (f,) = of(hit.findings, "weight_corruption")
+    assert f.labels["step"] == "23"
+    (fixed,) = of(hit.findings, "heal_action", action="restore_weights", result="applied")
+    assert fixed.labels["repair"] == "rollback"
+    assert hit.steps == 28 and hit.steps_run == 28 + 2  # back to step 21: steps 22-23 again
+    assert equal_states(clean.guard.model, hit.guard.model) == []

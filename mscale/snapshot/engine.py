@@ -284,9 +284,11 @@ class SnapshotEngine:
         with self._lock:
             return [s.step for s in self._kept]
 
-    def latest(self) -> MemorySnapshot | None:
+    def latest(self, step: int | None = None) -> MemorySnapshot | None:
+        """The newest in-memory snapshot, or the newest of `step`."""
         with self._lock:
-            return self._kept[-1] if self._kept else None
+            kept = [s for s in self._kept if step is None or s.step == step]
+            return kept[-1] if kept else None
 
     # -- the per-step hook --------------------------------------------------------------
     def step_end(self, step: int) -> None:

@@ -89,13 +89,26 @@ def apply(fuse, state: Watch, d) -> str:
         raise ActionFailed(f"the in-memory snapshot of step {snap.step} holds none of {sorted(names)[:3]}")
     step = fuse.guard.current_step
     if in_place and not watch.matches():
-        in_place = False  # the snapshot does not hold exactly those weights: roll back instead
+        # The newest snapshot copies the weights beside the next step (mscale.snapshot.memory),
+        # so a weight hit right after the optimizer step can be in its copy: that snapshot holds
+        # the corruption. Restore and roll back to the one before it instead.
+        in_place = False
+        older = [s for s in engine.memory_steps if s < snap.step]
+        prev = engine.latest(max(older)) if older else None
+        if prev is None:
+            raise ActionFailed(f"the snapshot of step {snap.step} holds the corrupted weights and none is older")
+        prev.wait_ready()
+        snap = prev
+        _restore(fuse.guard, snap, names, optimizer=False)
     state.repairs.append(
         {"step": step, "snapshot": snap.step, "in_place": in_place, "tensors": n, "mpus": sorted(mpus)}
     )
     watch.corrupted = []
     if not in_place:
         why = f"weights of step {snap.step} restored for this step's forward; roll the job back to it"
+        rollbacks = fuse.states.get("rollback")
+        if rollbacks is not None:
+            rollbacks.to_step = snap.step
         result = fuse.run(Decision(d.rule, "rollback", "none", d.target, d.before, d.reason, why, d.step, fuse.clock()))
         if result == "failed":
             raise ActionFailed(f"the rollback to step {snap.step} failed")

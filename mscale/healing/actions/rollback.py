@@ -23,6 +23,7 @@ class Rollbacks:
         self.pending: Any = None  # the Decision, until the step ends
         self.rollbacks: list[dict] = []  # {"step", "to" (restored step or None), ["error"]} per rollback
         self.skipped_steps: list[int] = []
+        self.to_step: int | None = None  # the next rollback's target when an action chose one, else the newest
 
     def settle(self, fuse, step: int) -> bool:
         engine = fuse.snapshot_engine
@@ -75,7 +76,8 @@ class Rollbacks:
             fuse.engine.record(d, "noop", detail="no snapshot engine: the step was dropped, nothing restored")
             return
         try:
-            to = int(engine.rollback(skip_batch=skip))
+            to_step, self.to_step = self.to_step, None
+            to = int(engine.rollback(to_step, skip_batch=skip))
         except Exception as e:  # no snapshot yet, or a corrupt one: the step stays dropped
             self.rollbacks.append({"step": step, "to": None, "error": str(e)})
             fuse.engine.record(d, "failed", detail=f"rollback: {e}")
