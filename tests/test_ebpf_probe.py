@@ -31,7 +31,17 @@ from mscale.probes.base import ProbeContext, ProbeUnavailable
 from mscale.probes.ebpf_detect import BlockedShare, LaunchWatch
 from mscale.probes.ebpf_loader import SOURCE, specialise
 from support import REPO, require, require_tool
-from support.cuda_stub import DEADLINE_S, Caller, build_cuda_stubs, events, poll, proc_of, register, wait_duty_state
+from support.cuda_stub import (
+    DEADLINE_S,
+    Caller,
+    build_cuda_stubs,
+    ebpf_probes,
+    events,
+    poll,
+    proc_of,
+    register,
+    wait_duty_state,
+)
 
 # --- pure logic: no BPF needed ------------------------------------------------------------
 
@@ -119,18 +129,8 @@ def callers(cuda_bins):
 
 @pytest.fixture
 def make_probe(bpf_ok):
-    made = []
-
-    def build(**ebpf) -> tuple:
-        cfg = from_dict({"probes": {"ebpf": {"duty_window_s": 1.0, "duty_period_s": 1.0, **ebpf}}})
-        state = AgentState(node="test")
-        probe = spec("ebpf").factory(ProbeContext(config=cfg, state=state, emit=state.events.emit, clock=time.time))
-        made.append(probe)
-        return probe, state
-
-    yield build
-    for p in made:
-        p.close()
+    with ebpf_probes() as build:
+        yield build
 
 
 def scrape(state: AgentState) -> dict:

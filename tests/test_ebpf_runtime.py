@@ -11,12 +11,8 @@ import types
 
 import pytest
 
-from mscale.config import from_dict
-from mscale.daemon.state import AgentState
-from mscale.probes import spec
-from mscale.probes.base import ProbeContext
 from support import require
-from support.cuda_stub import Caller, build_cuda_stubs, poll, proc_of, register, wait_duty_state
+from support.cuda_stub import Caller, build_cuda_stubs, ebpf_probes, poll, proc_of, register, wait_duty_state
 
 pytestmark = pytest.mark.slow  # gcc builds four binaries; BCC compiles the program per test
 
@@ -47,18 +43,8 @@ def caller(cuda_bins):
 
 @pytest.fixture
 def make_probe(bpf_ok):
-    made = []
-
-    def build(**ebpf) -> tuple:
-        cfg = from_dict({"probes": {"ebpf": {"duty_window_s": 1.0, "duty_period_s": 1.0, **ebpf}}})
-        state = AgentState(node="test")
-        probe = spec("ebpf").factory(ProbeContext(config=cfg, state=state, emit=state.events.emit, clock=time.time))
-        made.append(probe)
-        return probe, state
-
-    yield build
-    for p in made:
-        p.close()
+    with ebpf_probes() as build:
+        yield build
 
 
 @pytest.mark.parametrize("mode", ["uprobe_multi", "perf_event"])

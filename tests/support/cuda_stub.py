@@ -4,11 +4,13 @@ answers each stdin command once its calls have returned, so a test never sleeps 
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import subprocess
 import threading
 import time
 import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +124,28 @@ def wait_duty_state(probe: Any, attached: bool) -> tuple[int, bool]:
             return seq, on
         time.sleep(0.002)
     raise AssertionError(f"duty cycle never {'attached' if attached else 'detached'}")
+
+
+@contextlib.contextmanager
+def ebpf_probes() -> Iterator[Callable[..., tuple]]:
+    """build(**ebpf_keys) -> (probe, state): eBPF probes on a fresh agent state, duty cycle of
+    one second unless the keys say otherwise; every probe built is closed on exit."""
+    from mscale.config import from_dict
+    from mscale.daemon.state import AgentState
+    from mscale.probes import spec
+    from mscale.probes.base import ProbeContext
+
+    made: list[Any] = []
+
+    def build(**ebpf: Any) -> tuple:
+        cfg = from_dict({"probes": {"ebpf": {"duty_window_s": 1.0, "duty_period_s": 1.0, **ebpf}}})
+        state = AgentState(node="test")
+        probe = spec("ebpf").factory(ProbeContext(config=cfg, state=state, emit=state.events.emit, clock=time.time))
+        made.append(probe)
+        return probe, state
+
+    try:
+        yield build
+    finally:
+        for p in made:
+            p.close()
