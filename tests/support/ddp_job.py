@@ -29,7 +29,6 @@ import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 if __name__ == "__main__":  # run as a script from the repository root
@@ -37,6 +36,7 @@ if __name__ == "__main__":  # run as a script from the repository root
 
 import torch
 import torch.distributed as dist
+from forked import fork_ranks  # tests/support/, the script's own folder
 
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
@@ -212,25 +212,7 @@ def main() -> int:
     ap.add_argument("--fault-rank", type=int, default=1)
     ap.add_argument("--fault-at", type=int, default=3)
     args = ap.parse_args()
-    children = []
-    for rank in range(args.world):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                code = rank_main(args, rank)
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        children.append(pid)
-    worst = 0
-    for pid in children:
-        _, status = os.waitpid(pid, 0)
-        worst = worst or os.waitstatus_to_exitcode(status)
-    return worst
+    return fork_ranks(args.world, lambda rank: rank_main(args, rank))
 
 
 if __name__ == "__main__":

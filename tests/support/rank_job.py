@@ -16,13 +16,13 @@ import argparse
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 if __name__ == "__main__":  # run as a script from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
+from forked import fork_ranks  # tests/support/, the script's own folder
 
 from mscale.hook import attach
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
@@ -68,23 +68,7 @@ def main() -> int:
     ap.add_argument("--stop", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    children = []
-    for rank in range(args.ranks):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                code = rank_main(args, rank)
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                os._exit(code)
-        children.append(pid)
-    worst = 0
-    for pid in children:
-        _, status = os.waitpid(pid, 0)
-        worst = worst or os.waitstatus_to_exitcode(status)
-    return worst
+    return fork_ranks(args.ranks, lambda rank: rank_main(args, rank))
 
 
 if __name__ == "__main__":
