@@ -199,3 +199,36 @@ async def test_disabled_probe_exports_no_up_series() -> None:
         assert app[keys.STATE].probe_status["host"].enabled is False
     finally:
         await runner.cleanup()
+
+
+class Instant:
+    """Answers at once: its sample lands in the same loop turn as a stop, the race in which
+    Python 3.11's asyncio.wait_for returned the result and dropped the cancellation."""
+
+    name = "instant"
+
+    def sample(self):
+        return "now"
+
+    def close(self) -> None:
+        pass
+
+
+async def test_stop_ends_every_probe_loop_even_when_a_sample_lands_with_the_cancel() -> None:
+    # A dropped cancellation left the probe loop sleeping for ever: the agent that could not
+    # bind its port then hung on shutdown instead of exiting 2.
+    from mscale.daemon.runner import ProbeRunner
+
+    hung = 0
+    for round_ in range(100):
+        runner = ProbeRunner(AgentState(node="n"), [(Instant(), 0.0, 5.0) for _ in range(4)])
+        runner.start()
+        for _ in range(round_ % 7):
+            await asyncio.sleep(0)
+        stopping = asyncio.ensure_future(runner.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=2)
+        if not done:
+            hung += 1
+            for t in runner._asyncio_tasks:
+                t.cancel()
+    assert hung == 0, f"stop() never returned in {hung} of 100 rounds"

@@ -247,7 +247,8 @@ async def read_body(request: web.Request, max_bytes: int) -> bytes:
             chunks.append(chunk)
 
     try:
-        return await asyncio.wait_for(read(), request.app[ACCESS].body_timeout_s)
+        async with asyncio.timeout(request.app[ACCESS].body_timeout_s):
+            return await read()
     except TimeoutError:
         raise Refused(408, "timeout", "the body did not arrive in time") from None
     except HttpProcessingError as e:  # a truncated or malformed chunked body

@@ -149,7 +149,8 @@ class ContractService:
         self._forget_gone()
         records = list(self.records.values())
         try:
-            results = await asyncio.wait_for(asyncio.to_thread(self._read, records), self.config.check_timeout_s)
+            async with asyncio.timeout(self.config.check_timeout_s):  # not wait_for: see ProbeRunner.sample_once
+                results = await asyncio.to_thread(self._read, records)
         except TimeoutError:
             self.check_errors_total += 1
             log.warning("contract_check_timeout", timeout_s=self.config.check_timeout_s)
@@ -206,7 +207,8 @@ class ContractService:
                 log.error("contract_check_failed", error=f"{type(e).__name__}: {e}"[:300])
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), self.config.check_interval_s)
+                async with asyncio.timeout(self.config.check_interval_s):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 

@@ -413,7 +413,8 @@ class _Conn:
 
 async def _in_use(path: str) -> bool:
     try:
-        _r, w = await asyncio.wait_for(asyncio.open_unix_connection(path), 1.0)
+        async with asyncio.timeout(1.0):
+            _r, w = await asyncio.open_unix_connection(path)
     except (TimeoutError, OSError):
         return False
     w.close()

@@ -144,6 +144,15 @@ def open_nvml(cfg: configmod.Config, clock) -> Any:
     return None
 
 
+def _flush_streams() -> None:
+    """Flush what was logged before an os._exit, which skips the interpreter's own flush."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
 class HardStop:
     """Armed by the first stop signal: ends the process at the deadline if the clean shutdown
     has not (a hung thread or a wedged loop cannot keep the agent alive past it)."""
@@ -165,11 +174,7 @@ class HardStop:
 
     def _expire(self) -> None:
         log.error("agent_shutdown_forced", timeout_s=self.timeout_s)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        _flush_streams()
         os._exit(0)  # the stop was asked for and is done; what was abandoned is logged above
 
     def budget_s(self) -> float:
@@ -233,7 +238,8 @@ async def _serve(
         url = await _start(cfg, app, runner)
     except StartupError:
         try:
-            await asyncio.wait_for(runner.cleanup(), hard_stop.budget_s())
+            async with asyncio.timeout(hard_stop.budget_s()):
+                await runner.cleanup()
         except TimeoutError:
             log.warning("agent_shutdown_timeout", timeout_s=cfg.agent.shutdown_timeout_s)
         raise
@@ -255,7 +261,8 @@ async def _serve(
         notifier.stopping()
         dog.cancel()
         try:
-            await asyncio.wait_for(runner.cleanup(), hard_stop.budget_s())
+            async with asyncio.timeout(hard_stop.budget_s()):
+                await runner.cleanup()
         except TimeoutError:
             log.warning("agent_shutdown_timeout", timeout_s=cfg.agent.shutdown_timeout_s)
         notifier.close()
@@ -282,7 +289,23 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         asyncio.run(serve(cfg, nvml))
+        code = 0
     except StartupError as e:
         print(f"mscale agent: {e}", file=sys.stderr)
-        return 2
-    return 0
+        code = 2
+    _exit_now_if_samples_left(code)
+    return code
+
+
+def _exit_now_if_samples_left(code: int) -> None:
+    """End the process without interpreter finalisation while a probe's sample thread is still
+    in C code (a hung driver call, a BPF compile): finalising under it can crash the process
+    and turn a clean exit code into a segfault."""
+    from mscale.daemon.runner import probe_threads_left
+
+    left = probe_threads_left()
+    if not left:
+        return
+    log.warning("agent_exit_with_samples_running", threads=left)
+    _flush_streams()
+    os._exit(code)

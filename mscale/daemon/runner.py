@@ -22,6 +22,8 @@ from mscale.probes.base import Probe, ProbeUnavailable
 
 log = structlog.get_logger("mscale.runner")
 
+SAMPLE_THREAD = "probe-"  # the name prefix of each sample's thread
+
 
 @dataclass
 class ProbeTask:
@@ -59,6 +61,12 @@ def _in_daemon_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
     return fut
 
 
+def probe_threads_left() -> list[str]:
+    """Names of the sample threads still running: a hung call, or a BPF compile the stop did
+    not wait for. Interpreter finalisation under such a thread can crash in C code."""
+    return [t.name for t in threading.enumerate() if t.name.startswith(SAMPLE_THREAD) and t.is_alive()]
+
+
 class ProbeRunner:
     def __init__(
         self, state: AgentState, probes: list[tuple[Probe, float, float]], clock: Callable[[], float] = time.time
@@ -70,6 +78,7 @@ class ProbeRunner:
             status = state.probe_status.setdefault(probe.name, ProbeStatus(probe.name))
             self.tasks.append(ProbeTask(probe, interval_s, timeout_s, status))
         self._asyncio_tasks: list[asyncio.Task] = []
+        self.close_grace_s = 2.0  # how long stop() lets a running sample finish
 
     def _mark(self, task: ProbeTask, up: bool, reason: str = "") -> None:
         st = task.status
@@ -99,9 +108,12 @@ class ProbeRunner:
             self._mark(task, False, f"previous sample still running after {task.timeout_s:g}s deadline (hung)")
             return None
         start = time.perf_counter()
-        task.inflight = _in_daemon_thread(task.probe.sample, f"probe-{st.name}")
+        task.inflight = _in_daemon_thread(task.probe.sample, f"{SAMPLE_THREAD}{st.name}")
         try:
-            snapshot = await asyncio.wait_for(asyncio.shield(task.inflight), task.timeout_s)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result and drops
+            # a cancel that lands in the same loop turn, and the loop then never stops.
+            async with asyncio.timeout(task.timeout_s):
+                snapshot = await asyncio.shield(task.inflight)
         except TimeoutError:
             st.errors_total += 1
             self._mark(task, False, f"sample timed out after {task.timeout_s:g}s")
@@ -136,6 +148,9 @@ class ProbeRunner:
         for t in self._asyncio_tasks:
             t.cancel()
         await asyncio.gather(*self._asyncio_tasks, return_exceptions=True)
+        running = [t.inflight for t in self.tasks if t.inflight is not None and not t.inflight.done()]
+        if running:  # a sample that ends soon ends before its probe closes under it
+            await asyncio.wait(running, timeout=self.close_grace_s)
         for task in self.tasks:
             try:
                 task.probe.close()

@@ -136,7 +136,8 @@ class LinkClient:
                 self.connected = False
                 log.warning("agent_disconnected", socket=self.socket_path, error=self.last_error)
             try:
-                await asyncio.wait_for(self._stop.wait(), delay)
+                async with asyncio.timeout(delay):  # not wait_for: on 3.11 it can drop a cancel
+                    await self._stop.wait()
             except TimeoutError:
                 pass
             delay = min(delay * 2, self.backoff_s[1])

@@ -39,7 +39,8 @@ class KubeService:
         self._queue: asyncio.Queue | None = None
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.wait_for(asyncio.to_thread(fn, *args), self.cfg.request_timeout_s + 1)
+        async with asyncio.timeout(self.cfg.request_timeout_s + 1):  # not wait_for: it can drop a cancel
+            return await asyncio.to_thread(fn, *args)
 
     # --- pod attribution ------------------------------------------------------------------
 

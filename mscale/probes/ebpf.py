@@ -194,7 +194,7 @@ class EbpfProbe:
         from mscale.probes.ebpf_loader import CudaBpf
 
         try:
-            self.bpf = CudaBpf(
+            bpf = CudaBpf(
                 max_pids=self.cfg.max_processes,
                 max_threads=self.cfg.max_processes * 64,
                 attach_mode=self.cfg.attach_mode,
@@ -202,11 +202,18 @@ class EbpfProbe:
         except Exception as e:  # compile or load refused: not there, and it will not be
             self._unavailable = f"BPF program failed to load: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
             raise ProbeUnavailable(self._unavailable) from None
-        self._duty = threading.Thread(target=self._duty_loop, name="ebpf-duty-cycle", daemon=True)
-        self._duty.start()
+        with self._lock:
+            if self._stop.is_set():  # closed while compiling (the agent stopped at start-up)
+                bpf.close()
+                raise ProbeUnavailable("the probe was closed while its BPF program loaded")
+            self.bpf = bpf
+            self._set_high(True)  # the first window opens now: a process tracked next is counted at once
+            self._duty = threading.Thread(target=self._duty_loop, name="ebpf-duty-cycle", daemon=True)
+            self._duty.start()
 
     def close(self) -> None:
-        self._stop.set()
+        with self._lock:  # a _load() in progress sees the stop once its compile ends
+            self._stop.set()
         if self._duty is not None:
             self._duty.join(timeout=10)
         with self._lock:
@@ -224,11 +231,10 @@ class EbpfProbe:
     # duty cycle ------------------------------------------------------------------------
     def _duty_loop(self) -> None:
         window, period = self.cfg.duty_window_s, self.cfg.duty_period_s
-        start = time.monotonic()
-        while not self._stop.is_set():
-            self._set_high(True)
-            if self.always_on:
-                return  # attached until close()
+        start = time.monotonic()  # _load() opened the first window
+        if self.always_on:
+            return  # attached until close()
+        while True:
             if self._stop.wait(max(0.0, start + window - time.monotonic())):
                 return
             self._set_high(False)
@@ -236,6 +242,7 @@ class EbpfProbe:
             start = max(start, time.monotonic())  # attach/detach slower than the period: skip ahead
             if self._stop.wait(start - time.monotonic()):
                 return
+            self._set_high(True)
 
     def _set_high(self, on: bool) -> None:
         with self._lock:

@@ -159,7 +159,8 @@ class ApiServer:
     async def create_event(self, request: web.Request) -> web.Response:
         rec = await self._record(request)
         if self.hold is not None:
-            await asyncio.wait_for(self.hold.wait(), 10)
+            async with asyncio.timeout(10):
+                await self.hold.wait()
         self.events.append(rec.body)
         return web.json_response(rec.body, status=201)
 
