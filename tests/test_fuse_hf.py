@@ -360,3 +360,86 @@ def test_l3_that_cannot_place_its_student_is_not_applied():
     assert fuse.run(d) == "failed" and m.fuse_level == "healthy"
     booked = [f for f in guard.findings if f.reason is Reason.HEAL_ACTION and f.labels.get("action") == "l3_distill"]
     assert "positions in the text sequence are not known" in booked[-1].message
+
+
+class NoProjector(torch.nn.Module):
+    """A vision tower whose 16-wide output reaches a 32-wide text model with no projector MPU
+    between them (L3 makes its own projection): images fill the placeholder tokens (id 9)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = type("C", (), {"image_token_id": 9})()
+        self.vision_tower = torch.nn.Linear(4, 16)
+        self.widen = torch.nn.Linear(16, 32)  # part of the model, not an MPU
+        self.embed = torch.nn.Embedding(10, 32)
+        self.language_model = torch.nn.Linear(32, 32)
+        self.language_model.config = type("T", (), {"hidden_size": 32})()
+        self.head = torch.nn.Linear(32, 10)
+
+    def forward(self, input_ids, pixel_values, labels):
+        h = self.embed(input_ids)
+        image = self.widen(self.vision_tower(pixel_values)).reshape(-1, 32)
+        h = h.masked_scatter((input_ids == 9).unsqueeze(-1).expand_as(h), image)
+        logits = self.head(self.language_model(h))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 10), labels.reshape(-1))
+        return {"loss": loss, "logits": logits}
+
+
+def test_a_rollback_at_l3_restores_its_projection_and_recovery_removes_it():
+    """L3's own projection (no projector downstream of the failing MPU) is held in the in-memory
+    snapshots with its optimizer's state: a rollback while at L3 puts back the projection of the
+    snapshot's step, not the one trained since; the re-run steps then repeat the first run."""
+    torch.manual_seed(0)
+    model = NoProjector()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = mscale.attach(model, opt, job_id="l3-projection", snapshots=True, connect=False)
+    fuse, m = guard.fuse, guard.mpu("vision")
+    engine = fuse.snapshot_engine
+    engine.memory_every, engine.memory_keep = 2, 10
+    state = fuse.states["l3_distill"]
+
+    def batch(s):
+        g = torch.Generator().manual_seed(s)
+        ids = torch.cat([torch.full((4, 2), 9), torch.randint(0, 9, (4, 3), generator=g)], dim=1)
+        return {"input_ids": ids, "pixel_values": torch.randn(4, 2, 4, generator=g), "labels": ids % 9}
+
+    def step(s):
+        out = model(**batch(s))
+        out["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+        return float(out["loss"].detach())
+
+    def rollback(to):  # what the rollback action does after the step
+        assert engine.rollback(to) == to
+        fuse.dispatch("weights_settled")
+        guard.set_step(to + 1)
+
+    step(0)
+    d = Decision("t", "l3_distill", "L3", fuse._target(m), m.fuse_level, "test", "", 1, 0.0)
+    assert fuse.run(d) == "applied"
+    term = state.mpus[m.mpu_id].term
+    assert term.carrier is m and term.projection is not None  # made at L3 entry
+    made = {k: v.clone() for k, v in term.projection.state_dict().items()}
+    losses = {s: step(s) for s in range(1, 5)}  # snapshots at steps 0 (before L3), 2 and 4
+    assert engine.memory_steps[-1] == 4
+    held = {k: v.clone() for k, v in term.projection.state_dict().items()}
+    held_opt = {k: v.clone() for k, v in term._opt.state[term.projection.weight].items()}
+    for s in (5, 6, 7):
+        step(s)
+    assert not torch.equal(term.projection.weight, held["weight"])  # trained since
+    rollback(4)
+    assert all(torch.equal(v, held[k]) for k, v in term.projection.state_dict().items())
+    restored = term._opt.state[term.projection.weight]
+    assert restored.keys() == held_opt.keys() and all(torch.equal(restored[k], held_opt[k]) for k in held_opt)
+    # a snapshot from before L3's entry: the projection as it was made, a fresh optimizer
+    rollback(0)
+    assert all(torch.equal(v, made[k]) for k, v in term.projection.state_dict().items())
+    assert not term._opt.state
+    # steps 1-4 again on the same batches: the same losses as the first time, bit for bit
+    assert [step(s) for s in range(1, 5)] == [losses[s] for s in range(1, 5)]
+    # recovery removes the projection, and the snapshots hold nothing of L3 afterwards
+    fuse.dispatch("undo", m)
+    assert term.projection is None and state.state_dict() == {}
+    guard.detach()
+    assert "fuse_l3" not in engine.extra
