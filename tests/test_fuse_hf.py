@@ -21,7 +21,8 @@ from mscale.healing.engine import Decision  # noqa: E402
 from mscale.hook.degrade import family, reduction_for  # noqa: E402
 from support.tiny_hf import tiny_llava, tiny_qwen2vl  # noqa: E402
 
-BUILDERS = {"llava": tiny_llava, "qwen2vl": tiny_qwen2vl}
+# the tiny LLaVA at 32x32 (an 8x8 patch grid): its 16x16 default (4x4) is below what L2 shrinks
+BUILDERS = {"llava": lambda seed: tiny_llava(seed, 32), "qwen2vl": tiny_qwen2vl}
 
 
 @pytest.fixture(autouse=True)
@@ -93,8 +94,8 @@ def test_l2_reduction_keeps_every_shape_and_undo_restores_the_forward(name):
     red.undo()
     assert "forward" not in vision.__dict__ and torch.equal(model(**batch).logits, ref.logits)
     h.remove()
-    if name == "llava":  # 16x16 -> 8x8 pixels, then back
-        assert [s[-2:] for s in seen] == [(8, 8), (16, 16)]
+    if name == "llava":  # 32x32 -> 16x16 pixels, then back
+        assert [s[-2:] for s in seen] == [(16, 16), (32, 32)]
     else:  # a quarter of the patches (8x8 -> 4x4 grid of 2x2 patches, 4 images)
         assert [s[0] for s in seen] == [64, 256]
 
@@ -141,7 +142,7 @@ def test_persistent_vision_fault_escalates_l1_l2_l3_and_recovery_undoes_them(nam
     assert "recovered" in watch.states()
     (l2,) = watch.heal("l2_degrade")
     # the step that escalated to L2 re-ran the tower reduced: full, then reduced, input
-    full, reduced = {"llava": (16, 8), "qwen2vl": (256, 64)}[name]
+    full, reduced = {"llava": (32, 16), "qwen2vl": (256, 64)}[name]
     l2_step = int(l2.labels["step"])
     assert [size for s, size in guard.embedded if s == l2_step] == [full, reduced]
     assert [size for s, size in guard.embedded if s == l2_step + 1] == [reduced]
@@ -169,16 +170,16 @@ def test_persistent_vision_fault_escalates_l1_l2_l3_and_recovery_undoes_them(nam
 
 def test_a_reduced_forward_that_raises_is_undone_and_escalates_to_l3():
     """A tower that refuses the reduced size (here: the test's pre-hook on its embeddings raises
-    for any image under 16x16): the step completes on the tower's own forward, the fuse books
+    for any image under 32x32): the step completes on the tower's own forward, the fuse books
     the failed L2 measure, undoes it and escalates to L3; no exception reaches the loop."""
-    model, make_batch = tiny_llava(0)
+    model, make_batch = tiny_llava(0, 32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     watch = Watch()
     guard = mscale.attach(model, opt, job_id="refuse", snapshots=True, connect=False, plugins=[watch])
 
     def refuse(module, args):
-        if args[0].shape[-1] < 16:
-            raise ValueError("Input image size (8*8) doesn't match model (16*16).")
+        if args[0].shape[-1] < 32:
+            raise ValueError("Input image size (16*16) doesn't match model (32*32).")
 
     tower(model).embeddings.register_forward_pre_hook(refuse)
     fault = Fault(model)
@@ -327,6 +328,28 @@ def test_l3_with_a_zero_band_adds_nothing_and_never_raises_into_the_loop():
     assert [share for _, _, share, _, _ in fuse.states["l3_distill"].shares] == [0.0, 0.0, 0.0]
 
 
+def test_l2_never_shrinks_a_patch_grid_below_the_minimum():
+    """The 16x16 tiny LLaVA's 4x4 grid at half size would be 2x2, too little of the image to learn
+    from: no reduction, and why; an 8x8 grid halves to 4x4; a 12x12 one stops at 4x4 however small
+    the scale; Qwen2-VL's 8x8 grid of 2x2 merge windows halves to 4x4."""
+    from mscale.hook.degrade import MIN_GRID, why_none
+
+    assert MIN_GRID == 4
+    small, _ = tiny_llava(0)
+    assert reduction_for(tower(small), 0.5) is None
+    assert why_none(tower(small), 0.5) == "its 4x4 patch grid cannot shrink and keep 4x4"
+    for image, scale, pixels in ((32, 0.5, 16), (48, 0.1, 16), (48, 0.75, 36)):
+        model, make_batch = tiny_llava(0, image)
+        seen: list[int] = []
+        tower(model).embeddings.register_forward_pre_hook(lambda mod, args, seen=seen: seen.append(args[0].shape[-1]))
+        assert why_none(tower(model), scale) == ""
+        red = reduction_for(tower(model), scale)
+        assert red is not None
+        model(**make_batch(0, torch.Generator().manual_seed(0)))
+        assert seen == [pixels]
+        red.undo()
+
+
 def test_l2_on_an_mpu_without_a_reduction_says_so_and_changes_no_shape():
     model, make_batch = tiny_llava(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -338,7 +361,7 @@ def test_l2_on_an_mpu_without_a_reduction_says_so_and_changes_no_shape():
     d = Decision("t", "l2_degrade", "L2", fuse._target(text), text.fuse_level, "test", "", 0, 0.0)
     assert fuse.run(d) == "applied"
     (event,) = [f for f in watch.heal("l2_degrade") if f.labels["mpu_id"] == "003"]
-    assert event.labels["reduction"] == "none" and "no shape-preserving reduction" in event.message
+    assert event.labels["reduction"] == "none" and "no shape-preserving reduction applies" in event.message
     assert "fallback" not in event.labels  # on the CPU: no fallback either (bf16 is opt-in)
     assert model(**batch).logits.shape == ref and "forward" not in text.module.__dict__
 
