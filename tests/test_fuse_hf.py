@@ -224,7 +224,7 @@ def test_trainer_path_escalates_and_recovers_on_tiny_llava(tmp_path):
     L1 -> L2 -> L3 without an exception, to the last step, and recovery undoes L2 and L3."""
     from transformers import Trainer, TrainingArguments
 
-    model, make_batch = tiny_llava(0)
+    model, make_batch = tiny_llava(0, 32)  # an 8x8 patch grid, which L2 halves
 
     class Items(torch.utils.data.Dataset):
         def __len__(self) -> int:
