@@ -348,6 +348,17 @@ def test_l2_never_shrinks_a_patch_grid_below_the_minimum():
         model(**make_batch(0, torch.Generator().manual_seed(0)))
         assert seen == [pixels]
         red.undo()
+    # through the fuse: L2 on the 16x16 tower is applied (the raised clip), with no reduction, and says why
+    opt = torch.optim.AdamW(small.parameters(), lr=1e-3)
+    watch = Watch()
+    guard = mscale.attach(small, opt, job_id="min-grid", snapshots=True, connect=False, plugins=[watch])
+    vision = guard.mpu("vision")
+    d = Decision("t", "l2_degrade", "L2", guard.fuse._target(vision), vision.fuse_level, "test", "", 0, 0.0)
+    assert guard.fuse.run(d) == "applied"
+    (event,) = watch.heal("l2_degrade")
+    assert event.labels["reduction"] == "none" and "its 4x4 patch grid cannot shrink and keep 4x4" in event.message
+    assert "forward" not in tower(small).__dict__
+    guard.detach()
 
 
 def test_l2_on_an_mpu_without_a_reduction_says_so_and_changes_no_shape():
