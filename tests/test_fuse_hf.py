@@ -477,3 +477,32 @@ def test_a_rollback_at_l3_restores_its_projection_and_recovery_removes_it():
     assert term.projection is None and state.state_dict() == {}
     guard.detach()
     assert "fuse_l3" not in engine.extra
+
+
+def test_a_snapshot_without_an_optional_extra_still_restores():
+    """Snapshots written before the fuse's L3 state was an extra (or by a job without the fuse)
+    restore: an extra marked snapshot_optional gets None; any other missing extra is refused."""
+    from mscale.snapshot.engine import SnapshotEngine, SnapshotError
+
+    class Extra:
+        def __init__(self, optional: bool) -> None:
+            self.snapshot_optional, self.loaded = optional, []
+
+        def state_dict(self) -> dict:
+            return {"n": 1}
+
+        def load_state_dict(self, state) -> None:
+            self.loaded.append(state)
+
+    model = torch.nn.Linear(4, 4)
+    engine = SnapshotEngine(model, torch.optim.AdamW(model.parameters()))
+    engine.snapshot(1)
+    optional = Extra(True)
+    engine.extra["later"] = optional
+    assert engine.rollback(1) == 1 and optional.loaded == [None]
+    engine.snapshot(2)
+    assert engine.rollback(2) == 2 and optional.loaded == [None, {"n": 1}]
+    engine.extra["required"] = Extra(False)
+    with pytest.raises(SnapshotError, match="holds no state for 'required'"):
+        engine.rollback(2)
+    engine.close()
