@@ -1,5 +1,6 @@
-"""The task loss after the fuse's L1 -> L2 -> L3 escalation and recovery, on the tiny LLaVA
-(tests/support/tiny_hf.py, 4 caption endings per image: a loss floor above 0), against the
+"""The task loss after the fuse's L1 -> L2 -> L3 escalation and recovery, on the tiny LLaVA and
+the tiny Qwen2-VL (tests/support/tiny_hf.py, 4 caption endings per image: a loss floor above 0;
+Qwen2-VL's pixels normalized as its image processor does, else it never reads them), against the
 fault-free run of the same seed, data and length: a persistent fault in the vision tower over
 steps 5-59 escalates it, it recovers 50 clean steps after the fault, and after 800 steps the
 loss on 16 held-out batches is within 10% of the clean run's (benchmarks/fuse_real_models.py
@@ -14,9 +15,10 @@ import structlog
 
 pytest.importorskip("transformers")
 
-from support.fuse_runs import fuse_run  # noqa: E402
+from support.fuse_runs import fuse_run, image_levels  # noqa: E402
 
 STEPS, ENDINGS, FAULT = 800, 4, range(5, 60)
+LEARNED = image_levels(ENDINGS)[2]  # a model blind to its images sits near 0.58; learned: < 0.35
 
 
 @pytest.fixture(autouse=True)
@@ -26,11 +28,7 @@ def quiet_logs():
     structlog.reset_defaults()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1])
-def test_held_out_task_loss_after_l1_l2_l3_and_recovery_is_within_10_percent_of_the_clean_run(seed):
-    clean = fuse_run("llava", "clean", STEPS, seed, fault=FAULT, endings=ENDINGS)
-    fused = fuse_run("llava", "fuse", STEPS, seed, fault=FAULT, endings=ENDINGS)
+def assert_escalated_recovered_and_within_10_percent(clean: dict, fused: dict) -> None:
     # the fault really escalated to L3 and the MPU recovered before the end
     states = [state for _, state in fused["states"]]
     assert states[:4] == ["suspect", "l1_swapped", "l2_degraded", "l3_distilling"], states
@@ -39,6 +37,22 @@ def test_held_out_task_loss_after_l1_l2_l3_and_recovery_is_within_10_percent_of_
     assert {"l1_swap", "l2_degrade", "l3_distill", "recover"} <= set(actions), actions
     recovered = next(step for step, state in fused["states"] if state == "recovered")
     assert FAULT.stop <= recovered < STEPS - 300  # a long clean stretch after recovery
-    # both runs learned to read their images (a blind model sits near ln 4/6 + ln 8/6 = 0.58)
-    assert clean["held_out"] < 0.35
+    # the clean run learned to read its images, so the ratio compares runs that use them
+    assert clean["held_out"] < LEARNED, (clean["held_out"], LEARNED)
     assert fused["held_out"] <= 1.10 * clean["held_out"], (fused["held_out"], clean["held_out"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_held_out_task_loss_after_l1_l2_l3_and_recovery_is_within_10_percent_of_the_clean_run(seed):
+    clean = fuse_run("llava", "clean", STEPS, seed, fault=FAULT, endings=ENDINGS)
+    fused = fuse_run("llava", "fuse", STEPS, seed, fault=FAULT, endings=ENDINGS)
+    assert_escalated_recovered_and_within_10_percent(clean, fused)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_qwen2vl_held_out_task_loss_after_l1_l2_l3_and_recovery_is_within_10_percent_of_the_clean_run(seed):
+    clean = fuse_run("qwen2vl", "clean", STEPS, seed, fault=FAULT, endings=ENDINGS)
+    fused = fuse_run("qwen2vl", "fuse", STEPS, seed, fault=FAULT, endings=ENDINGS)
+    assert_escalated_recovered_and_within_10_percent(clean, fused)
