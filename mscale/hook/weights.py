@@ -42,13 +42,13 @@ OWN_MIN = 1 << 15
 
 def _words(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor's bytes as an int64 view (it follows in-place updates), or None when they
-    are not whole aligned words (a copy is then taken at each pass: _word_sum)."""
+    are not whole aligned words (a copy is then taken at each pass: word_sum)."""
     if not t.is_contiguous() or (t.numel() * t.element_size()) % 8 or t.data_ptr() % 8:
         return None
     return t.detach().reshape(-1).view(torch.uint8).view(torch.int64)
 
 
-def _word_sum(t: torch.Tensor) -> torch.Tensor:
+def word_sum(t: torch.Tensor) -> torch.Tensor:
     """The fingerprint of one tensor, as a 1-element int64 tensor on its device."""
     words = _words(t)
     if words is None:  # a copy, padded to whole words (its own storage: aligned)
@@ -102,7 +102,7 @@ class Fingerprint:
         with torch.no_grad():
             for idx, views, ends in self._plan:
                 if ends is None:
-                    sums = _word_sum(views[0])
+                    sums = word_sum(views[0])
                 elif not views:
                     continue
                 else:
