@@ -12,8 +12,9 @@ two moments), in one run:
   against a plain large sequential write + fsync of as many bytes, the disk's limit
   (target: at least 80% of it), and against async_save's end-to-end throughput;
 - restore: the in-process rollback from memory and the verified (BLAKE3 chunk tree, read and
-  hashed in one parallel pass) start-up restore from disk, against torch.load of the same
-  state plus load_state_dict (target: not slower).
+  hashed in one parallel pass, straight into the live model and optimizer tensors) start-up
+  restore from disk, against torch.load of the same state plus load_state_dict into the same
+  live model and optimizer (target: not slower).
 
 Every contender runs once per round, back to back, for --repeats rounds (5 by default); each
 ratio is taken per round and judged on its median (benchmarks/_verdict.py), its range
