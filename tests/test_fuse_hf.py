@@ -21,7 +21,8 @@ from mscale.healing.engine import Decision  # noqa: E402
 from mscale.hook.degrade import family, reduction_for  # noqa: E402
 from support.tiny_hf import tiny_llava, tiny_qwen2vl  # noqa: E402
 
-BUILDERS = {"llava": tiny_llava, "qwen2vl": tiny_qwen2vl}
+# the tiny LLaVA at 32x32 (an 8x8 patch grid): its 16x16 default (4x4) is below what L2 shrinks
+BUILDERS = {"llava": lambda seed: tiny_llava(seed, 32), "qwen2vl": tiny_qwen2vl}
 
 
 @pytest.fixture(autouse=True)
@@ -93,8 +94,8 @@ def test_l2_reduction_keeps_every_shape_and_undo_restores_the_forward(name):
     red.undo()
     assert "forward" not in vision.__dict__ and torch.equal(model(**batch).logits, ref.logits)
     h.remove()
-    if name == "llava":  # 16x16 -> 8x8 pixels, then back
-        assert [s[-2:] for s in seen] == [(8, 8), (16, 16)]
+    if name == "llava":  # 32x32 -> 16x16 pixels, then back
+        assert [s[-2:] for s in seen] == [(16, 16), (32, 32)]
     else:  # a quarter of the patches (8x8 -> 4x4 grid of 2x2 patches, 4 images)
         assert [s[0] for s in seen] == [64, 256]
 
@@ -141,7 +142,7 @@ def test_persistent_vision_fault_escalates_l1_l2_l3_and_recovery_undoes_them(nam
     assert "recovered" in watch.states()
     (l2,) = watch.heal("l2_degrade")
     # the step that escalated to L2 re-ran the tower reduced: full, then reduced, input
-    full, reduced = {"llava": (16, 8), "qwen2vl": (256, 64)}[name]
+    full, reduced = {"llava": (32, 16), "qwen2vl": (256, 64)}[name]
     l2_step = int(l2.labels["step"])
     assert [size for s, size in guard.embedded if s == l2_step] == [full, reduced]
     assert [size for s, size in guard.embedded if s == l2_step + 1] == [reduced]
@@ -169,16 +170,16 @@ def test_persistent_vision_fault_escalates_l1_l2_l3_and_recovery_undoes_them(nam
 
 def test_a_reduced_forward_that_raises_is_undone_and_escalates_to_l3():
     """A tower that refuses the reduced size (here: the test's pre-hook on its embeddings raises
-    for any image under 16x16): the step completes on the tower's own forward, the fuse books
+    for any image under 32x32): the step completes on the tower's own forward, the fuse books
     the failed L2 measure, undoes it and escalates to L3; no exception reaches the loop."""
-    model, make_batch = tiny_llava(0)
+    model, make_batch = tiny_llava(0, 32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     watch = Watch()
     guard = mscale.attach(model, opt, job_id="refuse", snapshots=True, connect=False, plugins=[watch])
 
     def refuse(module, args):
-        if args[0].shape[-1] < 16:
-            raise ValueError("Input image size (8*8) doesn't match model (16*16).")
+        if args[0].shape[-1] < 32:
+            raise ValueError("Input image size (16*16) doesn't match model (32*32).")
 
     tower(model).embeddings.register_forward_pre_hook(refuse)
     fault = Fault(model)
@@ -223,7 +224,7 @@ def test_trainer_path_escalates_and_recovers_on_tiny_llava(tmp_path):
     L1 -> L2 -> L3 without an exception, to the last step, and recovery undoes L2 and L3."""
     from transformers import Trainer, TrainingArguments
 
-    model, make_batch = tiny_llava(0)
+    model, make_batch = tiny_llava(0, 32)  # an 8x8 patch grid, which L2 halves
 
     class Items(torch.utils.data.Dataset):
         def __len__(self) -> int:
@@ -327,6 +328,39 @@ def test_l3_with_a_zero_band_adds_nothing_and_never_raises_into_the_loop():
     assert [share for _, _, share, _, _ in fuse.states["l3_distill"].shares] == [0.0, 0.0, 0.0]
 
 
+def test_l2_never_shrinks_a_patch_grid_below_the_minimum():
+    """The 16x16 tiny LLaVA's 4x4 grid at half size would be 2x2, too little of the image to learn
+    from: no reduction, and why; an 8x8 grid halves to 4x4; a 12x12 one stops at 4x4 however small
+    the scale; Qwen2-VL's 8x8 grid of 2x2 merge windows halves to 4x4."""
+    from mscale.hook.degrade import MIN_GRID, why_none
+
+    assert MIN_GRID == 4
+    small, _ = tiny_llava(0)
+    assert reduction_for(tower(small), 0.5) is None
+    assert why_none(tower(small), 0.5) == "its 4x4 patch grid cannot shrink and keep 4x4"
+    for image, scale, pixels in ((32, 0.5, 16), (48, 0.1, 16), (48, 0.75, 36)):
+        model, make_batch = tiny_llava(0, image)
+        seen: list[int] = []
+        tower(model).embeddings.register_forward_pre_hook(lambda mod, args, seen=seen: seen.append(args[0].shape[-1]))
+        assert why_none(tower(model), scale) == ""
+        red = reduction_for(tower(model), scale)
+        assert red is not None
+        model(**make_batch(0, torch.Generator().manual_seed(0)))
+        assert seen == [pixels]
+        red.undo()
+    # through the fuse: L2 on the 16x16 tower is applied (the raised clip), with no reduction, and says why
+    opt = torch.optim.AdamW(small.parameters(), lr=1e-3)
+    watch = Watch()
+    guard = mscale.attach(small, opt, job_id="min-grid", snapshots=True, connect=False, plugins=[watch])
+    vision = guard.mpu("vision")
+    d = Decision("t", "l2_degrade", "L2", guard.fuse._target(vision), vision.fuse_level, "test", "", 0, 0.0)
+    assert guard.fuse.run(d) == "applied"
+    (event,) = watch.heal("l2_degrade")
+    assert event.labels["reduction"] == "none" and "its 4x4 patch grid cannot shrink and keep 4x4" in event.message
+    assert "forward" not in tower(small).__dict__
+    guard.detach()
+
+
 def test_l2_on_an_mpu_without_a_reduction_says_so_and_changes_no_shape():
     model, make_batch = tiny_llava(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -338,7 +372,7 @@ def test_l2_on_an_mpu_without_a_reduction_says_so_and_changes_no_shape():
     d = Decision("t", "l2_degrade", "L2", fuse._target(text), text.fuse_level, "test", "", 0, 0.0)
     assert fuse.run(d) == "applied"
     (event,) = [f for f in watch.heal("l2_degrade") if f.labels["mpu_id"] == "003"]
-    assert event.labels["reduction"] == "none" and "no shape-preserving reduction" in event.message
+    assert event.labels["reduction"] == "none" and "no shape-preserving reduction applies" in event.message
     assert "fallback" not in event.labels  # on the CPU: no fallback either (bf16 is opt-in)
     assert model(**batch).logits.shape == ref and "forward" not in text.module.__dict__
 
@@ -360,3 +394,115 @@ def test_l3_that_cannot_place_its_student_is_not_applied():
     assert fuse.run(d) == "failed" and m.fuse_level == "healthy"
     booked = [f for f in guard.findings if f.reason is Reason.HEAL_ACTION and f.labels.get("action") == "l3_distill"]
     assert "positions in the text sequence are not known" in booked[-1].message
+
+
+class NoProjector(torch.nn.Module):
+    """A vision tower whose 16-wide output reaches a 32-wide text model with no projector MPU
+    between them (L3 makes its own projection): images fill the placeholder tokens (id 9)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = type("C", (), {"image_token_id": 9})()
+        self.vision_tower = torch.nn.Linear(4, 16)
+        self.widen = torch.nn.Linear(16, 32)  # part of the model, not an MPU
+        self.embed = torch.nn.Embedding(10, 32)
+        self.language_model = torch.nn.Linear(32, 32)
+        self.language_model.config = type("T", (), {"hidden_size": 32})()
+        self.head = torch.nn.Linear(32, 10)
+
+    def forward(self, input_ids, pixel_values, labels):
+        h = self.embed(input_ids)
+        image = self.widen(self.vision_tower(pixel_values)).reshape(-1, 32)
+        h = h.masked_scatter((input_ids == 9).unsqueeze(-1).expand_as(h), image)
+        logits = self.head(self.language_model(h))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 10), labels.reshape(-1))
+        return {"loss": loss, "logits": logits}
+
+
+def test_a_rollback_at_l3_restores_its_projection_and_recovery_removes_it():
+    """L3's own projection (no projector downstream of the failing MPU) is held in the in-memory
+    snapshots with its optimizer's state: a rollback while at L3 puts back the projection of the
+    snapshot's step, not the one trained since; the re-run steps then repeat the first run."""
+    torch.manual_seed(0)
+    model = NoProjector()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = mscale.attach(model, opt, job_id="l3-projection", snapshots=True, connect=False)
+    fuse, m = guard.fuse, guard.mpu("vision")
+    engine = fuse.snapshot_engine
+    engine.memory_every, engine.memory_keep = 2, 10
+    state = fuse.states["l3_distill"]
+
+    def batch(s):
+        g = torch.Generator().manual_seed(s)
+        ids = torch.cat([torch.full((4, 2), 9), torch.randint(0, 9, (4, 3), generator=g)], dim=1)
+        return {"input_ids": ids, "pixel_values": torch.randn(4, 2, 4, generator=g), "labels": ids % 9}
+
+    def step(s):
+        out = model(**batch(s))
+        out["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+        return float(out["loss"].detach())
+
+    def rollback(to):  # what the rollback action does after the step
+        assert engine.rollback(to) == to
+        fuse.dispatch("weights_settled")
+        guard.set_step(to + 1)
+
+    step(0)
+    d = Decision("t", "l3_distill", "L3", fuse._target(m), m.fuse_level, "test", "", 1, 0.0)
+    assert fuse.run(d) == "applied"
+    term = state.mpus[m.mpu_id].term
+    assert term.carrier is m and term.projection is not None  # made at L3 entry
+    made = {k: v.clone() for k, v in term.projection.state_dict().items()}
+    losses = {s: step(s) for s in range(1, 5)}  # snapshots at steps 0 (before L3), 2 and 4
+    assert engine.memory_steps[-1] == 4
+    held = {k: v.clone() for k, v in term.projection.state_dict().items()}
+    held_opt = {k: v.clone() for k, v in term._opt.state[term.projection.weight].items()}
+    for s in (5, 6, 7):
+        step(s)
+    assert not torch.equal(term.projection.weight, held["weight"])  # trained since
+    rollback(4)
+    assert all(torch.equal(v, held[k]) for k, v in term.projection.state_dict().items())
+    restored = term._opt.state[term.projection.weight]
+    assert restored.keys() == held_opt.keys() and all(torch.equal(restored[k], held_opt[k]) for k in held_opt)
+    # a snapshot from before L3's entry: the projection as it was made, a fresh optimizer
+    rollback(0)
+    assert all(torch.equal(v, made[k]) for k, v in term.projection.state_dict().items())
+    assert not term._opt.state
+    # steps 1-4 again on the same batches: the same losses as the first time, bit for bit
+    assert [step(s) for s in range(1, 5)] == [losses[s] for s in range(1, 5)]
+    # recovery removes the projection, and the snapshots hold nothing of L3 afterwards
+    fuse.dispatch("undo", m)
+    assert term.projection is None and state.state_dict() == {}
+    guard.detach()
+    assert "fuse_l3" not in engine.extra
+
+
+def test_a_snapshot_without_an_optional_extra_still_restores():
+    """Snapshots written before the fuse's L3 state was an extra (or by a job without the fuse)
+    restore: an extra marked snapshot_optional gets None; any other missing extra is refused."""
+    from mscale.snapshot.engine import SnapshotEngine, SnapshotError
+
+    class Extra:
+        def __init__(self, optional: bool) -> None:
+            self.snapshot_optional, self.loaded = optional, []
+
+        def state_dict(self) -> dict:
+            return {"n": 1}
+
+        def load_state_dict(self, state) -> None:
+            self.loaded.append(state)
+
+    model = torch.nn.Linear(4, 4)
+    engine = SnapshotEngine(model, torch.optim.AdamW(model.parameters()))
+    engine.snapshot(1)
+    optional = Extra(True)
+    engine.extra["later"] = optional
+    assert engine.rollback(1) == 1 and optional.loaded == [None]
+    engine.snapshot(2)
+    assert engine.rollback(2) == 2 and optional.loaded == [None, {"n": 1}]
+    engine.extra["required"] = Extra(False)
+    with pytest.raises(SnapshotError, match="holds no state for 'required'"):
+        engine.rollback(2)
+    engine.close()

@@ -141,8 +141,10 @@ def test_corruption_persisting_on_the_standby_escalates_to_l2(reference):
 
 def test_l2_reduces_the_vision_input_resolution_and_raises_the_clip():
     from mscale.demo.scenario import Run
+    from mscale.sim.tinymm import TinyConfig
 
-    r = Run(RunConfig(steps=10))
+    # 32x32 images, an 8x8 patch grid (the default 4x4 is below what L2 shrinks: no reduction)
+    r = Run(RunConfig(steps=10, model_config=TinyConfig(image_size=32)))
     try:
         vision = r.guard.mpu("vision")
         patches = []
@@ -155,7 +157,7 @@ def test_l2_reduces_the_vision_input_resolution_and_raises_the_clip():
         degraded.undo(r.fuse, vision)
         r.one_step()
         h.remove()
-        assert patches == [16, 4, 16]  # half resolution: a quarter of the patches, then restored
+        assert patches == [64, 16, 64]  # half resolution: a quarter of the patches, then restored
         assert r.guard.cmsa.multiplier["001"] == 1.0
         assert all(math.isfinite(loss) for _, loss in r.losses)
     finally:

@@ -216,8 +216,8 @@ def test_an_agent_under_1024_open_files_survives_1100_idle_connections(tmp_path:
         assert proc.poll() is None, log_path.read_text()[-2000:]
         for i in range(1100):
             flood.append(connect(port, f"127.0.1.{1 + i % 20}"))
-        fds = len(os.listdir(f"/proc/{proc.pid}/fd"))
-        assert fds < 1024 - 64, fds
+        # Refused connections are closed as the loop gets to them: the count settles under the cap.
+        poll("the agent's open files under the cap", lambda: len(os.listdir(f"/proc/{proc.pid}/fd")) < 1024 - 64)
         status, _ = get(port, "/healthz")
         assert status == 200
         status, page = get(port, "/metrics")

@@ -116,8 +116,9 @@ def test_rollback_without_snapshot_is_refused_and_changes_nothing():
 
 def test_disk_layout_manifest_and_binding(tmp_path):
     job = Job(tmp_path, memory_every=5, disk_every=10, disk_keep=2)
-    job.run(1, 40)
-    job.engine.flush()
+    for start in range(1, 40, 10):  # each write lands before the next is due: none superseded
+        job.run(start, start + 9)
+        job.engine.flush()
     infos = list_snapshots(tmp_path, include_incomplete=True)
     assert [i.step for i in infos] == [30, 40] and all(i.complete for i in infos)  # keep last 2
     snap = tmp_path / "step_00000040"

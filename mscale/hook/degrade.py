@@ -14,7 +14,12 @@ rest of the model receives as it expects.
   image's placeholder tokens) and the unmerged ones are resampled back to the original grids.
   An image whose grid cannot shrink and stay a multiple of the merge size keeps its size.
 
-Anything else: no reduction applies (`reduction_for` returns None; L2 says so). A reduction
+Neither ever shrinks an image below a `MIN_GRID` x `MIN_GRID` patch grid: a smaller grid keeps
+too little of the image to learn from (on the tiny LLaVA, 100 steps of its 4x4 grid run at 2x2
+left the model blind to its images long after the reduction was undone; at 8x8 -> 4x4 it
+recovered: benchmarks/fuse_real_models.py), so a tower whose grid cannot shrink and stay at
+or above it gets no reduction. Anything else: no reduction applies either (`reduction_for`
+returns None, `why_none` says why; L2 says so). A reduction
 wraps the module's forward (`mscale.hook.placement.wrap_forward`), inside the guard's hooks:
 they see the model's own inputs and an output of the expected shapes, and a checksum replay of
 the same inputs runs the same reduced path. If the reduced forward raises, the module's own
@@ -34,6 +39,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from mscale.hook.placement import map_tensors, wrap_forward
+
+MIN_GRID = 4  # patches per side below which no image is shrunk
 
 
 @dataclass
@@ -70,6 +77,29 @@ def family(module: nn.Module) -> str | None:
     if _accepts(module, "grid_thw") and isinstance(getattr(module, "spatial_merge_size", None), int):
         return "merge"
     return None
+
+
+def _small_grid(grid: int, scale: float, multiple: int = 1) -> int:
+    """The reduced side of a `grid`-patch side at `scale`: a multiple of `multiple`, never
+    below MIN_GRID (rounded up to that multiple); `grid` itself when it cannot shrink."""
+    floor = -(-MIN_GRID // multiple) * multiple
+    small = max(floor, int(grid * scale) // multiple * multiple)
+    return small if small < grid else grid
+
+
+def why_none(module: nn.Module, scale: float) -> str:
+    """Why `reduction_for(module, scale)` installs nothing ("" when it does)."""
+    if not 0 < scale < 1:
+        return f"l2_resolution {scale:g} asks for no reduction"
+    kind = family(module)
+    if kind is None:
+        return "no shape-preserving reduction applies to this model"
+    if kind == "vit":
+        cfg = _config(module)
+        grid = int(cfg.image_size) // int(cfg.patch_size)
+        if _small_grid(grid, scale) >= grid:
+            return f"its {grid}x{grid} patch grid cannot shrink and keep {MIN_GRID}x{MIN_GRID}"
+    return ""
 
 
 def reduction_for(module: nn.Module, scale: float) -> Reduction | None:
@@ -116,7 +146,7 @@ def _vit(module: nn.Module, scale: float) -> Reduction | None:
     cfg = _config(module)
     size, patch = int(cfg.image_size), int(cfg.patch_size)
     grid = size // patch
-    small = max(1, int(grid * scale)) * patch  # pixels, a multiple of the patch size
+    small = _small_grid(grid, scale) * patch  # pixels, a multiple of the patch size
     if small >= size:
         return None
     full = grid * grid
@@ -191,7 +221,7 @@ def _merge(module: nn.Module, scale: float) -> Reduction | None:
         return None
 
     def shrink(g: int) -> int:
-        return max(m, int(g * scale) // m * m)
+        return _small_grid(g, scale, m)
 
     def reduced(inner: Callable, args: tuple, kwargs: dict) -> Any:
         kwargs = dict(kwargs)

@@ -5,7 +5,8 @@ tensor of its output whose width is the text hidden size H), detached. Student: 
 MPU's output as the text model receives it: the output of the MPU downstream of it (the
 projector, `aligner`) when there is one, else its own output (`pooler_output` first: Qwen2-VL's
 tower merges into the text width itself); when that is not H wide, a small linear projection
-made at L3 entry (trained by its own optimizer at each step's end, removed on recovery).
+made at L3 entry (trained by its own optimizer at each step's end, held in the snapshots with
+that optimizer's state: `state`/`restore`; removed on recovery).
 
 Positions, from the model's own inputs: the student's rows fill the image placeholders,
 `input_ids == config.image_token_id` (or `image_token_index`), in order (the models scatter
@@ -108,6 +109,7 @@ class Term:
         self.token = image_token_id(model)
         self.projection: nn.Linear | None = None
         self._opt: torch.optim.Optimizer | None = None
+        self._initial: dict | None = None  # the projection's state as made
         self.lr = optimizer_lr
 
     def why_not(self) -> str:
@@ -179,7 +181,37 @@ class Term:
         if self.projection is None or self.projection.in_features != student.shape[-1]:
             self.projection = nn.Linear(student.shape[-1], int(self.width or 0)).to(student.device)
             self._opt = torch.optim.Adam(self.projection.parameters(), lr=self.lr)
+            # a rollback to a step before this one restores the projection as made
+            self._initial = self.state()
         return self.projection(student.to(self.projection.weight.dtype))
+
+    def state(self) -> dict | None:
+        """The projection made here and its optimizer's state (None when there is none): what
+        a snapshot holds of this term."""
+        if self.projection is None or self._opt is None:
+            return None
+        return {
+            "in_features": self.projection.in_features,
+            "weights": {k: v.detach().clone() for k, v in self.projection.state_dict().items()},
+            "optimizer": self._opt.state_dict(),
+        }
+
+    def restore(self, state: dict | None) -> None:
+        """Back to a snapshot's `state()`; None (the snapshot predates the projection): back to
+        the projection as it was made, with a fresh optimizer."""
+        state = state if state is not None else self._initial
+        if state is None or self.projection is None or self._opt is None:
+            return
+        if int(state["in_features"]) != self.projection.in_features:
+            raise ValueError(
+                f"the snapshot's L3 projection takes {state['in_features']} features, this one {self.projection.in_features}"
+            )
+        with torch.no_grad():
+            for k, v in self.projection.state_dict().items():
+                v.copy_(state["weights"][k])
+        self._opt = torch.optim.Adam(self.projection.parameters(), lr=self.lr)
+        if state.get("optimizer", {}).get("state"):
+            self._opt.load_state_dict(state["optimizer"])
 
     def step(self) -> None:
         """Train the projection made here (the model's optimizer does not hold it)."""
@@ -188,4 +220,4 @@ class Term:
             self._opt.zero_grad(set_to_none=True)
 
     def close(self) -> None:
-        self.projection, self._opt = None, None
+        self.projection, self._opt, self._initial = None, None, None

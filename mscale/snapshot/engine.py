@@ -389,8 +389,8 @@ class SnapshotEngine:
         for name, obj in (("scaler", self.scaler), ("scheduler", self.scheduler), ("data", self.data)):
             if obj is not None and name not in objects:
                 raise SnapshotError(f"{where} holds no {name} state")
-        for name in self.extra:
-            if name not in objects.get("extra", {}):
+        for name, obj in self.extra.items():  # one marked snapshot_optional may be missing (None)
+            if name not in objects.get("extra", {}) and not getattr(obj, "snapshot_optional", False):
                 raise SnapshotError(f"{where} holds no state for {name!r}")
 
     def _apply(
@@ -426,7 +426,7 @@ class SnapshotEngine:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(copy.deepcopy(objects["scheduler"]))
         for name, obj in self.extra.items():
-            obj.load_state_dict(copy.deepcopy(objects["extra"][name]))
+            obj.load_state_dict(copy.deepcopy(objects["extra"].get(name)))
         set_rng_state(objects["rng"])
         self.step = int(objects["step"])
 

@@ -10,6 +10,7 @@ import subprocess
 import threading
 import time
 import types
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,13 @@ class Caller:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+
+
+def sync_slots(answer: str) -> Counter[int]:
+    """The caller's own count of its synchronise calls per log2 slot, read from its answer
+    ("ok sync 3 slots=25:3"): what the probe's histogram must hold, late wake-ups included."""
+    _, _, tail = answer.partition(" slots=")
+    return Counter({int(s): int(n) for s, n in (kv.split(":") for kv in tail.split(",") if kv)})
 
 
 def register(state: Any, job_id: str, pid: int) -> None:

@@ -62,9 +62,14 @@ def _images(patterns: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, t
     return cls, patterns[cls] + noise
 
 
-def tiny_llava(seed: int = 0, image: int = LLAVA_IMAGE) -> tuple[LlavaForConditionalGeneration, MakeBatch]:
+def tiny_llava(
+    seed: int = 0, image: int = LLAVA_IMAGE, endings: int = 1
+) -> tuple[LlavaForConditionalGeneration, MakeBatch]:
     """LLaVA: a CLIP vision tower with a fixed `image` x `image` input (16: a 4x4 patch grid),
-    the projector, a Llama text model."""
+    the projector, a Llama text model. `endings` > 1: each caption's last token is one of
+    `endings` per class, drawn at random per sample, so the task loss has a floor above zero
+    (ln(endings) / CAPTION) as real captions do, and a trained model's final loss is a plateau
+    rather than a number falling toward 0 as the logits grow."""
     torch.manual_seed(seed)
     vision = CLIPVisionConfig(
         hidden_size=32,
@@ -93,12 +98,17 @@ def tiny_llava(seed: int = 0, image: int = LLAVA_IMAGE) -> tuple[LlavaForConditi
     )
     model = LlavaForConditionalGeneration(cfg)
     patterns, captions = _patterns(seed, image), _captions(seed)
+    last = torch.randint(0, 100, (CLASSES, endings), generator=torch.Generator().manual_seed(30_000 + seed))
     tokens = (image // LLAVA_PATCH) ** 2
 
     def make_batch(step: int, g: torch.Generator) -> Batch:
         cls, pixels = _images(patterns, g)
         image = torch.full((BATCH, tokens), LLAVA_IMAGE_TOKEN)
-        ids = torch.cat([image, captions[cls]], dim=1)
+        caption = captions[cls]
+        if endings > 1:  # drawn after the images: endings=1 draws exactly what it always did
+            caption = caption.clone()
+            caption[:, -1] = last[cls, torch.randint(0, endings, (BATCH,), generator=g)]
+        ids = torch.cat([image, caption], dim=1)
         return {"input_ids": ids, "pixel_values": pixels, "labels": ids.masked_fill(ids == LLAVA_IMAGE_TOKEN, -100)}
 
     return model, make_batch

@@ -93,6 +93,7 @@ class Degraded:
         self.clip_factor: float = fuse.l2_clip_factor
         self.precision: bool = fuse.l2_precision_fallback
         self.mpus: dict[str, tuple[Any, Fallback | None]] = {}  # mpu_id -> (Reduction or None, fallback)
+        self.why_none: dict[str, str] = {}  # mpu_id -> why no reduction applies
         self.failed: list[tuple[int, str, str]] = []  # (step, mpu_id, error) of reduced forwards that raised
 
     @property
@@ -103,7 +104,7 @@ class Degraded:
     def degrade(self, guard: Any, m: Any) -> None:
         if m.mpu_id in self.mpus:
             return
-        from mscale.hook.degrade import reduction_for
+        from mscale.hook.degrade import reduction_for, why_none
 
         fallback = run_degraded(m.module, guard.optimizer, precision=self.precision)
         if fallback is not None:
@@ -111,6 +112,8 @@ class Degraded:
         # installed after the fallback: the reduction runs on the fallback's side of the boundary
         reduction = reduction_for(m.module, self.resolution)
         self.mpus[m.mpu_id] = (reduction, fallback)
+        if reduction is None:
+            self.why_none[m.mpu_id] = why_none(m.module, self.resolution) or "no reduction applies"
         log.warning(
             "mpu_degraded",
             mpu_id=m.mpu_id,
@@ -170,7 +173,9 @@ def event(state: Degraded, d) -> tuple[str, dict[str, str]]:
     reduction, fallback = state.mpus[d.target.mpu_id]
     kind = fallback.kind if fallback else None
     where = {"cpu": "moved to the CPU", "bf16": "forward in bf16"}.get(kind or "", "no fallback on this device")
-    what = reduction.detail if reduction else "no shape-preserving reduction applies to this model: fallback alone"
+    what = (
+        reduction.detail if reduction else f"no reduction ({state.why_none.get(d.target.mpu_id, '')}): fallback alone"
+    )
     labels = {"reduction": reduction.kind if reduction else "none"}
     if kind:
         labels["fallback"] = kind

@@ -34,6 +34,7 @@ from mscale.healing.fsm import Level
 
 log = structlog.get_logger("mscale.fuse")
 
+SNAPSHOT_NAME = "fuse_l3"
 SMOOTH = 1.0  # weight of the newest step in the average the next weight comes from (1: the last step alone)
 
 
@@ -50,7 +51,12 @@ class Distill:
 
 
 class Distilling:
-    """Per job: the MPUs being distilled, the tensors captured for the term, the shares per step."""
+    """Per job: the MPUs being distilled, the tensors captured for the term, the shares per step.
+    Snapshotted with the job (the snapshot engine's `extra`, as `SNAPSHOT_NAME`): the projections
+    made at L3 entry, their optimizers' state and the next step's weight, so a rollback while at
+    L3 continues as the run it returns to would have."""
+
+    snapshot_optional = True  # a snapshot from before this state existed restores as "none made"
 
     def __init__(self, fuse) -> None:
         self.band = (fuse.cfg.distill_weight_min, fuse.cfg.distill_weight_max)
@@ -66,6 +72,9 @@ class Distilling:
         from mscale.hook.distill import Captured
 
         self._captured = Captured()
+        extra = getattr(fuse.snapshot_engine, "extra", None)
+        if isinstance(extra, dict):
+            extra.setdefault(SNAPSHOT_NAME, self)
         model = fuse.guard.model
         text = next((m for m in fuse.guard.mpus if m.name == "text"), None)
         self._handles.append(model.register_forward_pre_hook(self._model_input, with_kwargs=True))
@@ -74,6 +83,9 @@ class Distilling:
             self._handles.append(text.module.register_forward_pre_hook(self._text_input, with_kwargs=True))
 
     def detach(self, fuse) -> None:
+        extra = getattr(fuse.snapshot_engine, "extra", None)
+        if isinstance(extra, dict) and extra.get(SNAPSHOT_NAME) is self:
+            del extra[SNAPSHOT_NAME]
         for d in self.mpus.values():
             d.term.close()
         self.mpus.clear()
@@ -100,6 +112,24 @@ class Distilling:
 
     def in_force(self, fuse, m: Any) -> bool:
         return m.mpu_id in self.mpus
+
+    def state_dict(self) -> dict:
+        """What a snapshot holds: per MPU at L3, its projection (None when it needs none) and weights."""
+        return {
+            mpu_id: {"projection": d.term.state(), "weight": d.weight, "next_weight": d.next_weight}
+            for mpu_id, d in self.mpus.items()
+        }
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """A rollback: each MPU still at L3 gets its projection and weights back as the snapshot
+        held them; one the snapshot predates, its projection as made and a weight to calibrate
+        again. MPUs the snapshot held that are no longer at L3 stay recovered (the fuse's levels
+        are not rolled back)."""
+        state = state or {}
+        for mpu_id, d in self.mpus.items():
+            held = state.get(mpu_id)
+            d.term.restore(held["projection"] if held else None)
+            d.weight, d.next_weight = (held["weight"], held["next_weight"]) if held else (None, None)
 
     def undo(self, fuse, m: Any) -> None:
         d = self.mpus.pop(m.mpu_id, None)
