@@ -118,8 +118,8 @@ def load_newest_valid(
 ) -> tuple[int, Path, Any, dict] | None:
     """(step, path, tensors, objects) of the newest of `steps` that verifies and fits, read
     into the live tensors where it fits them; each refused one a finding; collective: a step
-    any rank refuses is skipped by all. Raises SnapshotError when a refused snapshot had
-    already landed in the live tensors and no older one replaced it."""
+    any rank refuses is skipped by all. Raises SnapshotError (on every rank, when collective)
+    when a refused snapshot had already landed in live tensors and no older one replaced it."""
     assert engine.rank_dir is not None
     overwritten: Path | None = None
     landed: list[bool] = []  # whether the snapshot being read goes into the live tensors
@@ -144,9 +144,12 @@ def load_newest_valid(
             continue
         if not collective or not mdist.any_flag(False, engine.group):
             return step, path, tensors, objects
-    if overwritten is not None:
+        overwritten = path if any(landed) else overwritten  # landed here, refused by another rank
+    # every rank gets here together (one flag per step on each): all raise, or none
+    if mdist.any_flag(overwritten is not None, engine.group) if collective else overwritten is not None:
+        where = overwritten or "a snapshot on another rank"
         raise SnapshotError(
-            f"{overwritten} was refused after part of it was read into the live model and optimizer, and no "
+            f"{where} was refused after part of it was read into the live model and optimizer, and no "
             "older snapshot verifies: their state is no longer the one this process started with; start it again"
         )
     return None
