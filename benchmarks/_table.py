@@ -18,7 +18,15 @@ import sys
 from pathlib import Path
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
-ORDER = ("snapshot", "hook_overhead", "ebpf_overhead", "agent_overhead", "webhook_cost", "heal_latency")
+ORDER = (
+    "snapshot",
+    "hook_overhead",
+    "agreement_cost",
+    "ebpf_overhead",
+    "agent_overhead",
+    "webhook_cost",
+    "heal_latency",
+)
 
 
 def _num(x: float, unit: str) -> str:

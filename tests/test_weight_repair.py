@@ -421,17 +421,25 @@ def test_fingerprint_of_a_non_contiguous_tensor_follows_its_updates() -> None:
 
 
 def test_fingerprint_passes_are_bounded_and_equal_to_per_tensor_sums(monkeypatch) -> None:
-    """Small tensors share fused passes of at most BATCH_MAX elements (the pass's int64 copy
-    stays bounded for a large model); the result is each tensor's own sum, whatever the split."""
+    """Small tensors share fused passes of at most BATCH_MAX words (the pass's int64 copy
+    stays bounded for a large model); the result is each tensor's own sum of 64-bit words
+    (the documented definition, computed here from its bytes), whatever the split."""
     import mscale.hook.weights as weights
 
     monkeypatch.setattr(weights, "BATCH_MAX", 50)
-    ts = [torch.randn(7, 5), torch.randn(30), torch.randn(20), torch.randn(3).bfloat16(), torch.randn(100)]
+    odd = torch.randn(41)[1:]  # not 8-byte aligned: fingerprinted from a copy
+    ts = [torch.randn(7, 5), torch.randn(30), torch.randn(20), torch.randn(3).bfloat16(), torch.randn(100), odd]
     fp = weights.Fingerprint(ts)
     got = fp.compute()
-    assert all(sum(ts[i].numel() for i in idx) <= 50 or len(idx) == 1 for idx, _, _ in fp._plan)
-    ints = {4: torch.int32, 2: torch.int16}
-    assert got.tolist() == [int(t.reshape(-1).view(ints[t.element_size()]).sum(dtype=torch.int64)) for t in ts]
+    assert all(sum(ts[i].numel() for i in idx) <= 100 or len(idx) == 1 for idx, _, _ in fp._plan)
+
+    def word_sum(t: torch.Tensor) -> int:
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        raw += bytes(-len(raw) % 8)
+        total = sum(int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw), 8)) % (1 << 64)
+        return total - (1 << 64) if total >= 1 << 63 else total
+
+    assert got.tolist() == [word_sum(t) for t in ts]
 
 
 def test_a_weight_hit_while_the_snapshot_copies_is_repaired_from_the_snapshot_before() -> None:

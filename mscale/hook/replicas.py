@@ -3,8 +3,8 @@ weights diverged (a corrupted element, a bad host copy) and copy them back from 
 
 `ReplicaCheck` is a guard plugin (added by `mscale.attach` with the agreement when the process
 group has several ranks). Every `every` steps (`healing.replica_check_steps`), at the step end,
-each rank fingerprints each MPU's parameters: the sum, as int64, of every element's bits read
-as an integer (float32 as int32, bf16/fp16 as int16), so any single changed bit changes it.
+each rank fingerprints each MPU's parameters: the wrapping int64 sum of their bytes read as
+64-bit words (the weight fingerprint of mscale.hook.weights), so any single changed bit changes it.
 One all_reduce(MAX) of [fingerprints, -fingerprints] gives every rank the largest and the
 smallest value of each MPU; equal on all MPUs, the replicas agree and that is all (the common
 case: one collective of 2 x MPUs int64). Otherwise an all_gather of the fingerprints names the
@@ -25,21 +25,17 @@ import torch
 import torch.distributed as dist
 
 from mscale.findings import Finding, Reason, Severity
+from mscale.hook.weights import word_sum
 from mscale.snapshot.distributed import _device, rank_and_size
 
 SOURCE = "replicas"
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def fingerprint(params: list[torch.Tensor]) -> int:
-    """The sum of the parameters' element bits as integers (int64, wrapping)."""
-    total = torch.zeros((), dtype=torch.int64)
+    """The sum of the parameters' weight fingerprints (int64, wrapping)."""
+    total = torch.zeros(1, dtype=torch.int64)
     for p in params:
-        t = p.detach()
-        if not t.is_contiguous():
-            t = t.contiguous()
-        bits = t.view(_INT_VIEW[t.element_size()]) if t.is_floating_point() else t
-        total += bits.sum(dtype=torch.int64).cpu()
+        total += word_sum(p).cpu()
     return int(total)
 
 

@@ -1,12 +1,15 @@
 """Weight fingerprints: a weight changed outside the optimizer is found before it is used.
 
-A fingerprint of a tensor is the sum, as int64, of its elements' bit patterns (a float32 read
-as int32, a bf16 as int16): exact and order-free, so the same bits always give the same sum
-and any single changed element changes it (its bit pattern moves by a nonzero amount below
-2^32; the int64 sum wraps, consistently). A float sum would round a low-bit change away.
-Small tensors are fingerprinted together in one fused pass per device and width (their
-int views concatenated, one cumulative sum, read at each tensor's end), large ones one by
-one: on the tiny multimodal model (63 tensors) a pass costs ~0.07 ms against a ~8 ms step.
+A fingerprint of a tensor is the sum, wrapping modulo 2^64, of its bytes read as
+little-endian 64-bit words (the last word padded with zeros): exact and order-free, so the
+same bits always give the same sum, and any single changed element changes it (it moves one
+or two words by a nonzero amount below 2^64 in total). A float sum would round a low-bit
+change away. Words, not elements: an int64 sum of an int64 view is a plain vectorised add,
+measured 6.6x faster on CPU than summing float32 bit patterns as int32 into int64 (0.47 ms
+against 3.1 ms for a 2048x512 weight), which made the pass 1.3-1.7% of a realistic step.
+Small tensors are fingerprinted together in one fused pass per device (their word views
+concatenated, one cumulative sum, read at each tensor's end), larger ones, and those whose
+bytes are not whole aligned words, one by one.
 
 `WeightWatch` keeps the fingerprints of a guard's model: the trained weights (those requiring
 a gradient) are fingerprinted each time the weights settle after a
@@ -29,14 +32,29 @@ import torch
 from mscale.findings import Finding, Reason, Severity
 
 SOURCE = "weights"
-# elements of one fused pass (its int64 copy: 8 MiB); larger tensors go on their own
+# 64-bit words of one fused pass (its int64 copy: 8 MiB)
 BATCH_MAX = 1 << 20
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# tensors of more words than this are summed on their own: the fused pass copies and runs a
+# cumulative sum (sequential, several times slower than a sum), worth it only where the cost
+# of a call per tensor dominates
+OWN_MIN = 1 << 15
 
 
-def _int_view(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().reshape(-1)  # a view for the contiguous tensors parameters are
-    return flat.view(_INT[flat.element_size()]) if flat.is_floating_point() else flat
+def _words(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor's bytes as an int64 view (it follows in-place updates), or None when they
+    are not whole aligned words (a copy is then taken at each pass: word_sum)."""
+    if not t.is_contiguous() or (t.numel() * t.element_size()) % 8 or t.data_ptr() % 8:
+        return None
+    return t.detach().reshape(-1).view(torch.uint8).view(torch.int64)
+
+
+def word_sum(t: torch.Tensor) -> torch.Tensor:
+    """The fingerprint of one tensor, as a 1-element int64 tensor on its device."""
+    words = _words(t)
+    if words is None:  # a copy, padded to whole words (its own storage: aligned)
+        raw = t.detach().reshape(-1).view(torch.uint8)
+        words = torch.cat((raw, raw.new_zeros(-raw.numel() % 8))).view(torch.int64)
+    return words.sum().reshape(1)
 
 
 class Fingerprint:
@@ -52,24 +70,25 @@ class Fingerprint:
         return tuple((tuple(t.shape), t.dtype, t.device) for t in self.tensors)
 
     def _build(self) -> None:
-        groups: dict[tuple, list[list[int]]] = {}  # (device, width, float) -> chunks of indices
-        filled: dict[tuple, int] = {}  # elements in each group's last chunk
+        groups: dict[Any, list[list[int]]] = {}  # device -> chunks of indices
+        filled: dict[Any, int] = {}  # words in each group's last chunk
         plan: list[tuple[list[int], list[torch.Tensor], torch.Tensor | None]] = []
         for i, t in enumerate(self.tensors):
-            if t.numel() > BATCH_MAX or not t.is_contiguous():
+            words = _words(t)
+            if words is None or not 0 < words.numel() <= min(OWN_MIN, BATCH_MAX):
                 # on its own, viewed afresh at each pass (a non-contiguous tensor's flat
                 # reshape is a copy: kept, it would go stale)
                 plan.append(([i], [t], None))
             else:
-                key = (t.device, t.element_size(), t.is_floating_point())
+                key = t.device
                 chunks = groups.setdefault(key, [[]])
-                if filled.get(key, 0) + t.numel() > BATCH_MAX:
+                if filled.get(key, 0) + words.numel() > BATCH_MAX:
                     chunks.append([])
                     filled[key] = 0
                 chunks[-1].append(i)
-                filled[key] = filled.get(key, 0) + t.numel()
+                filled[key] = filled.get(key, 0) + words.numel()
         for idx in (chunk for chunks in groups.values() for chunk in chunks if chunk):
-            views = [_int_view(self.tensors[i]) for i in idx]  # views: they follow in-place updates
+            views = [w for i in idx if (w := _words(self.tensors[i])) is not None]  # follow in-place updates
             ends = torch.tensor([v.numel() for v in views], device=views[0].device).cumsum(0) - 1
             plan.append((idx, views, ends))
         self._plan = plan
@@ -83,11 +102,11 @@ class Fingerprint:
         with torch.no_grad():
             for idx, views, ends in self._plan:
                 if ends is None:
-                    sums = _int_view(views[0]).sum(dtype=torch.int64).reshape(1)
+                    sums = word_sum(views[0])
                 elif not views:
                     continue
                 else:
-                    c = torch.cat(views).to(torch.int64).cumsum(0)[ends]
+                    c = torch.cat(views).cumsum(0)[ends]
                     sums = torch.diff(c, prepend=c.new_zeros(1))
                 out[idx] = sums.cpu()
         return out

@@ -18,8 +18,10 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from bisect import bisect_right
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ __all__ = ["TREE_CHUNK", "TreeHasher", "read_and_verify", "DIGESTS"]
 
 TREE_CHUNK = 16 << 20  # the tree's leaf: the unit of parallel hashing
 READ = 1 << 20  # read and hashed at once: stays in the CPU's cache between the two
+IOV_MAX = 512  # pieces per preadv call (Linux allows 1024)
 DIGESTS = ("blake3_tree", "sha256")  # what a manifest may record per file, newest first
 _NAMES = {"blake3_tree": "BLAKE3", "sha256": "SHA-256"}
 
@@ -65,18 +68,65 @@ class TreeHasher:
         return _root(leaves, self.size)
 
 
-def _read_into(fd: int, view: memoryview, offset: int, hasher: Any, progress: Callable[[int], None] | None) -> None:
-    """Reads len(view) bytes at offset into view, hashing each piece as it lands."""
-    done = 0
-    while done < len(view):
-        piece = view[done : done + READ]
-        n = os.preadv(fd, [piece], offset + done)
+class _Pieces:
+    """Where a file's bytes go: consecutive pieces of memory (a buffer, or the tensors a file
+    holds with scratch between them), found by file offset."""
+
+    def __init__(self, pieces: list[Any], size: int) -> None:
+        self.views = [memoryview(p).cast("B") for p in pieces]
+        self.starts = list(accumulate([0] + [len(v) for v in self.views]))
+        if self.starts[-1] != size:
+            raise ValueError(f"{self.starts[-1]} bytes of destination for a file of {size}")
+
+    def span(self, start: int, n: int) -> list[memoryview]:
+        """The views of file bytes start..start+n."""
+        i, out = bisect_right(self.starts, start) - 1, []
+        while n > 0:
+            off = start - self.starts[i]
+            take = min(len(self.views[i]) - off, n)
+            if take > 0:
+                out.append(self.views[i][off : off + take])
+                start, n = start + take, n - take
+            i += 1
+        return out
+
+
+def _read_into(
+    fd: int, views: list[memoryview], offset: int, hasher: Any, progress: Callable[[int], None] | None
+) -> None:
+    """Reads consecutive file bytes from offset into views, about READ bytes a call (one
+    preadv for many small tensors), hashing each window as it lands."""
+    window: list[memoryview] = []
+    filled = 0
+    for view in views:
+        while view:
+            take = min(len(view), READ - filled)
+            window.append(view[:take])
+            filled, view = filled + take, view[take:]
+            if filled == READ or len(window) == IOV_MAX:
+                offset += _fill(fd, window, offset, hasher, progress)
+                window, filled = [], 0
+    if window:
+        _fill(fd, window, offset, hasher, progress)
+
+
+def _fill(fd: int, window: list[memoryview], offset: int, hasher: Any, progress: Callable[[int], None] | None) -> int:
+    total = sum(len(v) for v in window)
+    left, done = list(window), 0
+    while left:
+        n = os.preadv(fd, left, offset + done)
         if n == 0:
             raise EOFError
-        hasher.update(piece[:n])
         done += n
-        if progress:
-            progress(n)
+        while left and n >= len(left[0]):
+            n -= len(left.pop(0))
+        if n:
+            left[0] = left[0][n:]
+    for view in window:
+        hasher.update(view)
+    if progress:
+        progress(total)
+    return total
 
 
 def read_and_verify(
@@ -91,11 +141,13 @@ def read_and_verify(
     pool: ThreadPoolExecutor | None = None,
 ) -> dict[str, Any]:
     """Reads every file (its size already checked) and checks its digest against `metas`, in
-    one pass. into(name, size): a writable buffer the file is read into (returned per name);
-    without it, each file goes through a scratch buffer and nothing is kept. pool: the threads
+    one pass. into(name, size): a writable buffer the file is read into, or a list of
+    buffers holding its consecutive bytes (returned per name, as given); without it, each
+    file goes through a scratch buffer and nothing is kept. pool: the threads
     to use (else `workers` new ones). Raises
     SnapshotInvalid naming the first file (in name order) that differs or cannot be read."""
     bufs: dict[str, Any] = {}
+    dests: dict[str, _Pieces] = {}
     leaves: dict[str, list] = {}
     whole: dict[str, Any] = {}
     tasks: list[tuple[int, str, int]] = []  # (bytes, name, chunk index)
@@ -103,6 +155,7 @@ def read_and_verify(
         size = metas[name]["size"]
         if into is not None and (buf := into(name, size)) is not None:
             bufs[name] = buf
+            dests[name] = _Pieces(buf if isinstance(buf, list) else [buf], size)
         if "blake3_tree" in metas[name] or not hashes:
             n = -(-size // TREE_CHUNK)
             leaves[name] = [b""] * n
@@ -114,23 +167,23 @@ def read_and_verify(
 
     def run(task: tuple[int, str, int]) -> tuple[str, str | None]:
         nbytes, name, index = task
-        if name in bufs:
-            view = memoryview(bufs[name]).cast("B")
-        else:
+
+        def views(start: int, n: int) -> list[memoryview]:
+            if name in dests:
+                return dests[name].span(start, n)
             if not hasattr(scratch, "view"):
                 scratch.view = memoryview(bytearray(TREE_CHUNK))
-            view = scratch.view
+            return [scratch.view[:n]]
+
         try:
             if index < 0:  # SHA-256: the whole file, in order
                 for start in range(0, nbytes, TREE_CHUNK):
                     part = min(TREE_CHUNK, nbytes - start)
-                    dest = view[start : start + part] if name in bufs else view[:part]
-                    _read_into(fds[name], dest, start, whole[name], progress)
+                    _read_into(fds[name], views(start, part), start, whole[name], progress)
                 return name, None
             start = index * TREE_CHUNK
-            dest = view[start : start + nbytes] if name in bufs else view[:nbytes]
             h = blake3.blake3() if hashes else _NoHash()
-            _read_into(fds[name], dest, start, h, progress)
+            _read_into(fds[name], views(start, nbytes), start, h, progress)
             leaves[name][index] = h.digest()
             return name, None
         except EOFError:

@@ -14,7 +14,8 @@ running step N+1 continues exactly as the uninterrupted run would have.
   snapshots. A failed write (disk full) is a Finding; training and the in-memory copy go on.
 - Loading never unpickles code: tensors are safetensors files, the rest `train_state.pt` read
   with `torch.load(weights_only=True)`; each file is checked against `manifest.json` (size,
-  SHA-256) first, and a snapshot that fails is refused, naming the file, for the next older.
+  BLAKE3) as it is read, into the live tensors where it fits them (inplace.py), and a
+  snapshot that fails is refused, naming the file, for the next older.
 
 The layout of a snapshot directory is in `format.py`.
 """
@@ -46,13 +47,12 @@ from mscale.snapshot.format import (
     NONMPU_FILE,
     NONMPU_OPTIM_FILE,
     SnapshotError,
-    SnapshotInvalid,
     list_snapshots,
 )
+from mscale.snapshot.inplace import load_newest_valid
 from mscale.snapshot.manifest import safe_name
 from mscale.snapshot.memory import HostCopier, MemorySnapshot, rng_state, set_rng_state, to_host
 from mscale.snapshot.optim import NamedOptimizer
-from mscale.snapshot.tensors import load_snapshot
 from mscale.snapshot.writer import DiskWriter
 
 __all__ = ["SnapshotEngine", "RollbackUnavailable"]
@@ -463,7 +463,7 @@ class SnapshotEngine:
             # ... or, alone and that one refused now, to the newest older one that verifies
             infos = list_snapshots(self.rank_dir) if self.world_size == 1 else []
             older = {i.step for i in infos if i.path.parent == self.rank_dir and i.step < resumed[0]}
-            found = self._load_newest_valid([resumed[0], *sorted(older, reverse=True)], collective=False)
+            found = load_newest_valid(self, [resumed[0], *sorted(older, reverse=True)], collective=False)
             if found is None:
                 raise RollbackUnavailable(f"the disk snapshot of step {resumed[0]} is refused, and no older one")
             tag, (target, path, tensors, objects) = "disk", found
@@ -531,7 +531,7 @@ class SnapshotEngine:
         # rename, so a bad one is corruption to report, not an interrupted write.
         mine = sorted({i.step for i in list_snapshots(self.rank_dir) if i.path.parent == self.rank_dir}, reverse=True)
         steps = mdist.common_steps(mine, self.group) if self.world_size > 1 else mine
-        found = self._load_newest_valid(steps, collective=self.world_size > 1)
+        found = load_newest_valid(self, steps, collective=self.world_size > 1)
         if found is not None:
             step, path, tensors, objects = found
             self._apply(tensors, objects, where=str(path), owned=True)
@@ -556,25 +556,6 @@ class SnapshotEngine:
                 Severity.CRITICAL,
                 f"no valid snapshot in {self.rank_dir}: starting from scratch",
             )
-        return None
-
-    def _load_newest_valid(self, steps: list[int], *, collective: bool) -> tuple[int, Path, Any, dict] | None:
-        """(step, path, tensors, objects) of the newest of `steps` that verifies and fits, each
-        refused one a finding; collective: a step any rank refuses is skipped by all."""
-        assert self.rank_dir is not None
-        for step in steps:
-            path = self.rank_dir / f"step_{step:08d}"
-            try:
-                tensors, objects, _ = load_snapshot(path, pool=self._copier.pool())
-                self._check_fits(tensors, objects, str(path))
-            except SnapshotError as e:  # SnapshotInvalid names the file at fault
-                file, why = {"file": e.file} if isinstance(e, SnapshotInvalid) else {}, f"{e}; trying an older snapshot"
-                self._emit(Reason.SNAPSHOT_REFUSED, Severity.WARNING, why, step=step, **file)
-                if collective:
-                    mdist.any_flag(True, self.group)
-                continue
-            if not collective or not mdist.any_flag(False, self.group):
-                return step, path, tensors, objects
         return None
 
     # -- shutdown ---------------------------------------------------------------------

@@ -222,12 +222,15 @@ def open_verified(
     workers: int | None = None,
     into: Callable[[str, int], Any] | None = None,
     pool: ThreadPoolExecutor | None = None,
+    opened: Callable[[dict[str, int]], None] | None = None,
 ) -> Verified:
     """Opens every file of the snapshot at `path` (regular files in it only, no symbolic
     links) and checks it against the manifest: size, then the digest unless hashes=False
     (read and hashed in one pass, in parallel: digest.py), then the binding names the
     manifest's MPUs. into(name, size): a writable buffer to read the file `name` into and
-    keep (None: not kept). pool: threads to read with (default: new ones). Raises SnapshotInvalid naming the first file at fault.
+    keep (None: not kept). pool: threads to read with (default: new ones). opened(fds): called
+    with each file's descriptor once all are opened and their sizes checked, before any read.
+    Raises SnapshotInvalid naming the first file at fault.
     `progress(n)` is called with each number of bytes read, from worker threads."""
     path = Path(path)
     v = Verified(path, open_dir(path), {})
@@ -248,6 +251,8 @@ def open_verified(
                 return bytearray(size)
             return into(name, size) if into is not None else None
 
+        if opened is not None:
+            opened(v.fds)
         v.contents = read_and_verify(
             path, v.fds, files, into=keep, hashes=hashes, progress=progress, workers=workers, pool=pool
         )

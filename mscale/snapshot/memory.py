@@ -305,7 +305,9 @@ class HostCopier:
     def parallel_copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """dst.copy_(src) for every pair, spread over a few threads by bytes (copy_ releases
         the GIL). Measured here: steadier than torch's intra-op threads, which degrade badly
-        when other processes hold the cores."""
+        when other processes hold the cores. A pair whose source is its destination (read from
+        disk in place: inplace.py) is skipped."""
+        pairs = [(d, s) for d, s in pairs if not (d.data_ptr() == s.data_ptr() and d.stride() == s.stride())]
         n = min(self.copy_threads, len(pairs))
         if n <= 1:
             with torch.no_grad():

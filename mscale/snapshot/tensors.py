@@ -4,7 +4,7 @@ loaded back into torch tensors and objects (verified first, never unpickling cod
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,24 +67,27 @@ _FROM_ST = {name: dtype for dtype, name in _ST_DTYPES.items()}
 MAX_HEADER = 100 << 20  # safetensors' own bound on the JSON header
 
 
-def tensors_from_bytes(data: torch.Tensor, path: Path, name: str) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file held in `data` (uint8), as views of it where aligned.
-    Every offset, dtype and shape is checked against the file before a view is made."""
+Entry = tuple[str, torch.dtype, list[int], int, int]  # key, dtype, shape, start, end (in the body)
+
+
+def parse_header(head: bytes, size: int, path: Path, name: str) -> tuple[int, list[Entry]]:
+    """(offset of the body, entries) of a safetensors file of `size` bytes whose first bytes
+    (at least 8 + the header's length) are `head`. Every offset, dtype and shape is checked
+    against the file."""
 
     def bad(why: str) -> SnapshotInvalid:
         return SnapshotInvalid(path, name, f"not a readable safetensors file: {why}")
 
-    size = data.numel()
-    if size < 8:
+    if size < 8 or len(head) < 8:
         raise bad("shorter than its header length")
-    hlen = int.from_bytes(bytes(data[:8].numpy()), "little")
-    if hlen > min(MAX_HEADER, size - 8):
+    hlen = int.from_bytes(head[:8], "little")
+    if hlen > min(MAX_HEADER, size - 8) or len(head) < 8 + hlen:
         raise bad(f"a header of {hlen} bytes in a file of {size}")
-    header = parse_json(bytes(data[8 : 8 + hlen].numpy()), path, name)
+    header = parse_json(bytes(head[8 : 8 + hlen]), path, name)
     if not isinstance(header, dict):
         raise bad("the header is not an object")
     base, body = 8 + hlen, size - 8 - hlen
-    out: dict[str, torch.Tensor] = {}
+    entries: list[Entry] = []
     for key, entry in header.items():
         if key == "__metadata__":
             continue
@@ -102,34 +105,64 @@ def tensors_from_bytes(data: torch.Tensor, path: Path, name: str) -> dict[str, t
         width = torch.empty((), dtype=dtype).element_size()
         if not 0 <= start <= end <= body or end - start != numel * width:
             raise bad(f"entry {key!r}: offsets {start}..{end} do not fit its shape or the file")
+        entries.append((key, dtype, shape, start, end))
+    return base, entries
+
+
+def tensors_from_bytes(data: torch.Tensor, path: Path, name: str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in `data` (uint8), as views of it where aligned.
+    Every offset, dtype and shape is checked against the file before a view is made."""
+    size = data.numel()
+    hlen = int.from_bytes(bytes(data[:8].numpy()), "little") if size >= 8 else 0
+    base, entries = parse_header(bytes(data[: 8 + min(hlen, MAX_HEADER)].numpy()), size, path, name)
+    out: dict[str, torch.Tensor] = {}
+    for key, dtype, shape, start, end in entries:
         raw = data[base + start : base + end]
-        if (base + start) % width:  # not aligned for a view: copied
+        if (base + start) % torch.empty((), dtype=dtype).element_size():  # not aligned for a view: copied
             raw = raw.clone()
         out[key] = raw.view(dtype).reshape(shape)
     return out
 
 
 def load_snapshot(
-    path: str | os.PathLike, *, verify: bool = True, workers: int | None = None, pool: Any = None
+    path: str | os.PathLike,
+    *,
+    verify: bool = True,
+    workers: int | None = None,
+    pool: Any = None,
+    plan: Callable[[Path, dict[str, int]], dict[str, tuple[list, dict[str, torch.Tensor], bytes]]] | None = None,
 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict, dict]:
     """(tensors per file, train-state objects, manifest) of a snapshot, verified as it is
     read (open_verified: the manifest's schema and completeness, regular files only, sizes, and
     each file's digest unless verify=False). Every file is read once, in parallel chunks, into
-    fresh memory: the tensors returned are views of the very bytes verified."""
+    fresh memory: the tensors returned are views of the very bytes verified. plan(path, fds):
+    per safetensors file, (the buffers its consecutive bytes go into, the tensors they make,
+    its header bytes) where the caller has chosen the memory (inplace.py)."""
     path = Path(path)
     raw: dict[str, torch.Tensor] = {}
+    planned: dict[str, tuple[list, dict[str, torch.Tensor], bytes]] = {}
+
+    def opened(fds: dict[str, int]) -> None:
+        if plan is not None:
+            planned.update(plan(path, fds))
 
     def into(name: str, size: int) -> Any:
+        if name in planned:
+            return planned[name][0]
         if not name.endswith(".safetensors"):
             return None
         raw[name] = torch.empty(size, dtype=torch.uint8)
         return raw[name].numpy()
 
-    with open_verified(path, hashes=verify, into=into, workers=workers, pool=pool) as snap:
+    with open_verified(path, hashes=verify, into=into, workers=workers, pool=pool, opened=opened) as snap:
         manifest = snap.manifest
         tensors = {
             name: tensors_from_bytes(raw.pop(name), path, name) for name in sorted(manifest["files"]) if name in raw
         }
+        for name, (pieces, planned_tensors, head) in planned.items():
+            if bytes(pieces[0]) != head:  # the header the plan was made from is the one verified
+                raise SnapshotInvalid(path, name, "its header changed while it was read")
+            tensors[name] = planned_tensors
         try:
             with snap.reader(TRAIN_STATE) as f:
                 objects = torch.load(f, weights_only=True, map_location="cpu")
