@@ -44,15 +44,8 @@ def assert_escalated_recovered_and_within_10_percent(clean: dict, fused: dict) -
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
-def test_held_out_task_loss_after_l1_l2_l3_and_recovery_is_within_10_percent_of_the_clean_run(seed):
-    clean = fuse_run("llava", "clean", STEPS, seed, fault=FAULT, endings=ENDINGS)
-    fused = fuse_run("llava", "fuse", STEPS, seed, fault=FAULT, endings=ENDINGS)
-    assert_escalated_recovered_and_within_10_percent(clean, fused)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1])
-def test_qwen2vl_held_out_task_loss_after_l1_l2_l3_and_recovery_is_within_10_percent_of_the_clean_run(seed):
-    clean = fuse_run("qwen2vl", "clean", STEPS, seed, fault=FAULT, endings=ENDINGS)
-    fused = fuse_run("qwen2vl", "fuse", STEPS, seed, fault=FAULT, endings=ENDINGS)
+@pytest.mark.parametrize("model", ["llava", "qwen2vl"])
+def test_held_out_task_loss_after_l1_l2_l3_and_recovery_is_within_10_percent_of_the_clean_run(model, seed):
+    clean = fuse_run(model, "clean", STEPS, seed, fault=FAULT, endings=ENDINGS)
+    fused = fuse_run(model, "fuse", STEPS, seed, fault=FAULT, endings=ENDINGS)
     assert_escalated_recovered_and_within_10_percent(clean, fused)

@@ -56,6 +56,16 @@ def assert_same_state(a, b):
     )
 
 
+def assert_resumed_past_the_corrupted(fresh, corrupted, step: int, state: dict, why: str) -> None:
+    """`fresh` refused the snapshot holding `corrupted` (a finding naming the file and `why`)
+    and resumed the older one, of `step`, exactly `state`."""
+    assert fresh.engine.resume() == step
+    assert_same_state(fresh.state(), state)
+    refused = [x for x in fresh.engine.findings if x.reason.value == "snapshot_refused"]
+    assert [r.labels["file"] for r in refused] == [corrupted.name] and why in refused[0].message
+    fresh.close()
+
+
 def test_rollback_restores_every_part_of_the_state():
     job = Job()
     job.run(1, 20)

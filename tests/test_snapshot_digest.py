@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_snapshot import assert_same_state
+from test_snapshot import assert_resumed_past_the_corrupted
 
 from mscale.snapshot.digest import TREE_CHUNK, TreeHasher, read_and_verify
 from mscale.snapshot.format import MANIFEST, SnapshotInvalid, verify_snapshot
@@ -89,11 +89,8 @@ def test_a_manifest_written_the_old_way_is_verified_and_resumes_bitwise(tmp_path
     data[len(data) // 2] ^= 0x01
     f.write_bytes(bytes(data))
     fresh = Job(tmp_path)
-    assert fresh.engine.resume() == 10  # 20 refused, naming the file; 10 (old manifest) restored
-    assert_same_state(fresh.state(), at10)
-    refused = [x for x in fresh.engine.findings if x.reason.value == "snapshot_refused"]
-    assert [r.labels["file"] for r in refused] == [f.name] and "SHA-256 differs" in refused[0].message
-    fresh.close()
+    # 20 refused, naming the file; 10 (old manifest) restored
+    assert_resumed_past_the_corrupted(fresh, f, 10, at10, "SHA-256 differs")
 
 
 def test_loaded_tensors_are_the_bytes_verified_and_owned(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_snapshot import assert_same_state
+from test_snapshot import assert_resumed_past_the_corrupted, assert_same_state
 
 from mscale.snapshot.digest import IOV_MAX, READ, TREE_CHUNK, read_and_verify
 from mscale.snapshot.format import SnapshotError, SnapshotInvalid
@@ -97,11 +97,7 @@ def test_a_corrupted_snapshot_read_in_place_gives_way_to_the_older_one(tmp_path)
     _flip(f, f.stat().st_size - 3)  # in a weight, after the header
     fresh = Job(tmp_path)
     fresh.run(1, 1)  # the optimizer holds state: both model and optimizer are read in place
-    assert fresh.engine.resume() == 10
-    assert_same_state(fresh.state(), at10)
-    refused = [x for x in fresh.engine.findings if x.reason.value == "snapshot_refused"]
-    assert [r.labels["file"] for r in refused] == [f.name] and "BLAKE3 differs" in refused[0].message
-    fresh.close()
+    assert_resumed_past_the_corrupted(fresh, f, 10, at10, "BLAKE3 differs")
 
 
 def test_when_no_snapshot_replaces_a_corrupted_one_read_in_place_resume_says_so(tmp_path):
