@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from mscale.hook.cmsa import Cmsa, CmsaConfig, grad_stats
+from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, grad_stats
 from mscale.hook.guard import attach
 from mscale.hook.mpu import discover
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
@@ -41,6 +41,41 @@ def test_grad_stats_match_the_definition() -> None:
         assert gvc == pytest.approx((g.std(unbiased=False) / g.abs().mean()).item(), rel=1e-6)
     every = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
     assert total == pytest.approx(every.norm().item(), rel=1e-6)
+
+
+def test_grad_stats_without_gvc_gives_the_same_norms() -> None:
+    torch.manual_seed(0)
+    model, mpus = two_mpus()
+    set_grads(model, torch.randn(20) + 0.3, torch.randn(20) * 5)
+    total, per = grad_stats(mpus, model.parameters())
+    total_only, norms_only = grad_stats(mpus, model.parameters(), gvc=False)
+    assert total_only == total
+    assert {k: v[0] for k, v in norms_only.items()} == {k: v[0] for k, v in per.items()}
+    assert all(v[1] is None for v in norms_only.values())
+
+
+def test_gvc_every_step_of_the_cold_start_then_one_step_in_gvc_every() -> None:
+    """The guard re-estimates GVC at each cold-start step (the fit needs each one) and then one
+    step in GVC_EVERY, keeping the last estimate in between; a non-finite one is redone at once."""
+    torch.manual_seed(0)
+    cfg = TinyConfig()
+    model = TinyMultimodal(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = attach(model, opt, job_id="g", connect=False, cmsa=CmsaConfig(warmup_steps=6))
+    data = SyntheticCaptions(cfg)
+    seen: list[float] = []
+    for i in range(20):
+        if i == 13:
+            guard.mpu("vision").gvc = math.nan  # as a step the grad scaler skipped leaves it
+        b = torch.utils.data.default_collate([data[i * 4 + j] for j in range(4)])
+        model(b["images"], b["tokens"])["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append(guard.mpu("vision").gvc)
+    assert all(math.isfinite(g) and g > 0 for g in seen)
+    changed = [i for i in range(1, 20) if seen[i] != seen[i - 1]]
+    expected = [i for i in range(1, 20) if i < 6 or i % GVC_EVERY == 0 or i == 13]
+    assert changed == expected
 
 
 def test_cold_start_then_fit_then_clip() -> None:

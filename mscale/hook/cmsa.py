@@ -56,6 +56,11 @@ class CmsaConfig:
 # (Taking the second moment exactly from the norm pass is worse, 17% at 1 in 8: the sampled
 # moments' errors partly cancel in the ratio.)
 GVC_ROWS = 8
+# After the cold start GVC is re-estimated one step in GVC_EVERY and the last estimate kept
+# in between: it only moves the clip threshold (by alpha * GVC) and drifts over hundreds of
+# steps, while its sampled pass costs ~0.5% of a step at benchmarks/hook_overhead.py's
+# realistic shape, as much as the rest of the gradient statistics together.
+GVC_EVERY = 4
 
 
 def _sample(g: torch.Tensor) -> torch.Tensor:
@@ -82,9 +87,10 @@ def _over_shards(values: torch.Tensor, counts: list[int], mpus: Sequence[Mpu]) -
 
 
 def grad_stats(
-    mpus: Sequence[Mpu], params: Iterable[torch.nn.Parameter], buffers: dict | None = None
-) -> tuple[float, dict[str, tuple[float, float]]]:
-    """(global gradient norm over `params`, {mpu_id: (grad norm, GVC)}) with one device sync.
+    mpus: Sequence[Mpu], params: Iterable[torch.nn.Parameter], buffers: dict | None = None, *, gvc: bool = True
+) -> tuple[float, dict[str, tuple[float, float | None]]]:
+    """(global gradient norm over `params`, {mpu_id: (grad norm, GVC)}) with one device sync;
+    GVC None when `gvc` is False (the norms only: see GVC_EVERY).
 
     Norms are exact (one pass over the gradients, one `_foreach_norm` per MPU). GVC is a
     statistic for CMSA's thresholds: it is estimated from every GVC_ROWS-th row of each
@@ -102,6 +108,12 @@ def grad_stats(
         if not grads:
             counts.append(0)
             rows.append(torch.zeros(4, dtype=torch.float64))
+            continue
+        if not gvc:
+            counts.append(0)
+            with torch.no_grad():
+                l2sq = torch.stack(torch._foreach_norm(grads, 2)).to(torch.float64).square().sum()
+                rows.append(torch.cat((l2sq.reshape(1), l2sq.new_zeros(3))))
             continue
         sample = [_sample(g) for g in grads]
         shapes = tuple(s.shape for s in sample)
@@ -141,20 +153,23 @@ def grad_stats(
     dev = max(set(devs), key=devs.count)
     values = _over_shards(torch.cat([r.to(dev) for r in rows] + [other.reshape(1).to(dev)]), counts, mpus).tolist()
     counts = [round(c) for c in values[len(rows) * 4 + 1 :]] or counts
-    out: dict[str, tuple[float, float]] = {}
+    out: dict[str, tuple[float, float | None]] = {}
     total = values[-1]
     for i, m in enumerate(mpus):
         l2sq, s_l1, s_l2sq, s_sum = values[4 * i : 4 * i + 4]
         total += l2sq
         n = counts[i]
+        if not gvc:
+            out[m.mpu_id] = (math.sqrt(l2sq) if l2sq >= 0 else math.nan, None)
+            continue
         if n == 0:
             out[m.mpu_id] = (0.0, 0.0)
             continue
         mean = s_sum / n
         var = max(s_l2sq / n - mean * mean, 0.0) if math.isfinite(s_l2sq) else math.nan
         mean_abs = s_l1 / n
-        gvc = math.sqrt(var) / mean_abs if mean_abs > 0 else (0.0 if math.isfinite(mean_abs) else math.nan)
-        out[m.mpu_id] = (math.sqrt(l2sq) if l2sq >= 0 else math.nan, gvc)
+        ratio = math.sqrt(var) / mean_abs if mean_abs > 0 else (0.0 if math.isfinite(mean_abs) else math.nan)
+        out[m.mpu_id] = (math.sqrt(l2sq) if l2sq >= 0 else math.nan, ratio)
     return (math.sqrt(total) if total >= 0 else math.nan), out
 
 
@@ -187,6 +202,12 @@ class Cmsa:
 
     def clip_ratio(self, mpu_id: str) -> float:
         return self.clipped.get(mpu_id, 0) / self.steps if self.steps else 0.0
+
+    def wants_gvc(self, step: int) -> bool:
+        """Whether this step re-estimates GVC: every step of the cold start (the fit pairs each
+        step's GVC with the loss change that followed it), then one step in GVC_EVERY."""
+        first = step if self._first is None else self._first
+        return step - first < self.config.warmup_steps or step % GVC_EVERY == 0
 
     def threshold(self, mpu: Mpu, alpha: float | None = None) -> float:
         alpha = (self.alpha if alpha is None else alpha) or 0.0

@@ -40,7 +40,7 @@ from mscale import link as protocol
 from mscale.config import parse_bool
 from mscale.findings import Finding, Severity
 from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, loss_of, output_tensors
-from mscale.hook.cmsa import Cmsa, CmsaConfig, grad_stats
+from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, grad_stats
 from mscale.hook.contract import join as contract_join
 from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
@@ -399,9 +399,15 @@ class Guard:
             if self.optimizer
             else [p for p in self.model.parameters()]
         )
-        global_norm, per_mpu = grad_stats(self.mpus, params, self._gvc_buffers)
+        step = self.current_step
+        fresh = any(not math.isfinite(m.gvc) for m in self.mpus) or (
+            self.cmsa.wants_gvc(step) if self.cmsa is not None else step % GVC_EVERY == 0
+        )
+        global_norm, per_mpu = grad_stats(self.mpus, params, self._gvc_buffers, gvc=fresh)
         for m in self.mpus:
-            m.grad_norm, m.gvc = per_mpu[m.mpu_id]
+            m.grad_norm, gvc = per_mpu[m.mpu_id]
+            if gvc is not None:  # otherwise the last estimate stands (GVC_EVERY)
+                m.gvc = gvc
         loss = self._step_loss()
         if self.optimizer is not None and not self._skip_reason:
             bad = [
