@@ -232,7 +232,9 @@ def alternating(
                     links = []
                     if bpf is not None and label == "B":
                         links = [
-                            bpf.attach(c.pid, lib, r, offsets[r.prog]) for r in ROLES if r.high_rate and offsets[r.prog]
+                            bpf.attach(c.pid, lib, r, offsets[r.prog])
+                            for r in ROLES
+                            if r.high_rate and offsets.get(r.prog)  # the driver's roles: lib is libcuda
                         ]
                     wall, cpu = c.bench(n)
                     for link in links:
