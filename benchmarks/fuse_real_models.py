@@ -13,6 +13,9 @@ verdict is on the median over the seeds (target <= 1.1):
     fuse-no-l3     the same with the L3 term's weight at 0
     fuse-bare      neither (L1 and the levels' bookkeeping only)
 
+By default clean, no-fuse and fuse (`make benchmarks`' quick run); the ablations on request
+with --variants.
+
 The default task has 4 caption endings per image drawn at random (a loss floor of ln 4 / 6),
 and 800 steps: both runs end on their plateau. With one ending the loss falls toward 0 as long
 as training runs, and at 300 steps the ratio measures when each run began to read its images
@@ -24,7 +27,7 @@ The tiny Qwen2-VL gets pixels normalized as its image processor does (raw 0..1 p
 reads them).
 
 Run: PYTHONPATH=. .venv/bin/python benchmarks/fuse_real_models.py [--model llava|qwen2vl]
-     [--seeds 0,1] [--steps 800] [--endings 4] [--image 16] [--variants clean,fuse]
+     [--seeds 0,1,2] [--steps 800] [--endings 4] [--image 16] [--variants clean,fuse]
 """
 
 from __future__ import annotations
@@ -51,9 +54,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=("llava", "qwen2vl"), default="llava")
     ap.add_argument("--steps", type=int, default=800)
-    ap.add_argument("--seeds", default="0,1", help="comma-separated seeds; the verdict is on the median ratio")
+    ap.add_argument(
+        "--seeds", default="0,1,2", help="comma-separated seeds (at least 3 for a verdict); the median ratio"
+    )
     add_json_arg(ap)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="no-fuse,fuse", help=f"any of {','.join(VARIANTS)}")
     ap.add_argument("--image", type=int, default=16, help="the tiny LLaVA's image side (16: a 4x4 patch grid)")
     ap.add_argument("--l2-resolution", type=float, default=None, help="L2's image scale (default: the fuse's)")
     ap.add_argument("--fault-start", type=int, default=5, help="the first faulty step (the fault lasts 55 steps)")
@@ -101,7 +106,9 @@ def main() -> None:
         if v != "fuse":
             continue
         label = f"{args.model} fuse: held-out task loss / fault-free"
-        if blind_seeds:  # a ratio between runs that ignore their images says nothing about the fuse
+        if len(xs) < 3:  # a verdict is on the median of at least 3 repeats
+            print(f"  {label:<52} {', '.join(f'{x:.2f}x' for x in xs)}: a verdict needs 3 seeds")
+        elif blind_seeds:  # a ratio between runs that ignore their images says nothing about the fuse
             rep.data["verdicts"][label] = {"samples": xs, "target": "<= 1.1", "verdict": "inconclusive"}
             print(f"  {label:<52} inconclusive: the clean run of seed(s) {blind_seeds} did not read its images")
         else:
