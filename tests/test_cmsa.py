@@ -21,6 +21,24 @@ def two_mpus():
     return model, discover(model)
 
 
+def guarded_tiny(cmsa: CmsaConfig):
+    """A guarded TinyMultimodal with `cmsa`, and a function that trains its step i."""
+    torch.manual_seed(0)
+    cfg = TinyConfig()
+    model = TinyMultimodal(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = attach(model, opt, job_id="c", connect=False, cmsa=cmsa)
+    data = SyntheticCaptions(cfg)
+
+    def step(i: int) -> None:
+        b = torch.utils.data.default_collate([data[i * 4 + j] for j in range(4)])
+        model(b["images"], b["tokens"])["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+
+    return guard, step
+
+
 def set_grads(model, vision: torch.Tensor, text: torch.Tensor) -> None:
     for p in model.vision_tower.parameters():
         p.grad = vision[: p.numel()].reshape(p.shape).clone()
@@ -57,20 +75,12 @@ def test_grad_stats_without_gvc_gives_the_same_norms() -> None:
 def test_gvc_every_step_of_the_cold_start_then_one_step_in_gvc_every() -> None:
     """The guard re-estimates GVC at each cold-start step (the fit needs each one) and then one
     step in GVC_EVERY, keeping the last estimate in between; a non-finite one is redone at once."""
-    torch.manual_seed(0)
-    cfg = TinyConfig()
-    model = TinyMultimodal(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = attach(model, opt, job_id="g", connect=False, cmsa=CmsaConfig(warmup_steps=6))
-    data = SyntheticCaptions(cfg)
+    guard, step = guarded_tiny(CmsaConfig(warmup_steps=6))
     seen: list[float] = []
     for i in range(20):
         if i == 13:
             guard.mpu("vision").gvc = math.nan  # as a step the grad scaler skipped leaves it
-        b = torch.utils.data.default_collate([data[i * 4 + j] for j in range(4)])
-        model(b["images"], b["tokens"])["loss"].backward()
-        opt.step()
-        opt.zero_grad()
+        step(i)
         seen.append(guard.mpu("vision").gvc)
     assert all(math.isfinite(g) and g > 0 for g in seen)
     changed = [i for i in range(1, 20) if seen[i] != seen[i - 1]]
@@ -135,17 +145,9 @@ def test_raise_threshold_for_the_l2_fuse() -> None:
 
 
 def test_cmsa_in_training_reports_clip_ratio() -> None:
-    torch.manual_seed(0)
-    cfg = TinyConfig()
-    model = TinyMultimodal(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = attach(model, opt, job_id="c", connect=False, cmsa=CmsaConfig(base=0.05))
-    data = SyntheticCaptions(cfg)
+    guard, step = guarded_tiny(CmsaConfig(base=0.05))
     for i in range(30):
-        b = torch.utils.data.default_collate([data[i * 4 + j] for j in range(4)])
-        model(b["images"], b["tokens"])["loss"].backward()
-        opt.step()
-        opt.zero_grad()
+        step(i)
     assert guard.cmsa.alpha is not None and guard.cmsa.steps == 25
     report = guard._report()
     ratios = {k: v["clip_ratio"] for k, v in report["mpus"].items()}
