@@ -173,6 +173,41 @@ def grad_stats(
     return (math.sqrt(total) if total >= 0 else math.nan), out
 
 
+class GradStatistics:
+    """The guard's gradient statistics of each step: exact norms every step, GVC when CMSA's
+    schedule asks (`Cmsa.wants_gvc`), and otherwise the GVC in force, the latest estimate at or
+    before the step. The estimates of the last KEPT_ESTIMATES estimated steps are kept, so that
+    a step re-run after a rollback sees the same GVC as when it first ran (a rolled-back run
+    continues bitwise as an uninterrupted one); none in force, or a non-finite one, is redone."""
+
+    KEPT_ESTIMATES = 64
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, tuple] = {}  # grad_stats' sample buffers, reused
+        self._estimates: dict[int, dict[str, float]] = {}  # step -> {mpu_id: GVC}
+
+    def in_force(self, step: int, mpu_ids: Iterable[str]) -> dict[str, float] | None:
+        earlier = [s for s in self._estimates if s <= step]
+        if not earlier:
+            return None
+        estimate = self._estimates[max(earlier)]
+        usable = estimate.keys() == set(mpu_ids) and all(math.isfinite(v) for v in estimate.values())
+        return estimate if usable else None
+
+    def measure(self, mpus: Sequence[Mpu], params: Iterable[torch.nn.Parameter], step: int, scheduled: bool) -> float:
+        """Sets each MPU's grad_norm and gvc; returns the global gradient norm over `params`."""
+        kept = None if scheduled else self.in_force(step, [m.mpu_id for m in mpus])
+        total, per_mpu = grad_stats(mpus, params, self._buffers, gvc=kept is None)
+        for m in mpus:
+            m.grad_norm, gvc = per_mpu[m.mpu_id]
+            m.gvc = kept[m.mpu_id] if kept is not None else (math.nan if gvc is None else gvc)
+        if kept is None:
+            self._estimates[step] = {m.mpu_id: m.gvc for m in mpus}
+            if len(self._estimates) > self.KEPT_ESTIMATES:
+                del self._estimates[min(self._estimates)]
+        return total
+
+
 class Cmsa:
     def __init__(self, mpus: Sequence[Mpu], config: CmsaConfig | None = None) -> None:
         self.mpus = list(mpus)

@@ -40,7 +40,7 @@ from mscale import link as protocol
 from mscale.config import parse_bool
 from mscale.findings import Finding, Severity
 from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, loss_of, output_tensors
-from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, grad_stats
+from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics
 from mscale.hook.contract import join as contract_join
 from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
@@ -137,7 +137,7 @@ class Guard:
         self._last: dict[str, Any] = {}
         self._mpu_by_module = {id(m.module): m for m in self.mpus}
         self._gpu_uuids = {m.gpu: m.gpu_uuid for m in self.mpus if m.gpu_uuid}  # index -> uuid seen
-        self._gvc_buffers: dict[str, tuple] = {}  # grad_stats' sample buffers, reused
+        self._grad_stats = GradStatistics()
         self._main_thread = threading.get_ident()
         self._scaler: Any = None  # a watched GradScaler: the step ends at its update()
         self._opt_stepped = False  # optimizer.step() ran in this step (scaler mode)
@@ -400,14 +400,8 @@ class Guard:
             else [p for p in self.model.parameters()]
         )
         step = self.current_step
-        fresh = any(not math.isfinite(m.gvc) for m in self.mpus) or (
-            self.cmsa.wants_gvc(step) if self.cmsa is not None else step % GVC_EVERY == 0
-        )
-        global_norm, per_mpu = grad_stats(self.mpus, params, self._gvc_buffers, gvc=fresh)
-        for m in self.mpus:
-            m.grad_norm, gvc = per_mpu[m.mpu_id]
-            if gvc is not None:  # otherwise the last estimate stands (GVC_EVERY)
-                m.gvc = gvc
+        scheduled = self.cmsa.wants_gvc(step) if self.cmsa is not None else step % GVC_EVERY == 0
+        global_norm = self._grad_stats.measure(self.mpus, params, step, scheduled)
         loss = self._step_loss()
         if self.optimizer is not None and not self._skip_reason:
             bad = [
