@@ -56,10 +56,10 @@ class CmsaConfig:
 # (Taking the second moment exactly from the norm pass is worse, 17% at 1 in 8: the sampled
 # moments' errors partly cancel in the ratio.)
 GVC_ROWS = 8
-# After the cold start GVC is re-estimated one step in GVC_EVERY and the last estimate kept
-# in between: it only moves the clip threshold (by alpha * GVC) and drifts over hundreds of
-# steps, while its sampled pass costs ~0.5% of a step at benchmarks/hook_overhead.py's
-# realistic shape, as much as the rest of the gradient statistics together.
+# After the cold start GVC is re-estimated one step in GVC_EVERY, the latest estimate in force
+# in between (GradStatistics): it only moves the clip threshold (by alpha * GVC) and drifts
+# over hundreds of steps, while its sampled pass costs ~0.5% of a step at
+# benchmarks/hook_overhead.py's realistic shape, as much as the rest of the gradient statistics.
 GVC_EVERY = 4
 
 
