@@ -32,7 +32,7 @@ from mscale.snapshot.plugin import SnapshotPlugin
 from mscale.snapshot.tensors import load_snapshot
 from support import require
 from support.digest import blake3_tree
-from support.snapshot_inproc import Job
+from support.snapshot_inproc import Job, two_disk_snapshots
 from support.snapshot_job import build
 
 MPU_FILES = [
@@ -241,12 +241,7 @@ def _corrupt_manifest(snap: Path) -> str:
 
 @pytest.mark.parametrize("corrupt", [_corrupt_flip, _corrupt_truncate, _corrupt_remove, _corrupt_manifest])
 def test_corrupted_snapshot_is_refused_naming_the_file_and_the_older_one_used(tmp_path, corrupt):
-    job = Job(tmp_path, memory_every=10, disk_every=10)
-    job.run(1, 10)
-    job.engine.flush()
-    at10 = job.state()
-    job.run(11, 20)
-    job.close()
+    at10 = two_disk_snapshots(tmp_path)
     bad = corrupt(tmp_path / "step_00000020")
     with pytest.raises(SnapshotInvalid) as e:
         verify_snapshot(tmp_path / "step_00000020")

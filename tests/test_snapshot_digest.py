@@ -17,7 +17,7 @@ from mscale.snapshot.digest import TREE_CHUNK, TreeHasher, read_and_verify
 from mscale.snapshot.format import MANIFEST, SnapshotInvalid, verify_snapshot
 from mscale.snapshot.tensors import load_snapshot
 from support.digest import blake3_tree
-from support.snapshot_inproc import Job
+from support.snapshot_inproc import Job, two_disk_snapshots
 
 
 def _open(paths: dict[str, Path]) -> dict[str, int]:
@@ -73,12 +73,7 @@ def _rewrite_the_old_way(snap: Path) -> None:
 
 
 def test_a_manifest_written_the_old_way_is_verified_and_resumes_bitwise(tmp_path):
-    job = Job(tmp_path, memory_every=10, disk_every=10)
-    job.run(1, 10)
-    job.engine.flush()
-    at10 = job.state()
-    job.run(11, 20)
-    job.close()
+    at10 = two_disk_snapshots(tmp_path)
     for step in (10, 20):
         _rewrite_the_old_way(tmp_path / f"step_{step:08d}")
     assert verify_snapshot(tmp_path / "step_00000020")["step"] == 20

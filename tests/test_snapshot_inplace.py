@@ -17,7 +17,7 @@ from mscale.snapshot.format import SnapshotError, SnapshotInvalid
 from mscale.snapshot.inplace import plan_in_place
 from mscale.snapshot.tensors import safetensors_parts
 from support.digest import blake3_tree
-from support.snapshot_inproc import Job
+from support.snapshot_inproc import Job, two_disk_snapshots
 
 
 def _flip(f: Path, at: int) -> None:
@@ -87,12 +87,7 @@ def test_a_snapshot_that_does_not_fit_is_refused_before_any_byte_lands(tmp_path)
 
 
 def test_a_corrupted_snapshot_read_in_place_gives_way_to_the_older_one(tmp_path):
-    job = Job(tmp_path, memory_every=10, disk_every=10)
-    job.run(1, 10)
-    job.engine.flush()
-    at10 = job.state()
-    job.run(11, 20)
-    job.close()
+    at10 = two_disk_snapshots(tmp_path)
     f = tmp_path / "step_00000020" / "mpu_003_text_state.safetensors"
     _flip(f, f.stat().st_size - 3)  # in a weight, after the header
     fresh = Job(tmp_path)

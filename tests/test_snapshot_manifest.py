@@ -31,7 +31,7 @@ from mscale.snapshot import format as fmt
 from mscale.snapshot.manifest import MAX_DEPTH, parse_manifest, required_files
 from support import REPO
 from support.fuzz import json_values
-from support.snapshot_inproc import Job
+from support.snapshot_inproc import Job, two_disk_snapshots
 
 STEP = "step_00000020"
 
@@ -40,13 +40,7 @@ STEP = "step_00000020"
 def pristine(tmp_path_factory):
     """Snapshots of steps 10 and 20, and the state at step 10 (what a fallback must restore)."""
     d = tmp_path_factory.mktemp("pristine") / "snaps"
-    job = Job(d, memory_every=10, disk_every=10)
-    job.run(1, 10)
-    job.engine.flush()
-    at10 = job.state()
-    job.run(11, 20)
-    job.engine.flush()
-    job.close()
+    at10 = two_disk_snapshots(d)
     return d, at10
 
 

@@ -109,11 +109,11 @@ def grad_stats(
             counts.append(0)
             rows.append(torch.zeros(4, dtype=torch.float64))
             continue
+        with torch.no_grad():
+            l2sq = torch.stack(torch._foreach_norm(grads, 2)).to(torch.float64).square().sum()
         if not gvc:
             counts.append(0)
-            with torch.no_grad():
-                l2sq = torch.stack(torch._foreach_norm(grads, 2)).to(torch.float64).square().sum()
-                rows.append(torch.cat((l2sq.reshape(1), l2sq.new_zeros(3))))
+            rows.append(torch.cat((l2sq.reshape(1), l2sq.new_zeros(3))))
             continue
         sample = [_sample(g) for g in grads]
         shapes = tuple(s.shape for s in sample)
@@ -134,7 +134,6 @@ def grad_stats(
         _, flat, views = cached
         with torch.no_grad():
             torch._foreach_copy_(views, sample)
-            l2sq = torch.stack(torch._foreach_norm(grads, 2)).to(torch.float64).square().sum()
             s_sum = flat.sum()
             s_l2 = torch.linalg.vector_norm(flat)
             s_l1 = flat.abs_().sum()

@@ -69,3 +69,16 @@ class Job:
 
     def close(self):
         self.engine.close()
+
+
+def two_disk_snapshots(directory):
+    """A job that wrote disk snapshots of steps 10 and 20 to `directory` and closed; returns
+    its state at step 10 (what a fallback from a refused step 20 must restore)."""
+    job = Job(directory, memory_every=10, disk_every=10)
+    job.run(1, 10)
+    job.engine.flush()
+    at10 = job.state()
+    job.run(11, 20)
+    job.engine.flush()
+    job.close()
+    return at10
