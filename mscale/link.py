@@ -86,7 +86,7 @@ SOURCE = re.compile(r"[a-z0-9_.-]{1,32}")
 REGISTER_FIELDS = frozenset({"type", "job_id", "rank", "pid", "step", "mpus", "local_rank", "world_size", "pod"})
 MPU_FIELDS = frozenset({"mpu_id", "name", "path", "device", "gpu", "gpu_uuid", "fuse_level", "params"})
 REPORT_FIELDS = frozenset({"type", "job_id", "dropped", "reports"})
-STEP_FIELDS = frozenset({"step", "time", "loss", "grad_norm", "skipped", "mpus", "findings"})
+STEP_FIELDS = frozenset({"step", "time", "loss", "grad_norm", "skipped", "mpus", "findings", "guard_overhead_ratio"})
 MPU_REPORT_FIELDS = frozenset(
     {
         "forward_s",
@@ -99,12 +99,15 @@ MPU_REPORT_FIELDS = frozenset(
         "checksum_ok",
         "checksum_consecutive_failures",
         "checksum_failures_total",
+        "checksum_coverage_ratio",
+        "checksum_max_gap_steps",
         "gpu",
         "fuse_level",
         "memory_used_bytes",
         "memory_total_bytes",
     }
 )
+CHECK_FIGURES = ("checksum_coverage_ratio", "checksum_max_gap_steps")  # the budget's (mscale.hook.coverage)
 # a reported finding is clamped to these on the agent
 MAX_FINDING_LABELS, MAX_LABEL_NAME, MAX_LABEL_VALUE = 32, 64, 256
 MAX_FINDING_MESSAGE, MAX_FINDING_SOURCE = 1000, 32
@@ -411,6 +414,7 @@ def validate_report(msg: dict) -> None:
         _need(_is_int(r.get("step")), f"report: reports[{i}].step must be an integer in 0..{MAX_INT}")
         t = r.get("time", 0.0)
         _need(_is_num(t) and not isinstance(t, str) and (t or 0) >= 0, f"report: reports[{i}].time must be a time")
+        _need(_is_num(r.get("guard_overhead_ratio")), f"report: reports[{i}].guard_overhead_ratio must be a number")
         _need(
             _is_num(r.get("loss")) and _is_num(r.get("grad_norm")),
             f"report: reports[{i}] loss/grad_norm must be numbers",
@@ -423,7 +427,7 @@ def validate_report(msg: dict) -> None:
             _need(_is_text(mid, 1, 16, MPU_ID), f"{where}: an MPU id is 1-16 of [A-Za-z0-9._-]")
             _need(isinstance(mr, dict), f"{where} must be an object")
             _no_unknown(mr, MPU_REPORT_FIELDS, where)
-            for k in ("forward_s", "backward_s", "grad_norm", "gvc", "clip_ratio", "distill_share"):
+            for k in ("forward_s", "backward_s", "grad_norm", "gvc", "clip_ratio", "distill_share") + CHECK_FIGURES:
                 _need(_is_num(mr.get(k)), f"{where}.{k} must be a number")
             for k in ("memory_used_bytes", "memory_total_bytes"):
                 _need(_is_num(mr.get(k)), f"{where}.{k} must be a number")

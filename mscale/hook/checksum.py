@@ -538,8 +538,11 @@ class ChecksumDetector:
                 bad.append(mpu.mpu_id)
         return bad
 
-    def end_step(self) -> None:
-        """After the budget closed the step: the measured cost per element checked."""
+    def end_step(self, *, guard_s: float = 0.0) -> None:
+        """At the step's end: the guard's own seconds (`guard_s`) charged, the budget's step
+        closed, the measured cost per element checked taken for the next plans."""
+        self.budget.charge("guard", guard_s)
+        self.budget.step_ended()
         self.schedule.measured(self.budget.last_spent_s.get(SOURCE, 0.0))
         for mpu in self._by_id.values():
             self.schedule.mpus[mpu.mpu_id].mark_checked(self._step())

@@ -467,13 +467,6 @@ class Guard:
         if late and self.optimizer is not None and not self._skip_reason:
             self._skip_reason = f"checksum failed at the commit point: MPU {', '.join(late)}"
 
-    def _close_budget(self) -> None:
-        t = self.times  # the guard's own work; plugins charge theirs (guard.budget.charge)
-        self.budget.charge("guard", t.hooks_s + t.grad_stats_s + t.loss_s + t.cmsa_s + t.report_s)
-        self.budget.step_ended()
-        self.checksum.end_step()
-        self._last.update(checksum=self.checksum.figures(), guard_overhead_ratio=self.budget.overhead_ratio)
-
     def _end_step(self) -> None:
         self._commit_checks()
         self.times.abft_s, self.times.replay_s = self.checksum.abft_s, self.checksum.replay_s
@@ -492,7 +485,9 @@ class Guard:
                 self.log.exception("report_error", error=str(e))
         self._step_findings = []  # reported (or no link): the next report starts afresh
         self.times.report_s += time.perf_counter() - t1
-        self._close_budget()
+        t = self.times  # the guard's own work; plugins charge theirs (guard.budget.charge)
+        self.checksum.end_step(guard_s=t.hooks_s + t.grad_stats_s + t.loss_s + t.cmsa_s + t.report_s)
+        self._last.update(checksum=self.checksum.figures(), guard_overhead_ratio=self.budget.overhead_ratio)
         self._losses.clear()
         self._in_step = False
         if not getattr(self, "_step_set", False):  # a plugin's rollback in on_step_end sets it
@@ -518,8 +513,7 @@ class Guard:
         return sum(float(v) for v in vals) / len(vals)
 
     def _report(self) -> dict:
-        last = self._last
-        mpus = {}
+        last, mpus, figures = self._last, {}, self.checksum.figures()
         for m in self.mpus:
             mpus[m.mpu_id] = {
                 "forward_s": m.forward_s,
@@ -529,6 +523,7 @@ class Guard:
                 "checksum_ok": m.last_checksum_ok,
                 "checksum_consecutive_failures": m.consecutive_failures,
                 "checksum_failures_total": m.checksum_failures_total,
+                **{f"checksum_{k}": figures[m.mpu_id][k] for k in ("coverage_ratio", "max_gap_steps")},
                 "clip_ratio": self.cmsa.clip_ratio(m.mpu_id) if self.cmsa else 0.0,
                 "distill_share": protocol.number(m.distill_share),  # the fuse's L3 term (0 when none)
                 "clipped": bool(last.get("clipped", {}).get(m.mpu_id, False)),
@@ -542,6 +537,7 @@ class Guard:
             "loss": protocol.number(last.get("loss")),
             "grad_norm": protocol.number(last.get("grad_norm")),
             "skipped": bool(self._skip_reason),
+            "guard_overhead_ratio": self.budget.overhead_ratio,
             "mpus": mpus,
             "findings": [f.to_dict() for f in self._step_findings],
         }

@@ -113,6 +113,8 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         if args.snapshots
         else None
     )
+    if args.scenario == "checksum":  # a one-step fault in one layer: every layer checked every step
+        kw["checksum"] = mscale.ChecksumConfig(full=True)
     guard = mscale.attach(ddp, opt, job_id="ddp-job", snapshots=snaps, plugins=[rec], **kw)
     if guard.replicas is not None:
         guard.replicas.every = args.replica_every
