@@ -66,9 +66,9 @@ class Checked:
         det = guard.checksum
         original = det._abft_sums
 
-        def spy(mpu, st, module, x, out):
+        def spy(mpu, st, module, *rest):
             self.by_step.setdefault(guard.current_step, set()).add(id(module))
-            return original(mpu, st, module, x, out)
+            return original(mpu, st, module, *rest)
 
         det._abft_sums = spy
         # the linears that run (MultiheadAttention's out_proj does not: its weight is read by
@@ -283,3 +283,49 @@ def test_budget_allowance_and_ratio() -> None:
 def test_config_is_range_checked(kw, match) -> None:
     with pytest.raises(ValueError, match=match):
         ChecksumConfig(**kw)
+
+
+class _XW(torch.nn.Module):
+    """A linear that is not nn.Linear: y = x w + b, w stored (in, out)."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(n_in, n_out) / n_in**0.5)
+        self.b = torch.nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        return x @ self.w + self.b
+
+
+def test_a_registered_linear_type_is_checked_and_bad_registrations_are_refused() -> None:
+    from mscale.hook import linears
+
+    with pytest.raises(TypeError, match="nn.Module subclass"):
+        linears.register(int)
+    with pytest.raises(ValueError, match="weight"):
+        linears.register(_XW, weight="")
+    linears.register(_XW, weight="w", bias="b", transposed=True)
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"vision_tower": _XW(8, 8), "language_model": torch.nn.Linear(8, 1)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rec = Findings()
+    guard = attach(
+        model,
+        opt,
+        job_id="xw",
+        connect=False,
+        plugins=[rec],
+        cmsa=False,
+        mpus={"vision": "vision_tower", "text": "language_model"},
+        checksum=ChecksumConfig(full=True, replay_every=0),
+    )
+    on = {"fault": False}
+    model["vision_tower"].register_forward_hook(lambda m, a, out: out * 1.5 if on["fault"] else None, prepend=True)
+    for step in range(3):
+        on["fault"] = step == 2
+        x = torch.randn(4, 8)
+        guard.model.train()
+        model["language_model"](model["vision_tower"](x)).pow(2).mean().backward()
+        guard.step()
+        opt.zero_grad()
+    assert rec.steps(Reason.CHECKSUM_FAILURE, mpu="vision") == [2]

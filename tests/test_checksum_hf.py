@@ -116,3 +116,46 @@ def test_replay_with_a_dynamic_cache_is_quiet_on_clean_idefics3(monkeypatch) -> 
     # without the fresh copies, the replay runs against the cache the first forward filled
     monkeypatch.setattr(checksum_mod, "fresh_copies", lambda args, kwargs: {})
     assert _idefics3_replay_failures() > 0
+
+
+def test_a_corrupted_conv1d_output_in_a_tiny_gpt2_is_caught() -> None:
+    """GPT-2's linears are Hugging Face `Conv1D` (y = x W + b, W stored (in, out)): checked
+    through the registration (mscale.hook.linears), clean steps pass, a corrupted output fails."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = mscale.ChecksumConfig(full=True, replay_every=0)
+    guard = mscale.attach(
+        model, opt, job_id="gpt2", connect=False, cmsa=False, mpus={"text": "transformer"}, checksum=cfg
+    )
+    conv = [m for m in model.modules() if isinstance(m, Conv1D)]
+    assert len(conv) == 8 and not any(isinstance(m, torch.nn.Linear) for m in model.transformer.modules())
+    checked = []
+    original = guard.checksum._abft_sums
+    guard.checksum._abft_sums = lambda mpu, st, module, *a: (checked.append(module), original(mpu, st, module, *a))
+    on = {"fault": False}
+
+    def fault(module, args, out):
+        if on["fault"]:
+            out = out.clone()
+            out.view(-1)[5] = out.view(-1)[5] * 64.0 + 3.0
+            return out
+        return None
+
+    conv[3].register_forward_hook(fault, prepend=True)  # in front of the checks: what the GEMM returned
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        on["fault"] = step == 3
+        ids = torch.randint(0, 64, (2, 16), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        failed = [f for f in guard.findings if f.reason in FAIL]
+        assert bool(failed) == (step == 3), step
+    assert {id(m) for m in checked} == {id(m) for m in conv}
+    name = next(n for n, m in model.transformer.named_modules() if m is conv[3])  # h.0.mlp.c_proj
+    assert failed[0].labels["method"] == "abft" and f"layer {name} " in failed[0].message

@@ -46,7 +46,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import structlog
 import torch
@@ -55,6 +55,7 @@ from torch import nn
 from mscale.findings import Finding, Reason, Severity
 from mscale.hook.budget import Budget
 from mscale.hook.coverage import Schedule
+from mscale.hook.linears import LinearKind, kind_of
 from mscale.hook.replay import compare, fresh_copies, rng_get, run_again
 
 SOURCE = "checksum"
@@ -231,7 +232,7 @@ class ChecksumDetector:
         self.replay_s = 0.0
 
     def attach(self, mpu: Any) -> None:
-        linears = [(n or "<self>", m) for n, m in mpu.module.named_modules() if isinstance(m, nn.Linear)]
+        linears = [(n or "<self>", m) for n, m in mpu.module.named_modules() if kind_of(m) is not None]
         self._mpus[id(mpu)] = _MpuChecks({id(m): n for n, m in linears})
         self._by_id[mpu.mpu_id] = mpu
         self.schedule.add(mpu.mpu_id, [])  # layers join the rotation when first seen running
@@ -285,7 +286,9 @@ class ChecksumDetector:
             st.replay = (rng_get(mpu.device), fresh_copies(args, kwargs))
 
     def _linear(self, mpu: Any, module: nn.Module, args: tuple, out: Any) -> None:
-        if self.replaying or not args or not isinstance(out, torch.Tensor):
+        kind = kind_of(module)
+        out = kind.output_of(out) if kind is not None else None
+        if self.replaying or not args or out is None or kind is None:
             return
         if torch._C._current_graph_task_id() != -1:
             return  # the recomputation of a checkpointed forward, inside backward: checked once already
@@ -300,10 +303,12 @@ class ChecksumDetector:
             return
         t0 = time.perf_counter()
         with self.budget.timer(SOURCE, out.device):
-            self._abft_sums(mpu, st, cast(nn.Linear, module), args[0], out)
+            self._abft_sums(mpu, st, module, kind, args[0], out)
         self.abft_s += time.perf_counter() - t0
 
-    def _weight_sums(self, module: nn.Linear, acc: torch.dtype, cast: torch.dtype | None, floats: bool) -> tuple:
+    def _weight_sums(
+        self, module: nn.Module, kind: LinearKind, acc: torch.dtype, cast: torch.dtype | None, floats: bool
+    ) -> tuple:
         """(c(W), c(|W|), sum(b), sum|b|) of the weight as the GEMM saw it, cached.
 
         A trained weight changes every optimizer step (and fused optimizers update it without
@@ -311,7 +316,7 @@ class ChecksumDetector:
         (requires_grad False: no optimizer touches it) only when its version or storage
         changes, with a refresh every ABS_REFRESH steps in case it was written through
         `.data`. The |W| sums only size the tolerance and drift slowly: every ABS_REFRESH steps."""
-        w = module.weight
+        w = kind.weight_of(module)
         step = self._step()
         key = (step if w.requires_grad else -1, w._version, w.data_ptr(), acc, cast, floats)
         cached = self._wcache.get(id(module))
@@ -319,20 +324,24 @@ class ChecksumDetector:
             return cached[1]
         with torch.no_grad():
             wd = w.detach() if cast is None else w.detach().to(cast)
-            bias = module.bias
+            bias = kind.bias_of(module)
             b = None if bias is None else (bias.detach() if cast is None else bias.detach().to(cast))
             zero = torch.zeros((), dtype=acc, device=w.device)
+            # the sums over the output dimension: dim 0 of an (out, in) weight, 1 of an (in, out)
+            red = 1 if kind.transposed else 0
             # the |W| sums every ABS_REFRESH steps (or after a change of storage/dtype)
             if cached is None or step - cached[2] >= ABS_REFRESH or cached[0][2:] != key[2:]:
-                absums = (wd.abs().sum(0, dtype=acc), b.abs().sum(dtype=acc) if b is not None else zero)
+                absums = (wd.abs().sum(red, dtype=acc), b.abs().sum(dtype=acc) if b is not None else zero)
                 abs_step = step
             else:
                 absums = (cached[1][1], cached[1][3])
                 abs_step = cached[2]
-            if wd.dtype == acc:  # a GEMV reads W once, faster than a column reduction
+            if wd.dtype == acc and not kind.transposed:  # a GEMV reads W once, faster than a column reduction
                 wc = self._ones_of(wd.shape[0], wd.device, acc) @ wd
+            elif wd.dtype == acc:
+                wc = wd @ self._ones_of(wd.shape[1], wd.device, acc)
             else:
-                wc = wd.sum(0, dtype=acc)
+                wc = wd.sum(red, dtype=acc)
             sums = (wc, absums[0], b.sum(dtype=acc) if b is not None else zero, absums[1])
         self._wcache[id(module)] = (key, sums, abs_step, step)
         if floats:  # the CPU's in-step check adds the bias terms in Python
@@ -347,16 +356,18 @@ class ChecksumDetector:
             ones = self._ones[(n, device, dtype)] = torch.ones(n, dtype=dtype, device=device)
         return ones
 
-    def _abft_sums(self, mpu: Any, st: _MpuChecks, module: nn.Linear, x: torch.Tensor, out: torch.Tensor) -> None:
+    def _abft_sums(
+        self, mpu: Any, st: _MpuChecks, module: nn.Module, kind: LinearKind, x: torch.Tensor, out: torch.Tensor
+    ) -> None:
         acc = _acc(out.dtype)
         rot = self.schedule.mpus[mpu.mpu_id]
         if id(module) not in rot.sizes:  # what a check of it reads: input, output, weight
-            rot.sizes[id(module)] = x.numel() + out.numel() + module.weight.numel()
+            rot.sizes[id(module)] = x.numel() + out.numel() + kind.weight_of(module).numel()
         # under autocast the GEMM saw x and W rounded to the output dtype: predict from those
-        w = module.weight
+        w = kind.weight_of(module)
         cast = out.dtype if out.dtype != w.dtype and out.dtype in (torch.bfloat16, torch.float16) else None
         on_device = x.device.type != "cpu" or self.commit_mode(mpu)
-        wc, wa, bs, ba = self._weight_sums(module, acc, cast, not on_device)
+        wc, wa, bs, ba = self._weight_sums(module, kind, acc, cast, not on_device)
         if x.dtype != out.dtype and out.dtype in (torch.bfloat16, torch.float16):
             x = x.detach().to(out.dtype)
         layer = st.layer_names.get(id(module), "?")
@@ -489,7 +500,7 @@ class ChecksumDetector:
                             f"layer {layer} ({dtype}): residual {abs(resid):.3g} > tolerance {tol:.3g}",
                         )
                     )
-            elif method == "replay" and not replayed:
+            elif method == "replay" and not (replayed or abft):  # ABFT's names the layer: one of the two
                 replayed = True
                 detail = (
                     layer
