@@ -37,7 +37,6 @@ from torch import nn
 import mscale.hook.mpu as mpumod
 import mscale.hook.placement as placement
 from mscale import link as protocol
-from mscale.config import parse_bool
 from mscale.findings import Finding, Severity
 from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, loss_of, output_tensors
 from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics
@@ -48,6 +47,7 @@ from mscale.hook.null import NullGuard
 from mscale.hook.plugin import HOOKS
 from mscale.hook.protect import SnapshotConfig, agree, data_position, protect, snapshot_config
 from mscale.hook.ranks import identify
+from mscale.options import parse_bool
 
 log = structlog.get_logger("mscale.hook")
 
