@@ -567,6 +567,7 @@ def attach(
     scheduler: Any = None,
     resume: bool = True,
     enabled: bool | None = None,
+    healing: Any = None,
     **kwargs: Any,
 ) -> Guard | NullGuard:
     """Guard `model` (and `optimizer`); other keyword arguments are `Guard`'s. snapshots: None
@@ -574,6 +575,7 @@ def attach(
     only) or a SnapshotConfig adds the fuse and snapshots, and such a step is rolled back. data:
     the loader whose position they hold; scheduler: snapshotted too; resume: go on from the
     directory's newest snapshot (False refuses one that holds any). See mscale.hook.protect.
+    healing: the fuse's HealingSection (mscale.healing.settings; with snapshots only).
     Disabled (enabled=False, or MSCALE_GUARD=0) returns a NullGuard and changes nothing."""
     if enabled is None:
         enabled = parse_bool(os.environ.get("MSCALE_GUARD", "1"))
@@ -582,13 +584,25 @@ def attach(
     cfg = snapshot_config(snapshots)  # bad arguments are refused before anything is hooked
     if cfg is None and (data is not None or scheduler is not None):
         raise TypeError("data= and scheduler= are what snapshots hold: give snapshots= too")
+    if cfg is None and healing is not None:
+        raise TypeError("healing= configures the fuse, which snapshots= adds: give snapshots= too")
+    if healing is not None and type(healing).__name__ != "HealingSection":
+        raise TypeError(f"healing: expected a mscale.healing.settings.HealingSection, got {type(healing).__name__}")
     position = data_position(data) if cfg is not None else None
     guard = Guard(model, optimizer, job_id=job_id, **kwargs)
     agree(guard)  # several ranks: decisions agreed at each step (mscale.hook.agree)
     contract_join(guard)  # the contract in force in this process, if any (mscale.hook.contract)
     if cfg is not None:
         try:
-            protect(guard, cfg, data=position, scheduler=scheduler, scaler=kwargs.get("scaler"), resume=resume)
+            protect(
+                guard,
+                cfg,
+                data=position,
+                scheduler=scheduler,
+                scaler=kwargs.get("scaler"),
+                resume=resume,
+                healing=healing,
+            )
         except BaseException:
             guard.detach()
             raise
