@@ -406,7 +406,6 @@ class Guard:
             if self.optimizer
             else [p for p in self.model.parameters()]
         )
-        self.inputs.bad()  # a forward no MPU ran in: its inputs are read here
         step = self.current_step
         scheduled = self.cmsa.wants_gvc(step) if self.cmsa is not None else step % GVC_EVERY == 0
         global_norm = self._grad_stats.measure(self.mpus, params, step, scheduled)

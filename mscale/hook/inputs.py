@@ -56,6 +56,8 @@ class InputCheck:
         self.findings = 0
 
     def begin(self, args: tuple, kwargs: dict) -> None:
+        if self._pending is not None:  # the last forward ran no MPU check: its flag is read now
+            self.bad()
         micro_batch, named = len(self.losses), _tensors(args, kwargs)
         self.bad_forward = None
         if not named:
