@@ -41,6 +41,7 @@ from torch import nn
 import mscale.snapshot.distributed as mdist
 import mscale.snapshot.memory as mem
 from mscale.findings import Finding, Reason, Severity
+from mscale.snapshot import worlds
 from mscale.snapshot.data import describe_batches, step_batches
 from mscale.snapshot.format import (
     FORMAT,
@@ -134,7 +135,9 @@ class SnapshotEngine:
         self.rank_dir: Path | None = None
         self._disk: DiskWriter | None = None
         if self.directory is not None:
-            self.rank_dir = self.directory / f"rank_{self.rank:05d}" if self.world_size > 1 else self.directory
+            if self.world_size > 1 and self.rank == 0:
+                worlds.adopt_single(self.directory)  # before any rank lists it: worlds.plan waits for this
+            self.rank_dir = worlds.rank_dir(self.directory, self.rank, self.world_size)
             self.rank_dir.mkdir(parents=True, exist_ok=True)
             identity = {
                 "rank": self.rank,
@@ -536,21 +539,20 @@ class SnapshotEngine:
 
     def resume(self) -> int | None:
         """Start-up: restores the newest valid snapshot on disk (a corrupted or partial one is
-        refused with the file named, and the next older used). Returns its step (training goes
-        on at step + 1), or None when there is none. Collective when several ranks: all ranks
-        resume the same step."""
+        refused with the file named, and the next older used; another world size's: worlds.py).
+        Returns its step (training goes on at step + 1), or None. Collective with several ranks."""
         if self.rank_dir is None:
             return None
         t0 = time.perf_counter()
-        # Every step_ directory counts, a bad manifest included: it exists only after the
-        # rename, so a bad one is corruption to report, not an interrupted write.
-        mine = sorted({i.step for i in list_snapshots(self.rank_dir) if i.path.parent == self.rank_dir}, reverse=True)
-        steps = mdist.common_steps(mine, self.group) if self.world_size > 1 else mine
-        found = load_newest_valid(self, steps, collective=self.world_size > 1)
+        plan = worlds.plan(self)  # this world's snapshots, and other world sizes' it can take
+        steps = sorted(plan, reverse=True)
+        found = load_newest_valid(self, steps, collective=self.world_size > 1, where=lambda s: plan[s].path)
         if found is not None:
             step, path, tensors, objects = found
-            self._apply(tensors, objects, where=str(path), owned=True)
+            self._apply(tensors, worlds.fit(self, step, objects, plan), where=str(path), owned=True)
             del found, tensors, objects  # the engine's copies are applied: let these go
+            if plan[step].world_size != self.world_size:  # a rollback must not go back to another world's
+                self.snapshot(step=step)
             # Until the first in-memory snapshot, a rollback goes back to this one on disk:
             # copying 3x the parameter bytes again at start-up would double the restore time.
             self._resumed = (step, path)
@@ -559,7 +561,9 @@ class SnapshotEngine:
             self._emit(
                 Reason.SNAPSHOT_RESUMED,
                 Severity.INFO,
-                f"resumed from {path} (step {step}) in {seconds:.3f} s; training continues at step {step + 1}",
+                f"resumed from {path} (step {step}{worlds.note(plan[step], self.world_size)}) in {seconds:.3f} s; "
+                f"training continues at step {step + 1}",
+                world_size_then=plan[step].world_size,
                 step=step,
                 tag="disk",
                 recovery_seconds=f"{seconds:.6f}",
