@@ -41,6 +41,7 @@ from mscale.findings import Finding, Severity
 from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, loss_of, output_tensors
 from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics
 from mscale.hook.contract import join as contract_join
+from mscale.hook.inputs import InputCheck
 from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
 from mscale.hook.null import NullGuard
@@ -132,6 +133,7 @@ class Guard:
         self._commands: collections.deque[dict] = collections.deque(maxlen=1024)
         self._in_step = False
         self._losses: list[torch.Tensor | float] = []
+        self.inputs = InputCheck(self.emit, self._losses)  # the batch checked before the first MPU
         self._skip_reason = ""
         self._step_findings: list[Finding] = []
         self._last: dict[str, Any] = {}
@@ -325,8 +327,10 @@ class Guard:
             self._handles.append(self.optimizer.register_step_post_hook(lambda opt, a, k: self._post_step()))
 
     def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if module.training and not self._in_step and not self.checksum.replaying:
-            self._begin_step(ModelInputs(args, kwargs))
+        if module.training and not self.checksum.replaying:
+            if not self._in_step:
+                self._begin_step(ModelInputs(args, kwargs))
+            self.inputs.begin(args, kwargs)
 
     def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self.checksum.replaying or not module.training:
@@ -362,7 +366,8 @@ class Guard:
         a0, r0 = self.checksum.abft_s, self.checksum.replay_s
         inputs = ModelInputs(args, kwargs)
         try:
-            self.checksum.after_forward(m, inputs, output)
+            if not self.inputs.bad():  # a NaN from the data blames no MPU
+                self.checksum.after_forward(m, inputs, output)
         except Exception as e:  # a detector bug must not stop training
             self.log.exception("checksum_error", mpu_id=m.mpu_id, error=str(e))
         t1 = time.perf_counter()
