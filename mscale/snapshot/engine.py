@@ -47,12 +47,13 @@ from mscale.snapshot.format import (
     NONMPU_FILE,
     NONMPU_OPTIM_FILE,
     SnapshotError,
+    SnapshotInfo,
     list_snapshots,
 )
 from mscale.snapshot.inplace import load_newest_valid
 from mscale.snapshot.manifest import safe_name
 from mscale.snapshot.memory import HostCopier, MemorySnapshot, rng_state, set_rng_state, to_host
-from mscale.snapshot.optim import NamedOptimizer
+from mscale.snapshot.optim import NamedOptimizer, fits
 from mscale.snapshot.writer import DiskWriter
 
 __all__ = ["SnapshotEngine", "RollbackUnavailable"]
@@ -370,6 +371,9 @@ class SnapshotEngine:
         if self._disk is not None:
             self._disk.flush(timeout)
 
+    def _mine(self, infos: list[SnapshotInfo]) -> list[SnapshotInfo]:
+        return self._disk.own.mine(infos) if self._disk is not None else infos
+
     # -- restore ----------------------------------------------------------------------
     def _check_fits(self, tensors: dict[str, dict[str, torch.Tensor]], objects: dict, where: str) -> None:
         model_keys = {k[6:]: t for d in tensors.values() for k, t in d.items() if k.startswith("model/")}
@@ -379,13 +383,11 @@ class SnapshotEngine:
             raise SnapshotError(
                 f"{where} does not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
             )
-        for k, t in live.items():
-            if tuple(model_keys[k].shape) != tuple(t.shape):
-                raise SnapshotError(
-                    f"{where} does not fit the model: {k} has shape {tuple(model_keys[k].shape)}, the model {tuple(t.shape)}"
-                )
+        for k, t in live.items():  # shape and dtype: nothing is cast or reshaped on the way in
+            fits(f"model/{k}", model_keys[k], t, f"{where} does not fit the model", "the model's")
         if self._named_opt is not None:
-            self._named_opt.check(objects.get("optimizer"), where)
+            optim = {k[6:]: t for d in tensors.values() for k, t in d.items() if k.startswith("optim/")}
+            self._named_opt.check(objects.get("optimizer"), where, optim)
         for name, obj in (("scaler", self.scaler), ("scheduler", self.scheduler), ("data", self.data)):
             if obj is not None and name not in objects:
                 raise SnapshotError(f"{where} holds no {name} state")
@@ -461,7 +463,7 @@ class SnapshotEngine:
         else:  # no in-memory copy yet since the start-up resume: back to that disk snapshot
             assert resumed is not None and self.rank_dir is not None  # the check above
             # ... or, alone and that one refused now, to the newest older one that verifies
-            infos = list_snapshots(self.rank_dir) if self.world_size == 1 else []
+            infos = self._mine(list_snapshots(self.rank_dir)) if self.world_size == 1 else []
             older = {i.step for i in infos if i.path.parent == self.rank_dir and i.step < resumed[0]}
             found = load_newest_valid(self, [resumed[0], *sorted(older, reverse=True)], collective=False)
             if found is None:
@@ -529,7 +531,8 @@ class SnapshotEngine:
         t0 = time.perf_counter()
         # Every step_ directory counts, a bad manifest included: it exists only after the
         # rename, so a bad one is corruption to report, not an interrupted write.
-        mine = sorted({i.step for i in list_snapshots(self.rank_dir) if i.path.parent == self.rank_dir}, reverse=True)
+        infos = self._mine(list_snapshots(self.rank_dir))  # this run's only (ownership.py)
+        mine = sorted({i.step for i in infos if i.path.parent == self.rank_dir}, reverse=True)
         steps = mdist.common_steps(mine, self.group) if self.world_size > 1 else mine
         found = load_newest_valid(self, steps, collective=self.world_size > 1)
         if found is not None:
