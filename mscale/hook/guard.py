@@ -191,7 +191,7 @@ class Guard:
         self.findings.append(finding)
         self._step_findings.append(finding)
         method = {Severity.CRITICAL: "error", Severity.WARNING: "warning"}.get(finding.severity, "info")
-        getattr(self.log, method)(finding.reason.value, source=finding.source, message=finding.message, **labels)
+        getattr(self.log, method)(finding.reason.value, source=finding.source, message=finding.message, labels=labels)
         self._dispatch("on_finding", finding)
 
     def request_skip(self, reason: str) -> None:
