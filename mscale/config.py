@@ -39,6 +39,7 @@ from mscale.textfile import read_text
 if TYPE_CHECKING:
     from mscale.contracts.settings import ContractSection
     from mscale.daemon.settings import AgentSection, ChaosSection, HttpSection, SocketSection, WebhookSection
+    from mscale.daemon.stragglers import StragglerSection
     from mscale.healing.settings import HealingSection
     from mscale.kube.settings import KubernetesSection
     from mscale.probes.gpu_health import HealthSection
@@ -139,6 +140,9 @@ class Config:
     healing: HealingSection = _section("mscale.healing.settings:HealingSection", "the healing engine")
     contract: ContractSection = _section(
         "mscale.contracts.settings:ContractSection", "resource contracts, MSRP and the density guard"
+    )
+    stragglers: StragglerSection = _section(
+        "mscale.daemon.stragglers:StragglerSection", "slow ranks and slow MPUs, against the job's other ranks"
     )
     kubernetes: KubernetesSection = _section("mscale.kube.settings:KubernetesSection", "running on Kubernetes")
 
