@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from mscale.version import __version__
 
 # public name -> module defining it (imported on first use)
 _LAZY: dict[str, str] = {

@@ -60,6 +60,7 @@ class Reason(str, Enum):
     PROBE_UP = "probe_up"
     JOB_REGISTERED = "job_registered"
     JOB_GONE = "job_gone"
+    AGENT_UNTRUSTED = "agent_untrusted"  # the job's socket is served by a uid it does not trust
     ALERT_FIRING = "alert_firing"
     ALERT_RESOLVED = "alert_resolved"
     CHAOS_INJECTED = "chaos_injected"

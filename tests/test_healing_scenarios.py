@@ -202,7 +202,7 @@ def test_l2_precision_fallback_runs_the_degraded_mpu_in_bf16_until_recovery():
 def test_run_degraded_on_cpu_autocasts_only_when_asked_and_undo_restores_the_forward():
     from torch import nn
 
-    from mscale.healing.actions.degrade import run_degraded
+    from mscale.hook.actions.degrade import run_degraded
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))

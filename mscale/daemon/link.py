@@ -42,7 +42,7 @@ import structlog
 from aiohttp import WSMsgType, web
 
 from mscale import link as protocol
-from mscale.daemon import keys
+from mscale.daemon import keys, socket_file
 from mscale.daemon.jobs import JobState, RankLimit, gpus_by_index
 from mscale.findings import Finding, Reason, Severity
 from mscale.link import BadMessage, Msg
@@ -118,6 +118,7 @@ class LinkServer:
         path = Path(self.path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            socket_file.check_directory(path.parent)
             if path.exists() or path.is_symlink():
                 if not stat.S_ISSOCK(path.lstat().st_mode):
                     raise OSError(f"{path} exists and is not a socket")
@@ -128,8 +129,8 @@ class LinkServer:
             link_app.router.add_get(protocol.PATH, self._handle)
             self._runner = web.AppRunner(link_app, access_log=None, handle_signals=False)
             await self._runner.setup()
-            await web.UnixSite(self._runner, str(path)).start()
-            os.chmod(path, self.config.socket.mode)
+            # created with its mode, no chmod of a path another user could swap (socket_file)
+            await web.SockSite(self._runner, socket_file.bind(str(path), self.config.socket.mode)).start()
         except OSError as e:
             self.error = str(e)
             log.error("link_socket_unavailable", socket=str(path), error=self.error)

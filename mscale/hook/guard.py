@@ -275,6 +275,8 @@ class Guard:
     def poll_commands(self) -> int:
         """Dispatch the agent's queued commands now (the guard does it at step boundaries)."""
         n = 0
+        while self.link is not None and self.link.findings:  # the link's own (agent_untrusted)
+            self.emit(self.link.findings.popleft())
         while self._commands:
             command = self._commands.popleft()
             n += 1

@@ -18,7 +18,7 @@ its forward; the frozen ones are fingerprinted once and checked every `frozen_ev
 A mismatch is a WEIGHT_CORRUPTION finding per tensor, labelled with its MPU (none for a
 tensor outside every MPU), in the step that would first use it. A change of a tensor's
 shape, dtype or device (an L2 fallback, a swap on a GPU node) starts the fingerprints over:
-it is a move, not a corruption. The repair is the fuse's (mscale.healing.actions.restore_weights,
+it is a move, not a corruption. The repair is the fuse's (mscale.hook.actions.restore_weights,
 whose per-job state this is).
 """
 

@@ -30,7 +30,6 @@ from typing import Any
 import structlog
 import torch
 
-from mscale import __version__
 from mscale.findings import Reason, Severity
 from mscale.snapshot.format import (
     ASIDE_PREFIX,
@@ -47,6 +46,7 @@ from mscale.snapshot.format import (
 from mscale.snapshot.manifest import parse_manifest
 from mscale.snapshot.memory import MemorySnapshot
 from mscale.snapshot.tensors import safetensors_parts
+from mscale.version import __version__
 
 __all__ = ["DiskWriter"]
 
