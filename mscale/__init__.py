@@ -39,8 +39,8 @@ _LAZY: dict[str, str] = {
     "Severity": "mscale.findings",
 }
 
-# integrations, as submodules: mscale.accelerate.attach
-_SUBMODULES = ("accelerate",)
+# integrations, as submodules: mscale.accelerate.attach, mscale.lightning.MscaleCallback
+_SUBMODULES = ("accelerate", "lightning")
 
 __all__: list[str] = ["__version__", *_LAZY, *_SUBMODULES]
 
