@@ -193,10 +193,6 @@ class _MpuChecks:
 _Row = tuple[str, str, torch.dtype, Any]
 
 
-def _verdict(residual: float, tol: float) -> bool:
-    return math.isfinite(residual) and abs(residual) <= tol
-
-
 class ChecksumDetector:
     """Owned by the Guard; `attach(mpu)` registers the ABFT hooks of the MPU's linears. The Guard
     calls `begin_step` at each step's begin, `before_forward`/`after_forward` around each MPU
@@ -483,8 +479,8 @@ class ChecksumDetector:
                 off += 2
             else:
                 resid, tol = v
-            if _verdict(resid, tol):
-                continue
+            if math.isfinite(resid) and abs(resid) <= tol:
+                continue  # passed
             if method == "nonfinite" and not nonfinite:
                 nonfinite = True
                 failures.append((Reason.NONFINITE_OUTPUT, "nonfinite", "MPU output has NaN or Inf"))
@@ -510,7 +506,7 @@ class ChecksumDetector:
                 failures.append((Reason.CHECKSUM_FAILURE, "replay", detail))
         return failures
 
-    def commit(self) -> list[str]:
+    def commit(self, *, data_fault: bool = False) -> list[str]:
         """The step's verdicts at the commit point (the optimizer step pre-hook): rows kept for
         it read in one read-back, findings emitted, every MPU's step counted. Returns the ids
         of the MPUs judged here (commit verdicts) whose step failed: the guard drops its update
@@ -520,12 +516,16 @@ class ChecksumDetector:
             return []
         self._committed = step
         try:
-            return self._commit()
+            return self._commit(data_fault)
         except Exception:  # a detector bug must not stop training
             log.exception("checksum_error", where="commit")
             return []
 
-    def _commit(self) -> list[str]:
+    def _commit(self, data_fault: bool) -> list[str]:
+        if data_fault:  # the batch was not finite (mscale.hook.inputs): the kept checks blame no MPU
+            for mpu in self._by_id.values():
+                if self.commit_mode(mpu):
+                    self._mpus[id(mpu)].rows = []
         t0 = time.perf_counter()
         with self.budget.timer(SOURCE):
             rows = [(mpu, r) for mpu in self._by_id.values() for r in self._mpus[id(mpu)].rows]

@@ -36,18 +36,15 @@ from torch import nn
 import mscale.hook.mpu as mpumod
 import mscale.hook.placement as placement
 from mscale import link as protocol
-from mscale.config import parse_bool
 from mscale.findings import Finding, Severity
 from mscale.hook.budget import Budget, StepTimes
 from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, loss_of, output_tensors
 from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics
-from mscale.hook.contract import join as contract_join
 from mscale.hook.coverage import suspicions
+from mscale.hook.inputs import InputCheck
 from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
-from mscale.hook.null import NullGuard
 from mscale.hook.plugin import HOOKS
-from mscale.hook.protect import SnapshotConfig, agree, data_position, protect, snapshot_config
 from mscale.hook.ranks import identify
 
 log = structlog.get_logger("mscale.hook")
@@ -117,6 +114,7 @@ class Guard:
         self._commands: collections.deque[dict] = collections.deque(maxlen=1024)
         self._in_step = False
         self._losses: list[torch.Tensor | float] = []
+        self.inputs = InputCheck(self.emit, self._losses)  # the batch checked before the first MPU
         self._skip_reason = ""
         self._step_findings: list[Finding] = []
         self._last: dict[str, Any] = {}
@@ -176,7 +174,7 @@ class Guard:
         for mpu_id, why in suspicions(finding, self.mpus):  # incident mode: full coverage, replay
             self.checksum.suspect(mpu_id, why)
         method = {Severity.CRITICAL: "error", Severity.WARNING: "warning"}.get(finding.severity, "info")
-        getattr(self.log, method)(finding.reason.value, source=finding.source, message=finding.message, **labels)
+        getattr(self.log, method)(finding.reason.value, source=finding.source, message=finding.message, labels=labels)
         self._dispatch("on_finding", finding)
 
     def request_skip(self, reason: str) -> None:
@@ -262,6 +260,8 @@ class Guard:
     def poll_commands(self) -> int:
         """Dispatch the agent's queued commands now (the guard does it at step boundaries)."""
         n = 0
+        while self.link is not None and self.link.findings:  # the link's own (agent_untrusted)
+            self.emit(self.link.findings.popleft())
         while self._commands:
             command = self._commands.popleft()
             n += 1
@@ -312,8 +312,10 @@ class Guard:
             self._handles.append(self.optimizer.register_step_post_hook(lambda opt, a, k: self._post_step()))
 
     def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if module.training and not self._in_step and not self.checksum.replaying:
-            self._begin_step(ModelInputs(args, kwargs))
+        if module.training and not self.checksum.replaying:
+            if not self._in_step:
+                self._begin_step(ModelInputs(args, kwargs))
+            self.inputs.begin(args, kwargs)
 
     def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self.checksum.replaying or not module.training:
@@ -350,7 +352,10 @@ class Guard:
         a0, r0 = self.checksum.abft_s, self.checksum.replay_s
         inputs = ModelInputs(args, kwargs)
         try:
-            self.checksum.after_forward(m, inputs, output, rerun=getattr(self.fuse, "_rerunning", None) == m.mpu_id)
+            # a NaN from the data blames no MPU (commit verdicts: its flag is read at the commit)
+            if self.checksum.commit_mode(m) or not self.inputs.bad():
+                rerun = getattr(self.fuse, "_rerunning", None) == m.mpu_id  # the fuse re-runs a failed forward
+                self.checksum.after_forward(m, inputs, output, rerun=rerun)
         except Exception as e:  # a detector bug must not stop training
             self.log.exception("checksum_error", mpu_id=m.mpu_id, error=str(e))
         t1 = time.perf_counter()
@@ -463,7 +468,7 @@ class Guard:
     def _commit_checks(self) -> None:
         """The checks' verdicts, read once a step (the commit point); a failure judged here
         (commit verdicts: nothing read inside the step, no re-run in it) drops the update."""
-        late = self.checksum.commit()
+        late = self.checksum.commit(data_fault=self.inputs.bad())
         if late and self.optimizer is not None and not self._skip_reason:
             self._skip_reason = f"checksum failed at the commit point: MPU {', '.join(late)}"
 
@@ -556,41 +561,3 @@ class Guard:
             self.plugin_errors += 1
             self.log.exception("plugin_error", plugin=type(plugin).__name__, hook=hook, error=str(e))
             return None
-
-
-def attach(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    job_id: str,
-    snapshots: str | os.PathLike | bool | SnapshotConfig | None = None,
-    data: Any = None,
-    scheduler: Any = None,
-    resume: bool = True,
-    enabled: bool | None = None,
-    **kwargs: Any,
-) -> Guard | NullGuard:
-    """Guard `model` (and `optimizer`); other keyword arguments are `Guard`'s. snapshots: None
-    drops the update of a step with a non-finite loss or gradient; a directory, True (in memory
-    only) or a SnapshotConfig adds the fuse and snapshots, and such a step is rolled back. data:
-    the loader whose position they hold; scheduler: snapshotted too; resume: go on from the
-    directory's newest snapshot (False refuses one that holds any). See mscale.hook.protect.
-    Disabled (enabled=False, or MSCALE_GUARD=0) returns a NullGuard and changes nothing."""
-    if enabled is None:
-        enabled = parse_bool(os.environ.get("MSCALE_GUARD", "1"))
-    if not enabled:
-        return NullGuard(model, optimizer)
-    cfg = snapshot_config(snapshots)  # bad arguments are refused before anything is hooked
-    if cfg is None and (data is not None or scheduler is not None):
-        raise TypeError("data= and scheduler= are what snapshots hold: give snapshots= too")
-    position = data_position(data) if cfg is not None else None
-    guard = Guard(model, optimizer, job_id=job_id, **kwargs)
-    agree(guard)  # several ranks: decisions agreed at each step (mscale.hook.agree)
-    contract_join(guard)  # the contract in force in this process, if any (mscale.hook.contract)
-    if cfg is not None:
-        try:
-            protect(guard, cfg, data=position, scheduler=scheduler, scaler=kwargs.get("scaler"), resume=resume)
-        except BaseException:
-            guard.detach()
-            raise
-    return guard

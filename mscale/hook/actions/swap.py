@@ -17,33 +17,28 @@ from typing import Any
 
 import structlog
 
-from mscale.healing.actions.base import ActionFailed, ActionSpec
-from mscale.healing.fsm import Level
+from mscale.healing import actions
+from mscale.healing.engine import Decision
+from mscale.hook.actions.base import ActionFailed, Executor, FuseContext
 
 log = structlog.get_logger("mscale.fuse")
 
 
 class Swaps:
-    """Per job: the GPUs each MPU failed on, each MPU's last swap, the weights' fingerprints."""
+    """Per job: the GPUs each MPU failed on, each MPU's last swap. The weights' fingerprints
+    are the fingerprint watch's (restore_weights' state): a second per-step pass of its own
+    over every MPU cost 5 ms of a 490 ms step on an 8M LLaVA."""
 
     def __init__(self, fuse) -> None:
         self.gpu_count: int | None = fuse.gpu_count  # None: found on first use
         self.failed_on: dict[str, set[int]] = {}
         self.last: dict[str, tuple[int, int, bool]] = {}  # mpu_id -> (from gpu, to gpu, weights restored)
-        self.fingerprints: dict[str, Any] = {}
 
     def avoid_gpus(self, fuse) -> set[int]:
         return set().union(*self.failed_on.values())
 
-    def attach(self, fuse) -> None:
-        self.weights_settled(fuse)
 
-    def weights_settled(self, fuse) -> None:
-        for m in fuse.guard.mpus:
-            self.fingerprints[m.mpu_id] = fingerprint(m)
-
-
-def apply(fuse, state: Swaps, d) -> str:
+def apply(fuse: FuseContext, state: Swaps, d: Decision) -> str:
     m = fuse.guard.mpu(d.target.mpu_id)
     if d.target.gpu and d.target.gpu.isdigit() and int(d.target.gpu) != m.gpu:
         return "noop"  # a command about a GPU this MPU has already left (another path moved it)
@@ -98,26 +93,14 @@ def move_mpu(guard: Any, m: Any, gpu: int) -> None:
     guard.rebind(m, gpu, device=device)
 
 
-def fingerprint(m: Any) -> Any:
-    import torch
-
-    with torch.no_grad():
-        return (
-            torch.stack([p.detach().double().sum() for p in m.module.parameters()])
-            if any(True for _ in m.module.parameters())
-            else torch.zeros(0)
-        )
-
-
 def verify_weights(fuse, state: Swaps, m: Any) -> bool:
     """Check the MPU's weights against their fingerprint after the last optimizer step;
     on a mismatch (corrupted in place) restore them from the last in-memory snapshot.
     True when restored."""
     import torch
 
-    now = fingerprint(m)
-    ref = state.fingerprints.get(m.mpu_id)
-    if ref is None or (now.shape == ref.shape and torch.equal(now, ref)):
+    watch = getattr(fuse.states.get("restore_weights"), "watch", None)
+    if watch is None or not watch.changed(m.mpu_id):
         return False
     engine = fuse.snapshot_engine
     snap = engine.latest() if engine is not None else None
@@ -145,23 +128,9 @@ def verify_weights(fuse, state: Swaps, m: Any) -> bool:
                         opt.state[p][k].copy_(saved)
     if not n:
         raise ActionFailed(f"the in-memory snapshot of step {snap.step} holds no weights of MPU {m.mpu_id}")
-    state.fingerprints[m.mpu_id] = fingerprint(m)
+    watch.settle(frozen=True)  # the restored weights are the reference again
     log.warning("mpu_weights_restored", mpu_id=m.mpu_id, snapshot_step=snap.step, tensors=n)
     return True
 
 
-ACTION = ActionSpec(
-    "l1_swap",
-    "L1",
-    Level.L1_SWAPPED,
-    apply,
-    "move the MPU to a standby GPU and re-run its forward",
-    scope="mpu",
-    reruns_forward=True,
-    drift=True,
-    escalates_to="l2_degrade",
-    escalate_on_failure=True,
-    new_placement=True,
-    state=Swaps,
-    event=event,
-)
+EXECUTOR = Executor(actions.get("l1_swap"), apply, state=Swaps, event=event)
