@@ -19,8 +19,7 @@ one with a string "type" (binary frames are refused).
                   skipped, mpus: {mpu_id: {forward_s, backward_s, grad_norm, gvc, clip_ratio,
                   ...}}, findings: [Finding.to_dict()]}]}                    batched per step
                  {"type": "reply", id, ok, ...}   a plugin's answer to a command
-                 {"type": "pong", id}             the answer to a ping
-                 {"type": "bye"}; any type a plugin registered on the agent (LinkServer.on_message)
+                 {"type": "pong", id} (to a ping), {"type": "bye"}; any plugin-registered type
   agent -> job   {"type": "registered", job_id, node}
                  {"type": "error", error}         the job's message was refused (and counted)
                  a command: {"type": one of Command, ...}; a plugin may take other types too
@@ -106,7 +105,8 @@ REGISTER_FIELDS = frozenset({"type", "job_id", "rank", "pid", "step", "mpus", "l
 MPU_FIELDS = frozenset({"mpu_id", "name", "path", "device", "gpu", "gpu_uuid", "fuse_level", "params"})
 REPORT_FIELDS = frozenset({"type", "job_id", "dropped", "reports"})
 STEP_FIELDS = frozenset({"step", "time", "loss", "grad_norm", "skipped", "mpus", "findings", "guard_overhead_ratio"})
-MPU_REPORT_FIELDS = frozenset(
+CHECK_FIGURES = ("checksum_coverage_ratio", "checksum_max_gap_steps")  # the budget's (mscale.hook.coverage)
+MPU_REPORT_FIELDS = frozenset(CHECK_FIGURES) | frozenset(
     {
         "forward_s",
         "backward_s",
@@ -118,15 +118,12 @@ MPU_REPORT_FIELDS = frozenset(
         "checksum_ok",
         "checksum_consecutive_failures",
         "checksum_failures_total",
-        "checksum_coverage_ratio",
-        "checksum_max_gap_steps",
         "gpu",
         "fuse_level",
         "memory_used_bytes",
         "memory_total_bytes",
     }
 )
-CHECK_FIGURES = ("checksum_coverage_ratio", "checksum_max_gap_steps")  # the budget's (mscale.hook.coverage)
 # a reported finding is clamped to these on the agent
 MAX_FINDING_LABELS, MAX_LABEL_NAME, MAX_LABEL_VALUE = 32, 64, 256
 MAX_FINDING_MESSAGE, MAX_FINDING_SOURCE = 1000, 32
@@ -433,10 +430,9 @@ def validate_report(msg: dict) -> None:
         _need(_is_int(r.get("step")), f"report: reports[{i}].step must be an integer in 0..{MAX_INT}")
         t = r.get("time", 0.0)
         _need(_is_num(t) and not isinstance(t, str) and (t or 0) >= 0, f"report: reports[{i}].time must be a time")
-        _need(_is_num(r.get("guard_overhead_ratio")), f"report: reports[{i}].guard_overhead_ratio must be a number")
         _need(
-            _is_num(r.get("loss")) and _is_num(r.get("grad_norm")),
-            f"report: reports[{i}] loss/grad_norm must be numbers",
+            all(_is_num(r.get(k)) for k in ("loss", "grad_norm", "guard_overhead_ratio")),
+            f"report: reports[{i}] loss/grad_norm/guard_overhead_ratio must be numbers",
         )
         _need(isinstance(r.get("skipped", False), bool), f"report: reports[{i}].skipped must be a boolean")
         mpus = r.get("mpus", {})

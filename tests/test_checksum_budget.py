@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from mscale.findings import Finding, Reason, Severity
+from mscale.hook.attach import attach
 from mscale.hook.budget import Budget
 from mscale.hook.checksum import ChecksumConfig
 from mscale.hook.coverage import suspicions
-from mscale.hook.guard import attach
 from mscale.sim.inject import inject
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
