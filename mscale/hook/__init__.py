@@ -3,7 +3,7 @@ detectors, CMSA, the fuse plugin and the healing actions' executors (actions/), 
 client, and the integrations, each imported on its own: the Hugging Face callback (hf),
 Accelerate (accelerate), Lightning (lightning).
 
-May import: findings, config, link, healing (the decision core), snapshot. Never imports
+May import: findings, options (the config machinery), link, healing (the decision core), snapshot. Never imports
 daemon. Importing this package imports torch; `import mscale` does not (it re-exports lazily).
 """
 
