@@ -45,6 +45,9 @@ class SocketSection:
         600.0, "a disconnected job's state and series are removed this long after it left", min=0.1, max=30 * 86400
     )
     max_jobs: int = opt(256, "jobs the agent keeps; past it a new job is refused and counted", min=1, max=100_000)
+    max_jobs_per_uid: int = opt(
+        64, "jobs of one uid the agent keeps; past it that uid's new job is refused and counted", min=1, max=100_000
+    )
     max_ranks_per_job: int = opt(
         64, "live connections (ranks) of one job; past it a registration is refused and counted", min=1, max=4096
     )
