@@ -37,7 +37,6 @@ from torch import nn
 import mscale.hook.mpu as mpumod
 import mscale.hook.placement as placement
 from mscale import link as protocol
-from mscale.config import parse_bool
 from mscale.findings import Finding, Severity
 from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, loss_of, output_tensors
 from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics
@@ -49,6 +48,7 @@ from mscale.hook.null import NullGuard
 from mscale.hook.plugin import HOOKS
 from mscale.hook.protect import SnapshotConfig, agree, data_position, protect, snapshot_config
 from mscale.hook.ranks import identify
+from mscale.options import parse_bool
 
 log = structlog.get_logger("mscale.hook")
 
@@ -191,7 +191,7 @@ class Guard:
         self.findings.append(finding)
         self._step_findings.append(finding)
         method = {Severity.CRITICAL: "error", Severity.WARNING: "warning"}.get(finding.severity, "info")
-        getattr(self.log, method)(finding.reason.value, source=finding.source, message=finding.message, **labels)
+        getattr(self.log, method)(finding.reason.value, source=finding.source, message=finding.message, labels=labels)
         self._dispatch("on_finding", finding)
 
     def request_skip(self, reason: str) -> None:
@@ -572,6 +572,7 @@ def attach(
     scheduler: Any = None,
     resume: bool = True,
     enabled: bool | None = None,
+    healing: Any = None,
     **kwargs: Any,
 ) -> Guard | NullGuard:
     """Guard `model` (and `optimizer`); other keyword arguments are `Guard`'s. snapshots: None
@@ -579,6 +580,7 @@ def attach(
     only) or a SnapshotConfig adds the fuse and snapshots, and such a step is rolled back. data:
     the loader whose position they hold; scheduler: snapshotted too; resume: go on from the
     directory's newest snapshot (False refuses one that holds any). See mscale.hook.protect.
+    healing: the fuse's HealingSection (mscale.healing.settings; with snapshots only).
     Disabled (enabled=False, or MSCALE_GUARD=0) returns a NullGuard and changes nothing."""
     if enabled is None:
         enabled = parse_bool(os.environ.get("MSCALE_GUARD", "1"))
@@ -587,13 +589,25 @@ def attach(
     cfg = snapshot_config(snapshots)  # bad arguments are refused before anything is hooked
     if cfg is None and (data is not None or scheduler is not None):
         raise TypeError("data= and scheduler= are what snapshots hold: give snapshots= too")
+    if cfg is None and healing is not None:
+        raise TypeError("healing= configures the fuse, which snapshots= adds: give snapshots= too")
+    if healing is not None and type(healing).__name__ != "HealingSection":
+        raise TypeError(f"healing: expected a mscale.healing.settings.HealingSection, got {type(healing).__name__}")
     position = data_position(data) if cfg is not None else None
     guard = Guard(model, optimizer, job_id=job_id, **kwargs)
     agree(guard)  # several ranks: decisions agreed at each step (mscale.hook.agree)
     contract_join(guard)  # the contract in force in this process, if any (mscale.hook.contract)
     if cfg is not None:
         try:
-            protect(guard, cfg, data=position, scheduler=scheduler, scaler=kwargs.get("scaler"), resume=resume)
+            protect(
+                guard,
+                cfg,
+                data=position,
+                scheduler=scheduler,
+                scaler=kwargs.get("scaler"),
+                resume=resume,
+                healing=healing,
+            )
         except BaseException:
             guard.detach()
             raise

@@ -49,12 +49,13 @@ from mscale.snapshot.format import (
     NONMPU_FILE,
     NONMPU_OPTIM_FILE,
     SnapshotError,
+    SnapshotInfo,
     list_snapshots,
 )
 from mscale.snapshot.inplace import load_newest_valid
 from mscale.snapshot.manifest import safe_name
 from mscale.snapshot.memory import HostCopier, MemorySnapshot, rng_state, set_rng_state, to_host
-from mscale.snapshot.optim import NamedOptimizer
+from mscale.snapshot.optim import NamedOptimizer, fits
 from mscale.snapshot.writer import DiskWriter
 
 __all__ = ["SnapshotEngine", "RollbackUnavailable"]
@@ -377,6 +378,9 @@ class SnapshotEngine:
         if self._disk is not None:
             self._disk.flush(timeout)
 
+    def _mine(self, infos: list[SnapshotInfo]) -> list[SnapshotInfo]:
+        return self._disk.own.mine(infos) if self._disk is not None else infos
+
     # -- restore ----------------------------------------------------------------------
     def _check_fits(self, tensors: dict[str, dict[str, torch.Tensor]], objects: dict, where: str) -> None:
         model_keys = {k[6:]: t for d in tensors.values() for k, t in d.items() if k.startswith("model/")}
@@ -386,13 +390,11 @@ class SnapshotEngine:
             raise SnapshotError(
                 f"{where} does not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
             )
-        for k, t in live.items():
-            if tuple(model_keys[k].shape) != tuple(t.shape):
-                raise SnapshotError(
-                    f"{where} does not fit the model: {k} has shape {tuple(model_keys[k].shape)}, the model {tuple(t.shape)}"
-                )
+        for k, t in live.items():  # shape and dtype: nothing is cast or reshaped on the way in
+            fits(f"model/{k}", model_keys[k], t, f"{where} does not fit the model", "the model's")
         if self._named_opt is not None:
-            self._named_opt.check(objects.get("optimizer"), where)
+            optim = {k[6:]: t for d in tensors.values() for k, t in d.items() if k.startswith("optim/")}
+            self._named_opt.check(objects.get("optimizer"), where, optim)
         for name, obj in (("scaler", self.scaler), ("scheduler", self.scheduler), ("data", self.data)):
             if obj is not None and name not in objects:
                 raise SnapshotError(f"{where} holds no {name} state")
@@ -478,7 +480,7 @@ class SnapshotEngine:
         else:  # no in-memory copy yet since the start-up resume: back to that disk snapshot
             assert resumed is not None and self.rank_dir is not None  # the check above
             # ... or, alone and that one refused now, to the newest older one that verifies
-            infos = list_snapshots(self.rank_dir) if self.world_size == 1 else []
+            infos = self._mine(list_snapshots(self.rank_dir)) if self.world_size == 1 else []
             older = {i.step for i in infos if i.path.parent == self.rank_dir and i.step < resumed[0]}
             found = load_newest_valid(self, [resumed[0], *sorted(older, reverse=True)], collective=False)
             if found is None:
@@ -544,7 +546,8 @@ class SnapshotEngine:
         if self.rank_dir is None:
             return None
         t0 = time.perf_counter()
-        plan = worlds.plan(self)  # this world's snapshots, and other world sizes' it can take
+        # this world's snapshots and other world sizes' it can take, this run's only (ownership.py)
+        plan = worlds.plan(self, keep=self._mine)
         steps = sorted(plan, reverse=True)
         found = load_newest_valid(self, steps, collective=self.world_size > 1, where=lambda s: plan[s].path)
         if found is not None:

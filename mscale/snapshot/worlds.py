@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mscale.snapshot.format import RANK_DIR, STEP_DIR, SnapshotError, list_snapshots
+from mscale.snapshot.format import RANK_DIR, STEP_DIR, SnapshotError, SnapshotInfo, list_snapshots
 
 __all__ = ["Candidate", "WorldSizeChanged", "candidates", "per_rank", "rank_dir", "resplit"]
 
@@ -76,14 +77,22 @@ def adopt_single(directory: Path) -> None:
             os.rename(p, target / p.name)
 
 
-def candidates(directory: Path, rank: int, world_size: int, own: Path | None = None) -> dict[int, Candidate]:
-    """step -> what this rank would resume at that step, for every step some world wrote whole.
+def candidates(
+    directory: Path,
+    rank: int,
+    world_size: int,
+    own: Path | None = None,
+    keep: Callable[[list[SnapshotInfo]], list[SnapshotInfo]] | None = None,
+) -> dict[int, Candidate]:
+    """step -> what this rank would resume at that step, for every step some world wrote whole
+    (of the listed snapshots `keep` keeps: this run's own, mscale.snapshot.ownership).
     A step directory in this rank's own directory (`own`) counts even with a bad manifest: it
     exists only after the rename, so it is corruption to report (the load refuses it), not an
     interrupted write."""
     by_step: dict[int, dict[int, tuple[Path, int]]] = {}
     broken: dict[int, Path] = {}
-    for info in list_snapshots(directory):
+    infos = list_snapshots(directory)
+    for info in keep(infos) if keep is not None else infos:
         if info.manifest is None:
             if info.path.parent == own and info.step >= 0:
                 broken[info.step] = info.path
@@ -115,7 +124,7 @@ def resplit(state: dict | None, rank: int, world_size: int, old_world: int) -> d
     return out
 
 
-def plan(engine) -> dict[int, Candidate]:
+def plan(engine, keep: Callable[[list[SnapshotInfo]], list[SnapshotInfo]] | None = None) -> dict[int, Candidate]:
     """The steps `engine` (a SnapshotEngine with a directory) may resume, agreed across its ranks
     (collective with several); raises WorldSizeChanged, with a finding, where the newest was
     written by another world size and this job's state cannot take it (FSDP2 shards)."""
@@ -125,7 +134,7 @@ def plan(engine) -> dict[int, Candidate]:
     several = engine.world_size > 1
     if several:
         mdist.any_flag(False, engine.group)  # rank 0 moved a single rank's snapshots (adopt_single) first
-    found = candidates(engine.directory, engine.rank, engine.world_size, engine.rank_dir)
+    found = candidates(engine.directory, engine.rank, engine.world_size, engine.rank_dir, keep)
     steps = mdist.common_steps(sorted(found), engine.group) if several else sorted(found, reverse=True)
     if steps and found[steps[0]].world_size != engine.world_size and "sharding" in engine.extra:
         old = found[steps[0]].world_size
