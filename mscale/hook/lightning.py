@@ -36,7 +36,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from mscale.findings import Finding, Reason
-from mscale.hook.guard import Guard, attach
+from mscale.hook.attach import attach
+from mscale.hook.guard import Guard
 from mscale.hook.null import NullGuard
 from mscale.hook.protect import LoopData, protect, snapshot_config
 
