@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from mscale.config import opt
 from mscale.link import DEFAULT_LISTEN, DEFAULT_SOCKET, MAX_MESSAGE_BYTES, MAX_MPUS
+from mscale.options import opt
 
 
 @dataclass(frozen=True)
 class AgentSection:
+    HELP: ClassVar[str] = "the agent process"
     listen: str = opt(DEFAULT_LISTEN, "HTTP listen address HOST:PORT for /metrics and the API (port 0 picks one)")
     socket_path: str = opt(DEFAULT_SOCKET, "Unix socket the hook library connects to")
     node: str = opt("", "node name in labels and events (empty: the host name)")
@@ -27,6 +29,7 @@ class AgentSection:
 
 @dataclass(frozen=True)
 class SocketSection:
+    HELP: ClassVar[str] = "the hook library's Unix socket"
     allowed_uids: list[int] = opt(
         None,
         "extra user ids (integers) allowed on the socket besides the agent's own and root",
@@ -70,6 +73,7 @@ class SocketSection:
 
 @dataclass(frozen=True)
 class WebhookSection:
+    HELP: ClassVar[str] = "the Alertmanager webhook"
     token: str = opt("", "bearer token Alertmanager must send (or env MSCALE_WEBHOOK_TOKEN); empty refuses every call")
     max_body_bytes: int = opt(1 << 20, "larger webhook bodies are refused", min=1024, max=1 << 30)
     max_actions_per_minute: int = opt(30, "rate limit on actions triggered by alerts", min=1, max=100000)
@@ -77,6 +81,7 @@ class WebhookSection:
 
 @dataclass(frozen=True)
 class ChaosSection:
+    HELP: ClassVar[str] = "the chaos API (fault injection)"
     enabled: bool = opt(
         False, "serve the chaos API (POST /api/v1/chaos); also on with --simulate (agent.simulate); off: refused 403"
     )
@@ -85,6 +90,7 @@ class ChaosSection:
 
 @dataclass(frozen=True)
 class HttpSection:
+    HELP: ClassVar[str] = "HTTP timeouts, connection caps, Host names"
     idle_timeout_s: float = opt(30.0, "an idle HTTP keep-alive connection is closed after this", min=1, max=3600)
     header_timeout_s: float = opt(
         10.0, "a new HTTP connection must send its first request head within this, or it is closed", min=0.5, max=600
@@ -104,7 +110,7 @@ class HttpSection:
     )
 
     def check(self, key: str) -> None:
-        from mscale.config import ConfigError
+        from mscale.options import ConfigError
 
         if self.max_connections_per_peer > self.max_connections:
             raise ConfigError(
