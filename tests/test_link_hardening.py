@@ -464,3 +464,29 @@ def test_status_prints_no_terminal_escapes_from_job_strings(sock: str) -> None:
     finally:
         raw.close()
         agent.stop()
+
+
+def test_status_renders_any_time_a_job_reported(sock: str) -> None:
+    # issue 25: `mscale status --events` gave a traceback for a finding time of 1e308
+    agent = Agent(sock)
+    raw = RawLink(sock)
+    try:
+        assert answer(raw.ask(json.dumps(reg("late"))))["type"] == "registered"
+        finding = Finding("loss", Reason.LOSS_SPIKE_WARN, Severity.WARNING, "far future", time=1e308).to_dict()
+        report = {"type": "report", "job_id": "late", "reports": [{"step": 1, "findings": [finding]}]}
+        raw.send(json.dumps(report))
+        wait_for(lambda: agent.state.jobs["late"].step == 1, what="the report")
+        mscale = shutil.which("mscale", path=str(Path(sys.executable).parent)) or "mscale"
+        out = subprocess.run(
+            [mscale, "status", "--events", "5", "--agent", f"http://127.0.0.1:{agent.port}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+        line = next(ln for ln in out.stdout.splitlines() if "far future" in ln)
+        assert line.split()[0] == "?"
+    finally:
+        raw.close()
+        agent.stop()
