@@ -199,9 +199,10 @@ async def alert(app: web.Application, a: Mapping[str, Any], *, source: str) -> A
     seen = app[_SEEN]
     ident = (a.get("fingerprint") or json.dumps(labels, sort_keys=True), a.get("startsAt", ""))
     if not firing:
-        seen.pop(ident)
+        acted_on = seen.pop(ident) is not None  # this alert's firing acted here
         ends = engine.resolve(cond, _targets(app), rule) if rule is not None else []
-        return AlertOutcome(False, "resolved", cooling_ended=await _end(app, ends))
+        # it ends only what its own firing started: a resolution never seen firing ends nothing
+        return AlertOutcome(False, "resolved", cooling_ended=await _end(app, ends if acted_on else []))
     if seen.fresh(ident, now):  # Alertmanager's repeat of an alert already acted on
         engine.refuse(rule, cond, Result.DUPLICATE, "Alertmanager repeated an alert already acted on")
         return AlertOutcome(True, Result.DUPLICATE)

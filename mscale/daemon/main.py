@@ -33,7 +33,7 @@ from mscale.daemon import httpserver, keys
 from mscale.daemon.app import create_app, new_state
 from mscale.daemon.chaos import enabled as chaos_enabled
 from mscale.daemon.notify import Notifier
-from mscale.link import DEFAULT_HOST, DEFAULT_LISTEN, DEFAULT_SOCKET
+from mscale.link import DEFAULT_HOST, DEFAULT_LISTEN, DEFAULT_SOCKET, printable
 
 HELP = "run the node agent (the daemon systemd starts)"
 log = structlog.get_logger("mscale.agent")
@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
     except configmod.ConfigError as e:
-        print(f"mscale agent: config error: {e}", file=sys.stderr)
+        print(f"mscale agent: config error: {printable(e)}", file=sys.stderr)  # the file's text, escaped
         return 2
     logs.configure(cfg.agent.log_level)
     try:
@@ -291,13 +291,13 @@ def run(args: argparse.Namespace) -> int:
         load_policy(cfg.healing.policy)  # so is the healing policy
         nvml = open_nvml(cfg, time.time)
     except ValueError as e:  # a malformed timeline (TimelineError) or Xid table names the line at fault
-        print(f"mscale agent: {e}", file=sys.stderr)
+        print(f"mscale agent: {printable(e)}", file=sys.stderr)
         return 2
     try:
         asyncio.run(serve(cfg, nvml))
         code = 0
     except StartupError as e:
-        print(f"mscale agent: {e}", file=sys.stderr)
+        print(f"mscale agent: {printable(e)}", file=sys.stderr)
         code = 2
     _exit_now_if_samples_left(code)
     return code

@@ -80,7 +80,7 @@ def render(view: dict[str, Any]) -> str:
                 ["TIME", "SOURCE", "REASON", "SEVERITY", "MESSAGE"],
                 [
                     [
-                        time.strftime("%H:%M:%S", time.localtime(e["time"])),
+                        clock(e.get("time")),
                         e["source"],
                         e["reason"],
                         e["severity"],
@@ -103,3 +103,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(json.dumps(view, indent=2) if args.json else render(view))
     return 0
+
+
+def clock(t: Any) -> str:
+    """HH:MM:SS of an event's time, whatever a job reported (1e308, NaN, a string): "?" when
+    it is no time a clock can show."""
+    try:
+        return time.strftime("%H:%M:%S", time.localtime(float(t)))
+    except (TypeError, ValueError, OverflowError, OSError):
+        return "?"
