@@ -42,6 +42,7 @@ from mscale.findings import Finding, Severity
 from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, loss_of, output_tensors
 from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics
 from mscale.hook.contract import join as contract_join
+from mscale.hook.goodput import account
 from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
 from mscale.hook.null import NullGuard
@@ -481,9 +482,12 @@ class Guard:
         self._dispatch("on_step_end", step, loss)
         t1 = time.perf_counter()
         self.times.plugins_s += t1 - t0
-        if self.link is not None:
-            try:
-                self.link.report(self._report())
+        if self.link is not None or any(hasattr(p, "on_report") for p in self.plugins):
+            try:  # plugins add their fields (mscale.hook.goodput: the step's seconds by cause)
+                report = self._report()
+                self._dispatch("on_report", report)
+                if self.link is not None:
+                    self.link.report(report)
             except Exception as e:
                 self.log.exception("report_error", error=str(e))
         self._step_findings = []  # reported (or no link): the next report starts afresh
@@ -585,6 +589,7 @@ def attach(
     position = data_position(data) if cfg is not None else None
     guard = Guard(model, optimizer, job_id=job_id, **kwargs)
     agree(guard)  # several ranks: decisions agreed at each step (mscale.hook.agree)
+    account(guard)  # the rank's wall time by cause, in its step reports (mscale.hook.goodput)
     contract_join(guard)  # the contract in force in this process, if any (mscale.hook.contract)
     if cfg is not None:
         try:
