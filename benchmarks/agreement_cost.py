@@ -12,7 +12,7 @@ arms per batch, their order alternating:
   the decision point (`Agreement.reduce`, after the backward; with it the fuse's rollback
   needs no commit collective of its own unless a rank has a fault); then the replica
   check (`ReplicaCheck.check`: fingerprint every MPU's weights, one all_reduce), run here at
-  every step to measure it, in the job every `healing.replica_check_steps` (default 100).
+  every step to measure it, in the job every `healing.replica_check_steps` (default 8).
 
 Printed per world size, over --repeats repeats of --steps steps each (after --warmup):
 

@@ -44,6 +44,7 @@ class Reason(str, Enum):
     CHECKSUM_L1_TRIGGER = "checksum_l1_trigger"
     NONFINITE_OUTPUT = "nonfinite_output"
     LOSS_NONFINITE = "loss_nonfinite"
+    INPUT_NONFINITE = "input_nonfinite"  # NaN/Inf in the batch, before the first MPU (hook/inputs)
     LOSS_SPIKE_WARN = "loss_spike_warn"
     LOSS_SPIKE_ACTION = "loss_spike_action"
     LOSS_JUMP = "loss_jump"

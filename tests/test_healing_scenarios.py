@@ -303,13 +303,7 @@ def test_nan_loss_rolls_back_skips_the_batch_and_never_reaches_the_weights(refer
         ]
         == 1
     )
-    # the gradient-norm detectors report the same fault in the same step: acted on once
-    assert (
-        m[
-            (
-                "mscale_heal_actions_total",
-                (("action", "rollback"), ("level", "none"), ("mpu_id", ""), ("result", "duplicate")),
-            )
-        ]
-        >= 1
-    )
+    # the gradient-norm detectors report the same fault in the same step: acted on once, and
+    # booked once (one heal event per action, no "duplicate" event per repeated finding)
+    duplicate = ("result", "duplicate")
+    assert not [k for k in m if k[0] == "mscale_heal_actions_total" and duplicate in k[1]]

@@ -262,11 +262,6 @@ def cycles_between_rooms() -> list[list[str]]:
     return found
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.py names every room's section by a string and the rooms import opt/ConfigError "
-    "back from it (issue 24 item 5 breaks this circle; then this mark goes)",
-)
 def test_no_import_cycle_between_rooms() -> None:
     found = cycles_between_rooms()
     assert not found, "import cycles between rooms (edges across rooms):\n" + "\n\n".join("\n".join(c) for c in found)

@@ -6,6 +6,7 @@ tiny Hugging Face LLaVA in a plain loop and under the Trainer."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -20,6 +21,7 @@ from mscale.hook.guard import Guard
 from mscale.hook.weights import Fingerprint
 
 K = 5  # the element multiplied by 1024
+EVERY_WEIGHT = HealingSection(weight_groups=1)  # these tests are of the repair, in the next step
 
 
 @pytest.fixture(autouse=True)
@@ -91,8 +93,8 @@ def _tinymm(memory_every: int, *, at: int | None, healing: HealingSection | None
             corrupt(r.model.vision_tower.layers[0].linear1.weight)
 
     cfg = RunConfig(steps=steps, memory_every=memory_every, before_step=between_steps)
-    if healing is not None:
-        cfg.healing = healing
+    # every trained weight every step: these tests are of the repair (the rotation's bound: below)
+    cfg.healing = dataclasses.replace(healing or cfg.healing, weight_groups=1)
     return run(cfg)
 
 
@@ -158,7 +160,7 @@ def test_frozen_weight_corrupted_between_steps_is_found_and_restored() -> None:
             findings.append(f)
 
     guard.add_plugin(Keep())
-    fuse = FusePlugin(config=HealingSection(frozen_weights_every=1))
+    fuse = FusePlugin(config=HealingSection(frozen_weights_every=1, weight_groups=1))
     engine = SnapshotEngine(model, opt, mpus={m.name: (m.mpu_id, m.module) for m in guard.mpus}, data=data)
     fuse.snapshot_engine = engine
     engine.snapshot(step=-1)
@@ -206,6 +208,7 @@ def _llava_loop(*, at: int | None, memory_every: int, tensor: str = FC1, steps: 
         connect=False,
         plugins=[Keep()],
         snapshots=mscale.SnapshotConfig(memory_every=memory_every),
+        healing=EVERY_WEIGHT,
     )
     assert isinstance(guard, Guard)
     weight = dict(model.named_parameters())[tensor]
@@ -293,6 +296,7 @@ def _trainer(tmp_path, model_name: str, *, at: int | None, memory_every: int = 1
         connect=False,
         plugins=[Keep()],
         snapshots=mscale.SnapshotConfig(memory_every=memory_every),
+        healing=EVERY_WEIGHT,
     )
     args = TrainingArguments(
         output_dir=str(tmp_path),
@@ -448,7 +452,7 @@ def test_a_weight_hit_while_the_snapshot_copies_is_repaired_from_the_snapshot_be
     restores the snapshot of step 21 instead and rolls back to it: still bitwise."""
     import threading
 
-    clean = _tinymm(1, at=None)
+    clean = _tinymm(1, at=None)  # weight groups do not change a clean run
     gate = threading.Event()
 
     def hold_the_copy_then_corrupt(r) -> None:
@@ -459,7 +463,7 @@ def test_a_weight_hit_while_the_snapshot_copies_is_repaired_from_the_snapshot_be
             corrupt(r.model.vision_tower.layers[0].linear1.weight)
             gate.set()
 
-    hit = run(RunConfig(steps=28, memory_every=1, before_step=hold_the_copy_then_corrupt))
+    hit = run(RunConfig(steps=28, memory_every=1, before_step=hold_the_copy_then_corrupt, healing=EVERY_WEIGHT))
     assert gate.is_set()
     (f,) = of(hit.findings, "weight_corruption")
     assert f.labels["step"] == "23"

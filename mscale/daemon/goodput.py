@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from mscale.daemon.keys import LINK, STATE
+
 SOURCE = "goodput"
 
 
@@ -30,11 +32,9 @@ class GoodputBook:
 
 
 def setup(app: Any) -> None:
-    from mscale.daemon import keys
-
-    link = app.get(keys.LINK)
+    link = app.get(LINK)
     if link is None:
         return
-    book = GoodputBook(app[keys.STATE])
+    book = GoodputBook(app[STATE])
     link.on_report(book.observe)
-    app[keys.STATE].publish(SOURCE, book)  # the exporter asks it for its view
+    app[STATE].publish(SOURCE, book)  # the exporter asks it for its view

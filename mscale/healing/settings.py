@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from mscale.config import ConfigError, opt
+from mscale.options import ConfigError, opt
 
 
 @dataclass(frozen=True)
 class HealingSection:
+    HELP: ClassVar[str] = "the healing engine"
     enabled: bool = opt(True, "let the healing engine act (false: detect and report only)")
     checksum_failures_l1: int = opt(
         3, "consecutive checksum failures of an MPU that trigger an L1 swap", min=1, max=1000
@@ -21,10 +23,20 @@ class HealingSection:
     distill_weight_min: float = opt(0.15, "lower bound of the L3 distillation share of the loss", min=0.0, max=1.0)
     distill_weight_max: float = opt(0.30, "upper bound of the L3 distillation share of the loss", min=0.0, max=1.0)
     frozen_weights_every: int = opt(
-        1, "steps between checks of the frozen weights' fingerprints (trained ones: every step)", min=1, max=1_000_000
+        1,
+        "steps between checks of the frozen weights' fingerprints (trained ones: weight_groups)",
+        min=1,
+        max=1_000_000,
+    )
+    weight_groups: int = opt(
+        8,
+        "the trained weights' fingerprints rotate over N groups of about equal bytes: each window "
+        "between two steps checks one group, every weight once in N steps (1: all, every step)",
+        min=1,
+        max=1_000,
     )
     replica_check_steps: int = opt(
-        100,
+        8,
         "with several ranks, every N steps the replicas compare per-MPU weight fingerprints and a "
         "diverged rank's MPU is repaired from a healthy rank (0: never)",
         min=0,

@@ -2,7 +2,7 @@
 detectors, CMSA, the fuse plugin and the healing actions' executors (actions/), the agent link
 client and the Hugging Face callback.
 
-May import: findings, config, link, healing (the decision core), snapshot. Never imports
+May import: findings, options (the config machinery), link, healing (the decision core), snapshot. Never imports
 daemon. Importing this package imports torch; `import mscale` does not (it re-exports lazily).
 """
 

@@ -37,18 +37,19 @@ from torch import nn
 import mscale.hook.mpu as mpumod
 import mscale.hook.placement as placement
 from mscale import link as protocol
-from mscale.config import parse_bool
 from mscale.findings import Finding, Severity
 from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, loss_of, output_tensors
 from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics
 from mscale.hook.contract import join as contract_join
 from mscale.hook.goodput import account
+from mscale.hook.inputs import InputCheck
 from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
 from mscale.hook.null import NullGuard
 from mscale.hook.plugin import HOOKS
 from mscale.hook.protect import SnapshotConfig, agree, data_position, protect, snapshot_config
 from mscale.hook.ranks import identify
+from mscale.options import parse_bool
 
 log = structlog.get_logger("mscale.hook")
 
@@ -133,6 +134,7 @@ class Guard:
         self._commands: collections.deque[dict] = collections.deque(maxlen=1024)
         self._in_step = False
         self._losses: list[torch.Tensor | float] = []
+        self.inputs = InputCheck(self.emit, self._losses)  # the batch checked before the first MPU
         self._skip_reason = ""
         self._step_findings: list[Finding] = []
         self._last: dict[str, Any] = {}
@@ -190,7 +192,7 @@ class Guard:
         self.findings.append(finding)
         self._step_findings.append(finding)
         method = {Severity.CRITICAL: "error", Severity.WARNING: "warning"}.get(finding.severity, "info")
-        getattr(self.log, method)(finding.reason.value, source=finding.source, message=finding.message, **labels)
+        getattr(self.log, method)(finding.reason.value, source=finding.source, message=finding.message, labels=labels)
         self._dispatch("on_finding", finding)
 
     def request_skip(self, reason: str) -> None:
@@ -326,8 +328,10 @@ class Guard:
             self._handles.append(self.optimizer.register_step_post_hook(lambda opt, a, k: self._post_step()))
 
     def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if module.training and not self._in_step and not self.checksum.replaying:
-            self._begin_step(ModelInputs(args, kwargs))
+        if module.training and not self.checksum.replaying:
+            if not self._in_step:
+                self._begin_step(ModelInputs(args, kwargs))
+            self.inputs.begin(args, kwargs)
 
     def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self.checksum.replaying or not module.training:
@@ -363,7 +367,8 @@ class Guard:
         a0, r0 = self.checksum.abft_s, self.checksum.replay_s
         inputs = ModelInputs(args, kwargs)
         try:
-            self.checksum.after_forward(m, inputs, output)
+            if not self.inputs.bad():  # a NaN from the data blames no MPU
+                self.checksum.after_forward(m, inputs, output)
         except Exception as e:  # a detector bug must not stop training
             self.log.exception("checksum_error", mpu_id=m.mpu_id, error=str(e))
         t1 = time.perf_counter()
@@ -484,8 +489,7 @@ class Guard:
         self.times.plugins_s += t1 - t0
         if self.link is not None or any(hasattr(p, "on_report") for p in self.plugins):
             try:  # plugins add their fields (mscale.hook.goodput: the step's seconds by cause)
-                report = self._report()
-                self._dispatch("on_report", report)
+                self._dispatch("on_report", report := self._report())
                 if self.link is not None:
                     self.link.report(report)
             except Exception as e:
@@ -571,6 +575,7 @@ def attach(
     scheduler: Any = None,
     resume: bool = True,
     enabled: bool | None = None,
+    healing: Any = None,
     **kwargs: Any,
 ) -> Guard | NullGuard:
     """Guard `model` (and `optimizer`); other keyword arguments are `Guard`'s. snapshots: None
@@ -578,6 +583,7 @@ def attach(
     only) or a SnapshotConfig adds the fuse and snapshots, and such a step is rolled back. data:
     the loader whose position they hold; scheduler: snapshotted too; resume: go on from the
     directory's newest snapshot (False refuses one that holds any). See mscale.hook.protect.
+    healing: the fuse's HealingSection (mscale.healing.settings; with snapshots only).
     Disabled (enabled=False, or MSCALE_GUARD=0) returns a NullGuard and changes nothing."""
     if enabled is None:
         enabled = parse_bool(os.environ.get("MSCALE_GUARD", "1"))
@@ -586,6 +592,10 @@ def attach(
     cfg = snapshot_config(snapshots)  # bad arguments are refused before anything is hooked
     if cfg is None and (data is not None or scheduler is not None):
         raise TypeError("data= and scheduler= are what snapshots hold: give snapshots= too")
+    if cfg is None and healing is not None:
+        raise TypeError("healing= configures the fuse, which snapshots= adds: give snapshots= too")
+    if healing is not None and type(healing).__name__ != "HealingSection":
+        raise TypeError(f"healing: expected a mscale.healing.settings.HealingSection, got {type(healing).__name__}")
     position = data_position(data) if cfg is not None else None
     guard = Guard(model, optimizer, job_id=job_id, **kwargs)
     agree(guard)  # several ranks: decisions agreed at each step (mscale.hook.agree)
@@ -593,7 +603,15 @@ def attach(
     contract_join(guard)  # the contract in force in this process, if any (mscale.hook.contract)
     if cfg is not None:
         try:
-            protect(guard, cfg, data=position, scheduler=scheduler, scaler=kwargs.get("scaler"), resume=resume)
+            protect(
+                guard,
+                cfg,
+                data=position,
+                scheduler=scheduler,
+                scaler=kwargs.get("scaler"),
+                resume=resume,
+                healing=healing,
+            )
         except BaseException:
             guard.detach()
             raise

@@ -175,10 +175,12 @@ def protect(
     scheduler: Any = None,
     scaler: Any = None,
     resume: bool = True,
+    healing: Any = None,
 ) -> None:
     """Put the fuse and the snapshot engine on `guard` (see the module docstring). `data` is
     what `data_position` made. resume: restore the newest valid disk snapshot now; False refuses
-    a directory that already holds snapshots (an older run's would outlive this one's)."""
+    a directory that already holds snapshots (an older run's would outlive this one's). healing:
+    the fuse's mscale.healing.settings.HealingSection (None: the defaults)."""
     from mscale.hook.fuse import FusePlugin
     from mscale.snapshot.engine import SnapshotEngine
     from mscale.snapshot.format import list_snapshots
@@ -215,7 +217,7 @@ def protect(
             m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None, **msrp_binding(guard, m)} for m in guard.mpus
         },
     )
-    fuse = FusePlugin(snapshot_engine=engine)
+    fuse = FusePlugin(snapshot_engine=engine, config=healing)
     if guard.link is not None:  # an L1 swap's standby from the agent's node view
         from mscale.hook.standby import AgentStandby
 

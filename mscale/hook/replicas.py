@@ -12,7 +12,15 @@ ranks whose value differs from the majority's (two ranks: no majority, the lower
 as the healthy one), and each diverged MPU is repaired in the job, with no restart: its
 parameters and their optimizer state are broadcast from the lowest healthy rank. The repaired
 rank makes a REPLICA_DIVERGED and a REPLICA_REPAIRED finding naming itself, the MPU and the
-source rank; every rank keeps the repair in `repairs`.
+source rank (and, as `tensor`, the names of the rank's tensors that differ from the source's:
+an all_gather of the diverged MPU's per-tensor fingerprints); every rank keeps the repair in
+`repairs`.
+
+The bound under DDP: a weight written on one rank between (or during) steps stays different
+from the other replicas' (they all apply the same reduced gradient), so it is found at the next
+check, at most `every` steps later (8 by default: one fingerprint pass over the MPUs' weights
+every 8 steps, where the local fingerprints of mscale.hook.weights check 1/8 of them a step),
+and repaired then; the steps in between trained on it, on that rank only.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from mscale.findings import Finding, Reason, Severity
-from mscale.hook.weights import word_sum
+from mscale.hook.weights import Fingerprint, word_sum
 from mscale.snapshot.distributed import _device, rank_and_size
 
 SOURCE = "replicas"
@@ -67,6 +75,7 @@ class ReplicaCheck:
         self.repairs: list[dict] = []
         self.checks = 0
         self.seconds = 0.0
+        self._prints: dict[str, Fingerprint] = {}  # per MPU, its trained parameters' fingerprints
 
     def on_attach(self, guard: Any) -> None:
         self.guard = guard
@@ -82,7 +91,8 @@ class ReplicaCheck:
         t0 = time.perf_counter()
         mpus = list(self.guard.mpus)
         dev = _device(self.group)
-        mine = torch.tensor([fingerprint(list(m.parameters())) for m in mpus], dtype=torch.int64, device=dev)
+        per = [self._tensors(m) for m in mpus]  # each MPU's per-tensor fingerprints (CPU int64)
+        mine = torch.stack([t.sum() if t.numel() else torch.zeros((), dtype=torch.int64) for t in per]).to(dev)
         both = torch.cat([mine, -mine])  # MAX of -x is -MIN of x (int64 negation wraps alike on every rank)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         n = len(mpus)
@@ -92,11 +102,34 @@ class ReplicaCheck:
             rows = [torch.empty(n, dtype=torch.int64, device=dev) for _ in range(self.world_size)]
             dist.all_gather(rows, mine, group=self.group)
             for j, (bad, src) in sorted(diverged([r.tolist() for r in rows]).items()):
-                done.append(self._repair(mpus[j], bad, src, step))
+                done.append(self._repair(mpus[j], bad, src, step, self._which(mpus[j], per[j], src)))
         self.seconds += time.perf_counter() - t0
         return done
 
-    def _repair(self, m: Any, bad: list[int], src: int, step: int) -> dict:
+    def _tensors(self, m: Any) -> torch.Tensor:
+        """The per-tensor fingerprints of the MPU's trained parameters (one pass, one read-back)."""
+        params = list(m.parameters())
+        held = self._prints.get(m.mpu_id)
+        if (
+            held is None
+            or len(held.tensors) != len(params)
+            or any(a is not b for a, b in zip(held.tensors, params, strict=True))
+        ):
+            held = self._prints[m.mpu_id] = Fingerprint(params)
+        return held.compute()
+
+    def _which(self, m: Any, per: torch.Tensor, src: int) -> list[str]:
+        """The names of the MPU's tensors that differ from rank `src`'s (a collective: an
+        all_gather of the MPU's per-tensor fingerprints, run only on a divergence)."""
+        dev = _device(self.group)
+        rows = [torch.empty(per.numel(), dtype=torch.int64, device=dev) for _ in range(self.world_size)]
+        dist.all_gather(rows, per.to(dev), group=self.group)
+        names = {id(p): n for n, p in self.guard.model.named_parameters()}
+        params = list(m.parameters())
+        differ = (rows[self.rank].cpu() != rows[src].cpu()).nonzero().flatten().tolist()
+        return [names.get(id(params[i]), str(i)) for i in differ]
+
+    def _repair(self, m: Any, bad: list[int], src: int, step: int, tensors: list[str] | None = None) -> dict:
         opt = self.guard.optimizer
         with torch.no_grad():
             for p in m.parameters():
@@ -113,12 +146,15 @@ class ReplicaCheck:
         self.repairs.append(record)
         if self.rank in bad:
             labels = {"mpu_id": m.mpu_id, "rank": str(self.rank), "from_rank": str(src), "step": str(step)}
+            if tensors:  # on this rank: its tensors that differ from the source's
+                labels["tensor"] = ",".join(tensors)
             self.guard.emit(
                 Finding(
                     SOURCE,
                     Reason.REPLICA_DIVERGED,
                     Severity.CRITICAL,
-                    f"{m.name}: this rank's weights differ from the other replicas' at step {step}",
+                    f"{m.name}: this rank's weights ({labels.get('tensor', '?')}) differ from the other "
+                    f"replicas' at step {step}",
                     labels,
                 )
             )

@@ -7,16 +7,20 @@ or two words by a nonzero amount below 2^64 in total). A float sum would round a
 change away. Words, not elements: an int64 sum of an int64 view is a plain vectorised add,
 measured 6.6x faster on CPU than summing float32 bit patterns as int32 into int64 (0.47 ms
 against 3.1 ms for a 2048x512 weight), which made the pass 1.3-1.7% of a realistic step.
-Small tensors are fingerprinted together in one fused pass per device (their word views
-concatenated, one cumulative sum, read at each tensor's end), larger ones, and those whose
-bytes are not whole aligned words, one by one.
+Small tensors (biases, norms) are fingerprinted together in one fused pass per device (their
+word views concatenated, one cumulative sum, read at each tensor's end), larger ones, and those
+whose bytes are not whole aligned words, one by one; all of a device's sums are read back at once.
 
 `WeightWatch` keeps the fingerprints of a guard's model: the trained weights (those requiring
-a gradient) are fingerprinted each time the weights settle after a
-step (after the optimizer, after a rollback) and checked at the next step's begin, before
-its forward; the frozen ones are fingerprinted once and checked every `frozen_every` steps.
-A mismatch is a WEIGHT_CORRUPTION finding per tensor, labelled with its MPU (none for a
-tensor outside every MPU), in the step that would first use it. A change of a tensor's
+a gradient) are split into `groups` groups of about equal bytes; each time the weights settle
+after a step (after the optimizer, after a rollback) the next group in turn is fingerprinted,
+and checked at the next step's begin, before its forward: one pass over 1/groups of the
+weights per window instead of two over all of them (the budget: docs/hook.md). The frozen
+ones are fingerprinted once and checked every `frozen_every` steps. A mismatch is a
+WEIGHT_CORRUPTION finding per tensor, labelled with its MPU (none for a tensor outside every
+MPU), in the step that would first use it; a write in a window whose group is not checked goes
+unseen here (with one process nothing else holds a copy; under DDP the replica check of
+mscale.hook.replicas compares the ranks' copies within its bound). A change of a tensor's
 shape, dtype or device (an L2 fallback, a swap on a GPU node) starts the fingerprints over:
 it is a move, not a corruption. The repair is the fuse's (mscale.hook.actions.restore_weights,
 whose per-job state this is).
@@ -36,8 +40,9 @@ SOURCE = "weights"
 BATCH_MAX = 1 << 20
 # tensors of more words than this are summed on their own: the fused pass copies and runs a
 # cumulative sum (sequential, several times slower than a sum), worth it only where the cost
-# of a call per tensor dominates
-OWN_MIN = 1 << 15
+# of a call per tensor (about 8 us) dominates: biases and norms, not matrices (at 1 << 15 the
+# 256x256 projections of an 8M LLaVA went fused and its pass took 11 ms against 1.9 ms)
+OWN_MIN = 1 << 10
 
 
 def _words(t: torch.Tensor) -> torch.Tensor | None:
@@ -46,6 +51,12 @@ def _words(t: torch.Tensor) -> torch.Tensor | None:
     if not t.is_contiguous() or (t.numel() * t.element_size()) % 8 or t.data_ptr() % 8:
         return None
     return t.detach().reshape(-1).view(torch.uint8).view(torch.int64)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (FSDP2 DTensor) parameter's local shard: each rank fingerprints what it holds."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def word_sum(t: torch.Tensor) -> torch.Tensor:
@@ -99,6 +110,7 @@ class Fingerprint:
             self._build()
             self._ptrs = ptrs
         out = torch.zeros(len(self.tensors), dtype=torch.int64)
+        parts: dict[Any, tuple[list[int], list[torch.Tensor]]] = {}  # device -> (indices, sums)
         with torch.no_grad():
             for idx, views, ends in self._plan:
                 if ends is None:
@@ -108,22 +120,54 @@ class Fingerprint:
                 else:
                     c = torch.cat(views).cumsum(0)[ends]
                     sums = torch.diff(c, prepend=c.new_zeros(1))
-                out[idx] = sums.cpu()
+                where, got = parts.setdefault(sums.device, ([], []))
+                where += idx
+                got.append(sums)
+            for where, got in parts.values():  # one read-back per device
+                out[where] = torch.cat(got).cpu()
         return out
+
+
+def split_by_bytes(tensors: Sequence[torch.Tensor], groups: int) -> list[list[int]]:
+    """Indices of `tensors` in `groups` groups of about equal bytes (largest first into the
+    lightest group), each group in the tensors' order; fewer groups when there are fewer tensors."""
+    groups = max(1, min(groups, len(tensors)))
+    load = [0] * groups
+    out: list[list[int]] = [[] for _ in range(groups)]
+    for i in sorted(range(len(tensors)), key=lambda i: -tensors[i].numel() * tensors[i].element_size()):
+        g = load.index(min(load))
+        out[g].append(i)
+        load[g] += tensors[i].numel() * tensors[i].element_size()
+    return [sorted(g) for g in out]
 
 
 class WeightWatch:
     """The fingerprints of a guard's model and their checks (see the module docstring).
-    `emit` receives the findings; `check(step)` returns the corrupted tensors' names."""
+    `emit` receives the findings; `check(step)` returns the corrupted tensors' names.
+    groups: the trained weights are split into this many groups of about equal bytes, and each
+    settle records the next group in turn (the check after it compares that group): one pass
+    over 1/groups of them per window between steps instead of two over all of them."""
 
-    def __init__(self, guard: Any, *, frozen_every: int = 1, emit: Callable[[Finding], None] | None = None) -> None:
+    def __init__(
+        self,
+        guard: Any,
+        *,
+        frozen_every: int = 1,
+        groups: int = 1,
+        emit: Callable[[Finding], None] | None = None,
+    ) -> None:
         if frozen_every < 1:
             raise ValueError(f"frozen_every: expected >= 1, got {frozen_every}")
+        if not isinstance(groups, int) or groups < 1:
+            raise ValueError(f"groups: expected an int >= 1, got {groups!r}")
         self.guard = guard
         self.frozen_every = frozen_every
+        self.groups = groups
         self._emit = emit or guard.emit
         self.corrupted: list[tuple[str, str]] = []  # (mpu_id or "", tensor name) found this step
         self.checks = 0
+        self.turn = 0  # the trained group the next settle records
+        self.due: str | None = None  # the trained group the next check compares
         self._build()
 
     def _build(self) -> None:
@@ -137,52 +181,82 @@ class WeightWatch:
         for name, p in g.model.named_parameters():
             # requiring a gradient: trained (re-fingerprinted at each step end, whatever updated
             # it before then); not requiring one: frozen
-            (trained if p.requires_grad else frozen).append((name, p))
-        self.owner = {name: owner.get(id(p)) for name, p in trained + frozen}
-        self.names = {"trained": [n for n, _ in trained], "frozen": [n for n, _ in frozen]}
-        self.prints = {"trained": Fingerprint([p for _, p in trained]), "frozen": Fingerprint([p for _, p in frozen])}
+            (trained if p.requires_grad else frozen).append((name, _local(p)))
+        self.owner = {name: owner.get(id(p)) for name, p in g.model.named_parameters()}
+        split = split_by_bytes([p for _, p in trained], self.groups) if trained else [[]]
+        self.trained_keys = [f"trained:{i}" for i in range(len(split))]
+        self.names = {key: [trained[i][0] for i in idx] for key, idx in zip(self.trained_keys, split, strict=True)}
+        self.names["frozen"] = [n for n, _ in frozen]
+        self.prints = {
+            key: Fingerprint([trained[i][1] for i in idx]) for key, idx in zip(self.trained_keys, split, strict=True)
+        }
+        self.prints["frozen"] = Fingerprint([p for _, p in frozen])
         self.ref: dict[str, tuple[tuple, torch.Tensor]] = {}
         self.settle(frozen=True)
 
     def settle(self, *, frozen: bool = False) -> None:
         """The weights are what they should be (after an optimizer step, a restore): record the
-        trained weights' fingerprints (and the frozen ones' when `frozen`, or when new)."""
-        for kind, fp in self.prints.items():
-            if kind == "trained" or frozen or kind not in self.ref:
-                self.ref[kind] = (fp.layout(), fp.compute())
+        next trained group's fingerprints (and the frozen ones' when `frozen`, or when new)."""
+        key = self.trained_keys[self.turn % len(self.trained_keys)]
+        self.turn = (self.turn + 1) % len(self.trained_keys)
+        self.ref[key] = (self.prints[key].layout(), self.prints[key].compute())
+        self.due = key
+        if frozen or "frozen" not in self.ref:
+            self.ref["frozen"] = (self.prints["frozen"].layout(), self.prints["frozen"].compute())
+
+    def _current(self) -> list[str]:
+        """The groups whose records are of the weights as they are now: the trained group
+        recorded at the last settle, and the frozen weights."""
+        return [k for k in (self.due, "frozen") if k is not None]
 
     def check(self, step: int) -> list[tuple[str, str]]:
-        """Compare the weights with their fingerprints (the frozen ones every `frozen_every`
-        steps); one finding per changed tensor, emitted once all are known (a repair run on the
-        first finding sees them all). Returns [(mpu_id, tensor)]."""
+        """Compare the weights with their fingerprints (the trained group due, and the frozen
+        weights every `frozen_every` steps); one finding per changed tensor, emitted once all
+        are known (a repair run on the first finding sees them all). Returns [(mpu_id, tensor)]."""
         found: list[tuple[str, str]] = []
         self.checks += 1
-        for kind, fp in self.prints.items():
-            if kind == "frozen" and (not fp.tensors or step % self.frozen_every):
+        for key in self._current():
+            fp = self.prints[key]
+            if key == "frozen" and (not fp.tensors or step % self.frozen_every):
                 continue
-            layout, ref = self.ref[kind]
+            layout, ref = self.ref[key]
             if fp.layout() != layout:  # moved or re-typed: a new placement, fingerprinted anew
-                self.ref[kind] = (fp.layout(), fp.compute())
+                self.ref[key] = (fp.layout(), fp.compute())
                 continue
             now = fp.compute()
             if not torch.equal(now, ref):
-                found += [(kind, self.names[kind][i]) for i in (now != ref).nonzero().flatten().tolist()]
+                found += [(key, self.names[key][i]) for i in (now != ref).nonzero().flatten().tolist()]
         self.corrupted = [self._where(name) for _, name in found]
-        for kind, name in found:
-            self._report(kind, name, step)
-        if any(kind == "frozen" for kind, _ in found) and not self.matches("frozen"):
+        for key, name in found:
+            self._report(key.partition(":")[0], name, step)
+        if any(key == "frozen" for key, _ in found) and not self.matches("frozen"):
             # not repaired: the frozen weights as they are now are the baseline (reported once)
             self.ref["frozen"] = (self.prints["frozen"].layout(), self.prints["frozen"].compute())
         return self.corrupted
 
     def matches(self, *kinds: str) -> bool:
-        """Whether the weights (of `kinds`, default all) match their recorded fingerprints."""
-        for kind in kinds or tuple(self.prints):
-            layout, ref = self.ref[kind]
-            fp = self.prints[kind]
+        """Whether the weights (of `kinds`: "trained", "frozen"; default both) match their
+        recorded fingerprints (the trained: the group recorded at the last settle)."""
+        for key in self._current():
+            if kinds and key.partition(":")[0] not in kinds:
+                continue
+            layout, ref = self.ref[key]
+            fp = self.prints[key]
             if fp.layout() != layout or not torch.equal(fp.compute(), ref):
                 return False
         return True
+
+    def changed(self, mpu_id: str) -> bool:
+        """Whether a tensor of MPU `mpu_id` now differs from its recorded fingerprint (an L1
+        swap asks before it moves the MPU: one pass, at the swap only). A group whose layout
+        changed since its record (moved) has no comparable record: unchanged."""
+        for key in self._current():
+            layout, ref = self.ref[key]
+            fp = self.prints[key]
+            mine = [i for i, n in enumerate(self.names[key]) if self._where(n)[0] == mpu_id]
+            if mine and fp.layout() == layout and not torch.equal(fp.compute()[mine], ref[mine]):
+                return True
+        return False
 
     def _where(self, name: str) -> tuple[str, str]:
         m = self.owner.get(name)

@@ -165,6 +165,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         "agreements": len(agreement.history) if agreement is not None else 0,
         "repairs": guard.replicas.repairs if guard.replicas is not None else [],
         "replica_checks": guard.replicas.checks if guard.replicas is not None else 0,
+        "replica_findings": [[f.reason.value, f.labels] for f in guard.findings if f.source == "replicas"],
         "replicas": guard.replicas is not None,
         "finite": all(bool(torch.isfinite(local(p)).all()) for p in model.parameters()),
         "hash": param_hash(model),

@@ -36,7 +36,7 @@ class Watch:
     def attach(self, fuse) -> None:
         from mscale.hook.weights import WeightWatch
 
-        self.watch = WeightWatch(fuse.guard, frozen_every=fuse.cfg.frozen_weights_every)
+        self.watch = WeightWatch(fuse.guard, frozen_every=fuse.cfg.frozen_weights_every, groups=fuse.cfg.weight_groups)
 
     def step_begin(self, fuse) -> None:
         if self.watch is not None:

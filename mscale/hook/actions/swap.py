@@ -25,23 +25,17 @@ log = structlog.get_logger("mscale.fuse")
 
 
 class Swaps:
-    """Per job: the GPUs each MPU failed on, each MPU's last swap, the weights' fingerprints."""
+    """Per job: the GPUs each MPU failed on, each MPU's last swap. The weights' fingerprints
+    are the fingerprint watch's (restore_weights' state): a second per-step pass of its own
+    over every MPU cost 5 ms of a 490 ms step on an 8M LLaVA."""
 
     def __init__(self, fuse) -> None:
         self.gpu_count: int | None = fuse.gpu_count  # None: found on first use
         self.failed_on: dict[str, set[int]] = {}
         self.last: dict[str, tuple[int, int, bool]] = {}  # mpu_id -> (from gpu, to gpu, weights restored)
-        self.fingerprints: dict[str, Any] = {}
 
     def avoid_gpus(self, fuse) -> set[int]:
         return set().union(*self.failed_on.values())
-
-    def attach(self, fuse) -> None:
-        self.weights_settled(fuse)
-
-    def weights_settled(self, fuse) -> None:
-        for m in fuse.guard.mpus:
-            self.fingerprints[m.mpu_id] = fingerprint(m)
 
 
 def apply(fuse: FuseContext, state: Swaps, d: Decision) -> str:
@@ -99,26 +93,14 @@ def move_mpu(guard: Any, m: Any, gpu: int) -> None:
     guard.rebind(m, gpu, device=device)
 
 
-def fingerprint(m: Any) -> Any:
-    import torch
-
-    with torch.no_grad():
-        return (
-            torch.stack([p.detach().double().sum() for p in m.module.parameters()])
-            if any(True for _ in m.module.parameters())
-            else torch.zeros(0)
-        )
-
-
 def verify_weights(fuse, state: Swaps, m: Any) -> bool:
     """Check the MPU's weights against their fingerprint after the last optimizer step;
     on a mismatch (corrupted in place) restore them from the last in-memory snapshot.
     True when restored."""
     import torch
 
-    now = fingerprint(m)
-    ref = state.fingerprints.get(m.mpu_id)
-    if ref is None or (now.shape == ref.shape and torch.equal(now, ref)):
+    watch = getattr(fuse.states.get("restore_weights"), "watch", None)
+    if watch is None or not watch.changed(m.mpu_id):
         return False
     engine = fuse.snapshot_engine
     snap = engine.latest() if engine is not None else None
@@ -146,7 +128,7 @@ def verify_weights(fuse, state: Swaps, m: Any) -> bool:
                         opt.state[p][k].copy_(saved)
     if not n:
         raise ActionFailed(f"the in-memory snapshot of step {snap.step} holds no weights of MPU {m.mpu_id}")
-    state.fingerprints[m.mpu_id] = fingerprint(m)
+    watch.settle(frozen=True)  # the restored weights are the reference again
     log.warning("mpu_weights_restored", mpu_id=m.mpu_id, snapshot_step=snap.step, tensors=n)
     return True
 

@@ -1,0 +1,233 @@
+"""What the README's whole line costs a Hugging Face model's step, on CPU:
+`mscale.attach(model, opt, job_id=..., snapshots=True, data=loader)` (the guard, the fuse, the
+in-memory snapshots and their rollback) against the plain loop with `clip_grad_norm_`.
+
+The model is a LLaVA built from its config (random weights, nothing downloaded): a CLIP vision
+tower and a Llama text model of hidden 256 and 4 layers each, FFN 1024, 64x64 images in 8x8
+patches (64 image tokens) and 32 caption tokens, vocabulary 1024, batch 8: 8.1M parameters,
+the shape on which the line was first measured at +9% to +20% of a 490 ms step.
+
+Arms, one model, optimizer (AdamW) and `mscale.ResumableLoader` each, all drawing the same
+batches, one step of each per batch, their order rotating through all permutations, one torch
+thread:
+
+- clip: the plain loop with `clip_grad_norm_(max_norm=1.0)` (CMSA replaces that clip).
+- control: a second clip arm; control / clip is truly 1.00, how far it strays is the noise a
+  verdict must exceed (benchmarks/_verdict.py).
+- attached: the README's line as shipped (the link to an agent off: `connect=False`; what the
+  link costs is benchmarks/hook_overhead.py's).
+- every-weight (reference, --full): the same with `healing=HealingSection(weight_groups=1)`,
+  every trained weight fingerprinted in every window between steps (the shipped default rotates
+  over 8 groups).
+
+Each arm's steps are split into --repeats blocks; a block's figure is the ratio of the arm's
+median step to clip's; the verdict (at most +1%) is on the median of the blocks, "inconclusive"
+when the control strays from 1.00 by more than the overhead from the target. Wall time and the
+process's CPU time (time.process_time over the step: every thread of the process, the snapshot
+copier's included, so the copy's work is charged wherever it runs) are both measured; CPU time
+is the sound figure under load: another process on the core stretches wall time, not the work
+the step does. Run twice: with the machine otherwise idle, and with a second process spinning
+on one core (started and stopped here, by its pid).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/attach_overhead.py [--steps 24] [--repeats 3]
+        [--load idle,busy] [--full]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import structlog
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _verdict import Report, add_json_arg  # noqa: E402
+
+import mscale  # noqa: E402
+from mscale.healing.settings import HealingSection  # noqa: E402
+
+IMAGE_TOKEN = 1000
+IMAGE, PATCH, CAPTION, VOCAB = 64, 8, 32, 1024
+
+
+def llava(hidden: int, layers: int):
+    """A LLaVA (CLIP + Llama) built from its config, random weights."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        image_size=IMAGE,
+        patch_size=PATCH,
+        projection_dim=hidden,
+    )
+    text = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+    )
+    cfg = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=IMAGE_TOKEN,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
+    return LlavaForConditionalGeneration(cfg)
+
+
+class Captions(torch.utils.data.Dataset):
+    """Image tokens, then a caption; pixels and caption a function of the index."""
+
+    def __len__(self) -> int:
+        return 1 << 16
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        ids = torch.cat(
+            [torch.full(((IMAGE // PATCH) ** 2,), IMAGE_TOKEN), torch.randint(0, 999, (CAPTION,), generator=g)]
+        )
+        labels = ids.masked_fill(ids == IMAGE_TOKEN, -100)
+        return {"input_ids": ids, "pixel_values": torch.rand(3, IMAGE, IMAGE, generator=g), "labels": labels}
+
+
+class Arm:
+    def __init__(self, name: str, args: argparse.Namespace, *, healing: HealingSection | None = None, clip: bool):
+        self.name, self.clip = name, clip
+        self.model = llava(args.hidden, args.layers)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.loader = mscale.ResumableLoader(Captions(), batch_size=args.batch, seed=0)
+        self.guard = None
+        if healing is not None:
+            self.guard = mscale.attach(
+                self.model,
+                self.opt,
+                job_id=f"bench-{name}",
+                snapshots=True,
+                data=self.loader,
+                healing=healing,
+                connect=False,
+            )
+        self.batches = iter(self.loader)
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def step(self, keep: bool) -> None:
+        t, c = time.perf_counter(), time.process_time()
+        batch = next(self.batches)
+        self.model(**batch).loss.backward()
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if keep:
+            self.wall.append(time.perf_counter() - t)
+            self.cpu.append(time.process_time() - c)
+
+    def close(self) -> None:
+        if self.guard is not None:
+            self.guard.detach()
+
+
+def blocks(xs: list[float], base: list[float], n: int) -> list[float]:
+    """The ratio of the medians of xs and base, per block of n consecutive blocks."""
+    size = len(xs) // n
+    return [
+        statistics.median(xs[i * size : (i + 1) * size]) / statistics.median(base[i * size : (i + 1) * size])
+        for i in range(n)
+    ]
+
+
+def spinner() -> subprocess.Popen:
+    """A second process keeping one core busy (stopped by the caller, by its pid)."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
+    arms = [Arm("clip", args, clip=True), Arm("control", args, clip=True)]
+    arms.append(Arm("attached", args, healing=HealingSection(), clip=False))
+    if args.full:
+        arms.append(Arm("every-weight", args, healing=HealingSection(weight_groups=1), clip=False))
+    busy = spinner() if load == "busy" else None
+    try:
+        orders = list(itertools.permutations(range(len(arms))))
+        for i in range(args.warmup + args.steps):
+            for k in orders[i % len(orders)]:
+                arms[k].step(keep=i >= args.warmup)
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait(timeout=30)
+        for a in arms:
+            a.close()
+    by = {a.name: a for a in arms}
+    params = sum(p.numel() for p in arms[0].model.parameters())
+    print(
+        f"\n== {load}: LLaVA {args.hidden}x{args.layers} + {args.hidden}x{args.layers}, {params / 1e6:.1f}M params, "
+        f"batch {args.batch}, {args.steps} timed steps per arm in {args.repeats} blocks"
+        + (", a second process spinning on one core" if busy is not None else ", nothing else of ours running"),
+        flush=True,
+    )
+    attached = by["attached"].guard
+    watch = attached.fuse.states["restore_weights"].watch if attached is not None else None
+    if watch is not None:
+        print(
+            f"  weight fingerprints: {len(watch.trained_keys)} rotating groups, every trained weight once in "
+            f"{len(watch.trained_keys)} steps (coverage {1 / len(watch.trained_keys):.0%} of the bytes per window)"
+        )
+    for a in arms:
+        rep.figure(f"{load}: {a.name} step (wall)", a.wall, unit="s")
+        rep.figure(f"{load}: {a.name} step (cpu)", a.cpu, unit="s", show=False)
+    for kind in ("wall", "cpu"):
+        base = getattr(by["clip"], kind)
+        control = blocks(getattr(by["control"], kind), base, args.repeats)
+        for a in arms[2:]:
+            added = [r - 1 for r in blocks(getattr(a, kind), base, args.repeats)]
+            rep.verdict(f"{load}: {a.name} vs clip ({kind} time)", added, 0.01, at_most=True, control=control)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=24, help="timed steps per arm (split into --repeats blocks)")
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3, help="blocks; the verdict is on their median (>= 3)")
+    ap.add_argument("--load", default="idle,busy", help="idle, busy (a second process spinning on one core), or both")
+    ap.add_argument("--full", action="store_true", help="add the every-weight reference arm (weight_groups=1)")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8)
+    add_json_arg(ap)
+    args = ap.parse_args()
+    if args.repeats < 3 or args.steps < args.repeats:
+        ap.error("--repeats: at least 3, and --steps at least --repeats")
+    loads = [x for x in args.load.split(",") if x]
+    if not loads or set(loads) - {"idle", "busy"}:
+        ap.error(f"--load: idle, busy or both, got {args.load!r}")
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    torch.set_num_threads(1)
+    rep = Report("attach_overhead", args.json)
+    print("attach_overhead: the README's whole line on a Hugging Face LLaVA against the loop with clip_grad_norm_")
+    for load in loads:
+        run_load(load, args, rep)
+    rep.write()
+
+
+if __name__ == "__main__":
+    main()
