@@ -30,6 +30,7 @@ FEATURES: tuple[str, ...] = (
     "mscale.daemon.webhook",
     "mscale.daemon.link",
     "mscale.daemon.stragglers",
+    "mscale.daemon.goodput",
     "mscale.daemon.standby",
     "mscale.daemon.chaos",
     "mscale.daemon.status_api",

@@ -44,6 +44,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from mscale.daemon.keys import CONFIG, LINK, STATE
 from mscale.daemon.settings import StragglerSection
 from mscale.findings import Finding, Reason, Severity
 
@@ -241,11 +242,9 @@ class StragglerWatch:
 
 
 def setup(app: Any) -> None:
-    from mscale.daemon import keys
-
-    link = app.get(keys.LINK)
+    link = app.get(LINK)
     if link is None:
         return
-    watch = StragglerWatch(app[keys.CONFIG].stragglers, app[keys.STATE])
+    watch = StragglerWatch(app[CONFIG].stragglers, app[STATE])
     link.on_report(watch.observe)
-    app[keys.STATE].publish(SOURCE, watch)  # the exporter asks it for its view
+    app[STATE].publish(SOURCE, watch)  # the exporter asks it for its view

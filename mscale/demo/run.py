@@ -365,6 +365,7 @@ def summarise(
         "wall_s": round(wall, 2),
         "reference_wall_s": round(ref.wall_s, 2),
         "goodput_ratio": round((r.guard.current_step / wall) / (steps / ref.wall_s), 3) if wall else None,
+        "time_by_cause": {c: round(sec, 3) for c, sec, _ in r.goodput.breakdown()},
         "nan_reached_weights": r.nonfinite_weights,
         "agent_metrics": heal_lines,
     }
@@ -402,6 +403,11 @@ def render(s: dict) -> str:
         if s["loss_gap"] is not None
         else "final loss: not finite",
         f"goodput (useful steps/s vs the fault-free run): {s['goodput_ratio']}",
+        "the faulted run's wall time by cause (mscale_job_goodput/badput_seconds_total):",
+        *(
+            f"  {c:<11} {sec:8.2f} s  {100 * sec / max(sum(s['time_by_cause'].values()), 1e-9):5.1f}%"
+            for c, sec in s["time_by_cause"].items()
+        ),
         f"NaN reached the weights: {'yes' if s['nan_reached_weights'] else 'no'}",
         "agent counters:",
     ] + [f"  {ln}" for ln in s["agent_metrics"]]

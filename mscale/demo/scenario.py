@@ -108,6 +108,7 @@ class Run:
 
     def __init__(self, cfg: RunConfig) -> None:
         from mscale.hook.fuse import FusePlugin
+        from mscale.hook.goodput import account
         from mscale.hook.guard import Guard
         from mscale.sim.chaos_job import ChaosPlugin
         from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
@@ -159,6 +160,7 @@ class Run:
         g.add_plugin(self.fuse)
         g.add_plugin(self.chaos)
         self.snapshots.snapshot(step=-1)  # the initial state: a rollback target from the start
+        self.goodput = account(g)  # the wall time by cause from here (mscale.hook.goodput)
         self.fired: set[int] = set()
         self.losses: list[tuple[int, float]] = []
         self.health: list[tuple[int, dict]] = []
