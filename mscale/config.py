@@ -35,7 +35,14 @@ from typing import TYPE_CHECKING, Any
 
 from mscale import probes
 from mscale.contracts.settings import ContractSection
-from mscale.daemon.settings import AgentSection, ChaosSection, HttpSection, SocketSection, WebhookSection
+from mscale.daemon.settings import (
+    AgentSection,
+    ChaosSection,
+    HttpSection,
+    SocketSection,
+    StragglerSection,
+    WebhookSection,
+)
 from mscale.healing.settings import HealingSection
 from mscale.kube.settings import KubernetesSection
 from mscale.options import (
@@ -123,6 +130,7 @@ class Config:
     chaos: ChaosSection = _table(ChaosSection)
     healing: HealingSection = _table(HealingSection)
     contract: ContractSection = _table(ContractSection)
+    stragglers: StragglerSection = _table(StragglerSection)
     kubernetes: KubernetesSection = _table(KubernetesSection)
 
     def replace(self, **sections: Any) -> Config:

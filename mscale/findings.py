@@ -77,6 +77,10 @@ class Reason(str, Enum):
     CONTRACT_VIOLATED = "contract_violated"  # a plan thread runs outside its CPUs
     CONTRACT_COMPLIANT = "contract_compliant"  # every plan thread runs where its plan says (again)
     DENSITY_DEVIATION = "density_deviation"  # an MPU's compute density is off its profile, sustained
+    # Fleet signals (mscale.daemon.stragglers)
+    RANK_STRAGGLER = "rank_straggler"  # a rank computes slower than the job's other ranks, held
+    MPU_STRAGGLER = "mpu_straggler"  # an MPU on a rank slower than on the job's other ranks, held
+    STRAGGLER_CLEARED = "straggler_cleared"
 
 
 @dataclass(frozen=True)

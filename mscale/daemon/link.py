@@ -69,6 +69,7 @@ class LinkServer:
         self.connections: dict[str, dict[int, web.WebSocketResponse]] = {}
         self.peer_uids: dict[web.WebSocketResponse, int] = {}  # each live connection's SO_PEERCRED uid
         self.handlers: dict[str, Handler] = {}
+        self.report_observers: list[Callable[[JobState, int, dict], None]] = []
         self._with_rank: dict[str, bool] = {}
         self.error = ""  # why the socket is not served, if it is not
         self._runner: web.AppRunner | None = None
@@ -108,6 +109,10 @@ class LinkServer:
             raise ValueError(f"{type_!r} is the link's own message type")
         self.handlers[type_] = handler
         self._with_rank[type_] = with_rank
+
+    def on_report(self, fn: Callable[[JobState, int, dict], None]) -> None:
+        """Call fn(job, rank, step_report) for every step report applied (mscale.daemon.stragglers)."""
+        self.report_observers.append(fn)
 
     # --- serving ---------------------------------------------------------------------------
 
@@ -434,6 +439,11 @@ class LinkServer:
         rs.reports_dropped = max(rs.reports_dropped, msg.get("dropped", 0))
         for r in msg["reports"]:
             rs.apply_report(r, gpus)
+            for observe in self.report_observers:
+                try:
+                    observe(job, rank, r)
+                except Exception as e:  # an observer's bug must not stop the job's reports
+                    log.exception("report_observer_failed", job_id=job.job_id, error=str(e)[:300])
             for f in r.get("findings", []):
                 finding = self._finding(job, rank, f)
                 if finding is None:
