@@ -12,6 +12,7 @@ imports them, above the rooms, and no room imports it: the machinery they use (`
   [health]                    mscale.probes.gpu_health
   [healing]                   mscale.healing.settings
   [contract]                  mscale.contracts.settings
+  [stragglers]                mscale.daemon.settings (mscale.daemon.stragglers)
   [kubernetes]                mscale.kube.settings
 
 `from_dict`/`load` build a `Config` strictly, `reference_markdown()` renders

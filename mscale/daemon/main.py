@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -126,7 +127,7 @@ def config_from_args(args: argparse.Namespace) -> configmod.Config:
     return cfg.replace(agent=agent)
 
 
-def open_nvml(cfg: configmod.Config, clock) -> Any:
+def open_nvml(cfg: configmod.Config, clock: Callable[[], float]) -> Any:
     """The GPU backend: simulated GPUs from a timeline, else the real NVML (None if absent;
     the GPU probe then reports itself down with the reason)."""
     if cfg.agent.simulate:
@@ -192,7 +193,7 @@ async def serve(
     *,
     stop: asyncio.Event | None = None,
     notifier: Notifier | None = None,
-    clock=time.time,
+    clock: Callable[[], float] = time.time,
 ) -> None:
     stop = stop or asyncio.Event()
     notifier = notifier or Notifier()
@@ -230,7 +231,12 @@ async def _start(cfg: configmod.Config, app: web.Application, runner: web.AppRun
 
 
 async def _serve(
-    cfg: configmod.Config, nvml: Any, stop: asyncio.Event, notifier: Notifier, clock, hard_stop: HardStop
+    cfg: configmod.Config,
+    nvml: Any,
+    stop: asyncio.Event,
+    notifier: Notifier,
+    clock: Callable[[], float],
+    hard_stop: HardStop,
 ) -> None:
     app = create_app(cfg, state=new_state(cfg), nvml=nvml, clock=clock)
     runner = httpserver.make_runner(app)  # idle timeout; the site adds the connection caps

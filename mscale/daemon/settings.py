@@ -114,7 +114,7 @@ class HttpSection:
         512, "open HTTP connections at most (also kept below the open-files limit)", min=4, max=1_000_000
     )
     max_connections_per_peer: int = opt(64, "open HTTP connections from one peer address at most", min=2, max=1_000_000)
-    allowed_hosts: list = opt(
+    allowed_hosts: list = opt(  # type: ignore[type-arg]  # bare: check() names a bad item itself
         None,
         "extra Host names (NAME or NAME:PORT) state-changing requests may use, besides the listen address, "
         "loopback names on loopback and the node's name",

@@ -33,7 +33,7 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
-def render(view: dict) -> str:
+def render(view: dict[str, Any]) -> str:
     out = [f"node {printable(view.get('node', '?'))}", ""]
     gpus = view.get("gpus", [])
     out.append(
