@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -187,6 +188,13 @@ def load(path: str | os.PathLike | None) -> Config:
         raise ConfigError(f"{p}: not valid TOML: {str(e).replace('(at end of document)', last)}") from None
     except RecursionError:  # arrays or inline tables nested thousands deep
         raise ConfigError(f"{p}: not valid TOML: nested too deeply") from None
+    except ValueError:  # an integer of more than 4300 digits: Python will not convert it
+        if m := re.search(r"[0-9_]{4301,}", text):
+            line = text.count("\n", 0, m.start()) + 1
+            raise ConfigError(
+                f"{p}: line {line}: a number of {len(m.group())} digits: no setting takes one (at most 4300)"
+            ) from None
+        raise ConfigError(f"{p}: not valid TOML: a number too long to convert") from None
     try:
         return from_dict(data, text=text)
     except ConfigError as e:

@@ -83,7 +83,7 @@ def create_app(
     config: Config,
     *,
     state: AgentState | None = None,
-    probes: list | None = None,
+    probes: list[Any] | None = None,
     nvml: Any = None,
     clock: Callable[[], float] = time.time,
     features: tuple[str, ...] = FEATURES,

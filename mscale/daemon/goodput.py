@@ -17,7 +17,7 @@ class GoodputBook:
         self.state = state
         self.seconds: dict[str, dict[int, Counter[str]]] = {}  # job -> rank -> cause -> seconds
 
-    def observe(self, job: Any, rank: int, report: dict) -> None:
+    def observe(self, job: Any, rank: int, report: dict[str, Any]) -> None:
         seconds = report.get("seconds")
         if not seconds:
             return

@@ -82,7 +82,7 @@ class StragglerView:
 
 @dataclass
 class _Window:
-    values: deque = field(default_factory=deque)
+    values: deque[float] = field(default_factory=deque)
     level: float = 0.0  # the window's quantile, as of the last verdict
     ratio: float = 1.0
     since_step: int | None = None
@@ -111,7 +111,7 @@ class _JobBoard:
     compared: int = 0
 
 
-def figures(report: dict) -> dict[tuple[str, str], float]:
+def figures(report: dict[str, Any]) -> dict[tuple[str, str], float]:
     """The figures of one step report: (mpu_id, phase) -> seconds, and ("", compute)."""
     out: dict[tuple[str, str], float] = {}
     compute = 0.0
@@ -137,7 +137,7 @@ class StragglerWatch:
         self.findings_total = 0
         self.steps_compared = 0
 
-    def observe(self, job: Any, rank: int, report: dict) -> None:
+    def observe(self, job: Any, rank: int, report: dict[str, Any]) -> None:
         if not self.config.enabled:
             return
         step = report.get("step")
@@ -158,7 +158,7 @@ class StragglerWatch:
         for old in [p for p in board.pending if p < step]:  # a rank that joined late: never whole
             del board.pending[old]
 
-    def _compare(self, job: Any, board: _JobBoard, step: int, by_rank: dict[int, dict]) -> None:
+    def _compare(self, job: Any, board: _JobBoard, step: int, by_rank: dict[int, dict[tuple[str, str], float]]) -> None:
         cfg = self.config
         self.steps_compared += 1
         board.compared += 1

@@ -19,6 +19,7 @@ import structlog
 from mscale.demo.scenario import Run, RunConfig, relative_gap
 from mscale.demo.scenario import run as run_plain
 from mscale.demo.verdict import judge
+from mscale.healing.words import Result
 from mscale.link import DEFAULT_HOST
 
 JOB = "demo-tinymm"
@@ -310,7 +311,7 @@ def summarise(
             a
             for a in fs
             if a.reason.value == "heal_action"
-            and a.labels.get("result") in ("applied", "ended", "step_dropped")
+            and a.labels.get("result") in (Result.APPLIED, Result.ENDED, Result.STEP_DROPPED)
             and int(a.labels.get("step", -1)) >= f.sent_step
             and (until is None or int(a.labels.get("step", -1)) < until)
         ]
@@ -319,14 +320,14 @@ def summarise(
             names.append(
                 f"{a.labels['action']}"
                 + (f"({a.labels['mpu_id']})" if a.labels.get("mpu_id") else "")
-                + ("" if a.labels["result"] == "applied" else f":{a.labels['result']}")
+                + ("" if a.labels["result"] == Result.APPLIED else f":{a.labels['result']}")
             )
         row["actions"] = [n if names.count(n) == 1 else f"{n} x{names.count(n)}" for n in dict.fromkeys(names)]
         row["duplicates"] = sum(
             1
             for a in fs
             if a.reason.value == "heal_action"
-            and a.labels.get("result") == "duplicate"
+            and a.labels.get("result") == Result.DUPLICATE
             and int(a.labels.get("step", -1)) >= f.sent_step
             and (until is None or int(a.labels.get("step", -1)) < until)
         )

@@ -18,6 +18,7 @@ import torch
 
 from mscale.findings import Finding
 from mscale.healing.settings import HealingSection
+from mscale.healing.words import Result
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class RunResult:
     def events(self, reason: str) -> list[Finding]:
         return [f for f in self.findings if f.reason.value == reason]
 
-    def actions(self, action: str, result: str = "applied") -> list[Finding]:
+    def actions(self, action: str, result: str = Result.APPLIED) -> list[Finding]:
         return [
             f
             for f in self.findings
