@@ -149,6 +149,9 @@ class StragglerSection:
     quantile: float = opt(
         0.25, "the quantile of each rank's window that is compared: 0.25, slow in 3 of 4 of its steps", min=0, max=1
     )
+    evaluate_every_steps: int = opt(
+        5, "the verdict is taken every this many compared steps (the windows take every step)", min=1, max=1000
+    )
     warmup_steps: int = opt(
         5, "a job's first compared steps left out (allocation, compilation, caches)", min=0, max=10_000
     )

@@ -1,6 +1,6 @@
 """`mscale.attach`: the one line that guards a training loop. It builds the Guard
-(mscale.hook.guard), adds the step agreement across ranks (mscale.hook.agree) and the contract
-in force (mscale.hook.contract), and with `snapshots=` the fuse and snapshots
+(mscale.hook.guard), adds the step agreement across ranks (mscale.hook.agree), the goodput
+accountant (mscale.hook.goodput) and the contract in force (mscale.hook.contract), and with `snapshots=` the fuse and snapshots
 (mscale.hook.protect). Kept apart from the Guard, which it composes."""
 
 from __future__ import annotations
