@@ -13,7 +13,7 @@ from typing import Any
 
 from mscale.healing.actions.base import ActionSpec
 
-KEEP_BATCH = ("weight_corruption",)  # reasons whose batch is re-run, not skipped
+KEEP_BATCH = ("weight_corruption", "gradient_corruption")  # reasons whose batch is re-run, not skipped
 
 
 class Rollbacks:
