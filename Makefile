@@ -29,10 +29,12 @@ system:
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Through constraints.txt: the exact versions this machine carries and CI tests (torch 2.13.0,
+# the CPU wheel), which the package's metadata leaves open (it states only lower bounds).
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[hook,dev]'
+	$(VENV)/bin/pip install -q -c constraints.txt -e '.[hook,dev]'
 	# BCC is Debian's python3-bpfcc: make its module importable from the venv.
 	# Link only the bcc package, not all of dist-packages, so nothing else leaks in.
 	mkdir -p $(VENV)/debian-bcc && ln -sfn /usr/lib/python3/dist-packages/bcc $(VENV)/debian-bcc/bcc

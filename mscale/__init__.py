@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from mscale.version import __version__
 
 # public name -> module defining it (imported on first use)
 _LAZY: dict[str, str] = {
@@ -39,10 +39,15 @@ _LAZY: dict[str, str] = {
     "Severity": "mscale.findings",
 }
 
-__all__: list[str] = ["__version__", *_LAZY]
+# integrations, as submodules: mscale.accelerate.attach, mscale.lightning.MscaleCallback
+_SUBMODULES = ("accelerate", "lightning")
+
+__all__: list[str] = ["__version__", *_LAZY, *_SUBMODULES]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"mscale.{name}")  # the import binds it in globals()
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'mscale' has no attribute {name!r}")
@@ -52,4 +57,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))

@@ -44,6 +44,7 @@ class Reason(str, Enum):
     CHECKSUM_L1_TRIGGER = "checksum_l1_trigger"
     NONFINITE_OUTPUT = "nonfinite_output"
     LOSS_NONFINITE = "loss_nonfinite"
+    INPUT_NONFINITE = "input_nonfinite"  # NaN/Inf in the batch, before the first MPU (hook/inputs)
     LOSS_SPIKE_WARN = "loss_spike_warn"
     LOSS_SPIKE_ACTION = "loss_spike_action"
     LOSS_JUMP = "loss_jump"
@@ -61,6 +62,7 @@ class Reason(str, Enum):
     PROBE_UP = "probe_up"
     JOB_REGISTERED = "job_registered"
     JOB_GONE = "job_gone"
+    AGENT_UNTRUSTED = "agent_untrusted"  # the job's socket is served by a uid it does not trust
     ALERT_FIRING = "alert_firing"
     ALERT_RESOLVED = "alert_resolved"
     CHAOS_INJECTED = "chaos_injected"
@@ -76,6 +78,10 @@ class Reason(str, Enum):
     CONTRACT_VIOLATED = "contract_violated"  # a plan thread runs outside its CPUs
     CONTRACT_COMPLIANT = "contract_compliant"  # every plan thread runs where its plan says (again)
     DENSITY_DEVIATION = "density_deviation"  # an MPU's compute density is off its profile, sustained
+    # Fleet signals (mscale.daemon.stragglers)
+    RANK_STRAGGLER = "rank_straggler"  # a rank computes slower than the job's other ranks, held
+    MPU_STRAGGLER = "mpu_straggler"  # an MPU on a rank slower than on the job's other ranks, held
+    STRAGGLER_CLEARED = "straggler_cleared"
 
 
 @dataclass(frozen=True)

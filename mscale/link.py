@@ -60,9 +60,28 @@ SOCKET_ENV = "MSCALE_SOCKET"
 PATH = "/v1/link"  # the websocket's HTTP path on the socket
 
 
+AGENT_UID_ENV = "MSCALE_AGENT_UID"
+MAX_UID = 4294967294  # (uid_t)-1 is no uid
+
+
 def socket_path(explicit: str | None = None) -> str:
     """The socket a job connects to: `explicit`, else $MSCALE_SOCKET, else DEFAULT_SOCKET."""
     return explicit or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+
+
+def agent_uids(explicit: int | None = None) -> frozenset[int]:
+    """The uids a job accepts as its agent (the socket's listener, by SO_PEERCRED): root, the
+    job's own uid (which can do anything to the job anyway) and `explicit`, else
+    $MSCALE_AGENT_UID, when the agent runs as another user. A bad value raises ValueError."""
+    where, value = "agent_uid", explicit
+    if value is None and os.environ.get(AGENT_UID_ENV, "").strip():
+        where, raw = AGENT_UID_ENV, os.environ[AGENT_UID_ENV].strip()
+        if not raw.isdigit() or len(raw) > 10:
+            raise ValueError(f"{where}: expected a uid (an integer 0..{MAX_UID}), got {raw[:40]!r}")
+        value = int(raw)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_UID):
+        raise ValueError(f"{where}: expected a uid (an integer 0..{MAX_UID}), got {str(value)[:40]!r}")
+    return frozenset({0, os.geteuid()} | ({value} if value is not None else set()))
 
 
 # --- sizes -----------------------------------------------------------------------------------

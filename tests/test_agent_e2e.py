@@ -139,7 +139,12 @@ def test_xid_79_on_gpu_3_fails_it_and_only_it(agent) -> None:
     xids = agent.until(lambda: [e for e in agent.log_events() if e.get("event") == "gpu_xid"])
     assert len(xids) == 1
     (ev,) = xids
-    assert (ev["gpu"], ev["xid"], ev["xid_class"], ev["level"]) == ("3", "79", "fatal", "error")
+    assert (ev["labels"]["gpu"], ev["labels"]["xid"], ev["labels"]["xid_class"], ev["level"]) == (
+        "3",
+        "79",
+        "fatal",
+        "error",
+    )
     assert "fallen off the bus" in ev["message"]
     # ... and one in the event API, the same finding.
     events = json.loads(agent.get("/api/v1/events"))["events"]

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mscale import config as configmod
+from mscale import options
 from mscale.config import ConfigError, from_dict, load, parse_bool, reference_markdown
 from support import REPO
 
@@ -151,7 +152,7 @@ def _float_keys() -> list[str]:
     out: list[str] = []
 
     def walk(cls: type, prefix: str) -> None:
-        for f, tp in configmod._fields(cls):
+        for f, tp in options.fields_of(cls):
             if isinstance(tp, type) and dataclasses.is_dataclass(tp):
                 walk(tp, f"{prefix}{f.name}.")
             elif tp is float:

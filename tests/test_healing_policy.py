@@ -25,7 +25,7 @@ def test_shipped_policy_loads_and_names_only_known_actions():
     for r in pol.rules:
         for acts in r.actions.values():
             assert set(acts) <= set(actions.NAMES)
-    for name in actions.NAMES:  # every registered action module imports without torch and names itself
+    for name in actions.NAMES:  # every registered spec names itself
         assert actions.get(name).name == name
     rule = pol.match("reason", "checksum_l1_trigger")
     assert rule.actions_at("healthy") == ("l1_swap",)
@@ -308,19 +308,24 @@ def test_a_resolved_alert_ends_only_the_cooling_its_rule_started():
 
 
 def test_every_action_declares_a_consistent_spec():
-    """The contract each action module meets (what the engine and the fuse rely on)."""
+    """The contract each action meets (what the engine and the fuse rely on): a spec in the
+    torch-free catalogue and an executor on the job side, the same actions in the same order."""
+    from mscale.hook import actions as executors
+
     specs = actions.specs()
+    assert [e.name for e in executors.executors()] == list(actions.NAMES)
     assert [s.name for s in specs] == list(actions.NAMES)
     assert [s.name for s in specs if s.on_recovery] == [actions.recovery().name]
     for s in specs:
         assert s.scope in ("mpu", "gpu", "job") and s.level in ("L1", "L2", "L3", "none") and s.help
-        assert callable(s.apply)
+        ex = executors.get(s.name)
+        assert ex.spec is s and callable(ex.apply)
         if s.escalates_to is not None:  # escalation climbs the fuse
             nxt = actions.get(s.escalates_to)
             assert s.moves_to is not None and nxt.moves_to is not None and nxt.level > s.level
         assert not s.escalate_on_failure or s.escalates_to
         assert not (s.drift or s.reruns_forward or s.new_placement) or (s.scope == "mpu" and s.moves_to is not None)
-        assert not s.cools_job or (s.scope == "job" and s.end is not None)
+        assert not s.cools_job or (s.scope == "job" and ex.end is not None)
 
 
 def test_no_action_is_named_outside_its_module():

@@ -202,7 +202,7 @@ def test_l2_precision_fallback_runs_the_degraded_mpu_in_bf16_until_recovery():
 def test_run_degraded_on_cpu_autocasts_only_when_asked_and_undo_restores_the_forward():
     from torch import nn
 
-    from mscale.healing.actions.degrade import run_degraded
+    from mscale.hook.actions.degrade import run_degraded
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
@@ -303,13 +303,7 @@ def test_nan_loss_rolls_back_skips_the_batch_and_never_reaches_the_weights(refer
         ]
         == 1
     )
-    # the gradient-norm detectors report the same fault in the same step: acted on once
-    assert (
-        m[
-            (
-                "mscale_heal_actions_total",
-                (("action", "rollback"), ("level", "none"), ("mpu_id", ""), ("result", "duplicate")),
-            )
-        ]
-        >= 1
-    )
+    # the gradient-norm detectors report the same fault in the same step: acted on once, and
+    # booked once (one heal event per action, no "duplicate" event per repeated finding)
+    duplicate = ("result", "duplicate")
+    assert not [k for k in m if k[0] == "mscale_heal_actions_total" and duplicate in k[1]]

@@ -1,14 +1,19 @@
 """The house's layout rules (rooms by process), read from the source with `ast`.
 
 - job-side rooms and the shared core never import the agent (`mscale.daemon`);
-- the agent never imports torch;
-- no import cycles between files (imports under `if TYPE_CHECKING:` aside);
+- the agent-side rooms and the shared core never import torch, not even through another module
+  of the package (the closure of their imports, lazy ones inside functions included);
+- the shared core (`healing/`) imports no job-side room, by any route;
+- no import cycles between files, counting imports under `if TYPE_CHECKING:` and modules named
+  by a string (`importlib.import_module("mscale.x")`, `"mscale.x:Name"` registries) too;
 - no folder holds more than a quarter of the package's lines, no file more than 600.
 """
 
 from __future__ import annotations
 
 import ast
+import re
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -16,6 +21,10 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "mscale"
 NO_DAEMON = ("hook", "snapshot", "healing", "probes", "sim", "rules", "dashboards", "contracts")
 NO_TORCH = ("daemon", "probes", "exporters", "healing", "contracts", "kube")
+JOB_SIDE = ("hook", "snapshot")
+# what pulls torch in: torch itself and the frameworks built on it
+TORCH = ("torch", "torchvision", "transformers", "accelerate", "lightning", "pytorch_lightning")
+_MODULE_STRING = re.compile(r"^(mscale(?:\.[A-Za-z_][A-Za-z0-9_]*)+)(?::[A-Za-z_][A-Za-z0-9_]*)?$")
 
 
 def _module_name(path: Path) -> str:
@@ -30,30 +39,46 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def imports_of(path: Path) -> set[str]:
-    """Every module `path` imports (at any depth, not under TYPE_CHECKING), as dotted names;
-    `from pkg import name` counts as `pkg.name` when that is a module of the package."""
+@cache
+def _scan(path: Path) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+    """(imports run, imports under TYPE_CHECKING, modules of the package named by a string).
+    Imports at any depth count (lazy ones inside functions too); `from pkg import sub` counts
+    as `pkg.sub` alone when every name is a module of the package (the package's __init__ runs
+    first either way, as for `import pkg.sub`)."""
     tree = ast.parse(path.read_text(), str(path))
-    out: set[str] = set()
+    run: set[str] = set()
+    typing_only: set[str] = set()
+    strings: set[str] = set()
 
-    def visit(node: ast.AST) -> None:
+    def visit(node: ast.AST, out: set[str]) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.body:
+                visit(child, typing_only)
             for child in node.orelse:
-                visit(child)
+                visit(child, out)
             return
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
-            for a in node.names:
-                sub = f"{node.module}.{a.name}"
-                if _exists(sub):
-                    out.add(sub)
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            found = [sub for sub in subs if _exists(sub)]
+            out.update(found)
+            if len(found) < len(subs):
+                out.add(node.module)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            m = _MODULE_STRING.match(node.value)
+            if m and _exists(m.group(1)):
+                strings.add(m.group(1))
         for child in ast.iter_child_nodes(node):
-            visit(child)
+            visit(child, out)
 
-    visit(tree)
-    return out
+    visit(tree, run)
+    return frozenset(run), frozenset(typing_only), frozenset(strings)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module `path` imports when it runs (at any depth, not under TYPE_CHECKING)."""
+    return set(_scan(path)[0])
 
 
 def _exists(dotted: str) -> bool:
@@ -68,12 +93,48 @@ def _files() -> list[Path]:
     return sorted(p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts)
 
 
-def _graph() -> dict[str, set[str]]:
+def _parents(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _graph(*, everything: bool = False) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports when it runs; with `everything`, also those
+    it imports for type checking only and those it names by a string."""
     mods = {_module_name(p): p for p in _files()}
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
-        graph[name] = {m for m in imports_of(path) if m in mods and m != name}
+        run, typing_only, strings = _scan(path)
+        deps = set(run) | ((typing_only | strings) if everything else set())
+        graph[name] = {m for m in deps if m in mods and m != name}
     return graph
+
+
+def _closure(module: str) -> dict[str, str]:
+    """Every module that importing `module` runs (its parents' __init__ included), each with
+    the one that imports it, so a failure can show the route. External modules are listed
+    by their top-level name."""
+    graph = _graph()
+    mods = {_module_name(p): p for p in _files()}
+    via: dict[str, str] = {}
+    todo = [module]
+    while todo:
+        m = todo.pop()
+        deps = set(graph.get(m, ())) | {p for p in _parents(m) if p in mods}
+        deps |= {d.split(".")[0] for d in imports_of(mods[m]) if not d.startswith("mscale")} if m in mods else set()
+        for d in sorted(deps):
+            if d not in via and d != module:
+                via[d] = m
+                if d in mods:
+                    todo.append(d)
+    return via
+
+
+def _route(via: dict[str, str], start: str, end: str) -> str:
+    path = [end]
+    while path[-1] != start and path[-1] in via:
+        path.append(via[path[-1]])
+    return " -> ".join(reversed(path))
 
 
 def _room(module: str) -> str:
@@ -94,25 +155,34 @@ def test_room_does_not_import_the_agent(room: str) -> None:
 
 
 @pytest.mark.parametrize("room", NO_TORCH)
-def test_agent_side_room_never_imports_torch_at_module_level(room: str) -> None:
+def test_agent_side_room_never_imports_torch_by_any_route(room: str) -> None:
     bad = []
     for path in _files():
-        if _room(_module_name(path)) != room:
+        module = _module_name(path)
+        if _room(module) != room:
             continue
-        for node in ast.parse(path.read_text()).body:  # module level only: actions import it lazily
-            names = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module or ""]
-                if isinstance(node, ast.ImportFrom)
-                else []
-            )
-            bad += [f"{path.relative_to(PKG)}: {n}" for n in names if n == "torch" or n.startswith("torch.")]
-    assert not bad, "\n".join(bad)
+        via = _closure(module)
+        bad += [_route(via, module, t) for t in TORCH if t in via]
+    assert not bad, "torch reached from an agent-side or shared room:\n" + "\n".join(bad)
 
 
-def test_no_import_cycles_between_files() -> None:
-    graph = _graph()
+def test_healing_imports_no_job_side_room() -> None:
+    bad = []
+    for path in _files():
+        module = _module_name(path)
+        if _room(module) != "healing":
+            continue
+        via = _closure(module)
+        bad += [_route(via, module, d) for d in via if _room(d) in JOB_SIDE and d.startswith("mscale.")]
+        bad += [
+            f"{module} -> {d} (type checking or a string)"
+            for d in _graph(everything=True)[module] - _graph()[module]
+            if _room(d) in JOB_SIDE
+        ]
+    assert not bad, "healing/ reaches the training job's rooms:\n" + "\n".join(sorted(set(bad)))
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     cycles: list[list[str]] = []
     state: dict[str, int] = {}  # 1 on the stack, 2 done
     stack: list[str] = []
@@ -131,7 +201,88 @@ def test_no_import_cycles_between_files() -> None:
     for node in sorted(graph):
         if node not in state:
             dfs(node)
+    return cycles
+
+
+def test_no_import_cycles_between_files() -> None:
+    cycles = _cycles(_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _components(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[set[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, deps = work[-1]
+            dep = next(deps, None)
+            if dep is not None:
+                if dep not in index:
+                    index[dep] = low[dep] = len(index)
+                    stack.append(dep)
+                    on_stack.add(dep)
+                    work.append((dep, iter(sorted(graph[dep]))))
+                elif dep in on_stack:
+                    low[node] = min(low[node], index[dep])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = set()
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    comp.add(m)
+                    if m == node:
+                        break
+                if len(comp) > 1:
+                    out.append(comp)
+    return out
+
+
+def cycles_between_rooms() -> list[list[str]]:
+    """The import edges that close a cycle through files of different rooms, counting imports
+    for type checking only and modules named by a string: one sorted list per cycle."""
+    graph = _graph(everything=True)
+    found = []
+    for comp in _components(graph):
+        if len({_room(m) for m in comp}) > 1:
+            found.append(sorted(f"{m} -> {d}" for m in comp for d in graph[m] & comp if _room(d) != _room(m)))
+    return found
+
+
+def test_no_import_cycle_between_rooms() -> None:
+    found = cycles_between_rooms()
+    assert not found, "import cycles between rooms (edges across rooms):\n" + "\n\n".join("\n".join(c) for c in found)
+
+
+def test_the_layout_rules_see_what_they_look_for(tmp_path: Path) -> None:
+    """A lazy import, an import for type checking only and a string naming a module all become
+    edges; a cycle through any of them is found; the closure follows modules to torch."""
+    src = tmp_path / "probe.py"
+    src.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from mscale.hook import guard\n"
+        "def f():\n    import mscale.healing.engine\n"
+        "REG = {'x': 'mscale.daemon.settings:AgentSection', 'y': 'mscale.nope'}\n"
+    )
+    run, typing_only, strings = _scan(src)
+    assert "mscale.healing.engine" in run and "mscale.hook.guard" in typing_only
+    assert strings == {"mscale.daemon.settings"}
+    assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
+    assert _components({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert "torch" in _closure("mscale.hook.fuse")
 
 
 def _lines(path: Path) -> int:
@@ -170,7 +321,10 @@ def test_version_is_written_once_and_the_license_file_matches_the_declared_licen
     meta = tomllib.loads((PKG.parent / "pyproject.toml").read_text())
     project = meta["project"]
     assert "version" not in project and "version" in project["dynamic"]
-    assert meta["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "mscale.__version__"}
+    assert meta["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "mscale.version.__version__"}
+    from mscale.version import __version__
+
+    assert mscale.__version__ is __version__
     assert mscale.__version__.count(".") >= 2
     assert project["license"] == "Apache-2.0"
     head = (PKG.parent / "LICENSE").read_text()[:400]

@@ -2,7 +2,8 @@
 throwaway_probe.py, on by default) and a dormant one (tests/support/dormant_probe.py, off by
 default), each registered by one REGISTRY entry, get their [probes.<name>] keys checked like
 the shipped probes', `enabled` defaulting to the spec's `default_enabled`, rows in the config
-reference, and are run by the agent. And mscale.config itself imports no room."""
+reference, and are run by the agent. The machinery (mscale.options) is a leaf; mscale.config
+assembles the rooms' sections."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import dataclasses
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -181,18 +183,20 @@ def test_spec_refuses_a_section_the_agent_cannot_run(section, error) -> None:
         ProbeSpec(name="bad", factory=lambda ctx: None, section=section)
 
 
-def test_config_module_imports_no_room() -> None:
-    """Rooms import mscale.config for `opt`; it reaches them only when a config is assembled."""
+def test_the_machinery_is_a_leaf_and_config_is_assembled_above_the_rooms() -> None:
+    """Rooms import mscale.options (opt, ConfigError, parse_bool), which imports no room;
+    mscale.config imports each room's section, and no room imports mscale.config."""
     code = (
         "import sys, mscale\n"
         "before = set(sys.modules)\n"
-        "import mscale.config as c\n"
+        "import mscale.options\n"
         "print(sorted(m for m in set(sys.modules) - before if m.startswith('mscale')))\n"
+        "import mscale.config as c\n"
         "c.from_dict({})\n"
         "print(sorted(m for m in set(sys.modules) - before if m.startswith('mscale')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
-    assert out[0] == "['mscale.config', 'mscale.textfile']"
+    assert out[0] == "['mscale.options']"
     for room in (
         "mscale.daemon.settings",
         "mscale.healing.settings",
@@ -202,3 +206,19 @@ def test_config_module_imports_no_room() -> None:
         "mscale.probes.ebpf",
     ):
         assert repr(room) in out[1]  # and assembling does reach each room's section
+    pkg = Path(__file__).resolve().parent.parent / "mscale"
+    config = (pkg / "config.py").read_text()
+    assert "import_module" not in config and '"mscale.' not in config  # no string names a room
+    importers = sorted(
+        str(p.relative_to(pkg))
+        for p in pkg.rglob("*.py")
+        if "from mscale.config import" in p.read_text() or "from mscale import config" in p.read_text()
+    )
+    # only the agent's assembly and entry points (and a CLI that reads the agent's file) use it
+    assert importers == [
+        "contracts/cli.py",
+        "daemon/app.py",
+        "daemon/keys.py",
+        "daemon/main.py",
+        "demo/embedded.py",
+    ]

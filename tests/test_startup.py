@@ -212,6 +212,12 @@ def _not_a_socket(d: Path) -> str:
     return str(d / "a.sock")
 
 
+def _writable_by_others(d: Path) -> str:
+    (d / "shared").mkdir()
+    os.chmod(d / "shared", 0o777)  # issue 25 item 1: another user could swap the socket there
+    return str(d / "shared" / "a.sock")
+
+
 def _too_long(d: Path) -> str:
     return str(d / ("s" * (120 - len(str(d)))))
 
@@ -222,8 +228,9 @@ def _too_long(d: Path) -> str:
         (_file_in_the_way, ["agent.socket_path", "cannot serve the hook socket", "plain"]),
         (_not_a_socket, ["agent.socket_path", "exists and is not a socket"]),
         (_too_long, ["agent.socket_path (--socket)", "too long for a Unix socket", "at most 107"]),
+        (_writable_by_others, ["agent.socket_path", "cannot serve the hook socket", "writable by others"]),
     ],
-    ids=["directory_cannot_be_created", "non_socket_file", "too_long_for_af_unix"],
+    ids=["directory_cannot_be_created", "non_socket_file", "too_long_for_af_unix", "directory_writable_by_others"],
 )
 def test_unusable_socket_path_exits_2_naming_the_path(tmp_path, make, words) -> None:
     # issue 16 item 8: the agent kept running with /healthz ok and no hook socket

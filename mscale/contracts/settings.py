@@ -5,12 +5,14 @@ to `mscale.contract(...)` itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from mscale.config import ConfigError, opt
+from mscale.options import ConfigError, opt
 
 
 @dataclass(frozen=True)
 class ContractSection:
+    HELP: ClassVar[str] = "resource contracts, MSRP and the density guard"
     allow_hugepage_allocation: bool = opt(
         False,
         "let a contract short of free hugepages raise nr_hugepages by the shortfall (false: refuse, change nothing)",
@@ -51,13 +53,13 @@ def section_from_file(path: str | None = None) -> ContractSection:
     import tomllib
     from pathlib import Path
 
-    from mscale import config as configmod
+    from mscale import options
     from mscale.textfile import read_text
 
     if path is None:
-        if not configmod.DEFAULT_PATH.exists():
+        if not options.DEFAULT_PATH.exists():
             return ContractSection()
-        path = str(configmod.DEFAULT_PATH)
+        path = str(options.DEFAULT_PATH)
     text = read_text(Path(path), ConfigError, "config")
     try:
         data = tomllib.loads(text)
@@ -67,7 +69,7 @@ def section_from_file(path: str | None = None) -> ContractSection:
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: contract: expected a table [contract]")
     try:
-        section = configmod._build(ContractSection, table, "contract.", text)
+        section = options.build(ContractSection, table, "contract.", text)
         section.check("contract")
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None

@@ -29,6 +29,7 @@ FEATURES: tuple[str, ...] = (
     "mscale.daemon.api",
     "mscale.daemon.webhook",
     "mscale.daemon.link",
+    "mscale.daemon.stragglers",
     "mscale.daemon.standby",
     "mscale.daemon.chaos",
     "mscale.daemon.status_api",

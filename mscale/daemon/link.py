@@ -14,8 +14,10 @@ at all: the connection is closed with code 1009, message too big, and counted as
 Identity and bounds: the first valid registration of a job id binds it to the peer's uid
 (SO_PEERCRED) until the job expires; another uid's registration of it is refused (job_owner).
 A (job, rank) has one live connection: a second one from another process is refused
-(duplicate), the same process reconnecting replaces its dead link. Caps: `socket.max_jobs`
-(a new job past it first pushes out the longest-disconnected one, else job_limit),
+(duplicate), the same process reconnecting replaces its dead link; a command goes only to
+connections of the job owner's uid. Caps: `socket.max_jobs_per_uid` and `socket.max_jobs` (a
+new job past either first pushes out its own uid's longest-disconnected job, never another
+uid's, else uid_job_limit / job_limit),
 `socket.max_ranks_per_job` (rank_limit: live ranks, and the ranks whose state the job keeps,
 where a rank gone longest makes room for a new one), `socket.max_mpus_per_job` (mpu_limit).
 State is per (job, rank) (mscale.daemon.jobs.RankState); a finding carries the rank of the
@@ -42,7 +44,7 @@ import structlog
 from aiohttp import WSMsgType, web
 
 from mscale import link as protocol
-from mscale.daemon import keys
+from mscale.daemon import keys, socket_file
 from mscale.daemon.jobs import JobState, RankLimit, gpus_by_index
 from mscale.findings import Finding, Reason, Severity
 from mscale.link import BadMessage, Msg
@@ -70,7 +72,9 @@ class LinkServer:
         self.allowed_uids = {0, os.getuid(), *self.config.socket.allowed_uids}
         # job id -> rank -> that rank's live connection
         self.connections: dict[str, dict[int, web.WebSocketResponse]] = {}
+        self.peer_uids: dict[web.WebSocketResponse, int] = {}  # each live connection's SO_PEERCRED uid
         self.handlers: dict[str, Handler] = {}
+        self.report_observers: list[Callable[[JobState, int, dict], None]] = []
         self._with_rank: dict[str, bool] = {}
         self.error = ""  # why the socket is not served, if it is not
         self._runner: web.AppRunner | None = None
@@ -84,9 +88,13 @@ class LinkServer:
         of them is there."""
         protocol.check_command(command)
         only = None if ranks is None else set(ranks)
+        job = self.state.jobs.get(job_id)
         sent = False
         for rank, ws in list(self.connections.get(job_id, {}).items()):
             if ws.closed or (only is not None and rank not in only):
+                continue
+            if job is None or job.uid is None or self.peer_uids.get(ws) != job.uid:
+                log.warning("command_not_sent", job_id=job_id, rank=rank, error="not the job owner's connection")
                 continue
             try:
                 await ws.send_str(protocol.encode(command))
@@ -107,12 +115,17 @@ class LinkServer:
         self.handlers[type_] = handler
         self._with_rank[type_] = with_rank
 
+    def on_report(self, fn: Callable[[JobState, int, dict], None]) -> None:
+        """Call fn(job, rank, step_report) for every step report applied (mscale.daemon.stragglers)."""
+        self.report_observers.append(fn)
+
     # --- serving ---------------------------------------------------------------------------
 
     async def start(self) -> bool:
         path = Path(self.path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            socket_file.check_directory(path.parent)
             if path.exists() or path.is_symlink():
                 if not stat.S_ISSOCK(path.lstat().st_mode):
                     raise OSError(f"{path} exists and is not a socket")
@@ -123,8 +136,8 @@ class LinkServer:
             link_app.router.add_get(protocol.PATH, self._handle)
             self._runner = web.AppRunner(link_app, access_log=None, handle_signals=False)
             await self._runner.setup()
-            await web.UnixSite(self._runner, str(path)).start()
-            os.chmod(path, self.config.socket.mode)
+            # created with its mode, no chmod of a path another user could swap (socket_file)
+            await web.SockSite(self._runner, socket_file.bind(str(path), self.config.socket.mode)).start()
         except OSError as e:
             self.error = str(e)
             log.error("link_socket_unavailable", socket=str(path), error=self.error)
@@ -182,16 +195,24 @@ class LinkServer:
             await asyncio.sleep(interval)
             self.expire()
 
-    def _make_room(self) -> bool:
-        """Room for one more job under socket.max_jobs: the longest-disconnected job goes early
-        if need be; False when every job is connected."""
-        if len(self.state.jobs) < self.config.socket.max_jobs:
-            return True
-        idle = [(j.disconnected_at, k) for k, j in self.state.jobs.items() if not j.ranks and j.disconnected_at]
-        if not idle:
-            return False
-        self._drop(min(idle)[1], "max_jobs")
-        return True
+    def _make_room(self, uid: int) -> None:
+        """Room for one more job of `uid` under socket.max_jobs_per_uid and socket.max_jobs:
+        that uid's own longest-disconnected job goes early if need be, never another uid's (a
+        job id stays its owner's until it expires); else refused (uid_job_limit, job_limit)."""
+        cfg = self.config.socket
+        for why, key, cap in (
+            ("uid_job_limit", "socket.max_jobs_per_uid", cfg.max_jobs_per_uid),
+            ("job_limit", "socket.max_jobs", cfg.max_jobs),
+        ):
+            own = [(j.disconnected_at, k) for k, j in self.state.jobs.items() if j.uid == uid]
+            held = len(own) if why == "uid_job_limit" else len(self.state.jobs)
+            if held < cap:
+                continue
+            idle = [(t, k) for t, k in own if t is not None and not self.state.jobs[k].ranks]
+            if not idle:
+                whose = f"of uid {uid} " if why == "uid_job_limit" else ""
+                raise BadMessage(why, f"register: {held} jobs {whose}kept ({key}); no other user's job is evicted")
+            self._drop(min(idle)[1], key.removeprefix("socket."))
 
     # --- messages ----------------------------------------------------------------------------
 
@@ -212,6 +233,7 @@ class LinkServer:
         ws = web.WebSocketResponse(max_msg_size=2 * limit, heartbeat=30.0)
         await ws.prepare(request)
         conn = _Conn(ws, pid=cred[0], uid=cred[1])
+        self.peer_uids[ws] = conn.uid
         try:
             async for msg in ws:
                 if msg.type == WSMsgType.TEXT:
@@ -237,6 +259,7 @@ class LinkServer:
                     self._refuse(why, str(exc), job_id=conn.job.job_id if conn.job else "")
                     break
         finally:
+            self.peer_uids.pop(ws, None)
             self._disconnected(conn)
         return ws
 
@@ -330,8 +353,7 @@ class LinkServer:
                 "rank_limit", f"register: job {job_id} has {len(live)} ranks connected (socket.max_ranks_per_job)"
             )
         if job is None:
-            if not self._make_room():
-                raise BadMessage("job_limit", f"register: {len(self.state.jobs)} jobs connected (socket.max_jobs)")
+            self._make_room(conn.uid)
             job = JobState(
                 job_id=job_id, rank=rank, pid=msg["pid"], uid=conn.uid, max_ranks=self.config.socket.max_ranks_per_job
             )
@@ -374,6 +396,11 @@ class LinkServer:
         rs.reports_dropped = max(rs.reports_dropped, msg.get("dropped", 0))
         for r in msg["reports"]:
             rs.apply_report(r, gpus)
+            for observe in self.report_observers:
+                try:
+                    observe(job, rank, r)
+                except Exception as e:  # an observer's bug must not stop the job's reports
+                    log.exception("report_observer_failed", job_id=job.job_id, error=str(e)[:300])
             for f in r.get("findings", []):
                 finding = self._finding(job, rank, f)
                 if finding is None:

@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from mscale.config import opt
 from mscale.link import DEFAULT_LISTEN, DEFAULT_SOCKET, MAX_MESSAGE_BYTES, MAX_MPUS
+from mscale.options import opt
 
 
 @dataclass(frozen=True)
 class AgentSection:
+    HELP: ClassVar[str] = "the agent process"
     listen: str = opt(DEFAULT_LISTEN, "HTTP listen address HOST:PORT for /metrics and the API (port 0 picks one)")
     socket_path: str = opt(DEFAULT_SOCKET, "Unix socket the hook library connects to")
     node: str = opt("", "node name in labels and events (empty: the host name)")
@@ -27,6 +29,7 @@ class AgentSection:
 
 @dataclass(frozen=True)
 class SocketSection:
+    HELP: ClassVar[str] = "the hook library's Unix socket"
     allowed_uids: list[int] = opt(
         None,
         "extra user ids (integers) allowed on the socket besides the agent's own and root",
@@ -42,6 +45,9 @@ class SocketSection:
         600.0, "a disconnected job's state and series are removed this long after it left", min=0.1, max=30 * 86400
     )
     max_jobs: int = opt(256, "jobs the agent keeps; past it a new job is refused and counted", min=1, max=100_000)
+    max_jobs_per_uid: int = opt(
+        64, "jobs of one uid the agent keeps; past it that uid's new job is refused and counted", min=1, max=100_000
+    )
     max_ranks_per_job: int = opt(
         64, "live connections (ranks) of one job; past it a registration is refused and counted", min=1, max=4096
     )
@@ -52,6 +58,7 @@ class SocketSection:
 
 @dataclass(frozen=True)
 class WebhookSection:
+    HELP: ClassVar[str] = "the Alertmanager webhook"
     token: str = opt("", "bearer token Alertmanager must send (or env MSCALE_WEBHOOK_TOKEN); empty refuses every call")
     max_body_bytes: int = opt(1 << 20, "larger webhook bodies are refused", min=1024, max=1 << 30)
     max_actions_per_minute: int = opt(30, "rate limit on actions triggered by alerts", min=1, max=100000)
@@ -59,6 +66,7 @@ class WebhookSection:
 
 @dataclass(frozen=True)
 class ChaosSection:
+    HELP: ClassVar[str] = "the chaos API (fault injection)"
     enabled: bool = opt(
         False, "serve the chaos API (POST /api/v1/chaos); also on with --simulate (agent.simulate); off: refused 403"
     )
@@ -67,6 +75,7 @@ class ChaosSection:
 
 @dataclass(frozen=True)
 class HttpSection:
+    HELP: ClassVar[str] = "HTTP timeouts, connection caps, Host names"
     idle_timeout_s: float = opt(30.0, "an idle HTTP keep-alive connection is closed after this", min=1, max=3600)
     header_timeout_s: float = opt(
         10.0, "a new HTTP connection must send its first request head within this, or it is closed", min=0.5, max=600
@@ -86,7 +95,7 @@ class HttpSection:
     )
 
     def check(self, key: str) -> None:
-        from mscale.config import ConfigError
+        from mscale.options import ConfigError
 
         if self.max_connections_per_peer > self.max_connections:
             raise ConfigError(

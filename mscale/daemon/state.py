@@ -68,8 +68,9 @@ class EventLog:
             self.counts[(finding.source, finding.reason.value, finding.severity.value)] += 1
             subs = list(self._subscribers)
             sync_subs = list(self._sync_subscribers)
+        # labels nested, never spread: a label named source, message, seq, event or level is data
         getattr(log, _LOG_METHOD[finding.severity])(
-            finding.reason.value, source=finding.source, message=finding.message, seq=seq, **dict(finding.labels)
+            finding.reason.value, source=finding.source, message=finding.message, seq=seq, labels=dict(finding.labels)
         )
         for loop, queue in subs:
             try:

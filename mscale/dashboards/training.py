@@ -1,5 +1,5 @@
 """Training stability: loss with its rolling band, gradient norms per MPU, spikes, rollbacks,
-skipped batches, and the CUDA activity the eBPF probe sees."""
+skipped batches, slow ranks and slow MPUs, and the CUDA activity the eBPF probe sees."""
 
 from __future__ import annotations
 
@@ -53,6 +53,52 @@ def build(ctx: Ctx):
                 [
                     Panel("Gradient norm per MPU", [(f"mscale_mpu_grad_norm{s}", "{{job_id}} {{mpu_id}}")]),
                     Panel("Global gradient norm (before clipping)", [(f"mscale_job_grad_norm{s}", "{{job_id}}")]),
+                ],
+            ),
+            (
+                "Stragglers",
+                [
+                    Panel(
+                        f"MPU time over the job's median (median over {ctx.window('straggler')})",
+                        [
+                            (
+                                f"{ctx.record('job_rank_mpu:mscale_mpu_latency:ratio_to_job_median')}{s}",
+                                "{{job_id}} rank {{rank}} {{mpu_id}} {{phase}} ({{node}})",
+                            )
+                        ],
+                        width=8,
+                        threshold=ctx.alert("MscaleStragglerMpu")["ratio"],
+                        description="Each rank's median forward/backward time of each MPU over the median of "
+                        "the same MPU on the job's ranks, on every node (recording rule). "
+                        "Above the line for the alert's duration: MscaleStragglerMpu.",
+                    ),
+                    Panel(
+                        f"Rank compute time over the job's median (median over {ctx.window('straggler')})",
+                        [
+                            (
+                                f"{ctx.record('job_rank:mscale_job_rank_compute:ratio_to_job_median')}{s}",
+                                "{{job_id}} rank {{rank}} ({{node}})",
+                            )
+                        ],
+                        width=8,
+                        threshold=ctx.alert("MscaleStragglerRank")["ratio"],
+                        description="A rank's MPUs' forward + backward time against the job's median: the "
+                        "step's wall time is the same on every rank, the compute time is not.",
+                    ),
+                    Panel(
+                        "Stragglers the agents found (ranks on one node)",
+                        [
+                            (
+                                f"mscale_straggler{s} == 1",
+                                "{{job_id}} rank {{rank}} {{mpu}} {{phase}} gpu {{gpu}} ({{node}})",
+                            )
+                        ],
+                        width=8,
+                        min=0,
+                        max=1,
+                        description="The node agent's verdicts (mscale_straggler): a rank or MPU slower than "
+                        "the job's other ranks on the node over the last stragglers.window_steps steps.",
+                    ),
                 ],
             ),
             (

@@ -22,6 +22,7 @@ MODULES: tuple[str, ...] = (
     "mscale.exporters.host",
     "mscale.exporters.cuda",
     "mscale.exporters.jobs",
+    "mscale.exporters.stragglers",
     "mscale.exporters.snapshots",
     "mscale.exporters.healing",
     "mscale.exporters.contract",

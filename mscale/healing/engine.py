@@ -289,7 +289,8 @@ class HealingEngine:
             if not rule.actions_at(level):
                 continue  # nothing to do at this level (e.g. already suspect): not a decision
             if ident not in acting and self._duplicate(ident, cond, now):
-                self._record_duplicate(rule, target, level, cond, now)
+                if cond.occurrence is None:  # in-process: the occurrence's action has its event already
+                    self._record_duplicate(rule, target, level, cond, now)
                 continue
             acting.add(ident)
             for name in rule.actions_at(level):

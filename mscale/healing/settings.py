@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from mscale.config import ConfigError, opt
+from mscale.options import ConfigError, opt
 
 
 @dataclass(frozen=True)
 class HealingSection:
+    HELP: ClassVar[str] = "the healing engine"
     enabled: bool = opt(True, "let the healing engine act (false: detect and report only)")
     checksum_failures_l1: int = opt(
         3, "consecutive checksum failures of an MPU that trigger an L1 swap", min=1, max=1000

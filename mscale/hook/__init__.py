@@ -1,7 +1,9 @@
 """TRAINING JOB: the in-process hook library: the Guard, its MPUs, the checksum and loss
-detectors, CMSA, the fuse plugin, the agent link client and the Hugging Face callback.
+detectors, CMSA, the fuse plugin and the healing actions' executors (actions/), the agent link
+client, and the integrations, each imported on its own: the Hugging Face callback (hf),
+Accelerate (accelerate), Lightning (lightning).
 
-May import: findings, config, link, healing (the decision core), snapshot. Never imports
+May import: findings, options (the config machinery), link, healing (the decision core), snapshot. Never imports
 daemon. Importing this package imports torch; `import mscale` does not (it re-exports lazily).
 """
 

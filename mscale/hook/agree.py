@@ -26,7 +26,7 @@ several ranks) makes every rank take the same decision in the same step:
     found nothing themselves); CMSA clips with the mean of the ranks' multipliers on every
     rank for this step (each rank's own is put back at the step end), since a threshold
     raised on one rank alone would give that replica another update than the others'. The rollback itself is the snapshot engine's collective
-    `agree_rollback` at every step end (mscale.healing.actions.rollback), which restores the
+    `agree_rollback` at every step end (mscale.hook.actions.rollback), which restores the
     newest step every rank holds, or none.
 
 Every rank's guard must call it once per optimizer step (the guard does: one optimizer

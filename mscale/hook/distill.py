@@ -1,4 +1,4 @@
-"""The L3 distillation term on any layout (used by mscale.healing.actions.distill).
+"""The L3 distillation term on any layout (used by mscale.hook.actions.distill).
 
 Teacher: the text MPU's final hidden states (`last_hidden_state`, or the first (B, S, H)
 tensor of its output whose width is the text hidden size H), detached. Student: the failing

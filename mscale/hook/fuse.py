@@ -14,7 +14,7 @@ ends what an action started (a cooling window whose alert resolved). Every decis
 every state change is a finding (HEAL_ACTION, FUSE_STATE) that the guard logs and reports to
 the agent.
 
-The plugin is a dispatcher: each action (mscale.healing.actions) carries itself out and keeps
+The plugin is a dispatcher: each action's executor (mscale.hook.actions) carries it out and keeps
 its own per-job state (`states[name]`: the quarantined GPUs, the degraded MPUs, the cooling
 window, the pending rollback...), and declares on its spec what the plugin must do around it
 (re-run the MPU's forward, start a new placement, escalate when it fails). The plugin counts
@@ -41,11 +41,13 @@ from mscale import link
 from mscale.findings import Finding, Reason
 from mscale.healing import actions
 from mscale.healing import policy as policymod
-from mscale.healing.actions.base import ActionFailed
+from mscale.healing.actions.base import ActionSpec
 from mscale.healing.engine import Condition, Decision, HealingEngine, HealingSnapshot, Target
 from mscale.healing.fsm import Level
 from mscale.healing.policy import Policy, Rule
 from mscale.healing.settings import HealingSection
+from mscale.hook import actions as executors
+from mscale.hook.actions.base import ActionFailed
 
 log = structlog.get_logger("mscale.fuse")
 SOURCE = "fuse"
@@ -95,7 +97,7 @@ class FusePlugin:
         self.books: HealingSnapshot | None = None  # the engine's latest published books (the exporter reads them)
         self.seq = 0  # steps run (unlike the training step, it never goes back on a rollback)
         # each action's per-job state, in registry order
-        self.states: dict[str, Any] = {s.name: s.state(self) for s in actions.specs() if s.state is not None}
+        self.states: dict[str, Any] = {e.name: e.state(self) for e in executors.executors() if e.state is not None}
         self.placement: dict[str, Placement] = {}
         self.pending_rerun: set[str] = set()
         self.failed_step: set[str] = set()
@@ -110,6 +112,10 @@ class FusePlugin:
     def dispatch(self, hook: str, *args: Any) -> list[Any]:
         """Call `hook(self, *args)` on every action state that has it (registry order); their results."""
         return [getattr(st, hook)(self, *args) for st in self.states.values() if hasattr(st, hook)]
+
+    def record(self, d: Decision, result: str, *, detail: str = "") -> None:
+        """Book the outcome of `d` in the engine (an event, the counters, the MPU's state)."""
+        self._engine.record(d, result, detail=detail)
 
     def drop_step(self, why: str) -> None:
         """Drop this step's update (the guard skips the optimizer step)."""
@@ -234,11 +240,11 @@ class FusePlugin:
             d = Decision.from_command(command, self.guard.job_id)
         except KeyError as e:
             return {"ok": False, "error": str(e)}
-        spec = actions.get(d.action)
+        ex = executors.get(d.action)
         if command.get("end"):
-            if spec.end is None:
+            if ex.end is None:
                 return {"ok": False, "error": f"{d.action}: nothing to end"}
-            spec.end(self, self.states.get(spec.name), d.why or f"{d.reason} ended")
+            ex.end(self, self.states.get(ex.name), d.why or f"{d.reason} ended")
             return {"ok": True}
         if d.target.mpu_id:
             try:
@@ -282,10 +288,11 @@ class FusePlugin:
     def run(self, d: Decision) -> str:
         """Carry out one decision; book it. An action that fails and declares an escalation
         on failure (a swap with no standby) runs its escalation instead."""
-        spec = actions.get(d.action)
+        ex = executors.get(d.action)
+        spec = ex.spec
         state = self.states.get(spec.name)
         try:
-            result = spec.apply(self, state, d)
+            result = ex.apply(self, state, d)
         except ActionFailed as e:
             self._engine.record(d, "failed", detail=str(e))
             if spec.escalate_on_failure and spec.escalates_to:
@@ -308,7 +315,7 @@ class FusePlugin:
             log.exception("heal_action_error", action=d.action)
             self._engine.record(d, "failed", detail=repr(e))
             return "failed"
-        detail, extra = spec.event(state, d) if spec.event is not None and result == "applied" else ("", {})
+        detail, extra = ex.event(state, d) if ex.event is not None and result == "applied" else ("", {})
         self._engine.record(d, result, detail=detail, labels=extra)
         if d.target.mpu_id:
             m = self.guard.mpu(d.target.mpu_id)
@@ -320,7 +327,7 @@ class FusePlugin:
                     self.pending_rerun.add(m.mpu_id)
         return result
 
-    def reduction_failed(self, m: Any, spec: Any, detail: str) -> None:
+    def reduction_failed(self, m: Any, spec: ActionSpec, detail: str) -> None:
         """A measure of `spec` in force on `m` failed while running (its action state undid it):
         book a failed event of that action and run the next level's action."""
         step = self.guard.current_step

@@ -37,17 +37,18 @@ from torch import nn
 import mscale.hook.mpu as mpumod
 import mscale.hook.placement as placement
 from mscale import link as protocol
-from mscale.config import parse_bool
 from mscale.findings import Finding, Severity
 from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, loss_of, output_tensors
 from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics
 from mscale.hook.contract import join as contract_join
+from mscale.hook.inputs import InputCheck
 from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
 from mscale.hook.null import NullGuard
 from mscale.hook.plugin import HOOKS
 from mscale.hook.protect import SnapshotConfig, agree, data_position, protect, snapshot_config
 from mscale.hook.ranks import identify
+from mscale.options import parse_bool
 
 log = structlog.get_logger("mscale.hook")
 
@@ -132,6 +133,7 @@ class Guard:
         self._commands: collections.deque[dict] = collections.deque(maxlen=1024)
         self._in_step = False
         self._losses: list[torch.Tensor | float] = []
+        self.inputs = InputCheck(self.emit, self._losses)  # the batch checked before the first MPU
         self._skip_reason = ""
         self._step_findings: list[Finding] = []
         self._last: dict[str, Any] = {}
@@ -189,7 +191,7 @@ class Guard:
         self.findings.append(finding)
         self._step_findings.append(finding)
         method = {Severity.CRITICAL: "error", Severity.WARNING: "warning"}.get(finding.severity, "info")
-        getattr(self.log, method)(finding.reason.value, source=finding.source, message=finding.message, **labels)
+        getattr(self.log, method)(finding.reason.value, source=finding.source, message=finding.message, labels=labels)
         self._dispatch("on_finding", finding)
 
     def request_skip(self, reason: str) -> None:
@@ -275,6 +277,8 @@ class Guard:
     def poll_commands(self) -> int:
         """Dispatch the agent's queued commands now (the guard does it at step boundaries)."""
         n = 0
+        while self.link is not None and self.link.findings:  # the link's own (agent_untrusted)
+            self.emit(self.link.findings.popleft())
         while self._commands:
             command = self._commands.popleft()
             n += 1
@@ -323,8 +327,10 @@ class Guard:
             self._handles.append(self.optimizer.register_step_post_hook(lambda opt, a, k: self._post_step()))
 
     def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if module.training and not self._in_step and not self.checksum.replaying:
-            self._begin_step(ModelInputs(args, kwargs))
+        if module.training and not self.checksum.replaying:
+            if not self._in_step:
+                self._begin_step(ModelInputs(args, kwargs))
+            self.inputs.begin(args, kwargs)
 
     def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self.checksum.replaying or not module.training:
@@ -360,7 +366,8 @@ class Guard:
         a0, r0 = self.checksum.abft_s, self.checksum.replay_s
         inputs = ModelInputs(args, kwargs)
         try:
-            self.checksum.after_forward(m, inputs, output)
+            if not self.inputs.bad():  # a NaN from the data blames no MPU
+                self.checksum.after_forward(m, inputs, output)
         except Exception as e:  # a detector bug must not stop training
             self.log.exception("checksum_error", mpu_id=m.mpu_id, error=str(e))
         t1 = time.perf_counter()

@@ -7,6 +7,12 @@ agent. The thread registers (job id, rank, PID, MPUs with their devices and GPU 
 sends the queued reports in batches, hands commands to `on_command`, and reconnects by itself
 with a capped backoff; while the agent is down, training and in-process detection go on.
 
+Before it says anything the client checks who listens: the socket's peer credentials
+(SO_PEERCRED, the listener's uid) must be one of `agent_uids` (root, the job's own uid, the
+configured agent uid: mscale.link.agent_uids). Another uid (a user who swapped the socket) gets
+no registration, no report and no say: the connection is closed, an `agent_untrusted` finding
+goes to `findings` (once per such uid in a row; the guard emits them), and the job runs alone, trying again later.
+
 What goes over the wire (messages, commands, limits) is `mscale.link`'s, which the agent's
 server speaks too.
 """
@@ -15,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import socket
+import struct
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -23,9 +31,14 @@ import aiohttp
 import structlog
 
 from mscale import link as protocol
+from mscale.findings import Finding, Reason, Severity
 from mscale.link import Msg
 
 log = structlog.get_logger("mscale.hook.link")
+
+
+class UntrustedAgent(Exception):
+    """The socket's listener is not a uid the job trusts as its agent."""
 
 
 class LinkClient:
@@ -38,6 +51,7 @@ class LinkClient:
         queue_max: int = 256,
         backoff_s: tuple[float, float] = (0.05, 2.0),
         connect_timeout_s: float = 2.0,
+        agent_uids: frozenset[int] | None = None,
     ) -> None:
         if queue_max < 1:
             raise ValueError(f"queue_max: expected >= 1, got {queue_max}")
@@ -46,6 +60,9 @@ class LinkClient:
         self.on_command = on_command
         self.backoff_s = backoff_s
         self.connect_timeout_s = connect_timeout_s
+        self.agent_uids = protocol.agent_uids() if agent_uids is None else frozenset(agent_uids)
+        self.findings: collections.deque[Finding] = collections.deque(maxlen=64)  # the guard emits them
+        self.untrusted_uid: int | None = None  # the uid last refused as the agent, until a trusted one
         self.queue: collections.deque[dict] = collections.deque()
         self.queue_max = queue_max
         self.dropped = 0  # reports dropped (queue full), reported to the agent
@@ -127,7 +144,7 @@ class LinkClient:
             try:
                 await self._session()
                 delay = self.backoff_s[0]
-            except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
+            except (TimeoutError, aiohttp.ClientError, OSError, ValueError, UntrustedAgent) as e:
                 self.last_error = f"{type(e).__name__}: {e}"
             except Exception as e:  # never let the link thread die
                 self.last_error = f"{type(e).__name__}: {e}"
@@ -147,6 +164,7 @@ class LinkClient:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             async with session.ws_connect(f"http://localhost{protocol.PATH}", heartbeat=10.0) as ws:
+                self._check_peer(ws)
                 reg = self.registration()
                 self._job_id = reg["job_id"]
                 await ws.send_str(protocol.encode(reg))
@@ -160,6 +178,29 @@ class LinkClient:
                 finally:
                     receiver.cancel()
                     await asyncio.gather(receiver, return_exceptions=True)
+
+    def _check_peer(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        """Refuse (UntrustedAgent) a listener whose uid is not one of agent_uids."""
+        sock = ws.get_extra_info("socket")
+        uid = -1
+        if sock is not None and sock.family == socket.AF_UNIX:
+            raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            _pid, uid, _gid = struct.unpack("3i", raw)
+        if uid in self.agent_uids:
+            self.untrusted_uid = None
+            return
+        if uid != self.untrusted_uid:
+            self.untrusted_uid = uid
+            trusted = ", ".join(str(u) for u in sorted(self.agent_uids))
+            message = (
+                f"the socket {self.socket_path} is served by uid {uid}, not the agent (uids {trusted}): "
+                "nothing sent to it, the job runs without the agent (set MSCALE_AGENT_UID if the agent runs as it)"
+            )
+            log.error("agent_untrusted", socket=self.socket_path, peer_uid=uid)
+            self.findings.append(
+                Finding("link", Reason.AGENT_UNTRUSTED, Severity.CRITICAL, message, {"peer_uid": str(uid)})
+            )
+        raise UntrustedAgent(f"socket served by uid {uid}, not a trusted agent uid")
 
     async def _send_loop(self, ws: aiohttp.ClientWebSocketResponse, receiver: asyncio.Future) -> None:
         assert self._wake is not None and self._stop is not None

@@ -22,7 +22,7 @@ MPU), in the step that would first use it; a write in a window whose group is no
 unseen here (with one process nothing else holds a copy; under DDP the replica check of
 mscale.hook.replicas compares the ranks' copies within its bound). A change of a tensor's
 shape, dtype or device (an L2 fallback, a swap on a GPU node) starts the fingerprints over:
-it is a move, not a corruption. The repair is the fuse's (mscale.healing.actions.restore_weights,
+it is a move, not a corruption. The repair is the fuse's (mscale.hook.actions.restore_weights,
 whose per-job state this is).
 """
 

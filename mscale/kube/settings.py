@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
-from mscale.config import opt
+from mscale.options import opt
 
 POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 CONDITION_TYPE = "GPUUnhealthy"
@@ -17,6 +18,7 @@ _NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 
 @dataclass(frozen=True)
 class KubernetesSection:
+    HELP: ClassVar[str] = "running on Kubernetes"
     enabled: bool = opt(
         False, "run on Kubernetes: pod labels on GPU and job series, node condition, Events (off: nothing changes)"
     )
@@ -59,7 +61,7 @@ class KubernetesSection:
     )
 
     def check(self, key: str) -> None:
-        from mscale.config import ConfigError
+        from mscale.options import ConfigError
 
         if self.node_name and not _NAME.fullmatch(self.node_name):
             raise ConfigError(f"{key}.node_name: expected a Kubernetes node name, got {self.node_name!r}")

@@ -6,7 +6,7 @@ dependencies (BCC, a driver) only inside its factory, which runs only when it is
 
 Adding a probe: one module exporting `SPEC`, one line below, one fixture, one test file.
 
-May import: findings, config, textfile. Never imports daemon or torch.
+May import: findings, options (the config machinery), textfile. Never imports daemon or torch.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from mscale.config import Config
     from mscale.daemon.state import AgentState
     from mscale.findings import Finding
 
@@ -25,7 +24,7 @@ class ProbeUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class ProbeContext:
-    config: Config
+    config: Any  # the agent's mscale.config.Config (assembled above this room, so not named here)
     state: AgentState
     emit: Callable[[Finding], Any]
     clock: Callable[[], float]

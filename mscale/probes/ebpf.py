@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from mscale.config import opt
 from mscale.findings import Finding, Reason, Severity
+from mscale.options import opt
 from mscale.probes.base import ProbeContext, ProbeSpec, ProbeUnavailable
 from mscale.probes.ebpf_detect import BlockedShare, LaunchWatch
 from mscale.probes.ebpf_loader import DIRECTIONS, HIST_SLOTS, ROLES, RUNTIME, Link, PidCounters, Role, preflight

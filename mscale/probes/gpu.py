@@ -21,8 +21,8 @@ from typing import Any
 
 import structlog
 
-from mscale.config import opt
 from mscale.findings import Finding, Reason, Severity
+from mscale.options import opt
 from mscale.probes import nvml_api
 from mscale.probes.base import ProbeContext, ProbeSpec
 from mscale.probes.gpu_health import FAILED, HEALTHY, STATES, XID_RECOVERY_ACTION_CHANGED, HealthModel, XidInfo

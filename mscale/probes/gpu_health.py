@@ -21,10 +21,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from mscale.config import opt
 from mscale.findings import Reason
+from mscale.options import opt
 from mscale.textfile import read_text
 
 HEALTHY, DEGRADED, FAILED = "healthy", "degraded", "failed"
@@ -84,6 +84,8 @@ MIN_RATE_SPAN_S = 60.0
 @dataclass(frozen=True)
 class HealthSection:
     """[health]: the thresholds of the model below (both GPU backends judge by them)."""
+
+    HELP: ClassVar[str] = "GPU health thresholds"
 
     temperature_degraded_c: float = opt(83.0, "GPU temperature at or above this is degraded", min=0, max=200)
     sbe_per_hour_degraded: float = opt(100.0, "single-bit ECC errors per hour above this is degraded", min=0)

@@ -18,7 +18,7 @@ from typing import Any
 
 import psutil
 
-from mscale.config import opt
+from mscale.options import opt
 from mscale.probes.base import ProbeContext, ProbeSpec
 
 # Virtual block devices with nothing to say about training I/O.

@@ -232,6 +232,58 @@ text model, and every step that stays at L3 drifts further from the undisturbed 
 2. Swaps away from the same GPU again and again: that GPU is failing, take it out of service.""",
     ),
     Alert(
+        "MscaleStragglerMpu",
+        "training",
+        "(job_rank_mpu:mscale_mpu_latency:ratio_to_job_median >= $ratio"
+        " and (job_rank_mpu:mscale_mpu_latency_seconds:median$straggler"
+        " - on (job_id, mpu_id, phase) group_left ()"
+        " quantile by (job_id, mpu_id, phase) (0.5, job_rank_mpu:mscale_mpu_latency_seconds:median$straggler))"
+        " >= $min_excess_s)"
+        " * on (instance, job_id, rank, mpu_id) group_left (mpu, gpu, gpu_uuid) mscale_mpu_info{$agent}",
+        "MPU {{ $labels.mpu }} ({{ $labels.mpu_id }}) of job {{ $labels.job_id }} rank {{ $labels.rank }} "
+        "is a straggler ({{ $value | humanize }}x the job's median {{ $labels.phase }})",
+        "The {{ $labels.phase }} of MPU {{ $labels.mpu }} ({{ $labels.mpu_id }}) on rank {{ $labels.rank }} "
+        "(local rank {{ $labels.local_rank }}, GPU {{ $labels.gpu }} {{ $labels.gpu_uuid }}, node "
+        "{{ $labels.node }}) of job {{ $labels.job_id }} has taken at least $ratio times the median of "
+        "the same MPU on the job's ranks over $straggler, for $for: every synchronous step waits for it.",
+        """One MPU on one GPU is slower than the same MPU on the job's other ranks, on every node
+Prometheus sees (the recording rule `job_rank_mpu:mscale_mpu_latency:ratio_to_job_median`). The
+other ranks wait for it in every gradient all-reduce: the whole job runs at its pace.
+
+1. Training dashboard, row Stragglers: the ratio per rank and MPU, and the agent's own verdicts
+   (`mscale_straggler`, `GET /api/v1/events` reason `straggler`) for the ranks on one node.
+2. The GPU: `nvidia-smi -q -d PERFORMANCE,CLOCK,TEMPERATURE -i <gpu>` on the node: clocks
+   throttled (power, thermal), a PCIe link trained down, ECC retirements; the GPU dashboard's
+   temperature and power for that GPU against its neighbours.
+3. Only one MPU slow while the rank's others are not: its input (this rank's shard of that
+   modality, larger images or longer audio), or the kernels it alone uses.
+4. Persistent and the GPU at fault: move the MPU to a standby GPU. The healing policy does it
+   (an L1 swap) only where the operator's policy maps the `straggler` reason to `l1_swap`
+   ([healing.md](healing.md)); by default the agent reports.""",
+    ),
+    Alert(
+        "MscaleStragglerRank",
+        "training",
+        "job_rank:mscale_job_rank_compute:ratio_to_job_median >= $ratio"
+        " and (job_rank:mscale_job_rank_compute_seconds:median$straggler"
+        " - on (job_id) group_left () quantile by (job_id) (0.5, job_rank:mscale_job_rank_compute_seconds:median$straggler))"
+        " >= $min_excess_s",
+        "Rank {{ $labels.rank }} of job {{ $labels.job_id }} is a straggler "
+        "({{ $value | humanize }}x the job's median compute time)",
+        "Rank {{ $labels.rank }} (local rank {{ $labels.local_rank }}, node {{ $labels.node }}) of job "
+        "{{ $labels.job_id }} has computed for at least $ratio times the median of the job's ranks over "
+        "$straggler, for $for: every synchronous step waits for it.",
+        """A rank's compute time (its MPUs' forward and backward, `mscale_job_rank_compute_seconds`) is
+above the job's median on every node Prometheus sees. The step's wall time cannot show it: in
+synchronous data parallel every rank waits for the slowest in the all-reduce.
+
+1. MscaleStragglerMpu names the MPU when one stands out; without it the whole rank is slow: the
+   GPU (clocks, throttling, see that alert), the host (CPU contention from the data loader,
+   `mscale_contract_compliant`, NUMA placement), or a larger share of the data.
+2. Training dashboard, row Stragglers: since when, and whether it moves between ranks (input)
+   or stays on one GPU (hardware).""",
+    ),
+    Alert(
         "MscaleMpuDensityDeviation",
         "training",
         "mscale_density_recommendation{$agent} == 1",

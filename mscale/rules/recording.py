@@ -34,6 +34,28 @@ RECORDS: tuple[Record, ...] = (
     ),
     Record("job:mscale_job_loss:avg$band", "avg_over_time(mscale_job_loss{$agent}[$band])"),
     Record("job:mscale_job_loss:stddev$band", "stddev_over_time(mscale_job_loss{$agent}[$band])"),
+    # Slow ranks and slow MPUs across nodes (mscale.daemon.stragglers compares the ranks on one
+    # node): each rank's median time over the window, over the median of the job's ranks
+    Record(
+        "job_rank_mpu:mscale_mpu_latency_seconds:median$straggler",
+        "quantile_over_time(0.5, mscale_mpu_latency_seconds{$agent}[$straggler])",
+    ),
+    Record(
+        "job_rank_mpu:mscale_mpu_latency:ratio_to_job_median",
+        "job_rank_mpu:mscale_mpu_latency_seconds:median$straggler"
+        " / on (job_id, mpu_id, phase) group_left ()"
+        " quantile by (job_id, mpu_id, phase) (0.5, job_rank_mpu:mscale_mpu_latency_seconds:median$straggler)",
+    ),
+    Record(
+        "job_rank:mscale_job_rank_compute_seconds:median$straggler",
+        "quantile_over_time(0.5, mscale_job_rank_compute_seconds{$agent}[$straggler])",
+    ),
+    Record(
+        "job_rank:mscale_job_rank_compute:ratio_to_job_median",
+        "job_rank:mscale_job_rank_compute_seconds:median$straggler"
+        " / on (job_id) group_left ()"
+        " quantile by (job_id) (0.5, job_rank:mscale_job_rank_compute_seconds:median$straggler)",
+    ),
     # every finding per node, source and reason (the healing dashboard)
     Record("node:mscale_events:increase$event", f"sum without (severity) ({new_or_increase('mscale_events_total')})"),
     # the jobs' own findings (loss spikes, NaN, ...) per job, source and reason: the loss alerts read these

@@ -15,7 +15,7 @@
 The public names are importable from here (`from mscale.snapshot import SnapshotEngine`);
 importing this package or `mscale.snapshot.format` does not import torch.
 
-May import: findings, config, healing, hook. Never imports daemon.
+May import: findings, options (the config machinery), healing, hook. Never imports daemon.
 """
 
 from __future__ import annotations

@@ -13,7 +13,10 @@ of the next record, for data sets streamed from files too large to index.
 Both offer `state_dict()` / `load_state_dict()` (what the snapshot engine stores),
 `last_batch_position` and `skip_batch_at(position)` (so a rollback can step over the batch that
 caused a fault), and `next_batch()`; iterating either yields batches without end, across epoch
-boundaries, so training loops are driven by the step count.
+boundaries, so training loops are driven by the step count. With gradient accumulation a step
+draws several batches: `step_positions` lists those drawn since `mark_step()` (which the
+snapshot engine calls at every step end), so a rollback can step over every micro-batch of the
+offending step, or exactly the one whose loss was non-finite, not just the last one drawn.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 __all__ = ["ResumableLoader", "ResumableFileStream", "epoch_order"]
+
+MAX_STEP_POSITIONS = 4096  # micro-batches one step may draw and still be stepped over on a rollback
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -90,6 +95,7 @@ class ResumableLoader:
         self.index = 0
         self.skip: set[tuple[int, int]] = set()
         self.last_batch_position: dict | None = None
+        self.step_positions: list[dict] = []  # the batches drawn since mark_step(), in order
         self._order_cache: tuple[int, list[int]] | None = None
         self._it: Iterator | None = None  # worker-backed iterator, valid for (epoch, index) at creation
 
@@ -144,6 +150,7 @@ class ResumableLoader:
         else:
             batch = self.collate_fn([self.dataset[i] for i in self._batch_indices(*start)])
         self.last_batch_position = {"epoch": start[0], "index": start[1]}
+        self._drawn(self.last_batch_position)
         self.index += self.batch_size
         return batch
 
@@ -176,6 +183,14 @@ class ResumableLoader:
         self.skip.add((int(position["epoch"]), int(position["index"])))
         self._it = None
 
+    def mark_step(self) -> None:
+        """A step ended: the next batch drawn opens the next step's `step_positions`."""
+        self.step_positions = []
+
+    def _drawn(self, position: dict) -> None:
+        if len(self.step_positions) < MAX_STEP_POSITIONS:  # a loop that never marks stays bounded
+            self.step_positions.append(dict(position))
+
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {
@@ -204,6 +219,7 @@ class ResumableLoader:
         self.skip = {(int(e), int(i)) for e, i in state.get("skip", [])}
         last = state.get("last_batch_position")
         self.last_batch_position = dict(last) if last else None
+        self.step_positions = []
         self._order_cache = None
         self._it = None
 
@@ -232,6 +248,7 @@ class ResumableFileStream:
         self.epoch, self.offset, self.record = 0, 0, 0  # record: number of the next record in the file
         self.skip: set[tuple[int, int]] = set()
         self.last_batch_position: dict | None = None
+        self.step_positions: list[dict] = []  # the batches drawn since mark_step(), in order
 
     def position(self) -> dict:
         return {"epoch": self.epoch, "offset": self.offset}
@@ -268,6 +285,8 @@ class ResumableFileStream:
                     self.epoch, self.offset, self.record, wrapped = self.epoch + 1, 0, 0, True
                     continue
                 self.last_batch_position = {"epoch": start[0], "offset": start[1]}
+                if len(self.step_positions) < MAX_STEP_POSITIONS:
+                    self.step_positions.append(dict(self.last_batch_position))
                 self.offset, self.record = offset, record
                 return [self.parse(r) for r in records]
 
@@ -277,6 +296,9 @@ class ResumableFileStream:
 
     def skip_batch_at(self, position: dict) -> None:
         self.skip.add((int(position["epoch"]), int(position["offset"])))
+
+    def mark_step(self) -> None:
+        self.step_positions = []
 
     def state_dict(self) -> dict:
         return {
@@ -310,6 +332,26 @@ class ResumableFileStream:
         self.skip = {(int(e), int(o)) for e, o in state.get("skip", [])}
         last = state.get("last_batch_position")
         self.last_batch_position = dict(last) if last else None
+        self.step_positions = []
+
+
+def step_batches(data: Any, micro_batches: Sequence[int] = ()) -> list[dict] | None:
+    """The positions a rollback of the offending step steps over: every batch the step drew
+    (`step_positions`), or only those at the indices `micro_batches` names when the step drew
+    that many; a data object without `step_positions` has its last batch. None: the data cannot
+    say; [] for a loop's loader that already moved past them (mscale.hook.protect.LoopData)."""
+    drawn = list(getattr(data, "step_positions", None) or [])
+    if not drawn:
+        last = getattr(data, "last_batch_position", None)
+        return None if last is None else [dict(last)] if last else []
+    picked = [drawn[i] for i in micro_batches if 0 <= i < len(drawn)]
+    return picked if micro_batches and len(picked) == len(micro_batches) else drawn
+
+
+def describe_batches(positions: list[dict]) -> str:
+    """'the batch at epoch 0, index 8' or 'the 4 batches at ...', for a rollback's finding."""
+    where = "; ".join(", ".join(f"{k} {v}" for k, v in p.items()) for p in positions)
+    return f"the batch at {where}" if len(positions) == 1 else f"the {len(positions)} batches at {where}"
 
 
 def indices_of(batch: Any) -> Sequence[int]:

@@ -29,7 +29,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -41,18 +41,21 @@ from torch import nn
 import mscale.snapshot.distributed as mdist
 import mscale.snapshot.memory as mem
 from mscale.findings import Finding, Reason, Severity
+from mscale.snapshot import worlds
+from mscale.snapshot.data import describe_batches, step_batches
 from mscale.snapshot.format import (
     FORMAT,
     MANIFEST,
     NONMPU_FILE,
     NONMPU_OPTIM_FILE,
     SnapshotError,
+    SnapshotInfo,
     list_snapshots,
 )
 from mscale.snapshot.inplace import load_newest_valid
 from mscale.snapshot.manifest import safe_name
 from mscale.snapshot.memory import HostCopier, MemorySnapshot, rng_state, set_rng_state, to_host
-from mscale.snapshot.optim import NamedOptimizer
+from mscale.snapshot.optim import NamedOptimizer, fits
 from mscale.snapshot.writer import DiskWriter
 
 __all__ = ["SnapshotEngine", "RollbackUnavailable"]
@@ -114,6 +117,7 @@ class SnapshotEngine:
         self.rank, self.world_size = mdist.rank_and_size(group)
         self.step = 0
         self.findings: deque[Finding] = deque(maxlen=256)
+        self.last_skipped: list[dict] = []  # the data positions the last rollback stepped over
         self.recovery_seconds: dict[str, float] = {}  # checkpoint_recovery_time_seconds{tag}
         self._mpus = self._check_mpus(mpus or {})
         self._prefixes = sorted(self._mpus.values(), key=lambda pf: -len(pf[0]))
@@ -132,7 +136,9 @@ class SnapshotEngine:
         self.rank_dir: Path | None = None
         self._disk: DiskWriter | None = None
         if self.directory is not None:
-            self.rank_dir = self.directory / f"rank_{self.rank:05d}" if self.world_size > 1 else self.directory
+            if self.world_size > 1 and self.rank == 0:
+                worlds.adopt_single(self.directory)  # before any rank lists it: worlds.plan waits for this
+            self.rank_dir = worlds.rank_dir(self.directory, self.rank, self.world_size)
             self.rank_dir.mkdir(parents=True, exist_ok=True)
             identity = {
                 "rank": self.rank,
@@ -185,6 +191,7 @@ class SnapshotEngine:
         finding = Finding("snapshot", reason, severity, message, {**base, **{k: str(v) for k, v in labels.items()}})
         self.findings.append(finding)
         level = {Severity.CRITICAL: "error", Severity.WARNING: "warning"}.get(severity, "info")
+        level = level if self._emit_fn is None else "debug"  # a consumer (the guard) logs it: one line
         getattr(log, level)(message, reason=reason.value, rank=self.rank, **labels)
         if self._emit_fn is not None:
             try:
@@ -294,6 +301,7 @@ class SnapshotEngine:
     def step_end(self, step: int) -> None:
         """Call after step `step` completed (optimizer and scheduler stepped)."""
         self.step = step
+        self.mark_step()
         to_disk = self.directory is not None and self.disk_every and step % self.disk_every == 0
         if (self.memory_every and step % self.memory_every == 0) or to_disk:
             snap = self.snapshot()
@@ -370,6 +378,9 @@ class SnapshotEngine:
         if self._disk is not None:
             self._disk.flush(timeout)
 
+    def _mine(self, infos: list[SnapshotInfo]) -> list[SnapshotInfo]:
+        return self._disk.own.mine(infos) if self._disk is not None else infos
+
     # -- restore ----------------------------------------------------------------------
     def _check_fits(self, tensors: dict[str, dict[str, torch.Tensor]], objects: dict, where: str) -> None:
         model_keys = {k[6:]: t for d in tensors.values() for k, t in d.items() if k.startswith("model/")}
@@ -379,13 +390,11 @@ class SnapshotEngine:
             raise SnapshotError(
                 f"{where} does not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
             )
-        for k, t in live.items():
-            if tuple(model_keys[k].shape) != tuple(t.shape):
-                raise SnapshotError(
-                    f"{where} does not fit the model: {k} has shape {tuple(model_keys[k].shape)}, the model {tuple(t.shape)}"
-                )
+        for k, t in live.items():  # shape and dtype: nothing is cast or reshaped on the way in
+            fits(f"model/{k}", model_keys[k], t, f"{where} does not fit the model", "the model's")
         if self._named_opt is not None:
-            self._named_opt.check(objects.get("optimizer"), where)
+            optim = {k[6:]: t for d in tensors.values() for k, t in d.items() if k.startswith("optim/")}
+            self._named_opt.check(objects.get("optimizer"), where, optim)
         for name, obj in (("scaler", self.scaler), ("scheduler", self.scheduler), ("data", self.data)):
             if obj is not None and name not in objects:
                 raise SnapshotError(f"{where} holds no {name} state")
@@ -430,10 +439,20 @@ class SnapshotEngine:
         set_rng_state(objects["rng"])
         self.step = int(objects["step"])
 
-    def rollback(self, step: int | None = None, *, skip_batch: bool = False) -> int:
+    def rollback(self, step: int | None = None, *, skip_batch: bool = False, micro_batches: Sequence[int] = ()) -> int:
         """Restores the newest in-memory snapshot (or the one at `step`) into the live objects;
-        training continues at the returned step + 1. skip_batch: the batch last drawn (the one
-        that caused the fault) is stepped over when the replay reaches it."""
+        training continues at the returned step + 1. skip_batch: the offending step's batches are
+        stepped over on the replay (mscale.snapshot.data.step_batches); `last_skipped` lists them."""
+        try:
+            return self._rollback(step, skip_batch, micro_batches)
+        except BaseException:
+            self.mark_step()  # nothing was restored: the next step draws afresh
+            raise
+
+    def mark_step(self) -> None:  # a step ended (or was undone): the next batch opens the next one
+        getattr(self.data, "mark_step", lambda: None)()
+
+    def _rollback(self, step: int | None, skip_batch: bool, micro_batches: Sequence[int]) -> int:
         t0 = time.perf_counter()
         with self._lock:
             candidates = [s for s in self._kept if step is None or s.step == step]
@@ -446,8 +465,8 @@ class SnapshotEngine:
                 f"no in-memory snapshot{'' if step is None else f' of step {step}'} (held: {self.held_steps})"
             )
         from_step = self.step
-        bad = getattr(self.data, "last_batch_position", None) if skip_batch else None
-        if skip_batch and (bad is None or not hasattr(self.data, "skip_batch_at")):
+        bad = step_batches(self.data, micro_batches) if skip_batch else []
+        if bad is None or (skip_batch and not hasattr(self.data, "skip_batch_at")):
             if snap is not None:
                 self._unpin(snap)
             raise SnapshotError("skip_batch needs a data object with last_batch_position and skip_batch_at()")
@@ -461,7 +480,7 @@ class SnapshotEngine:
         else:  # no in-memory copy yet since the start-up resume: back to that disk snapshot
             assert resumed is not None and self.rank_dir is not None  # the check above
             # ... or, alone and that one refused now, to the newest older one that verifies
-            infos = list_snapshots(self.rank_dir) if self.world_size == 1 else []
+            infos = self._mine(list_snapshots(self.rank_dir)) if self.world_size == 1 else []
             older = {i.step for i in infos if i.path.parent == self.rank_dir and i.step < resumed[0]}
             found = load_newest_valid(self, [resumed[0], *sorted(older, reverse=True)], collective=False)
             if found is None:
@@ -469,8 +488,9 @@ class SnapshotEngine:
             tag, (target, path, tensors, objects) = "disk", found
             self._apply(tensors, objects, where=str(path), owned=True)
             self._resumed = (target, path)
-        if bad is not None:
-            self.data.skip_batch_at(bad)
+        for position in bad:
+            self.data.skip_batch_at(position)
+        self.last_skipped = bad
         with self._lock:  # snapshots newer than the target belong to the abandoned timeline
             for s in [s for s in self._kept if s.step > target]:
                 self._kept.remove(s)
@@ -483,7 +503,7 @@ class SnapshotEngine:
             Reason.ROLLBACK,
             Severity.WARNING,
             f"rolled back to the {'in-memory' if tag == 'memory' else 'disk'} snapshot of step {target} (last completed step {from_step}) in {seconds:.3f} s"
-            + (", the faulty batch will be skipped" if bad is not None else ""),
+            + (f", {describe_batches(bad)} will be skipped" if bad else ""),
             step=target,
             from_step=from_step,
             tag=tag,
@@ -500,12 +520,12 @@ class SnapshotEngine:
             steps = [self._resumed[0]]
         return steps
 
-    def agree_rollback(self, fault: bool, *, skip_batch: bool = False) -> int | None:
+    def agree_rollback(self, fault: bool, *, skip_batch: bool = False, micro_batches: Sequence[int] = ()) -> int | None:
         """Collective commit point: every rank calls it at the same point of each step with its
         own fault flag. If any rank has a fault, all ranks restore the newest step every rank
         holds in memory, or none does (RollbackUnavailable on every rank). None: no fault."""
         if self.world_size == 1:
-            return self.rollback(skip_batch=skip_batch) if fault else None
+            return self.rollback(skip_batch=skip_batch, micro_batches=micro_batches) if fault else None
         if not mdist.any_flag(fault, self.group):
             return None
         target = mdist.newest_common(self.held_steps, self.group)
@@ -517,25 +537,25 @@ class SnapshotEngine:
                 step=self.step,
             )
             raise RollbackUnavailable("no in-memory snapshot common to every rank")
-        return self.rollback(target, skip_batch=skip_batch)
+        return self.rollback(target, skip_batch=skip_batch, micro_batches=micro_batches)
 
     def resume(self) -> int | None:
         """Start-up: restores the newest valid snapshot on disk (a corrupted or partial one is
-        refused with the file named, and the next older used). Returns its step (training goes
-        on at step + 1), or None when there is none. Collective when several ranks: all ranks
-        resume the same step."""
+        refused with the file named, and the next older used; another world size's: worlds.py).
+        Returns its step (training goes on at step + 1), or None. Collective with several ranks."""
         if self.rank_dir is None:
             return None
         t0 = time.perf_counter()
-        # Every step_ directory counts, a bad manifest included: it exists only after the
-        # rename, so a bad one is corruption to report, not an interrupted write.
-        mine = sorted({i.step for i in list_snapshots(self.rank_dir) if i.path.parent == self.rank_dir}, reverse=True)
-        steps = mdist.common_steps(mine, self.group) if self.world_size > 1 else mine
-        found = load_newest_valid(self, steps, collective=self.world_size > 1)
+        # this world's snapshots and other world sizes' it can take, this run's only (ownership.py)
+        plan = worlds.plan(self, keep=self._mine)
+        steps = sorted(plan, reverse=True)
+        found = load_newest_valid(self, steps, collective=self.world_size > 1, where=lambda s: plan[s].path)
         if found is not None:
             step, path, tensors, objects = found
-            self._apply(tensors, objects, where=str(path), owned=True)
+            self._apply(tensors, worlds.fit(self, step, objects, plan), where=str(path), owned=True)
             del found, tensors, objects  # the engine's copies are applied: let these go
+            if plan[step].world_size != self.world_size:  # a rollback must not go back to another world's
+                self.snapshot(step=step)
             # Until the first in-memory snapshot, a rollback goes back to this one on disk:
             # copying 3x the parameter bytes again at start-up would double the restore time.
             self._resumed = (step, path)
@@ -544,7 +564,9 @@ class SnapshotEngine:
             self._emit(
                 Reason.SNAPSHOT_RESUMED,
                 Severity.INFO,
-                f"resumed from {path} (step {step}) in {seconds:.3f} s; training continues at step {step + 1}",
+                f"resumed from {path} (step {step}{worlds.note(plan[step], self.world_size)}) in {seconds:.3f} s; "
+                f"training continues at step {step + 1}",
+                world_size_then=plan[step].world_size,
                 step=step,
                 tag="disk",
                 recovery_seconds=f"{seconds:.6f}",

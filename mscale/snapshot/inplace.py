@@ -17,6 +17,7 @@ and `load_newest_valid` raises instead of letting training start from scratch on
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -114,7 +115,7 @@ def plan_in_place(
 
 
 def load_newest_valid(
-    engine: SnapshotEngine, steps: list[int], *, collective: bool
+    engine: SnapshotEngine, steps: list[int], *, collective: bool, where: Callable[[int], Path] | None = None
 ) -> tuple[int, Path, Any, dict] | None:
     """(step, path, tensors, objects) of the newest of `steps` that verifies and fits, read
     into the live tensors where it fits them; each refused one a finding; collective: a step
@@ -130,7 +131,7 @@ def load_newest_valid(
         return plans
 
     for step in steps:
-        path = engine.rank_dir / f"step_{step:08d}"
+        path = where(step) if where is not None else engine.rank_dir / f"step_{step:08d}"  # another rank's: worlds.py
         landed.clear()
         try:
             tensors, objects, _ = load_snapshot(path, pool=engine._copier.pool(), plan=plan)
@@ -147,9 +148,9 @@ def load_newest_valid(
         overwritten = path if any(landed) else overwritten  # landed here, refused by another rank
     # every rank gets here together (one flag per step on each): all raise, or none
     if mdist.any_flag(overwritten is not None, engine.group) if collective else overwritten is not None:
-        where = overwritten or "a snapshot on another rank"
+        at = overwritten or "a snapshot on another rank"
         raise SnapshotError(
-            f"{where} was refused after part of it was read into the live model and optimizer, and no "
+            f"{at} was refused after part of it was read into the live model and optimizer, and no "
             "older snapshot verifies: their state is no longer the one this process started with; start it again"
         )
     return None

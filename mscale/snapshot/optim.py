@@ -19,7 +19,7 @@ from torch import nn
 from mscale.snapshot.format import SnapshotError
 from mscale.snapshot.memory import to_host
 
-__all__ = ["NamedOptimizer"]
+__all__ = ["NamedOptimizer", "fits"]
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -68,8 +68,9 @@ class NamedOptimizer:
         ]
         return {"class": type(self.optimizer).__name__, "param_groups": groups, "scalars": scalars}
 
-    def check(self, saved: dict | None, where: str) -> None:
-        """Refuses a snapshot whose optimizer groups name other parameters than the live ones."""
+    def check(self, saved: dict | None, where: str, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Refuses a snapshot whose optimizer groups name other parameters than the live ones,
+        and (given its state `tensors`, "<fqn>/<key>") one whose state does not fit (check_state)."""
         self._refresh()
         if saved is None:
             raise SnapshotError(f"{where} holds no optimizer state")
@@ -81,6 +82,43 @@ class NamedOptimizer:
         theirs = [g["params"] for g in saved["param_groups"]]
         if ours != theirs:
             raise SnapshotError(f"{where}: the optimizer's parameter groups differ from the snapshot's")
+        if tensors is not None:
+            self.check_state(saved, where, tensors, ours)
+
+    def check_state(self, saved: dict, where: str, tensors: dict[str, torch.Tensor], groups: list[list[str]]) -> None:
+        """Every state tensor fits before a byte is applied: the same keys, shapes and dtypes as
+        the live optimizer's state where it holds some; for torch's own optimizers (whose state
+        tensors are the shape and dtype of their parameter, 0-d ones aside) the parameter's, and
+        every parameter of a group holding the same keys (none missing)."""
+        what = f"{where} does not fit the optimizer"
+        state: dict[str, dict[str, Any]] = {}
+        for key, t in tensors.items():
+            fqn, _, name = key.rpartition("/")
+            state.setdefault(fqn, {})[name] = t
+        for fqn, scalars in saved.get("scalars", {}).items():
+            for name, v in scalars.items():
+                state.setdefault(fqn, {})[name] = v
+        if unknown := sorted(state.keys() - set(self.names)):
+            raise SnapshotError(f"{what}: it holds state for {unknown[:3]}, not parameters of the optimizer")
+        params = dict(zip(self.names, [p for g in self.optimizer.param_groups for p in g["params"]], strict=True))
+        torch_own = type(self.optimizer).__module__.startswith("torch.optim")
+        for group in groups:
+            held = {fqn: state[fqn] for fqn in group if state.get(fqn)}
+            every = set().union(*(s.keys() for s in held.values())) if held else set()
+            for fqn in group:
+                p, theirs, mine = params[fqn], state.get(fqn, {}), self.optimizer.state.get(params[fqn], {})
+                if mine and mine.keys() != theirs.keys():
+                    raise SnapshotError(
+                        f"{what}: optim/{fqn} holds {sorted(theirs)}, the optimizer's state {sorted(mine)}"
+                    )
+                if torch_own and theirs and (missing := sorted(every - theirs.keys())):
+                    raise SnapshotError(f"{what}: optim/{fqn} lacks {missing} (its group's other parameters hold them)")
+                for name, t in theirs.items():
+                    live = mine.get(name)
+                    if isinstance(live, torch.Tensor):
+                        fits(f"optim/{fqn}/{name}", t, live, what, "the optimizer's")
+                    elif not mine and torch_own and isinstance(t, torch.Tensor) and t.dim() > 0:
+                        fits(f"optim/{fqn}/{name}", t, p, what, "its parameter's")
 
     def restore(
         self,
@@ -138,6 +176,18 @@ class NamedOptimizer:
             for sg in saved["param_groups"]
         ]
         opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def fits(key: str, saved: Any, live: torch.Tensor, what: str, whose: str) -> None:
+    """Refuses (SnapshotError, naming the tensor and both) a saved tensor whose shape or dtype
+    is not the live one's: loading it would cast or reshape it silently, or fail later."""
+    if not isinstance(saved, torch.Tensor):
+        raise SnapshotError(f"{what}: {key} is a {type(saved).__name__}, {whose} a tensor")
+    if tuple(saved.shape) != tuple(live.shape) or saved.dtype != live.dtype:
+        raise SnapshotError(
+            f"{what}: {key} has shape {tuple(saved.shape)} and dtype {saved.dtype}, "
+            f"{whose} shape {tuple(live.shape)} and dtype {live.dtype}"
+        )
 
 
 def _same_layout(cur: dict, want: dict) -> bool:

@@ -30,7 +30,6 @@ from typing import Any
 import structlog
 import torch
 
-from mscale import __version__
 from mscale.findings import Reason, Severity
 from mscale.snapshot.format import (
     ASIDE_PREFIX,
@@ -46,7 +45,9 @@ from mscale.snapshot.format import (
 )
 from mscale.snapshot.manifest import parse_manifest
 from mscale.snapshot.memory import MemorySnapshot
+from mscale.snapshot.ownership import Ownership
 from mscale.snapshot.tensors import safetensors_parts
+from mscale.version import __version__
 
 __all__ = ["DiskWriter"]
 
@@ -74,6 +75,7 @@ class DiskWriter:
     ) -> None:
         self.rank_dir, self.keep, self.identity = rank_dir, keep, identity
         self._emit, self._unpin = emit, unpin
+        self.own = Ownership(str(identity.get("job_id", "")), emit)  # only this run's snapshots
         self.last_write: dict = {}
         self._clean_leftovers()
         self._jobs: deque = deque()
@@ -90,7 +92,7 @@ class DiskWriter:
     def _clean_leftovers(self) -> None:
         # Temporary directories of writers that died (kill -9, power loss): never complete.
         for p in self.rank_dir.iterdir():
-            if p.is_dir() and (p.name.startswith(TEMP_PREFIX) or p.name.startswith(ASIDE_PREFIX)):
+            if (p.name.startswith(TEMP_PREFIX) or p.name.startswith(ASIDE_PREFIX)) and self.own.owns_dir(p):
                 shutil.rmtree(p, ignore_errors=True)
 
     # -- the queue --------------------------------------------------------------------
@@ -274,7 +276,8 @@ class DiskWriter:
         shutil.rmtree(aside, ignore_errors=True)
 
     def _prune(self) -> None:
-        complete = [i for i in list_snapshots(self.rank_dir) if i.path.parent == self.rank_dir and i.complete]
+        infos = self.own.mine(list_snapshots(self.rank_dir))
+        complete = [i for i in infos if i.path.parent == self.rank_dir and i.complete]
         for info in sorted(complete, key=lambda i: i.step)[: -self.keep]:
             self._remove(info.path)
         fsync_dir(self.rank_dir)
@@ -282,7 +285,7 @@ class DiskWriter:
     def _prune_after(self, step: int) -> None:
         # Snapshots newer than a rollback target belong to the abandoned timeline.
         try:
-            for info in list_snapshots(self.rank_dir):
+            for info in self.own.mine(list_snapshots(self.rank_dir)):
                 if info.step > step and info.path.parent == self.rank_dir:
                     self._remove(info.path)
                     log.info("removed snapshot of the abandoned timeline", step=info.step, path=str(info.path))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mscale.config import opt
+from mscale.options import opt
 from mscale.probes.base import ProbeContext, ProbeSpec
 
 

@@ -1,43 +1,86 @@
-"""Healing actions: one module each, registered here (one line per action). What the engine
-and the fuse need to know about an action is declared on its spec (base.ActionSpec)."""
+"""Healing actions as the engine and the policy see them: one spec each, registered here (one
+entry per action, registry order). What an action does in the training job is its executor,
+mscale.hook.actions.<module> (registered in mscale.hook.actions), which this room never
+imports: the agent loads every spec without torch."""
 
 from __future__ import annotations
 
-import importlib
+from mscale.healing.actions.base import ActionSpec
+from mscale.healing.fsm import Level
 
-from mscale.healing.actions.base import ActionFailed, ActionSpec
+_SPECS: tuple[ActionSpec, ...] = (
+    # a checksum failure below the L1 threshold: nothing moves, the state machine remembers
+    ActionSpec("mark_suspect", "none", Level.SUSPECT, "mark the MPU suspect", scope="mpu"),
+    ActionSpec(
+        "l1_swap",
+        "L1",
+        Level.L1_SWAPPED,
+        "move the MPU to a standby GPU and re-run its forward",
+        scope="mpu",
+        reruns_forward=True,
+        drift=True,
+        escalates_to="l2_degrade",
+        escalate_on_failure=True,
+        new_placement=True,
+    ),
+    ActionSpec(
+        "l2_degrade",
+        "L2",
+        Level.L2_DEGRADED,
+        "run the MPU degraded (CPU or bf16 fallback, reduced resolution, raised clip)",
+        scope="mpu",
+        reruns_forward=True,
+        escalates_to="l3_distill",
+        new_placement=True,
+    ),
+    ActionSpec(
+        "l3_distill",
+        "L3",
+        Level.L3_DISTILLING,
+        "distill the failing MPU from the text MPU",
+        scope="mpu",
+        new_placement=True,
+    ),
+    ActionSpec(
+        "recover",
+        "none",
+        Level.RECOVERED,
+        "undo the L2/L3 measures after a clean stretch",
+        scope="mpu",
+        on_recovery=True,
+    ),
+    ActionSpec("lr_cool", "none", None, "cool the learning rate for a window", scope="job", cools_job=True),
+    ActionSpec("rollback", "none", None, "drop the step, restore the last good snapshot, skip the batch", scope="job"),
+    ActionSpec(
+        "restore_weights",
+        "none",
+        None,
+        "restore corrupted weights from the newest in-memory snapshot (in place, or roll back to it)",
+        scope="job",
+    ),
+    ActionSpec("emergency_snapshot", "none", None, "write the in-memory snapshot to disk now", scope="job"),
+    ActionSpec("quarantine_gpu", "none", None, "mark the GPU unusable for the job", scope="gpu"),
+)
 
-REGISTRY: dict[str, str] = {
-    "mark_suspect": "mscale.healing.actions.mark_suspect",
-    "l1_swap": "mscale.healing.actions.swap",
-    "l2_degrade": "mscale.healing.actions.degrade",
-    "l3_distill": "mscale.healing.actions.distill",
-    "recover": "mscale.healing.actions.recover",
-    "lr_cool": "mscale.healing.actions.lr_cool",
-    "rollback": "mscale.healing.actions.rollback",
-    "restore_weights": "mscale.healing.actions.restore_weights",
-    "emergency_snapshot": "mscale.healing.actions.emergency_snapshot",
-    "quarantine_gpu": "mscale.healing.actions.quarantine",
-}
-
+REGISTRY: dict[str, ActionSpec] = {s.name: s for s in _SPECS}
 NAMES: tuple[str, ...] = tuple(REGISTRY)
 
 
 def get(name: str) -> ActionSpec:
     if name not in REGISTRY:
         raise KeyError(f"unknown healing action {name!r} (known: {', '.join(NAMES)})")
-    return importlib.import_module(REGISTRY[name]).ACTION
+    return REGISTRY[name]
 
 
 def specs() -> list[ActionSpec]:
     """Every registered action, in registry order."""
-    return [get(name) for name in NAMES]
+    return list(_SPECS)
 
 
 def recovery() -> ActionSpec:
     """The action the fuse runs when an MPU with measures in force comes clean."""
-    (spec,) = [s for s in specs() if s.on_recovery]
+    (spec,) = [s for s in _SPECS if s.on_recovery]
     return spec
 
 
-__all__ = ["REGISTRY", "NAMES", "get", "specs", "recovery", "ActionSpec", "ActionFailed"]
+__all__ = ["REGISTRY", "NAMES", "get", "specs", "recovery", "ActionSpec"]

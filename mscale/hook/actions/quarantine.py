@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from mscale.healing.actions.base import ActionFailed, ActionSpec
+from mscale.healing import actions
+from mscale.healing.engine import Decision
+from mscale.hook.actions.base import ActionFailed, Executor, FuseContext
 
 
 class Quarantine:
@@ -15,7 +17,7 @@ class Quarantine:
         return self.gpus
 
 
-def apply(fuse, state: Quarantine, d) -> str:
+def apply(fuse: FuseContext, state: Quarantine, d: Decision) -> str:
     if not d.target.gpu.isdigit():
         raise ActionFailed(f"no GPU index in the command (gpu={d.target.gpu!r})")
     gpu = int(d.target.gpu)
@@ -25,6 +27,4 @@ def apply(fuse, state: Quarantine, d) -> str:
     return "applied"
 
 
-ACTION = ActionSpec(
-    "quarantine_gpu", "none", None, apply, "mark the GPU unusable for the job", scope="gpu", state=Quarantine
-)
+EXECUTOR = Executor(actions.get("quarantine_gpu"), apply, state=Quarantine)

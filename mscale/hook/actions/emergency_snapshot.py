@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mscale.healing.actions.base import ActionFailed, ActionSpec
+from mscale.healing import actions
+from mscale.healing.engine import Decision
+from mscale.hook.actions.base import ActionFailed, Executor, FuseContext
 
 
 class Emergencies:
@@ -17,7 +19,7 @@ class Emergencies:
         self.writes: list[Any] = []
 
 
-def apply(fuse, state: Emergencies, d) -> str:
+def apply(fuse: FuseContext, state: Emergencies, d: Decision) -> str:
     engine = fuse.snapshot_engine
     if engine is None:
         raise ActionFailed("no snapshot engine attached")
@@ -30,12 +32,4 @@ def apply(fuse, state: Emergencies, d) -> str:
     return "applied"
 
 
-ACTION = ActionSpec(
-    "emergency_snapshot",
-    "none",
-    None,
-    apply,
-    "write the in-memory snapshot to disk now",
-    scope="job",
-    state=Emergencies,
-)
+EXECUTOR = Executor(actions.get("emergency_snapshot"), apply, state=Emergencies)

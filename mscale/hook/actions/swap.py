@@ -17,8 +17,9 @@ from typing import Any
 
 import structlog
 
-from mscale.healing.actions.base import ActionFailed, ActionSpec
-from mscale.healing.fsm import Level
+from mscale.healing import actions
+from mscale.healing.engine import Decision
+from mscale.hook.actions.base import ActionFailed, Executor, FuseContext
 
 log = structlog.get_logger("mscale.fuse")
 
@@ -37,7 +38,7 @@ class Swaps:
         return set().union(*self.failed_on.values())
 
 
-def apply(fuse, state: Swaps, d) -> str:
+def apply(fuse: FuseContext, state: Swaps, d: Decision) -> str:
     m = fuse.guard.mpu(d.target.mpu_id)
     if d.target.gpu and d.target.gpu.isdigit() and int(d.target.gpu) != m.gpu:
         return "noop"  # a command about a GPU this MPU has already left (another path moved it)
@@ -132,18 +133,4 @@ def verify_weights(fuse, state: Swaps, m: Any) -> bool:
     return True
 
 
-ACTION = ActionSpec(
-    "l1_swap",
-    "L1",
-    Level.L1_SWAPPED,
-    apply,
-    "move the MPU to a standby GPU and re-run its forward",
-    scope="mpu",
-    reruns_forward=True,
-    drift=True,
-    escalates_to="l2_degrade",
-    escalate_on_failure=True,
-    new_placement=True,
-    state=Swaps,
-    event=event,
-)
+EXECUTOR = Executor(actions.get("l1_swap"), apply, state=Swaps, event=event)

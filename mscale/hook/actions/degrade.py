@@ -35,8 +35,9 @@ from typing import Any
 
 import structlog
 
-from mscale.healing.actions.base import ActionSpec
-from mscale.healing.fsm import Level
+from mscale.healing import actions
+from mscale.healing.engine import Decision
+from mscale.hook.actions.base import Executor, FuseContext
 from mscale.hook.placement import device_of, map_tensors, place, tensors, wrap_forward
 
 log = structlog.get_logger("mscale.fuse")
@@ -139,7 +140,7 @@ class Degraded:
         step = fuse.guard.current_step
         self.failed.append((step, m.mpu_id, error))
         log.error("mpu_reduction_failed", mpu_id=m.mpu_id, error=error, step=step)
-        fuse.reduction_failed(m, ACTION, f"reduced forward raised ({error}); undone, this forward ran unreduced")
+        fuse.reduction_failed(m, EXECUTOR.spec, f"reduced forward raised ({error}); undone, this forward ran unreduced")
 
     def undo(self, fuse, m: Any) -> None:
         if m.mpu_id not in self.mpus:
@@ -162,7 +163,7 @@ class Degraded:
         self.mpus.clear()
 
 
-def apply(fuse, state: Degraded, d) -> str:
+def apply(fuse: FuseContext, state: Degraded, d: Decision) -> str:
     state.degrade(fuse.guard, fuse.guard.mpu(d.target.mpu_id))
     return "applied"
 
@@ -182,16 +183,4 @@ def event(state: Degraded, d) -> tuple[str, dict[str, str]]:
     return f"{what}; {where}", labels
 
 
-ACTION = ActionSpec(
-    "l2_degrade",
-    "L2",
-    Level.L2_DEGRADED,
-    apply,
-    "run the MPU degraded (CPU or bf16 fallback, reduced resolution, raised clip)",
-    scope="mpu",
-    reruns_forward=True,
-    escalates_to="l3_distill",
-    new_placement=True,
-    state=Degraded,
-    event=event,
-)
+EXECUTOR = Executor(actions.get("l2_degrade"), apply, state=Degraded, event=event)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mscale.healing.actions.base import ActionSpec
+from mscale.healing import actions
+from mscale.healing.engine import Decision
+from mscale.hook.actions.base import Executor, FuseContext
 
 KEEP_BATCH = ("weight_corruption", "gradient_corruption")  # reasons whose batch is re-run, not skipped
 
@@ -49,12 +51,12 @@ class Rollbacks:
             if last is not None and last.step == step:
                 to = _to_newest_common(engine) if d is not None or last.rollback else None
             else:
-                to = engine.agree_rollback(d is not None, skip_batch=True)
+                to = engine.agree_rollback(d is not None, skip_batch=True, micro_batches=_bad(fuse))
         except Exception as e:  # no snapshot common to every rank: the step stays dropped everywhere
             self.skipped_steps.append(step)
             self.rollbacks.append({"step": step, "to": None, "error": str(e)})
             if d is not None:
-                fuse.engine.record(d, "failed", detail=f"rollback: {e}")
+                fuse.record(d, "failed", detail=f"rollback: {e}")
             return True
         if to is None:
             return False
@@ -62,7 +64,7 @@ class Rollbacks:
         self.rollbacks.append({"step": step, "to": int(to)})
         fuse.dispatch("weights_settled")
         if d is not None:
-            fuse.engine.record(d, "applied", detail=f"restored step {to} on every rank, batch of step {step} skipped")
+            fuse.record(d, "applied", detail=f"restored step {to} on every rank, {_skipped(engine, step)}")
         fuse.guard.set_step(int(to) + 1)
         return True
 
@@ -73,20 +75,35 @@ class Rollbacks:
         engine = fuse.snapshot_engine
         if engine is None or not hasattr(engine, "rollback"):
             self.rollbacks.append({"step": step, "to": None})
-            fuse.engine.record(d, "noop", detail="no snapshot engine: the step was dropped, nothing restored")
+            fuse.record(d, "noop", detail="no snapshot engine: the step was dropped, nothing restored")
             return
         try:
             to_step, self.to_step = self.to_step, None
-            to = int(engine.rollback(to_step, skip_batch=skip))
+            to = int(engine.rollback(to_step, skip_batch=skip, micro_batches=_bad(fuse) if skip else ()))
         except Exception as e:  # no snapshot yet, or a corrupt one: the step stays dropped
             self.rollbacks.append({"step": step, "to": None, "error": str(e)})
-            fuse.engine.record(d, "failed", detail=f"rollback: {e}")
+            fuse.record(d, "failed", detail=f"rollback: {e}")
             return
         self.rollbacks.append({"step": step, "to": to})
         fuse.dispatch("weights_settled")
-        kept = "skipped" if skip else "re-run with the steps since"
-        fuse.engine.record(d, "applied", detail=f"restored step {to}, batch of step {step} {kept}")
+        kept = _skipped(engine, step) if skip else f"the batches of step {step} re-run with the steps since"
+        fuse.record(d, "applied", detail=f"restored step {to}, {kept}")
         fuse.guard.set_step(to + 1)  # the restored state continues at its next step
+
+
+def _bad(fuse) -> list[int]:
+    """The step's micro-batches whose loss was not finite: the ones a rollback steps over."""
+    inputs = getattr(fuse.guard, "inputs", None)  # mscale.hook.inputs.InputCheck
+    return inputs.nonfinite_micro_batches() if inputs is not None else []
+
+
+def _skipped(engine, step: int) -> str:
+    """What the rollback stepped over, for its event: the micro-batches of the step, by position."""
+    skipped = list(getattr(engine, "last_skipped", None) or [])
+    if not skipped:
+        return f"the batch of step {step} skipped (the loop had moved past it)"
+    where = "; ".join(", ".join(f"{k} {v}" for k, v in p.items()) for p in skipped)
+    return f"{len(skipped)} micro-batch{'es' if len(skipped) > 1 else ''} of step {step} skipped ({where})"
 
 
 def _to_newest_common(engine) -> int:
@@ -100,18 +117,10 @@ def _to_newest_common(engine) -> int:
     return engine.rollback(target, skip_batch=True)
 
 
-def apply(fuse, state: Rollbacks, d) -> str:
+def apply(fuse: FuseContext, state: Rollbacks, d: Decision) -> str:
     fuse.drop_step(f"{d.reason}: rollback")
     state.pending = d
     return "step_dropped"  # the restore after the step books "applied" (or why not)
 
 
-ACTION = ActionSpec(
-    "rollback",
-    "none",
-    None,
-    apply,
-    "drop the step, restore the last good snapshot, skip the batch",
-    scope="job",
-    state=Rollbacks,
-)
+EXECUTOR = Executor(actions.get("rollback"), apply, state=Rollbacks)

@@ -6,7 +6,9 @@ ends after its steps, or early when the agent sends an end command (its alert re
 
 from __future__ import annotations
 
-from mscale.healing.actions.base import ActionFailed, ActionSpec
+from mscale.healing import actions
+from mscale.healing.engine import Decision, Target
+from mscale.hook.actions.base import ActionFailed, Executor, FuseContext
 
 NAME = "lr_cool"
 
@@ -46,7 +48,7 @@ class Cooling:
         self.saved_lr = None
 
 
-def apply(fuse, state: Cooling, d) -> str:
+def apply(fuse: FuseContext, state: Cooling, d: Decision) -> str:
     if fuse.guard.optimizer is None:
         raise ActionFailed("no optimizer attached")
     state.until = fuse.seq + state.steps - 1
@@ -57,13 +59,11 @@ def apply(fuse, state: Cooling, d) -> str:
 
 def end(fuse, state: Cooling, why: str) -> None:
     """Close the window: restore the LR, book "ended" (the job is healthy again)."""
-    from mscale.healing.engine import Decision, Target
-
     if state.until < 0:
         return
     state.uncool(fuse.guard.optimizer)
     state.until = -1
-    fuse.engine.record(
+    fuse.record(
         Decision(
             state.rule,
             NAME,
@@ -79,14 +79,4 @@ def end(fuse, state: Cooling, why: str) -> None:
     )
 
 
-ACTION = ActionSpec(
-    NAME,
-    "none",
-    None,
-    apply,
-    "cool the learning rate for a window",
-    scope="job",
-    cools_job=True,
-    state=Cooling,
-    end=end,
-)
+EXECUTOR = Executor(actions.get("lr_cool"), apply, state=Cooling, end=end)

@@ -4,21 +4,14 @@ distillation term); an L1 swap stays (the old GPU stays avoided)."""
 
 from __future__ import annotations
 
-from mscale.healing.actions.base import ActionSpec
-from mscale.healing.fsm import Level
+from mscale.healing import actions
+from mscale.healing.engine import Decision
+from mscale.hook.actions.base import Executor, FuseContext
 
 
-def apply(fuse, state, d) -> str:
+def apply(fuse: FuseContext, state: None, d: Decision) -> str:
     fuse.dispatch("undo", fuse.guard.mpu(d.target.mpu_id))
     return "applied"
 
 
-ACTION = ActionSpec(
-    "recover",
-    "none",
-    Level.RECOVERED,
-    apply,
-    "undo the L2/L3 measures after a clean stretch",
-    scope="mpu",
-    on_recovery=True,
-)
+EXECUTOR = Executor(actions.get("recover"), apply)

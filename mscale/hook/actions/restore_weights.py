@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mscale.healing.actions.base import ActionFailed, ActionSpec
+from mscale.healing import actions
+from mscale.healing.engine import Decision
+from mscale.hook.actions.base import ActionFailed, Executor, FuseContext
 
 
 class Watch:
@@ -68,9 +70,7 @@ def _restore(guard: Any, snap: Any, names: set[str], *, optimizer: bool) -> int:
     return n
 
 
-def apply(fuse, state: Watch, d) -> str:
-    from mscale.healing.engine import Decision
-
+def apply(fuse: FuseContext, state: Watch, d: Decision) -> str:
     watch = state.watch
     bad = list(watch.corrupted) if watch is not None else []
     if not bad:
@@ -130,13 +130,4 @@ def event(state: Watch, d) -> tuple[str, dict[str, str]]:
     )
 
 
-ACTION = ActionSpec(
-    "restore_weights",
-    "none",
-    None,
-    apply,
-    "restore corrupted weights from the newest in-memory snapshot (in place, or roll back to it)",
-    scope="job",
-    state=Watch,
-    event=event,
-)
+EXECUTOR = Executor(actions.get("restore_weights"), apply, state=Watch, event=event)

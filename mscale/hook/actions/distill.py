@@ -29,8 +29,9 @@ from typing import Any
 
 import structlog
 
-from mscale.healing.actions.base import ActionFailed, ActionSpec
-from mscale.healing.fsm import Level
+from mscale.healing import actions
+from mscale.healing.engine import Decision
+from mscale.hook.actions.base import ActionFailed, Executor, FuseContext
 
 log = structlog.get_logger("mscale.fuse")
 
@@ -213,7 +214,7 @@ class Distilling:
         return output
 
 
-def apply(fuse, state: Distilling, d) -> str:
+def apply(fuse: FuseContext, state: Distilling, d: Decision) -> str:
     import torch
 
     from mscale.hook.distill import Term
@@ -246,14 +247,4 @@ def event(state: Distilling, d) -> tuple[str, dict[str, str]]:
     return f"contrastive to the text MPU's hidden states, student {via}, at the {where}; share {lo:g}-{hi:g}", {}
 
 
-ACTION = ActionSpec(
-    "l3_distill",
-    "L3",
-    Level.L3_DISTILLING,
-    apply,
-    "distill the failing MPU from the text MPU",
-    scope="mpu",
-    new_placement=True,
-    state=Distilling,
-    event=event,
-)
+EXECUTOR = Executor(actions.get("l3_distill"), apply, state=Distilling, event=event)

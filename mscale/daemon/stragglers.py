@@ -1,0 +1,272 @@
+"""Slow ranks and slow modules: each rank of a job, and each MPU on each rank, against the
+same thing on the job's other ranks.
+
+A fail-slow GPU drags every synchronous step, and the step's wall time is the same on every
+rank (the fast ones wait in the gradient all-reduce), so wall time cannot point at it. What
+can is the time each rank computes alone: each MPU's forward and backward time (the hook
+library measures them per rank and reports them every step), and the rank's compute time,
+the sum of its MPUs' forward and backward times.
+
+The figures are the rank's `compute` and each MPU's `forward` and `backward`. For each, every
+rank keeps its last `stragglers.window_steps` (20) values, and at each step that every live
+rank of the job on this node has reported (at least `stragglers.min_ranks`; older steps still
+missing a rank are then dropped) the agent takes each rank's level x, the lower quartile of its
+window (`stragglers.quantile`, 0.25), and the median m of the other ranks' levels:
+
+    ratio = x / m        straggler: ratio >= stragglers.ratio (1.5)
+                         and x - m >= stragglers.min_excess_s (5 ms: timing noise of small MPUs)
+
+Held over the window: a straggler is slow in at least 3 of 4 of its last 20 steps, as a fail-slow
+GPU is in every step, so one slow step (a page fault) never is one, nor are ranks that share
+cores and are each preempted now and then. The median of the others, not of all: with 4 ranks
+a slow rank cannot drag its own yardstick. The job's first `stragglers.warmup_steps` (5)
+compared steps are left out (allocation, compilation); the verdict starts once the window is
+full, and clears when the ratio or the excess falls below its threshold again.
+
+A new straggler is a finding (warning, source `stragglers`), `mpu_straggler` or `rank_straggler`
+(the rank's compute), naming job, rank, local rank, MPU (id and name; empty for the rank), phase,
+GPU index and UUID and node; its end a `straggler_cleared` (info). The healing policy records
+them (mscale/healing/policy.yaml, rule `mpu_straggler`); an operator's policy may map a slow MPU
+to an L1 swap (docs/healing.md).
+Metrics: mscale.exporters.stragglers, over the immutable `StragglerView` that the watch, kept
+in `state.snapshots["stragglers"]`, builds at scrape time. Across nodes Prometheus compares the
+per-rank series with recording rules (mscale/rules/recording.py), since it sees every node.
+
+Cost per compared step: one sort of `window_steps` values per rank and figure, one median
+over the ranks per rank and figure (benchmarks/straggler_overhead.py). Bounded: steps waiting
+for their last rank (`MAX_PENDING` per job), jobs (those in state.jobs).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from mscale.findings import Finding, Reason, Severity
+from mscale.options import opt
+
+SOURCE = "stragglers"
+COMPUTE = "compute"  # the rank-level figure's phase: its MPUs' forward + backward
+MAX_PENDING = 64  # steps per job still waiting for a rank's report; older ones are dropped
+
+
+@dataclass(frozen=True)
+class StragglerSection:
+    HELP: ClassVar[str] = "slow ranks and slow MPUs, against the job's other ranks"
+
+    enabled: bool = opt(True, "compare each rank's and each MPU's time with the job's other ranks on this node")
+    ratio: float = opt(
+        1.5, "a rank's time over the median of the other ranks' that makes it a straggler", min=1.01, max=100
+    )
+    min_excess_s: float = opt(
+        0.005, "and by at least this many seconds (timing noise of small MPUs is not slowness)", min=0, max=60
+    )
+    window_steps: int = opt(20, "steps each rank's time is taken over", min=2, max=10_000)
+    quantile: float = opt(
+        0.25, "the quantile of each rank's window that is compared: 0.25, slow in 3 of 4 of its steps", min=0, max=1
+    )
+    warmup_steps: int = opt(
+        5, "a job's first compared steps left out (allocation, compilation, caches)", min=0, max=10_000
+    )
+    min_ranks: int = opt(2, "ranks of a job that must report a step before it is compared", min=2, max=100_000)
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """One figure of one rank, as the exporter shows it (immutable)."""
+
+    job_id: str
+    rank: int
+    local_rank: int
+    mpu_id: str  # "" for the rank's compute time
+    mpu: str
+    phase: str  # compute, forward, backward
+    gpu: str  # the GPU index(es) it ran on, comma-joined
+    gpu_uuid: str
+    seconds: float  # the rank's quantile over the window (stragglers.quantile)
+    ratio: float  # over the median of the other ranks' medians
+    straggler: bool
+    since_step: int | None  # the step at which the verdict was made (None: not a straggler)
+
+
+@dataclass(frozen=True)
+class StragglerView:
+    figures: tuple[Straggler, ...] = ()
+    findings_total: int = 0
+    steps_compared: int = 0
+
+
+@dataclass
+class _Window:
+    values: deque = field(default_factory=deque)
+    level: float = 0.0  # the window's quantile
+    ratio: float = 1.0
+    since_step: int | None = None
+
+    def add(self, seconds: float, size: int, quantile: float) -> None:
+        self.values.append(seconds)
+        if len(self.values) > size:
+            self.values.popleft()
+        self.level = sorted(self.values)[int(quantile * (len(self.values) - 1))]
+
+
+@dataclass
+class _JobBoard:
+    pending: dict[int, dict[int, dict[tuple[str, str], float]]] = field(default_factory=dict)
+    windows: dict[tuple[int, str, str], _Window] = field(default_factory=dict)
+    compared: int = 0
+
+
+def figures(report: dict) -> dict[tuple[str, str], float]:
+    """The figures of one step report: (mpu_id, phase) -> seconds, and ("", compute)."""
+    out: dict[tuple[str, str], float] = {}
+    compute = 0.0
+    for mpu_id, m in (report.get("mpus") or {}).items():
+        if not isinstance(m, dict):
+            continue
+        for phase in ("forward", "backward"):
+            v = m.get(f"{phase}_s")
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+                out[(mpu_id, phase)] = float(v)
+                compute += float(v)
+    if compute > 0:
+        out[("", COMPUTE)] = compute
+    return out
+
+
+class StragglerWatch:
+    """The per-job comparison; `observe` is called for every step report a rank sends."""
+
+    def __init__(self, config: StragglerSection, state: Any) -> None:
+        self.config, self.state = config, state
+        self.boards: dict[str, _JobBoard] = {}
+        self.findings_total = 0
+        self.steps_compared = 0
+
+    def observe(self, job: Any, rank: int, report: dict) -> None:
+        if not self.config.enabled:
+            return
+        step = report.get("step")
+        if not isinstance(step, int):
+            return
+        board = self.boards.setdefault(job.job_id, _JobBoard())
+        board.pending.setdefault(step, {})[rank] = figures(report)
+        while len(board.pending) > MAX_PENDING:
+            del board.pending[min(board.pending)]
+        live = set(job.ranks) or {rank}
+        ready = sorted(
+            s for s, by_rank in board.pending.items() if live <= set(by_rank) and len(live) >= self.config.min_ranks
+        )
+        for s in ready:
+            by_rank = board.pending.pop(s)
+            self._compare(job, board, s, {r: by_rank[r] for r in live})
+            for old in [p for p in board.pending if p < s]:  # a rank that joined late: never whole
+                del board.pending[old]
+
+    def _compare(self, job: Any, board: _JobBoard, step: int, by_rank: dict[int, dict]) -> None:
+        cfg = self.config
+        self.steps_compared += 1
+        board.compared += 1
+        if board.compared <= cfg.warmup_steps:
+            return
+        keys = set().union(*(f.keys() for f in by_rank.values()))
+        for key in sorted(keys):
+            windows = {}
+            for r, f in by_rank.items():
+                w = board.windows.setdefault((r, *key), _Window())
+                if key in f:
+                    w.add(f[key], cfg.window_steps, cfg.quantile)
+                if len(w.values) >= cfg.window_steps:
+                    windows[r] = w
+            if len(windows) < cfg.min_ranks:
+                continue
+            for r, w in windows.items():
+                m = statistics.median([v.level for q, v in windows.items() if q != r])
+                w.ratio = w.level / m if m > 0 else 1.0
+                slow = w.ratio >= cfg.ratio and w.level - m >= cfg.min_excess_s
+                if slow and w.since_step is None:
+                    w.since_step = step
+                    self._finding(job, r, key, w, step, True)
+                elif not slow and w.since_step is not None:
+                    w.since_step = None
+                    self._finding(job, r, key, w, step, False)
+
+    def _where(self, job: Any, rank: int, mpu_id: str) -> dict[str, str]:
+        rs = job.rank_states.get(rank)
+        mpus = list(rs.mpus.values()) if rs is not None else []
+        if mpu_id:
+            mpus = [m for m in mpus if m.mpu_id == mpu_id]
+        return {
+            "local_rank": str(rs.local_rank) if rs is not None else "",
+            "mpu": mpus[0].name if mpu_id and mpus else "",
+            "gpu": ",".join(sorted({str(m.gpu) for m in mpus})),
+            "gpu_uuid": ",".join(sorted({m.gpu_uuid for m in mpus if m.gpu_uuid})),
+        }
+
+    def _finding(self, job: Any, rank: int, key: tuple[str, str], w: _Window, step: int, found: bool) -> None:
+        mpu_id, phase = key
+        where = self._where(job, rank, mpu_id)
+        what = f"rank {rank} of job {job.job_id}" + (f", MPU {mpu_id} ({where['mpu']})" if mpu_id else "")
+        what += f" {phase} on GPU {where['gpu'] or '?'} of node {self.state.node}: "
+        if found:
+            what += (
+                f"{w.level * 1e3:.1f} ms in {1 - self.config.quantile:.0%} of its last {len(w.values)} steps, "
+                f"{w.ratio:.2f}x the median of the job's other ranks (straggler from step {step})"
+            )
+        else:
+            what += f"back within {self.config.ratio:g}x of the other ranks at step {step}"
+        labels = {"job_id": job.job_id, "rank": str(rank), "mpu_id": mpu_id, "phase": phase, **where}
+        labels.update(node=self.state.node, step=str(step), ratio=f"{w.ratio:.3f}", seconds=f"{w.level:.6f}")
+        if found:
+            self.findings_total += 1
+        reason = (Reason.MPU_STRAGGLER if mpu_id else Reason.RANK_STRAGGLER) if found else Reason.STRAGGLER_CLEARED
+        severity = Severity.WARNING if found else Severity.INFO
+        self.state.events.emit(Finding(SOURCE, reason, severity, what, labels))
+
+    def forget(self) -> None:
+        """Drop the boards of jobs the agent no longer holds (expired)."""
+        for job_id in [j for j in self.boards if j not in self.state.jobs]:
+            del self.boards[job_id]
+
+    def view(self) -> StragglerView:
+        """The comparison now, immutable (built at scrape time, in the agent's event loop)."""
+        self.forget()
+        out = []
+        for job_id, board in sorted(self.boards.items()):
+            job = self.state.jobs.get(job_id)
+            if job is None:
+                continue
+            for (rank, mpu_id, phase), w in sorted(board.windows.items()):
+                if len(w.values) < self.config.window_steps:
+                    continue
+                where = self._where(job, rank, mpu_id)
+                out.append(
+                    Straggler(
+                        job_id,
+                        rank,
+                        int(where["local_rank"] or 0),
+                        mpu_id,
+                        where["mpu"],
+                        phase,
+                        where["gpu"],
+                        where["gpu_uuid"],
+                        w.level,
+                        w.ratio,
+                        w.since_step is not None,
+                        w.since_step,
+                    )
+                )
+        return StragglerView(tuple(out), self.findings_total, self.steps_compared)
+
+
+def setup(app: Any) -> None:
+    from mscale.daemon import keys
+
+    link = app.get(keys.LINK)
+    if link is None:
+        return
+    watch = StragglerWatch(app[keys.CONFIG].stragglers, app[keys.STATE])
+    link.on_report(watch.observe)
+    app[keys.STATE].publish(SOURCE, watch)  # the exporter asks it for its view

@@ -1,0 +1,99 @@
+"""The batch checked before the first MPU sees it: a NaN or Inf in the inputs (NaN pixels, a
+broken feature file) is the data's fault, not an MPU's. Without this check the NaN flows
+through every MPU, each output check fails and every MPU is marked suspect, then swapped for
+a fault no GPU has.
+
+At each training forward of the model the floating-point tensors of its arguments (one level
+into dicts, lists and tuples, as Hugging Face batches come) are reduced on their device to one
+flag, with no host synchronisation; the flag is read at the first MPU's output check, which
+synchronises anyway (mscale.hook.checksum), so the check adds no wait of its own. A bad batch
+makes one `input_nonfinite` finding naming the micro-batch and the input; the MPUs' output
+checks are not run for that forward (their counters do not move), and the policy rolls the
+job back with the batch stepped over, as for a non-finite loss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mscale.findings import Finding, Reason, Severity
+
+SOURCE = "guard"
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
+    out: list[tuple[str, torch.Tensor]] = []
+
+    def add(name: str, v: Any, depth: int) -> None:
+        if isinstance(v, torch.Tensor):
+            if v.is_floating_point() or v.is_complex():
+                out.append((name, v))
+        elif depth < 1 and isinstance(v, dict):
+            for k, x in v.items():
+                add(f"{name}.{k}", x, depth + 1)
+        elif depth < 1 and isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                add(f"{name}[{i}]", x, depth + 1)
+
+    for i, a in enumerate(args):
+        add(f"args[{i}]", a, 0)
+    for k, v in kwargs.items():
+        add(k, v, 0)
+    return out
+
+
+class InputCheck:
+    """One flag per training forward; `bad()` reads it (once) and emits which input failed."""
+
+    def __init__(self, emit: Callable[[Finding], None], losses: list) -> None:
+        self.emit, self.losses = emit, losses  # the guard's: the step's losses, one per forward so far
+        self._pending: tuple[int, list[str], torch.Tensor] | None = None
+        self.bad_forward: int | None = None  # the micro-batch of the last forward found bad
+        self.findings = 0
+
+    def begin(self, args: tuple, kwargs: dict) -> None:
+        if self._pending is not None:  # the last forward ran no MPU check: its flag is read now
+            self.bad()
+        micro_batch, named = len(self.losses), _tensors(args, kwargs)
+        self.bad_forward = None
+        if not named:
+            self._pending = None
+            return
+        with torch.no_grad():
+            flags = torch.stack([torch.isfinite(t).all().to(named[0][1].device) for _, t in named])
+        self._pending = (micro_batch, [n for n, _ in named], flags)
+
+    def bad(self) -> bool:
+        """Whether this forward's inputs were not finite; the flag is read (and the finding
+        emitted) at the first call of the forward."""
+        if self._pending is None:
+            return self.bad_forward is not None
+        micro_batch, names, flags = self._pending
+        self._pending = None
+        ok = flags.tolist()
+        if all(ok):
+            return False
+        self.bad_forward = micro_batch
+        self.findings += 1
+        bad = [n for n, good in zip(names, ok, strict=True) if not good]
+        self.emit(self._finding(micro_batch, bad))
+        return True
+
+    @staticmethod
+    def _finding(micro_batch: int, bad: list[str]) -> Finding:
+        return Finding(
+            SOURCE,
+            Reason.INPUT_NONFINITE,
+            Severity.CRITICAL,
+            f"the batch of micro-batch {micro_batch} has NaN or Inf in {', '.join(bad)}: the data is at "
+            "fault, not an MPU",
+            {"micro_batch": str(micro_batch), "input": bad[0]},
+        )
+
+    def nonfinite_micro_batches(self) -> list[int]:
+        """This step's forwards (from 0) whose loss was NaN or Inf: what a rollback steps over."""
+        return [i for i, v in enumerate(self.losses) if not math.isfinite(float(v))]

@@ -1,0 +1,112 @@
+"""A job of --world gloo ranks (forked) training the tiny LLaVA under DDP or FSDP2 with the
+README's protection line and a snapshot directory, for restarts on another world size.
+
+Each rank writes out/rank_R.json: the step it started at (after attach's resume), a hash of the
+weights then and at each step end, or the error attach raised."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from support.forked import fork_ranks  # noqa: E402
+from support.tiny_hf import tiny_llava  # noqa: E402
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(full(p).detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class Samples(torch.utils.data.Dataset):
+    def __init__(self, make_batch) -> None:
+        self.make_batch = make_batch
+
+    def __len__(self) -> int:
+        return 256
+
+    def __getitem__(self, i: int) -> dict:
+        return {k: v[0] for k, v in self.make_batch(i, torch.Generator().manual_seed(i)).items()}
+
+
+class Hashes:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.at = model, {}
+
+    def on_step_end(self, step: int, loss) -> None:
+        self.at[step] = weights_hash(self.model)
+
+
+def rank_main(args: argparse.Namespace, rank: int) -> int:
+    import mscale
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=args.world, timeout=datetime.timedelta(seconds=60))
+    model, make_batch = tiny_llava(seed=0)
+    if args.wrap == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        wrapped = fully_shard(model)
+    else:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    loader = mscale.ResumableLoader(Samples(make_batch), batch_size=2, seed=0, rank=rank, world_size=args.world)
+    cfg = mscale.SnapshotConfig(directory=args.dir, memory_every=args.every, disk_every=args.every, disk_keep=2)
+    out: dict = {"rank": rank, "world": args.world}
+    hashes = Hashes(model)
+    try:
+        guard = mscale.attach(wrapped, opt, job_id="world-job", snapshots=cfg, data=loader, connect=False)
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        Path(args.out, f"rank_{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
+        return 0
+    guard.add_plugin(hashes)
+    out["start"] = guard.current_step
+    out["start_hash"] = weights_hash(model)
+    out["index"] = loader.index
+    while guard.current_step < args.steps:
+        loss = wrapped(**loader.next_batch()).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    out["resumed"] = [f.message for f in guard.findings if f.reason.value == "snapshot_resumed"]
+    guard.detach()
+    out["hashes"] = hashes.at
+    Path(args.out, f"rank_{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--every", type=int, default=4)
+    ap.add_argument("--wrap", choices=("ddp", "fsdp"), default="ddp")
+    args = ap.parse_args()
+    return fork_ranks(args.world, lambda rank: rank_main(args, rank))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""A job restarted on another world size, with the README's protection line on the tiny LLaVA
+(gloo ranks forked by tests/support/world_job.py): under DDP it resumes at the snapshot's step
+with the weights bitwise those the old world saved, its data positions re-split; under FSDP2 it
+is refused with a finding naming both world sizes. The directory never holds snapshots that
+resume, listing or pruning cannot see (`step_*` beside `rank_*`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mscale.snapshot.format import STEP_DIR, list_snapshots
+from support import REPO, free_port
+
+EVERY = 4  # a disk snapshot every 4 steps: steps 0, 4, 8
+FIRST, SECOND = 9, 11  # steps run by the first job (0-8), then up to 11 after the restart
+
+
+def run(tmp: Path, name: str, *, world: int, steps: int, directory: Path, wrap: str = "ddp") -> list[dict]:
+    out = tmp / name
+    out.mkdir()
+    argv = [sys.executable, "tests/support/world_job.py", "--world", str(world), "--port", str(free_port())]
+    argv += ["--out", str(out), "--dir", str(directory), "--steps", str(steps), "--every", str(EVERY)]
+    argv += ["--wrap", wrap]
+    log = tmp / f"{name}.log"
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        try:
+            code = proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+            raise AssertionError("the job timed out:\n" + log.read_text()[-3000:]) from None
+    assert code == 0, log.read_text()[-3000:]
+    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(world)]
+
+
+def visible(directory: Path) -> None:
+    """Every step_ directory under `directory` is one list_snapshots (resume, prune, the CLI) sees."""
+    on_disk = {p for p in directory.rglob("step_*") if p.is_dir() and STEP_DIR.match(p.name)}
+    assert on_disk == {i.path for i in list_snapshots(directory)}
+    assert not [p for p in on_disk if p.parent == directory and any(directory.glob("rank_*"))]
+
+
+def restart(tmp_path: Path, before: int, after: int) -> None:
+    directory = tmp_path / "snaps"
+    first = run(tmp_path, "first", world=before, steps=FIRST, directory=directory)
+    second = run(tmp_path, "second", world=after, steps=SECOND, directory=directory)
+    saved = first[0]["hashes"]["8"]
+    assert all(r["hashes"]["8"] == saved for r in first)  # the old world's replicas were equal
+    for r in second:
+        assert "error" not in r, r
+        assert r["start"] == 9  # the snapshot of step 8, not step 0
+        assert r["start_hash"] == saved  # bitwise the weights the old world saved
+        assert any(f"written by {before} rank(s), resumed on {after}" in m for m in r["resumed"]), r["resumed"]
+    # data positions re-split: the old ranks had consumed 9 batches of 2 samples each
+    assert [r["index"] for r in second] == [9 * 2 * before // after] * after
+    for step in ("9", "10"):  # the new world's replicas stay equal
+        assert len({r["hashes"][step] for r in second}) == 1
+    visible(directory)
+
+
+def test_ddp_restart_on_2_ranks_after_1(tmp_path: Path) -> None:
+    restart(tmp_path, 1, 2)
+
+
+def test_ddp_restart_on_1_rank_after_2(tmp_path: Path) -> None:
+    restart(tmp_path, 2, 1)
+    # the single rank kept the directory's per-rank layout: later restarts see what it wrote
+    assert {i.step for i in list_snapshots(tmp_path / "snaps" / "rank_00000")} >= {8}
+    assert not list(tmp_path.joinpath("snaps").glob("step_*"))
+
+
+@pytest.mark.slow
+def test_ddp_restart_on_4_ranks_after_2(tmp_path: Path) -> None:
+    restart(tmp_path, 2, 4)
+
+
+@pytest.mark.slow
+def test_fsdp2_restart_on_1_rank_after_2_is_refused_naming_both_world_sizes(tmp_path: Path) -> None:
+    directory = tmp_path / "snaps"
+    run(tmp_path, "first", world=2, steps=FIRST, directory=directory, wrap="fsdp")
+    (second,) = run(tmp_path, "second", world=1, steps=SECOND, directory=directory, wrap="fsdp")
+    assert second["error"].startswith("WorldSizeChanged: the newest snapshot (step 8) was written by 2 rank(s)")
+    assert "this job runs 1" in second["error"]
+    visible(directory)
