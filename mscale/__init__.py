@@ -18,7 +18,7 @@ from mscale.version import __version__
 
 # public name -> module defining it (imported on first use)
 _LAZY: dict[str, str] = {
-    "attach": "mscale.hook.guard",
+    "attach": "mscale.hook.attach",
     "Guard": "mscale.hook.guard",
     "NullGuard": "mscale.hook.null",
     "ModelInputs": "mscale.hook.guard",

@@ -34,8 +34,14 @@ from typing import TYPE_CHECKING, Any
 
 from mscale import probes
 from mscale.contracts.settings import ContractSection
-from mscale.daemon.settings import AgentSection, ChaosSection, HttpSection, SocketSection, WebhookSection
-from mscale.daemon.stragglers import StragglerSection
+from mscale.daemon.settings import (
+    AgentSection,
+    ChaosSection,
+    HttpSection,
+    SocketSection,
+    StragglerSection,
+    WebhookSection,
+)
 from mscale.healing.settings import HealingSection
 from mscale.kube.settings import KubernetesSection
 from mscale.options import (

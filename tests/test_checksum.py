@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from mscale.findings import Reason
+from mscale.hook.attach import attach
 from mscale.hook.checksum import DEFAULT_RTOL, ChecksumConfig
-from mscale.hook.guard import attach
 from mscale.sim.inject import corrupt, inject
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from mscale.hook.attach import attach
 from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics, grad_stats
-from mscale.hook.guard import attach
 from mscale.hook.mpu import discover
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 

@@ -11,8 +11,10 @@ from torch import nn
 
 import mscale
 from mscale.findings import Finding, Reason, Severity
-from mscale.hook.guard import ModelInputs, NullGuard, attach
+from mscale.hook.attach import attach
+from mscale.hook.guard import ModelInputs
 from mscale.hook.mpu import MpuLayoutError, discover
+from mscale.hook.null import NullGuard
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
 CFG = TinyConfig()

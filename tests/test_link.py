@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 import torch
 
-from mscale.hook.guard import attach
+from mscale.hook.attach import attach
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 from support import require
 from support.link_agent import Agent, metric, wait_for

@@ -13,7 +13,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mscale.contracts.msrp import choose_standby, rank_standby, score
-from mscale.hook.guard import attach
+from mscale.hook.attach import attach
 from mscale.hook.msrp import MsrpPlugin, probe_device
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
+from mscale.hook.attach import attach
 from mscale.hook.checksum import DEFAULT_RTOL, TF32_RTOL, ChecksumConfig
-from mscale.hook.guard import attach
 from mscale.hook.placement import adapt, boundary, map_tensors, move, place, tensors
 
 META = torch.device("meta")

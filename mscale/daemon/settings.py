@@ -1,5 +1,5 @@
 """The agent's own config sections: [agent], [socket] (the hook library's link) and
-[webhook] (Alertmanager). Assembled into `mscale.config.Config` with the other rooms'."""
+[webhook] (Alertmanager), [stragglers] (slow ranks and MPUs). Assembled into `mscale.config.Config` with the other rooms'."""
 
 from __future__ import annotations
 
@@ -105,3 +105,24 @@ class HttpSection:
         for i, h in enumerate(self.allowed_hosts):
             if not isinstance(h, str) or not h or len(h) > 255 or any(c.isspace() or c in "/@?#" for c in h):
                 raise ConfigError(f"{key}.allowed_hosts[{i}]: expected a host name or NAME:PORT, got {h!r}")
+
+
+@dataclass(frozen=True)
+class StragglerSection:
+    HELP: ClassVar[str] = "slow ranks and slow MPUs, against the job's other ranks"
+
+    enabled: bool = opt(True, "compare each rank's and each MPU's time with the job's other ranks on this node")
+    ratio: float = opt(
+        1.5, "a rank's time over the median of the other ranks' that makes it a straggler", min=1.01, max=100
+    )
+    min_excess_s: float = opt(
+        0.005, "and by at least this many seconds (timing noise of small MPUs is not slowness)", min=0, max=60
+    )
+    window_steps: int = opt(20, "steps each rank's time is taken over", min=2, max=10_000)
+    quantile: float = opt(
+        0.25, "the quantile of each rank's window that is compared: 0.25, slow in 3 of 4 of its steps", min=0, max=1
+    )
+    warmup_steps: int = opt(
+        5, "a job's first compared steps left out (allocation, compilation, caches)", min=0, max=10_000
+    )
+    min_ranks: int = opt(2, "ranks of a job that must report a step before it is compared", min=2, max=100_000)

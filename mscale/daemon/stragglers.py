@@ -42,35 +42,14 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
+from mscale.daemon.settings import StragglerSection
 from mscale.findings import Finding, Reason, Severity
-from mscale.options import opt
 
 SOURCE = "stragglers"
 COMPUTE = "compute"  # the rank-level figure's phase: its MPUs' forward + backward
 MAX_PENDING = 64  # steps per job still waiting for a rank's report; older ones are dropped
-
-
-@dataclass(frozen=True)
-class StragglerSection:
-    HELP: ClassVar[str] = "slow ranks and slow MPUs, against the job's other ranks"
-
-    enabled: bool = opt(True, "compare each rank's and each MPU's time with the job's other ranks on this node")
-    ratio: float = opt(
-        1.5, "a rank's time over the median of the other ranks' that makes it a straggler", min=1.01, max=100
-    )
-    min_excess_s: float = opt(
-        0.005, "and by at least this many seconds (timing noise of small MPUs is not slowness)", min=0, max=60
-    )
-    window_steps: int = opt(20, "steps each rank's time is taken over", min=2, max=10_000)
-    quantile: float = opt(
-        0.25, "the quantile of each rank's window that is compared: 0.25, slow in 3 of 4 of its steps", min=0, max=1
-    )
-    warmup_steps: int = opt(
-        5, "a job's first compared steps left out (allocation, compilation, caches)", min=0, max=10_000
-    )
-    min_ranks: int = opt(2, "ranks of a job that must report a step before it is compared", min=2, max=100_000)
 
 
 @dataclass(frozen=True)

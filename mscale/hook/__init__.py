@@ -9,9 +9,10 @@ daemon. Importing this package imports torch; `import mscale` does not (it re-ex
 
 from __future__ import annotations
 
+from mscale.hook.attach import attach
 from mscale.hook.checksum import ChecksumConfig
 from mscale.hook.cmsa import Cmsa, CmsaConfig
-from mscale.hook.guard import Guard, ModelInputs, attach
+from mscale.hook.guard import Guard, ModelInputs
 from mscale.hook.loss import LossConfig
 from mscale.hook.mpu import KNOWN_NAMES, Mpu, MpuLayoutError, discover
 from mscale.hook.null import NullGuard

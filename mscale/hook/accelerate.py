@@ -36,8 +36,8 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from torch import nn
 
+from mscale.hook.attach import attach as plain_attach
 from mscale.hook.guard import Guard
-from mscale.hook.guard import attach as plain_attach
 from mscale.hook.null import NullGuard
 
 __all__ = ["attach"]

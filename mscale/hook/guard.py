@@ -40,15 +40,11 @@ from mscale import link as protocol
 from mscale.findings import Finding, Severity
 from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, loss_of, output_tensors
 from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics
-from mscale.hook.contract import join as contract_join
 from mscale.hook.inputs import InputCheck
 from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
-from mscale.hook.null import NullGuard
 from mscale.hook.plugin import HOOKS
-from mscale.hook.protect import SnapshotConfig, agree, data_position, protect, snapshot_config
 from mscale.hook.ranks import identify
-from mscale.options import parse_bool
 
 log = structlog.get_logger("mscale.hook")
 
@@ -560,54 +556,3 @@ class Guard:
             self.plugin_errors += 1
             self.log.exception("plugin_error", plugin=type(plugin).__name__, hook=hook, error=str(e))
             return None
-
-
-def attach(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    job_id: str,
-    snapshots: str | os.PathLike | bool | SnapshotConfig | None = None,
-    data: Any = None,
-    scheduler: Any = None,
-    resume: bool = True,
-    enabled: bool | None = None,
-    healing: Any = None,
-    **kwargs: Any,
-) -> Guard | NullGuard:
-    """Guard `model` (and `optimizer`); other keyword arguments are `Guard`'s. snapshots: None
-    drops the update of a step with a non-finite loss or gradient; a directory, True (in memory
-    only) or a SnapshotConfig adds the fuse and snapshots, and such a step is rolled back. data:
-    the loader whose position they hold; scheduler: snapshotted too; resume: go on from the
-    directory's newest snapshot (False refuses one that holds any). See mscale.hook.protect.
-    healing: the HealingSection (mscale.healing.settings) of the fuse, the gradient check and the
-    replica check (None: the defaults).
-    Disabled (enabled=False, or MSCALE_GUARD=0) returns a NullGuard and changes nothing."""
-    if enabled is None:
-        enabled = parse_bool(os.environ.get("MSCALE_GUARD", "1"))
-    if not enabled:
-        return NullGuard(model, optimizer)
-    cfg = snapshot_config(snapshots)  # bad arguments are refused before anything is hooked
-    if cfg is None and (data is not None or scheduler is not None):
-        raise TypeError("data= and scheduler= are what snapshots hold: give snapshots= too")
-    if healing is not None and type(healing).__name__ != "HealingSection":
-        raise TypeError(f"healing: expected a mscale.healing.settings.HealingSection, got {type(healing).__name__}")
-    position = data_position(data) if cfg is not None else None
-    guard = Guard(model, optimizer, job_id=job_id, **kwargs)
-    agree(guard, healing)  # the gradient check; several ranks: decisions agreed at each step (mscale.hook.agree)
-    contract_join(guard)  # the contract in force in this process, if any (mscale.hook.contract)
-    if cfg is not None:
-        try:
-            protect(
-                guard,
-                cfg,
-                data=position,
-                scheduler=scheduler,
-                scaler=kwargs.get("scaler"),
-                resume=resume,
-                healing=healing,
-            )
-        except BaseException:
-            guard.detach()
-            raise
-    return guard

@@ -28,7 +28,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from mscale.hook.guard import Guard, attach
+from mscale.hook.attach import attach
+from mscale.hook.guard import Guard
 from mscale.hook.null import NullGuard
 from mscale.hook.protect import LoopData, protect, snapshot_config
 

@@ -36,7 +36,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from mscale.findings import Finding, Reason
-from mscale.hook.guard import Guard, attach
+from mscale.hook.attach import attach
+from mscale.hook.guard import Guard
 from mscale.hook.null import NullGuard
 from mscale.hook.protect import LoopData, protect, snapshot_config
 
@@ -79,7 +80,8 @@ class MscaleCallback(Callback):
             raise ValueError("MscaleCallback: LBFGS evaluates its closure many times a step: not supported")
         self.attach_kwargs.setdefault("rank", trainer.global_rank)
         plugins = [*self.attach_kwargs.pop("plugins", ()), _StepWatch(self)]
-        guard = self.guard = attach(pl_module, optimizer, job_id=self.job_id, plugins=plugins, **self.attach_kwargs)
+        kwargs = {k: v for k, v in self.attach_kwargs.items() if k != "healing"}  # the fuse's: protect's
+        guard = self.guard = attach(pl_module, optimizer, job_id=self.job_id, plugins=plugins, **kwargs)
         if not isinstance(guard, Guard):
             return
         guard.set_step(trainer.global_step)
@@ -93,6 +95,7 @@ class MscaleCallback(Callback):
                     scheduler=_Schedulers(trainer),
                     scaler=self.attach_kwargs.get("scaler"),
                     resume=False,
+                    healing=self.attach_kwargs.get("healing"),
                 )
             except BaseException:
                 self._detach()

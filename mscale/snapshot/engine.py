@@ -43,6 +43,7 @@ import mscale.snapshot.memory as mem
 from mscale.findings import Finding, Reason, Severity
 from mscale.snapshot import worlds
 from mscale.snapshot.data import describe_batches, step_batches
+from mscale.snapshot.fit import check_fits
 from mscale.snapshot.format import (
     FORMAT,
     MANIFEST,
@@ -55,7 +56,7 @@ from mscale.snapshot.format import (
 from mscale.snapshot.inplace import load_newest_valid
 from mscale.snapshot.manifest import safe_name
 from mscale.snapshot.memory import HostCopier, MemorySnapshot, rng_state, set_rng_state, to_host
-from mscale.snapshot.optim import NamedOptimizer, fits
+from mscale.snapshot.optim import NamedOptimizer
 from mscale.snapshot.writer import DiskWriter
 
 __all__ = ["SnapshotEngine", "RollbackUnavailable"]
@@ -382,32 +383,12 @@ class SnapshotEngine:
         return self._disk.own.mine(infos) if self._disk is not None else infos
 
     # -- restore ----------------------------------------------------------------------
-    def _check_fits(self, tensors: dict[str, dict[str, torch.Tensor]], objects: dict, where: str) -> None:
-        model_keys = {k[6:]: t for d in tensors.values() for k, t in d.items() if k.startswith("model/")}
-        live = self.model.state_dict()
-        missing, unexpected = live.keys() - model_keys.keys(), model_keys.keys() - live.keys()
-        if missing or unexpected:
-            raise SnapshotError(
-                f"{where} does not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-            )
-        for k, t in live.items():  # shape and dtype: nothing is cast or reshaped on the way in
-            fits(f"model/{k}", model_keys[k], t, f"{where} does not fit the model", "the model's")
-        if self._named_opt is not None:
-            optim = {k[6:]: t for d in tensors.values() for k, t in d.items() if k.startswith("optim/")}
-            self._named_opt.check(objects.get("optimizer"), where, optim)
-        for name, obj in (("scaler", self.scaler), ("scheduler", self.scheduler), ("data", self.data)):
-            if obj is not None and name not in objects:
-                raise SnapshotError(f"{where} holds no {name} state")
-        for name, obj in self.extra.items():  # one marked snapshot_optional may be missing (None)
-            if name not in objects.get("extra", {}) and not getattr(obj, "snapshot_optional", False):
-                raise SnapshotError(f"{where} holds no state for {name!r}")
-
     def _apply(
         self, tensors: dict[str, dict[str, torch.Tensor]], objects: dict, *, where: str, owned: bool = False
     ) -> None:
         """Restores the live objects from a snapshot's tensors and objects. owned: the tensors
         are fresh (read from disk) and may become the optimizer's state without a copy."""
-        self._check_fits(tensors, objects, where)
+        check_fits(self, tensors, objects, where)
         self._copier.fence()  # a snapshot copy still reading the live tensors finishes first
         if self.data is not None:  # first: it validates before it changes anything
             self.data.load_state_dict(copy.deepcopy(objects["data"]))

@@ -25,6 +25,7 @@ import torch
 
 import mscale.snapshot.distributed as mdist
 from mscale.findings import Reason, Severity
+from mscale.snapshot.fit import check_fits
 from mscale.snapshot.format import SnapshotError, SnapshotInvalid
 from mscale.snapshot.tensors import MAX_HEADER, Entry, load_snapshot, parse_header
 
@@ -135,7 +136,7 @@ def load_newest_valid(
         landed.clear()
         try:
             tensors, objects, _ = load_snapshot(path, pool=engine._copier.pool(), plan=plan)
-            engine._check_fits(tensors, objects, str(path))
+            check_fits(engine, tensors, objects, str(path))
         except SnapshotError as e:  # SnapshotInvalid names the file at fault
             overwritten = path if any(landed) else overwritten
             file, why = {"file": e.file} if isinstance(e, SnapshotInvalid) else {}, f"{e}; trying an older snapshot"
