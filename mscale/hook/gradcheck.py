@@ -77,22 +77,30 @@ class GradCheck:
             for p in m.parameters():
                 self.params.append((names.get(id(p), ""), m, p))
         self.split = split_by_bytes([p for _, _, p in self.params], self.groups) if self.params else []
-        for i, (_, _, p) in enumerate(self.params):
-            self._handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._accumulated(i, p)))
 
     def on_detach(self, guard: Any) -> None:
+        self._unhook()
+
+    def _unhook(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
 
     def on_step_begin(self, step: int, batch: Any) -> None:
-        if self.split:
-            self.due = set(self.split[self.turn % len(self.split)])
-            self.turn += 1
         self.norms = {}
+        if not self.split:
+            return
+        # hooks on the group due only: hooks on every parameter made 8x the Python calls per
+        # backward for the same norms (about 5 ms of wall time a step under cProfile at load 10)
+        self._unhook()
+        self.due = set(self.split[self.turn % len(self.split)])
+        self.turn += 1
+        for i in sorted(self.due):
+            hook = self.params[i][2].register_post_accumulate_grad_hook(lambda p, i=i: self._accumulated(i, p))
+            self._handles.append(hook)
 
     def _accumulated(self, i: int, p: torch.nn.Parameter) -> None:
-        if i in self.due and p.grad is not None:
+        if p.grad is not None:
             self.norms[i] = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
 
     def on_step_decide(self, step: int) -> None:
