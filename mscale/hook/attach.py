@@ -37,7 +37,8 @@ def attach(
     only) or a SnapshotConfig adds the fuse and snapshots, and such a step is rolled back. data:
     the loader whose position they hold; scheduler: snapshotted too; resume: go on from the
     directory's newest snapshot (False refuses one that holds any). See mscale.hook.protect.
-    healing: the fuse's HealingSection (mscale.healing.settings; with snapshots only).
+    healing: the HealingSection (mscale.healing.settings) of the fuse, the gradient check and the
+    replica check (None: the defaults).
     Disabled (enabled=False, or MSCALE_GUARD=0) returns a NullGuard and changes nothing."""
     if enabled is None:
         enabled = parse_bool(os.environ.get("MSCALE_GUARD", "1"))
@@ -46,13 +47,11 @@ def attach(
     cfg = snapshot_config(snapshots)  # bad arguments are refused before anything is hooked
     if cfg is None and (data is not None or scheduler is not None):
         raise TypeError("data= and scheduler= are what snapshots hold: give snapshots= too")
-    if cfg is None and healing is not None:
-        raise TypeError("healing= configures the fuse, which snapshots= adds: give snapshots= too")
     if healing is not None and type(healing).__name__ != "HealingSection":
         raise TypeError(f"healing: expected a mscale.healing.settings.HealingSection, got {type(healing).__name__}")
     position = data_position(data) if cfg is not None else None
     guard = Guard(model, optimizer, job_id=job_id, **kwargs)
-    agree(guard)  # several ranks: decisions agreed at each step (mscale.hook.agree)
+    agree(guard, healing)  # the gradient check; several ranks: decisions agreed at each step (mscale.hook.agree)
     account(guard)  # the rank's wall time by cause, in its step reports (mscale.hook.goodput)
     contract_join(guard)  # the contract in force in this process, if any (mscale.hook.contract)
     if cfg is not None:

@@ -16,7 +16,7 @@ from mscale.healing.engine import Decision
 from mscale.healing.words import Result
 from mscale.hook.actions.base import Executor, FuseContext
 
-KEEP_BATCH = ("weight_corruption",)  # reasons whose batch is re-run, not skipped
+KEEP_BATCH = ("weight_corruption", "gradient_corruption")  # reasons whose batch is re-run, not skipped
 
 
 class Rollbacks:
