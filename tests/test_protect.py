@@ -266,7 +266,7 @@ def test_bad_arguments_are_refused_before_anything_is_hooked() -> None:
         mscale.attach(model, optimizer, job_id="x", snapshots=True, data=plain, connect=False)
     with pytest.raises(TypeError, match="snapshots: expected a directory, True"):
         mscale.attach(model, optimizer, job_id="x", snapshots=42, connect=False)
-    with pytest.raises(TypeError, match="give snapshots= too"):
+    with pytest.raises(TypeError, match="data= without snapshots=: .* Add snapshots=True"):
         mscale.attach(model, optimizer, job_id="x", data=mscale.ResumableLoader(Pairs(64), batch_size=8), connect=False)
     with pytest.raises(ValueError, match="memory_every"):
         mscale.SnapshotConfig(memory_every=0)
