@@ -2,8 +2,8 @@
 its config (tests/support/tiny_hf.py, tiny_families.py): discovery finds its vision tower, its
 aligner (and Blip2's Q-Former) and its text model; 100 clean steps under the README's protection
 line make no critical finding; a persistent fault the test's own hook puts in the vision
-tower's last linear is acted on by the fuse (suspect, then L1 swap onwards) and training goes on
-finite. (Families with an audio tower are not built here: see the issue's report.)"""
+tower's last linear is healed by the fuse (suspect, L1 swap, L2, L3, whose output carries the
+task loss apart) and training goes on finite. (Families with an audio tower are not built here: see the issue's report.)"""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_family_is_discovered_trains_clean_and_a_vision_fault_is_healed(family: 
     last = [m for m in vision.module.modules() if isinstance(m, torch.nn.Linear)][-1]
     faulty = {"on": False}
     last.register_forward_hook(lambda mod, args, out: out + 1.0 if faulty["on"] else None, prepend=True)
-    losses = []
+    losses, at_l3 = [], []
     for step in range(CLEAN + FAULTY + 10):
         faulty["on"] = CLEAN <= step < CLEAN + FAULTY
         out = model(**make_batch(step, torch.Generator().manual_seed(step)))
@@ -51,6 +51,8 @@ def test_family_is_discovered_trains_clean_and_a_vision_fault_is_healed(family: 
         opt.step()
         opt.zero_grad()
         losses.append(float(out.loss.detach()))
+        if "task_loss" in out:  # at L3: the task loss beside the total, and what the guard reports
+            at_l3.append((float(out.loss.detach()), float(out["task_loss"].detach()), guard.summary()["loss"]))
         if step == CLEAN - 1:
             critical = [f for f in guard.findings if f.severity is Severity.CRITICAL]
             assert not critical, [f.message for f in critical]
@@ -63,6 +65,8 @@ def test_family_is_discovered_trains_clean_and_a_vision_fault_is_healed(family: 
     ]
     guard.detach()
     assert applied[:2] == ["mark_suspect", "l1_swap"], applied
+    assert "l3_distill" in applied, applied  # the fault outlasts L1 and L2
+    assert at_l3 and all(total > task == pytest.approx(reported) for total, task, reported in at_l3)
     assert all(math.isfinite(v) for v in losses) and all(torch.isfinite(p).all() for p in model.parameters())
     assert min(losses[-10:]) < losses[0]  # still training after the fault
 

@@ -498,6 +498,8 @@ class HealingEngine:
         """Move an MPU's fuse state; escalations never go down (an L2 MPU swapped off a dead
         GPU stays degraded). Emits a FUSE_STATE event for every transition."""
         state = self.mpu(job_id, mpu_id)
+        if level is state.level:  # already there (a recovery booked twice): nothing moves, nothing to refuse
+            return None
         if (
             state.level in (Level.L1_SWAPPED, Level.L2_DEGRADED, Level.L3_DISTILLING)
             and level is not Level.RECOVERED

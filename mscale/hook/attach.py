@@ -46,7 +46,12 @@ def attach(
         return NullGuard(model, optimizer)
     cfg = snapshot_config(snapshots)  # bad arguments are refused before anything is hooked
     if cfg is None and (data is not None or scheduler is not None):
-        raise TypeError("data= and scheduler= are what snapshots hold: give snapshots= too")
+        given = " and ".join(n for n, v in (("data=", data), ("scheduler=", scheduler)) if v is not None)
+        raise TypeError(
+            f"{given} without snapshots=: their positions are what snapshots hold, and without "
+            "snapshots nothing uses them. Add snapshots=True (in memory) or snapshots=DIR, or leave "
+            f"{given} out (the guard then only watches)"
+        )
     if healing is not None and type(healing).__name__ != "HealingSection":
         raise TypeError(f"healing: expected a mscale.healing.settings.HealingSection, got {type(healing).__name__}")
     position = data_position(data) if cfg is not None else None

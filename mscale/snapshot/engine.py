@@ -41,6 +41,7 @@ from torch import nn
 import mscale.snapshot.distributed as mdist
 import mscale.snapshot.memory as mem
 from mscale.findings import Finding, Reason, Severity
+from mscale.logs import debug_wanted
 from mscale.snapshot import worlds
 from mscale.snapshot.data import describe_batches, step_batches
 from mscale.snapshot.fit import check_fits
@@ -193,9 +194,9 @@ class SnapshotEngine:
         finding = Finding("snapshot", reason, severity, message, {**base, **{k: str(v) for k, v in labels.items()}})
         self.findings.append(finding)
         level = {Severity.CRITICAL: "error", Severity.WARNING: "warning"}.get(severity, "info")
-        level = level if self._emit_fn is None else "debug"  # a consumer (the guard) logs it: one line
-        getattr(log, level)(message, reason=reason.value, rank=self.rank, **labels)
-        if self._emit_fn is not None:
+        if self._emit_fn is None:  # a consumer (the guard) logs it itself: one line, not two
+            getattr(log, level)(message, reason=reason.value, rank=self.rank, **labels)
+        else:
             try:
                 self._emit_fn(finding)
             except Exception:  # a broken consumer must not stop snapshots
@@ -274,7 +275,8 @@ class SnapshotEngine:
             while len(self._kept) > self.memory_keep:
                 self._retire(self._kept.pop(0))
         self.stall_s += time.perf_counter() - t0
-        log.debug("memory snapshot", step=self.step, bytes=nbytes, seconds=round(time.perf_counter() - t0, 6))
+        if debug_wanted():  # not by default: the library configures no logging (mscale.logs)
+            log.debug("memory snapshot", step=self.step, bytes=nbytes, seconds=round(time.perf_counter() - t0, 6))
         return snap
 
     def _retire(self, snap: MemorySnapshot) -> None:
