@@ -21,6 +21,7 @@ START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 ORDER = (
     "snapshot",
     "hook_overhead",
+    "attach_overhead",
     "agreement_cost",
     "ebpf_overhead",
     "agent_overhead",

@@ -8,17 +8,20 @@ patches (64 image tokens) and 32 caption tokens, vocabulary 1024, batch 8: 8.1M 
 the shape on which the line was first measured at +9% to +20% of a 490 ms step.
 
 Arms, one model, optimizer (AdamW) and `mscale.ResumableLoader` each, all drawing the same
-batches, one step of each per batch, their order rotating through all permutations, one torch
-thread:
+batches, one step of each per batch, the order shifted by one arm each batch (every arm in
+every place equally often), one torch thread:
 
 - clip: the plain loop with `clip_grad_norm_(max_norm=1.0)` (CMSA replaces that clip).
 - control: a second clip arm; control / clip is truly 1.00, how far it strays is the noise a
   verdict must exceed (benchmarks/_verdict.py).
 - attached: the README's line as shipped (the link to an agent off: `connect=False`; what the
   link costs is benchmarks/hook_overhead.py's).
-- every-weight (reference, --full): the same with `healing=HealingSection(weight_groups=1)`,
-  every trained weight fingerprinted in every window between steps (the shipped default rotates
-  over 8 groups).
+- guard-only: `mscale.attach(model, opt, job_id=...)` without snapshots (the guard's own
+  checks, statistics and the gradient check; no fuse): attached minus guard-only is what the
+  fuse and the snapshots add.
+- every-weight (reference, --full): the README's line with
+  `healing=HealingSection(weight_groups=1)`, every trained weight fingerprinted in every window
+  between steps (the shipped default rotates over 8 groups).
 
 Each arm's steps are split into --repeats blocks; a block's figure is the ratio of the arm's
 median step to clip's; the verdict (at most +1%) is on the median of the blocks, "inconclusive"
@@ -29,14 +32,13 @@ is the sound figure under load: another process on the core stretches wall time,
 the step does. Run twice: with the machine otherwise idle, and with a second process spinning
 on one core (started and stopped here, by its pid).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/attach_overhead.py [--steps 24] [--repeats 3]
+    PYTHONPATH=. .venv/bin/python benchmarks/attach_overhead.py [--steps 30] [--repeats 3]
         [--load idle,busy] [--full]
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import logging
 import statistics
 import subprocess
@@ -109,13 +111,21 @@ class Captions(torch.utils.data.Dataset):
 
 
 class Arm:
-    def __init__(self, name: str, args: argparse.Namespace, *, healing: HealingSection | None = None, clip: bool):
+    def __init__(
+        self,
+        name: str,
+        args: argparse.Namespace,
+        *,
+        healing: HealingSection | None = None,
+        clip: bool,
+        snapshots: bool = True,
+    ):
         self.name, self.clip = name, clip
         self.model = llava(args.hidden, args.layers)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.loader = mscale.ResumableLoader(Captions(), batch_size=args.batch, seed=0)
         self.guard = None
-        if healing is not None:
+        if healing is not None and snapshots:
             self.guard = mscale.attach(
                 self.model,
                 self.opt,
@@ -125,6 +135,8 @@ class Arm:
                 healing=healing,
                 connect=False,
             )
+        elif healing is not None:  # the watch-only guard: no fuse, no snapshots
+            self.guard = mscale.attach(self.model, self.opt, job_id=f"bench-{name}", healing=healing, connect=False)
         self.batches = iter(self.loader)
         self.wall: list[float] = []
         self.cpu: list[float] = []
@@ -163,13 +175,15 @@ def spinner() -> subprocess.Popen:
 def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
     arms = [Arm("clip", args, clip=True), Arm("control", args, clip=True)]
     arms.append(Arm("attached", args, healing=HealingSection(), clip=False))
+    arms.append(Arm("guard-only", args, healing=HealingSection(), clip=False, snapshots=False))
     if args.full:
         arms.append(Arm("every-weight", args, healing=HealingSection(weight_groups=1), clip=False))
     busy = spinner() if load == "busy" else None
     try:
-        orders = list(itertools.permutations(range(len(arms))))
+        n = len(arms)
+        orders = [[(i + j) % n for j in range(n)] for i in range(n)]  # each arm in each place in turn
         for i in range(args.warmup + args.steps):
-            for k in orders[i % len(orders)]:
+            for k in orders[i % n]:
                 arms[k].step(keep=i >= args.warmup)
     finally:
         if busy is not None:
@@ -187,6 +201,12 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
     )
     attached = by["attached"].guard
     watch = attached.fuse.states["restore_weights"].watch if attached is not None else None
+    grads = getattr(attached, "gradients", None)
+    if grads is not None and grads.split:
+        print(
+            f"  gradient checks: {len(grads.split)} rotating groups, every MPU weight's gradient once in "
+            f"{len(grads.split)} steps; {len(grads.found)} finding(s) in the clean run"
+        )
     if watch is not None:
         print(
             f"  weight fingerprints: {len(watch.trained_keys)} rotating groups, every trained weight once in "
@@ -205,7 +225,7 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=24, help="timed steps per arm (split into --repeats blocks)")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per arm (split into --repeats blocks)")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="blocks; the verdict is on their median (>= 3)")
     ap.add_argument("--load", default="idle,busy", help="idle, busy (a second process spinning on one core), or both")

@@ -52,8 +52,10 @@ class Reason(str, Enum):
     GRAD_NORM_NONFINITE = "grad_norm_nonfinite"
     GRAD_NORM_JUMP = "grad_norm_jump"
     WEIGHT_CORRUPTION = "weight_corruption"  # a weight changed outside the optimizer (hook/weights)
+    GRADIENT_CORRUPTION = "gradient_corruption"  # a weight gradient off its norm before the reduction (hook/gradcheck)
     # several ranks (mscale.hook.agree)
     STEP_DROPPED_AGREED = "step_dropped_agreed"  # every rank drops a step another rank found bad
+    MPU_GRADIENT_DROPPED_AGREED = "mpu_gradient_dropped_agreed"  # ... or only the MPU that failed its checksum
     REPLICA_DIVERGED = "replica_diverged"  # a rank's MPU weights differ from the other replicas'
     REPLICA_REPAIRED = "replica_repaired"  # ... and were copied back from a healthy rank
     # Agent and link

@@ -6,6 +6,7 @@ Called by entry points only; importing mscale configures nothing.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import structlog
@@ -30,3 +31,11 @@ def configure(level: str = "info", *, json: bool | None = None, stream=None) -> 
         logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
+
+
+def debug_wanted() -> bool:
+    """Whether the library's routine debug lines (one per in-memory snapshot...) should be
+    logged. The library configures no logging: where the application configured structlog, its
+    level filter decides (True here); unconfigured, structlog prints every level, so they are
+    logged only when asked for with MSCALE_LOG_LEVEL=debug."""
+    return structlog.is_configured() or os.environ.get("MSCALE_LOG_LEVEL", "").lower() == "debug"

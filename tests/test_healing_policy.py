@@ -437,3 +437,11 @@ def test_fuzzed_policy_is_a_policy_or_a_clear_refusal(edits):
         for rule in pol.rules:
             assert rule.target in policymod.TARGETS
             assert all(a in actions.NAMES for acts in rule.actions.values() for a in acts)
+
+
+def test_a_move_to_the_level_an_mpu_holds_is_no_transition_and_no_refusal(capsys):
+    eng, _, events = _engine()
+    assert eng.move("j", "001", Level.SUSPECT) is not None
+    n = len(events)
+    assert eng.move("j", "001", Level.SUSPECT) is None
+    assert len(events) == n and "fuse_transition_refused" not in capsys.readouterr().out

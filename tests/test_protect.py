@@ -266,8 +266,16 @@ def test_bad_arguments_are_refused_before_anything_is_hooked() -> None:
         mscale.attach(model, optimizer, job_id="x", snapshots=True, data=plain, connect=False)
     with pytest.raises(TypeError, match="snapshots: expected a directory, True"):
         mscale.attach(model, optimizer, job_id="x", snapshots=42, connect=False)
-    with pytest.raises(TypeError, match="give snapshots= too"):
+    with pytest.raises(TypeError, match="data= without snapshots=: .* Add snapshots=True"):
         mscale.attach(model, optimizer, job_id="x", data=mscale.ResumableLoader(Pairs(64), batch_size=8), connect=False)
     with pytest.raises(ValueError, match="memory_every"):
         mscale.SnapshotConfig(memory_every=0)
     assert hooks() == n and not optimizer._optimizer_step_pre_hooks
+
+
+def test_data_without_snapshots_is_refused_naming_what_to_do_and_nothing_is_hooked():
+    model = TinyMultimodal(CFG)
+    loader = mscale.ResumableLoader(Pairs(64), batch_size=4)
+    with pytest.raises(TypeError, match=r"data= without snapshots=.*snapshots=True"):
+        mscale.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), job_id="j", data=loader, connect=False)
+    assert not model._forward_pre_hooks and not model._forward_hooks

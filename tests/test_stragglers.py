@@ -48,9 +48,10 @@ def stragglers(agent: Agent) -> list:
     return [f for _, f in agent.state.events.since(0, 100000) if f.source == SOURCE]
 
 
-# Four ranks share this machine's two cores with other work: a rank descheduled inside a
-# forward loses milliseconds. The excess that counts is raised above that; the slowdown is more.
-SECTION = StragglerSection(min_excess_s=0.015)
+# Four ranks share this machine's two cores with other work (load 10+): a rank descheduled inside
+# a forward loses milliseconds, for a while. The ratio and the excess that count are raised above
+# that; the slowdown (50 ms in every vision forward, 1 ms without) is far more.
+SECTION = StragglerSection(ratio=2.0, min_excess_s=0.02)
 
 
 @pytest.fixture
@@ -129,7 +130,7 @@ def _step(watch: StragglerWatch, job: JobState, step: int, vision: dict[int, flo
 def test_one_slow_step_is_not_a_straggler_and_a_held_one_is_then_clears() -> None:
     state = AgentState(node="n")
     job = _job(state)
-    watch = StragglerWatch(StragglerSection(window_steps=10, warmup_steps=0), state)
+    watch = StragglerWatch(StragglerSection(window_steps=10, warmup_steps=0, evaluate_every_steps=1), state)
     for s in range(30):  # every third step slow: never half the window
         _step(watch, job, s, {1: 0.050} if s % 3 == 0 else {})
     assert [f for _, f in state.events.since()] == []
@@ -160,9 +161,10 @@ def test_a_step_is_compared_once_every_live_rank_reported_it_and_odd_figures_are
     assert watch.steps_compared == 0  # rank 2 has not reported step 0
     job.ranks.pop(2)  # rank 2 left: the others are the job now
     watch.observe(job, 0, {"step": 1, "mpus": {"001": {"forward_s": 0.01}}})
-    assert watch.steps_compared == 1  # step 0 is whole now
+    assert watch.steps_compared == 0
     watch.observe(job, 1, {"step": 1, "mpus": {"001": {"forward_s": 0.01}}})
-    assert watch.steps_compared == 2
+    assert watch.steps_compared == 1  # step 1; step 0, never whole, is dropped with it
+    assert watch.boards["j"].pending == {}
     del state.jobs["j"]
     assert watch.view().figures == ()
     assert watch.boards == {}  # an expired job's comparison goes with it

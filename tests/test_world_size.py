@@ -20,6 +20,7 @@ from support import REPO, free_port
 
 EVERY = 4  # a disk snapshot every 4 steps: steps 0, 4, 8
 FIRST, SECOND = 9, 11  # steps run by the first job (0-8), then up to 11 after the restart
+LONGER = 17  # ... or up to 17: disk snapshots 12 and 16 after the restart, so pruning runs
 
 
 def run(tmp: Path, name: str, *, world: int, steps: int, directory: Path, wrap: str = "ddp") -> list[dict]:
@@ -49,10 +50,10 @@ def visible(directory: Path) -> None:
     assert not [p for p in on_disk if p.parent == directory and any(directory.glob("rank_*"))]
 
 
-def restart(tmp_path: Path, before: int, after: int) -> None:
+def restart(tmp_path: Path, before: int, after: int, steps: int = SECOND) -> None:
     directory = tmp_path / "snaps"
     first = run(tmp_path, "first", world=before, steps=FIRST, directory=directory)
-    second = run(tmp_path, "second", world=after, steps=SECOND, directory=directory)
+    second = run(tmp_path, "second", world=after, steps=steps, directory=directory)
     saved = first[0]["hashes"]["8"]
     assert all(r["hashes"]["8"] == saved for r in first)  # the old world's replicas were equal
     for r in second:
@@ -72,10 +73,12 @@ def test_ddp_restart_on_2_ranks_after_1(tmp_path: Path) -> None:
 
 
 def test_ddp_restart_on_1_rank_after_2(tmp_path: Path) -> None:
-    restart(tmp_path, 2, 1)
+    restart(tmp_path, 2, 1, steps=LONGER)
     # the single rank kept the directory's per-rank layout: later restarts see what it wrote
-    assert {i.step for i in list_snapshots(tmp_path / "snaps" / "rank_00000")} >= {8}
+    assert [i.step for i in list_snapshots(tmp_path / "snaps" / "rank_00000")] == [12, 16]  # disk_keep=2
     assert not list(tmp_path.joinpath("snaps").glob("step_*"))
+    # old rank 1's snapshots, older than every one the new world keeps, were pruned by rank 0
+    assert not list_snapshots(tmp_path / "snaps" / "rank_00001")
 
 
 @pytest.mark.slow

@@ -21,7 +21,9 @@ GPU is in every step, so one slow step (a page fault) never is one, nor are rank
 cores and are each preempted now and then. The median of the others, not of all: with 4 ranks
 a slow rank cannot drag its own yardstick. The job's first `stragglers.warmup_steps` (5)
 compared steps are left out (allocation, compilation); the verdict starts once the window is
-full, and clears when the ratio or the excess falls below its threshold again.
+full, is taken every `stragglers.evaluate_every_steps` (5) compared steps (the windows take
+every step; a verdict waits at most that many steps more), and clears when the ratio or the
+excess falls below its threshold again.
 
 A new straggler is a finding (warning, source `stragglers`), `mpu_straggler` or `rank_straggler`
 (the rank's compute), naming job, rank, local rank, MPU (id and name; empty for the rank), phase,
@@ -32,18 +34,19 @@ Metrics: mscale.exporters.stragglers, over the immutable `StragglerView` that th
 in `state.snapshots["stragglers"]`, builds at scrape time. Across nodes Prometheus compares the
 per-rank series with recording rules (mscale/rules/recording.py), since it sees every node.
 
-Cost per compared step: one sort of `window_steps` values per rank and figure, one median
-over the ranks per rank and figure (benchmarks/straggler_overhead.py). Bounded: steps waiting
+Cost per compared step: an append per rank and figure; per verdict one sort of `window_steps`
+values per rank and figure and one of the ranks' levels per figure
+(benchmarks/straggler_overhead.py). Bounded: steps waiting
 for their last rank (`MAX_PENDING` per job), jobs (those in state.jobs).
 """
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from mscale.daemon.keys import CONFIG, LINK, STATE
 from mscale.daemon.settings import StragglerSection
 from mscale.findings import Finding, Reason, Severity
 
@@ -79,16 +82,26 @@ class StragglerView:
 
 @dataclass
 class _Window:
-    values: deque = field(default_factory=deque)
-    level: float = 0.0  # the window's quantile
+    values: deque[float] = field(default_factory=deque)
+    level: float = 0.0  # the window's quantile, as of the last verdict
     ratio: float = 1.0
     since_step: int | None = None
 
-    def add(self, seconds: float, size: int, quantile: float) -> None:
+    def add(self, seconds: float, size: int) -> None:
         self.values.append(seconds)
         if len(self.values) > size:
             self.values.popleft()
-        self.level = sorted(self.values)[int(quantile * (len(self.values) - 1))]
+
+
+def median_without(levels: list[float], i: int) -> float:
+    """The median of sorted `levels` with the one at index i left out."""
+    n = len(levels) - 1
+    k = n // 2
+    hi = levels[k] if k < i else levels[k + 1]
+    if n % 2:
+        return hi
+    lo = levels[k - 1] if k - 1 < i else levels[k]
+    return (lo + hi) / 2
 
 
 @dataclass
@@ -98,7 +111,7 @@ class _JobBoard:
     compared: int = 0
 
 
-def figures(report: dict) -> dict[tuple[str, str], float]:
+def figures(report: dict[str, Any]) -> dict[tuple[str, str], float]:
     """The figures of one step report: (mpu_id, phase) -> seconds, and ("", compute)."""
     out: dict[tuple[str, str], float] = {}
     compute = 0.0
@@ -124,47 +137,53 @@ class StragglerWatch:
         self.findings_total = 0
         self.steps_compared = 0
 
-    def observe(self, job: Any, rank: int, report: dict) -> None:
+    def observe(self, job: Any, rank: int, report: dict[str, Any]) -> None:
         if not self.config.enabled:
             return
         step = report.get("step")
         if not isinstance(step, int):
             return
-        board = self.boards.setdefault(job.job_id, _JobBoard())
-        board.pending.setdefault(step, {})[rank] = figures(report)
-        while len(board.pending) > MAX_PENDING:
-            del board.pending[min(board.pending)]
-        live = set(job.ranks) or {rank}
-        ready = sorted(
-            s for s, by_rank in board.pending.items() if live <= set(by_rank) and len(live) >= self.config.min_ranks
-        )
-        for s in ready:
-            by_rank = board.pending.pop(s)
-            self._compare(job, board, s, {r: by_rank[r] for r in live})
-            for old in [p for p in board.pending if p < s]:  # a rank that joined late: never whole
-                del board.pending[old]
+        board = self.boards.get(job.job_id) or self.boards.setdefault(job.job_id, _JobBoard())
+        by_rank = board.pending.get(step)
+        if by_rank is None:
+            by_rank = board.pending[step] = {}
+            if len(board.pending) > MAX_PENDING:
+                del board.pending[min(board.pending)]
+        by_rank[rank] = figures(report)
+        live = job.ranks.keys() or {rank}
+        if len(live) < self.config.min_ranks or not live <= by_rank.keys():
+            return  # (a step still missing a rank that left is dropped with the next whole one)
+        del board.pending[step]
+        self._compare(job, board, step, {r: by_rank[r] for r in live})
+        for old in [p for p in board.pending if p < step]:  # a rank that joined late: never whole
+            del board.pending[old]
 
-    def _compare(self, job: Any, board: _JobBoard, step: int, by_rank: dict[int, dict]) -> None:
+    def _compare(self, job: Any, board: _JobBoard, step: int, by_rank: dict[int, dict[tuple[str, str], float]]) -> None:
         cfg = self.config
         self.steps_compared += 1
         board.compared += 1
         if board.compared <= cfg.warmup_steps:
             return
+        judge = board.compared % cfg.evaluate_every_steps == 0
         keys = set().union(*(f.keys() for f in by_rank.values()))
         for key in sorted(keys):
-            windows = {}
+            windows = []
             for r, f in by_rank.items():
-                w = board.windows.setdefault((r, *key), _Window())
+                k = (r, *key)
+                w = board.windows.get(k) or board.windows.setdefault(k, _Window())
                 if key in f:
-                    w.add(f[key], cfg.window_steps, cfg.quantile)
-                if len(w.values) >= cfg.window_steps:
-                    windows[r] = w
+                    w.add(f[key], cfg.window_steps)
+                if judge and len(w.values) >= cfg.window_steps:
+                    w.level = sorted(w.values)[int(cfg.quantile * (len(w.values) - 1))]
+                    windows.append((w.level, r, w))
             if len(windows) < cfg.min_ranks:
                 continue
-            for r, w in windows.items():
-                m = statistics.median([v.level for q, v in windows.items() if q != r])
-                w.ratio = w.level / m if m > 0 else 1.0
-                slow = w.ratio >= cfg.ratio and w.level - m >= cfg.min_excess_s
+            windows.sort(key=lambda t: t[0])
+            levels = [t[0] for t in windows]
+            for i, (level, r, w) in enumerate(windows):
+                m = median_without(levels, i)
+                w.ratio = level / m if m > 0 else 1.0
+                slow = w.ratio >= cfg.ratio and level - m >= cfg.min_excess_s
                 if slow and w.since_step is None:
                     w.since_step = step
                     self._finding(job, r, key, w, step, True)
@@ -241,11 +260,9 @@ class StragglerWatch:
 
 
 def setup(app: Any) -> None:
-    from mscale.daemon import keys
-
-    link = app.get(keys.LINK)
+    link = app.get(LINK)
     if link is None:
         return
-    watch = StragglerWatch(app[keys.CONFIG].stragglers, app[keys.STATE])
+    watch = StragglerWatch(app[CONFIG].stragglers, app[STATE])
     link.on_report(watch.observe)
-    app[keys.STATE].publish(SOURCE, watch)  # the exporter asks it for its view
+    app[STATE].publish(SOURCE, watch)  # the exporter asks it for its view

@@ -35,6 +35,13 @@ class HealingSection:
         min=1,
         max=1_000,
     )
+    gradient_groups: int = opt(
+        8,
+        "each MPU's weight gradients are checked before the reduction in N rotating groups of about "
+        "equal bytes, one group a step: every gradient once in N steps (0: off)",
+        min=0,
+        max=1_000,
+    )
     replica_check_steps: int = opt(
         8,
         "with several ranks, every N steps the replicas compare per-MPU weight fingerprints and a "

@@ -1,6 +1,6 @@
 """`mscale.attach`: the one line that guards a training loop. It builds the Guard
-(mscale.hook.guard), adds the step agreement across ranks (mscale.hook.agree) and the contract
-in force (mscale.hook.contract), and with `snapshots=` the fuse and snapshots
+(mscale.hook.guard), adds the step agreement across ranks (mscale.hook.agree), the goodput
+accountant (mscale.hook.goodput) and the contract in force (mscale.hook.contract), and with `snapshots=` the fuse and snapshots
 (mscale.hook.protect). Kept apart from the Guard, which it composes."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from mscale.hook.contract import join as contract_join
+from mscale.hook.goodput import account
 from mscale.hook.guard import Guard
 from mscale.hook.null import NullGuard
 from mscale.hook.protect import SnapshotConfig, agree, data_position, protect, snapshot_config
@@ -36,7 +37,8 @@ def attach(
     only) or a SnapshotConfig adds the fuse and snapshots, and such a step is rolled back. data:
     the loader whose position they hold; scheduler: snapshotted too; resume: go on from the
     directory's newest snapshot (False refuses one that holds any). See mscale.hook.protect.
-    healing: the fuse's HealingSection (mscale.healing.settings; with snapshots only).
+    healing: the HealingSection (mscale.healing.settings) of the fuse, the gradient check and the
+    replica check (None: the defaults).
     Disabled (enabled=False, or MSCALE_GUARD=0) returns a NullGuard and changes nothing."""
     if enabled is None:
         enabled = parse_bool(os.environ.get("MSCALE_GUARD", "1"))
@@ -44,14 +46,18 @@ def attach(
         return NullGuard(model, optimizer)
     cfg = snapshot_config(snapshots)  # bad arguments are refused before anything is hooked
     if cfg is None and (data is not None or scheduler is not None):
-        raise TypeError("data= and scheduler= are what snapshots hold: give snapshots= too")
-    if cfg is None and healing is not None:
-        raise TypeError("healing= configures the fuse, which snapshots= adds: give snapshots= too")
+        given = " and ".join(n for n, v in (("data=", data), ("scheduler=", scheduler)) if v is not None)
+        raise TypeError(
+            f"{given} without snapshots=: their positions are what snapshots hold, and without "
+            "snapshots nothing uses them. Add snapshots=True (in memory) or snapshots=DIR, or leave "
+            f"{given} out (the guard then only watches)"
+        )
     if healing is not None and type(healing).__name__ != "HealingSection":
         raise TypeError(f"healing: expected a mscale.healing.settings.HealingSection, got {type(healing).__name__}")
     position = data_position(data) if cfg is not None else None
     guard = Guard(model, optimizer, job_id=job_id, **kwargs)
-    agree(guard)  # several ranks: decisions agreed at each step (mscale.hook.agree)
+    agree(guard, healing)  # the gradient check; several ranks: decisions agreed at each step (mscale.hook.agree)
+    account(guard)  # the rank's wall time by cause, in its step reports (mscale.hook.goodput)
     contract_join(guard)  # the contract in force in this process, if any (mscale.hook.contract)
     if cfg is not None:
         try:

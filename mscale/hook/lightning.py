@@ -80,7 +80,8 @@ class MscaleCallback(Callback):
             raise ValueError("MscaleCallback: LBFGS evaluates its closure many times a step: not supported")
         self.attach_kwargs.setdefault("rank", trainer.global_rank)
         plugins = [*self.attach_kwargs.pop("plugins", ()), _StepWatch(self)]
-        guard = self.guard = attach(pl_module, optimizer, job_id=self.job_id, plugins=plugins, **self.attach_kwargs)
+        kwargs = {k: v for k, v in self.attach_kwargs.items() if k != "healing"}  # the fuse's: protect's
+        guard = self.guard = attach(pl_module, optimizer, job_id=self.job_id, plugins=plugins, **kwargs)
         if not isinstance(guard, Guard):
             return
         guard.set_step(trainer.global_step)
@@ -94,6 +95,7 @@ class MscaleCallback(Callback):
                     scheduler=_Schedulers(trainer),
                     scaler=self.attach_kwargs.get("scaler"),
                     resume=False,
+                    healing=self.attach_kwargs.get("healing"),
                 )
             except BaseException:
                 self._detach()

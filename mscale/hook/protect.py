@@ -145,20 +145,26 @@ class Protection:
         self.engine.close()
 
 
-def agree(guard: Guard) -> None:
-    """With several ranks in the process group: add the step agreement (mscale.hook.agree) and
-    the replica check (mscale.hook.replicas, every healing.replica_check_steps steps), kept as
-    `guard.agreement` and `guard.replicas` (None with one rank)."""
+def agree(guard: Guard, healing: Any = None) -> None:
+    """The gradient check (mscale.hook.gradcheck, `guard.gradients`), and with several ranks in
+    the process group: the step agreement (mscale.hook.agree) and the replica check
+    (mscale.hook.replicas, every healing.replica_check_steps steps), kept as `guard.agreement`
+    and `guard.replicas` (None with one rank). healing: the HealingSection (None: defaults)."""
     from mscale.healing.settings import HealingSection
     from mscale.hook.agree import Agreement
+    from mscale.hook.gradcheck import GradCheck
     from mscale.hook.replicas import ReplicaCheck
     from mscale.snapshot.sharded import is_sharded
 
+    cfg = healing or HealingSection()
+    gradients = GradCheck(cfg.gradient_groups)
+    guard.add_plugin(gradients)  # ahead of the agreement: its verdict is in the agreement's count
+    setattr(guard, "gradients", gradients)  # noqa: B010 (not Guard's own attribute)
     agreement = Agreement()
     several = agreement.world_size > 1
     # replicas only: the ranks of a sharded (FSDP2) model hold different shards, not copies
     replicated = several and not is_sharded(guard.model)
-    replicas = ReplicaCheck(HealingSection().replica_check_steps) if replicated else None
+    replicas = ReplicaCheck(cfg.replica_check_steps) if replicated else None
     if several:
         guard.add_plugin(agreement)
     if replicas is not None:

@@ -28,6 +28,7 @@ whose per-job state this is).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -128,6 +129,14 @@ class Fingerprint:
         return out
 
 
+def charge(guard: Any, who: str, since: float) -> None:
+    """Charge the host time since `since` to the guard's budget, where the guard keeps one
+    (`guard.budget.charge`, mscale.hook.budget): the fuse's per-step work is in the budget."""
+    budget = getattr(guard, "budget", None)
+    if budget is not None and callable(getattr(budget, "charge", None)):
+        budget.charge(who, time.perf_counter() - since)
+
+
 def split_by_bytes(tensors: Sequence[torch.Tensor], groups: int) -> list[list[int]]:
     """Indices of `tensors` in `groups` groups of about equal bytes (largest first into the
     lightest group), each group in the tensors' order; fewer groups when there are fewer tensors."""
@@ -197,12 +206,14 @@ class WeightWatch:
     def settle(self, *, frozen: bool = False) -> None:
         """The weights are what they should be (after an optimizer step, a restore): record the
         next trained group's fingerprints (and the frozen ones' when `frozen`, or when new)."""
+        t0 = time.perf_counter()
         key = self.trained_keys[self.turn % len(self.trained_keys)]
         self.turn = (self.turn + 1) % len(self.trained_keys)
         self.ref[key] = (self.prints[key].layout(), self.prints[key].compute())
         self.due = key
         if frozen or "frozen" not in self.ref:
             self.ref["frozen"] = (self.prints["frozen"].layout(), self.prints["frozen"].compute())
+        charge(self.guard, SOURCE, t0)
 
     def _current(self) -> list[str]:
         """The groups whose records are of the weights as they are now: the trained group
@@ -215,6 +226,7 @@ class WeightWatch:
         are known (a repair run on the first finding sees them all). Returns [(mpu_id, tensor)]."""
         found: list[tuple[str, str]] = []
         self.checks += 1
+        t0 = time.perf_counter()
         for key in self._current():
             fp = self.prints[key]
             if key == "frozen" and (not fp.tensors or step % self.frozen_every):
@@ -226,6 +238,7 @@ class WeightWatch:
             now = fp.compute()
             if not torch.equal(now, ref):
                 found += [(key, self.names[key][i]) for i in (now != ref).nonzero().flatten().tolist()]
+        charge(self.guard, SOURCE, t0)
         self.corrupted = [self._where(name) for _, name in found]
         for key, name in found:
             self._report(key.partition(":")[0], name, step)

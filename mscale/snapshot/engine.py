@@ -41,6 +41,7 @@ from torch import nn
 import mscale.snapshot.distributed as mdist
 import mscale.snapshot.memory as mem
 from mscale.findings import Finding, Reason, Severity
+from mscale.logs import debug_wanted
 from mscale.snapshot import worlds
 from mscale.snapshot.data import describe_batches, step_batches
 from mscale.snapshot.fit import check_fits
@@ -120,6 +121,7 @@ class SnapshotEngine:
         self.findings: deque[Finding] = deque(maxlen=256)
         self.last_skipped: list[dict] = []  # the data positions the last rollback stepped over
         self.recovery_seconds: dict[str, float] = {}  # checkpoint_recovery_time_seconds{tag}
+        self.stall_s = 0.0  # seconds training waited on in-memory snapshots and restores (hook.goodput)
         self._mpus = self._check_mpus(mpus or {})
         self._prefixes = sorted(self._mpus.values(), key=lambda pf: -len(pf[0]))
         self._named_opt = NamedOptimizer(model, optimizer) if optimizer is not None else None
@@ -192,9 +194,9 @@ class SnapshotEngine:
         finding = Finding("snapshot", reason, severity, message, {**base, **{k: str(v) for k, v in labels.items()}})
         self.findings.append(finding)
         level = {Severity.CRITICAL: "error", Severity.WARNING: "warning"}.get(severity, "info")
-        level = level if self._emit_fn is None else "debug"  # a consumer (the guard) logs it: one line
-        getattr(log, level)(message, reason=reason.value, rank=self.rank, **labels)
-        if self._emit_fn is not None:
+        if self._emit_fn is None:  # a consumer (the guard) logs it itself: one line, not two
+            getattr(log, level)(message, reason=reason.value, rank=self.rank, **labels)
+        else:
             try:
                 self._emit_fn(finding)
             except Exception:  # a broken consumer must not stop snapshots
@@ -272,7 +274,9 @@ class SnapshotEngine:
             self._kept.append(snap)
             while len(self._kept) > self.memory_keep:
                 self._retire(self._kept.pop(0))
-        log.debug("memory snapshot", step=self.step, bytes=nbytes, seconds=round(time.perf_counter() - t0, 6))
+        self.stall_s += time.perf_counter() - t0
+        if debug_wanted():  # not by default: the library configures no logging (mscale.logs)
+            log.debug("memory snapshot", step=self.step, bytes=nbytes, seconds=round(time.perf_counter() - t0, 6))
         return snap
 
     def _retire(self, snap: MemorySnapshot) -> None:
@@ -480,6 +484,7 @@ class SnapshotEngine:
             self._disk.prune_after(target)
         seconds = time.perf_counter() - t0
         self.recovery_seconds[tag] = seconds
+        self.stall_s += seconds
         self._emit(
             Reason.ROLLBACK,
             Severity.WARNING,

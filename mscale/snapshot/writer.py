@@ -36,6 +36,7 @@ from mscale.snapshot.format import (
     BINDING,
     FORMAT,
     MANIFEST,
+    RANK_DIR,
     TEMP_PREFIX,
     TRAIN_STATE,
     SnapshotError,
@@ -281,6 +282,22 @@ class DiskWriter:
         for info in sorted(complete, key=lambda i: i.step)[: -self.keep]:
             self._remove(info.path)
         fsync_dir(self.rank_dir)
+        kept = sorted(i.step for i in complete)[-self.keep :]
+        if self.identity.get("rank") == 0 and len(kept) == self.keep and RANK_DIR.match(self.rank_dir.name):
+            self._prune_outside_world(kept[0])
+
+    def _prune_outside_world(self, oldest_kept: int) -> None:
+        """Rank 0: the rank directories of ranks beyond this world (an older run's, on more ranks:
+        mscale/snapshot/worlds.py) lose their snapshots older than every one this rank keeps; no
+        rank of this world would ever prune them, nor resume them over the newer ones."""
+        world = int(self.identity.get("world_size") or 1)
+        for d in self.rank_dir.parent.iterdir():
+            m = RANK_DIR.match(d.name)
+            if not (m and d.is_dir() and int(m.group(1)) >= world):
+                continue
+            for info in self.own.mine(list_snapshots(d)):
+                if info.complete and info.step < oldest_kept and info.path.parent == d:
+                    self._remove(info.path)
 
     def _prune_after(self, step: int) -> None:
         # Snapshots newer than a rollback target belong to the abandoned timeline.

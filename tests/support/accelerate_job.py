@@ -109,7 +109,7 @@ def run(accelerator: Accelerator, case: str, args: argparse.Namespace) -> dict:
         accelerator,
         model,
         optimizer,
-        job_id=f"acc-{case}",
+        job_id="acc-kill" if case == "restart" else f"acc-{case}",  # a restart is the same job
         snapshots=snapshots,
         data=loader,
         scheduler=scheduler,

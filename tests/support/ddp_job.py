@@ -12,6 +12,9 @@ the model), attached with `mscale.attach` (the agreement is added by attach;
 own (seed = rank). Faults, once, on --fault-rank before the forward of step --fault-at:
 nan: one NaN pixel in its batch; checksum: a mantissa flip in the vision MPU's first GEMM;
 corrupt: one element of the vision MPU's first weight scaled by 1.5 (a corrupted weight);
+gradient: one element of GRAD_TENSOR's gradient on that rank raised by 1e6 times its norm (a
+tensor hook, before the accumulation and the reduction), once, from --fault-at on, in the
+first step whose gradient check covers it (--grad-groups: healing.gradient_groups);
 rollback_cmd: a heal rollback command handed to that rank's fuse alone.
 Several nodes on one machine (--sockets A,B: ranks split evenly over the agents' sockets in
 order, LOCAL_RANK = rank within its node, every MPU of a rank on simulated GPU LOCAL_RANK;
@@ -41,6 +44,7 @@ from forked import fork_ranks  # tests/support/, the script's own folder
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
 MAX_LOOPS = 64  # steps run, rollbacks included: a bound on the loop whatever happens
+GRAD_TENSOR = "vision_tower.layers.0.linear1.weight"  # the gradient scenario's weight
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -115,7 +119,27 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
     )
     if args.scenario == "checksum":  # a one-step fault in one layer: every layer checked every step
         kw["checksum"] = mscale.ChecksumConfig(full=True)
+    if args.grad_groups >= 0:
+        from mscale.healing.settings import HealingSection
+
+        kw["healing"] = HealingSection(gradient_groups=args.grad_groups)
     guard = mscale.attach(ddp, opt, job_id="ddp-job", snapshots=snaps, plugins=[rec], **kw)
+    grad_hit: list[int] = []  # the step whose gradient the gradient scenario corrupted
+    if args.scenario == "gradient" and rank == args.fault_rank:
+        weight = dict(model.named_parameters())[GRAD_TENSOR]
+        index = next(i for i, (_, _, p) in enumerate(guard.gradients.params) if p is weight)
+
+        def corrupt_gradient(g: torch.Tensor) -> torch.Tensor:
+            # once, from --fault-at on, in the first step whose gradient check covers the weight
+            step = guard.current_step
+            if grad_hit or step < args.fault_at or index not in guard.gradients.due:
+                return g
+            grad_hit.append(step)
+            g = g.clone()
+            g.view(-1)[7] += 1e6 * (float(g.norm()) + 1.0)
+            return g
+
+        weight.register_hook(corrupt_gradient)
     if guard.replicas is not None:
         guard.replicas.every = args.replica_every
     data = SyntheticCaptions(cfg, size=64, seed=rank)
@@ -167,6 +191,8 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         "agreements": len(agreement.history) if agreement is not None else 0,
         "repairs": guard.replicas.repairs if guard.replicas is not None else [],
         "replica_checks": guard.replicas.checks if guard.replicas is not None else 0,
+        "grad_hit": grad_hit,
+        "grad_findings": [f.labels for f in guard.findings if f.reason.value == "gradient_corruption"],
         "replica_findings": [[f.reason.value, f.labels] for f in guard.findings if f.source == "replicas"],
         "replicas": guard.replicas is not None,
         "finite": all(bool(torch.isfinite(local(p)).all()) for p in model.parameters()),
@@ -201,7 +227,10 @@ def main() -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--scenario", choices=("nan", "checksum", "corrupt", "rollback_cmd", "plain"), default="plain")
+    ap.add_argument(
+        "--scenario", choices=("nan", "checksum", "corrupt", "gradient", "rollback_cmd", "plain"), default="plain"
+    )
+    ap.add_argument("--grad-groups", type=int, default=-1, help="healing.gradient_groups (-1: the default)")
     ap.add_argument("--replica-every", type=int, default=100)
     ap.add_argument("--wrap", choices=("ddp", "fsdp"), default="ddp")
     ap.add_argument("--sockets", default="")

@@ -18,7 +18,8 @@ band, not hidden by solving the weight on the step it is measured on.
 The term is added by a forward hook on the model, registered when the fuse attaches (after the
 guard's own model hook: the loss detector watches the task loss, backward gets the task loss
 plus the L3 term, a step up by design, not a spike). The model's output keeps its type
-(a ModelOutput or a dict has its `loss` replaced in place).
+(a ModelOutput or a dict has its `loss` replaced in place, and gets `task_loss`: the task loss
+alone, the one the guard reports, `mscale_job_loss`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import structlog
 
 from mscale.healing import actions
 from mscale.healing.engine import Decision
+from mscale.healing.words import Result
 from mscale.hook.actions.base import ActionFailed, Executor, FuseContext
 
 log = structlog.get_logger("mscale.fuse")
@@ -209,8 +211,9 @@ class Distilling:
         new_loss = loss + sum(w * kl for _, w, kl, _ in terms).to(loss.dtype)
         if is_map:
             output["loss"] = new_loss  # in place: the output keeps its type
+            output["task_loss"] = loss  # the task loss alone, beside the total (also the guard's `loss`)
         else:
-            output.loss = new_loss
+            output.loss, output.task_loss = new_loss, loss
         return output
 
 
@@ -221,7 +224,7 @@ def apply(fuse: FuseContext, state: Distilling, d: Decision) -> str:
 
     m = fuse.guard.mpu(d.target.mpu_id)
     if m.mpu_id in state.mpus:
-        return "noop"
+        return Result.NOOP
     term = Term(fuse.guard.model, fuse.guard.mpus, m)
     why = term.why_not()
     if not why and state._last is None:
@@ -233,7 +236,7 @@ def apply(fuse: FuseContext, state: Distilling, d: Decision) -> str:
         term.close()
         raise ActionFailed(f"no distillation term for this model: {why}")
     state.mpus[m.mpu_id] = Distill(m.mpu_id, term)
-    return "applied"
+    return Result.APPLIED
 
 
 def event(state: Distilling, d) -> tuple[str, dict[str, str]]:
