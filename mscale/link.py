@@ -19,8 +19,7 @@ one with a string "type" (binary frames are refused).
                   skipped, mpus: {mpu_id: {forward_s, backward_s, grad_norm, gvc, clip_ratio,
                   ...}}, findings: [Finding.to_dict()], seconds: {cause: s}}]}   batched per step
                  {"type": "reply", id, ok, ...}   a plugin's answer to a command
-                 {"type": "pong", id}             the answer to a ping
-                 {"type": "bye"}; any type a plugin registered on the agent (LinkServer.on_message)
+                 {"type": "pong", id} (to a ping), {"type": "bye"}; any plugin-registered type
   agent -> job   {"type": "registered", job_id, node}
                  {"type": "error", error}         the job's message was refused (and counted)
                  a command: {"type": one of Command, ...}; a plugin may take other types too
@@ -105,12 +104,15 @@ SOURCE = re.compile(r"[a-z0-9_.-]{1,32}")
 REGISTER_FIELDS = frozenset({"type", "job_id", "rank", "pid", "step", "mpus", "local_rank", "world_size", "pod"})
 MPU_FIELDS = frozenset({"mpu_id", "name", "path", "device", "gpu", "gpu_uuid", "fuse_level", "params"})
 REPORT_FIELDS = frozenset({"type", "job_id", "dropped", "reports"})
-STEP_FIELDS = frozenset({"step", "time", "loss", "grad_norm", "skipped", "mpus", "findings", "seconds"})
+STEP_FIELDS = frozenset(
+    {"step", "time", "loss", "grad_norm", "skipped", "mpus", "findings", "seconds", "guard_overhead_ratio"}
+)
 TIME_CAUSES = ("productive", "startup", "snapshot", "rerun", "checks", "degraded", "data_wait", "hang")  # hook.goodput
+CHECK_FIGURES = ("checksum_coverage_ratio", "checksum_max_gap_steps")  # the budget's (mscale.hook.coverage)
 MPU_REPORT_FIELDS = frozenset(
     {"forward_s", "backward_s", "grad_norm", "gvc", "clip_ratio", "distill_share", "clipped", "checksum_ok"}
     | {"checksum_consecutive_failures", "checksum_failures_total", "gpu", "fuse_level"}
-    | {"memory_used_bytes", "memory_total_bytes"}
+    | {"memory_used_bytes", "memory_total_bytes", *CHECK_FIGURES}
 )
 # a reported finding is clamped to these on the agent
 MAX_FINDING_LABELS, MAX_LABEL_NAME, MAX_LABEL_VALUE = 32, 64, 256
@@ -419,8 +421,8 @@ def validate_report(msg: dict) -> None:
         t = r.get("time", 0.0)
         _need(_is_num(t) and not isinstance(t, str) and (t or 0) >= 0, f"report: reports[{i}].time must be a time")
         _need(
-            _is_num(r.get("loss")) and _is_num(r.get("grad_norm")),
-            f"report: reports[{i}] loss/grad_norm must be numbers",
+            all(_is_num(r.get(k)) for k in ("loss", "grad_norm", "guard_overhead_ratio")),
+            f"report: reports[{i}] loss/grad_norm/guard_overhead_ratio must be numbers",
         )
         _need(isinstance(r.get("skipped", False), bool), f"report: reports[{i}].skipped must be a boolean")
         seconds = r.get("seconds", {})
@@ -438,7 +440,7 @@ def validate_report(msg: dict) -> None:
             _need(_is_text(mid, 1, 16, MPU_ID), f"{where}: an MPU id is 1-16 of [A-Za-z0-9._-]")
             _need(isinstance(mr, dict), f"{where} must be an object")
             _no_unknown(mr, MPU_REPORT_FIELDS, where)
-            for k in ("forward_s", "backward_s", "grad_norm", "gvc", "clip_ratio", "distill_share"):
+            for k in ("forward_s", "backward_s", "grad_norm", "gvc", "clip_ratio", "distill_share") + CHECK_FIGURES:
                 _need(_is_num(mr.get(k)), f"{where}.{k} must be a number")
             for k in ("memory_used_bytes", "memory_total_bytes"):
                 _need(_is_num(mr.get(k)), f"{where}.{k} must be a number")

@@ -111,8 +111,13 @@ def train(name, *, fault_steps=(), steps, trainer=False, plugins=()):
     vision = tower(model)
     embed = vision.embeddings if hasattr(vision, "embeddings") else vision.patch_embed
     guard.embedded = []
+    # (the training forwards, not the checksum's replays: an incident replays the tower each step)
     embed.register_forward_pre_hook(
-        lambda mod, args: guard.embedded.append((guard.current_step, args[0].shape[-1 if name == "llava" else 0]))
+        lambda mod, args: (
+            None
+            if guard.checksum.replaying
+            else guard.embedded.append((guard.current_step, args[0].shape[-1 if name == "llava" else 0]))
+        )
     )
     shapes = {n: p.shape for n, p in model.named_parameters()}
     task, types, reported = [], set(), []

@@ -64,7 +64,9 @@ class Job:
         self.model = TinyMultimodal(CFG).to(self.device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)  # foreach: steps cuda and cpu params
         self.rec = Findings()
-        attach_kw.setdefault("checksum", mscale.ChecksumConfig(replay_every=0))
+        # every layer every step, judged after each forward: these tests are about the swap and
+        # degrade paths a one-step fault starts (the commit-point verdicts: their own test)
+        attach_kw.setdefault("checksum", mscale.ChecksumConfig(replay_every=0, full=True, verdicts="in_step"))
         self.guard = mscale.attach(
             self.model, self.opt, job_id="gpu-test", connect=False, plugins=[self.rec], cmsa=False, **attach_kw
         )
@@ -306,3 +308,35 @@ def test_ebpf_launch_counts_match_torch_profiler_kernels() -> None:
     assert kernels > 0
     assert seen > 0, "no launch seen at libcuda's exported entry points or libcudart's"
     assert abs(seen - kernels) <= max(5, kernels // 50), f"eBPF saw {seen} launches, the profiler {kernels} kernels"
+
+
+def test_a_guarded_step_reads_nothing_back_before_the_commit_point() -> None:
+    """The default on a GPU: verdicts read once, at the optimizer step. Forward and backward
+    of clean steps run under torch.cuda.set_sync_debug_mode("error"), so any host read-back in
+    them (an .item(), a .tolist(), a D2H copy) raises; every MPU is replayed every step too (the replay's
+    comparison stays on the device). A fault is still caught, at the commit point, and its
+    update dropped. The budget's CUDA events measured the checks' cost."""
+    job = Job("cuda", checksum=mscale.ChecksumConfig(replay_every=1))
+    det = job.guard.checksum
+    try:
+        for i in range(4):
+            if i == 3:
+                inject(job.guard, kind="exponent_flip", mpu="vision", steps=1, seed=2)
+            b = torch.utils.data.default_collate([job.data[i * BATCH + j] for j in range(BATCH)])
+            images, tokens = b["images"].cuda(), b["tokens"].cuda()
+            reads = det.readbacks
+            # (the injector itself reads the value it corrupts: its step runs without the mode)
+            torch.cuda.set_sync_debug_mode("error" if i < 3 else "default")
+            try:
+                loss = job.model(images, tokens)["loss"]
+                loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert det.readbacks == reads
+            job.opt.step()
+            job.opt.zero_grad()
+            assert det.readbacks == reads + 1
+        assert job.rec.of(*FAIL, mpu="vision")
+        assert job.guard.summary()["guard_overhead_ratio"] > 0  # CUDA events resolved, no sync
+    finally:
+        job.close()

@@ -96,7 +96,10 @@ def test_trainer_callback_on_tiny_llava(tmp_path) -> None:
             if step == 3:
                 injected["i"] = inject(watch.guard, kind="exponent_flip", mpu="aligner", steps=1)
 
-    callback = mscale.MscaleCallback(job_id="llava", connect=False, plugins=[watch, Inject()])
+    # a transient fault in one step: every layer checked every step, so it is caught in that
+    # step whatever the rotation (tests/test_checksum_budget.py tests the rotation)
+    full = mscale.ChecksumConfig(full=True)
+    callback = mscale.MscaleCallback(job_id="llava", connect=False, plugins=[watch, Inject()], checksum=full)
     args = TrainingArguments(
         output_dir=str(tmp_path),
         max_steps=6,

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mscale.hook.attach import attach
+from mscale.hook.checksum import ChecksumConfig
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 from support import require
 from support.link_agent import Agent, metric, wait_for
@@ -100,7 +101,8 @@ def test_checksum_findings_reach_the_agent(sock: str) -> None:
     from mscale.sim.inject import inject
 
     agent = Agent(sock)
-    guard, train = make_job(sock, "job-f")
+    # every layer every step: three faulty steps in a row, each caught (not the rotation's test)
+    guard, train = make_job(sock, "job-f", checksum=ChecksumConfig(full=True))
     try:
         train(2)
         inject(guard, kind="exponent_flip", mpu="aligner", steps=3)

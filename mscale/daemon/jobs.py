@@ -117,6 +117,8 @@ class MpuState:
     checksum_ok: bool = True
     checksum_consecutive_failures: int = 0
     checksum_failures_total: int = 0
+    checksum_coverage_ratio: float = math.nan  # share of its checked layers the last step checked
+    checksum_max_gap_steps: float = math.nan  # the largest gap between checks of any layer, steps
     recent_failures: deque = field(default_factory=lambda: deque(maxlen=100))
     memory_used_bytes: float = math.nan
     memory_total_bytes: float = math.nan
@@ -131,6 +133,8 @@ class MpuState:
         ds = _num(r.get("distill_share", 0.0))
         self.distill_share = ds if math.isfinite(ds) else 0.0
         self.checksum_ok = bool(r.get("checksum_ok", True))
+        self.checksum_coverage_ratio = _num(r.get("checksum_coverage_ratio"))
+        self.checksum_max_gap_steps = _num(r.get("checksum_max_gap_steps"))
         self.checksum_consecutive_failures = int(r.get("checksum_consecutive_failures", 0) or 0)
         total = int(r.get("checksum_failures_total", self.checksum_failures_total) or 0)
         self.recent_failures.append(max(0, total - self.checksum_failures_total))
@@ -245,6 +249,7 @@ class RankState:
     reports_total: int = 0
     reports_dropped: int = 0  # dropped by the rank's bounded queue (agent slow or down)
     steps_skipped: int = 0
+    guard_overhead_ratio: float = math.nan  # the guard's measured cost over its step time
 
     def register(self, msg: dict) -> None:
         """Apply a (re-)registration: MPUs added or rebound keep their history."""
@@ -272,6 +277,7 @@ class RankState:
         self.loss = _num(r.get("loss"))
         self.grad_norm = _num(r.get("grad_norm"))
         self.steps_skipped += 1 if r.get("skipped") else 0
+        self.guard_overhead_ratio = _num(r.get("guard_overhead_ratio"))
         for mpu_id, mr in (r.get("mpus") or {}).items():
             m = self.mpus.get(mpu_id)
             if m is not None and isinstance(mr, dict):

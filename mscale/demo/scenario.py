@@ -19,6 +19,7 @@ import torch
 from mscale.findings import Finding
 from mscale.healing.settings import HealingSection
 from mscale.healing.words import Result
+from mscale.hook.checksum import ChecksumConfig
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class RunConfig:
     on_step: Callable[[dict], None] | None = None  # called after every step with its figures
     before_step: Callable[[Any], None] | None = None  # called with the Run before every step
     model_config: Any = None
+    # every layer every step: the scripted timeline catches each fault in the step it starts,
+    # whatever the machine's timing (the budget's rotation depends on measured costs)
+    checksum: ChecksumConfig = field(default_factory=lambda: ChecksumConfig(full=True))
     threads: int = 1  # torch intra-op threads: the tiny model gains nothing from more, and
     # on a shared 2-core machine a second spinning thread makes it 10x slower
 
@@ -136,6 +140,7 @@ class Run:
             job_id=cfg.job_id,
             connect=cfg.socket_path is not None,
             socket_path=cfg.socket_path,
+            checksum=cfg.checksum,
         )
         g = self.guard
         self.fuse = FusePlugin(config=cfg.healing, gpu_count=cfg.gpu_count)

@@ -107,6 +107,21 @@ def collect(state: AgentState) -> Iterable[Metric]:
     consec = GaugeMetricFamily(
         "mscale_mpu_checksum_consecutive_failures", "checksum failures in a row now", labels=[*rk, "mpu_id"]
     )
+    overhead = GaugeMetricFamily(
+        "mscale_guard_overhead_ratio",
+        "the guard's measured cost per step (checks, replays, statistics) over the step time, smoothed",
+        labels=rk,
+    )
+    coverage = GaugeMetricFamily(
+        "mscale_checksum_coverage_ratio",
+        "share of the MPU's checked layers its checksums covered in the last reported step (1 in incident mode)",
+        labels=[*rk, "mpu_id"],
+    )
+    gap = GaugeMetricFamily(
+        "mscale_checksum_max_gap_steps",
+        "largest gap, in steps, between two checks of any of the MPU's layers (at most max_gap_steps)",
+        labels=[*rk, "mpu_id"],
+    )
     gpus = gpus_by_index(state)
     for job_id, job in sorted(state.jobs.items()):
         job.refresh(gpus)  # the bound GPU's health may have changed since the last report
@@ -123,6 +138,8 @@ def collect(state: AgentState) -> Iterable[Metric]:
             r = [job_id, str(rank), str(rs.local_rank)]
             up.add_metric(r, 1.0 if rank in job.ranks else 0.0)
             rank_step.add_metric(r, value(rs.step))
+            if rs.guard_overhead_ratio == rs.guard_overhead_ratio:  # reported (not NaN)
+                overhead.add_metric(r, rs.guard_overhead_ratio)
         for rs, m in job.iter_mpus():
             r = [job_id, str(rs.rank), str(rs.local_rank)]
             info.add_metric([*r, m.mpu_id, m.name, str(m.gpu), m.gpu_uuid, m.device, m.fuse_level], 1.0)
@@ -131,6 +148,9 @@ def collect(state: AgentState) -> Iterable[Metric]:
             mnorm.add_metric([*r, m.mpu_id], value(m.grad_norm))
             fails.add_metric([*r, m.mpu_id], value(m.checksum_failures_total))
             consec.add_metric([*r, m.mpu_id], value(m.checksum_consecutive_failures))
+            if m.checksum_coverage_ratio == m.checksum_coverage_ratio:  # reported (not NaN)
+                coverage.add_metric([*r, m.mpu_id], m.checksum_coverage_ratio)
+                gap.add_metric([*r, m.mpu_id], value(m.checksum_max_gap_steps))
             for phase in PHASES:
                 health.add_metric([*r, m.mpu_id, m.name, phase], value(m.health[phase]))
                 lat.add_metric([*r, m.mpu_id, phase], value(m.latency[phase].last_s))
@@ -157,4 +177,7 @@ def collect(state: AgentState) -> Iterable[Metric]:
         base,
         fails,
         consec,
+        overhead,
+        coverage,
+        gap,
     )

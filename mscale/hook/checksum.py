@@ -1,5 +1,5 @@
-"""Tensor checksums on MPU outputs, in-process: ABFT on every linear layer, every step, and
-sampled replay of the whole MPU forward.
+"""Tensor checksums on MPU outputs, in-process, within a budget: ABFT on a rotating share of
+the linear layers, replay of whole MPU forwards, full coverage for an MPU under suspicion.
 
 ABFT (algorithm-based fault tolerance, Huang & Abraham 1984) for y = x W^T + b with x of
 shape (N, in): the sum of all outputs is predictable from the input's column sums and the
@@ -9,39 +9,35 @@ weight's column sums, without the GEMM:
     |sum(y) - prediction| <= rtol[dtype] * S        S = sum_n |x_n| . c(|W|) + N * sum|b|
 
 S bounds every product term of the GEMM, so the tolerance scales with the rounding the GEMM
-itself can make. Cost per linear and step: one pass over x (a GEMV for its column sums), one
-over y, one over W for c(W) (a trained weight changes every step; a frozen one is cached);
-c(|W|) only sizes the tolerance and is refreshed every 16 steps. On CPU, S itself (another
-pass over x) is computed only when the residual exceeds rtol times its lower bound
+itself can make. Cost per checked linear and step: one pass over x (a GEMV for its column
+sums), one over y, one over W for c(W) (a trained weight changes every step; a frozen one is
+cached); c(|W|) only sizes the tolerance and is refreshed every 16 steps. On CPU, S itself
+(another pass over x) is computed only when the residual exceeds rtol times its lower bound
 |sum_n x_n| . c(|W|): the same decision, paid for only by a fault or cancelling inputs.
-The check sums run in float32 (float64 for float64 layers), so a bf16
-layer's tolerance covers its own output rounding, not the check's. rtol per output dtype
-(`DEFAULT_RTOL`): float32 2e-6, bfloat16 1e-2, float16 2e-3, float64 1e-12; float32 on CUDA
-while TF32 matmuls are allowed at least `TF32_RTOL` (2e-3, see there). With those, no
-false positive in 1,000 clean fp32 steps of the tiny model (tests/test_checksum.py) nor in
-the bf16 runs, and the faults that matter are caught: an exponent-bit flip (a value scaled
-by 2^k), a flip of the top mantissa bits of an ordinary element, scaled noise, NaN/Inf. A
-flip in the low mantissa bits of a small element is below the rounding of the GEMM itself
-and cannot be told apart from it (nor does it matter to training).
+The check sums run in float32 (float64 for float64 layers), so a bf16 layer's tolerance
+covers its own output rounding, not the check's. rtol per output dtype (`DEFAULT_RTOL`):
+float32 2e-6, bfloat16 1e-2, float16 2e-3, float64 1e-12; float32 on CUDA while TF32
+matmuls are allowed at least `TF32_RTOL` (2e-3, see there).
 
-Replay: one step in K (`replay_every`) the MPU's forward is run again on the same input
-under no_grad and compared: max |difference| <= replay_rtol (1e-5) * max |output|, in any
-dtype (a recomputation on the same device is bitwise equal with deterministic kernels), so
-replay sees in bf16 what ABFT cannot: a transient mantissa flip. The RNG state of the original
-forward is restored for the replay (dropout draws the same masks) and the training RNG
-stream is put back afterwards, so replay changes no random number the run sees; BatchNorm's
-running statistics are swapped for copies during the replay, so they are updated once per step.
+Which layers, which steps (mscale.hook.coverage, mscale.hook.budget): the guard measures what
+the checks cost against the step they ride on and checks, each step, as many layers of each MPU
+as `budget` (default 0.01, the share of step time) allows, never fewer than keep every layer
+checked at least once every `max_gap_steps` (default 8), in rotation. Replays rotate across the
+MPUs, paid from `replay_share` of the budget, each MPU at least once every
+`replay_max_gap_steps` (100). `full=True` checks every layer every step (the old default).
 
-Checking fewer steps (`abft_every` K > 1, opt-in): ABFT runs one step in K, the non-finite
-check every step. A step without ABFT that passes counts as no check at all, so a persistent
-fault still makes an L1 trigger after `failures_l1` checked steps (K times as many steps); a
-transient fault in a step without ABFT is seen only by replay. ABFT reads each linear's
-input, output and weight once a step, which on a memory-bound CPU is ~1.4% of a step at
-benchmarks/hook_overhead.py's realistic shape; K = 2 halves that.
+Escalation (`suspect`): a failed check, a loss or gradient anomaly, an agent's GPU finding on
+the MPU's GPU or a replica mismatch put the MPU in incident mode for `incident_steps` (16):
+every layer checked and its forward replayed, every step. Since every failure opens an
+incident, the clean steps that follow a failure include a replay: a fault only replay sees (one
+outside any linear layer, at a tower's output) is not cleared by clean ABFT passes.
 
-A non-finite MPU output is always a failure. N consecutive failed checks of an MPU
-(`failures_l1`, default 3) emit CHECKSUM_L1_TRIGGER. Nothing here raises into training:
-results are findings passed to `emit`.
+Counting is per optimizer step: the checks of all forwards of a step (gradient accumulation)
+make one verdict per MPU at the step's commit point (`commit`, from the optimizer step
+pre-hook); `failures_l1` (3) failed checked steps in a row emit CHECKSUM_L1_TRIGGER. The
+recomputation of a checkpointed forward (inside backward) is not checked again. A non-finite
+MPU output is always a failure. Nothing here raises into training: results are findings
+passed to `emit`.
 """
 
 from __future__ import annotations
@@ -49,65 +45,27 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 import torch
 from torch import nn
 
 from mscale.findings import Finding, Reason, Severity
+from mscale.hook.budget import Budget
+from mscale.hook.checksum_config import (  # noqa: F401  (re-exported: the config's public home)
+    DEFAULT_RTOL,
+    TF32_RTOL,
+    VERDICTS,
+    ChecksumConfig,
+)
+from mscale.hook.coverage import Schedule
+from mscale.hook.linears import LinearKind, kind_of
+from mscale.hook.replay import compare, fresh_copies, rng_get, run_again
 
 SOURCE = "checksum"
+log = structlog.get_logger("mscale.hook")
 ABS_REFRESH = 16  # steps between refreshes of the |W| column sums (tolerance scale only)
-
-DEFAULT_RTOL: dict[torch.dtype, float] = {
-    torch.float32: 2e-6,
-    torch.bfloat16: 1e-2,
-    torch.float16: 2e-3,
-    torch.float64: 1e-12,
-}
-# TF32 keeps float32's exponent and 10 of its 23 mantissa bits: cuBLAS rounds x and W to it
-# (unit roundoff 2^-11 ~ 4.9e-4 each, so up to ~2^-10 ~ 9.8e-4 per product term of S) and
-# accumulates in float32. 2e-3 is twice that worst case per term, float16's rtol (the same
-# 10-bit mantissa), and still ~5000x below the scaling of a single exponent-bit flip.
-TF32_RTOL = 2e-3
-
-
-@dataclass(frozen=True)
-class ChecksumConfig:
-    abft: bool = True  # ABFT on every nn.Linear inside each MPU, every forward
-    # ABFT one step in this many (opt-in > 1: see "Checking fewer steps" in the docstring)
-    abft_every: int = 1
-    replay_every: int = 100  # replay one step in this many (0: never)
-    failures_l1: int = 3  # consecutive failed checks that make an L1 trigger
-    # replay recomputes on the same device: deterministic kernels agree bitwise, so the
-    # tolerance (relative to the output's largest magnitude) only absorbs reduction-order
-    # noise of non-deterministic kernels, in any dtype
-    replay_rtol: float = 1e-5
-    rtol: Mapping[torch.dtype, float] = field(default_factory=lambda: dict(DEFAULT_RTOL))
-    tf32_rtol: float = TF32_RTOL  # float32 GEMMs on CUDA while TF32 is allowed (see TF32_RTOL)
-
-    def __post_init__(self) -> None:
-        if self.replay_every < 0:
-            raise ValueError(f"replay_every: expected >= 0, got {self.replay_every}")
-        if not 1 <= self.abft_every <= 1000:
-            raise ValueError(f"abft_every: expected 1..1000, got {self.abft_every}")
-        if self.failures_l1 < 1:
-            raise ValueError(f"failures_l1: expected >= 1, got {self.failures_l1}")
-
-    def tolerance(
-        self, dtype: torch.dtype, device: torch.device | str | None = None, *, tf32: bool | None = None
-    ) -> float:
-        """rtol for a GEMM with output `dtype` on `device`: by dtype; a float32 GEMM on CUDA while
-        TF32 is allowed (`tf32`, default torch.backends.cuda.matmul.allow_tf32, which
-        torch.set_float32_matmul_precision("high"/"medium") also turns on) at no less than
-        `tf32_rtol`: cuBLAS then rounds its inputs to TF32's 10-bit mantissa."""
-        rtol = self.rtol.get(dtype, DEFAULT_RTOL.get(dtype, 1e-2))
-        if dtype != torch.float32 or device is None or torch.device(device).type != "cuda":
-            return rtol
-        if tf32 is None:
-            tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
-        return max(rtol, self.tf32_rtol) if tf32 else rtol
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:
@@ -137,77 +95,76 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _rng_get(device: torch.device) -> tuple:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _rng_set(device: torch.device, state: tuple) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
-
-
-def _stand_in_stats(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """Give every normalisation layer with running statistics (BatchNorm's running_mean,
-    running_var, num_batches_tracked), which a training-mode forward updates in place, copies
-    to update instead; returns (layer, name, original) to put back. The originals are not
-    written at all: autograd saved them for the step's backward, and a write, even of the same
-    values, would bump their version and fail that backward."""
-    out: list[tuple[nn.Module, str, torch.Tensor]] = []
-    for m in module.modules():
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
-            for name in ("running_mean", "running_var", "num_batches_tracked"):
-                b = m._buffers.get(name)
-                if b is not None:
-                    m._buffers[name] = b.detach().clone()
-                    out.append((m, name, b))
-    return out
-
-
 class _MpuChecks:
-    __slots__ = ("pending", "rng", "forwards", "step", "layer_names", "abft")
+    """One MPU's checks in the step in progress."""
+
+    __slots__ = ("layer_names", "forwards", "pending", "rows", "failures", "ran", "unresolved", "replay")
 
     def __init__(self, layer_names: dict[int, str]) -> None:
-        self.pending: list[tuple[str, torch.dtype, torch.Tensor | tuple[float, float, float]]] = []
-        self.rng: tuple | None = None
-        self.forwards = 0
-        self.step = -1
         self.layer_names = layer_names
-        self.abft = True  # whether ABFT checks this step
+        self.forwards = 0
+        self.pending: list[_Row] = []  # this forward's checks (in_step verdicts)
+        self.rows: list[_Row] = []  # the step's checks, read at the commit point (commit verdicts)
+        self.failures: list[tuple[Reason, str, str]] = []  # (reason, method, detail) this step
+        self.ran: set[str] = set()  # the methods run this step
+        self.unresolved = False  # a forward failed and was not re-run clean since
+        self.replay: tuple | None = None  # (rng state, fresh cache copies) for this step's replay
+
+    def reset(self) -> None:
+        self.forwards, self.pending, self.rows, self.failures = 0, [], [], []
+        self.ran, self.unresolved, self.replay = set(), False, None
+
+
+# one check: (method, layer, dtype, value); value (residual, tolerance) as floats or a tensor
+# of 2 on the device. It fails when the residual is not finite or exceeds the tolerance.
+_Row = tuple[str, str, torch.dtype, Any]
 
 
 class ChecksumDetector:
-    """Owned by the Guard; `attach(mpu)` registers the ABFT hooks of the MPU's linears,
-    the Guard calls `before_forward`/`after_forward` around each MPU forward."""
+    """Owned by the Guard; `attach(mpu)` registers the ABFT hooks of the MPU's linears. The Guard
+    calls `begin_step` at each step's begin, `before_forward`/`after_forward` around each MPU
+    forward, `commit` at the optimizer step and `end_step` at the step's end."""
 
-    def __init__(self, config: ChecksumConfig, *, emit: Callable[[Finding], None], step: Callable[[], int]) -> None:
+    def __init__(
+        self, config: ChecksumConfig, *, emit: Callable[[Finding], None], step: Callable[[], int], budget: Budget
+    ) -> None:
         self.config = config
+        self.budget = budget
         self._emit = emit
         self._step = step
+        share, gap = config.replays()
+        self.schedule = Schedule(
+            max_gap_steps=1 if config.full else config.max_gap_steps,
+            replay_share=share,
+            replay_max_gap_steps=gap,
+            incident_steps=config.incident_steps,
+        )
         self._mpus: dict[int, _MpuChecks] = {}
+        self._by_id: dict[str, Any] = {}
         self._handles: list[Any] = []
         self._wcache: dict[int, tuple] = {}
         self._ones: dict[tuple, torch.Tensor] = {}
         self._bias_floats: dict[int, tuple[float, float]] = {}
+        self._planned = -1  # the step planned last
+        self._committed = -1  # the step committed last
         self.replaying = False
+        self.readbacks = 0  # host reads of check results (tests count them per step)
         # seconds spent in ABFT (linear hooks + evaluation) and in replays; the Guard resets
         # them each step (benchmarks/hook_overhead.py reads them)
         self.abft_s = 0.0
         self.replay_s = 0.0
 
     def attach(self, mpu: Any) -> None:
-        names = {id(m): n or "<self>" for n, m in mpu.module.named_modules() if isinstance(m, nn.Linear)}
-        self._mpus[id(mpu)] = _MpuChecks(names)
+        linears = [(n or "<self>", m) for n, m in mpu.module.named_modules() if kind_of(m) is not None]
+        self._mpus[id(mpu)] = _MpuChecks({id(m): n for n, m in linears})
+        self._by_id[mpu.mpu_id] = mpu
+        self.schedule.add(mpu.mpu_id, [])  # layers join the rotation when first seen running
         if not self.config.abft:
             return
-        for _, m in mpu.module.named_modules():
-            if isinstance(m, nn.Linear):
-                self._handles.append(
-                    m.register_forward_hook(
-                        lambda mod, args, out, mpu=mpu: self._linear(mpu, mod, args, out), prepend=True
-                    )
-                )
+        for _, m in linears:
+            self._handles.append(
+                m.register_forward_hook(lambda mod, args, out, mpu=mpu: self._linear(mpu, mod, args, out), prepend=True)
+            )
 
     def detach(self) -> None:
         for h in self._handles:
@@ -219,36 +176,62 @@ class ChecksumDetector:
         """Drop cached weight sums (the MPU moved device)."""
         self._wcache.clear()
 
-    def is_abft_step(self, step: int) -> bool:
-        return self.config.abft and step % self.config.abft_every == 0
+    def commit_mode(self, mpu: Any) -> bool:
+        v = self.config.verdicts
+        return v == "commit" or (v == "auto" and mpu.device.type != "cpu")
 
-    def is_replay_step(self, step: int) -> bool:
-        k = self.config.replay_every
-        return k > 0 and step % k == k - 1
+    # --- suspicion -------------------------------------------------------------------
 
-    # --- per forward -----------------------------------------------------------------
-
-    def before_forward(self, mpu: Any) -> None:
-        st = self._mpus[id(mpu)]
+    def suspect(self, mpu_id: str, why: str) -> None:
+        """Incident mode for the MPU (full coverage and replay for `incident_steps` steps), from
+        this step when it is not planned yet, else from the next."""
         step = self._step()
-        if st.step != step:
-            st.step, st.forwards = step, 0
+        start = step + 1 if self._planned == step else step
+        self.schedule.suspect(mpu_id, start, why)
+
+    # --- per step --------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        step = self._step()
+        b = self.budget
+        self.schedule.plan(step, b.allowance_s(SOURCE), b.share * (b.step_s or 0.0))
+        self._planned = step
+        for st in self._mpus.values():
+            st.reset()
+
+    def before_forward(self, mpu: Any, args: tuple, kwargs: dict) -> None:
+        st = self._mpus[id(mpu)]
+        if self._planned != self._step():
+            self.begin_step()  # a forward outside the guard's steps (no optimizer, eval loops)
         st.forwards += 1
         st.pending = []
-        st.abft = self.is_abft_step(step)
-        st.rng = _rng_get(mpu.device) if self.is_replay_step(step) and st.forwards == 1 else None
+        if st.forwards == 1 and mpu.mpu_id in self.schedule.replays:
+            st.replay = (rng_get(mpu.device), fresh_copies(args, kwargs))
 
-    def _linear(self, mpu: Any, module: nn.Linear, args: tuple, out: Any) -> None:
-        if self.replaying or not args or not isinstance(out, torch.Tensor):
+    def _linear(self, mpu: Any, module: nn.Module, args: tuple, out: Any) -> None:
+        kind = kind_of(module)
+        out = kind.output_of(out) if kind is not None else None
+        if self.replaying or not args or out is None or kind is None:
             return
+        if torch._C._current_graph_task_id() != -1:
+            return  # the recomputation of a checkpointed forward, inside backward: checked once already
+        rot = self.schedule.mpus[mpu.mpu_id]
+        if id(module) not in rot.planned:
+            if id(module) in rot.seen:
+                return
+            rot.see(id(module), self._step())  # a layer first seen running is checked at once
+            rot.planned = rot.planned | {id(module)}
         st = self._mpus.get(id(mpu))
-        if st is None or not st.abft:
+        if st is None:
             return
         t0 = time.perf_counter()
-        self._abft_sums(st, module, args[0], out)
+        with self.budget.timer(SOURCE, out.device):
+            self._abft_sums(mpu, st, module, kind, args[0], out)
         self.abft_s += time.perf_counter() - t0
 
-    def _weight_sums(self, module: nn.Linear, acc: torch.dtype, cast: torch.dtype | None) -> tuple:
+    def _weight_sums(
+        self, module: nn.Module, kind: LinearKind, acc: torch.dtype, cast: torch.dtype | None, floats: bool
+    ) -> tuple:
         """(c(W), c(|W|), sum(b), sum|b|) of the weight as the GEMM saw it, cached.
 
         A trained weight changes every optimizer step (and fused optimizers update it without
@@ -256,31 +239,35 @@ class ChecksumDetector:
         (requires_grad False: no optimizer touches it) only when its version or storage
         changes, with a refresh every ABS_REFRESH steps in case it was written through
         `.data`. The |W| sums only size the tolerance and drift slowly: every ABS_REFRESH steps."""
-        w = module.weight
+        w = kind.weight_of(module)
         step = self._step()
-        key = (step if w.requires_grad else -1, w._version, w.data_ptr(), acc, cast)
+        key = (step if w.requires_grad else -1, w._version, w.data_ptr(), acc, cast, floats)
         cached = self._wcache.get(id(module))
         if cached is not None and cached[0] == key and step - cached[3] < ABS_REFRESH:
             return cached[1]
         with torch.no_grad():
             wd = w.detach() if cast is None else w.detach().to(cast)
-            bias = module.bias
+            bias = kind.bias_of(module)
             b = None if bias is None else (bias.detach() if cast is None else bias.detach().to(cast))
             zero = torch.zeros((), dtype=acc, device=w.device)
+            # the sums over the output dimension: dim 0 of an (out, in) weight, 1 of an (in, out)
+            red = 1 if kind.transposed else 0
             # the |W| sums every ABS_REFRESH steps (or after a change of storage/dtype)
             if cached is None or step - cached[2] >= ABS_REFRESH or cached[0][2:] != key[2:]:
-                absums = (wd.abs().sum(0, dtype=acc), b.abs().sum(dtype=acc) if b is not None else zero)
+                absums = (wd.abs().sum(red, dtype=acc), b.abs().sum(dtype=acc) if b is not None else zero)
                 abs_step = step
             else:
                 absums = (cached[1][1], cached[1][3])
                 abs_step = cached[2]
-            if wd.dtype == acc:  # a GEMV reads W once, faster than a column reduction
+            if wd.dtype == acc and not kind.transposed:  # a GEMV reads W once, faster than a column reduction
                 wc = self._ones_of(wd.shape[0], wd.device, acc) @ wd
+            elif wd.dtype == acc:
+                wc = wd @ self._ones_of(wd.shape[1], wd.device, acc)
             else:
-                wc = wd.sum(0, dtype=acc)
+                wc = wd.sum(red, dtype=acc)
             sums = (wc, absums[0], b.sum(dtype=acc) if b is not None else zero, absums[1])
         self._wcache[id(module)] = (key, sums, abs_step, step)
-        if w.device.type == "cpu":  # the CPU check adds the bias terms in Python
+        if floats:  # the CPU's in-step check adds the bias terms in Python
             self._bias_floats[id(module)] = (sums[2].item(), sums[3].item())
         return sums
 
@@ -292,15 +279,22 @@ class ChecksumDetector:
             ones = self._ones[(n, device, dtype)] = torch.ones(n, dtype=dtype, device=device)
         return ones
 
-    def _abft_sums(self, st: _MpuChecks, module: nn.Linear, x: torch.Tensor, out: torch.Tensor) -> None:
+    def _abft_sums(
+        self, mpu: Any, st: _MpuChecks, module: nn.Module, kind: LinearKind, x: torch.Tensor, out: torch.Tensor
+    ) -> None:
         acc = _acc(out.dtype)
+        rot = self.schedule.mpus[mpu.mpu_id]
+        if id(module) not in rot.sizes:  # what a check of it reads: input, output, weight
+            rot.sizes[id(module)] = x.numel() + out.numel() + kind.weight_of(module).numel()
         # under autocast the GEMM saw x and W rounded to the output dtype: predict from those
-        w = module.weight
+        w = kind.weight_of(module)
         cast = out.dtype if out.dtype != w.dtype and out.dtype in (torch.bfloat16, torch.float16) else None
-        wc, wa, bs, ba = self._weight_sums(module, acc, cast)
+        on_device = x.device.type != "cpu" or self.commit_mode(mpu)
+        wc, wa, bs, ba = self._weight_sums(module, kind, acc, cast, not on_device)
         if x.dtype != out.dtype and out.dtype in (torch.bfloat16, torch.float16):
             x = x.detach().to(out.dtype)
         layer = st.layer_names.get(id(module), "?")
+        rtol = self.config.tolerance(out.dtype, x.device)
         with torch.no_grad():
             x2 = x.detach().reshape(-1, x.shape[-1])
             n = x2.shape[0]
@@ -309,12 +303,13 @@ class ChecksumDetector:
             else:  # low precision: sum in float32, not in the input's dtype
                 sx = x2.sum(0, dtype=acc)
             total = out.detach().sum(dtype=acc)
-            if x2.device.type != "cpu":
-                # no host sync per layer on an accelerator: the scale S on the device, every
-                # check read back together in after_forward
-                pred = sx @ wc + n * bs
-                scale = x2.abs().sum(0, dtype=acc) @ wa + n * ba
-                st.pending.append((layer, out.dtype, torch.stack((total, pred, scale))))
+            if on_device:
+                # no host read per layer: residual and tolerance on the device, read with the
+                # verdicts (after the forward, or at the commit point)
+                resid = total - (sx @ wc + n * bs)
+                tol = (x2.abs().sum(0, dtype=acc) @ wa + n * ba) * rtol + 1e-30
+                row = ("abft", layer, out.dtype, torch.stack((resid, tol)))
+                (st.rows if self.commit_mode(mpu) else st.pending).append(row)
                 return
             # On CPU a value costs no device sync, so decide here and skip the pass over |x|
             # when it cannot change the outcome: |sx| . c(|W|) <= S (|sum_n x_nk| <= sum_n |x_nk|,
@@ -324,106 +319,200 @@ class ChecksumDetector:
             bsf, baf = self._bias_floats[id(module)]
             t, p = total.item(), (sx @ wc).item() + n * bsf
             lo = (sx.abs() @ wa).item() + n * baf
-            if abs(t - p) <= self.config.tolerance(out.dtype) * 0.99 * lo:
-                st.pending.append((layer, out.dtype, (t, p, lo)))
+            if abs(t - p) <= rtol * 0.99 * lo:
+                st.pending.append(("abft", layer, out.dtype, (t - p, rtol * lo + 1e-30)))
                 return
             scale = (x2.abs().sum(0, dtype=acc) @ wa).item() + n * baf
-            st.pending.append((layer, out.dtype, (t, p, scale)))
+            st.pending.append(("abft", layer, out.dtype, (t - p, rtol * scale + 1e-30)))
 
-    def after_forward(self, mpu: Any, inputs: Any, output: Any) -> bool:
-        """Evaluate this forward's checks; update the MPU's counters; emit findings.
-        Returns whether the checks passed."""
+    def after_forward(self, mpu: Any, inputs: Any, output: Any, *, rerun: bool = False) -> bool:
+        """This forward's checks: read and judged now (in_step verdicts, findings emitted) or
+        kept for the commit point. `rerun`: the forward re-ran a failed one (the fuse's).
+        Returns whether the checks read so far passed."""
         t0 = time.perf_counter()
         st = self._mpus[id(mpu)]
         outs = output_tensors(output)
-        failures: list[tuple[Reason, str, str]] = []  # (reason, method, detail)
-        with torch.no_grad():
-            sums = [t.detach().sum(dtype=_acc(t.dtype)).to(torch.float64) for t in outs]
-            # (CPU checks arrive as floats, decided in the hook; device checks as tensors)
-            rows = [p[2].to(torch.float64) for p in st.pending if isinstance(p[2], torch.Tensor)]
-            flat = torch.cat([torch.stack(sums)] + rows) if (sums or rows) else torch.zeros(0)
-            values = flat.tolist()  # the one sync of this check
-        if not all(math.isfinite(v) for v in values[: len(sums)]):
-            failures.append((Reason.NONFINITE_OUTPUT, "nonfinite", "MPU output has NaN or Inf"))
-        off = len(sums)
-        for layer, dtype, checked in st.pending:
-            if isinstance(checked, torch.Tensor):
-                total, pred, scale = values[off : off + 3]
-                off += 3
-            else:
-                total, pred, scale = checked
-            where = checked.device if isinstance(checked, torch.Tensor) else None  # floats: the CPU's
-            tol = self.config.tolerance(dtype, where) * scale + 1e-30
-            if not math.isfinite(total):
-                failures.append((Reason.NONFINITE_OUTPUT, "abft", f"layer {layer}: non-finite output"))
-                break
-            if not abs(total - pred) <= tol:
-                failures.append(
-                    (
-                        Reason.CHECKSUM_FAILURE,
-                        "abft",
-                        f"layer {layer} ({dtype}): sum {total:.6g} vs predicted {pred:.6g}, "
-                        f"residual {abs(total - pred):.3g} > tolerance {tol:.3g}",
-                    )
-                )
-                break
-        st.pending = []
+        commit = self.commit_mode(mpu)
+        if self.config.abft and self.schedule.mpus[mpu.mpu_id].planned:
+            st.ran.add("abft")
+        with torch.no_grad(), self.budget.timer(SOURCE, mpu.device):
+            # the non-finite check of the MPU's output: every forward, every MPU
+            for t in outs:
+                s = t.detach().sum(dtype=_acc(t.dtype)).to(torch.float64)
+                row = ("nonfinite", "<output>", t.dtype, torch.stack((s, torch.full_like(s, math.inf))))
+                (st.rows if commit else st.pending).append(row)
         t1 = time.perf_counter()
         self.abft_s += t1 - t0
-        counted = st.abft or not self.config.abft  # (without ABFT at all, as it always was)
-        if st.rng is not None:
-            counted = True
-            detail = self._replay(mpu, st, st.rng, inputs, outs)
-            if detail:
-                failures.append((Reason.CHECKSUM_FAILURE, "replay", detail))
-            self.replay_s += time.perf_counter() - t1
-        if not counted and not failures:
-            return True  # a step that skipped ABFT (abft_every) neither counts nor ends a failure run
-        return self._record(mpu, failures)
+        if st.replay is not None:
+            rng, copies = st.replay
+            st.replay = None
+            st.ran.add("replay")
+            with self.budget.timer("replay", mpu.device):
+                self._replay(mpu, st, rng, copies, inputs, outs, commit)
+            seconds = time.perf_counter() - t1
+            self.replay_s += seconds
+            self.schedule.replayed(mpu.mpu_id, seconds)
+        if commit:
+            return not st.unresolved
+        t2 = time.perf_counter()
+        failures = self._judge(st.pending)
+        st.pending = []
+        self.abft_s += time.perf_counter() - t2
+        if failures:
+            st.unresolved = True
+            st.failures.extend(failures)
+            self._report(mpu, failures)
+        elif rerun:
+            st.unresolved = False
+        mpu.last_checksum_ok = not st.unresolved
+        return not failures
 
-    def _replay(self, mpu: Any, st: _MpuChecks, rng: tuple, inputs: Any, outs: list[torch.Tensor]) -> str:
-        device = mpu.device
-        saved = _rng_get(device)
-        _rng_set(device, rng)
-        st.rng = None
+    def _replay(
+        self, mpu: Any, st: _MpuChecks, rng: tuple, copies: dict, inputs: Any, outs: list, commit: bool
+    ) -> None:
         self.replaying = True
-        stats = _stand_in_stats(mpu.module)  # the step's forward updated them once; not the replay
         try:
-            with torch.no_grad():
-                again = output_tensors(mpu.module(*inputs.args, **inputs.kwargs))
+            again = output_tensors(run_again(mpu.module, mpu.device, rng, inputs, copies))
         finally:
             self.replaying = False
-            _rng_set(device, saved)
-            for layer, name, original in stats:
-                layer._buffers[name] = original
-        if len(again) != len(outs):
-            return f"replay returned {len(again)} tensors, the step {len(outs)}"
-        for i, (a, b) in enumerate(zip(outs, again, strict=True)):
-            if a.shape != b.shape:
-                return f"replay output {i}: shape {tuple(b.shape)} != {tuple(a.shape)}"
-            a64, b64 = a.detach().to(torch.float64), b.to(torch.float64)
-            diff = (a64 - b64).abs().max().item() if a.numel() else 0.0
-            ref = a64.abs().max().item() if a.numel() else 0.0
-            tol = self.config.replay_rtol * max(ref, 1e-30)
-            if not (math.isfinite(diff) and diff <= tol):
-                return f"replay output {i}: max difference {diff:.3g} > tolerance {tol:.3g}"
-        return ""
+        if commit and len(again) == len(outs) and all(a.shape == b.shape for a, b in zip(outs, again, strict=True)):
+            rtol = self.config.replay_rtol
+            with torch.no_grad():
+                for i, (a, b) in enumerate(zip(outs, again, strict=True)):
+                    a64 = a.detach().to(torch.float64)
+                    diff = (a64 - b.to(torch.float64)).abs().amax() if a.numel() else a64.new_zeros(())
+                    ref = a64.abs().amax() if a.numel() else a64.new_zeros(())
+                    st.rows.append(("replay", f"output {i}", a.dtype, torch.stack((diff, ref * rtol + 1e-30))))
+            return
+        self.readbacks += 1
+        detail = compare(outs, again, self.config.replay_rtol)
+        if detail:
+            (st.rows if commit else st.pending).append(
+                ("replay", detail, outs[0].dtype if outs else torch.float32, (math.inf, 0.0))
+            )
 
-    def _record(self, mpu: Any, failures: list[tuple[Reason, str, str]]) -> bool:
-        mpu.checksum_checks_total += 1
-        if not failures:
-            mpu.consecutive_failures = 0
-            mpu.last_checksum_ok = True
-            return True
-        mpu.consecutive_failures += 1
-        mpu.checksum_failures_total += 1
-        mpu.last_checksum_ok = False
-        labels = {"mpu_id": mpu.mpu_id, "mpu": mpu.name, "gpu": str(mpu.gpu)}
-        if mpu.gpu_uuid:
-            labels["gpu_uuid"] = mpu.gpu_uuid
+    def _judge(self, rows: list[_Row]) -> list[tuple[Reason, str, str]]:
+        """Read the rows (one read-back for all the tensors among them) and judge them."""
+        tensors = [r[3] for r in rows if isinstance(r[3], torch.Tensor)]
+        values: list[float] = []
+        if tensors:
+            values = torch.cat([t.reshape(-1).to(torch.float64).cpu() for t in tensors]).tolist()
+            self.readbacks += 1
+        off, failures = 0, []
+        nonfinite = abft = replayed = False
+        for method, layer, dtype, v in rows:
+            if isinstance(v, torch.Tensor):
+                resid, tol = values[off], values[off + 1]
+                off += 2
+            else:
+                resid, tol = v
+            if math.isfinite(resid) and abs(resid) <= tol:
+                continue  # passed
+            if method == "nonfinite" and not nonfinite:
+                nonfinite = True
+                failures.append((Reason.NONFINITE_OUTPUT, "nonfinite", "MPU output has NaN or Inf"))
+            elif method == "abft" and not abft:
+                abft = True
+                if not math.isfinite(resid):
+                    failures.append((Reason.NONFINITE_OUTPUT, "abft", f"layer {layer}: non-finite output"))
+                else:
+                    failures.append(
+                        (
+                            Reason.CHECKSUM_FAILURE,
+                            "abft",
+                            f"layer {layer} ({dtype}): residual {abs(resid):.3g} > tolerance {tol:.3g}",
+                        )
+                    )
+            elif method == "replay" and not (replayed or abft):  # ABFT's names the layer: one of the two
+                replayed = True
+                detail = (
+                    layer
+                    if not math.isfinite(resid) and tol == 0.0
+                    else (f"replay {layer}: max difference {resid:.3g} > tolerance {tol:.3g}")
+                )
+                failures.append((Reason.CHECKSUM_FAILURE, "replay", detail))
+        return failures
+
+    def commit(self, *, data_fault: bool = False) -> list[str]:
+        """The step's verdicts at the commit point (the optimizer step pre-hook): rows kept for
+        it read in one read-back, findings emitted, every MPU's step counted. Returns the ids
+        of the MPUs judged here (commit verdicts) whose step failed: the guard drops its update
+        (once per step; [] after)."""
+        step = self._step()
+        if self._committed == step:
+            return []
+        self._committed = step
+        try:
+            return self._commit(data_fault)
+        except Exception:  # a detector bug must not stop training
+            log.exception("checksum_error", where="commit")
+            return []
+
+    def _commit(self, data_fault: bool) -> list[str]:
+        if data_fault:  # the batch was not finite (mscale.hook.inputs): the kept checks blame no MPU
+            for mpu in self._by_id.values():
+                if self.commit_mode(mpu):
+                    self._mpus[id(mpu)].rows = []
+        t0 = time.perf_counter()
+        with self.budget.timer(SOURCE):
+            rows = [(mpu, r) for mpu in self._by_id.values() for r in self._mpus[id(mpu)].rows]
+            failures = self._judge([r for _, r in rows]) if rows else []
+        self.abft_s += time.perf_counter() - t0
+        if failures:  # blame: judge each MPU's rows again, from the values now on the host
+            for mpu in self._by_id.values():
+                st = self._mpus[id(mpu)]
+                mine = self._judge(st.rows) if st.rows else []
+                if mine:
+                    st.unresolved = True
+                    st.failures.extend(mine)
+                    self._report(mpu, mine)
+        bad = []
+        for mpu in self._by_id.values():
+            st = self._mpus[id(mpu)]
+            st.rows = []
+            mpu.last_checksum_ok = not st.unresolved
+            self._record(mpu, st)
+            if st.unresolved and self.commit_mode(mpu):
+                bad.append(mpu.mpu_id)
+        return bad
+
+    def end_step(self, *, guard_s: float = 0.0) -> None:
+        """At the step's end: the guard's own seconds (`guard_s`) charged, the budget's step
+        closed, the measured cost per element checked taken for the next plans."""
+        self.budget.charge("guard", guard_s)
+        self.budget.step_ended()
+        self.schedule.measured(self.budget.last_spent_s.get(SOURCE, 0.0))
+        for mpu in self._by_id.values():
+            self.schedule.mpus[mpu.mpu_id].mark_checked(self._step())
+
+    def figures(self) -> dict[str, dict[str, float]]:
+        """Per MPU id: coverage ratio, achieved max gap (steps), incident (0/1), replayed (0/1)."""
+        return self.schedule.figures(self._step())
+
+    # --- counting --------------------------------------------------------------------
+
+    def _report(self, mpu: Any, failures: list[tuple[Reason, str, str]]) -> None:
+        labels = self._labels(mpu)
         for reason, method, detail in failures:
             sev = Severity.CRITICAL if reason is Reason.NONFINITE_OUTPUT else Severity.WARNING
             self._emit(Finding(SOURCE, reason, sev, f"{mpu.name}: {detail}", {**labels, "method": method}))
+        self.suspect(mpu.mpu_id, f"{failures[0][1]} check failed")
+
+    def _labels(self, mpu: Any) -> dict[str, str]:
+        labels = {"mpu_id": mpu.mpu_id, "mpu": mpu.name, "gpu": str(mpu.gpu)}
+        if mpu.gpu_uuid:
+            labels["gpu_uuid"] = mpu.gpu_uuid
+        return labels
+
+    def _record(self, mpu: Any, st: _MpuChecks) -> None:
+        """Count one optimizer step of the MPU: checked (it always is: the non-finite check),
+        failed or not; the L1 trigger at every `failures_l1` failed steps in a row."""
+        mpu.checksum_checks_total += 1
+        if not st.failures:
+            mpu.consecutive_failures = 0
+            return
+        mpu.consecutive_failures += 1
+        mpu.checksum_failures_total += 1
         n = self.config.failures_l1
         if mpu.consecutive_failures % n == 0:
             self._emit(
@@ -431,8 +520,7 @@ class ChecksumDetector:
                     SOURCE,
                     Reason.CHECKSUM_L1_TRIGGER,
                     Severity.CRITICAL,
-                    f"{mpu.name}: {mpu.consecutive_failures} consecutive checksum failures",
-                    {**labels, "consecutive": str(mpu.consecutive_failures)},
+                    f"{mpu.name}: {mpu.consecutive_failures} consecutive failed checked steps",
+                    {**self._labels(mpu), "consecutive": str(mpu.consecutive_failures)},
                 )
             )
-        return False

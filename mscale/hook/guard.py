@@ -27,7 +27,6 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import structlog
@@ -38,8 +37,10 @@ import mscale.hook.mpu as mpumod
 import mscale.hook.placement as placement
 from mscale import link as protocol
 from mscale.findings import Finding, Severity
+from mscale.hook.budget import Budget, StepTimes
 from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, loss_of, output_tensors
 from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics
+from mscale.hook.coverage import suspicions
 from mscale.hook.inputs import InputCheck
 from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
@@ -54,24 +55,6 @@ class ModelInputs(NamedTuple):
 
     args: tuple
     kwargs: dict
-
-
-@dataclass
-class StepTimes:
-    """Seconds spent in the guard's own work during the last step, by part (benchmarks)."""
-
-    abft_s: float = 0.0
-    replay_s: float = 0.0
-    hooks_s: float = 0.0  # the guard's own MPU forward-hook work around the checksums
-    grad_stats_s: float = 0.0
-    loss_s: float = 0.0
-    cmsa_s: float = 0.0
-    report_s: float = 0.0
-    plugins_s: float = 0.0
-
-    def reset(self) -> None:
-        for k in self.__dataclass_fields__:
-            setattr(self, k, 0.0)
 
 
 class Guard:
@@ -120,7 +103,9 @@ class Guard:
         self.plugin_errors = 0
         self.findings: collections.deque[Finding] = collections.deque(maxlen=1000)
         self.times = StepTimes()
-        self.checksum = ChecksumDetector(checksum or ChecksumConfig(), emit=self.emit, step=lambda: self.current_step)
+        checksum = checksum or ChecksumConfig()
+        self.budget = Budget(checksum.budget)  # the share of step time the detectors may take
+        self.checksum = ChecksumDetector(checksum, emit=self.emit, step=lambda: self.current_step, budget=self.budget)
         self.loss_detector = LossDetector(loss or LossConfig())
         if cmsa is True:
             cmsa = CmsaConfig()
@@ -186,6 +171,8 @@ class Guard:
         finding = Finding(finding.source, finding.reason, finding.severity, finding.message, labels, finding.time)
         self.findings.append(finding)
         self._step_findings.append(finding)
+        for mpu_id, why in suspicions(finding, self.mpus):  # incident mode: full coverage, replay
+            self.checksum.suspect(mpu_id, why)
         method = {Severity.CRITICAL: "error", Severity.WARNING: "warning"}.get(finding.severity, "info")
         getattr(self.log, method)(finding.reason.value, source=finding.source, message=finding.message, labels=labels)
         self._dispatch("on_finding", finding)
@@ -281,6 +268,8 @@ class Guard:
             if command.get("type") == protocol.Command.PING:
                 self.send_to_agent(protocol.pong(command.get("id")))
                 continue
+            for mpu_id, why in suspicions(command, self.mpus):
+                self.checksum.suspect(mpu_id, why)  # the agent's GPU finding on an MPU's GPU
             for p in list(self.plugins):
                 reply = self._call(p, "on_command", command)
                 if isinstance(reply, dict) and self.link is not None:
@@ -344,6 +333,7 @@ class Guard:
         self._skip_reason = ""
         for m in self.mpus:
             m._reset_step()
+        self.checksum.begin_step()  # this step's checks, within the budget
         self._dispatch("on_step_begin", self.current_step, batch)
 
     def _mpu_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -351,7 +341,7 @@ class Guard:
             return
         m = self._mpu_by_module[id(module)]
         m._fwd_start = time.perf_counter()
-        self.checksum.before_forward(m)
+        self.checksum.before_forward(m, args, kwargs)
 
     def _mpu_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if self.checksum.replaying:
@@ -362,8 +352,10 @@ class Guard:
         a0, r0 = self.checksum.abft_s, self.checksum.replay_s
         inputs = ModelInputs(args, kwargs)
         try:
-            if not self.inputs.bad():  # a NaN from the data blames no MPU
-                self.checksum.after_forward(m, inputs, output)
+            # a NaN from the data blames no MPU (commit verdicts: its flag is read at the commit)
+            if self.checksum.commit_mode(m) or not self.inputs.bad():
+                rerun = getattr(self.fuse, "_rerunning", None) == m.mpu_id  # the fuse re-runs a failed forward
+                self.checksum.after_forward(m, inputs, output, rerun=rerun)
         except Exception as e:  # a detector bug must not stop training
             self.log.exception("checksum_error", mpu_id=m.mpu_id, error=str(e))
         t1 = time.perf_counter()
@@ -381,6 +373,7 @@ class Guard:
         return replaced
 
     def _pre_step(self) -> None:
+        self._commit_checks()
         self._dispatch("on_step_decide", self.current_step)  # before the statistics: see mscale.hook.agree
         try:
             self._statistics()
@@ -472,7 +465,15 @@ class Guard:
             "clipped": {},
         }
 
+    def _commit_checks(self) -> None:
+        """The checks' verdicts, read once a step (the commit point); a failure judged here
+        (commit verdicts: nothing read inside the step, no re-run in it) drops the update."""
+        late = self.checksum.commit(data_fault=self.inputs.bad())
+        if late and self.optimizer is not None and not self._skip_reason:
+            self._skip_reason = f"checksum failed at the commit point: MPU {', '.join(late)}"
+
     def _end_step(self) -> None:
+        self._commit_checks()
         self.times.abft_s, self.times.replay_s = self.checksum.abft_s, self.checksum.replay_s
         if self.optimizer is None or not self._last or self._last.get("step") != self.current_step:
             self._statistics_safe()
@@ -491,6 +492,9 @@ class Guard:
                 self.log.exception("report_error", error=str(e))
         self._step_findings = []  # reported (or no link): the next report starts afresh
         self.times.report_s += time.perf_counter() - t1
+        t = self.times  # the guard's own work; plugins charge theirs (guard.budget.charge)
+        self.checksum.end_step(guard_s=t.hooks_s + t.grad_stats_s + t.loss_s + t.cmsa_s + t.report_s)
+        self._last.update(checksum=self.checksum.figures(), guard_overhead_ratio=self.budget.overhead_ratio)
         self._losses.clear()
         self._in_step = False
         if not getattr(self, "_step_set", False):  # a plugin's rollback in on_step_end sets it
@@ -516,8 +520,7 @@ class Guard:
         return sum(float(v) for v in vals) / len(vals)
 
     def _report(self) -> dict:
-        last = self._last
-        mpus = {}
+        last, mpus, figures = self._last, {}, self.checksum.figures()
         for m in self.mpus:
             mpus[m.mpu_id] = {
                 "forward_s": m.forward_s,
@@ -527,6 +530,7 @@ class Guard:
                 "checksum_ok": m.last_checksum_ok,
                 "checksum_consecutive_failures": m.consecutive_failures,
                 "checksum_failures_total": m.checksum_failures_total,
+                **{f"checksum_{k}": figures[m.mpu_id][k] for k in ("coverage_ratio", "max_gap_steps")},
                 "clip_ratio": self.cmsa.clip_ratio(m.mpu_id) if self.cmsa else 0.0,
                 "distill_share": protocol.number(m.distill_share),  # the fuse's L3 term (0 when none)
                 "clipped": bool(last.get("clipped", {}).get(m.mpu_id, False)),
@@ -540,6 +544,7 @@ class Guard:
             "loss": protocol.number(last.get("loss")),
             "grad_norm": protocol.number(last.get("grad_norm")),
             "skipped": bool(self._skip_reason),
+            "guard_overhead_ratio": self.budget.overhead_ratio,
             "mpus": mpus,
             "findings": [f.to_dict() for f in self._step_findings],
         }

@@ -6,7 +6,8 @@ a fault no GPU has.
 At each training forward of the model the floating-point tensors of its arguments (one level
 into dicts, lists and tuples, as Hugging Face batches come) are reduced on their device to one
 flag, with no host synchronisation; the flag is read at the first MPU's output check, which
-synchronises anyway (mscale.hook.checksum), so the check adds no wait of its own. A bad batch
+synchronises anyway (mscale.hook.checksum), so the check adds no wait of its own; with the
+checksum's commit verdicts (the default off a CPU) it is read at the commit point instead. A bad batch
 makes one `input_nonfinite` finding naming the micro-batch and the input; the MPUs' output
 checks are not run for that forward (their counters do not move), and the policy rolls the
 job back with the batch stepped over, as for a non-finite loss.

@@ -1,0 +1,117 @@
+"""Replay of one MPU's forward on the same input, compared with what the step computed.
+
+The MPU's forward is run again under no_grad and compared: max |difference| <= rtol * max
+|output| (`ChecksumConfig.replay_rtol`, 1e-5), in any dtype: a recomputation on the same device
+is bitwise equal with deterministic kernels, so replay sees what an output sum cannot (a
+transient mantissa flip in bf16, a fault outside any linear layer: a norm, an activation,
+attention, a residual add). Replay changes nothing the run sees:
+
+- the RNG state of the original forward is restored for the replay (dropout draws the same
+  masks) and the training RNG stream is put back afterwards;
+- BatchNorm's running statistics are swapped for copies during the replay, so they are updated
+  once per step;
+- an argument that the forward fills in place, a `transformers` Cache (Idefics3 passes a
+  `DynamicCache` into its text model), is given to the replay as it was before the step's
+  forward: a deep copy taken then (`fresh_copies`), so the replay does not run against the cache
+  the first forward filled.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rng_get(device: torch.device) -> tuple:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def rng_set(device: torch.device, state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def _is_cache(v: Any) -> bool:
+    # transformers.Cache and its subclasses (DynamicCache, ...) without importing transformers
+    return any(c.__name__ == "Cache" and "transformers" in c.__module__ for c in type(v).__mro__)
+
+
+def fresh_copies(args: tuple, kwargs: dict) -> dict[tuple[str, Any], Any]:
+    """Deep copies of the cache arguments of a forward, keyed by ("arg", i) or ("kw", name),
+    taken before the forward fills them."""
+    out: dict[tuple[str, Any], Any] = {}
+    for i, v in enumerate(args):
+        if _is_cache(v):
+            out[("arg", i)] = copy.deepcopy(v)
+    for k, v in kwargs.items():
+        if _is_cache(v):
+            out[("kw", k)] = copy.deepcopy(v)
+    return out
+
+
+def _with_copies(args: tuple, kwargs: dict, copies: dict) -> tuple[tuple, dict]:
+    if not copies:
+        return args, kwargs
+    a = list(args)
+    kw = dict(kwargs)
+    for (where, key), v in copies.items():
+        fresh = copy.deepcopy(v)  # the replay fills it; the stored copy stays as it was
+        if where == "arg":
+            a[key] = fresh
+        else:
+            kw[key] = fresh
+    return tuple(a), kw
+
+
+def stand_in_stats(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """Give every normalisation layer with running statistics (BatchNorm's running_mean,
+    running_var, num_batches_tracked), which a training-mode forward updates in place, copies
+    to update instead; returns (layer, name, original) to put back. The originals are not
+    written at all: autograd saved them for the step's backward, and a write, even of the same
+    values, would bump their version and fail that backward."""
+    out: list[tuple[nn.Module, str, torch.Tensor]] = []
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                b = m._buffers.get(name)
+                if b is not None:
+                    m._buffers[name] = b.detach().clone()
+                    out.append((m, name, b))
+    return out
+
+
+def run_again(module: nn.Module, device: torch.device, rng: tuple, inputs: Any, copies: dict) -> Any:
+    """The module's forward again on `inputs` with the RNG state `rng`, under no_grad."""
+    saved = rng_get(device)
+    rng_set(device, rng)
+    stats = stand_in_stats(module)  # the step's forward updated them once; not the replay
+    args, kwargs = _with_copies(inputs.args, inputs.kwargs, copies)
+    try:
+        with torch.no_grad():
+            return module(*args, **kwargs)
+    finally:
+        rng_set(device, saved)
+        for layer, name, original in stats:
+            layer._buffers[name] = original
+
+
+def compare(outs: list[torch.Tensor], again: list[torch.Tensor], rtol: float) -> str:
+    """'' when the replay's outputs match the step's within rtol x max |output|; else why not."""
+    if len(again) != len(outs):
+        return f"replay returned {len(again)} tensors, the step {len(outs)}"
+    for i, (a, b) in enumerate(zip(outs, again, strict=True)):
+        if a.shape != b.shape:
+            return f"replay output {i}: shape {tuple(b.shape)} != {tuple(a.shape)}"
+        a64, b64 = a.detach().to(torch.float64), b.to(torch.float64)
+        diff = (a64 - b64).abs().max().item() if a.numel() else 0.0
+        ref = a64.abs().max().item() if a.numel() else 0.0
+        tol = rtol * max(ref, 1e-30)
+        if not (math.isfinite(diff) and diff <= tol):
+            return f"replay output {i}: max difference {diff:.3g} > tolerance {tol:.3g}"
+    return ""

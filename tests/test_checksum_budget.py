@@ -1,0 +1,331 @@
+"""Checks within a budget (mscale.hook.budget, mscale.hook.coverage): rotation bounds, incident
+mode on suspicion, per-optimizer-step counting, checks done once under activation
+checkpointing, verdicts read once per step at the commit point. Tiny multimodal model on CPU,
+faults from the test's own forward hooks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mscale.findings import Finding, Reason, Severity
+from mscale.hook.attach import attach
+from mscale.hook.budget import Budget
+from mscale.hook.checksum import ChecksumConfig
+from mscale.hook.coverage import suspicions
+from mscale.sim.inject import inject
+from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
+
+CFG = TinyConfig()
+FAIL = (Reason.CHECKSUM_FAILURE, Reason.NONFINITE_OUTPUT)
+
+
+class Findings:
+    def __init__(self) -> None:
+        self.items: list[Finding] = []
+
+    def on_finding(self, f: Finding) -> None:
+        self.items.append(f)
+
+    def steps(self, *reasons: Reason, mpu: str | None = None) -> list[int]:
+        return sorted(
+            {
+                int(f.labels["step"])
+                for f in self.items
+                if f.reason in reasons and (mpu is None or f.labels.get("mpu") == mpu)
+            }
+        )
+
+
+def job(checksum: ChecksumConfig | None = None, *, micro: int = 1, seed: int = 0):
+    torch.manual_seed(seed)
+    model = TinyMultimodal(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rec = Findings()
+    guard = attach(model, opt, job_id="b", connect=False, plugins=[rec], cmsa=False, checksum=checksum)
+    data = SyntheticCaptions(CFG, size=100_000, seed=seed)
+    state = {"i": 0}
+
+    def train(n: int) -> None:
+        for _ in range(n):
+            for _ in range(micro):
+                b = torch.utils.data.default_collate([data[state["i"] * 4 + j] for j in range(4)])
+                state["i"] += 1
+                (model(b["images"], b["tokens"])["loss"] / micro).backward()
+            opt.step()
+            opt.zero_grad()
+
+    return guard, train, rec
+
+
+class Checked:
+    """Which layers the checksum really checked in each step (a spy on its ABFT work)."""
+
+    def __init__(self, guard) -> None:
+        self.by_step: dict[int, set[int]] = {}
+        det = guard.checksum
+        original = det._abft_sums
+
+        def spy(mpu, st, module, *rest):
+            self.by_step.setdefault(guard.current_step, set()).add(id(module))
+            return original(mpu, st, module, *rest)
+
+        det._abft_sums = spy
+        # the linears that run (MultiheadAttention's out_proj does not: its weight is read by
+        # the functional form), the ones the rotation must cover
+        self.ran: set[int] = set()
+        for m in guard.model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_hook(lambda mod, a, o: self.ran.add(id(mod)))
+
+
+def _layer(guard, mpu: str, index: int) -> torch.nn.Linear:
+    linears = [m for m in guard.mpu(mpu).module.modules() if isinstance(m, torch.nn.Linear)]
+    return linears[index]
+
+
+def test_every_layer_is_checked_within_max_gap_steps_and_the_figures_say_so() -> None:
+    guard, train, rec = job(ChecksumConfig(max_gap_steps=4))
+    spy = Checked(guard)
+    train(16)
+    for m in guard.mpus:
+        layers = [id(x) for x in m.module.modules() if isinstance(x, torch.nn.Linear) and id(x) in spy.ran]
+        assert layers
+        for layer in layers:
+            steps = sorted(s for s, ids in spy.by_step.items() if layer in ids)
+            gaps = [b - a for a, b in zip([-1, *steps], [*steps, 16], strict=True)]
+            assert max(gaps) <= 4, (m.name, steps)
+    figures = guard.summary()["checksum"]
+    assert set(figures) == {m.mpu_id for m in guard.mpus}
+    assert all(f["max_gap_steps"] <= 4 and 0 < f["coverage_ratio"] <= 1 for f in figures.values())
+    assert 0 < guard.summary()["guard_overhead_ratio"] < 10
+    assert rec.steps(*FAIL) == []
+
+
+def test_sampling_checks_fewer_layers_than_full_coverage() -> None:
+    sampled, train_s, _ = job(ChecksumConfig(budget=0.0, max_gap_steps=8))
+    full, train_f, _ = job(ChecksumConfig(full=True))
+    spy_s, spy_f = Checked(sampled), Checked(full)
+    train_s(8)
+    train_f(8)
+    n_s = sum(len(v) for v in spy_s.by_step.values())
+    n_f = sum(len(v) for v in spy_f.by_step.values())
+    ran = [[x for x in m.module.modules() if id(x) in spy_f.ran] for m in full.mpus]
+    assert n_f == 8 * sum(len(r) for r in ran)
+    # budget 0: every layer in the step it is first seen running, then the floors only,
+    # ceil(L / 8) layers of each MPU a step
+    assert n_s == sum(len(r) for r in ran) + 7 * sum(-(-len(r) // 8) for r in ran) < n_f
+
+
+@pytest.mark.parametrize("mpu", ["vision", "aligner", "text"])
+def test_a_persistent_fault_is_caught_within_max_gap_and_l1_follows_within_3_checked_steps(mpu: str) -> None:
+    guard, train, rec = job(ChecksumConfig(budget=0.0, max_gap_steps=8, replay_every=0))
+    train(2)
+    layer = _layer(guard, mpu, -1)  # the last in the rotation order
+
+    def hit(module, args, out):
+        out = out.clone()  # what a faulty GEMM returned (registered in front of the checks)
+        out.view(-1)[3] = out.view(-1)[3] + 1e3
+        return out
+
+    layer.register_forward_hook(hit, prepend=True)
+    train(12)
+    failed = rec.steps(Reason.CHECKSUM_FAILURE, mpu=mpu)
+    assert failed and failed[0] - 2 < 8, failed  # within max_gap_steps of the fault's first step
+    (first_l1, *_) = rec.steps(Reason.CHECKSUM_L1_TRIGGER, mpu=mpu)
+    assert first_l1 - failed[0] <= 2  # the third failed checked step at most
+    # incident mode: every step from the first failure on checks the faulty layer
+    assert failed == list(range(failed[0], 14))
+    l1 = next(f for f in rec.items if f.reason is Reason.CHECKSUM_L1_TRIGGER)
+    assert l1.labels["mpu"] == mpu and "layer" in next(
+        f.message for f in rec.items if f.reason is Reason.CHECKSUM_FAILURE
+    )
+
+
+def test_a_transient_fault_is_caught_in_its_step_in_incident_mode() -> None:
+    guard, train, rec = job(ChecksumConfig(budget=0.0, max_gap_steps=8, replay_every=0))
+    train(1)
+    guard.checksum.suspect(guard.mpu("vision").mpu_id, "test")  # the next step is under incident
+    inj = inject(guard, kind="exponent_flip", mpu="vision", steps=1, seed=2)
+    train(1)
+    assert inj.hits[0].step == 1 and rec.steps(*FAIL, mpu="vision") == [1]
+    assert guard.summary()["checksum"]["001"]["incident"] == 1.0
+    assert guard.summary()["checksum"]["001"]["coverage_ratio"] == 1.0
+
+
+def test_counts_optimizer_steps_under_4_way_gradient_accumulation() -> None:
+    guard, train, rec = job(ChecksumConfig(full=True, replay_every=0), micro=4)
+    train(1)
+    inject(guard, kind="noise", noise_scale=0.5, mpu="vision", steps=10_000)  # every micro-batch
+    train(6)
+    m = guard.mpu("vision")
+    assert m.checksum_checks_total == 7 and m.checksum_failures_total == 6
+    assert rec.steps(Reason.CHECKSUM_L1_TRIGGER, mpu="vision") == [3, 6]  # the 3rd and 6th faulty step
+    assert sum(f.reason is Reason.CHECKSUM_L1_TRIGGER for f in rec.items) == 2
+
+
+def test_a_fault_at_a_towers_output_reaches_l1_through_replay_within_its_bound() -> None:
+    """Noise on the vision tower's output, after its last linear: no ABFT check sees it, the
+    replay does (the faulty GPU draws other noise the second time). Replays rotate with a
+    ceiling of 6 steps per MPU here; the first failed replay opens an incident, so every later
+    step replays and clean ABFT passes do not end the run: L1 within 6 + 2 steps."""
+    guard, train, rec = job(ChecksumConfig(budget=0.0, replay_max_gap_steps=6))
+    train(1)
+    inject(guard, kind="noise", noise_scale=0.05, mpu="vision", site="output", steps=10_000, seed=4)
+    train(8)
+    failed = rec.steps(Reason.CHECKSUM_FAILURE, mpu="vision")
+    assert failed and failed[0] - 1 < 6
+    l1 = rec.steps(Reason.CHECKSUM_L1_TRIGGER, mpu="vision")
+    assert l1 and l1[0] <= 1 + 6 + 2
+    assert all(f.labels["method"] == "replay" for f in rec.items if f.reason is Reason.CHECKSUM_FAILURE)
+
+
+def test_replays_rotate_across_mpus_with_their_ceiling() -> None:
+    guard, train, _ = job(ChecksumConfig(budget=0.0, replay_max_gap_steps=3))
+    replayed: dict[str, list[int]] = {}
+    for step in range(9):
+        train(1)
+        for mid, f in guard.summary()["checksum"].items():
+            if f["replayed"]:
+                replayed.setdefault(mid, []).append(step)
+    assert set(replayed) == {m.mpu_id for m in guard.mpus}
+    assert all(b - a <= 3 for steps in replayed.values() for a, b in zip(steps, steps[1:], strict=False))
+    assert all(len(s) >= 2 for s in replayed.values())
+
+
+def test_anomalies_and_agent_gpu_findings_put_mpus_under_suspicion() -> None:
+    guard, train, rec = job(ChecksumConfig(budget=0.0, replay_every=0))
+    train(1)
+    mpus = guard.mpus
+    spike = Finding("loss", Reason.GRAD_NORM_SPIKE, Severity.WARNING, "", {"mpu_id": "002"})
+    assert suspicions(spike, mpus) == [("002", "grad_norm_spike")]
+    loss = Finding("loss", Reason.LOSS_SPIKE_ACTION, Severity.CRITICAL, "", {})
+    assert [m for m, _ in suspicions(loss, mpus)] == ["001", "002", "003"]
+    xid = {"type": "heal", "action": "swap", "reason": "gpu_xid", "gpu": "2"}
+    assert suspicions(xid, mpus) == [("003", "gpu_xid")]  # the text MPU is on simulated GPU 2
+    assert suspicions({**xid, "end": True}, mpus) == []
+    assert suspicions(Finding("x", Reason.HEAL_ACTION, Severity.INFO, "", {"mpu_id": "001"}), mpus) == []
+    guard.emit(Finding("replicas", Reason.REPLICA_DIVERGED, Severity.CRITICAL, "", {"mpu_id": "001"}))
+    train(1)
+    f = guard.summary()["checksum"]
+    assert f["001"]["incident"] == 1.0 and f["001"]["coverage_ratio"] == 1.0 and f["001"]["replayed"] == 1.0
+    assert f["002"]["incident"] == 0.0
+
+
+def test_verdicts_at_the_commit_point_read_back_once_a_step_and_drop_a_failed_update() -> None:
+    """verdicts="commit" (the default off a CPU) run on the CPU: no host read in forward or
+    backward, one at the optimizer step; a failure found there drops that step's update."""
+    guard, train, rec = job(ChecksumConfig(verdicts="commit", full=True, replay_every=1))
+    det = guard.checksum
+    reads = {"item": 0}
+    originals = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "__float__", "__bool__")}
+
+    def counting(name):
+        def read(self, *a, **k):
+            reads["item"] += 1
+            return originals[name](self, *a, **k)
+
+        return read
+
+    model, opt = guard.model, guard.optimizer
+    data = SyntheticCaptions(CFG, size=1000, seed=0)
+    for step in range(3):
+        b = torch.utils.data.default_collate([data[step * 4 + j] for j in range(4)])
+        before = det.readbacks
+        for n in originals:
+            setattr(torch.Tensor, n, counting(n))
+        try:
+            loss = model(b["images"], b["tokens"])["loss"]
+            loss.backward()
+        finally:
+            for n, f in originals.items():
+                setattr(torch.Tensor, n, f)
+        assert reads["item"] == 0 and det.readbacks == before  # nothing read inside the step
+        opt.step()
+        opt.zero_grad()
+        assert det.readbacks == before + 1  # one read of the verdicts, at the commit point
+    w = guard.mpu("vision").module.layers[0].linear1.weight.detach().clone()
+    inject(guard, kind="exponent_flip", mpu="vision", steps=1, seed=2)
+    b = torch.utils.data.default_collate([data[40 + j] for j in range(4)])
+    model(b["images"], b["tokens"])["loss"].backward()
+    opt.step()
+    opt.zero_grad()
+    assert rec.steps(*FAIL, mpu="vision") == [3]
+    assert torch.equal(guard.mpu("vision").module.layers[0].linear1.weight, w)  # the update was dropped
+
+
+def test_budget_allowance_and_ratio() -> None:
+    b = Budget(0.02)
+    assert b.allowance_s("checksum") == 0.0  # no step measured yet
+    b.charge("checksum", 0.004)
+    b.charge("weights", 0.002)
+    b.end_step(1.0)
+    assert b.last_ratio == pytest.approx(0.006)
+    assert b.allowance_s("checksum") == pytest.approx(0.02 - 0.002)
+    assert b.allowance_s("weights") == pytest.approx(0.02 - 0.004)
+    with b.timer("checksum"):
+        sum(range(1000))
+    assert b.spent_s["checksum"] > 0
+    with pytest.raises(ValueError, match="share"):
+        Budget(1.5)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"max_gap_steps": 9}, "max_gap_steps"),
+        ({"max_gap_steps": 0}, "max_gap_steps"),
+        ({"budget": -0.1}, "budget"),
+        ({"verdicts": "later"}, "verdicts"),
+        ({"incident_steps": 0}, "incident_steps"),
+    ],
+)
+def test_config_is_range_checked(kw, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        ChecksumConfig(**kw)
+
+
+class _XW(torch.nn.Module):
+    """A linear that is not nn.Linear: y = x w + b, w stored (in, out)."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(n_in, n_out) / n_in**0.5)
+        self.b = torch.nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        return x @ self.w + self.b
+
+
+def test_a_registered_linear_type_is_checked_and_bad_registrations_are_refused() -> None:
+    from mscale.hook import linears
+
+    with pytest.raises(TypeError, match="nn.Module subclass"):
+        linears.register(int)
+    with pytest.raises(ValueError, match="weight"):
+        linears.register(_XW, weight="")
+    linears.register(_XW, weight="w", bias="b", transposed=True)
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"vision_tower": _XW(8, 8), "language_model": torch.nn.Linear(8, 1)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rec = Findings()
+    guard = attach(
+        model,
+        opt,
+        job_id="xw",
+        connect=False,
+        plugins=[rec],
+        cmsa=False,
+        mpus={"vision": "vision_tower", "text": "language_model"},
+        checksum=ChecksumConfig(full=True, replay_every=0),
+    )
+    on = {"fault": False}
+    model["vision_tower"].register_forward_hook(lambda m, a, out: out * 1.5 if on["fault"] else None, prepend=True)
+    for step in range(3):
+        on["fault"] = step == 2
+        x = torch.randn(4, 8)
+        guard.model.train()
+        model["language_model"](model["vision_tower"](x)).pow(2).mean().backward()
+        guard.step()
+        opt.zero_grad()
+    assert rec.steps(Reason.CHECKSUM_FAILURE, mpu="vision") == [2]
