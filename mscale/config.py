@@ -12,6 +12,7 @@ imports them, above the rooms, and no room imports it: the machinery they use (`
   [health]                    mscale.probes.gpu_health
   [healing]                   mscale.healing.settings
   [contract]                  mscale.contracts.settings
+  [stragglers]                mscale.daemon.settings (mscale.daemon.stragglers)
   [kubernetes]                mscale.kube.settings
 
 `from_dict`/`load` build a `Config` strictly, `reference_markdown()` renders
@@ -26,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -186,6 +188,13 @@ def load(path: str | os.PathLike | None) -> Config:
         raise ConfigError(f"{p}: not valid TOML: {str(e).replace('(at end of document)', last)}") from None
     except RecursionError:  # arrays or inline tables nested thousands deep
         raise ConfigError(f"{p}: not valid TOML: nested too deeply") from None
+    except ValueError:  # an integer of more than 4300 digits: Python will not convert it
+        if m := re.search(r"[0-9_]{4301,}", text):
+            line = text.count("\n", 0, m.start()) + 1
+            raise ConfigError(
+                f"{p}: line {line}: a number of {len(m.group())} digits: no setting takes one (at most 4300)"
+            ) from None
+        raise ConfigError(f"{p}: not valid TOML: a number too long to convert") from None
     try:
         return from_dict(data, text=text)
     except ConfigError as e:

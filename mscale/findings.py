@@ -54,6 +54,7 @@ class Reason(str, Enum):
     WEIGHT_CORRUPTION = "weight_corruption"  # a weight changed outside the optimizer (hook/weights)
     # several ranks (mscale.hook.agree)
     STEP_DROPPED_AGREED = "step_dropped_agreed"  # every rank drops a step another rank found bad
+    MPU_GRADIENT_DROPPED_AGREED = "mpu_gradient_dropped_agreed"  # ... or only the MPU that failed its checksum
     REPLICA_DIVERGED = "replica_diverged"  # a rank's MPU weights differ from the other replicas'
     REPLICA_REPAIRED = "replica_repaired"  # ... and were copied back from a healthy rank
     # Agent and link

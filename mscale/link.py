@@ -17,7 +17,7 @@ one with a string "type" (binary frames are refused).
                                                                            first, and on a rebind
                  {"type": "report", job_id, dropped, reports: [{step, time, loss, grad_norm,
                   skipped, mpus: {mpu_id: {forward_s, backward_s, grad_norm, gvc, clip_ratio,
-                  ...}}, findings: [Finding.to_dict()]}]}                    batched per step
+                  ...}}, findings: [Finding.to_dict()], seconds: {cause: s}}]}   batched per step
                  {"type": "reply", id, ok, ...}   a plugin's answer to a command
                  {"type": "pong", id}             the answer to a ping
                  {"type": "bye"}; any type a plugin registered on the agent (LinkServer.on_message)
@@ -105,24 +105,12 @@ SOURCE = re.compile(r"[a-z0-9_.-]{1,32}")
 REGISTER_FIELDS = frozenset({"type", "job_id", "rank", "pid", "step", "mpus", "local_rank", "world_size", "pod"})
 MPU_FIELDS = frozenset({"mpu_id", "name", "path", "device", "gpu", "gpu_uuid", "fuse_level", "params"})
 REPORT_FIELDS = frozenset({"type", "job_id", "dropped", "reports"})
-STEP_FIELDS = frozenset({"step", "time", "loss", "grad_norm", "skipped", "mpus", "findings"})
+STEP_FIELDS = frozenset({"step", "time", "loss", "grad_norm", "skipped", "mpus", "findings", "seconds"})
+TIME_CAUSES = ("productive", "startup", "snapshot", "rerun", "checks", "degraded", "data_wait", "hang")  # hook.goodput
 MPU_REPORT_FIELDS = frozenset(
-    {
-        "forward_s",
-        "backward_s",
-        "grad_norm",
-        "gvc",
-        "clip_ratio",
-        "distill_share",
-        "clipped",
-        "checksum_ok",
-        "checksum_consecutive_failures",
-        "checksum_failures_total",
-        "gpu",
-        "fuse_level",
-        "memory_used_bytes",
-        "memory_total_bytes",
-    }
+    {"forward_s", "backward_s", "grad_norm", "gvc", "clip_ratio", "distill_share", "clipped", "checksum_ok"}
+    | {"checksum_consecutive_failures", "checksum_failures_total", "gpu", "fuse_level"}
+    | {"memory_used_bytes", "memory_total_bytes"}
 )
 # a reported finding is clamped to these on the agent
 MAX_FINDING_LABELS, MAX_LABEL_NAME, MAX_LABEL_VALUE = 32, 64, 256
@@ -435,6 +423,14 @@ def validate_report(msg: dict) -> None:
             f"report: reports[{i}] loss/grad_norm must be numbers",
         )
         _need(isinstance(r.get("skipped", False), bool), f"report: reports[{i}].skipped must be a boolean")
+        seconds = r.get("seconds", {})
+        _need(
+            isinstance(seconds, dict)
+            and all(
+                k in TIME_CAUSES and isinstance(v, (int, float)) and _is_num(v) and v >= 0 for k, v in seconds.items()
+            ),
+            f"report: reports[{i}].seconds must map causes ({', '.join(TIME_CAUSES)}) to seconds",
+        )
         mpus = r.get("mpus", {})
         _need(isinstance(mpus, dict) and len(mpus) <= MAX_MPUS, f"report: reports[{i}].mpus must be an object")
         for mid, mr in mpus.items():

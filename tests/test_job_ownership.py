@@ -175,3 +175,36 @@ def test_a_uid_at_the_total_cap_makes_room_only_from_its_own_disconnected_jobs(o
         if peer is not None:
             peer.stop()
         agent.stop()
+
+
+def reg_mpus(job_id: str, n: int) -> dict:
+    mpus = [{"mpu_id": f"{i:03d}", "name": f"m{i}", "gpu": i % 8, "params": 10} for i in range(n)]
+    return {"type": "register", "job_id": job_id, "rank": 0, "pid": 1, "step": 0, "mpus": mpus}
+
+
+def test_what_one_uid_can_make_the_agent_hold_is_bounded(other, shared_sock: str) -> None:
+    # issue 25 item 5: 32 jobs x 64 ranks x 64 MPUs from one uid made /metrics take 23 s; MPU
+    # states are capped per uid and in all (small caps here: the logic is the default's)
+    agent = Agent(shared_sock, mode=0o666, allowed_uids=[other[0]], max_mpu_states_per_uid=128, max_mpu_states=192)
+    peer = None
+    mine = RawLink(shared_sock)
+    last = RawLink(shared_sock)
+    try:
+        peer = Peer(other[0], shared_sock, [[reg_mpus(f"theirs-{i}", 64)] for i in range(3)])
+        assert [a["type"] for a in peer.answers] == ["registered", "registered", "error"], peer.answers
+        assert "socket.max_mpu_states_per_uid" in peer.answers[2]["error"]
+        assert "theirs-2" not in agent.state.jobs
+        # another uid still has room, up to the total
+        assert json.loads(mine.ask(json.dumps(reg_mpus("mine", 64))))["type"] == "registered"
+        got = json.loads(last.ask(json.dumps(reg_mpus("one-more", 1))))
+        assert got["type"] == "error" and "socket.max_mpu_states" in got["error"], got
+        text = agent.metrics()
+        assert metric(text, 'mscale_refused_messages_total{where="socket",why="uid_mpu_limit"}') == 1
+        assert metric(text, 'mscale_refused_messages_total{where="socket",why="mpu_state_limit"}') == 1
+        assert text.count('mpu_health_score{job_id="theirs-') == 2 * 64 * 2  # forward and backward
+    finally:
+        mine.close()
+        last.close()
+        if peer is not None:
+            peer.stop()
+        agent.stop()

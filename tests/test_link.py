@@ -220,6 +220,8 @@ async def main():
                 print("connected")
         except aiohttp.WSServerHandshakeError as e:
             print("refused", e.status)
+        except aiohttp.ClientError:  # closed at once, before any HTTP (issue 25 item 6)
+            print("closed")
 asyncio.run(main())
 """
 
@@ -239,8 +241,9 @@ def test_peer_credentials(allowed: bool) -> None:
             assert out.stdout.strip() == "connected"
             assert agent.state.refused[("socket", "peer_uid")] == 0
         else:
-            assert out.stdout.strip() == "refused 403"
-            assert agent.state.refused[("socket", "peer_uid")] == 1
+            assert out.stdout.strip() == "closed"
+            # aiohttp's client tries again once on a connection closed before any answer
+            assert agent.state.refused[("socket", "peer_uid")] in (1, 2)
     finally:
         agent.stop()
         shutil.rmtree(tmp, ignore_errors=True)

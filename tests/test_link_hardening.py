@@ -464,3 +464,58 @@ def test_status_prints_no_terminal_escapes_from_job_strings(sock: str) -> None:
     finally:
         raw.close()
         agent.stop()
+
+
+def test_status_renders_any_time_a_job_reported(sock: str) -> None:
+    # issue 25: `mscale status --events` gave a traceback for a finding time of 1e308
+    agent = Agent(sock)
+    raw = RawLink(sock)
+    try:
+        assert answer(raw.ask(json.dumps(reg("late"))))["type"] == "registered"
+        finding = Finding("loss", Reason.LOSS_SPIKE_WARN, Severity.WARNING, "far future", time=1e308).to_dict()
+        report = {"type": "report", "job_id": "late", "reports": [{"step": 1, "findings": [finding]}]}
+        raw.send(json.dumps(report))
+        wait_for(lambda: agent.state.jobs["late"].step == 1, what="the report")
+        mscale = shutil.which("mscale", path=str(Path(sys.executable).parent)) or "mscale"
+        out = subprocess.run(
+            [mscale, "status", "--events", "5", "--agent", f"http://127.0.0.1:{agent.port}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+        line = next(ln for ln in out.stdout.splitlines() if "far future" in ln)
+        assert line.split()[0] == "?"
+    finally:
+        raw.close()
+        agent.stop()
+
+
+def test_one_jobs_finding_flood_is_rate_limited_in_the_log_and_counted() -> None:
+    # issue 25: one job's findings flood wrote 72 MiB of log in 31 s; its log lines are now at
+    # most 20 per (job, source, reason) every 10 s, the next one saying how many were dropped
+    import structlog.testing
+
+    from mscale.daemon.state import JobLogLimit
+
+    now = [0.0]
+    events = EventLog(log_limit=JobLogLimit(burst=20, window_s=10.0, clock=lambda: now[0]))
+    flood = Finding("hook:loss", Reason.LOSS_SPIKE_WARN, Severity.WARNING, "spike", {"job_id": "noisy"})
+    other = Finding("hook:loss", Reason.LOSS_SPIKE_WARN, Severity.WARNING, "spike", {"job_id": "quiet"})
+    probe = Finding("gpu", Reason.GPU_XID, Severity.CRITICAL, "xid 79", {"gpu": "0"})
+    with structlog.testing.capture_logs() as lines:
+        for _ in range(5000):
+            events.emit(flood)
+        events.emit(other)  # another job's line is not dropped for the noisy one's
+        events.emit(probe)  # nor the agent's own findings
+        now[0] = 10.0
+        events.emit(flood)
+    noisy = [ln for ln in lines if ln.get("labels", {}).get("job_id") == "noisy"]
+    assert len(noisy) == 21 and noisy[-1]["dropped"] == 4980 and "dropped" not in noisy[0]
+    assert [ln["labels"] for ln in lines if ln["labels"].get("job_id") != "noisy"] == [
+        {"job_id": "quiet"},
+        {"gpu": "0"},
+    ]
+    assert events.counts[("hook:loss", "loss_spike_warn", "warning")] == 5002  # every finding counted
+    assert events.log_limit.dropped_total == 4980

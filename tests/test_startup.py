@@ -78,6 +78,19 @@ INPUTS = [
     ),
     # issue 16 item 8: a non-UTF-8 config ended in a traceback
     ("config_not_utf8", {"agent.toml": b'[agent]\nnode = "n\xff"\n'}, [], ["agent.toml line 2", "not UTF-8", "0xff"]),
+    # issue 25: a 5,000-digit integer gave a traceback; an unknown key's escape reached the terminal
+    (
+        "config_integer_5000_digits",
+        {"agent.toml": "[socket]\nmax_jobs = " + "1" * 5000 + "\n"},
+        [],
+        ["agent.toml: line 2", "5000 digits"],
+    ),
+    (
+        "config_unknown_key_escape",
+        {"agent.toml": '[socket]\n"a\\u001b[2Jb" = 1\n'},
+        [],
+        ["socket.a\\x1b[2Jb", "unknown key"],
+    ),
     (
         "config_nested_deep",
         {"agent.toml": "a = " + "[" * 3000 + "]" * 3000 + "\n"},

@@ -192,6 +192,27 @@ def test_loss_spike_alert_cools_and_its_resolution_ends_the_window(agent, job):
     assert ended and "resolved" in ended[-1].message
 
 
+def test_a_resolution_never_seen_firing_ends_nothing(agent, job):
+    # issue 25: a resolved MscaleLossSpike that was never seen firing ended a cooling window
+    def spike(status, fingerprint):
+        a = {
+            "status": status,
+            "labels": {"alertname": "MscaleLossSpike", "job_id": "hooked", "severity": "warning"},
+            "startsAt": "2026-12-01T05:00:00Z",
+            "fingerprint": fingerprint,
+        }
+        return {"version": "4", "status": status, "receiver": "mscale-p1", "alerts": [a]}
+
+    status, reply = agent.post("/api/v1/alerts", spike("firing", "spike-real"), token=agent.token)
+    assert status == 200 and [a["action"] for a in reply["actions"]] == ["lr_cool"]
+    step_until(job, lambda: job.fuse.cooling)
+    status, reply = agent.post("/api/v1/alerts", spike("resolved", "spike-never-fired"), token=agent.token)
+    assert status == 200 and reply["resolved"] == 1 and reply["cooling_ended"] == 0
+    status, reply = agent.post("/api/v1/alerts", spike("resolved", "spike-real"), token=agent.token)
+    assert status == 200 and reply["cooling_ended"] == 1
+    step_until(job, lambda: not job.fuse.cooling)
+
+
 def test_actions_from_alerts_are_rate_limited():
     # the budget counts actions: each alert's rule yields three, so two alerts spend six
     with EmbeddedAgent(webhook={"max_actions_per_minute": 6}) as a:

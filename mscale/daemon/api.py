@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -16,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from mscale.daemon import keys
 
 
-def to_jsonable(obj):
+def to_jsonable(obj: Any) -> Any:
     """Snapshots are frozen dataclasses; render them (and enums, tuples) as JSON values."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}

@@ -59,7 +59,7 @@ def enabled(config: Any) -> bool:
     return bool(config.chaos.enabled or config.agent.simulate)
 
 
-def _int(body: dict, key: str, default: Any = None, lo: int = 0, hi: int = 1_000_000) -> int:
+def _int(body: dict[str, Any], key: str, default: Any = None, lo: int = 0, hi: int = 1_000_000) -> int:
     v = body.get(key, default)
     if v is None:
         raise ChaosError(f"{key}: missing")
@@ -68,14 +68,14 @@ def _int(body: dict, key: str, default: Any = None, lo: int = 0, hi: int = 1_000
     return v
 
 
-def _num(body: dict, key: str, default: float, lo: float, hi: float) -> float:
+def _num(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
     v = body.get(key, default)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
         raise ChaosError(f"{key}: expected a number {lo:g}..{hi:g}, got {v!r}")
     return float(v)
 
 
-def _check_fields(body: dict) -> None:
+def _check_fields(body: dict[str, Any]) -> None:
     """Every field present is checked, whether the kind uses it or not: the event records them."""
     if "mpu" in body and not (isinstance(body["mpu"], str) and MPU_NAME.fullmatch(body["mpu"])):
         raise ChaosError(f"mpu: expected an MPU id or name (letters, digits, ._:/-; 1..{MAX_MPU_CHARS} characters)")
@@ -110,7 +110,7 @@ def gpu_count(nvml: Any) -> int:
     return int(nvml.device_count())
 
 
-def command_for(body: Any, nvml: Any = None) -> tuple[str, dict, Any]:
+def command_for(body: Any, nvml: Any = None) -> tuple[str, dict[str, Any], Any]:
     """Validate a chaos request: (kind, the job command or {}, the simulated GPU event or None)."""
     if not isinstance(body, dict):
         raise ChaosError("body: expected a JSON object")

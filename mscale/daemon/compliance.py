@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mscale.contracts.hardware import format_cpulist, parse_cpulist
 
@@ -41,7 +42,7 @@ class ThreadCompliance:
     tasks: int
     violations: tuple[tuple[int, str], ...] = ()  # (tid, CPUs it may run on)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "state": self.state,
@@ -109,7 +110,7 @@ def descendants(pid: int, proc_root: Path) -> list[int]:
     return sorted(out)
 
 
-def check(plan: dict, pid: int, proc_root: str | os.PathLike = "/proc") -> list[ThreadCompliance]:
+def check(plan: dict[str, Any], pid: int, proc_root: str | os.PathLike[str] = "/proc") -> list[ThreadCompliance]:
     """Each plan thread's compliance in the process `pid` and below it."""
     root = Path(proc_root)
     procs = {pid: tasks_of(pid, root)}

@@ -41,11 +41,11 @@ class ContractRecord:
     job_id: str
     rank: int
     pid: int
-    plan: dict
+    plan: dict[str, Any]
     received_at: float
     checked_at: float = 0.0
     threads: tuple[compliance.ThreadCompliance, ...] = ()
-    msrp: dict | None = None
+    msrp: dict[str, Any] | None = None
     msrp_at: float = 0.0
 
     @property
@@ -60,7 +60,7 @@ class ContractRecord:
             return False if any(t.state == "violated" for t in self.threads) else None
         return all(t.state == "compliant" for t in self.threads)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "job_id": self.job_id,
             "rank": self.rank,
@@ -102,7 +102,7 @@ class ContractService:
 
     # --- link messages ------------------------------------------------------------------
 
-    def on_contract(self, job: JobState, msg: dict) -> None:
+    def on_contract(self, job: JobState, msg: dict[str, Any]) -> None:
         protocol.validate_contract(msg)
         self._own(job, msg)
         key = (job.job_id, msg["rank"])
@@ -114,7 +114,7 @@ class ContractService:
         self._publish()
         self._wake.set()
 
-    def on_msrp(self, job: JobState, msg: dict) -> None:
+    def on_msrp(self, job: JobState, msg: dict[str, Any]) -> None:
         protocol.validate_msrp(msg)
         self._own(job, msg)
         key = (job.job_id, msg["rank"])
@@ -128,7 +128,7 @@ class ContractService:
         self._publish()
 
     @staticmethod
-    def _own(job: JobState, msg: dict) -> None:
+    def _own(job: JobState, msg: dict[str, Any]) -> None:
         if msg.get("job_id") != job.job_id:
             raise BadMessage("malformed", f"{msg['type']}: job_id is not this connection's job")
 
@@ -138,7 +138,7 @@ class ContractService:
         for key in [k for k in self.records if k[0] not in self.state.jobs]:
             del self.records[key]
 
-    def _read(self, records: list[ContractRecord]) -> dict[tuple[str, int], tuple]:
+    def _read(self, records: list[ContractRecord]) -> dict[tuple[str, int], tuple[Any, ...]]:
         return {
             (r.job_id, r.rank): tuple(compliance.check(r.plan, r.pid, self.proc_root))
             for r in records
@@ -229,7 +229,7 @@ class ContractService:
         return [r for r in self.records.values() if key in (r.contract_id, r.job_id)]
 
 
-def _view(service: ContractService, records: list[ContractRecord]) -> dict:
+def _view(service: ContractService, records: list[ContractRecord]) -> dict[str, Any]:
     """The records as the API shows them, each with its MPUs' latest density comparison."""
     density = service.extra.get("density", ())
     out = []

@@ -49,7 +49,7 @@ def nearest_profile(density: float) -> str:
     return min(cat, key=lambda n: (abs(math.log(cat[n].density_tflops_per_gb) - math.log(density)), n))
 
 
-def _density(mpu: dict) -> float | None:
+def _density(mpu: dict[str, Any]) -> float | None:
     flops, memory = mpu.get("achieved_flops"), mpu.get("memory_bytes")
     if not isinstance(flops, (int, float)) or not isinstance(memory, (int, float)) or memory <= 0 or flops <= 0:
         return None
@@ -62,7 +62,7 @@ class DensityGuard:
         self.latest: dict[tuple[str, int, str], MpuDensity] = {}
         self.findings_total = 0
 
-    def evaluate(self, records: Any, jobs: dict, gpus: dict[int, Any], now: float) -> tuple[MpuDensity, ...]:
+    def evaluate(self, records: Any, jobs: dict[str, Any], gpus: dict[int, Any], now: float) -> tuple[MpuDensity, ...]:
         cfg = self.config
         seen = set()
         for r in records:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ from mscale.healing import policy as policymod
 from mscale.healing.engine import Condition, Decision, HealingEngine, Target
 from mscale.healing.ledger import Budget, Ledger
 from mscale.healing.policy import Rule
+from mscale.healing.words import Result, TargetKind
 
 log = structlog.get_logger("mscale.healing")
 SOURCE = "healing"
@@ -87,7 +88,7 @@ def resolve_targets(state: AgentState, rule: Rule, cond: Condition) -> list[Targ
     lab = cond.labels
     job_id = lab.get("job_id", "")
     ids = gpu_ids(state)
-    if rule.target == "gpu":
+    if rule.target == TargetKind.GPU:
         uuid = lab.get("gpu_uuid", "") or ids.get(lab.get("gpu", ""), "")
         index = lab.get("gpu", "") or ids.get(uuid, "")
         hits = [
@@ -98,7 +99,7 @@ def resolve_targets(state: AgentState, rule: Rule, cond: Condition) -> list[Targ
         if job_id:
             hits = [t for t in hits if t.job_id == job_id]
         return hits or [Target("", "", index, uuid)]
-    if rule.target == "job":
+    if rule.target == TargetKind.JOB:
         jobs = [job_id] if job_id else sorted(state.jobs)
         return [Target(j) for j in jobs]
     mpu_key = lab.get("mpu_id", "") or lab.get("mpu", "")
@@ -115,22 +116,22 @@ async def act(app: web.Application, decisions: list[Decision]) -> list[tuple[Dec
     """Send decisions to their jobs; book each outcome."""
     engine: HealingEngine = app[keys.ENGINE]
     link = app.get(keys.LINK)
-    done = []
+    done: list[tuple[Decision, str]] = []
     for d in decisions:
         if not d.target.job_id:
-            engine.record(d, "noop", detail="no job has an MPU there")
-            done.append((d, "noop"))
+            engine.record(d, Result.NOOP, detail="no job has an MPU there")
+            done.append((d, Result.NOOP))
             continue
         if link is None:
-            engine.record(d, "failed", detail="no link to jobs")
-            done.append((d, "failed"))
+            engine.record(d, Result.FAILED, detail="no link to jobs")
+            done.append((d, Result.FAILED))
             continue
         try:
             ok = await link.send(d.target.job_id, d.command(), ranks=target_ranks(app[keys.STATE], d.target))
         except Exception as e:  # a dead peer must not stop the engine; the event says why
             log.warning("heal_send_failed", job_id=d.target.job_id, error=repr(e))
             ok = False
-        result = "sent" if ok else "failed"
+        result = Result.SENT if ok else Result.FAILED
         engine.record(d, result, detail="" if ok else "job not connected")
         done.append((d, result))
     return done
@@ -145,7 +146,7 @@ async def handle(app: web.Application, cond: Condition) -> list[tuple[Decision, 
     return await act(app, engine.decide(cond, _targets(app), rule))
 
 
-def _targets(app: web.Application):
+def _targets(app: web.Application) -> Callable[[Rule, Condition], list[Target]]:
     state = app[keys.STATE]
     return lambda rule, cond: resolve_targets(state, rule, cond)
 
@@ -198,12 +199,13 @@ async def alert(app: web.Application, a: Mapping[str, Any], *, source: str) -> A
     seen = app[_SEEN]
     ident = (a.get("fingerprint") or json.dumps(labels, sort_keys=True), a.get("startsAt", ""))
     if not firing:
-        seen.pop(ident)
+        acted_on = seen.pop(ident) is not None  # this alert's firing acted here
         ends = engine.resolve(cond, _targets(app), rule) if rule is not None else []
-        return AlertOutcome(False, "resolved", cooling_ended=await _end(app, ends))
+        # it ends only what its own firing started: a resolution never seen firing ends nothing
+        return AlertOutcome(False, "resolved", cooling_ended=await _end(app, ends if acted_on else []))
     if seen.fresh(ident, now):  # Alertmanager's repeat of an alert already acted on
-        engine.refuse(rule, cond, "duplicate", "Alertmanager repeated an alert already acted on")
-        return AlertOutcome(True, "duplicate")
+        engine.refuse(rule, cond, Result.DUPLICATE, "Alertmanager repeated an alert already acted on")
+        return AlertOutcome(True, Result.DUPLICATE)
     run: list[Decision] = []
     over: list[Decision] = []
     if rule is not None:
@@ -216,7 +218,7 @@ async def alert(app: web.Application, a: Mapping[str, Any], *, source: str) -> A
             over_why=f"action budget of {budget.per_minute}/min spent",
         )
     if over and not run:
-        return AlertOutcome(True, "rate_limited", rate_limited=len(over))
+        return AlertOutcome(True, Result.RATE_LIMITED, rate_limited=len(over))
     seen.mark(ident, now)
     return AlertOutcome(True, "acted", await act(app, run), rate_limited=len(over))
 
@@ -247,7 +249,7 @@ def _mirror(state: AgentState, f: Finding) -> None:
         mpu.gpu = int(f.labels["to_gpu"])
 
 
-async def _consume(app: web.Application, queue: asyncio.Queue) -> None:
+async def _consume(app: web.Application, queue: asyncio.Queue[Any]) -> None:
     engine: HealingEngine = app[keys.ENGINE]
     state = app[keys.STATE]
     while True:

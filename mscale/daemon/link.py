@@ -32,9 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import socket
 import stat
-import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
@@ -46,6 +44,7 @@ from aiohttp import WSMsgType, web
 from mscale import link as protocol
 from mscale.daemon import keys, socket_file
 from mscale.daemon.jobs import JobState, RankLimit, gpus_by_index
+from mscale.daemon.link_gate import GatedSockSite, LinkLimits, peer_cred
 from mscale.findings import Finding, Reason, Severity
 from mscale.link import BadMessage, Msg
 
@@ -56,11 +55,7 @@ Handler = Callable[..., Awaitable[None] | None]  # (job, msg), or (job, msg, ran
 
 def peer_uid(request: web.Request) -> tuple[int, int] | None:
     """(pid, uid) of the peer from SO_PEERCRED; None if the transport has no Unix socket."""
-    sock = request.transport.get_extra_info("socket") if request.transport else None
-    if sock is None or sock.family != socket.AF_UNIX:
-        return None
-    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return pid, uid
+    return peer_cred(request.transport.get_extra_info("socket") if request.transport else None)
 
 
 class LinkServer:
@@ -137,7 +132,9 @@ class LinkServer:
             self._runner = web.AppRunner(link_app, access_log=None, handle_signals=False)
             await self._runner.setup()
             # created with its mode, no chmod of a path another user could swap (socket_file)
-            await web.SockSite(self._runner, socket_file.bind(str(path), self.config.socket.mode)).start()
+            sock = socket_file.bind(str(path), self.config.socket.mode)
+            limits = LinkLimits(self.config, self.state, self.allowed_uids)  # uid and count gate (link_gate)
+            await GatedSockSite(self._runner, sock, limits).start()
         except OSError as e:
             self.error = str(e)
             log.error("link_socket_unavailable", socket=str(path), error=self.error)
@@ -214,6 +211,41 @@ class LinkServer:
                 raise BadMessage(why, f"register: {held} jobs {whose}kept ({key}); no other user's job is evicted")
             self._drop(min(idle)[1], key.removeprefix("socket."))
 
+    def _check_mpu_budget(self, uid: int, job: JobState | None, msg: dict) -> None:
+        """What one uid can make the agent hold: MPU states (each a dozen series) at most
+        socket.max_mpu_states_per_uid for the uid's jobs, socket.max_mpu_states in all, so a
+        flood of registrations cannot blow /metrics up. Past either, the uid's own
+        longest-disconnected jobs go early (never another uid's), else refused (uid_mpu_limit,
+        mpu_state_limit)."""
+        cfg = self.config.socket
+        rs = job.rank_states.get(msg["rank"]) if job is not None else None
+        adding = len(msg["mpus"]) - (len(rs.mpus) if rs is not None else 0)
+        while adding > 0:
+            total = own = 0
+            for j in self.state.jobs.values():
+                held = sum(len(r.mpus) for r in j.rank_states.values())
+                total, own = total + held, own + (held if j.uid == uid else 0)
+            over = [
+                (why, key, held)
+                for why, key, held, cap in (
+                    ("uid_mpu_limit", "socket.max_mpu_states_per_uid", own, cfg.max_mpu_states_per_uid),
+                    ("mpu_state_limit", "socket.max_mpu_states", total, cfg.max_mpu_states),
+                )
+                if held + adding > cap
+            ]
+            if not over:
+                return
+            idle = [
+                (j.disconnected_at, k)
+                for k, j in self.state.jobs.items()
+                if j.uid == uid and j is not job and not j.ranks and j.disconnected_at is not None
+            ]
+            if not idle:
+                why, key, held = over[0]
+                whose = f" of uid {uid}" if why == "uid_mpu_limit" else ""
+                raise BadMessage(why, f"register: the jobs{whose} hold {held} MPU states, {adding} more is past {key}")
+            self._drop(min(idle)[1], over[0][1].removeprefix("socket."))
+
     # --- messages ----------------------------------------------------------------------------
 
     def _refuse(self, why: str, detail: str, **labels: Any) -> None:
@@ -234,6 +266,8 @@ class LinkServer:
         await ws.prepare(request)
         conn = _Conn(ws, pid=cred[0], uid=cred[1])
         self.peer_uids[ws] = conn.uid
+        timeout_s = self.config.socket.register_timeout_s
+        unregistered = asyncio.get_running_loop().call_later(timeout_s, self._unregistered, conn, request)
         try:
             async for msg in ws:
                 if msg.type == WSMsgType.TEXT:
@@ -259,9 +293,17 @@ class LinkServer:
                     self._refuse(why, str(exc), job_id=conn.job.job_id if conn.job else "")
                     break
         finally:
+            unregistered.cancel()
             self.peer_uids.pop(ws, None)
             self._disconnected(conn)
         return ws
+
+    def _unregistered(self, conn: _Conn, request: web.Request) -> None:
+        """A connection that registered no job within socket.register_timeout_s (it sent
+        nothing, or began a frame and never finished it) is closed: it holds a descriptor."""
+        if conn.job is None and request.transport is not None:
+            self._refuse("register_timeout", f"no registration within {self.config.socket.register_timeout_s:g} s")
+            request.transport.abort()
 
     def _disconnected(self, conn: _Conn) -> None:
         job = conn.job
@@ -352,6 +394,7 @@ class LinkServer:
             raise BadMessage(
                 "rank_limit", f"register: job {job_id} has {len(live)} ranks connected (socket.max_ranks_per_job)"
             )
+        self._check_mpu_budget(conn.uid, job, msg)
         if job is None:
             self._make_room(conn.uid)
             job = JobState(

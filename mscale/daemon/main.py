@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -32,7 +33,7 @@ from mscale.daemon import httpserver, keys
 from mscale.daemon.app import create_app, new_state
 from mscale.daemon.chaos import enabled as chaos_enabled
 from mscale.daemon.notify import Notifier
-from mscale.link import DEFAULT_HOST, DEFAULT_LISTEN, DEFAULT_SOCKET
+from mscale.link import DEFAULT_HOST, DEFAULT_LISTEN, DEFAULT_SOCKET, printable
 
 HELP = "run the node agent (the daemon systemd starts)"
 log = structlog.get_logger("mscale.agent")
@@ -126,7 +127,7 @@ def config_from_args(args: argparse.Namespace) -> configmod.Config:
     return cfg.replace(agent=agent)
 
 
-def open_nvml(cfg: configmod.Config, clock) -> Any:
+def open_nvml(cfg: configmod.Config, clock: Callable[[], float]) -> Any:
     """The GPU backend: simulated GPUs from a timeline, else the real NVML (None if absent;
     the GPU probe then reports itself down with the reason)."""
     if cfg.agent.simulate:
@@ -192,7 +193,7 @@ async def serve(
     *,
     stop: asyncio.Event | None = None,
     notifier: Notifier | None = None,
-    clock=time.time,
+    clock: Callable[[], float] = time.time,
 ) -> None:
     stop = stop or asyncio.Event()
     notifier = notifier or Notifier()
@@ -230,7 +231,12 @@ async def _start(cfg: configmod.Config, app: web.Application, runner: web.AppRun
 
 
 async def _serve(
-    cfg: configmod.Config, nvml: Any, stop: asyncio.Event, notifier: Notifier, clock, hard_stop: HardStop
+    cfg: configmod.Config,
+    nvml: Any,
+    stop: asyncio.Event,
+    notifier: Notifier,
+    clock: Callable[[], float],
+    hard_stop: HardStop,
 ) -> None:
     app = create_app(cfg, state=new_state(cfg), nvml=nvml, clock=clock)
     runner = httpserver.make_runner(app)  # idle timeout; the site adds the connection caps
@@ -273,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
     except configmod.ConfigError as e:
-        print(f"mscale agent: config error: {e}", file=sys.stderr)
+        print(f"mscale agent: config error: {printable(e)}", file=sys.stderr)  # the file's text, escaped
         return 2
     logs.configure(cfg.agent.log_level)
     try:
@@ -285,13 +291,13 @@ def run(args: argparse.Namespace) -> int:
         load_policy(cfg.healing.policy)  # so is the healing policy
         nvml = open_nvml(cfg, time.time)
     except ValueError as e:  # a malformed timeline (TimelineError) or Xid table names the line at fault
-        print(f"mscale agent: {e}", file=sys.stderr)
+        print(f"mscale agent: {printable(e)}", file=sys.stderr)
         return 2
     try:
         asyncio.run(serve(cfg, nvml))
         code = 0
     except StartupError as e:
-        print(f"mscale agent: {e}", file=sys.stderr)
+        print(f"mscale agent: {printable(e)}", file=sys.stderr)
         code = 2
     _exit_now_if_samples_left(code)
     return code

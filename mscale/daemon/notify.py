@@ -11,7 +11,7 @@ import socket
 
 
 class Notifier:
-    def __init__(self, address: str | None = None, environ: dict | None = None) -> None:
+    def __init__(self, address: str | None = None, environ: dict[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
         addr = address if address is not None else env.get("NOTIFY_SOCKET", "")
         self.address: str | bytes | None = None

@@ -31,10 +31,10 @@ class ProbeTask:
     interval_s: float
     timeout_s: float
     status: ProbeStatus
-    inflight: asyncio.Future | None = None
+    inflight: asyncio.Future[Any] | None = None
 
 
-def _in_daemon_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
+def _in_daemon_thread(fn: Callable[[], Any], name: str) -> asyncio.Future[Any]:
     """Run fn in a daemon thread: a hung hardware call must never block shutdown."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
@@ -77,7 +77,7 @@ class ProbeRunner:
         for probe, interval_s, timeout_s in probes:
             status = state.probe_status.setdefault(probe.name, ProbeStatus(probe.name))
             self.tasks.append(ProbeTask(probe, interval_s, timeout_s, status))
-        self._asyncio_tasks: list[asyncio.Task] = []
+        self._asyncio_tasks: list[asyncio.Task[Any]] = []
         self.close_grace_s = 2.0  # how long stop() lets a running sample finish
 
     def _mark(self, task: ProbeTask, up: bool, reason: str = "") -> None:

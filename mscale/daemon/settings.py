@@ -54,6 +54,33 @@ class SocketSection:
     max_mpus_per_job: int = opt(
         MAX_MPUS, "MPUs one job may register; past it the registration is refused and counted", min=1, max=MAX_MPUS
     )
+    max_mpu_states: int = opt(
+        2048,
+        "MPU states (job x rank x MPU) kept in all; past it a registration is refused and counted",
+        min=1,
+        max=1 << 20,
+    )
+    max_mpu_states_per_uid: int = opt(
+        1024,
+        "MPU states the jobs of one uid may hold; past it its registration is refused and counted",
+        min=1,
+        max=1 << 20,
+    )
+    max_connections: int = opt(
+        1024, "open hook-socket connections at most (also kept below the open-files limit)", min=4, max=1_000_000
+    )
+    max_connections_per_uid: int = opt(
+        256,
+        "open hook-socket connections from one uid at most; past it a new one is closed at once",
+        min=1,
+        max=1_000_000,
+    )
+    handshake_timeout_s: float = opt(
+        10.0, "a new hook-socket connection must complete its websocket handshake within this", min=0.1, max=600
+    )
+    register_timeout_s: float = opt(
+        10.0, "a hook-socket connection that has not registered a job within this is closed", min=0.1, max=600
+    )
 
 
 @dataclass(frozen=True)
@@ -87,7 +114,7 @@ class HttpSection:
         512, "open HTTP connections at most (also kept below the open-files limit)", min=4, max=1_000_000
     )
     max_connections_per_peer: int = opt(64, "open HTTP connections from one peer address at most", min=2, max=1_000_000)
-    allowed_hosts: list = opt(
+    allowed_hosts: list = opt(  # type: ignore[type-arg]  # bare: check() names a bad item itself
         None,
         "extra Host names (NAME or NAME:PORT) state-changing requests may use, besides the listen address, "
         "loopback names on loopback and the node's name",

@@ -35,6 +35,7 @@ from mscale import link as protocol
 from mscale.daemon import keys
 from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason, Severity
+from mscale.healing.words import Result
 
 log = structlog.get_logger("mscale.standby")
 SOURCE = "standby"
@@ -56,11 +57,17 @@ class StandbyBook:
     def observe(self, f: Finding) -> None:
         """Quarantines from the healing events (the agent's own decisions and the jobs')."""
         lab = f.labels
-        if f.reason is Reason.HEAL_ACTION and lab.get("action") == "quarantine_gpu" and lab.get("gpu", "").isdigit():
-            if lab.get("result") in ("applied", "sent"):
-                self.quarantined.add(int(lab["gpu"]))
+        if (
+            f.reason is Reason.HEAL_ACTION
+            and lab.get("action") == "quarantine_gpu"
+            and lab.get("gpu", "").isdigit()
+            and lab.get("result") in (Result.APPLIED, Result.SENT)
+        ):
+            self.quarantined.add(int(lab["gpu"]))
 
-    def choose(self, state: AgentState, job_id: str, rank: int, msg: dict, now: float) -> tuple[int | None, str, str]:
+    def choose(
+        self, state: AgentState, job_id: str, rank: int, msg: dict[str, Any], now: float
+    ) -> tuple[int | None, str, str]:
         """(gpu or None, its uuid, why) for one request."""
         snap = state.snapshots.get("gpu")
         gpus = {g.index: g for g in getattr(snap, "gpus", ()) or ()}
@@ -106,7 +113,7 @@ def setup(app: web.Application) -> None:
     if link is None:
         return
 
-    async def handle(job: Any, msg: dict, rank: int) -> None:
+    async def handle(job: Any, msg: dict[str, Any], rank: int) -> None:
         protocol.validate_standby_request(msg)
         gpu, uuid, why = book.choose(state, job.job_id, rank, msg, time.monotonic())
         granted = gpu is not None

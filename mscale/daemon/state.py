@@ -44,11 +44,43 @@ def finding_bytes(f: Finding) -> int:
     return 200 + len(f.source) + len(f.message) + sum(len(k) + len(v) + 8 for k, v in f.labels.items())
 
 
+class JobLogLimit:
+    """At most `burst` log lines per (job, source, reason) every `window_s`: one job's flood of
+    findings must not fill the journal (72 MiB in 31 s, once). Lines past it are dropped and
+    counted; the key's next line logged says how many (`dropped`). Every finding is still
+    kept, counted and handed to the healing engine: only its log line is dropped."""
+
+    def __init__(self, burst: int = 20, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst, self.window_s, self.clock = burst, window_s, clock
+        self._windows: dict[tuple[str, str, str], list] = {}  # key -> [window start, lines, dropped]
+        self.dropped_total = 0
+
+    def admit(self, key: tuple[str, str, str]) -> int | None:
+        """None: drop this line; else log it, with the number dropped before it."""
+        now = self.clock()
+        w = self._windows.get(key)
+        if w is None or now - w[0] >= self.window_s:
+            if w is None and len(self._windows) >= 4096:  # bounded: forget the oldest windows
+                for k in sorted(self._windows, key=lambda k: self._windows[k][0])[:1024]:
+                    del self._windows[k]
+            dropped = w[2] if w is not None else 0
+            self._windows[key] = [now, 1, 0]
+            return dropped
+        if w[1] >= self.burst:
+            w[2] += 1
+            self.dropped_total += 1
+            return None
+        w[1] += 1
+        return 0
+
+
 class EventLog:
     """History of findings bounded in count (`maxlen`) and in bytes (`max_bytes`, by
-    `finding_bytes`; the oldest go first), a counter per (source, reason, severity), subscribers."""
+    `finding_bytes`; the oldest go first), a counter per (source, reason, severity), subscribers;
+    the log lines of a job's findings rate-limited per job and reason (JobLogLimit)."""
 
-    def __init__(self, maxlen: int = 1000, max_bytes: int = 16 << 20) -> None:
+    def __init__(self, maxlen: int = 1000, max_bytes: int = 16 << 20, log_limit: JobLogLimit | None = None) -> None:
+        self.log_limit = log_limit or JobLogLimit()
         self._lock = threading.Lock()
         self._items: deque[tuple[int, Finding]] = deque()
         self.maxlen, self.max_bytes = maxlen, max_bytes
@@ -68,10 +100,19 @@ class EventLog:
             self.counts[(finding.source, finding.reason.value, finding.severity.value)] += 1
             subs = list(self._subscribers)
             sync_subs = list(self._sync_subscribers)
-        # labels nested, never spread: a label named source, message, seq, event or level is data
-        getattr(log, _LOG_METHOD[finding.severity])(
-            finding.reason.value, source=finding.source, message=finding.message, seq=seq, labels=dict(finding.labels)
-        )
+            job = finding.labels.get("job_id")
+            dropped = 0 if job is None else self.log_limit.admit((job, finding.source, finding.reason.value))
+        if dropped is not None:
+            extra = {"dropped": dropped} if dropped else {}
+            # labels nested, never spread: a label named source, message, seq, event or level is data
+            getattr(log, _LOG_METHOD[finding.severity])(
+                finding.reason.value,
+                source=finding.source,
+                message=finding.message,
+                seq=seq,
+                labels=dict(finding.labels),
+                **extra,
+            )
         for loop, queue in subs:
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, finding)

@@ -4,19 +4,20 @@ MPUs with health and fuse level, last events)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from aiohttp import web
 
 from mscale.daemon import keys
 
 
-def _num(v):
+def _num(v: Any) -> Any:
     """A number JSON can carry: NaN and infinities are null."""
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     return v if ok else None
 
 
-def view(app: web.Application, *, last: int = 15) -> dict:
+def view(app: web.Application, *, last: int = 15) -> dict[str, Any]:
     state = app[keys.STATE]
     snap = state.snapshots.get("gpu")
     gpus = [

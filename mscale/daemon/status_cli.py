@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 from mscale.agent_client import AgentClient, AgentError
 from mscale.link import DEFAULT_URL, printable
@@ -32,7 +33,7 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
-def render(view: dict) -> str:
+def render(view: dict[str, Any]) -> str:
     out = [f"node {printable(view.get('node', '?'))}", ""]
     gpus = view.get("gpus", [])
     out.append(
@@ -79,7 +80,7 @@ def render(view: dict) -> str:
                 ["TIME", "SOURCE", "REASON", "SEVERITY", "MESSAGE"],
                 [
                     [
-                        time.strftime("%H:%M:%S", time.localtime(e["time"])),
+                        clock(e.get("time")),
                         e["source"],
                         e["reason"],
                         e["severity"],
@@ -102,3 +103,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(json.dumps(view, indent=2) if args.json else render(view))
     return 0
+
+
+def clock(t: Any) -> str:
+    """HH:MM:SS of an event's time, whatever a job reported (1e308, NaN, a string): "?" when
+    it is no time a clock can show."""
+    try:
+        return time.strftime("%H:%M:%S", time.localtime(float(t)))
+    except (TypeError, ValueError, OverflowError, OSError):
+        return "?"

@@ -44,6 +44,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from mscale.daemon.keys import CONFIG, LINK, STATE
 from mscale.daemon.settings import StragglerSection
 from mscale.findings import Finding, Reason, Severity
 
@@ -79,7 +80,7 @@ class StragglerView:
 
 @dataclass
 class _Window:
-    values: deque = field(default_factory=deque)
+    values: deque[float] = field(default_factory=deque)
     level: float = 0.0  # the window's quantile
     ratio: float = 1.0
     since_step: int | None = None
@@ -98,7 +99,7 @@ class _JobBoard:
     compared: int = 0
 
 
-def figures(report: dict) -> dict[tuple[str, str], float]:
+def figures(report: dict[str, Any]) -> dict[tuple[str, str], float]:
     """The figures of one step report: (mpu_id, phase) -> seconds, and ("", compute)."""
     out: dict[tuple[str, str], float] = {}
     compute = 0.0
@@ -124,7 +125,7 @@ class StragglerWatch:
         self.findings_total = 0
         self.steps_compared = 0
 
-    def observe(self, job: Any, rank: int, report: dict) -> None:
+    def observe(self, job: Any, rank: int, report: dict[str, Any]) -> None:
         if not self.config.enabled:
             return
         step = report.get("step")
@@ -144,7 +145,7 @@ class StragglerWatch:
             for old in [p for p in board.pending if p < s]:  # a rank that joined late: never whole
                 del board.pending[old]
 
-    def _compare(self, job: Any, board: _JobBoard, step: int, by_rank: dict[int, dict]) -> None:
+    def _compare(self, job: Any, board: _JobBoard, step: int, by_rank: dict[int, dict[tuple[str, str], float]]) -> None:
         cfg = self.config
         self.steps_compared += 1
         board.compared += 1
@@ -241,11 +242,9 @@ class StragglerWatch:
 
 
 def setup(app: Any) -> None:
-    from mscale.daemon import keys
-
-    link = app.get(keys.LINK)
+    link = app.get(LINK)
     if link is None:
         return
-    watch = StragglerWatch(app[keys.CONFIG].stragglers, app[keys.STATE])
+    watch = StragglerWatch(app[CONFIG].stragglers, app[STATE])
     link.on_report(watch.observe)
-    app[keys.STATE].publish(SOURCE, watch)  # the exporter asks it for its view
+    app[STATE].publish(SOURCE, watch)  # the exporter asks it for its view

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from mscale.daemon import access, keys
 from mscale.daemon import healing as service
+from mscale.healing.words import Result
 
 WHERE = "webhook"
 
@@ -37,7 +38,7 @@ def _str_map(value: Any, what: str) -> dict[str, str]:
     return value
 
 
-def parse(body: Any) -> list[dict]:
+def parse(body: Any) -> list[dict[str, Any]]:
     """Validate an Alertmanager v4 payload; returns its alerts. PayloadError says why not."""
     if not isinstance(body, dict):
         raise PayloadError("body: expected a JSON object")
@@ -94,7 +95,7 @@ async def alerts(request: web.Request) -> web.Response:
     for out in await service.alerts(request.app, items, source=WHERE):
         summary["firing" if out.firing else "resolved"] += 1
         summary["cooling_ended"] += out.cooling_ended
-        if out.result == "duplicate":
+        if out.result == Result.DUPLICATE:
             summary["duplicates"] += 1
         if out.rate_limited:  # actions past the budget, each counted
             summary["rate_limited"] += out.rate_limited

@@ -56,6 +56,44 @@ def build(ctx: Ctx):
                 ],
             ),
             (
+                "Goodput",
+                [
+                    Panel(
+                        f"Where the jobs' time goes (rank-seconds per second, {rate} rate)",
+                        [
+                            (
+                                f"sum by (job_id) (rate(mscale_job_goodput_seconds_total{s}[{rate}]))",
+                                "{{job_id}} productive",
+                            ),
+                            (
+                                f"sum by (job_id, cause) (rate(mscale_job_badput_seconds_total{s}[{rate}]))",
+                                "{{job_id}} {{cause}}",
+                            ),
+                        ],
+                        width=16,
+                        stack=True,
+                        description="Each rank's wall time by cause, stacked: productive steps, then the "
+                        "badput causes (start-up, snapshot stalls and restores, re-run steps, checks, "
+                        "degraded steps, data waits, hangs). The stack's height is the ranks running.",
+                    ),
+                    Panel(
+                        "Goodput ratio",
+                        [
+                            (
+                                f'{ctx.record("job:mscale_job_goodput:ratio_rate$rate")}{{job_id=~"$job_id"}}',
+                                "{{job_id}}",
+                            ),
+                            (ctx.record("cluster:mscale_job_goodput:ratio_rate$rate"), "cluster"),
+                        ],
+                        width=8,
+                        unit="percentunit",
+                        min=0,
+                        max=1,
+                        description="The share of the wall time in productive steps, per job and over the cluster.",
+                    ),
+                ],
+            ),
+            (
                 "Stragglers",
                 [
                     Panel(

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mscale.agent_client import AgentClient, AgentError
+from mscale.healing.words import Result
 
 CHAOS_TOKEN = "mscale-demo-nodes-chaos"
 HOLD_AT, STEPS = 4, 10
@@ -184,7 +185,7 @@ def main(*, nodes: int, ranks: int, out: str) -> int:
             return {
                 e["labels"].get("action", "")
                 for e in evs
-                if e["reason"] == "heal_action" and e["labels"].get("result") == "sent"
+                if e["reason"] == "heal_action" and e["labels"].get("result") == Result.SENT
             }
 
         _until(f"{name_b}'s decisions", lambda: {"emergency_snapshot", "l1_swap"} <= sent(), 60)

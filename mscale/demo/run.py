@@ -19,6 +19,7 @@ import structlog
 from mscale.demo.scenario import Run, RunConfig, relative_gap
 from mscale.demo.scenario import run as run_plain
 from mscale.demo.verdict import judge
+from mscale.healing.words import Result
 from mscale.link import DEFAULT_HOST
 
 JOB = "demo-tinymm"
@@ -310,7 +311,7 @@ def summarise(
             a
             for a in fs
             if a.reason.value == "heal_action"
-            and a.labels.get("result") in ("applied", "ended", "step_dropped")
+            and a.labels.get("result") in (Result.APPLIED, Result.ENDED, Result.STEP_DROPPED)
             and int(a.labels.get("step", -1)) >= f.sent_step
             and (until is None or int(a.labels.get("step", -1)) < until)
         ]
@@ -319,14 +320,14 @@ def summarise(
             names.append(
                 f"{a.labels['action']}"
                 + (f"({a.labels['mpu_id']})" if a.labels.get("mpu_id") else "")
-                + ("" if a.labels["result"] == "applied" else f":{a.labels['result']}")
+                + ("" if a.labels["result"] == Result.APPLIED else f":{a.labels['result']}")
             )
         row["actions"] = [n if names.count(n) == 1 else f"{n} x{names.count(n)}" for n in dict.fromkeys(names)]
         row["duplicates"] = sum(
             1
             for a in fs
             if a.reason.value == "heal_action"
-            and a.labels.get("result") == "duplicate"
+            and a.labels.get("result") == Result.DUPLICATE
             and int(a.labels.get("step", -1)) >= f.sent_step
             and (until is None or int(a.labels.get("step", -1)) < until)
         )
@@ -364,6 +365,7 @@ def summarise(
         "wall_s": round(wall, 2),
         "reference_wall_s": round(ref.wall_s, 2),
         "goodput_ratio": round((r.guard.current_step / wall) / (steps / ref.wall_s), 3) if wall else None,
+        "time_by_cause": {c: round(sec, 3) for c, sec, _ in r.goodput.breakdown()},
         "nan_reached_weights": r.nonfinite_weights,
         "agent_metrics": heal_lines,
     }
@@ -401,6 +403,11 @@ def render(s: dict) -> str:
         if s["loss_gap"] is not None
         else "final loss: not finite",
         f"goodput (useful steps/s vs the fault-free run): {s['goodput_ratio']}",
+        "the faulted run's wall time by cause (mscale_job_goodput/badput_seconds_total):",
+        *(
+            f"  {c:<11} {sec:8.2f} s  {100 * sec / max(sum(s['time_by_cause'].values()), 1e-9):5.1f}%"
+            for c, sec in s["time_by_cause"].items()
+        ),
         f"NaN reached the weights: {'yes' if s['nan_reached_weights'] else 'no'}",
         "agent counters:",
     ] + [f"  {ln}" for ln in s["agent_metrics"]]

@@ -18,6 +18,7 @@ import torch
 
 from mscale.findings import Finding
 from mscale.healing.settings import HealingSection
+from mscale.healing.words import Result
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class RunResult:
     def events(self, reason: str) -> list[Finding]:
         return [f for f in self.findings if f.reason.value == reason]
 
-    def actions(self, action: str, result: str = "applied") -> list[Finding]:
+    def actions(self, action: str, result: str = Result.APPLIED) -> list[Finding]:
         return [
             f
             for f in self.findings
@@ -107,6 +108,7 @@ class Run:
 
     def __init__(self, cfg: RunConfig) -> None:
         from mscale.hook.fuse import FusePlugin
+        from mscale.hook.goodput import account
         from mscale.hook.guard import Guard
         from mscale.sim.chaos_job import ChaosPlugin
         from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
@@ -158,6 +160,7 @@ class Run:
         g.add_plugin(self.fuse)
         g.add_plugin(self.chaos)
         self.snapshots.snapshot(step=-1)  # the initial state: a rollback target from the start
+        self.goodput = account(g)  # the wall time by cause from here (mscale.hook.goodput)
         self.fired: set[int] = set()
         self.losses: list[tuple[int, float]] = []
         self.health: list[tuple[int, dict]] = []

@@ -26,6 +26,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from mscale.healing.words import Result
+
 CLEAN_CHECKS = 3  # clean checks of an MPU that show its output is good again
 BAND = 1.5  # the loss is back when within this factor of its median before the fault
 _BAD_CHECK = ("checksum_failure", "nonfinite_output")
@@ -71,7 +73,7 @@ def judge(
         return s >= start and (end is None or s < end)
 
     window = [f for f in findings if inside(_step(f))]
-    applied = [f for f in window if f.reason.value == "heal_action" and f.labels.get("result") == "applied"]
+    applied = [f for f in window if f.reason.value == "heal_action" and f.labels.get("result") == Result.APPLIED]
     by_action: dict[str, list[Any]] = {}
     for f in applied:
         by_action.setdefault(f.labels.get("action", ""), []).append(f)

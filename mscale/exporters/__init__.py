@@ -23,6 +23,7 @@ MODULES: tuple[str, ...] = (
     "mscale.exporters.cuda",
     "mscale.exporters.jobs",
     "mscale.exporters.stragglers",
+    "mscale.exporters.goodput",
     "mscale.exporters.snapshots",
     "mscale.exporters.healing",
     "mscale.exporters.contract",

@@ -44,6 +44,7 @@ from mscale.healing.fsm import IllegalTransition, JobLossState, Level, MpuFuseSt
 from mscale.healing.ledger import Ledger
 from mscale.healing.policy import Policy, Rule
 from mscale.healing.settings import HealingSection
+from mscale.healing.words import DONE, FuseLevel, Result, TargetKind
 
 log = structlog.get_logger("mscale.healing")
 
@@ -55,9 +56,6 @@ _RANK = {
     Level.L2_DEGRADED: 3,
     Level.L3_DISTILLING: 4,
 }
-# results that mean the action took effect (the state machine moves on)
-DONE = ("applied", "sent")
-ENDED = "ended"  # a job closed what the action started (a cooling window)
 ACTED_CAP = 16_384  # entries in each dedup ledger; the oldest are evicted first
 RECENT = 50  # decisions kept for the status API
 
@@ -87,14 +85,14 @@ class Target:
     gpu: str = ""  # GPU index as text ("" when unknown)
     gpu_uuid: str = ""
 
-    def key(self, kind: str) -> tuple:
+    def key(self, kind: str) -> tuple[str, ...]:
         """The fault's identity under a rule's target kind (the dedup ledger's key): a GPU fault
         is one fault for every MPU bound to the GPU, and stays one after they moved off it."""
-        if kind == "gpu":
-            return ("gpu", self.gpu_uuid or self.gpu)
-        if kind == "job":
-            return ("job", self.job_id)
-        return ("mpu", self.job_id, self.mpu_id)
+        if kind == TargetKind.GPU:
+            return (TargetKind.GPU, self.gpu_uuid or self.gpu)
+        if kind == TargetKind.JOB:
+            return (TargetKind.JOB, self.job_id)
+        return (TargetKind.MPU, self.job_id, self.mpu_id)
 
 
 @dataclass(frozen=True)
@@ -114,7 +112,7 @@ class Decision:
         t = self.target
         return "/".join((self.rule, t.job_id, t.mpu_id, t.gpu_uuid or t.gpu))
 
-    def command(self, *, end: bool = False) -> dict:
+    def command(self, *, end: bool = False) -> dict[str, Any]:
         """The link command carrying this decision to a job (`end`: end what the action
         started, e.g. a cooling window whose alert resolved)."""
         t = self.target
@@ -157,7 +155,7 @@ class HealingSnapshot:
     drift: tuple[tuple[tuple[str, str], int], ...]  # ((job_id, mpu_id), moves)
     levels: tuple[tuple[str, str, str], ...]  # (job_id, mpu_id, state)
     cooling: tuple[str, ...]  # jobs in an LR cooling window
-    recent: tuple[dict, ...]  # last decisions, newest last
+    recent: tuple[dict[str, Any], ...]  # last decisions, newest last
 
 
 class HealingEngine:
@@ -185,7 +183,7 @@ class HealingEngine:
         self.occurrences = Ledger(cap=ACTED_CAP)
         self.actions: Counter[tuple[str, str, str, str]] = Counter()
         self.drift: Counter[tuple[str, str]] = Counter()
-        self.recent: deque[dict] = deque(maxlen=RECENT)
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
         self._batching = 0  # open batch() blocks: publish once at the end of each
         self._dirty = False
         self.publish()
@@ -206,7 +204,7 @@ class HealingEngine:
     def level_of(self, rule: Rule, target: Target) -> str:
         """The target's level; a lookup keeps no books (an alert naming an MPU or job the
         engine never saw adds no state)."""
-        if rule.target == "job":
+        if rule.target == TargetKind.JOB:
             job = self.jobs.get(target.job_id)
             return job.level if job is not None else JobLossState(target.job_id).level
         mpu = self.mpus.get((target.job_id, target.mpu_id))
@@ -280,9 +278,9 @@ class HealingEngine:
             return [], []
         now = self.clock()
         out: list[Decision] = []
-        made: list[tuple] = []  # the condition identity each decision in `out` acts on
-        once: set[tuple] = set()  # job- and GPU-scoped actions: once per job (and GPU) per condition
-        acting: set[tuple] = set()  # faults this condition acts on (every MPU on a GPU, say)
+        made: list[tuple[Hashable, ...]] = []  # the condition identity each decision in `out` acts on
+        once: set[tuple[Hashable, ...]] = set()  # job- and GPU-scoped actions: once per job (and GPU) per condition
+        acting: set[tuple[Hashable, ...]] = set()  # faults this condition acts on (every MPU on a GPU, say)
         for target in targets(rule, cond):
             ident = (rule.name,) + target.key(rule.target)
             level = self.level_of(rule, target)
@@ -295,8 +293,10 @@ class HealingEngine:
             acting.add(ident)
             for name in rule.actions_at(level):
                 spec, why = self._rate_limited(actions.get(name), target, now)
-                if spec.scope != "mpu":
-                    key = (spec.name, target.job_id) + ((target.gpu_uuid or target.gpu,) if spec.scope == "gpu" else ())
+                if spec.scope != TargetKind.MPU:
+                    key = (spec.name, target.job_id) + (
+                        (target.gpu_uuid or target.gpu,) if spec.scope == TargetKind.GPU else ()
+                    )
                     if key in once:
                         continue
                     once.add(key)
@@ -317,7 +317,7 @@ class HealingEngine:
         if not self.cfg.enabled and out:
             self._mark(acting, cond, now)
             for d in out:
-                self.record(d, "disabled")
+                self.record(d, Result.DISABLED)
             return [], []
         over: list[Decision] = []
         if budget is not None and out:
@@ -326,19 +326,19 @@ class HealingEngine:
             # a fault none of whose actions ran is not acted on: a repeat may act later
             acting -= set(made[fit:]) - set(made[:fit])
             for d in over:
-                self.record(d, "rate_limited", detail=over_why)
+                self.record(d, Result.RATE_LIMITED, detail=over_why)
             if not out:
                 return [], over
         self._mark(acting, cond, now)
         return out, over
 
-    def _mark(self, acting: set[tuple], cond: Condition, now: float) -> None:
+    def _mark(self, acting: set[tuple[Hashable, ...]], cond: Condition, now: float) -> None:
         for ident in sorted(acting, key=repr):  # a set's order is not the ledger's to keep
             if cond.occurrence is not None:
                 self.occurrences.mark(ident + (cond.occurrence,), now)
             self.acted.mark(ident, now)
 
-    def _duplicate(self, ident: tuple, cond: Condition, now: float) -> bool:
+    def _duplicate(self, ident: tuple[Hashable, ...], cond: Condition, now: float) -> bool:
         if cond.occurrence is not None:
             # in-process: once per occurrence; a later one is new evidence
             return ident + (cond.occurrence,) in self.occurrences
@@ -352,7 +352,7 @@ class HealingEngine:
         state = self.mpus.get((target.job_id, target.mpu_id))
         if state is None or state.swaps_since(now - 3600.0) < self.cfg.max_swaps_per_hour:
             return spec, ""
-        self._count(spec.level, spec.name, target.mpu_id, "rate_limited")
+        self._count(spec.level, spec.name, target.mpu_id, Result.RATE_LIMITED)
         why = f"{self.cfg.max_swaps_per_hour} swaps in the last hour: escalate"
         nxt = spec
         while nxt.escalates_to and (
@@ -374,7 +374,7 @@ class HealingEngine:
             cond.step,
             now,
         )
-        self.record(d, "duplicate")
+        self.record(d, Result.DUPLICATE)
 
     def refuse(self, rule: Rule | None, cond: Condition, result: str, why: str) -> None:
         """Book a condition not acted on (a repeated or rate-limited alert): an event and a
@@ -427,9 +427,9 @@ class HealingEngine:
 
     def _book_job(self, spec: ActionSpec, job_id: str, result: str) -> None:
         """What an action's result means for the job's loss state (its cooling window)."""
-        if spec.cools_job and result == "applied":
+        if spec.cools_job and result == Result.APPLIED:
             self.job(job_id).cooling = True
-        elif spec.cools_job and result == ENDED and job_id in self.jobs:
+        elif spec.cools_job and result == Result.ENDED and job_id in self.jobs:
             self.jobs[job_id].cooling = False
 
     def record(
@@ -450,7 +450,7 @@ class HealingEngine:
         self._count(d.level, d.action, t.mpu_id, result)
         self._book_job(spec, t.job_id, result)
         state = ""
-        if result == "applied" and t.mpu_id:  # "sent": the job reports its own move
+        if result == Result.APPLIED and t.mpu_id:  # "sent": the job reports its own move
             if spec.drift:
                 self.drift[(t.job_id, t.mpu_id)] += 1
                 self.mpu(t.job_id, t.mpu_id).swap_times.append(self.clock())
@@ -463,9 +463,11 @@ class HealingEngine:
                     why=f"{d.action} ({d.reason})",
                 )
                 state = tr.after.value if tr else self.mpu(t.job_id, t.mpu_id).level.value
-        severity = {"failed": Severity.CRITICAL, "applied": Severity.WARNING, "sent": Severity.WARNING}.get(
-            result, Severity.INFO
-        )
+        severity = {  # a result a job booked may be a word of its own
+            str(Result.FAILED): Severity.CRITICAL,
+            Result.APPLIED: Severity.WARNING,
+            Result.SENT: Severity.WARNING,
+        }.get(result, Severity.INFO)
         labels = {
             "rule": d.rule,
             "action": d.action,
@@ -550,16 +552,16 @@ class HealingEngine:
         if action not in actions.REGISTRY:
             return
         spec = actions.get(action)
-        self._count(lab.get("level", "none"), action, mpu_id, result)
+        self._count(lab.get("level", FuseLevel.NONE), action, mpu_id, result)
         self._book_job(spec, job_id, result)
         if result in DONE:
             try:
                 kind = self.policy.rule(rule).target
             except KeyError:
-                kind = "mpu" if mpu_id else "job"
+                kind = TargetKind.MPU if mpu_id else TargetKind.JOB
             target = Target(job_id, mpu_id, lab.get("gpu", ""), lab.get("gpu_uuid", ""))
             self.acted.mark((rule,) + target.key(kind), self.clock())
-            if spec.drift and result == "applied":
+            if spec.drift and result == Result.APPLIED:
                 self.drift[(job_id, mpu_id)] += 1
             if "state" in lab and mpu_id:
                 try:

@@ -64,7 +64,7 @@ class MpuFuseState:
     clean_steps: int = 50
     level: Level = Level.HEALTHY
     clean: int = 0  # consecutive clean steps
-    swap_times: deque = field(default_factory=lambda: deque(maxlen=1000))
+    swap_times: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
     history: list[Transition] = field(default_factory=list)
 
     def to(self, level: Level, *, step: int = -1, why: str = "") -> Transition:

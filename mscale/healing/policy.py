@@ -17,9 +17,10 @@ import yaml
 from mscale.findings import Reason
 from mscale.healing import actions
 from mscale.healing.fsm import Level
+from mscale.healing.words import TargetKind
 from mscale.textfile import read_text
 
-TARGETS = ("mpu", "gpu", "job")
+TARGETS = tuple(TargetKind)
 DECIDERS = ("in_process", "agent")
 JOB_LEVELS = ("healthy", "cooling")
 MPU_LEVELS = tuple(level.value for level in Level)
@@ -35,7 +36,7 @@ class PolicyError(ValueError):
 class Rule:
     name: str
     decide: str
-    target: str
+    target: TargetKind
     reasons: frozenset[str] = frozenset()
     alerts: frozenset[str] = frozenset()
     severities: frozenset[str] = frozenset()
@@ -191,6 +192,7 @@ class _Parser:
         target = self.scalar(m["target"][1], f"{what} target")
         if target not in TARGETS:
             raise self.fail(m["target"][1], f"{what} target: expected one of {', '.join(TARGETS)}, got {target!r}")
+        kind = TargetKind(target)
         decide = self.scalar(m["decide"][1], f"{what} decide") if "decide" in m else "agent"
         if decide not in DECIDERS:
             raise self.fail(m["decide"][1], f"{what} decide: expected one of {', '.join(DECIDERS)}, got {decide!r}")
@@ -205,7 +207,7 @@ class _Parser:
         if "labels" in m:
             for key, (_, v) in self.mapping(m["labels"][1], f"{what} labels").items():
                 labels[key] = self.scalar(v, f"{what} labels.{key}")
-        levels = JOB_LEVELS if target == "job" else MPU_LEVELS
+        levels = JOB_LEVELS if kind == TargetKind.JOB else MPU_LEVELS
         acts: dict[str, tuple[str, ...]] = {}
         for key, (k, v) in self.mapping(m["actions"][1], f"{what} actions").items():
             if key != "any" and key not in levels:
@@ -216,7 +218,7 @@ class _Parser:
         return Rule(
             name=name,
             decide=decide,
-            target=target,
+            target=kind,
             reasons=frozenset(reasons),
             alerts=frozenset(alerts),
             severities=frozenset(sev),

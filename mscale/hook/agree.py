@@ -19,11 +19,21 @@ several ranks) makes every rank take the same decision in the same step:
         multipliers      each MPU's CMSA clip-threshold multiplier (an L2 degrade raises it
                          on its rank), one number per MPU
 
+        failed MPUs      per MPU, 1 when that MPU's output failed its checksum on the rank
+        faulty ranks     per rank, 1 at the rank's own index when it dropped the step, had a
+                         non-finite loss or a failed checksum (so every rank can name it)
+
     then on every rank: the step's loss becomes the mean over ranks (NaN when any rank's was
     not finite), so the loss detector, hence LR cooling and the NaN rollback, judge the same
-    loss everywhere; the update is dropped on all ranks when any rank dropped it, had a
-    non-finite loss or a failed checksum (a STEP_DROPPED_AGREED finding on the ranks that
-    found nothing themselves); CMSA clips with the mean of the ranks' multipliers on every
+    loss everywhere; the update is dropped on all ranks when any rank dropped it or had a
+    non-finite loss (a STEP_DROPPED_AGREED finding, naming the ranks at fault, on the ranks that
+    found nothing themselves). An MPU whose output failed its checksum on some rank (and was
+    not re-run clean) has its gradient dropped on every rank for this step, the rest of the
+    update kept (MPU_GRADIENT_DROPPED_AGREED on every rank, naming the MPU and the ranks): DDP
+    has already averaged the faulty rank's gradient of that MPU into every rank's, and without
+    that rank's own gradient the average cannot be rescaled over the others, so the MPU is left
+    as it was; every other MPU trains on, the replicas stay equal, and the faulty rank's fuse
+    (L1, L2, L3) carries on healing its MPU as with one rank. CMSA clips with the mean of the ranks' multipliers on every
     rank for this step (each rank's own is put back at the step end), since a threshold
     raised on one rank alone would give that replica another update than the others'. The rollback itself is the snapshot engine's collective
     `agree_rollback` at every step end (mscale.hook.actions.rollback), which restores the
@@ -68,8 +78,8 @@ class Agreed:
     loss: float | None  # the mean over ranks; NaN when a rank's loss was not finite; None: no loss
 
     @property
-    def drop(self) -> bool:
-        return bool(self.skip or self.nonfinite or self.checksum_failed)
+    def drop(self) -> bool:  # a checksum failure drops only that MPU's gradient (on_step_decide)
+        return bool(self.skip or self.nonfinite)
 
 
 class Agreement:
@@ -102,15 +112,19 @@ class Agreement:
         fuse = getattr(g, "fuse", None)
         pending = getattr(getattr(fuse, "states", {}).get("rollback"), "pending", None)
         swaps = len(fuse.reruns) - self._reruns_at_begin if fuse is not None else 0
+        failed = [0.0 if m.last_checksum_ok else 1.0 for m in g.mpus]
+        faulty = bool(g._skip_reason) or (loss is not None and not finite) or any(failed)
         return [
             1.0 if g._skip_reason else 0.0,
             1.0 if loss is not None and not finite else 0.0,
-            1.0 if any(not m.last_checksum_ok for m in g.mpus) else 0.0,
+            1.0 if any(failed) else 0.0,
             1.0 if pending is not None else 0.0,
             float(swaps),
             float(loss) if finite else 0.0,
             1.0 if finite else 0.0,
             *self._multipliers(),
+            *failed,
+            *[1.0 if faulty and r == self.rank else 0.0 for r in range(self.world_size)],
         ]
 
     def _multipliers(self) -> list[float]:
@@ -139,10 +153,13 @@ class Agreement:
         skip, nonfinite, failed, rollback, swaps = (round(v) for v in total[:5])
         loss_sum, loss_n = total[5], total[6]
         cmsa = getattr(g, "cmsa", None)
-        if cmsa is not None and len(total) > len(FIELDS):
+        n_mult = len(total) - len(FIELDS) - len(g.mpus) - self.world_size
+        if cmsa is not None and n_mult:
             self._own = dict(cmsa.multiplier)
-            for m, v in zip(g.mpus, total[len(FIELDS) :], strict=True):
+            for m, v in zip(g.mpus, total[len(FIELDS) : len(FIELDS) + n_mult], strict=True):
                 cmsa.multiplier[m.mpu_id] = v / self.world_size
+        per_mpu = total[len(FIELDS) + n_mult : len(FIELDS) + n_mult + len(g.mpus)]
+        faulty = [r for r, v in enumerate(total[len(total) - self.world_size :]) if v > 0.5]
         if nonfinite:
             loss: float | None = math.nan
         elif loss_n:
@@ -153,24 +170,42 @@ class Agreement:
         self.history.append(a)
         if loss is not None:
             g._losses[:] = [loss]  # every rank's detector judges the same loss
+        at_fault = ",".join(str(r) for r in faulty)
         if a.drop and not g._skip_reason:
             why = ", ".join(
                 f"{n} rank(s) {what}"
                 for n, what in (
                     (skip, "dropped it"),
                     (nonfinite, "had a non-finite loss"),
-                    (failed, "failed a checksum"),
                 )
                 if n
             )
             g.request_skip(f"agreed across {self.world_size} ranks: {why}")
-            if not (mine[1] or mine[2]):
+            if not (mine[0] or mine[1]):
                 g.emit(
                     Finding(
                         SOURCE,
                         Reason.STEP_DROPPED_AGREED,
                         Severity.WARNING,
-                        f"step {step}: update dropped on every rank ({why})",
-                        {"rank": str(self.rank), "step": str(step)},
+                        f"step {step}: update dropped on every rank ({why}; rank(s) at fault: {at_fault})",
+                        {"rank": str(self.rank), "step": str(step), "ranks_at_fault": at_fault},
                     )
                 )
+        elif failed and not g._skip_reason:
+            self._drop_mpu_gradients(step, [m for m, v in zip(g.mpus, per_mpu, strict=True) if v > 0.5], at_fault)
+
+    def _drop_mpu_gradients(self, step: int, mpus: list[Any], at_fault: str) -> None:
+        """Every rank: the failed MPUs' averaged gradients are dropped (see the module docstring)."""
+        for m in mpus:
+            for p in m.parameters():
+                p.grad = None
+            self.guard.emit(
+                Finding(
+                    SOURCE,
+                    Reason.MPU_GRADIENT_DROPPED_AGREED,
+                    Severity.WARNING,
+                    f"step {step}: {m.name}'s gradient dropped on every rank (its output failed a checksum "
+                    f"on rank(s) {at_fault}); the other MPUs' update is kept",
+                    {"rank": str(self.rank), "step": str(step), "ranks_at_fault": at_fault, "mpu_id": m.mpu_id},
+                )
+            )

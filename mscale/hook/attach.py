@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from mscale.hook.contract import join as contract_join
+from mscale.hook.goodput import account
 from mscale.hook.guard import Guard
 from mscale.hook.null import NullGuard
 from mscale.hook.protect import SnapshotConfig, agree, data_position, protect, snapshot_config
@@ -52,6 +53,7 @@ def attach(
     position = data_position(data) if cfg is not None else None
     guard = Guard(model, optimizer, job_id=job_id, **kwargs)
     agree(guard)  # several ranks: decisions agreed at each step (mscale.hook.agree)
+    account(guard)  # the rank's wall time by cause, in its step reports (mscale.hook.goodput)
     contract_join(guard)  # the contract in force in this process, if any (mscale.hook.contract)
     if cfg is not None:
         try:

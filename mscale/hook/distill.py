@@ -53,8 +53,16 @@ def text_width(text: nn.Module) -> int | None:
     return None
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model a DDP (or DataParallel, or torch.compile) wrapper holds: the one with the config.
+    FSDP2's fully_shard keeps the model itself, config included."""
+    while getattr(model, "config", None) is None and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module  # type: ignore[assignment]  # DistributedDataParallel, DataParallel
+    return model
+
+
 def image_token_id(model: nn.Module) -> int | None:
-    cfg = getattr(model, "config", None)
+    cfg = getattr(unwrapped(model), "config", None)
     for key in ("image_token_id", "image_token_index"):
         v = getattr(cfg, key, None)
         if isinstance(v, int):

@@ -46,6 +46,7 @@ from mscale.healing.engine import Condition, Decision, HealingEngine, HealingSna
 from mscale.healing.fsm import Level
 from mscale.healing.policy import Policy, Rule
 from mscale.healing.settings import HealingSection
+from mscale.healing.words import Result, TargetKind
 from mscale.hook import actions as executors
 from mscale.hook.actions.base import ActionFailed
 
@@ -263,7 +264,7 @@ class FusePlugin:
                 d.time,
             )
         result = self.run(d)
-        return {"ok": result in ("applied", "noop"), "result": result}
+        return {"ok": result in (Result.APPLIED, Result.NOOP), "result": result}
 
     # --- deciding and acting -------------------------------------------------------------
 
@@ -273,10 +274,10 @@ class FusePlugin:
         return Target(self.guard.job_id, m.mpu_id, gpu, gpu_uuid or (m.gpu_uuid if gpu == str(m.gpu) else ""))
 
     def _targets(self, rule: Rule, cond: Condition) -> list[Target]:
-        if rule.target == "job":
+        if rule.target == TargetKind.JOB:
             return [Target(self.guard.job_id)]
         key = cond.labels.get("mpu_id", "")
-        if rule.target == "gpu":
+        if rule.target == TargetKind.GPU:
             gpu = cond.labels.get("gpu", "")
             return [self._target(m) for m in self.guard.mpus if str(m.gpu) == gpu]
         return [self._target(m) for m in self.guard.mpus if key in (m.mpu_id, m.name)]
@@ -294,7 +295,7 @@ class FusePlugin:
         try:
             result = ex.apply(self, state, d)
         except ActionFailed as e:
-            self._engine.record(d, "failed", detail=str(e))
+            self._engine.record(d, Result.FAILED, detail=str(e))
             if spec.escalate_on_failure and spec.escalates_to:
                 nxt = actions.get(spec.escalates_to)
                 return self.run(
@@ -310,17 +311,17 @@ class FusePlugin:
                         self.clock(),
                     )
                 )
-            return "failed"
+            return Result.FAILED
         except Exception as e:  # an action bug must not break the step; the event says what
             log.exception("heal_action_error", action=d.action)
-            self._engine.record(d, "failed", detail=repr(e))
-            return "failed"
-        detail, extra = ex.event(state, d) if ex.event is not None and result == "applied" else ("", {})
+            self._engine.record(d, Result.FAILED, detail=repr(e))
+            return Result.FAILED
+        detail, extra = ex.event(state, d) if ex.event is not None and result == Result.APPLIED else ("", {})
         self._engine.record(d, result, detail=detail, labels=extra)
         if d.target.mpu_id:
             m = self.guard.mpu(d.target.mpu_id)
             m.fuse_level = self._engine.mpu(self.guard.job_id, m.mpu_id).level.value
-            if result == "applied" and spec.new_placement:
+            if result == Result.APPLIED and spec.new_placement:
                 p = self.placement.setdefault(m.mpu_id, Placement())
                 p.failures, p.epoch = 0, p.epoch + 1
                 if spec.reruns_forward and self._in_forward():
@@ -334,7 +335,7 @@ class FusePlugin:
         target, level = self._target(m), m.fuse_level
         self._engine.record(
             Decision("fuse", spec.name, spec.level, target, level, "action_error", detail, step, self.clock()),
-            "failed",
+            Result.FAILED,
             detail=detail,
         )
         if spec.escalates_to:

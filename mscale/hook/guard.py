@@ -482,9 +482,11 @@ class Guard:
         self._dispatch("on_step_end", step, loss)
         t1 = time.perf_counter()
         self.times.plugins_s += t1 - t0
-        if self.link is not None:
-            try:
-                self.link.report(self._report())
+        if self.link is not None or any(hasattr(p, "on_report") for p in self.plugins):
+            try:  # plugins add their fields (mscale.hook.goodput: the step's seconds by cause)
+                self._dispatch("on_report", report := self._report())
+                if self.link is not None:
+                    self.link.report(report)
             except Exception as e:
                 self.log.exception("report_error", error=str(e))
         self._step_findings = []  # reported (or no link): the next report starts afresh

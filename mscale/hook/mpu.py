@@ -24,13 +24,18 @@ KNOWN_NAMES: dict[str, str] = {
     "visual": "vision",
     "vision_model": "vision",
     "audio_tower": "audio",
+    "qformer": "resampler",  # Blip2, InstructBlip: learned queries read the vision features
     "multi_modal_projector": "aligner",
     "mm_projector": "aligner",
     "mlp1": "aligner",
+    "connector": "aligner",  # Idefics3, SmolVLM
+    "language_projection": "aligner",  # Blip2: the Q-Former's output into the text model's width
     "language_model": "text",
+    "text_model": "text",  # Idefics3, SmolVLM
 }
-# reporting and id order: encoders, then the aligner, then the text model
-_ORDER = ("vision", "audio", "aligner", "text")
+# reporting and id order: encoders, then the resampler and the aligner, then the text model
+_ORDER = ("vision", "audio", "resampler", "aligner", "text")
+UNCOVERED_SHARE = 0.10  # trainable parameters outside every MPU above which discovery warns
 
 
 class MpuLayoutError(ValueError):
@@ -225,6 +230,8 @@ def discover(
             if id(module) in seen:
                 raise MpuLayoutError(f"MPUs {seen[id(module)]!r} and {name!r} are the same module")
             seen[id(module)] = name
+    if mpus is None:
+        uncovered(model, [m for _, _, m in named])
     gpus = dict(gpus or {})
     unknown = set(gpus) - {n for n, _, _ in named}
     if unknown:
@@ -238,6 +245,38 @@ def discover(
             Mpu(mpu_id=f"{i + 1:03d}", name=name, module=module, path=path, gpu=gpu, gpu_uuid=_uuid(gpu, module))
         )
     return out
+
+
+def uncovered(model: nn.Module, modules: list[nn.Module], share: float = UNCOVERED_SHARE) -> list[str]:
+    """The largest modules whose trainable parameters lie outside every MPU, when those are more
+    than `share` of all trainable ones (else []): logged as a warning saying how to map them."""
+    inside = {id(p) for m in modules for p in m.parameters()}
+    # (a top-level lm_head is the text model's output layer, outside its module in Hugging Face)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad and not n.startswith("lm_head.")]
+    total = sum(p.numel() for _, p in params)
+    outside = [(n, p) for n, p in params if id(p) not in inside]
+    left = sum(p.numel() for _, p in outside)
+    if not total or left <= share * total:
+        return []
+    covered = {n.rsplit(".", 1)[0] for n, p in params if id(p) in inside}
+    names: set[str] = set()
+    for n, _ in outside:  # the shallowest prefix holding no MPU parameter
+        parts = n.split(".")
+        for k in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:k])
+            if not any(c == prefix or c.startswith(prefix + ".") for c in covered):
+                names.add(prefix)
+                break
+    top = sorted(names)
+    import structlog  # (at call time: the guard's logger configuration applies)
+
+    structlog.get_logger("mscale.hook").warning(
+        "mpus_uncovered",
+        share=round(left / total, 3),
+        modules=top[:10],
+        how=f"name them in mpus= with the MPUs found (a name -> a module or dotted path, e.g. '{top[0]}')",
+    )
+    return top
 
 
 def by_key(mpus: Iterable[Mpu], key: str) -> Mpu:

@@ -24,6 +24,9 @@ fuse). Calls happen in the training thread, in this order for each step:
                                    ends too); loss is the step's mean loss, None when unknown,
                                    NaN stays NaN. A plugin that restores a snapshot here calls
                                    guard.set_step(n) and the guard runs step n next
+    on_report(report)              after every plugin's on_step_end, with the step report the
+                                   guard sends the agent (mscale.link STEP_FIELDS): a plugin
+                                   may add its fields (mscale.hook.goodput adds "seconds")
     on_command(command) -> dict | None
                                    commands from the agent, dispatched between steps (never
                                    mid-step); a returned dict is sent back as the reply
@@ -55,6 +58,7 @@ HOOKS: tuple[str, ...] = (
     "on_step_decide",
     "on_finding",
     "on_step_end",
+    "on_report",
     "on_command",
     "on_detach",
 )
@@ -74,6 +78,8 @@ class Plugin(Protocol):
     def on_finding(self, finding: Finding) -> None: ...
 
     def on_step_end(self, step: int, loss: float | None) -> None: ...
+
+    def on_report(self, report: dict) -> None: ...
 
     def on_command(self, command: dict) -> dict | None: ...
 

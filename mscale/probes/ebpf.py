@@ -23,6 +23,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 import structlog
@@ -47,6 +48,13 @@ _ZERO = PidCounters(0, 0, 0, (0,) * len(DIRECTIONS), (0,) * len(DIRECTIONS), 0, 
 # --- the snapshot ------------------------------------------------------------------------
 
 
+class HangCause(StrEnum):
+    """Why a process counts as hung: the `cause` label of a training_hang finding."""
+
+    SYNC_BLOCKED = "sync_blocked"  # a synchronising call (stream, device, event) blocked too long
+    NO_LAUNCH = "no_launch"  # no kernel launched for too long while the process was observed
+
+
 @dataclass(frozen=True)
 class CudaProcess:
     pid: int
@@ -65,7 +73,7 @@ class CudaProcess:
     sync_blocked_ratio: float | None  # over sync_stall_window_s; None until a window is seen
     alloc_failures: int
     hang: bool
-    hang_cause: str  # "", "no_launch" or "sync_blocked"
+    hang_cause: str  # a HangCause, or "" while not hung
     launch_quiet_s: float | None  # since the last launch seen; None: never seen one
     sync_stall: bool
     error: str = ""  # a probe that could not attach (the others still count)
@@ -453,11 +461,11 @@ class EbpfProbe:
 
         cause = ""
         if longest > cfg.hang_timeout_s:
-            cause = "sync_blocked"
+            cause = HangCause.SYNC_BLOCKED
         elif tr.watch.hung(now):
-            cause = "no_launch"
+            cause = HangCause.NO_LAUNCH
         if cause and not tr.hang_cause:
-            if cause == "sync_blocked":
+            if cause == HangCause.SYNC_BLOCKED:
                 kinds = sorted({e.kind for e in inflight})
                 msg = f"process {tr.pid} blocked in {', '.join(kinds)} for {longest:.1f}s (> {cfg.hang_timeout_s:g}s)"
             else:

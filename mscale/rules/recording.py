@@ -56,6 +56,24 @@ RECORDS: tuple[Record, ...] = (
         " / on (job_id) group_left ()"
         " quantile by (job_id) (0.5, job_rank:mscale_job_rank_compute_seconds:median$straggler)",
     ),
+    # Goodput: the share of the jobs' wall time in productive steps (mscale.hook.goodput),
+    # per job and over the cluster; badput by cause for the stacked panel
+    Record(
+        "job:mscale_job_goodput:ratio_rate$rate",
+        "sum by (job_id) (rate(mscale_job_goodput_seconds_total{$agent}[$rate]))"
+        " / (sum by (job_id) (rate(mscale_job_goodput_seconds_total{$agent}[$rate]))"
+        " + sum by (job_id) (rate(mscale_job_badput_seconds_total{$agent}[$rate])))",
+    ),
+    Record(
+        "cluster:mscale_job_goodput:ratio_rate$rate",
+        "sum (rate(mscale_job_goodput_seconds_total{$agent}[$rate]))"
+        " / (sum (rate(mscale_job_goodput_seconds_total{$agent}[$rate]))"
+        " + sum (rate(mscale_job_badput_seconds_total{$agent}[$rate])))",
+    ),
+    Record(
+        "job_cause:mscale_job_badput_seconds:rate$rate",
+        "sum by (job_id, cause) (rate(mscale_job_badput_seconds_total{$agent}[$rate]))",
+    ),
     # every finding per node, source and reason (the healing dashboard)
     Record("node:mscale_events:increase$event", f"sum without (severity) ({new_or_increase('mscale_events_total')})"),
     # the jobs' own findings (loss spikes, NaN, ...) per job, source and reason: the loss alerts read these

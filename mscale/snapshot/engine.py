@@ -120,6 +120,7 @@ class SnapshotEngine:
         self.findings: deque[Finding] = deque(maxlen=256)
         self.last_skipped: list[dict] = []  # the data positions the last rollback stepped over
         self.recovery_seconds: dict[str, float] = {}  # checkpoint_recovery_time_seconds{tag}
+        self.stall_s = 0.0  # seconds training waited on in-memory snapshots and restores (hook.goodput)
         self._mpus = self._check_mpus(mpus or {})
         self._prefixes = sorted(self._mpus.values(), key=lambda pf: -len(pf[0]))
         self._named_opt = NamedOptimizer(model, optimizer) if optimizer is not None else None
@@ -272,6 +273,7 @@ class SnapshotEngine:
             self._kept.append(snap)
             while len(self._kept) > self.memory_keep:
                 self._retire(self._kept.pop(0))
+        self.stall_s += time.perf_counter() - t0
         log.debug("memory snapshot", step=self.step, bytes=nbytes, seconds=round(time.perf_counter() - t0, 6))
         return snap
 
@@ -480,6 +482,7 @@ class SnapshotEngine:
             self._disk.prune_after(target)
         seconds = time.perf_counter() - t0
         self.recovery_seconds[tag] = seconds
+        self.stall_s += seconds
         self._emit(
             Reason.ROLLBACK,
             Severity.WARNING,

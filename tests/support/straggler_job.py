@@ -63,8 +63,8 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
     while guard.link is not None and (guard.link.queue or not guard.link.connected) and time.monotonic() < deadline:
         time.sleep(0.02)
     out = {"rank": rank, "steps": guard.current_step, "node": guard.link.node if guard.link is not None else ""}
+    dist.barrier()  # every rank's last report is out before any rank leaves: the last step is whole
     guard.detach()
-    dist.barrier()
     dist.destroy_process_group()
     Path(args.out, f"rank_{rank}.json").write_text(json.dumps(out))
     return 0

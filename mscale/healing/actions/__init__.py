@@ -7,16 +7,17 @@ from __future__ import annotations
 
 from mscale.healing.actions.base import ActionSpec
 from mscale.healing.fsm import Level
+from mscale.healing.words import FuseLevel, TargetKind
 
 _SPECS: tuple[ActionSpec, ...] = (
     # a checksum failure below the L1 threshold: nothing moves, the state machine remembers
-    ActionSpec("mark_suspect", "none", Level.SUSPECT, "mark the MPU suspect", scope="mpu"),
+    ActionSpec("mark_suspect", FuseLevel.NONE, Level.SUSPECT, "mark the MPU suspect", scope=TargetKind.MPU),
     ActionSpec(
         "l1_swap",
-        "L1",
+        FuseLevel.L1,
         Level.L1_SWAPPED,
         "move the MPU to a standby GPU and re-run its forward",
-        scope="mpu",
+        scope=TargetKind.MPU,
         reruns_forward=True,
         drift=True,
         escalates_to="l2_degrade",
@@ -25,41 +26,51 @@ _SPECS: tuple[ActionSpec, ...] = (
     ),
     ActionSpec(
         "l2_degrade",
-        "L2",
+        FuseLevel.L2,
         Level.L2_DEGRADED,
         "run the MPU degraded (CPU or bf16 fallback, reduced resolution, raised clip)",
-        scope="mpu",
+        scope=TargetKind.MPU,
         reruns_forward=True,
         escalates_to="l3_distill",
         new_placement=True,
     ),
     ActionSpec(
         "l3_distill",
-        "L3",
+        FuseLevel.L3,
         Level.L3_DISTILLING,
         "distill the failing MPU from the text MPU",
-        scope="mpu",
+        scope=TargetKind.MPU,
         new_placement=True,
     ),
     ActionSpec(
         "recover",
-        "none",
+        FuseLevel.NONE,
         Level.RECOVERED,
         "undo the L2/L3 measures after a clean stretch",
-        scope="mpu",
+        scope=TargetKind.MPU,
         on_recovery=True,
     ),
-    ActionSpec("lr_cool", "none", None, "cool the learning rate for a window", scope="job", cools_job=True),
-    ActionSpec("rollback", "none", None, "drop the step, restore the last good snapshot, skip the batch", scope="job"),
+    ActionSpec(
+        "lr_cool", FuseLevel.NONE, None, "cool the learning rate for a window", scope=TargetKind.JOB, cools_job=True
+    ),
+    ActionSpec(
+        "rollback",
+        FuseLevel.NONE,
+        None,
+        "drop the step, restore the last good snapshot, skip the batch",
+        scope=TargetKind.JOB,
+    ),
     ActionSpec(
         "restore_weights",
-        "none",
+        FuseLevel.NONE,
         None,
         "restore corrupted weights from the newest in-memory snapshot (in place, or roll back to it)",
-        scope="job",
+        scope=TargetKind.JOB,
     ),
-    ActionSpec("emergency_snapshot", "none", None, "write the in-memory snapshot to disk now", scope="job"),
-    ActionSpec("quarantine_gpu", "none", None, "mark the GPU unusable for the job", scope="gpu"),
+    ActionSpec(
+        "emergency_snapshot", FuseLevel.NONE, None, "write the in-memory snapshot to disk now", scope=TargetKind.JOB
+    ),
+    ActionSpec("quarantine_gpu", FuseLevel.NONE, None, "mark the GPU unusable for the job", scope=TargetKind.GPU),
 )
 
 REGISTRY: dict[str, ActionSpec] = {s.name: s for s in _SPECS}

@@ -9,23 +9,21 @@ action's name."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from mscale.healing.fsm import Level
-
-Scope = Literal["mpu", "gpu", "job"]
+from mscale.healing.words import FuseLevel, TargetKind
 
 
 @dataclass(frozen=True)
 class ActionSpec:
     name: str
-    level: str  # metric label: L1, L2, L3, or none for the non-fuse actions
+    level: FuseLevel  # the metric label
     moves_to: Level | None  # the MPU's fuse state after it succeeds (None: unchanged)
     help: str = ""
     # what it acts on, hence how often per condition: "mpu" once per target MPU; "gpu" once
     # per job and GPU; "job" once per job (a condition on a GPU that two MPUs of one job use
     # writes one emergency snapshot and swaps both MPUs)
-    scope: Scope = "job"
+    scope: TargetKind = TargetKind.JOB
     # applied inside the step's forward: the MPU's output is discarded and its forward re-run
     # for the same batch on its new placement
     reruns_forward: bool = False

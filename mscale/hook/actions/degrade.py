@@ -37,6 +37,7 @@ import structlog
 
 from mscale.healing import actions
 from mscale.healing.engine import Decision
+from mscale.healing.words import Result
 from mscale.hook.actions.base import Executor, FuseContext
 from mscale.hook.placement import device_of, map_tensors, place, tensors, wrap_forward
 
@@ -165,7 +166,7 @@ class Degraded:
 
 def apply(fuse: FuseContext, state: Degraded, d: Decision) -> str:
     state.degrade(fuse.guard, fuse.guard.mpu(d.target.mpu_id))
-    return "applied"
+    return Result.APPLIED
 
 
 def event(state: Degraded, d) -> tuple[str, dict[str, str]]:

@@ -31,6 +31,7 @@ import structlog
 
 from mscale.healing import actions
 from mscale.healing.engine import Decision
+from mscale.healing.words import Result
 from mscale.hook.actions.base import ActionFailed, Executor, FuseContext
 
 log = structlog.get_logger("mscale.fuse")
@@ -221,7 +222,7 @@ def apply(fuse: FuseContext, state: Distilling, d: Decision) -> str:
 
     m = fuse.guard.mpu(d.target.mpu_id)
     if m.mpu_id in state.mpus:
-        return "noop"
+        return Result.NOOP
     term = Term(fuse.guard.model, fuse.guard.mpus, m)
     why = term.why_not()
     if not why and state._last is None:
@@ -233,7 +234,7 @@ def apply(fuse: FuseContext, state: Distilling, d: Decision) -> str:
         term.close()
         raise ActionFailed(f"no distillation term for this model: {why}")
     state.mpus[m.mpu_id] = Distill(m.mpu_id, term)
-    return "applied"
+    return Result.APPLIED
 
 
 def event(state: Distilling, d) -> tuple[str, dict[str, str]]:

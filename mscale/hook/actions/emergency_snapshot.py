@@ -7,6 +7,7 @@ from typing import Any
 
 from mscale.healing import actions
 from mscale.healing.engine import Decision
+from mscale.healing.words import Result
 from mscale.hook.actions.base import ActionFailed, Executor, FuseContext
 
 
@@ -24,12 +25,12 @@ def apply(fuse: FuseContext, state: Emergencies, d: Decision) -> str:
     if engine is None:
         raise ActionFailed("no snapshot engine attached")
     if d.fault_key in state.done:
-        return "noop"  # the same fault from another path: written once
+        return Result.NOOP  # the same fault from another path: written once
     if engine.latest() is None:
         raise ActionFailed("no in-memory snapshot yet")
     state.writes.append(engine.emergency(why=f"{d.reason} ({d.fault_key})"))
     state.done.add(d.fault_key)
-    return "applied"
+    return Result.APPLIED
 
 
 EXECUTOR = Executor(actions.get("emergency_snapshot"), apply, state=Emergencies)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from mscale.healing import actions
 from mscale.healing.engine import Decision, Target
+from mscale.healing.words import FuseLevel, Result
 from mscale.hook.actions.base import ActionFailed, Executor, FuseContext
 
 NAME = "lr_cool"
@@ -54,7 +55,7 @@ def apply(fuse: FuseContext, state: Cooling, d: Decision) -> str:
     state.until = fuse.seq + state.steps - 1
     state.rule = d.rule
     state.cool(fuse.guard.optimizer)  # this step's update is already cooled
-    return "applied"
+    return Result.APPLIED
 
 
 def end(fuse, state: Cooling, why: str) -> None:
@@ -67,7 +68,7 @@ def end(fuse, state: Cooling, why: str) -> None:
         Decision(
             state.rule,
             NAME,
-            "none",
+            FuseLevel.NONE,
             Target(fuse.guard.job_id),
             "cooling",
             "cooling_end",
@@ -75,7 +76,7 @@ def end(fuse, state: Cooling, why: str) -> None:
             fuse.guard.current_step,
             fuse.clock(),
         ),
-        "ended",
+        Result.ENDED,
     )
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from mscale.healing import actions
 from mscale.healing.engine import Decision
+from mscale.healing.words import Result
 from mscale.hook.actions.base import Executor, FuseContext
 
 
 def apply(fuse: FuseContext, state: None, d: Decision) -> str:
-    return "applied"
+    return Result.APPLIED
 
 
 EXECUTOR = Executor(actions.get("mark_suspect"), apply)

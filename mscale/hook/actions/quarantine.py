@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mscale.healing import actions
 from mscale.healing.engine import Decision
+from mscale.healing.words import Result
 from mscale.hook.actions.base import ActionFailed, Executor, FuseContext
 
 
@@ -22,9 +23,9 @@ def apply(fuse: FuseContext, state: Quarantine, d: Decision) -> str:
         raise ActionFailed(f"no GPU index in the command (gpu={d.target.gpu!r})")
     gpu = int(d.target.gpu)
     if gpu in state.gpus:
-        return "noop"
+        return Result.NOOP
     state.gpus.add(gpu)
-    return "applied"
+    return Result.APPLIED
 
 
 EXECUTOR = Executor(actions.get("quarantine_gpu"), apply, state=Quarantine)

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from mscale.healing import actions
 from mscale.healing.engine import Decision
+from mscale.healing.words import Result
 from mscale.hook.actions.base import Executor, FuseContext
 
 
 def apply(fuse: FuseContext, state: None, d: Decision) -> str:
     fuse.dispatch("undo", fuse.guard.mpu(d.target.mpu_id))
-    return "applied"
+    return Result.APPLIED
 
 
 EXECUTOR = Executor(actions.get("recover"), apply)

@@ -23,6 +23,7 @@ from typing import Any
 
 from mscale.healing import actions
 from mscale.healing.engine import Decision
+from mscale.healing.words import FuseLevel, Result
 from mscale.hook.actions.base import ActionFailed, Executor, FuseContext
 
 
@@ -74,7 +75,7 @@ def apply(fuse: FuseContext, state: Watch, d: Decision) -> str:
     watch = state.watch
     bad = list(watch.corrupted) if watch is not None else []
     if not bad:
-        return "noop"  # found and repaired already (another finding of the same step)
+        return Result.NOOP  # found and repaired already (another finding of the same step)
     engine = fuse.snapshot_engine
     snap = engine.latest() if engine is not None else None
     if snap is None:
@@ -109,10 +110,12 @@ def apply(fuse: FuseContext, state: Watch, d: Decision) -> str:
         rollbacks = fuse.states.get("rollback")
         if rollbacks is not None:
             rollbacks.to_step = snap.step
-        result = fuse.run(Decision(d.rule, "rollback", "none", d.target, d.before, d.reason, why, d.step, fuse.clock()))
-        if result == "failed":
+        result = fuse.run(
+            Decision(d.rule, "rollback", FuseLevel.NONE, d.target, d.before, d.reason, why, d.step, fuse.clock())
+        )
+        if result == Result.FAILED:
             raise ActionFailed(f"the rollback to step {snap.step} failed")
-    return "applied"
+    return Result.APPLIED
 
 
 def event(state: Watch, d) -> tuple[str, dict[str, str]]:

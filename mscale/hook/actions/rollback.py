@@ -13,6 +13,7 @@ from typing import Any
 
 from mscale.healing import actions
 from mscale.healing.engine import Decision
+from mscale.healing.words import Result
 from mscale.hook.actions.base import Executor, FuseContext
 
 KEEP_BATCH = ("weight_corruption",)  # reasons whose batch is re-run, not skipped
@@ -56,7 +57,7 @@ class Rollbacks:
             self.skipped_steps.append(step)
             self.rollbacks.append({"step": step, "to": None, "error": str(e)})
             if d is not None:
-                fuse.record(d, "failed", detail=f"rollback: {e}")
+                fuse.record(d, Result.FAILED, detail=f"rollback: {e}")
             return True
         if to is None:
             return False
@@ -64,7 +65,7 @@ class Rollbacks:
         self.rollbacks.append({"step": step, "to": int(to)})
         fuse.dispatch("weights_settled")
         if d is not None:
-            fuse.record(d, "applied", detail=f"restored step {to} on every rank, {_skipped(engine, step)}")
+            fuse.record(d, Result.APPLIED, detail=f"restored step {to} on every rank, {_skipped(engine, step)}")
         fuse.guard.set_step(int(to) + 1)
         return True
 
@@ -75,19 +76,19 @@ class Rollbacks:
         engine = fuse.snapshot_engine
         if engine is None or not hasattr(engine, "rollback"):
             self.rollbacks.append({"step": step, "to": None})
-            fuse.record(d, "noop", detail="no snapshot engine: the step was dropped, nothing restored")
+            fuse.record(d, Result.NOOP, detail="no snapshot engine: the step was dropped, nothing restored")
             return
         try:
             to_step, self.to_step = self.to_step, None
             to = int(engine.rollback(to_step, skip_batch=skip, micro_batches=_bad(fuse) if skip else ()))
         except Exception as e:  # no snapshot yet, or a corrupt one: the step stays dropped
             self.rollbacks.append({"step": step, "to": None, "error": str(e)})
-            fuse.record(d, "failed", detail=f"rollback: {e}")
+            fuse.record(d, Result.FAILED, detail=f"rollback: {e}")
             return
         self.rollbacks.append({"step": step, "to": to})
         fuse.dispatch("weights_settled")
         kept = _skipped(engine, step) if skip else f"the batches of step {step} re-run with the steps since"
-        fuse.record(d, "applied", detail=f"restored step {to}, {kept}")
+        fuse.record(d, Result.APPLIED, detail=f"restored step {to}, {kept}")
         fuse.guard.set_step(to + 1)  # the restored state continues at its next step
 
 
@@ -120,7 +121,7 @@ def _to_newest_common(engine) -> int:
 def apply(fuse: FuseContext, state: Rollbacks, d: Decision) -> str:
     fuse.drop_step(f"{d.reason}: rollback")
     state.pending = d
-    return "step_dropped"  # the restore after the step books "applied" (or why not)
+    return Result.STEP_DROPPED  # the restore after the step books "applied" (or why not)
 
 
 EXECUTOR = Executor(actions.get("rollback"), apply, state=Rollbacks)

@@ -19,6 +19,7 @@ import structlog
 
 from mscale.healing import actions
 from mscale.healing.engine import Decision
+from mscale.healing.words import Result
 from mscale.hook.actions.base import ActionFailed, Executor, FuseContext
 
 log = structlog.get_logger("mscale.fuse")
@@ -41,7 +42,7 @@ class Swaps:
 def apply(fuse: FuseContext, state: Swaps, d: Decision) -> str:
     m = fuse.guard.mpu(d.target.mpu_id)
     if d.target.gpu and d.target.gpu.isdigit() and int(d.target.gpu) != m.gpu:
-        return "noop"  # a command about a GPU this MPU has already left (another path moved it)
+        return Result.NOOP  # a command about a GPU this MPU has already left (another path moved it)
     old = m.gpu
     standby = standby_for(fuse, state, m)
     if standby is None:
@@ -50,7 +51,7 @@ def apply(fuse: FuseContext, state: Swaps, d: Decision) -> str:
     state.failed_on.setdefault(m.mpu_id, set()).add(old)
     move_mpu(fuse.guard, m, standby)
     state.last[m.mpu_id] = (old, standby, restored)
-    return "applied"
+    return Result.APPLIED
 
 
 def event(state: Swaps, d) -> tuple[str, dict[str, str]]:

@@ -1,0 +1,40 @@
+"""Goodput and badput per job and rank: the seconds each rank's step reports carry by cause
+(mscale.hook.goodput measures them; mscale.link TIME_CAUSES), summed here since the rank
+registered, for mscale.exporters.goodput. A job the agent no longer holds goes with it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from mscale.daemon.keys import LINK, STATE
+
+SOURCE = "goodput"
+
+
+class GoodputBook:
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.seconds: dict[str, dict[int, Counter[str]]] = {}  # job -> rank -> cause -> seconds
+
+    def observe(self, job: Any, rank: int, report: dict[str, Any]) -> None:
+        seconds = report.get("seconds")
+        if not seconds:
+            return
+        counter = self.seconds.setdefault(job.job_id, {}).setdefault(rank, Counter())
+        for cause, s in seconds.items():  # validated by mscale.link: known causes, finite, >= 0
+            counter[cause] += s
+
+    def view(self) -> dict[str, dict[int, Counter[str]]]:
+        for job_id in [j for j in self.seconds if j not in self.state.jobs]:
+            del self.seconds[job_id]
+        return self.seconds
+
+
+def setup(app: Any) -> None:
+    link = app.get(LINK)
+    if link is None:
+        return
+    book = GoodputBook(app[STATE])
+    link.on_report(book.observe)
+    app[STATE].publish(SOURCE, book)  # the exporter asks it for its view

@@ -1,0 +1,87 @@
+"""Every vision-language family the MPU discovery knows, as a tiny Hugging Face model built from
+its config (tests/support/tiny_hf.py, tiny_families.py): discovery finds its vision tower, its
+aligner (and Blip2's Q-Former) and its text model; 100 clean steps under the README's protection
+line make no critical finding; a persistent fault the test's own hook puts in the vision
+tower's last linear is acted on by the fuse (suspect, then L1 swap onwards) and training goes on
+finite. (Families with an audio tower are not built here: see the issue's report.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mscale
+from mscale.findings import Reason, Severity
+from support.tiny_families import blip2, idefics3
+from support.tiny_hf import tiny_llava, tiny_qwen2vl
+
+CLEAN, FAULTY = 100, 12
+FAMILIES = {
+    "llava": (lambda: tiny_llava(seed=0), ["vision", "aligner", "text"]),
+    "qwen2vl": (lambda: tiny_qwen2vl(seed=0, normalize=True), ["vision", "text"]),
+    "idefics3": (lambda: idefics3(seed=0), ["vision", "aligner", "text"]),
+    "smolvlm": (lambda: idefics3(seed=0, smol=True), ["vision", "aligner", "text"]),
+    "blip2": (lambda: blip2(seed=0), ["vision", "resampler", "aligner", "text"]),
+}
+# Blip2's vision attention: clean fp32 steps fail ABFT on encoder.layers.0.self_attn.qkv
+# (residual 8e-8 against a tolerance of 3e-11: the check's scale for that layer is off), a
+# detection bug for the checksum owners; discovery and the rest of this test hold for it.
+BLIP2_ABFT = pytest.mark.xfail(strict=True, reason="ABFT false positive on Blip2's qkv (checksum tolerance)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [pytest.param(f, marks=BLIP2_ABFT) if f == "blip2" else f for f in sorted(FAMILIES)])
+def test_family_is_discovered_trains_clean_and_a_vision_fault_is_healed(family: str) -> None:
+    build, names = FAMILIES[family]
+    model, make_batch = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = mscale.attach(model, opt, job_id=family, snapshots=True, connect=False)
+    assert [m.name for m in guard.mpus] == names
+    vision = guard.mpu("vision")
+    last = [m for m in vision.module.modules() if isinstance(m, torch.nn.Linear)][-1]
+    faulty = {"on": False}
+    last.register_forward_hook(lambda mod, args, out: out + 1.0 if faulty["on"] else None, prepend=True)
+    losses = []
+    for step in range(CLEAN + FAULTY + 10):
+        faulty["on"] = CLEAN <= step < CLEAN + FAULTY
+        out = model(**make_batch(step, torch.Generator().manual_seed(step)))
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(out.loss.detach()))
+        if step == CLEAN - 1:
+            critical = [f for f in guard.findings if f.severity is Severity.CRITICAL]
+            assert not critical, [f.message for f in critical]
+    applied = [
+        f.labels["action"]
+        for f in guard.findings
+        if f.reason is Reason.HEAL_ACTION
+        and f.labels.get("result") == "applied"
+        and f.labels.get("mpu_id") == vision.mpu_id
+    ]
+    guard.detach()
+    assert applied[:2] == ["mark_suspect", "l1_swap"], applied
+    assert all(math.isfinite(v) for v in losses) and all(torch.isfinite(p).all() for p in model.parameters())
+    assert min(losses[-10:]) < losses[0]  # still training after the fault
+
+
+def test_blip2_and_idefics3_layouts_are_discovered_with_nothing_left_out() -> None:
+    """Fast: the MPUs of the layouts added for issue 23, and no uncovered-parameter warning."""
+    from mscale.hook.mpu import discover, uncovered
+
+    for build, names in (FAMILIES["idefics3"], FAMILIES["smolvlm"], FAMILIES["blip2"]):
+        model, _ = build()
+        mpus = discover(model)
+        assert [m.name for m in mpus] == names
+        assert uncovered(model, [m.module for m in mpus]) == []  # Blip2's query_tokens: 0.2%
+
+
+def test_a_model_with_a_large_share_outside_every_mpu_is_warned_about_naming_the_modules() -> None:
+    from mscale.hook.mpu import discover, uncovered
+
+    model, _ = tiny_llava(seed=0)
+    model.model.extra_head = torch.nn.Linear(32, 512)  # 16k parameters no MPU covers
+    mpus = discover(model)
+    assert uncovered(model, [m.module for m in mpus]) == ["model.extra_head"]
