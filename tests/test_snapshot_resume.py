@@ -160,7 +160,15 @@ def test_kill_9_during_disk_writes_never_leaves_a_torn_snapshot(tmp_path):
             assert snaps, f"seed {seed}: kill {i} left no snapshot at all"
             model, opt, sched, scaler, loader, mpus = build(cfg=cfg)
             engine = SnapshotEngine(
-                model, opt, mpus=mpus, scaler=scaler, scheduler=sched, data=loader, directory=d, disk_every=0
+                model,
+                opt,
+                mpus=mpus,
+                scaler=scaler,
+                scheduler=sched,
+                data=loader,
+                directory=d,
+                disk_every=0,
+                job_id="snapshot-test",  # the job's own id: snapshots refuse another run's
             )
             assert engine.resume() == max(s.step for s in snaps)
             engine.close()
