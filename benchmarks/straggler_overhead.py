@@ -38,7 +38,7 @@ from mscale.daemon import keys  # noqa: E402
 from mscale.daemon.app import create_app  # noqa: E402
 
 RANKS, MPUS = 8, ("001", "002", "003", "004")
-TARGET = 0.5  # the comparison may add at most half the cost of the agent's report path
+TARGET = 0.10  # the comparison may add at most a tenth of the agent's report path (set before the first run)
 STEPS_PER_S = 10  # for the added CPU in % of a core: 8 ranks stepping 10 times a second
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from torch import nn
 from mscale.hook.attach import attach
 from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics, grad_stats
 from mscale.hook.mpu import discover
+from mscale.hook.protect import SnapshotConfig
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
 
@@ -175,3 +177,46 @@ def test_cmsa_in_training_reports_clip_ratio() -> None:
     assert ratios["003"] > 0.5  # the text model's gradients are far above a 0.05 base
     assert all(0.0 <= r <= 1.0 for r in ratios.values())
     assert not math.isnan(guard.mpu("text").gvc)
+
+
+def test_snapshots_hold_cmsa_state_and_a_rollback_restores_it() -> None:
+    """The fitted alpha, the cold start's progress and the kept GVC estimates are in every
+    snapshot (extra "cmsa"): a rollback into the cold start takes CMSA back there, and a
+    snapshot from before they were held still restores, leaving CMSA as it is."""
+    torch.manual_seed(0)
+    cfg = TinyConfig()
+    model = TinyMultimodal(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    snapshots = SnapshotConfig(memory_every=1, memory_keep=8)
+    guard = attach(
+        model, opt, job_id="c", connect=False, cmsa=CmsaConfig(base=0.05, warmup_steps=4), snapshots=snapshots
+    )
+    data = SyntheticCaptions(cfg)
+    held = {}
+    for i in range(8):
+        b = torch.utils.data.default_collate([data[i * 4 + j] for j in range(4)])
+        model(b["images"], b["tokens"])["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+        held[i] = (copy.deepcopy(guard.cmsa.state_dict()), copy.deepcopy(guard._grad_stats.state_dict()))
+    assert held[2][0]["rho"] is None and held[7][0]["rho"] is not None  # fitted at step 4
+    fitted = held[7]
+
+    del guard.snapshots.latest(6).objects["extra"]["cmsa"]  # as a snapshot made before it was held
+    guard.snapshots.rollback(6)
+    assert (guard.cmsa.state_dict(), guard._grad_stats.state_dict()) == fitted  # left as it was
+    guard.snapshots.rollback(2)
+    assert (guard.cmsa.state_dict(), guard._grad_stats.state_dict()) == held[2]
+    assert guard.cmsa.rho is None and guard.cmsa.alpha == 0.1  # probing again, as at step 2
+    guard.detach()
+
+
+def test_cmsa_state_of_other_mpus_is_refused_and_changes_nothing() -> None:
+    _, mpus = two_mpus()
+    cmsa = Cmsa(mpus, CmsaConfig(warmup_steps=4))
+    state = cmsa.state_dict()
+    state["clipped"] = {"009": 3}
+    before = cmsa.state_dict()
+    with pytest.raises(ValueError, match=r"MPUs \['009'\] are not this guard's"):
+        cmsa.load_state_dict(state)
+    assert cmsa.state_dict() == before

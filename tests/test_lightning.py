@@ -17,6 +17,7 @@ import lightning as L  # noqa: E402
 
 import mscale  # noqa: E402
 from mscale.findings import Reason  # noqa: E402
+from mscale.hook.cmsa import CmsaConfig  # noqa: E402
 from support.tiny_hf import tiny_llava  # noqa: E402
 
 STEPS, ACCUM = 6, 2
@@ -223,12 +224,14 @@ def test_callback_takes_the_hugging_face_callbacks_arguments() -> None:
 def test_killed_run_restarts_from_lightnings_checkpoint_bitwise(tmp_path) -> None:
     """Lightning's own checkpoint every 2 optimizer steps (an epoch: 4 batches), the run killed
     in step 5, restarted with ckpt_path: the guard takes Lightning's step, and the run ends with
-    the weights of the uninterrupted one. CMSA off: its fitted state is not in any checkpoint."""
+    the weights of the uninterrupted one. CMSA on, with a cold start of 4 steps and a threshold
+    its gradients exceed: alpha fitted at step 4 rides in Lightning's checkpoint as the callback's
+    state (without it the restart would begin a new, unclipped cold start)."""
 
     def ckpt(d):
         return L.pytorch.callbacks.ModelCheckpoint(dirpath=d, save_last=True, save_top_k=-1, every_n_train_steps=2)
 
-    kw = {"samples": 8, "snapshots": True, "cmsa": False}
+    kw = {"samples": 8, "snapshots": True, "cmsa": CmsaConfig(base=0.05, warmup_steps=4)}
     _, ref, *_ = train(tmp_path / "ref", extra=(ckpt(tmp_path / "ref-ckpt"),), **kw)
     with pytest.raises(Killed):
         train(tmp_path / "run", extra=(ckpt(tmp_path / "ckpt"), KillAt(5)), **kw)
@@ -239,5 +242,7 @@ def test_killed_run_restarts_from_lightnings_checkpoint_bitwise(tmp_path) -> Non
     )
     assert watch.ends == [4, 5] and forwards == 2 * ACCUM  # resumed at the epoch's end, step 4
     assert watch.reasons() <= QUIET and trainer.global_step == STEPS
+    cmsa = callback.guard.cmsa
+    assert cmsa.rho is not None and cmsa.steps == 4 and any(cmsa.clipped.values())  # restored, then clipping
     ref_sd, sd = ref.state_dict(), restarted.state_dict()
     assert sd.keys() == ref_sd.keys() and all(torch.equal(sd[k], ref_sd[k]) for k in sd)

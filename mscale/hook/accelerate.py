@@ -15,8 +15,8 @@ otherwise have to know about Accelerate's wrappers:
   on the micro-batch where `accelerator.sync_gradients` is true (under `accumulate`), so the
   guard's step is the optimizer's real step and its checks and snapshots cover every micro-batch
   of it; the wrapper's own `step()` runs on every micro-batch;
-- the LR scheduler snapshotted is the one inside the `AcceleratedScheduler`, and a start-up resume
-  steps it once (the snapshot precedes the loop's `scheduler.step()` of its step);
+- the LR scheduler snapshotted is the one inside the `AcceleratedScheduler`; the step a start-up
+  resume makes for the loop (mscale.hook.protect) goes through the `AcceleratedScheduler`;
 - with `mixed_precision="fp16"` the accelerator's GradScaler is watched (the step ends at its
   update, and a step it skips is known); "bf16" needs nothing (autocast, no scaler);
 - the rank is the accelerator's `process_index`;
@@ -28,7 +28,6 @@ The model is the prepared one (DDP-wrapped with several processes; its MPUs are 
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from accelerate import Accelerator
@@ -74,32 +73,22 @@ def attach(
     if accelerator.scaler is not None:
         kwargs.setdefault("scaler", accelerator.scaler)
     held = _SchedulerAtCommit(scheduler) if isinstance(scheduler, AcceleratedScheduler) else scheduler
-    if isinstance(held, _SchedulerAtCommit):
-        held.resuming = True  # a start-up resume happens inside attach
-    try:
-        return plain_attach(model, optimizer.optimizer, job_id=job_id, scheduler=held, data=data, **kwargs)
-    finally:
-        if isinstance(held, _SchedulerAtCommit):
-            held.resuming = False
+    return plain_attach(model, optimizer.optimizer, job_id=job_id, scheduler=held, data=data, **kwargs)
 
 
 class _SchedulerAtCommit:
-    """The scheduler inside an AcceleratedScheduler, as the snapshots hold it. A snapshot is taken
-    at the optimizer's step (the guard's commit point), before the loop's `scheduler.step()` of
-    that step. After a rollback the loop makes that call itself (the rollback happens inside
-    `optimizer.step()`); after a start-up resume it does not (the loop begins with the next step),
-    so the resume steps the scheduler once, as the loop would have (through the
-    AcceleratedScheduler: its steps per process and its skipped-step rule kept)."""
+    """The scheduler inside an AcceleratedScheduler, as the snapshots hold it; stepped (after a
+    start-up resume, mscale.hook.protect) through the AcceleratedScheduler, so that its steps
+    per process and its skipped-step rule are kept."""
 
     def __init__(self, prepared: AcceleratedScheduler) -> None:
-        self.prepared, self.resuming = prepared, False
+        self.prepared = prepared
 
     def state_dict(self) -> dict:
         return self.prepared.scheduler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.prepared.scheduler.load_state_dict(state)
-        if self.resuming:
-            with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose
-                warnings.simplefilter("ignore", UserWarning)
-                self.prepared.step()
+
+    def step(self) -> None:
+        self.prepared.step()

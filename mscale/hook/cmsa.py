@@ -206,6 +206,12 @@ class GradStatistics:
                 del self._estimates[min(self._estimates)]
         return total
 
+    def state_dict(self) -> dict:
+        return {"estimates": {s: dict(e) for s, e in self._estimates.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._estimates = {int(s): dict(e) for s, e in state["estimates"].items()}
+
 
 class Cmsa:
     def __init__(self, mpus: Sequence[Mpu], config: CmsaConfig | None = None) -> None:
@@ -286,6 +292,29 @@ class Cmsa:
                 torch._foreach_mul_(grads, clip / (norm + 1e-6))
         return out
 
+    # --- snapshotted (CmsaState): the fit and its progress, not the fuse's multipliers -----
+
+    def state_dict(self) -> dict:
+        return {
+            "alpha": self.alpha,
+            "rho": self.rho,
+            "steps": self.steps,
+            "clipped": dict(self.clipped),
+            "clip": dict(self.clip),
+            "first": self._first,
+            "warm": {s: tuple(v) for s, v in self._warm.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        unknown = set(state["clipped"]) - set(self.clipped)
+        if unknown:
+            raise ValueError(f"CMSA state: MPUs {sorted(unknown)} are not this guard's {sorted(self.clipped)}")
+        self.alpha, self.rho, self.steps = state["alpha"], state["rho"], int(state["steps"])
+        self.clipped = {**dict.fromkeys(self.clipped, 0), **state["clipped"]}
+        self.clip = dict(state["clip"])
+        self._first = state["first"]
+        self._warm = {int(s): (float(g), float(loss)) for s, (g, loss) in state["warm"].items()}
+
     def _fit(self) -> None:
         c = self.config
         warm = [self._warm[s] for s in sorted(self._warm)]
@@ -296,6 +325,34 @@ class Cmsa:
             self.alpha = c.probe_alpha + (c.alpha_max - c.probe_alpha) * self.rho
         else:
             self.alpha = c.probe_alpha * (1.0 + self.rho)
+
+
+class CmsaState:
+    """What the snapshots hold of CMSA (the snapshot engine's `extra`, as SNAPSHOT_NAME): the
+    fitted alpha and the cold start's progress, and the kept GVC estimates, so that a run
+    restarted from disk or rolled back clips as the uninterrupted run did. The fuse's threshold
+    multipliers are left out: they follow the fuse's levels, which the snapshots do not hold.
+    Optional: a snapshot from before it existed restores with CMSA as it is (a restart then
+    clips afresh, with a new cold start)."""
+
+    SNAPSHOT_NAME = "cmsa"
+    snapshot_optional = True
+
+    def __init__(self, cmsa: Cmsa | None, grad_stats: GradStatistics) -> None:
+        self.cmsa, self.grad_stats = cmsa, grad_stats
+
+    def state_dict(self) -> dict:
+        return {
+            "cmsa": self.cmsa.state_dict() if self.cmsa is not None else None,
+            "gvc": self.grad_stats.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state is None:  # an older snapshot: nothing of CMSA in it
+            return
+        if self.cmsa is not None and state["cmsa"] is not None:
+            self.cmsa.load_state_dict(state["cmsa"])
+        self.grad_stats.load_state_dict(state["gvc"])
 
 
 def _pearson(pairs: list[tuple[float, float]]) -> float | None:

@@ -25,7 +25,9 @@ loop goes back to the snapshot's step + 1 (its optimizer-step counter, so `max_s
 schedulers' step-wise updates and logging follow); Lightning's data loader is not rewound, so the
 undone steps are re-run on the batches that follow the faulty one (`memory_every=1` undoes only
 that step). Restarts go through Lightning's own checkpoints (`ckpt_path`): a snapshot directory
-that already holds snapshots is refused, as under the Hugging Face Trainer.
+that already holds snapshots is refused, as under the Hugging Face Trainer. CMSA's fitted state
+(mscale.hook.cmsa.CmsaState) rides in those checkpoints as the callback's state, so that a
+restarted run clips as the uninterrupted one did (a checkpoint without it: CMSA starts afresh).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from mscale.findings import Finding, Reason
 from mscale.hook.attach import attach
+from mscale.hook.cmsa import CmsaState
 from mscale.hook.guard import Guard
 from mscale.hook.null import NullGuard
 from mscale.hook.protect import LoopData, protect, snapshot_config
@@ -62,6 +65,7 @@ class MscaleCallback(Callback):
         self._optimizer: torch.optim.Optimizer | None = None
         self._step_before: Any = None  # the optimizer's own `step` instance attribute, if it had one
         self._forward_seen = False
+        self._restored_cmsa: dict | None = None  # from Lightning's checkpoint, for the guard to come
 
     # --- Lightning's hooks ---------------------------------------------------------------
 
@@ -85,6 +89,8 @@ class MscaleCallback(Callback):
         if not isinstance(guard, Guard):
             return
         guard.set_step(trainer.global_step)
+        if self._restored_cmsa is not None:  # before protect: its first snapshot holds it too
+            CmsaState(guard.cmsa, guard._grad_stats).load_state_dict(self._restored_cmsa)
         self._closure_first(optimizer)
         if self.snapshot_config is not None:  # after set_step: the first snapshot is of the step before
             try:
@@ -100,6 +106,14 @@ class MscaleCallback(Callback):
             except BaseException:
                 self._detach()
                 raise
+
+    def state_dict(self) -> dict[str, Any]:
+        """What Lightning's checkpoints hold of the callback: CMSA's fitted state."""
+        guard = self.guard
+        return {"cmsa": CmsaState(guard.cmsa, guard._grad_stats).state_dict()} if isinstance(guard, Guard) else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored_cmsa = state_dict.get("cmsa")
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if isinstance(self.guard, Guard) and not self._forward_seen:

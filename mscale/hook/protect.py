@@ -32,6 +32,7 @@ sharded model (FSDP2) is snapshotted shard by shard, through mscale.snapshot.sha
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -173,6 +174,17 @@ def agree(guard: Guard, healing: Any = None) -> None:
     setattr(guard, "replicas", replicas)  # noqa: B010
 
 
+def _step_scheduler_past(scheduler: Any) -> None:
+    """A disk snapshot is taken at the optimizer's step (the guard's commit point), before the
+    loop's `scheduler.step()` of that step; a rollback is followed by that call, a start-up
+    resume is not (the loop begins with the next step): make it here, as the loop would have."""
+    step = getattr(scheduler, "step", None)
+    if callable(step):
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            step()
+
+
 def protect(
     guard: Guard,
     cfg: SnapshotConfig,
@@ -187,6 +199,7 @@ def protect(
     what `data_position` made. resume: restore the newest valid disk snapshot now; False refuses
     a directory that already holds snapshots (an older run's would outlive this one's). healing:
     the fuse's mscale.healing.settings.HealingSection (None: the defaults)."""
+    from mscale.hook.cmsa import CmsaState
     from mscale.hook.fuse import FusePlugin
     from mscale.snapshot.engine import SnapshotEngine
     from mscale.snapshot.format import list_snapshots
@@ -199,7 +212,7 @@ def protect(
 
     model, module_of = guard.model, (lambda m: m)
     optimizer: Any = guard.optimizer
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {CmsaState.SNAPSHOT_NAME: CmsaState(guard.cmsa, guard._grad_stats)}
     if is_sharded(model):  # FSDP2: the engine holds each rank's shard, through local views
         view = LocalView(model, optimizer)
         model, optimizer, module_of = view.model, view.optimizer, view.module
@@ -245,6 +258,8 @@ def protect(
             finally:
                 if restoring:
                     data.restoring = False
+            if step is not None:
+                _step_scheduler_past(scheduler)
         # the fuse fingerprints the weights when added: after the resume
         guard.add_plugin(fuse)
         guard.add_plugin(Protection(engine))

@@ -115,7 +115,6 @@ def run(accelerator: Accelerator, case: str, args: argparse.Namespace) -> dict:
         scheduler=scheduler,
         connect=False,
         plugins=[rec],
-        cmsa=case not in ("ref", "kill", "restart"),
     )
     vision = accelerator.unwrap_model(model).model.vision_tower
     first_gemm = next(m for m in vision.modules() if isinstance(m, torch.nn.Linear))

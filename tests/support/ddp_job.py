@@ -117,12 +117,12 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         if args.snapshots
         else None
     )
-    if args.scenario == "checksum":  # a one-step fault in one layer: every layer checked every step
-        kw["checksum"] = mscale.ChecksumConfig(full=True)
     if args.grad_groups >= 0:
         from mscale.healing.settings import HealingSection
 
         kw["healing"] = HealingSection(gradient_groups=args.grad_groups)
+    if args.scenario == "checksum":  # a one-step fault in one layer: every layer checked every step
+        kw["checksum"] = mscale.ChecksumConfig(full=True)
     guard = mscale.attach(ddp, opt, job_id="ddp-job", snapshots=snaps, plugins=[rec], **kw)
     grad_hit: list[int] = []  # the step whose gradient the gradient scenario corrupted
     if args.scenario == "gradient" and rank == args.fault_rank:
