@@ -182,7 +182,9 @@ def test_clean_run_is_quiet_and_steps_are_the_optimizers_real_steps(tmp_path) ->
 
 
 def test_fault_from_the_tests_own_hook_is_caught_and_healed(tmp_path) -> None:
-    trainer, module, callback, watch, faulty, _ = train(tmp_path, fault=True)
+    # every layer every step: this test is about the callback's way from a caught fault to its heal;
+    # the budget's rotation and its detection bound are tests/test_checksum_budget.py's
+    trainer, module, callback, watch, faulty, _ = train(tmp_path, fault=True, checksum=mscale.ChecksumConfig(full=True))
     caught = [f for f in watch.findings if f.reason is Reason.CHECKSUM_FAILURE and f.labels.get("mpu_id") == "001"]
     assert caught and caught[0].labels["step"] == "2", watch.findings
     swaps = [

@@ -32,7 +32,10 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
     ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     loader = mscale.ResumableLoader(Samples(make_batch), batch_size=4, seed=0, rank=rank, world_size=2)
-    guard = mscale.attach(ddp, opt, job_id="heal-job", snapshots=True, data=loader, connect=False)
+    # every layer every step (full=True): this job is about the fuse under DDP, caught from the
+    # fault's first step; the budget's rotation and its bound are tests/test_checksum_budget.py's
+    checks = mscale.ChecksumConfig(full=True)
+    guard = mscale.attach(ddp, opt, job_id="heal-job", snapshots=True, data=loader, connect=False, checksum=checks)
     if rank == 1:
         fc2 = model.model.vision_tower.encoder.layers[-1].mlp.fc2
 
