@@ -115,6 +115,9 @@ def run(accelerator: Accelerator, case: str, args: argparse.Namespace) -> dict:
         scheduler=scheduler,
         connect=False,
         plugins=[rec],
+        # the fault case asserts it is caught in its first step: every layer every step (the budget's
+        # rotation only bounds that, to 8 steps: tests/test_checksum_budget.py)
+        checksum=mscale.ChecksumConfig(full=True) if case == "fault" else None,
     )
     vision = accelerator.unwrap_model(model).model.vision_tower
     first_gemm = next(m for m in vision.modules() if isinstance(m, torch.nn.Linear))
