@@ -32,6 +32,7 @@ from aiohttp import web
 
 from mscale.daemon import keys
 from mscale.daemon.access import RateLimitedLog
+from mscale.daemon.gate import Gate
 
 log = structlog.get_logger("mscale.http")
 WHERE = "http"
@@ -116,18 +117,15 @@ class Limiter:
             del self.by_peer[gate.peer]
 
 
-class _Gate(asyncio.Protocol):
+class _Gate(Gate):
     """In front of one aiohttp RequestHandler: admission, the first-head deadline, bookkeeping."""
 
     def __init__(self, limiter: Limiter, make: Any) -> None:
-        self.limiter, self.make = limiter, make
-        self.inner: Any = None
-        self.transport: asyncio.Transport | None = None
+        super().__init__(make)
+        self.limiter = limiter
         self.peer = ""
         self.head_seen = False
-        self._tail = b""
         self.last_rx = 0.0
-        self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -168,32 +166,13 @@ class _Gate(asyncio.Protocol):
         if self.inner is None:
             return
         self.last_rx = asyncio.get_running_loop().time()
-        if not self.head_seen:
-            buf = self._tail + data
-            if b"\r\n\r\n" in buf or b"\n\n" in buf:
-                self.head_seen = True
-                if self._timer is not None:
-                    self._timer.cancel()
-                    self._timer = None
-            else:
-                self._tail = buf[-3:]
+        if not self.head_seen and self._head_ends_in(data):
+            self.head_seen = True
+            self._stop_timer()
         self.inner.data_received(data)
 
-    def eof_received(self) -> bool | None:
-        return self.inner.eof_received() if self.inner is not None else None
-
-    def pause_writing(self) -> None:
-        if self.inner is not None:
-            self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        if self.inner is not None:
-            self.inner.resume_writing()
-
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._stop_timer()
         self.limiter.release(self)
         inner, self.inner, self.transport = self.inner, None, None
         if inner is not None:

@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from mscale.daemon.access import RateLimitedLog
+from mscale.daemon.gate import Gate
 from mscale.daemon.httpserver import fd_limited
 
 WHERE = "socket"
@@ -83,16 +84,13 @@ class LinkLimits:
             del self.by_uid[uid]
 
 
-class LinkGate(asyncio.Protocol):
+class LinkGate(Gate):
     """In front of one aiohttp RequestHandler on the hook socket."""
 
     def __init__(self, limits: LinkLimits, make: Any) -> None:
-        self.limits, self.make = limits, make
-        self.inner: Any = None
-        self.transport: asyncio.Transport | None = None
+        super().__init__(make)
+        self.limits = limits
         self.uid = -1
-        self._tail = b""
-        self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -119,30 +117,12 @@ class LinkGate(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.inner is None:
             return
-        if self._timer is not None:
-            buf = self._tail + data
-            if b"\r\n\r\n" in buf or b"\n\n" in buf:
-                self._timer.cancel()
-                self._timer = None
-            else:
-                self._tail = buf[-3:]
+        if self._timer is not None and self._head_ends_in(data):
+            self._stop_timer()
         self.inner.data_received(data)
 
-    def eof_received(self) -> bool | None:
-        return self.inner.eof_received() if self.inner is not None else None
-
-    def pause_writing(self) -> None:
-        if self.inner is not None:
-            self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        if self.inner is not None:
-            self.inner.resume_writing()
-
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._stop_timer()
         inner, self.inner, self.transport = self.inner, None, None
         if inner is not None:
             self.limits.release(self.uid)
