@@ -13,7 +13,6 @@ import structlog
 import torch
 
 import mscale
-from mscale.findings import Finding
 from mscale.healing.settings import HealingSection
 from mscale.hook.gradcheck import GradCheck
 from support.ddp_run import run_job
@@ -41,25 +40,9 @@ def _llava(*, fault_at: int | None, steps: int = 12):
     """The tiny LLaVA, the README's line (snapshots every step), gradients checked in 2 groups;
     fault_at: from that step on, in the first step whose check covers FC1, one element of FC1's
     gradient raised by 1e6 times its norm (a tensor hook: before the accumulation)."""
-    from support.tiny_hf import tiny_llava
+    from support.tiny_hf import guarded
 
-    model, make_batch = tiny_llava(seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    findings: list[Finding] = []
-
-    class Keep:
-        def on_finding(self, f: Finding) -> None:
-            findings.append(f)
-
-    guard = mscale.attach(
-        model,
-        opt,
-        job_id="gradients",
-        connect=False,
-        plugins=[Keep()],
-        snapshots=mscale.SnapshotConfig(memory_every=1),
-        healing=HealingSection(gradient_groups=2),
-    )
+    model, make_batch, opt, guard, findings = guarded("gradients", healing=HealingSection(gradient_groups=2))
     weight = dict(model.named_parameters())[FC1]
     index = next(i for i, (_, _, p) in enumerate(guard.gradients.params) if p is weight)
     hit: list[int] = []

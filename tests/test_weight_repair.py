@@ -191,24 +191,10 @@ FC1 = "model.vision_tower.encoder.layers.0.mlp.fc1.weight"
 def _llava_loop(*, at: int | None, memory_every: int, tensor: str = FC1, steps: int = 16, qwen: bool = False):
     """A plain loop whose batch is a function of the guard's step, so a rollback re-draws the
     same batches (the loop's own data position is the step). qwen: the tiny Qwen2-VL instead."""
-    from support.tiny_hf import tiny_llava, tiny_qwen2vl
+    from support.tiny_hf import guarded
 
-    model, make_batch = (tiny_qwen2vl if qwen else tiny_llava)(seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    findings: list[Finding] = []
-
-    class Keep:
-        def on_finding(self, f: Finding) -> None:
-            findings.append(f)
-
-    guard = mscale.attach(
-        model,
-        opt,
-        job_id="llava-weights",
-        connect=False,
-        plugins=[Keep()],
-        snapshots=mscale.SnapshotConfig(memory_every=memory_every),
-        healing=EVERY_WEIGHT,
+    model, make_batch, opt, guard, findings = guarded(
+        "llava-weights", healing=EVERY_WEIGHT, memory_every=memory_every, qwen=qwen
     )
     assert isinstance(guard, Guard)
     weight = dict(model.named_parameters())[tensor]

@@ -13,8 +13,6 @@ import pytest
 import structlog
 import torch
 
-import mscale
-from mscale.findings import Finding
 from mscale.healing.settings import HealingSection
 from mscale.hook.weights import split_by_bytes
 from support.ddp_run import run_job
@@ -46,25 +44,9 @@ def _llava(groups: int, *, write: bool, steps: int = 14):
     """The tiny LLaVA in a plain loop with the README's line (in-memory snapshots every step);
     write: FC1's element 5 multiplied by 1024 between two steps, in the first window from step 6
     on whose checked group holds FC1 (the watch says which group it checks next)."""
-    from support.tiny_hf import tiny_llava
+    from support.tiny_hf import guarded
 
-    model, make_batch = tiny_llava(seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    findings: list[Finding] = []
-
-    class Keep:
-        def on_finding(self, f: Finding) -> None:
-            findings.append(f)
-
-    guard = mscale.attach(
-        model,
-        opt,
-        job_id="rotation",
-        connect=False,
-        plugins=[Keep()],
-        snapshots=mscale.SnapshotConfig(memory_every=1),
-        healing=HealingSection(weight_groups=groups),
-    )
+    model, make_batch, opt, guard, findings = guarded("rotation", healing=HealingSection(weight_groups=groups))
     watch = guard.fuse.states["restore_weights"].watch
     due: list[str] = []
     written = None

@@ -204,3 +204,29 @@ def tiny_qwen2vl(
         }
 
     return model, make_batch
+
+
+def guarded(job_id: str, *, healing: object, memory_every: int = 1, qwen: bool = False) -> tuple:
+    """A tiny LLaVA (or Qwen2-VL) under the README's line, in-memory snapshots every
+    `memory_every` steps, `healing` its HealingSection, with every finding kept:
+    (model, make_batch, optimizer, guard, findings)."""
+    import mscale
+
+    model, make_batch = (tiny_qwen2vl if qwen else tiny_llava)(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    findings: list = []
+
+    class Keep:
+        def on_finding(self, f: object) -> None:
+            findings.append(f)
+
+    guard = mscale.attach(
+        model,
+        opt,
+        job_id=job_id,
+        connect=False,
+        plugins=[Keep()],
+        snapshots=mscale.SnapshotConfig(memory_every=memory_every),
+        healing=healing,
+    )
+    return model, make_batch, opt, guard, findings
