@@ -19,6 +19,7 @@ from transformers import (  # noqa: E402
 
 import mscale  # noqa: E402
 from mscale.findings import Reason  # noqa: E402
+from mscale.healing.settings import HealingSection  # noqa: E402
 from mscale.hook.guard import Guard  # noqa: E402
 from mscale.sim.inject import inject  # noqa: E402
 
@@ -99,7 +100,11 @@ def test_trainer_callback_on_tiny_llava(tmp_path) -> None:
     # a transient fault in one step: every layer checked every step, so it is caught in that
     # step whatever the rotation (tests/test_checksum_budget.py tests the rotation)
     full = mscale.ChecksumConfig(full=True)
-    callback = mscale.MscaleCallback(job_id="llava", connect=False, plugins=[watch, Inject()], checksum=full)
+    # healing= reaches the gradient check too, not only the fuse
+    healing = HealingSection(gradient_groups=3)
+    callback = mscale.MscaleCallback(
+        job_id="llava", connect=False, plugins=[watch, Inject()], checksum=full, healing=healing
+    )
     args = TrainingArguments(
         output_dir=str(tmp_path),
         max_steps=6,
@@ -117,6 +122,7 @@ def test_trainer_callback_on_tiny_llava(tmp_path) -> None:
     trainer.train()
     guard = callback.guard
     assert isinstance(guard, Guard)
+    assert guard.gradients.groups == 3  # the callback's healing=
     assert [(m.mpu_id, m.name, m.path) for m in guard.mpus] == [
         ("001", "vision", "model.vision_tower"),
         ("002", "aligner", "model.multi_modal_projector"),

@@ -55,8 +55,8 @@ class MscaleCallback(TrainerCallback):
             raise ValueError("MscaleCallback: the Trainer passed no model to on_train_begin")
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
         self.attach_kwargs.setdefault("rank", getattr(args, "process_index", 0))
-        kwargs_ = {k: v for k, v in self.attach_kwargs.items() if k != "healing"}  # the fuse's: protect's
-        guard = self.guard = attach(model, inner, job_id=self.job_id, **kwargs_)
+        # healing= reaches attach (the gradient and replica checks) and, below, protect (the fuse)
+        guard = self.guard = attach(model, inner, job_id=self.job_id, **self.attach_kwargs)
         if isinstance(guard, Guard):
             guard.set_step(state.global_step)
             if self.snapshot_config is not None:  # after set_step: the first snapshot is of the step before

@@ -84,8 +84,8 @@ class MscaleCallback(Callback):
             raise ValueError("MscaleCallback: LBFGS evaluates its closure many times a step: not supported")
         self.attach_kwargs.setdefault("rank", trainer.global_rank)
         plugins = [*self.attach_kwargs.pop("plugins", ()), _StepWatch(self)]
-        kwargs = {k: v for k, v in self.attach_kwargs.items() if k != "healing"}  # the fuse's: protect's
-        guard = self.guard = attach(pl_module, optimizer, job_id=self.job_id, plugins=plugins, **kwargs)
+        # healing= reaches attach (the gradient and replica checks) and, below, protect (the fuse)
+        guard = self.guard = attach(pl_module, optimizer, job_id=self.job_id, plugins=plugins, **self.attach_kwargs)
         if not isinstance(guard, Guard):
             return
         guard.set_step(trainer.global_step)
