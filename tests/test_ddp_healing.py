@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from statistics import mean
 
 from support import REPO, free_port
+from support.ddp_run import run_group
 
 STEPS, FAULT_FROM = 30, 4
 
@@ -26,14 +25,7 @@ def run(tmp: Path) -> list[dict]:
     argv += ["--steps", str(STEPS), "--fault-from", str(FAULT_FROM)]
     log = tmp / "job.log"
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
-    with open(log, "w") as f:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        try:
-            code = proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-            raise AssertionError("the job timed out:\n" + log.read_text()[-3000:]) from None
+    code = run_group(argv, log, env=env)
     assert code == 0, log.read_text()[-3000:]
     return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(2)]
 

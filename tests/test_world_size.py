@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import pytest
 
 from mscale.snapshot.format import STEP_DIR, list_snapshots
 from support import REPO, free_port
+from support.ddp_run import run_group
 
 EVERY = 4  # a disk snapshot every 4 steps: steps 0, 4, 8
 FIRST, SECOND = 9, 11  # steps run by the first job (0-8), then up to 11 after the restart
@@ -31,14 +30,7 @@ def run(tmp: Path, name: str, *, world: int, steps: int, directory: Path, wrap: 
     argv += ["--wrap", wrap]
     log = tmp / f"{name}.log"
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
-    with open(log, "w") as f:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        try:
-            code = proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-            raise AssertionError("the job timed out:\n" + log.read_text()[-3000:]) from None
+    code = run_group(argv, log, env=env)
     assert code == 0, log.read_text()[-3000:]
     return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(world)]
 

@@ -12,6 +12,19 @@ from pathlib import Path
 from support import REPO, free_port
 
 
+def run_group(argv: list[str], log: Path, *, timeout_s: float = 300, env: dict | None = None) -> int:
+    """Run `argv` from the repository as a process group (a job and its ranks), its output to
+    `log`; its exit code. The whole group is killed on a timeout, which fails with the log's tail."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the ranks too
+            proc.wait(timeout=10)
+            raise AssertionError("the job timed out:\n" + log.read_text()[-3000:]) from None
+
+
 def run_job(
     tmp_path: Path, *, world: int = 2, timeout_s: float = 240, fails: bool = False, **opts: object
 ) -> list[dict]:
@@ -34,14 +47,7 @@ def run_job(
         flag = "--" + k.replace("_", "-")
         argv += [flag] if v is True else [flag, str(v)]
     log = tmp_path / "job.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the ranks too
-            proc.wait(timeout=10)
-            raise AssertionError("the job timed out:\n" + log.read_text()[-3000:]) from None
+    code = run_group(argv, log, timeout_s=timeout_s)
     if fails:
         assert code != 0, "the job should have failed"
         return [{"log": log.read_text()}]
