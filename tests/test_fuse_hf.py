@@ -129,7 +129,7 @@ def train(name, *, fault_steps=(), steps, trainer=False, plugins=()):
         opt.step()
         opt.zero_grad()
         task.append(guard.summary().get("loss"))
-        reported.append((s, guard._report()["mpus"]["001"]["distill_share"]))  # what the agent exports
+        reported.append((s, guard._report().mpus["001"].distill_share))  # what the agent exports
     return model, guard, watch, task, types, shapes, reported
 
 

@@ -112,11 +112,11 @@ class Decision:
         t = self.target
         return "/".join((self.rule, t.job_id, t.mpu_id, t.gpu_uuid or t.gpu))
 
-    def command(self, *, end: bool = False) -> dict[str, Any]:
+    def command(self, *, end: bool = False) -> link.Heal:
         """The link command carrying this decision to a job (`end`: end what the action
         started, e.g. a cooling window whose alert resolved)."""
         t = self.target
-        return link.heal(
+        return link.Heal(
             self.action,
             rule=self.rule,
             level=self.level,
@@ -127,22 +127,21 @@ class Decision:
             why=self.why,
             fault_key=self.fault_key,
             decided_at=self.time,
-            **({"end": True} if end else {}),
+            end=True if end else None,
         )
 
     @classmethod
-    def from_command(cls, cmd: Mapping[str, Any], job_id: str) -> Decision:
-        action = str(cmd.get("action", ""))
-        spec = actions.get(action)  # KeyError names the known actions
+    def from_command(cls, cmd: link.Heal, job_id: str) -> Decision:
+        spec = actions.get(cmd.action)  # KeyError names the known actions
         return cls(
-            rule=str(cmd.get("rule", "command")),
-            action=action,
+            rule="command" if cmd.rule is None else cmd.rule,
+            action=cmd.action,
             level=spec.level,
-            target=Target(job_id, str(cmd.get("mpu_id", "")), str(cmd.get("gpu", "")), str(cmd.get("gpu_uuid", ""))),
+            target=Target(job_id, cmd.mpu_id or "", cmd.gpu or "", cmd.gpu_uuid or ""),
             before="",
-            reason=str(cmd.get("reason", "command")),
-            why=str(cmd.get("why", "")),
-            time=float(cmd.get("decided_at", 0.0) or 0.0),
+            reason="command" if cmd.reason is None else cmd.reason,
+            why=cmd.why or "",
+            time=cmd.decided_at or 0.0,
         )
 
 

@@ -238,11 +238,12 @@ class FusePlugin:
         if command.get("type") != link.Command.HEAL:
             return None
         try:
-            d = Decision.from_command(command, self.guard.job_id)
-        except KeyError as e:
+            heal = link.Heal.from_wire(command)
+            d = Decision.from_command(heal, self.guard.job_id)
+        except (KeyError, ValueError) as e:
             return {"ok": False, "error": str(e)}
         ex = executors.get(d.action)
-        if command.get("end"):
+        if heal.end:
             if ex.end is None:
                 return {"ok": False, "error": f"{d.action}: nothing to end"}
             ex.end(self, self.states.get(ex.name), d.why or f"{d.reason} ended")
