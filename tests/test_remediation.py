@@ -582,3 +582,44 @@ def test_defaults_file_nothing_off_the_cluster() -> None:
     assert cfg.remediation.enabled and not cfg.remediation.externalfault.enabled
     assert not cfg.remediation.command.enabled and cfg.remediation.nodecondition.enabled
     assert build_filers(cfg, AgentState(node=NODE), Clock()) == []  # the node condition is inert off the cluster
+
+
+# --- end to end: a real job's fuse proves a GPU at fault, the real agent files it -----------
+
+
+@pytest.mark.slow
+def test_a_real_jobs_l1_swap_that_comes_clean_is_filed_by_the_agent(hook) -> None:
+    """The tiny multimodal model trains on CPU against the embedded agent (simulated GPUs); its
+    vision MPU's GPU 0 computes garbage for 30 steps (the demo's SDC fault); the fuse swaps the
+    MPU to a standby, where it comes clean; the agent's command hook is run for GPU 0."""
+    from mscale.demo.embedded import EmbeddedAgent
+    from mscale.demo.scenario import Fault, Run, RunConfig
+    from mscale.healing.settings import HealingSection
+    from support.e2e import poll
+
+    agent = EmbeddedAgent(gpus=8)
+    remediation = from_dict({"remediation": {"command": {"enabled": True, "argv": [hook.path]}}}).remediation
+    agent.config = agent.config.replace(remediation=remediation)
+    with agent:
+        run = Run(
+            RunConfig(
+                steps=60,
+                socket_path=agent.socket_path,
+                faults=(Fault(5, "corrupt", {"gpu": 0, "mode": "noise", "steps": 30}),),
+                healing=HealingSection(recovery_clean_steps=10),
+            )
+        )
+        try:
+            vision = run.guard.mpu("vision")
+            assert vision.gpu == 0
+            while run.guard.current_step < 40 and not hook.calls():
+                run.one_step()
+            assert vision.gpu != 0  # swapped off the faulty GPU
+            (call,) = poll("the agent's filing", hook.calls, timeout_s=30)
+        finally:
+            run.close()
+    uuid = agent.nvml.uuids[0]
+    assert call["argv"] == ["file", "sim-node", uuid, "0", "sdc", "GPUSilentDataCorruption", "COMPONENT_RESET"]
+    env = call["env"]
+    assert (env["MSCALE_JOB_ID"], env["MSCALE_MPU_ID"], env["MSCALE_RANK"]) == ("tinymm", vision.mpu_id, "0")
+    assert env["MSCALE_STANDBY_GPU"] == str(vision.gpu)

@@ -143,7 +143,9 @@ class VerdictBook:
                     self.dropped += 1
                     return None
                 gpu = int(lab["gpu"])
-                uuid = lab.get("gpu_uuid", "") or _uuid_of(gpus, gpu)
+                # the agent's own view of GPU `gpu` first: the link labels a job's finding with its
+                # MPU's UUID at the time it arrives, which after the swap may be the standby's
+                uuid = _uuid_of(gpus, gpu) or lab.get("gpu_uuid", "")
                 self.pending[key] = _Swap(gpu, uuid, lab.get("to_gpu", ""), self.clock())
             elif action in ("l1_swap", "l2_degrade", "l3_distill"):
                 self.pending.pop(key, None)  # a swap for another cause, or it failed on the standby
