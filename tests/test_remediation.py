@@ -85,9 +85,11 @@ def clean_on_standby(*, job="j1", rank="0", mpu="001"):
     return Finding("fuse", Reason.FUSE_STATE, Severity.INFO, "recovered", labels)
 
 
-def service(state: AgentState, clock: Clock, *, _kube: dict | None = None, **remediation) -> RemediationService:
+def service(
+    state: AgentState, clock: Clock, *, _kube: dict | None = None, _boot: str = "boot-1", **remediation
+) -> RemediationService:
     cfg = from_dict({"remediation": remediation, "kubernetes": _kube or {}})
-    return RemediationService(state, cfg.remediation, build_filers(cfg, state, clock), clock=clock, boot="boot-1")
+    return RemediationService(state, cfg.remediation, build_filers(cfg, state, clock), clock=clock, boot=_boot)
 
 
 def findings(state: AgentState, reason: Reason) -> list[Finding]:
@@ -234,6 +236,42 @@ async def test_no_verdict_without_a_swap_that_came_clean(hook, evidence) -> None
         await svc.observe(f)
     await svc.turn()
     assert not findings(state, Reason.GPU_FAULT_VERDICT) and hook.calls() == []
+
+
+async def test_a_verdict_outlives_an_agent_restart_and_a_reboot_is_its_reset(hook, tmp_path: Path) -> None:
+    clock, state_file = Clock(), str(tmp_path / "remediation.json")
+    cfg = {"command": {"enabled": True, "argv": [hook.path]}, "state_file": state_file, "clear_healthy_checks": 1}
+    state = AgentState(node=NODE)
+    state.publish("gpu", gpus())
+    svc = service(state, clock, **cfg)
+    await svc.observe(swap(2, 5))
+    await svc.observe(clean_on_standby())
+    assert len(hook.calls()) == 1 and json.loads(Path(state_file).read_text())["faults"][0]["gpu_uuid"] == "GPU-2"
+
+    # the agent restarts on the same boot: the verdict stands (no second filing, no undo: no reset seen)
+    state = AgentState(node=NODE)
+    state.publish("gpu", gpus())
+    svc = service(state, clock, **cfg)
+    for _ in range(3):
+        await svc.turn()
+    assert len(hook.calls()) == 1 and [f.gpu_uuid for f in state.snapshots[SNAPSHOT].faults] == ["GPU-2"]
+
+    # ... and after the node rebooted (a new boot id: every GPU was reset), a healthy check undoes it
+    state = AgentState(node=NODE)
+    state.publish("gpu", gpus())
+    svc = service(state, clock, _boot="boot-2", **cfg)
+    await svc.turn()
+    assert [c["argv"][0] for c in hook.calls()] == ["file", "clear"]
+    assert json.loads(Path(state_file).read_text()) == {"version": 1, "faults": [], "filed": {"command": []}}
+
+
+async def test_a_state_file_that_does_not_pass_is_set_aside(hook, tmp_path: Path) -> None:
+    state_file = tmp_path / "remediation.json"
+    state_file.write_text(json.dumps({"version": 1, "faults": [{"kind": "sdc", "gpu": "two"}], "filed": {}}))
+    state = AgentState(node=NODE)
+    svc = service(state, Clock(), command={"enabled": True, "argv": [hook.path]}, state_file=str(state_file))
+    assert svc.book.faults() == () and not state_file.exists()
+    assert (tmp_path / "remediation.json.bad").exists()
 
 
 async def test_fatal_xid_is_filed_and_undone_when_healthy_again(hook) -> None:
@@ -564,6 +602,7 @@ def test_the_gpu_probe_counts_the_resets_it_sees() -> None:
         ({"remediation": {"externalfault": {"api_version": "1"}}}, "remediation.externalfault.api_version"),
         ({"remediation": {"externalfault": {"processing_strategy": "NOW"}}}, "expected one of EXECUTE_REMEDIATION"),
         ({"remediation": {"externalfault": {"bogus": 1}}}, "remediation.externalfault.bogus: unknown key"),
+        ({"remediation": {"state_file": "remediation.json"}}, "remediation.state_file: expected an absolute path"),
     ],
 )
 def test_config_is_range_checked(data: dict, message: str) -> None:

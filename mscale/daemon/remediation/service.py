@@ -15,6 +15,7 @@ under its own; neither blocks the loop, nor can one stop the agent.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -25,7 +26,7 @@ import structlog
 from aiohttp import web
 
 from mscale.daemon import keys
-from mscale.daemon.remediation import REGISTRY, spec
+from mscale.daemon.remediation import REGISTRY, ledger, spec
 from mscale.daemon.remediation.base import FilerContext, FilingFailed
 from mscale.daemon.remediation.verdicts import Fault, VerdictBook, boot_id
 from mscale.findings import Finding, Reason, Severity
@@ -75,6 +76,9 @@ class RemediationService:
         self._tasks: list[asyncio.Task[None]] = []
         self._queue: asyncio.Queue[Finding] | None = None
         self.command_exit: dict[str, int] = {}  # the command filer's last exit status by event
+        self._saved: list[Any] | None = None  # what the state file holds now
+        if cfg.state_file:
+            self._restore(cfg.state_file)
         self.publish()
 
     # --- turns -----------------------------------------------------------------------------
@@ -107,7 +111,47 @@ class RemediationService:
                     if fault.kind in filer.kinds and key not in filed:
                         await self._file(filer, fault)
                 self.deferred[filer.name] &= set(want)
+            await self._save()
             self.publish()
+
+    def _restore(self, path: str) -> None:
+        try:
+            faults, filed = ledger.load(path)
+        except ledger.LedgerError as e:  # set aside, start empty: never half-trusted
+            log.error("remediation_state_unreadable", path=path, error=str(e)[:300])
+            try:
+                os.replace(path, path + ".bad")
+            except OSError:
+                pass
+            return
+        for f in faults:
+            self.book.adopt(f)
+        for name, held in filed.items():
+            if name in self.filed:
+                self.filed[name] = {f.key: f for f in held}
+            elif held:
+                log.warning("remediation_filer_gone", filer=name, filings=len(held))
+        self._saved = self._doc()
+        log.info("remediation_state_restored", path=path, faults=len(faults))
+
+    def _doc(self) -> list[Any]:
+        return [ledger.to_dict(f) for f in self.book.faults()] + [
+            (name, sorted(d)) for name, d in sorted(self.filed.items())
+        ]
+
+    async def _save(self) -> None:
+        doc = self._doc()
+        if not self.cfg.state_file or doc == self._saved:
+            return
+        faults, filed = self.book.faults(), {n: tuple(d.values()) for n, d in self.filed.items()}
+        try:
+            async with asyncio.timeout(10):
+                await asyncio.to_thread(ledger.save, self.cfg.state_file, faults, filed)
+        except (OSError, TimeoutError) as e:  # kept in memory; tried again after the next change
+            self.counts[("state", "save", "failed")] += 1
+            log.error("remediation_state_save_failed", path=self.cfg.state_file, error=str(e)[:300])
+            return
+        self._saved = doc
 
     async def _start(self, filer: Any) -> bool:
         try:
