@@ -265,6 +265,23 @@ async def test_a_verdict_outlives_an_agent_restart_and_a_reboot_is_its_reset(hoo
     assert json.loads(Path(state_file).read_text()) == {"version": 1, "faults": [], "filed": {"command": []}}
 
 
+async def test_the_node_conditions_sdc_reason_outlives_an_agent_restart(tmp_path: Path) -> None:
+    cfg = {"state_file": str(tmp_path / "remediation.json"), "_kube": {"enabled": True, "node_name": NODE}}
+    state = AgentState(node=NODE)
+    state.publish("gpu", gpus())
+    svc = service(state, Clock(), **cfg)
+    assert [f.name for f in svc.filers] == ["nodecondition"]
+    await svc.observe(swap(2, 5))
+    await svc.observe(clean_on_standby())
+    assert [f.gpu_uuid for f in state.snapshots["remediation_sdc"]] == ["GPU-2"]
+    state = AgentState(node=NODE)  # restarted: the condition's SDC faults are filed again at start
+    state.publish("gpu", gpus())
+    svc = service(state, Clock(), **cfg)
+    await svc.turn()
+    assert [f.gpu_uuid for f in state.snapshots["remediation_sdc"]] == ["GPU-2"]
+    assert state.snapshots[SNAPSHOT].filings.get(("nodecondition", "file", "filed"), 0) == 0  # not a new filing
+
+
 async def test_a_state_file_that_does_not_pass_is_set_aside(hook, tmp_path: Path) -> None:
     state_file = tmp_path / "remediation.json"
     state_file.write_text(json.dumps({"version": 1, "faults": [{"kind": "sdc", "gpu": "two"}], "filed": {}}))

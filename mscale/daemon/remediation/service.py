@@ -161,6 +161,9 @@ class RemediationService:
             log.error("remediation_filer_unavailable", filer=filer.name, error=str(e)[:300])
             return False
         self.started.add(filer.name)
+        if getattr(filer, "in_memory", False):  # what it filed lives in this process: file again what was restored
+            for fault in self.filed[filer.name].values():
+                await filer.file(fault)
         return True
 
     async def _file(self, filer: Any, fault: Fault) -> None:
