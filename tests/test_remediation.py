@@ -533,6 +533,18 @@ async def test_an_admission_refusal_is_counted_and_retried(api: ApiServer) -> No
     assert state.snapshots[SNAPSHOT].filings[("externalfault", "file", "filed")] == 1
 
 
+async def test_no_external_fault_crd_says_so(api: ApiServer) -> None:
+    clock, state = Clock(), AgentState(node=NODE)
+    state.publish("gpu", gpus(failed=(0,)))
+    svc = service(state, clock, externalfault={"enabled": True, "plural": "externalfaultz"}, _kube=kube_cfg(api))
+    await svc.turn()
+    failed = findings(state, Reason.REMEDIATION_FILING)[-1]
+    assert (failed.labels["result"], failed.labels["http_status"]) == ("failed", "404")
+    assert "(no externalfaultz.nvsentinel.dgxc.nvidia.com/v1 here: is NVSentinel's ExternalFault CRD installed?" in (
+        failed.message
+    )
+
+
 # --- the node condition's SDC reason (Kubernetes without NVSentinel) ----------------------
 
 
