@@ -9,7 +9,8 @@ Each module declares `EXECUTOR = Executor(spec, apply, ...)`:
 `fuse` is the FusePlugin seen through `FuseContext` (the guard, the healing engine, the snapshot
 engine, `dispatch` to the other actions' states), `state` this action's own per-job state, built
 once per job by `state(fuse)` when the plugin is made (None when the action keeps none). The
-result is "applied", "noop" or another word booked as is (rollback's "step_dropped");
+result is "applied", "noop" or another word booked as is, or "deferred": the action books its
+one event itself, later (a rollback, after the step, its restore with the dropped update);
 ActionFailed says why it could not be done (a "failed" event). Executors import torch inside
 their functions: importing the fuse stays cheap.
 
