@@ -264,7 +264,11 @@ def test_a_25x_loss_spike_cools_the_lr_without_a_rollback(reference):
     assert all(lrs[s] == pytest.approx(base * 0.1) for s in window)
     assert lrs[window[-1] + 1] == base  # restored after the window
     assert heal(r, "lr_cool", "ended")
-    assert not r.events("rollback") and not [f for f in r.events("heal_action") if f.labels.get("action") == "rollback"] and r.steps_lost == 0
+    assert (
+        not r.events("rollback")
+        and not [f for f in r.events("heal_action") if f.labels.get("action") == "rollback"]
+        and r.steps_lost == 0
+    )
     assert relative_gap(r.eval_loss, reference.eval_loss) < 0.02
     m = metrics(r)
     assert (

@@ -73,7 +73,9 @@ class Rollbacks:
         fuse.dispatch("weights_settled")
         if d is not None:
             fuse.record(
-                d, Result.APPLIED, detail=f"{_dropped(step)}, restored step {to} on every rank, {_skipped(engine, step)}"
+                d,
+                Result.APPLIED,
+                detail=f"{_dropped(step)}, restored step {to} on every rank, {_skipped(engine, step)}",
             )
         fuse.guard.set_step(int(to) + 1)
         return True
