@@ -172,6 +172,9 @@ class FusePlugin:
         self.step_dropped = False
         self.dispatch("step_begin")
 
+    def on_report(self, report: dict) -> None:
+        self.dispatch("report", report)  # actions add what they changed (L3: the loss returned)
+
     def on_finding(self, f: Finding) -> None:
         if f.source == SOURCE or f.reason in _OWN:
             return
