@@ -217,6 +217,33 @@ async def test_sdc_verdict_runs_the_command_with_the_facts_once_and_undoes_it_af
     assert st.command_exit == {"file": 0, "clear": 0}
 
 
+async def test_every_remediation_series_is_documented_with_its_labels(hook) -> None:
+    """The series a filing makes (most have no sample in the live scrape of tests/test_metrics_doc.py)
+    against docs/metrics.md's rows, by their exposed name, type and labels."""
+    from prometheus_client import generate_latest
+    from test_metrics_doc import documented, exposed
+
+    from mscale.exporters import make_registry
+
+    clock, state = Clock(), AgentState(node=NODE)
+    state.publish("gpu", gpus(failed=(1,)))
+    svc = service(state, clock, command={"enabled": True, "argv": [hook.path]})
+    await svc.turn()
+    page = generate_latest(make_registry(state, ("mscale.exporters.remediation",))).decode()
+    got, docs = exposed(page), documented()
+    assert set(got) == {
+        "mscale_remediation_gpu_fault",
+        "mscale_remediation_filed",
+        "mscale_remediation_filings_total",
+        "mscale_remediation_filer_up",
+        "mscale_remediation_command_exit_code",
+    }
+    for name, (typ, labels) in got.items():
+        assert docs[name] == (typ, labels), name
+    assert 'mscale_remediation_filings_total{event="file",filer="command",result="filed"} 1.0' in page
+    assert 'mscale_remediation_command_exit_code{event="file"} 0.0' in page
+
+
 @pytest.mark.parametrize(
     "evidence",
     [
