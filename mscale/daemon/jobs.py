@@ -245,6 +245,7 @@ class RankState:
     last_report_at: float = 0.0
     step: int = -1
     loss: float = math.nan
+    task_loss: float = math.nan
     grad_norm: float = math.nan
     reports_total: int = 0
     reports_dropped: int = 0  # dropped by the rank's bounded queue (agent slow or down)
@@ -271,6 +272,7 @@ class RankState:
         self.last_report_at = time.time()
         self.step = max(self.step, r.step)
         self.loss, self.grad_norm = r.loss, r.grad_norm
+        self.task_loss = r.loss if r.task_loss is None else r.task_loss  # a job that sends none: the one loss
         self.steps_skipped += 1 if r.skipped else 0
         self.guard_overhead_ratio = r.guard_overhead_ratio
         for mpu_id, mr in r.mpus.items():
@@ -295,6 +297,7 @@ class RankState:
             "connected": self.connected,
             "step": self.step,
             "loss": self.loss,
+            "task_loss": self.task_loss,
             "grad_norm": self.grad_norm,
             "reports_total": self.reports_total,
             "reports_dropped": self.reports_dropped,
@@ -401,6 +404,10 @@ class JobState:
         return self.rank_states[self.lead].loss if self.rank_states else math.nan
 
     @property
+    def task_loss(self) -> float:
+        return self.rank_states[self.lead].task_loss if self.rank_states else math.nan
+
+    @property
     def grad_norm(self) -> float:
         return self.rank_states[self.lead].grad_norm if self.rank_states else math.nan
 
@@ -448,6 +455,7 @@ class JobState:
             "connected": self.connected,
             "step": self.step,
             "loss": self.loss,
+            "task_loss": self.task_loss,
             "grad_norm": self.grad_norm,
             "reports_total": self.reports_total,
             "reports_dropped": self.reports_dropped,

@@ -54,7 +54,8 @@ def step_report(
     return StepReport(
         step=step,
         time=last.get("time", time.time()),
-        loss=_float(last.get("loss")),
+        loss=_float(last.get("loss")),  # what the model returned: L3 adds its term (the fuse's report hook)
+        task_loss=_float(last.get("loss")),
         grad_norm=_float(last.get("grad_norm")),
         skipped=skipped,
         guard_overhead_ratio=_float(overhead_ratio),

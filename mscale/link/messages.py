@@ -52,7 +52,8 @@ REGISTER_FIELDS = frozenset({"type", "job_id", "rank", "pid", "step", "mpus", "l
 MPU_FIELDS = frozenset({"mpu_id", "name", "path", "device", "gpu", "gpu_uuid", "fuse_level", "params"})
 REPORT_FIELDS = frozenset({"type", "job_id", "dropped", "reports"})
 STEP_FIELDS = frozenset(
-    {"step", "time", "loss", "grad_norm", "skipped", "mpus", "findings", "seconds", "guard_overhead_ratio"}
+    {"step", "time", "loss", "task_loss", "grad_norm", "skipped", "mpus", "findings", "seconds"}
+    | {"guard_overhead_ratio"}
 )
 TIME_CAUSES = ("productive", "startup", "snapshot", "rerun", "checks", "degraded", "data_wait", "hang")  # hook.goodput
 CHECK_FIGURES = ("checksum_coverage_ratio", "checksum_max_gap_steps")  # the budget's (mscale.hook.coverage)
@@ -293,7 +294,8 @@ class StepReport:
 
     step: int
     time: float = 0.0
-    loss: float = math.nan
+    loss: float = math.nan  # what the model returned (with the L3 term while one is in force)
+    task_loss: float | None = None  # the task loss alone; None: the job sent none (its loss is)
     grad_norm: float = math.nan
     skipped: bool = False
     guard_overhead_ratio: float = math.nan  # the guard's measured cost over its step time
@@ -307,12 +309,14 @@ class StepReport:
             "step": self.step,
             "time": self.time,
             "loss": number(self.loss),
+            "task_loss": number(self.task_loss),
             "grad_norm": number(self.grad_norm),
             "skipped": self.skipped,
             "guard_overhead_ratio": number(self.guard_overhead_ratio),
             "mpus": {k: m.to_wire() for k, m in self.mpus.items()},
             "findings": [f.to_dict() for f in self.findings],
         }
+        out = _drop_none(out)  # a task loss only where the job sets one
         return {**out, "seconds": dict(self.seconds)} if self.seconds else out
 
     @classmethod
@@ -322,7 +326,7 @@ class StepReport:
         step = read_int(r, "step", f"{where}.step must be an integer in 0..{MAX_INT}", default=-1)
         t = r.get("time", 0.0)
         need(is_num(t) and not isinstance(t, str) and (t or 0) >= 0, f"{where}.time must be a time")
-        nums = "loss/grad_norm/guard_overhead_ratio"
+        nums = "loss/task_loss/grad_norm/guard_overhead_ratio"
         seconds = r.get("seconds", {})
         need(
             isinstance(seconds, dict)
@@ -354,6 +358,7 @@ class StepReport:
             step=step,
             time=0.0 if t is None else float(t),
             loss=read_num(r, "loss", f"{where} {nums} must be numbers"),
+            task_loss=read_amount(r, "task_loss", f"{where} {nums} must be numbers"),
             grad_norm=read_num(r, "grad_norm", f"{where} {nums} must be numbers"),
             skipped=read_bool(r, "skipped", f"{where}.skipped must be a boolean"),
             guard_overhead_ratio=read_num(r, "guard_overhead_ratio", f"{where} {nums} must be numbers"),
