@@ -44,6 +44,7 @@ from aiohttp import WSMsgType, web
 from mscale import link as protocol
 from mscale.daemon import keys, socket_file
 from mscale.daemon.jobs import JobState, RankLimit, gpus_by_index
+from mscale.daemon.link_bounds import check_mpu_budget, make_room
 from mscale.daemon.link_gate import GatedSockSite, LinkLimits, peer_cred
 from mscale.findings import Finding, Reason, Severity
 from mscale.link import BadMessage, Error, Msg, Register, Registered, Report, StepReport, Wire
@@ -195,60 +196,6 @@ class LinkServer:
             await asyncio.sleep(interval)
             self.expire()
 
-    def _make_room(self, uid: int) -> None:
-        """Room for one more job of `uid` under socket.max_jobs_per_uid and socket.max_jobs:
-        that uid's own longest-disconnected job goes early if need be, never another uid's (a
-        job id stays its owner's until it expires); else refused (uid_job_limit, job_limit)."""
-        cfg = self.config.socket
-        for why, key, cap in (
-            ("uid_job_limit", "socket.max_jobs_per_uid", cfg.max_jobs_per_uid),
-            ("job_limit", "socket.max_jobs", cfg.max_jobs),
-        ):
-            own = [(j.disconnected_at, k) for k, j in self.state.jobs.items() if j.uid == uid]
-            held = len(own) if why == "uid_job_limit" else len(self.state.jobs)
-            if held < cap:
-                continue
-            idle = [(t, k) for t, k in own if t is not None and not self.state.jobs[k].ranks]
-            if not idle:
-                whose = f"of uid {uid} " if why == "uid_job_limit" else ""
-                raise BadMessage(why, f"register: {held} jobs {whose}kept ({key}); no other user's job is evicted")
-            self._drop(min(idle)[1], key.removeprefix("socket."))
-
-    def _check_mpu_budget(self, uid: int, job: JobState | None, msg: Register) -> None:
-        """What one uid can make the agent hold: MPU states (each a dozen series) at most
-        socket.max_mpu_states_per_uid for the uid's jobs, socket.max_mpu_states in all, so a
-        flood of registrations cannot blow /metrics up. Past either, the uid's own
-        longest-disconnected jobs go early (never another uid's), else refused (uid_mpu_limit,
-        mpu_state_limit)."""
-        cfg = self.config.socket
-        rs = job.rank_states.get(msg.rank) if job is not None else None
-        adding = len(msg.mpus) - (len(rs.mpus) if rs is not None else 0)
-        while adding > 0:
-            total = own = 0
-            for j in self.state.jobs.values():
-                held = sum(len(r.mpus) for r in j.rank_states.values())
-                total, own = total + held, own + (held if j.uid == uid else 0)
-            over = [
-                (why, key, held)
-                for why, key, held, cap in (
-                    ("uid_mpu_limit", "socket.max_mpu_states_per_uid", own, cfg.max_mpu_states_per_uid),
-                    ("mpu_state_limit", "socket.max_mpu_states", total, cfg.max_mpu_states),
-                )
-                if held + adding > cap
-            ]
-            if not over:
-                return
-            idle = [
-                (j.disconnected_at, k)
-                for k, j in self.state.jobs.items()
-                if j.uid == uid and j is not job and not j.ranks and j.disconnected_at is not None
-            ]
-            if not idle:
-                why, key, held = over[0]
-                whose = f" of uid {uid}" if why == "uid_mpu_limit" else ""
-                raise BadMessage(why, f"register: the jobs{whose} hold {held} MPU states, {adding} more is past {key}")
-            self._drop(min(idle)[1], over[0][1].removeprefix("socket."))
-
     # --- messages ----------------------------------------------------------------------------
 
     def _refuse(self, why: str, detail: str, **labels: Any) -> None:
@@ -395,9 +342,9 @@ class LinkServer:
             raise BadMessage(
                 "rank_limit", f"register: job {job_id} has {len(live)} ranks connected (socket.max_ranks_per_job)"
             )
-        self._check_mpu_budget(conn.uid, job, msg)
+        check_mpu_budget(self.config.socket, self.state.jobs, conn.uid, job, msg, self._drop)
         if job is None:
-            self._make_room(conn.uid)
+            make_room(self.config.socket, self.state.jobs, conn.uid, self._drop)
             job = JobState(
                 job_id=job_id, rank=rank, pid=msg.pid, uid=conn.uid, max_ranks=self.config.socket.max_ranks_per_job
             )
