@@ -115,6 +115,10 @@ class _MpuChecks:
         self.ran, self.unresolved, self.replay = set(), False, None
 
 
+def _passes(resid: float, tol: float) -> bool:
+    return math.isfinite(resid) and abs(resid) <= tol
+
+
 # one check: (method, layer, dtype, value); value (residual, tolerance) as floats or a tensor
 # of 2 on the device. It fails when the residual is not finite or exceeds the tolerance.
 _Row = tuple[str, str, torch.dtype, Any]
@@ -146,7 +150,9 @@ class ChecksumDetector:
         self._ones: dict[tuple, torch.Tensor] = {}
         self._bias_floats: dict[int, tuple[float, float]] = {}
         self._planned = -1  # the step planned last
-        self._committed = -1  # the step committed last
+        self._committed = -1  # the step packed last for the commit point
+        self._judged = -1  # the step judged last
+        self._packed: list[Any] = []  # the MPUs whose rows went into the step's commit point
         self.replaying = False
         self.readbacks = 0  # host reads of check results (tests count them per step)
         # seconds spent in ABFT (linear hooks + evaluation) and in replays; the Guard resets
@@ -196,6 +202,7 @@ class ChecksumDetector:
         b = self.budget
         self.schedule.plan(step, b.allowance_s(SOURCE), b.share * (b.step_s or 0.0))
         self._planned = step
+        self._committed = self._judged = -1  # a step re-run after a rollback commits again
         for st in self._mpus.values():
             st.reset()
 
@@ -435,39 +442,99 @@ class ChecksumDetector:
                 failures.append((Reason.CHECKSUM_FAILURE, "replay", detail))
         return failures
 
-    def commit(self, *, data_fault: bool = False) -> list[str]:
-        """The step's verdicts at the commit point (the optimizer step pre-hook): rows kept for
-        it read in one read-back, findings emitted, every MPU's step counted. Returns the ids
-        of the MPUs judged here (commit verdicts) whose step failed: the guard drops its update
-        (once per step; [] after)."""
+    def pack(self, point: Any, data_fault: torch.Tensor | None = None) -> None:
+        """At the commit point (the optimizer step pre-hook): the rows kept for it go into the
+        step's one read (mscale.hook.commit), and so do, still on the device, per MPU, whether
+        its kept rows failed (`checksum/failed`, one flag per MPU, none of them when the batch
+        was not finite: `data_fault`), what the step agreement carries to the other ranks."""
         step = self._step()
         if self._committed == step:
-            return []
+            return
         self._committed = step
+        self._packed = []
         try:
-            return self._commit(data_fault)
+            with self.budget.timer(SOURCE):
+                self._pack(point, data_fault)
+        except Exception:  # a detector bug must not stop training
+            log.exception("checksum_error", where="commit")
+            self._packed = []
+
+    def _pack(self, point: Any, data_fault: torch.Tensor | None) -> None:
+        t0 = time.perf_counter()
+        tensors: list[torch.Tensor] = []
+        flags: list[torch.Tensor | bool] = []
+        for mpu in self._by_id.values():
+            st = self._mpus[id(mpu)]
+            mine = [r[3] for r in st.rows if isinstance(r[3], torch.Tensor)]
+            host_failed = any(not _passes(*r[3]) for r in st.rows if not isinstance(r[3], torch.Tensor))
+            self._packed.append(mpu)
+            if not mine:
+                flags.append(host_failed)
+                continue
+            dev = mine[0].device
+            rows = torch.stack([t.to(dev, torch.float64) for t in mine])  # (n, 2): residual, tolerance
+            tensors.append(rows)
+            resid, tol = rows[:, 0], rows[:, 1]
+            failed = (~(torch.isfinite(resid) & (resid.abs() <= tol))).any()
+            flags.append(failed | host_failed)
+        if tensors:
+            point.put("checksum", torch.cat([t.to(tensors[0].device) for t in tensors]))
+        dev = tensors[0].device if tensors else torch.device("cpu")
+        failed = (
+            torch.stack(
+                [
+                    f.to(dev, torch.float64)
+                    if isinstance(f, torch.Tensor)
+                    else torch.tensor(float(bool(f)), device=dev)
+                    for f in flags
+                ]
+            )
+            if flags
+            else torch.zeros(0, dtype=torch.float64, device=dev)
+        )
+        if data_fault is not None:  # the batch was not finite (mscale.hook.inputs): no MPU to blame
+            failed = failed * (1.0 - data_fault.to(failed.device, torch.float64))
+        point.put("checksum/failed", failed)
+        self.abft_s += time.perf_counter() - t0
+
+    def judge(self, point: Any, *, data_fault: bool = False) -> list[str]:
+        """After the read: the kept rows judged from their values, findings emitted, every MPU's
+        step counted. Returns the ids of the MPUs judged here (commit verdicts) whose step
+        failed: the guard drops its update and, with the fuse, re-runs the step (once per
+        step; [] after)."""
+        packed, self._packed = self._packed, []
+        if not packed and self._judged == self._committed:
+            return []
+        self._judged = self._committed
+        try:
+            return self._judge_commit(point, packed, data_fault)
         except Exception:  # a detector bug must not stop training
             log.exception("checksum_error", where="commit")
             return []
 
-    def _commit(self, data_fault: bool) -> list[str]:
-        if data_fault:  # the batch was not finite (mscale.hook.inputs): the kept checks blame no MPU
-            for mpu in self._by_id.values():
-                if self.commit_mode(mpu):
-                    self._mpus[id(mpu)].rows = []
+    def _judge_commit(self, point: Any, packed: list, data_fault: bool) -> list[str]:
         t0 = time.perf_counter()
-        with self.budget.timer(SOURCE):
-            rows = [(mpu, r) for mpu in self._by_id.values() for r in self._mpus[id(mpu)].rows]
-            failures = self._judge([r for _, r in rows]) if rows else []
+        values = (point.get("checksum") or []) if point is not None else []
+        if values:
+            self.readbacks += 1
+        off = 0
+        for mpu in packed:  # the kept tensors' values, in the order they were packed
+            st = self._mpus[id(mpu)]
+            rows: list[_Row] = []
+            for method, layer, dtype, v in st.rows:
+                if isinstance(v, torch.Tensor):
+                    v = (values[off], values[off + 1])
+                    off += 2
+                rows.append((method, layer, dtype, v))
+            st.rows = [] if data_fault else rows
+        for mpu in self._by_id.values():
+            st = self._mpus[id(mpu)]
+            mine = self._judge(st.rows) if st.rows else []
+            if mine:
+                st.unresolved = True
+                st.failures.extend(mine)
+                self._report(mpu, mine)
         self.abft_s += time.perf_counter() - t0
-        if failures:  # blame: judge each MPU's rows again, from the values now on the host
-            for mpu in self._by_id.values():
-                st = self._mpus[id(mpu)]
-                mine = self._judge(st.rows) if st.rows else []
-                if mine:
-                    st.unresolved = True
-                    st.failures.extend(mine)
-                    self._report(mpu, mine)
         bad = []
         for mpu in self._by_id.values():
             st = self._mpus[id(mpu)]
