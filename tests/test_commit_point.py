@@ -7,7 +7,6 @@ job's own forward hook; a single-process run for the fuse's levels on a persiste
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import structlog
@@ -110,11 +109,12 @@ def test_a_persistent_fault_at_the_commit_point_escalates_and_the_step_runs_on_t
     gpu = vision.gpu
     consumed: list[tuple[int, list[int]]] = []
     batches = iter(loader)
+    injector = None
     try:
         for _ in range(20):
             if guard.current_step >= 6:
                 break
-            if guard.current_step == FAULT_AT and not consumed[-1][0] == FAULT_AT:
+            if guard.current_step == FAULT_AT and injector is None:
                 injector = inject(guard, kind="exponent_flip", gpu=gpu, steps=1, element="max")
             b = next(batches)
             consumed.append((guard.current_step, b["index"].tolist()))
@@ -136,7 +136,7 @@ def test_a_persistent_fault_at_the_commit_point_escalates_and_the_step_runs_on_t
     ]
     runs = [ids for step, ids in consumed if step == FAULT_AT]
     assert len(runs) == 4 and all(ids == runs[0] for ids in runs)
-    assert len({h.step for h in injector.hits}) == 1 and len(injector.hits) >= 3
+    assert injector is not None and len({h.step for h in injector.hits}) == 1 and len(injector.hits) >= 3
     assert vision.gpu != gpu and vision.fuse_level == "l1_swapped"
     rolled = guard.fuse.states["rollback"].rollbacks
     assert [(x["step"], x["to"]) for x in rolled] == [(FAULT_AT, FAULT_AT - 1)] * 3
