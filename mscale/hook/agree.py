@@ -7,8 +7,10 @@ averaged the corrupted gradient into every rank's, LR cooled on the rank whose l
 spiked. `Agreement` (a guard plugin, added by `mscale.attach` when the process group has
 several ranks) makes every rank take the same decision in the same step:
 
-    at the optimizer step pre-hook (`on_step_decide`), before the gradient statistics and the
-    loss detector, each rank contributes a few numbers to ONE all_reduce(SUM) of float64:
+    at the optimizer step pre-hook, before the gradient statistics and the loss detector, each
+    rank contributes a few numbers to ONE all_reduce(SUM) of float64, built on the device from
+    the step's verdicts (`on_commit`) and run inside the commit point's one host read
+    (mscale.hook.commit), so nothing is read back before it and nothing after it but the sum:
 
         skip             the rank already dropped this step's update (a plugin asked)
         nonfinite        the rank's loss is NaN/Inf
@@ -16,18 +18,24 @@ several ranks) makes every rank take the same decision in the same step:
         rollback         a rollback is pending on the rank (the fuse's, e.g. an agent command)
         swaps            MPUs the rank moved to a standby in this step (L1)
         loss_sum, loss_n the rank's finite loss and 1 (or 0, 0)
+        commit_failed    a check of the rank failed at the commit point (commit verdicts)
+        gradient         a weight gradient of the rank is corrupted (mscale.hook.gradcheck)
+        keep             the rank's pending rollback re-runs its batch (not skipped)
         multipliers      each MPU's CMSA clip-threshold multiplier (an L2 degrade raises it
                          on its rank), one number per MPU
 
         failed MPUs      per MPU, 1 when that MPU's output failed its checksum on the rank
         faulty ranks     per rank, 1 at the rank's own index when it dropped the step, had a
-                         non-finite loss or a failed checksum (so every rank can name it)
+                         non-finite loss, a failed checksum or a corrupted gradient (so every
+                         rank can name it)
 
-    then on every rank: the step's loss becomes the mean over ranks (NaN when any rank's was
+    then on every rank (`on_step_decide`): the step's loss becomes the mean over ranks (NaN when any rank's was
     not finite), so the loss detector, hence LR cooling and the NaN rollback, judge the same
-    loss everywhere; the update is dropped on all ranks when any rank dropped it or had a
-    non-finite loss (a STEP_DROPPED_AGREED finding, naming the ranks at fault, on the ranks that
-    found nothing themselves). An MPU whose output failed its checksum on some rank (and was
+    loss everywhere; the update is dropped on all ranks when any rank dropped it, had a
+    non-finite loss, failed a check at the commit point or had a corrupted gradient (a
+    STEP_DROPPED_AGREED finding, naming the ranks at fault, on the ranks that found nothing
+    themselves); for the last two every rank asks for the step to be re-run on the same batch
+    (`guard.request_rerun`: the fuse's rollback that keeps the batch). An MPU whose output failed its checksum on some rank (and was
     not re-run clean) has its gradient dropped on every rank for this step, the rest of the
     update kept (MPU_GRADIENT_DROPPED_AGREED on every rank, naming the MPU and the ranks): DDP
     has already averaged the faulty rank's gradient of that MPU into every rank's, and without

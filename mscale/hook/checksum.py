@@ -447,54 +447,33 @@ class ChecksumDetector:
         step's one read (mscale.hook.commit), and so do, still on the device, per MPU, whether
         its kept rows failed (`checksum/failed`, one flag per MPU, none of them when the batch
         was not finite: `data_fault`), what the step agreement carries to the other ranks."""
-        step = self._step()
-        if self._committed == step:
+        if self._committed == self._step():
             return
-        self._committed = step
-        self._packed = []
+        self._committed, self._packed = self._step(), []
+        t0 = time.perf_counter()
         try:
             with self.budget.timer(SOURCE):
-                self._pack(point, data_fault)
+                tensors: list[torch.Tensor] = []
+                flags: list[Any] = []
+                for mpu in self._by_id.values():
+                    st = self._mpus[id(mpu)]
+                    mine = [r[3] for r in st.rows if isinstance(r[3], torch.Tensor)]
+                    flags.append(any(not _passes(*r[3]) for r in st.rows if not isinstance(r[3], torch.Tensor)))
+                    self._packed.append(mpu)
+                    if mine:
+                        rows = torch.stack([t.to(mine[0].device, torch.float64) for t in mine])  # residual, tolerance
+                        tensors.append(rows)
+                        flags[-1] = (~(torch.isfinite(rows[:, 0]) & (rows[:, 0].abs() <= rows[:, 1]))).any() | flags[-1]
+                dev = tensors[0].device if tensors else torch.device("cpu")
+                if tensors:
+                    point.put("checksum", torch.cat([t.to(dev) for t in tensors]))
+                failed = torch.stack([torch.as_tensor(f, dtype=torch.float64).to(dev) for f in flags])
+                if data_fault is not None:  # the batch was not finite (mscale.hook.inputs): no MPU to blame
+                    failed = failed * (1.0 - data_fault.to(dev, torch.float64))
+                point.put("checksum/failed", failed)
         except Exception:  # a detector bug must not stop training
             log.exception("checksum_error", where="commit")
             self._packed = []
-
-    def _pack(self, point: Any, data_fault: torch.Tensor | None) -> None:
-        t0 = time.perf_counter()
-        tensors: list[torch.Tensor] = []
-        flags: list[torch.Tensor | bool] = []
-        for mpu in self._by_id.values():
-            st = self._mpus[id(mpu)]
-            mine = [r[3] for r in st.rows if isinstance(r[3], torch.Tensor)]
-            host_failed = any(not _passes(*r[3]) for r in st.rows if not isinstance(r[3], torch.Tensor))
-            self._packed.append(mpu)
-            if not mine:
-                flags.append(host_failed)
-                continue
-            dev = mine[0].device
-            rows = torch.stack([t.to(dev, torch.float64) for t in mine])  # (n, 2): residual, tolerance
-            tensors.append(rows)
-            resid, tol = rows[:, 0], rows[:, 1]
-            failed = (~(torch.isfinite(resid) & (resid.abs() <= tol))).any()
-            flags.append(failed | host_failed)
-        if tensors:
-            point.put("checksum", torch.cat([t.to(tensors[0].device) for t in tensors]))
-        dev = tensors[0].device if tensors else torch.device("cpu")
-        failed = (
-            torch.stack(
-                [
-                    f.to(dev, torch.float64)
-                    if isinstance(f, torch.Tensor)
-                    else torch.tensor(float(bool(f)), device=dev)
-                    for f in flags
-                ]
-            )
-            if flags
-            else torch.zeros(0, dtype=torch.float64, device=dev)
-        )
-        if data_fault is not None:  # the batch was not finite (mscale.hook.inputs): no MPU to blame
-            failed = failed * (1.0 - data_fault.to(failed.device, torch.float64))
-        point.put("checksum/failed", failed)
         self.abft_s += time.perf_counter() - t0
 
     def judge(self, point: Any, *, data_fault: bool = False) -> list[str]:
@@ -506,44 +485,38 @@ class ChecksumDetector:
         if not packed and self._judged == self._committed:
             return []
         self._judged = self._committed
+        t0 = time.perf_counter()
         try:
-            return self._judge_commit(point, packed, data_fault)
+            values = point.get("checksum") or []
+            self.readbacks += 1 if values else 0
+            off = 0
+            for mpu in packed:  # the kept tensors' values, in the order they were packed
+                st = self._mpus[id(mpu)]
+                rows: list[_Row] = []
+                for method, layer, dtype, v in st.rows:
+                    if isinstance(v, torch.Tensor):
+                        v, off = (values[off], values[off + 1]), off + 2
+                    rows.append((method, layer, dtype, v))
+                st.rows = [] if data_fault else rows
+            bad = []
+            for mpu in self._by_id.values():
+                st = self._mpus[id(mpu)]
+                mine = self._judge(st.rows) if st.rows else []
+                if mine:
+                    st.unresolved = True
+                    st.failures.extend(mine)
+                    self._report(mpu, mine)
+                st.rows = []
+                mpu.last_checksum_ok = not st.unresolved
+                self._record(mpu, st)
+                if st.unresolved and self.commit_mode(mpu):
+                    bad.append(mpu.mpu_id)
+            return bad
         except Exception:  # a detector bug must not stop training
             log.exception("checksum_error", where="commit")
             return []
-
-    def _judge_commit(self, point: Any, packed: list, data_fault: bool) -> list[str]:
-        t0 = time.perf_counter()
-        values = (point.get("checksum") or []) if point is not None else []
-        if values:
-            self.readbacks += 1
-        off = 0
-        for mpu in packed:  # the kept tensors' values, in the order they were packed
-            st = self._mpus[id(mpu)]
-            rows: list[_Row] = []
-            for method, layer, dtype, v in st.rows:
-                if isinstance(v, torch.Tensor):
-                    v = (values[off], values[off + 1])
-                    off += 2
-                rows.append((method, layer, dtype, v))
-            st.rows = [] if data_fault else rows
-        for mpu in self._by_id.values():
-            st = self._mpus[id(mpu)]
-            mine = self._judge(st.rows) if st.rows else []
-            if mine:
-                st.unresolved = True
-                st.failures.extend(mine)
-                self._report(mpu, mine)
-        self.abft_s += time.perf_counter() - t0
-        bad = []
-        for mpu in self._by_id.values():
-            st = self._mpus[id(mpu)]
-            st.rows = []
-            mpu.last_checksum_ok = not st.unresolved
-            self._record(mpu, st)
-            if st.unresolved and self.commit_mode(mpu):
-                bad.append(mpu.mpu_id)
-        return bad
+        finally:
+            self.abft_s += time.perf_counter() - t0
 
     def end_step(self, *, guard_s: float = 0.0) -> None:
         """At the step's end: the guard's own seconds (`guard_s`) charged, the budget's step

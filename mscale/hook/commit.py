@@ -93,9 +93,30 @@ class CommitPoint:
         return self._agreed_values
 
 
-def as_flag(value: Any, like: torch.Tensor | None = None) -> torch.Tensor:
-    """A 0-d float64 flag on `like`'s device: a device bool, or a host value."""
-    if isinstance(value, torch.Tensor):
-        return value.to(torch.float64).reshape(())
-    dev = like.device if like is not None else torch.device("cpu")
-    return torch.tensor(float(value), dtype=torch.float64, device=dev)
+def commit(guard: Any, *, plugins: bool) -> CommitPoint:
+    """The guard's commit point of its current step: the inputs' flags, the checksums' rows and
+    the losses, with the plugins' (`on_commit`, when `plugins`: at the optimizer step, not at a
+    step the grad scaler skipped) read back in one read; then judged. A checksum failure judged
+    here (commit verdicts: nothing read inside the step, no re-run in it) drops the update and
+    asks for the step to be re-run (`guard.request_rerun`; on every rank through the agreement)."""
+    point = CommitPoint(guard.current_step)
+    try:
+        data_fault = guard.inputs.pack(point)
+        guard.checksum.pack(point, data_fault)
+        losses = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in guard._losses]
+        if losses and len({v.device for v in losses}) == 1:
+            point.put("losses", torch.stack([v.detach().reshape(()).to(torch.float64) for v in losses]))
+        if plugins:
+            guard._dispatch("on_commit", point)
+        point.read()
+        got = point.get("losses")
+        if got is not None:
+            guard._losses[:] = got  # floats from now on: nothing more to read for the loss
+    except Exception as e:  # a detector bug must not stop training
+        guard.log.exception("guard_error", where="commit", error=str(e))
+    late = guard.checksum.judge(point, data_fault=guard.inputs.judge(point))
+    if late:
+        why = f"checksum failed at the commit point: MPU {', '.join(late)}"
+        if guard.optimizer is not None:
+            guard.request_rerun(why)
+    return point

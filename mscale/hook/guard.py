@@ -40,7 +40,7 @@ from mscale.findings import Finding, Severity
 from mscale.hook.budget import Budget, StepTimes
 from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, loss_of, output_tensors
 from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics
-from mscale.hook.commit import CommitPoint
+from mscale.hook.commit import CommitPoint, commit
 from mscale.hook.coverage import suspicions
 from mscale.hook.inputs import InputCheck
 from mscale.hook.loss import LossConfig, LossDetector
@@ -483,34 +483,11 @@ class Guard:
         }
 
     def _commit_checks(self, *, plugins: bool = False) -> None:
-        """The commit point (mscale.hook.commit): the step's verdicts, the inputs' flags and its
-        losses read back in one read, once a step; `plugins`: with theirs (`on_commit`: the
-        gradient check, the agreement, whose all-reduce runs in the read). A failure judged here
-        (commit verdicts: nothing read inside the step, no re-run in it) drops the update on
-        every rank and asks for the step to be re-run (`request_rerun`)."""
-        if self._committed == self.current_step:
-            return
-        self._committed = self.current_step
-        point = self.commit_point = CommitPoint(self.current_step)
-        try:
-            data_fault = self.inputs.pack(point)
-            self.checksum.pack(point, data_fault)
-            losses = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in self._losses]
-            if losses and len({v.device for v in losses}) == 1:
-                point.put("losses", torch.stack([v.detach().reshape(()).to(torch.float64) for v in losses]))
-            if plugins:
-                self._dispatch("on_commit", point)
-            point.read()
-            got = point.get("losses")
-            if got is not None:
-                self._losses[:] = got  # floats from now on: nothing more to read for the loss
-        except Exception as e:  # a detector bug must not stop training
-            self.log.exception("guard_error", where="commit", error=str(e))
-        late = self.checksum.judge(point, data_fault=self.inputs.judge(point))
-        if late and self.optimizer is not None and not self._skip_reason:
-            self._skip_reason = f"checksum failed at the commit point: MPU {', '.join(late)}"
-        if late:
-            self.request_rerun(f"checksum failed at the commit point: MPU {', '.join(late)}")
+        """The commit point, once a step (mscale.hook.commit.commit: the one read; a failure
+        judged there drops the update on every rank and asks for a re-run)."""
+        if self._committed != self.current_step:
+            self._committed = self.current_step
+            self.commit_point = commit(self, plugins=plugins)
 
     def _end_step(self) -> None:
         self._commit_checks()
