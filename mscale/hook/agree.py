@@ -67,6 +67,7 @@ import torch.distributed as dist
 
 from mscale.findings import Finding, Reason, Severity
 from mscale.hook.actions.rollback import KEEP_BATCH
+from mscale.hook.commit import on
 from mscale.snapshot.distributed import _device, rank_and_size
 
 SOURCE = "agree"
@@ -110,11 +111,6 @@ class Agreed:
         return bool(self.commit_failed or self.gradient)
 
 
-def _on(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    # host values go to the device without waiting (a pageable copy is staged); never the other way
-    return t.to(dev, torch.float64, non_blocking=t.device.type == "cpu" and dev.type != "cpu")
-
-
 class Agreement:
     """The guard plugin (see the module docstring). `group`: the process group (default: the
     world); `seconds` sums the time spent in the collective (the benchmark reads it)."""
@@ -152,31 +148,31 @@ class Agreement:
         fuse = getattr(g, "fuse", None)
         pending = getattr(getattr(fuse, "states", {}).get("rollback"), "pending", None)
         swaps = len(fuse.reruns) - self._reruns_at_begin if fuse is not None else 0
-        skip, rollback = (_on(torch.tensor(float(v)), dev) for v in (bool(g._skip_reason), pending is not None))
-        keep = _on(torch.tensor(float(pending is not None and pending.reason in KEEP_BATCH)), dev)
+        skip, rollback = (on(torch.tensor(float(v)), dev) for v in (bool(g._skip_reason), pending is not None))
+        keep = on(torch.tensor(float(pending is not None and pending.reason in KEEP_BATCH)), dev)
         if losses is not None and losses.numel():
-            mean = _on(losses, dev).mean()
+            mean = on(losses, dev).mean()
             finite = torch.isfinite(mean)
             nonfinite, loss_sum, loss_n = (~finite).to(torch.float64), torch.where(finite, mean, zero), finite.to(zero)
         else:
             nonfinite, loss_sum, loss_n = zero, zero, zero
         # in-step verdicts are on the host already; commit ones on the device
         in_step = [0.0 if g.checksum.commit_mode(m) or m.last_checksum_ok else 1.0 for m in g.mpus]
-        failed = _on(torch.tensor(in_step, dtype=torch.float64), dev)
+        failed = on(torch.tensor(in_step, dtype=torch.float64), dev)
         commit_failed = zero
         if commit is not None and commit.numel() == len(g.mpus) and len(g.mpus):
-            failed = torch.maximum(failed, _on(commit, dev))
-            commit_failed = _on(commit, dev).amax()
-        gradient = _on(grad, dev).reshape(()) if grad is not None else zero
+            failed = torch.maximum(failed, on(commit, dev))
+            commit_failed = on(commit, dev).amax()
+        gradient = on(grad, dev).reshape(()) if grad is not None else zero
         checksum_failed = failed.amax() if len(g.mpus) else zero
         faulty = torch.stack((skip, nonfinite, checksum_failed, commit_failed, gradient)).amax()
         ranks = torch.zeros(self.world_size, dtype=torch.float64, device=dev)
         ranks[self.rank] = faulty
         head = torch.stack(
-            (skip, nonfinite, checksum_failed, rollback, _on(torch.tensor(float(swaps)), dev), loss_sum, loss_n)
+            (skip, nonfinite, checksum_failed, rollback, on(torch.tensor(float(swaps)), dev), loss_sum, loss_n)
             + (commit_failed, gradient, keep)
         )
-        multipliers = _on(torch.tensor(self._multipliers(), dtype=torch.float64), dev)
+        multipliers = on(torch.tensor(self._multipliers(), dtype=torch.float64), dev)
         point.agree(torch.cat((head, multipliers, failed, ranks)), self._reduce, _device(self.group))
 
     def _multipliers(self) -> list[float]:

@@ -59,6 +59,7 @@ from mscale.hook.checksum_config import (  # noqa: F401  (re-exported: the confi
     VERDICTS,
     ChecksumConfig,
 )
+from mscale.hook.commit import on
 from mscale.hook.coverage import Schedule
 from mscale.hook.linears import LinearKind, kind_of
 from mscale.hook.replay import compare, fresh_copies, rng_get, run_again
@@ -467,9 +468,9 @@ class ChecksumDetector:
                 dev = tensors[0].device if tensors else torch.device("cpu")
                 if tensors:
                     point.put("checksum", torch.cat([t.to(dev) for t in tensors]))
-                failed = torch.stack([torch.as_tensor(f, dtype=torch.float64).to(dev) for f in flags])
+                failed = torch.stack([on(torch.as_tensor(f), dev) for f in flags])
                 if data_fault is not None:  # the batch was not finite (mscale.hook.inputs): no MPU to blame
-                    failed = failed * (1.0 - data_fault.to(dev, torch.float64))
+                    failed = failed * (1.0 - on(data_fault, dev))
                 point.put("checksum/failed", failed)
         except Exception:  # a detector bug must not stop training
             log.exception("checksum_error", where="commit")

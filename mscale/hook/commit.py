@@ -24,6 +24,12 @@ from typing import Any
 import torch
 
 
+def on(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """`t` as float64 on `dev`. A host tensor goes to a GPU without waiting for it (a pageable
+    copy is staged at once; a blocking one would synchronise the stream), never the other way."""
+    return t.to(dev, torch.float64, non_blocking=t.device.type == "cpu" and dev.type != "cpu")
+
+
 class CommitPoint:
     """One step's verdicts on their way to the host (see the module docstring)."""
 
@@ -66,10 +72,10 @@ class CommitPoint:
         # pieces on other devices move there asynchronously and only the final read waits
         first = self._agreed if self._agreed is not None else parts[0][1]
         dev = first.device
-        flat = [t.to(dev, torch.float64).reshape(-1) for _, t in parts]
+        flat = [on(t, dev).reshape(-1) for _, t in parts]
         n = 0
         if self._agreed is not None:
-            flat.insert(0, self._agreed.to(dev, torch.float64).reshape(-1))
+            flat.insert(0, on(self._agreed, dev).reshape(-1))
             n = flat[0].numel()
         whole = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64, device=dev)
         if self._agreed is not None and self._reduce is not None:

@@ -127,7 +127,7 @@ class FusePlugin:
         that keeps the batch (mscale.hook.actions.rollback): the newest in-memory snapshot
         restored after the step, the steps since re-run. A rollback already pending decides
         alone. One step is re-run at most MAX_STEP_RERUNS times in a row; after that its update
-        stays dropped and training goes on with the next batch (the event says so)."""
+        stays dropped and training goes on with the next batch (logged: step_not_rerun)."""
         state = self.states.get("rollback")
         if state is None:
             return Result.NOOP

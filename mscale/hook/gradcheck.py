@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from mscale.findings import Finding, Reason, Severity
+from mscale.hook.commit import on
 from mscale.hook.weights import charge, split_by_bytes
 
 SOURCE = "gradients"
@@ -122,7 +123,7 @@ class GradCheck:
         limits = [self._limit(i) for i in self._order]
         if point.step in self.flagged:  # a flagged step's re-run: its outlier is let through (below)
             limits = [math.inf] * len(limits)
-        over = torch.isfinite(values) & (values > torch.tensor(limits, dtype=values.dtype, device=dev))
+        over = torch.isfinite(values) & (values > on(torch.tensor(limits), dev).to(values.dtype))
         point.put("gradients/bad", over.any().to(torch.float64))
         charge(self.guard, SOURCE, t0)
 
