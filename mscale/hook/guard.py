@@ -64,7 +64,8 @@ class Guard:
     - `job_id`, `rank`, `model`, `optimizer`, `mpus` (list of `Mpu`), `mpu(key)` by id or name
     - `current_step` (the step in progress, or the next one), `set_step(n)` after a restore
     - `checksum` (ChecksumDetector), `loss_detector` (LossDetector), `cmsa` (Cmsa or None)
-    - `emit(finding)`, `request_skip(reason)`, `rebind(mpu, gpu, ...)`, `send_to_agent(msg)`
+    - `emit(finding)`, `request_skip(reason)`, `request_rerun(reason)`, `rebind(mpu, gpu, ...)`,
+      `send_to_agent(msg)`, `commit_point` (the last step's verdicts, mscale.hook.commit)
     - `add_plugin(p)`, `plugins`, `plugin_errors`, `findings` (recent), `link` (or None)
     - `watch_scaler(scaler)`: end steps at the GradScaler's update (see the module docstring)
     - `fuse`, `snapshots`: the fuse plugin and SnapshotEngine `attach(snapshots=...)` added, or None
