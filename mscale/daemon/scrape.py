@@ -37,6 +37,7 @@ CHUNK = 64 * 1024  # bytes written per drain
 RENDER_TIMEOUT_S = 30.0  # a scrape waits this long for its render, then is answered 503
 SAMPLE_OVERHEAD = 24  # bytes of a sample line besides its name and labels: value, braces, newline
 WHYS = ("job_series_limit", "uid_series_limit", "page_bytes_limit")
+GROUPED = frozenset({"histogram", "gaugehistogram", "summary"})  # families whose series span samples
 
 
 class _Families:
@@ -83,16 +84,27 @@ class Budget:
         out = []
         for family in families:
             self.bytes += len(family.name) * 2 + len(family.documentation) + 48  # HELP and TYPE lines
+            grouped = family.type in GROUPED
             kept: list[Any] = []
             decided: dict[tuple[tuple[str, str], ...], bool] = {}
             for s in family.samples:
-                size = len(s.name) + SAMPLE_OVERHEAD + sum(len(k) + len(v) + 4 for k, v in s.labels.items())
-                job_id = s.labels.get("job_id")
+                labels = s.labels
+                size = (
+                    len(s.name)
+                    + SAMPLE_OVERHEAD
+                    + 4 * len(labels)
+                    + sum(map(len, labels))
+                    + sum(map(len, labels.values()))
+                )
+                job_id = labels.get("job_id")
                 if job_id is not None:
-                    group = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("le", "quantile")))
-                    keep = decided.get(group)
-                    if keep is None:
-                        keep = decided[group] = self.admit(job_id, size)
+                    if grouped:  # one decision for a histogram's buckets, sum and count
+                        group = tuple(sorted((k, v) for k, v in labels.items() if k not in ("le", "quantile")))
+                        keep = decided.get(group)
+                        if keep is None:
+                            keep = decided[group] = self.admit(job_id, size)
+                    else:
+                        keep = self.admit(job_id, size)
                     if not keep:
                         continue
                 self.bytes += size
