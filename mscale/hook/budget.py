@@ -11,8 +11,18 @@ What it measures. A detector's cost is the time of the work it does inside the s
 timers (`time.perf_counter`) on a CPU, CUDA events on a GPU (a host timer there measures only
 the launch, not the kernels). CUDA events are resolved when they have completed, a step or
 more later, with `Event.query()`, never `synchronize()`, so timing adds no host sync. The step
-time is the host wall time from one step end to the next: the whole iteration the user waits
-for, checks included.
+time is the host wall time of the guard's step, from its first forward (`step_began`) to its
+end (optimizer step or scaler update), checks included: the loop's data loading and whatever
+else it does between steps are left out, so the allowance is never bought with time the guard
+does not ride on (a benchmark interleaving arms, an evaluation between steps).
+
+Everything the guard does counts. Besides what detectors time or charge themselves, every
+entry point through which torch calls the guard (module and MPU hooks, the linear layers'
+hooks, backward hooks, the optimizer hooks) is timed whole with `enter`/`leave`: its host time,
+less what was charged inside it, goes to "guard". So hook bookkeeping, plugins (the fuse, the
+goodput accountant, the gradient check) and early returns are in the measured ratio, not only
+the checks. (On a GPU the host time of a block timed with CUDA events is charged as well: a
+conservative double count of launches.)
 
 How it shares. Each detector's cost per step is smoothed (an exponential moving average,
 `smoothing`); the allowance of one detector is `share * step time` minus what the others spent
@@ -76,12 +86,26 @@ class Budget:
         self.steps = 0
         self._events: list[tuple[str, Any, Any]] = []  # (who, start, end) CUDA events in flight
         self._ended_at: float | None = None  # host time of the last step end (step_ended)
+        self._began_at: float | None = None  # host time of this step's begin (step_began)
+        self._charged = 0.0  # every host charge so far (monotonic): enter/leave subtract it
 
     # --- what detectors call -----------------------------------------------------------
 
     def charge(self, who: str, seconds: float) -> None:
         """Add `seconds` of `who`'s work to this step."""
-        self.spent_s[who] = self.spent_s.get(who, 0.0) + max(0.0, seconds)
+        seconds = max(0.0, seconds)
+        self.spent_s[who] = self.spent_s.get(who, 0.0) + seconds
+        self._charged += seconds
+
+    def enter(self) -> tuple[float, float]:
+        """A mark at an entry point's start, for `leave`."""
+        return time.perf_counter(), self._charged
+
+    def leave(self, who: str, mark: tuple[float, float]) -> None:
+        """Charge `who` the host time since `mark`, less what was charged since (nested entries
+        and detectors' own charges are not counted twice)."""
+        t0, c0 = mark
+        self.charge(who, time.perf_counter() - t0 - (self._charged - c0))
 
     @contextlib.contextmanager
     def timer(self, who: str, device: torch.device | str | None = None) -> Iterator[None]:
@@ -133,12 +157,17 @@ class Budget:
         self.last_spent_s, self.spent_s = self.spent_s, {}
         self.steps += 1
 
+    def step_began(self) -> None:
+        """The guard's step begins (its first training forward): the clock of `step_ended`."""
+        self._began_at = time.perf_counter()
+
     def step_ended(self) -> None:
-        """`end_step` with the step time measured here: from the last call to this one (the
-        first call only starts the clock)."""
+        """`end_step` with the step time measured here: from `step_began` (else from the last
+        call to this one; the first call without either only starts the clock)."""
         now = time.perf_counter()
-        self.end_step(now - self._ended_at if self._ended_at is not None else 0.0)
-        self._ended_at = now
+        start = self._began_at if self._began_at is not None else self._ended_at
+        self.end_step(now - start if start is not None else 0.0)
+        self._ended_at, self._began_at = now, None
 
     @property
     def overhead_ratio(self) -> float:

@@ -100,8 +100,13 @@ class GradCheck:
             self._handles.append(hook)
 
     def _accumulated(self, i: int, p: torch.nn.Parameter) -> None:
+        # a hook from the autograd engine: its whole time is the check's (mscale.hook.budget)
+        budget = getattr(self.guard, "budget", None)
+        mark = budget.enter() if budget is not None else None
         if p.grad is not None:
             self.norms[i] = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
+        if budget is not None and mark is not None:
+            budget.leave(SOURCE, mark)
 
     def on_step_decide(self, step: int) -> None:
         norms, self.norms = self.norms, {}
