@@ -55,7 +55,7 @@ PART_TIMEOUT_S = {  # each measurement, in its own process
     "nvml_vs_nvidia_smi": 30,
     "ebpf_vs_profiler": 60,
     "snapshot_stall": 40,
-    "guard_overhead": 90,
+    "guard_overhead": 60,
     "l2_round_trip": 40,
 }
 SMI_FIELDS = ("uuid", "name", "memory.total", "memory.used", "power.limit", "temperature.gpu", "clocks.sm")

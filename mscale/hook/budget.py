@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 SMOOTHING = 0.2  # weight of the newest step in the moving averages
+MAX_OPEN = 64  # entries open at once (nesting depth, a bound: a mark left open is dropped at 64)
 MAX_PENDING_EVENTS = 4096  # CUDA event pairs waiting to complete (a bound, not a working size)
 
 
@@ -88,6 +89,7 @@ class Budget:
         self._ended_at: float | None = None  # host time of the last step end (step_ended)
         self._began_at: float | None = None  # host time of this step's begin (step_began)
         self._charged = 0.0  # every host charge so far (monotonic): enter/leave subtract it
+        self._open: list[list] = []  # the entries open now ([who, start, charged at start]), outermost first
 
     # --- what detectors call -----------------------------------------------------------
 
@@ -97,15 +99,34 @@ class Budget:
         self.spent_s[who] = self.spent_s.get(who, 0.0) + seconds
         self._charged += seconds
 
-    def enter(self) -> tuple[float, float]:
-        """A mark at an entry point's start, for `leave`."""
-        return time.perf_counter(), self._charged
+    def enter(self, who: str = "guard") -> list:
+        """A mark at an entry point's start, for `leave`: the entry's time goes to `who`."""
+        mark = [who, time.perf_counter(), self._charged]
+        if len(self._open) < MAX_OPEN:
+            self._open.append(mark)
+        return mark
 
-    def leave(self, who: str, mark: tuple[float, float]) -> None:
-        """Charge `who` the host time since `mark`, less what was charged since (nested entries
-        and detectors' own charges are not counted twice)."""
-        t0, c0 = mark
+    def leave(self, mark: list) -> None:
+        """Charge the mark's `who` the host time since `enter` (or since the last step end, for
+        an entry open across it), less what was charged since (nested entries and detectors'
+        own charges are not counted twice)."""
+        who, t0, c0 = mark
+        if self._open and self._open[-1] is mark:
+            self._open.pop()
+        else:  # (left out of order)
+            self._open = [m for m in self._open if m is not mark]
         self.charge(who, time.perf_counter() - t0 - (self._charged - c0))
+
+    def _flush_open(self) -> None:
+        """At a step end inside entries (the optimizer hook that ends the step): their time so
+        far belongs to this step; the outermost is charged and every open mark restarts now."""
+        if not self._open:
+            return
+        who, t0, c0 = self._open[0]
+        self.charge(who, time.perf_counter() - t0 - (self._charged - c0))
+        now = time.perf_counter()
+        for mark in self._open:
+            mark[1], mark[2] = now, self._charged
 
     @contextlib.contextmanager
     def timer(self, who: str, device: torch.device | str | None = None) -> Iterator[None]:
@@ -145,6 +166,7 @@ class Budget:
     def end_step(self, step_s: float) -> None:
         """Close a step that took `step_s` seconds of wall time: resolve completed CUDA events,
         update the moving averages and the ratios."""
+        self._flush_open()
         self._resolve()
         a = self.smoothing
         if step_s > 0:

@@ -220,9 +220,11 @@ class ChecksumDetector:
             # checks' (charged at the step's end: a charge per call would cost more than it)
             self._idle_s += time.perf_counter() - t0
             return
-        mark = self.budget.enter()  # the whole hook is the check's cost (host), early returns too
         out = kind.output_of(out)
         on_cpu = out is None or out.device.type == "cpu"
+        # the whole hook is the check's cost (host); on a device its kernels are timed by CUDA
+        # events and the host's launches go to "guard"
+        mark = self.budget.enter(SOURCE if on_cpu else "guard")
         try:
             if self.replaying or not args or out is None:
                 return
@@ -236,11 +238,11 @@ class ChecksumDetector:
                 return
             if on_cpu:
                 self._abft_sums(mpu, st, module, kind, args[0], out)
-            else:  # the device's time by CUDA events (the host's launches go to "guard" below)
+            else:
                 with self.budget.timer(SOURCE, out.device):
                     self._abft_sums(mpu, st, module, kind, args[0], out)
         finally:
-            self.budget.leave(SOURCE if on_cpu else "guard", mark)
+            self.budget.leave(mark)
             self.abft_s += time.perf_counter() - t0
 
     def _weight_sums(

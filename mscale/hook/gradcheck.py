@@ -105,11 +105,13 @@ class GradCheck:
     def _accumulated(self, i: int, p: torch.nn.Parameter) -> None:
         # a hook from the autograd engine: its whole time is the check's (mscale.hook.budget)
         budget = getattr(self.guard, "budget", None)
-        mark = budget.enter() if budget is not None else None
-        if p.grad is not None:
-            self.norms[i] = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
-        if budget is not None and mark is not None:
-            budget.leave(SOURCE, mark)
+        mark = budget.enter(SOURCE) if budget is not None else None
+        try:
+            if p.grad is not None:
+                self.norms[i] = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
+        finally:
+            if budget is not None and mark is not None:
+                budget.leave(mark)
 
     def _norms_now(self) -> None:
         """One rank: the due group's norms from the gradients as accumulated, in one foreach

@@ -305,11 +305,11 @@ class Guard:
         budget = self.budget
 
         def entry(*args: Any, **kwargs: Any) -> Any:
-            mark = budget.enter()
+            mark = budget.enter("guard")
             try:
                 return fn(*args, **kwargs)
             finally:
-                budget.leave("guard", mark)
+                budget.leave(mark)
 
         return entry
 
