@@ -85,9 +85,11 @@ def clean_on_standby(*, job="j1", rank="0", mpu="001"):
     return Finding("fuse", Reason.FUSE_STATE, Severity.INFO, "recovered", labels)
 
 
-def service(state: AgentState, clock: Clock, *, _kube: dict | None = None, **remediation) -> RemediationService:
+def service(
+    state: AgentState, clock: Clock, *, _kube: dict | None = None, _boot: str = "boot-1", **remediation
+) -> RemediationService:
     cfg = from_dict({"remediation": remediation, "kubernetes": _kube or {}})
-    return RemediationService(state, cfg.remediation, build_filers(cfg, state, clock), clock=clock, boot="boot-1")
+    return RemediationService(state, cfg.remediation, build_filers(cfg, state, clock), clock=clock, boot=_boot)
 
 
 def findings(state: AgentState, reason: Reason) -> list[Finding]:
@@ -215,6 +217,33 @@ async def test_sdc_verdict_runs_the_command_with_the_facts_once_and_undoes_it_af
     assert st.command_exit == {"file": 0, "clear": 0}
 
 
+async def test_every_remediation_series_is_documented_with_its_labels(hook) -> None:
+    """The series a filing makes (most have no sample in the live scrape of tests/test_metrics_doc.py)
+    against docs/metrics.md's rows, by their exposed name, type and labels."""
+    from prometheus_client import generate_latest
+    from test_metrics_doc import documented, exposed
+
+    from mscale.exporters import make_registry
+
+    clock, state = Clock(), AgentState(node=NODE)
+    state.publish("gpu", gpus(failed=(1,)))
+    svc = service(state, clock, command={"enabled": True, "argv": [hook.path]})
+    await svc.turn()
+    page = generate_latest(make_registry(state, ("mscale.exporters.remediation",))).decode()
+    got, docs = exposed(page), documented()
+    assert set(got) == {
+        "mscale_remediation_gpu_fault",
+        "mscale_remediation_filed",
+        "mscale_remediation_filings_total",
+        "mscale_remediation_filer_up",
+        "mscale_remediation_command_exit_code",
+    }
+    for name, (typ, labels) in got.items():
+        assert docs[name] == (typ, labels), name
+    assert 'mscale_remediation_filings_total{event="file",filer="command",result="filed"} 1.0' in page
+    assert 'mscale_remediation_command_exit_code{event="file"} 0.0' in page
+
+
 @pytest.mark.parametrize(
     "evidence",
     [
@@ -234,6 +263,59 @@ async def test_no_verdict_without_a_swap_that_came_clean(hook, evidence) -> None
         await svc.observe(f)
     await svc.turn()
     assert not findings(state, Reason.GPU_FAULT_VERDICT) and hook.calls() == []
+
+
+async def test_a_verdict_outlives_an_agent_restart_and_a_reboot_is_its_reset(hook, tmp_path: Path) -> None:
+    clock, state_file = Clock(), str(tmp_path / "remediation.json")
+    cfg = {"command": {"enabled": True, "argv": [hook.path]}, "state_file": state_file, "clear_healthy_checks": 1}
+    state = AgentState(node=NODE)
+    state.publish("gpu", gpus())
+    svc = service(state, clock, **cfg)
+    await svc.observe(swap(2, 5))
+    await svc.observe(clean_on_standby())
+    assert len(hook.calls()) == 1 and json.loads(Path(state_file).read_text())["faults"][0]["gpu_uuid"] == "GPU-2"
+
+    # the agent restarts on the same boot: the verdict stands (no second filing, no undo: no reset seen)
+    state = AgentState(node=NODE)
+    state.publish("gpu", gpus())
+    svc = service(state, clock, **cfg)
+    for _ in range(3):
+        await svc.turn()
+    assert len(hook.calls()) == 1 and [f.gpu_uuid for f in state.snapshots[SNAPSHOT].faults] == ["GPU-2"]
+
+    # ... and after the node rebooted (a new boot id: every GPU was reset), a healthy check undoes it
+    state = AgentState(node=NODE)
+    state.publish("gpu", gpus())
+    svc = service(state, clock, _boot="boot-2", **cfg)
+    await svc.turn()
+    assert [c["argv"][0] for c in hook.calls()] == ["file", "clear"]
+    assert json.loads(Path(state_file).read_text()) == {"version": 1, "faults": [], "filed": {"command": []}}
+
+
+async def test_the_node_conditions_sdc_reason_outlives_an_agent_restart(tmp_path: Path) -> None:
+    cfg = {"state_file": str(tmp_path / "remediation.json"), "_kube": {"enabled": True, "node_name": NODE}}
+    state = AgentState(node=NODE)
+    state.publish("gpu", gpus())
+    svc = service(state, Clock(), **cfg)
+    assert [f.name for f in svc.filers] == ["nodecondition"]
+    await svc.observe(swap(2, 5))
+    await svc.observe(clean_on_standby())
+    assert [f.gpu_uuid for f in state.snapshots["remediation_sdc"]] == ["GPU-2"]
+    state = AgentState(node=NODE)  # restarted: the condition's SDC faults are filed again at start
+    state.publish("gpu", gpus())
+    svc = service(state, Clock(), **cfg)
+    await svc.turn()
+    assert [f.gpu_uuid for f in state.snapshots["remediation_sdc"]] == ["GPU-2"]
+    assert state.snapshots[SNAPSHOT].filings.get(("nodecondition", "file", "filed"), 0) == 0  # not a new filing
+
+
+async def test_a_state_file_that_does_not_pass_is_set_aside(hook, tmp_path: Path) -> None:
+    state_file = tmp_path / "remediation.json"
+    state_file.write_text(json.dumps({"version": 1, "faults": [{"kind": "sdc", "gpu": "two"}], "filed": {}}))
+    state = AgentState(node=NODE)
+    svc = service(state, Clock(), command={"enabled": True, "argv": [hook.path]}, state_file=str(state_file))
+    assert svc.book.faults() == () and not state_file.exists()
+    assert (tmp_path / "remediation.json.bad").exists()
 
 
 async def test_fatal_xid_is_filed_and_undone_when_healthy_again(hook) -> None:
@@ -478,6 +560,18 @@ async def test_an_admission_refusal_is_counted_and_retried(api: ApiServer) -> No
     assert state.snapshots[SNAPSHOT].filings[("externalfault", "file", "filed")] == 1
 
 
+async def test_no_external_fault_crd_says_so(api: ApiServer) -> None:
+    clock, state = Clock(), AgentState(node=NODE)
+    state.publish("gpu", gpus(failed=(0,)))
+    svc = service(state, clock, externalfault={"enabled": True, "plural": "externalfaultz"}, _kube=kube_cfg(api))
+    await svc.turn()
+    failed = findings(state, Reason.REMEDIATION_FILING)[-1]
+    assert (failed.labels["result"], failed.labels["http_status"]) == ("failed", "404")
+    assert "(no externalfaultz.nvsentinel.dgxc.nvidia.com/v1 here: is NVSentinel's ExternalFault CRD installed?" in (
+        failed.message
+    )
+
+
 # --- the node condition's SDC reason (Kubernetes without NVSentinel) ----------------------
 
 
@@ -564,6 +658,7 @@ def test_the_gpu_probe_counts_the_resets_it_sees() -> None:
         ({"remediation": {"externalfault": {"api_version": "1"}}}, "remediation.externalfault.api_version"),
         ({"remediation": {"externalfault": {"processing_strategy": "NOW"}}}, "expected one of EXECUTE_REMEDIATION"),
         ({"remediation": {"externalfault": {"bogus": 1}}}, "remediation.externalfault.bogus: unknown key"),
+        ({"remediation": {"state_file": "remediation.json"}}, "remediation.state_file: expected an absolute path"),
     ],
 )
 def test_config_is_range_checked(data: dict, message: str) -> None:

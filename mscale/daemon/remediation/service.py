@@ -7,7 +7,8 @@ each filing whose fault was undone is cleared. Per filer and fault one filing (i
 filers treat "already there" as filed); a failure is retried after `retry_interval_s`; at most
 `max_filings_per_hour` filings per filer (undos are not limited: they only give capacity back),
 the rest wait, counted. Each file and clear is a finding (remediation_filing) and counted in
-`mscale_remediation_filings_total`. A filer's calls are awaited on the agent's loop: the
+`mscale_remediation_filings_total`; the open faults and filings are written to
+`remediation.state_file` after each change (mscale.daemon.remediation.ledger). A filer's calls are awaited on the agent's loop: the
 Kubernetes calls run in a thread under the request deadline, the command as a subprocess
 under its own; neither blocks the loop, nor can one stop the agent.
 """
@@ -15,6 +16,7 @@ under its own; neither blocks the loop, nor can one stop the agent.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -25,7 +27,7 @@ import structlog
 from aiohttp import web
 
 from mscale.daemon import keys
-from mscale.daemon.remediation import REGISTRY, spec
+from mscale.daemon.remediation import REGISTRY, ledger, spec
 from mscale.daemon.remediation.base import FilerContext, FilingFailed
 from mscale.daemon.remediation.verdicts import Fault, VerdictBook, boot_id
 from mscale.findings import Finding, Reason, Severity
@@ -75,6 +77,9 @@ class RemediationService:
         self._tasks: list[asyncio.Task[None]] = []
         self._queue: asyncio.Queue[Finding] | None = None
         self.command_exit: dict[str, int] = {}  # the command filer's last exit status by event
+        self._saved: list[Any] | None = None  # what the state file holds now
+        if cfg.state_file:
+            self._restore(cfg.state_file)
         self.publish()
 
     # --- turns -----------------------------------------------------------------------------
@@ -107,7 +112,47 @@ class RemediationService:
                     if fault.kind in filer.kinds and key not in filed:
                         await self._file(filer, fault)
                 self.deferred[filer.name] &= set(want)
+            await self._save()
             self.publish()
+
+    def _restore(self, path: str) -> None:
+        try:
+            faults, filed = ledger.load(path)
+        except ledger.LedgerError as e:  # set aside, start empty: never half-trusted
+            log.error("remediation_state_unreadable", path=path, error=str(e)[:300])
+            try:
+                os.replace(path, path + ".bad")
+            except OSError:
+                pass
+            return
+        for f in faults:
+            self.book.adopt(f)
+        for name, held in filed.items():
+            if name in self.filed:
+                self.filed[name] = {f.key: f for f in held}
+            elif held:
+                log.warning("remediation_filer_gone", filer=name, filings=len(held))
+        self._saved = self._doc()
+        log.info("remediation_state_restored", path=path, faults=len(faults))
+
+    def _doc(self) -> list[Any]:
+        return [ledger.to_dict(f) for f in self.book.faults()] + [
+            (name, sorted(d)) for name, d in sorted(self.filed.items())
+        ]
+
+    async def _save(self) -> None:
+        doc = self._doc()
+        if not self.cfg.state_file or doc == self._saved:
+            return
+        faults, filed = self.book.faults(), {n: tuple(d.values()) for n, d in self.filed.items()}
+        try:
+            async with asyncio.timeout(10):
+                await asyncio.to_thread(ledger.save, self.cfg.state_file, faults, filed)
+        except (OSError, TimeoutError) as e:  # kept in memory; tried again after the next change
+            self.counts[("state", "save", "failed")] += 1
+            log.error("remediation_state_save_failed", path=self.cfg.state_file, error=str(e)[:300])
+            return
+        self._saved = doc
 
     async def _start(self, filer: Any) -> bool:
         try:
@@ -117,6 +162,9 @@ class RemediationService:
             log.error("remediation_filer_unavailable", filer=filer.name, error=str(e)[:300])
             return False
         self.started.add(filer.name)
+        if getattr(filer, "in_memory", False):  # what it filed lives in this process: file again what was restored
+            for fault in self.filed[filer.name].values():
+                await filer.file(fault)
         return True
 
     async def _file(self, filer: Any, fault: Fault) -> None:

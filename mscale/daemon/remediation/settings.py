@@ -26,6 +26,17 @@ class _Common:
         6, "filings (not undos) one filer makes per hour at most; past it they wait, counted", min=1, max=10000
     )
     retry_interval_s: float = opt(60.0, "a failed file or undo is tried again after this", min=1, max=86400)
+    state_file: str = opt(
+        "",
+        "JSON file keeping the open faults and filings across agent restarts, an absolute path "
+        "(empty: kept in memory only; a restart forgets an SDC verdict)",
+    )
+
+    def check(self, key: str) -> None:
+        from mscale.options import ConfigError
+
+        if self.state_file and not self.state_file.startswith("/"):
+            raise ConfigError(f"{key}.state_file: expected an absolute path, got {self.state_file!r}")
 
 
 class RemediationSection(_Common):
