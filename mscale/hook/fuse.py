@@ -140,7 +140,7 @@ class FusePlugin:
             state.pending = None
             self.drop_step(why)
             log.warning("step_not_rerun", step=step, reruns=MAX_STEP_RERUNS, why=why)
-            return Result.STEP_DROPPED
+            return Result.NOOP  # nothing re-run: the update stays dropped
         if state.pending is not None:
             return Result.NOOP
         spec = actions.get("rollback")
