@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from mscale.healing.fsm import Level
+from mscale.link import MpuInfo
 
 # attribute name in the module tree -> MPU name. First match per MPU name wins (shallowest).
 KNOWN_NAMES: dict[str, str] = {
@@ -87,18 +88,18 @@ class Mpu:
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def describe(self) -> dict:
+    def describe(self) -> MpuInfo:
         """The registration record sent to the agent."""
-        return {
-            "mpu_id": self.mpu_id,
-            "name": self.name,
-            "path": self.path,
-            "device": str(self.device),
-            "gpu": self.gpu,
-            "gpu_uuid": self.gpu_uuid,
-            "fuse_level": self.fuse_level,
-            "params": sum(p.numel() for p in self.module.parameters()),
-        }
+        return MpuInfo(
+            mpu_id=self.mpu_id,
+            name=self.name,
+            path=self.path,
+            device=str(self.device),
+            gpu=self.gpu,
+            gpu_uuid=self.gpu_uuid,
+            fuse_level=self.fuse_level,
+            params=sum(p.numel() for p in self.module.parameters()),
+        )
 
     def memory(self) -> dict:
         """Device memory in use and in all (bytes), for the step report; empty off CUDA."""
