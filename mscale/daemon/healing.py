@@ -23,8 +23,8 @@ Bounded and O(1) per alert, however long the agent has run: the engine's ledger 
 for ALERT_TTL_S and at most ACTED_CAP entries (the oldest evicted first), expired from its old
 end, never scanned; the budget keeps one entry per grant in the last minute. A body is handled
 in slices of SLICE alerts or SLICE_S seconds, whichever ends first, with the event loop served
-between them, so a large body (the body-size limit bounds it) never blocks /healthz, the
-scrape or the socket (the webhook decodes and checks it in a worker thread).
+between them, so a large body (the body-size limit bounds it) never blocks /healthz, the scrape
+or the socket (the webhook decodes and checks it in a worker thread).
 """
 
 from __future__ import annotations

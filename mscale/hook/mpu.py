@@ -24,6 +24,8 @@ KNOWN_NAMES: dict[str, str] = {
     "vision_tower": "vision",
     "visual": "vision",
     "vision_model": "vision",
+    "image_tower": "vision",  # Video-LLaVA (its video_tower is not found: one vision MPU a model)
+    "vision_encoder": "vision",  # LightOnOCR
     "audio_tower": "audio",
     "qformer": "resampler",  # Blip2, InstructBlip: learned queries read the vision features
     "multi_modal_projector": "aligner",
@@ -31,8 +33,10 @@ KNOWN_NAMES: dict[str, str] = {
     "mlp1": "aligner",
     "connector": "aligner",  # Idefics3, SmolVLM
     "language_projection": "aligner",  # Blip2: the Q-Former's output into the text model's width
+    "vision_projection": "aligner",  # LightOnOCR
     "language_model": "text",
     "text_model": "text",  # Idefics3, SmolVLM
+    "text_decoder": "text",  # BLIP
 }
 # reporting and id order: encoders, then the resampler and the aligner, then the text model
 _ORDER = ("vision", "audio", "resampler", "aligner", "text")
