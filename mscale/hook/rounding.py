@@ -1,0 +1,108 @@
+"""ABFT for bfloat16 outputs (mscale.hook.checksum): the tolerance from the output's own rounding.
+
+For y = x W^T + b with y of shape (N, M) rounded once to bf16 from a float32 accumulator, each
+output's rounding error is within half an ulp, ulp <= 2^-7 |y|: standard deviation at most
+2^-7/sqrt(12) |y| (`BF16_ROUNDING`). The check sums the outputs with fixed random +-1 weights,
+s_n r_o (s one per row, r one per output feature, each balanced), predicted without the GEMM as
+
+    s^T Y r = sum_n s_n y_n . r = (x^T s) . (W^T r) + (sum_n s_n)(r . b)
+
+The weights make the rounding errors add like a random walk whatever their bias (a kernel that
+truncates rather than rounds to nearest) and whatever their structure: outputs alike along a
+column (attention that averages over many tokens) round alike, and with weights per feature
+alone their errors added coherently, 13x the random walk in a tiny LLaVA at 257 tokens. The
+weighted sum's rounding then has standard deviation at most BF16_ROUNDING x ||Y||_F, and the
+tolerance is `sigmas` of that plus rtol32 x a lower bound of S (the float32 arithmetic). rtol[bfloat16] x S, the worst-case bound the
+other dtypes use, is about sqrt(N K M) times larger: it hides noise of the output's own size.
+
+The check's sums and products run with autocast off: under autocast a matmul of two float32
+vectors runs in bf16 (CPU: matmul; CUDA: mv and matmul too), whose rounding of the prediction
+is the size of the faults to find (the false alarms that made an earlier rounding-based
+tolerance fail on this CPU came from there, not from the GEMM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from mscale.hook.checksum_config import BF16_ROUNDING
+
+SIGN_SEED = 0x5EED  # one fixed draw: the same weights every step, so a frozen layer's W^T r is cached
+
+
+def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """A context in which the check's own products run in the dtype of their operands."""
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+class Signs:
+    """Fixed random balanced +-1 vectors (as many -1 as +1, give or take one), one per (length,
+    device), in float32; bounded. Balanced, a component constant along the vector (outputs alike
+    across tokens, or across features, whose roundings are alike too) cancels exactly."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def of(self, n: int, device: torch.device) -> torch.Tensor:
+        r = self._cache.get((n, device))
+        if r is None:
+            if len(self._cache) > 64:  # variable sequence lengths: keep the cache bounded
+                self._cache.clear()
+            v = torch.ones(n)
+            v[n // 2 :] = -1.0
+            r = v[torch.randperm(n, generator=torch.Generator().manual_seed(SIGN_SEED + n))].to(device)
+            self._cache[(n, device)] = r
+        return r
+
+
+def weighted_colsums(wd: torch.Tensor, r: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """W^T r in float32 (per input feature) for an (out, in) weight, or an (in, out) one when
+    `transposed`: a GEMV, on a float32 copy of a low-precision weight (exact)."""
+    wf = wd if wd.dtype == torch.float32 else wd.to(torch.float32)
+    return torch.mv(wf, r) if transposed else torch.mv(wf.t(), r)
+
+
+def residual_and_tolerance(
+    x2: torch.Tensor,
+    y2: torch.Tensor,
+    sums: tuple,
+    s: torch.Tensor,
+    r: torch.Tensor,
+    *,
+    sigmas: float,
+    rtol32: float,
+    exact: bool,
+) -> torch.Tensor:
+    """(residual, tolerance) of a bf16 layer's check, s^T Y r against (x^T s) . (W^T r) +
+    (sum s)(r . b), as a float32 tensor of 2 on the device: x2 (N, K) the input as the GEMM saw
+    it, y2 (N, M) its output, sums (W^T r, c(|W|), r . b, sum|b|), s (N) and r (M) the signs.
+    No host read.
+
+    `exact` (the CPU: without native bf16 it reduces bf16 ~5x slower than float32): float32
+    copies, GEMVs on them. Else bf16 GEMVs read x and Y once each; their outputs x^T s and Y r
+    are rounded to bf16 too, an error of standard deviation at most BF16_ROUNDING x their
+    magnitude, which the tolerance adds in quadrature."""
+    wr, wa, br, ba = sums
+    if exact:
+        xf, yf = x2.to(torch.float32), y2.to(torch.float32)
+        sx, u, norm = torch.mv(xf.t(), s), torch.mv(yf, r), torch.linalg.vector_norm(yf)
+        spread = norm
+    else:
+        sx = torch.mv(x2.t(), s.to(x2.dtype)).to(torch.float32)
+        u = torch.mv(y2, r.to(y2.dtype)).to(torch.float32)
+        norm = torch.linalg.vector_norm(y2, dtype=torch.float32)
+        spread = torch.linalg.vector_norm(
+            torch.stack((norm, torch.linalg.vector_norm(u), torch.linalg.vector_norm(sx * wr)))
+        )
+    ssum = s.sum()
+    resid = s @ u - (sx @ wr + ssum * br)
+    tol = sigmas * BF16_ROUNDING * spread + rtol32 * (sx.abs() @ wa + ssum.abs() * ba) + 1e-30
+    # an output whose norm overflows float32 (an exponent flip: x 2^128) is no rounding: a
+    # tolerance that is not finite fails the check
+    tol = torch.nan_to_num(tol, nan=0.0, posinf=0.0)
+    return torch.stack((resid, tol))
