@@ -319,18 +319,15 @@ class ChecksumDetector:
             sums = self._weight_sums(module, kind, acc, cast, False, r)
             with torch.no_grad():
                 x2, y2 = x.detach().reshape(-1, x.shape[-1]), out.detach().reshape(-1, out.shape[-1])
-                v = rounding.residual_and_tolerance(
+                row = rounding.residual_and_tolerance(
                     x2,
                     y2,
                     sums,
                     self._signs,
                     sigmas=self.config.rounding_sigmas,
-                    rtol32=self.config.tolerance(torch.float32),
-                )  # float32's rtol: no TF32 in a bf16 GEMM
-            row: Any = v
-            if not on_device:  # on CPU a value costs no device sync: one read, here
-                resid, tol = v.tolist()
-                row = (resid, tol)
+                    rtol32=self.config.tolerance(torch.float32),  # no TF32 in a bf16 GEMM
+                    host=not on_device,  # on CPU a value costs no device sync: one read, here
+                )
             (st.rows if self.commit_mode(mpu) else st.pending).append(("abft", layer, out.dtype, row))
             return
         wc, wa, bs, ba = self._weight_sums(module, kind, acc, cast, not on_device)
