@@ -151,7 +151,8 @@ class ChecksumDetector:
         self._handles: list[Any] = []
         self._wcache: dict[int, tuple] = {}
         self._ones: dict[tuple, torch.Tensor] = {}
-        self._signs = rounding.Signs()
+        self._signs = rounding.Signs()  # float32's rtol for the float32 arithmetic: no TF32 in a bf16 GEMM
+        self._rounding = {"sigmas": config.rounding_sigmas, "rtol32": config.tolerance(torch.float32)}
         self._bias_floats: dict[int, tuple[float, float]] = {}
         self._planned = -1  # the step planned last
         self._committed = -1  # the step packed last for the commit point
@@ -327,15 +328,8 @@ class ChecksumDetector:
             sums = self._weight_sums(module, kind, acc, cast, False, r)
             with torch.no_grad():
                 x2, y2 = x.detach().reshape(-1, x.shape[-1]), out.detach().reshape(-1, out.shape[-1])
-                row = rounding.residual_and_tolerance(
-                    x2,
-                    y2,
-                    sums,
-                    self._signs,
-                    sigmas=self.config.rounding_sigmas,
-                    rtol32=self.config.tolerance(torch.float32),  # no TF32 in a bf16 GEMM
-                    host=not on_device,  # on CPU a value costs no device sync: one read, here
-                )
+                # on CPU (in_step) a value costs no device sync: one read, here
+                row = rounding.residual_and_tolerance(x2, y2, sums, self._signs, **self._rounding, host=not on_device)
             (st.rows if self.commit_mode(mpu) else st.pending).append(("abft", layer, out.dtype, row))
             return
         wc, wa, bs, ba = self._weight_sums(module, kind, acc, cast, not on_device)
