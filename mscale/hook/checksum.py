@@ -14,10 +14,11 @@ sums), one over y, one over W for c(W) (a trained weight changes every step; a f
 cached); c(|W|) only sizes the tolerance and is refreshed every 16 steps. On CPU, S itself
 (another pass over x) is computed only when the residual exceeds rtol times its lower bound
 |sum_n x_n| . c(|W|): the same decision, paid for only by a fault or cancelling inputs.
-The check sums run in float32 (float64 for float64 layers), so a bf16 layer's tolerance
-covers its own output rounding, not the check's. rtol per output dtype (`DEFAULT_RTOL`):
-float32 2e-6, bfloat16 1e-2, float16 2e-3, float64 1e-12; float32 on CUDA while TF32
-matmuls are allowed at least `TF32_RTOL` (2e-3, see there).
+The check sums run in float32 (float64 for float64 layers), with autocast off. rtol per output
+dtype (`DEFAULT_RTOL`): float32 2e-6, float16 2e-3, float64 1e-12; float32 on CUDA while TF32
+matmuls are allowed at least `TF32_RTOL` (2e-3, see there). A bfloat16 output's tolerance comes
+from its own rounding instead (mscale.hook.rounding: +-1-weighted sums, `rounding_sigmas` x
+2^-7/sqrt(12) x ||y||_2), which finds noise of the output's own size where rtol x S cannot.
 
 Which layers, which steps (mscale.hook.coverage, mscale.hook.budget): the guard measures what
 the checks cost against the step they ride on and checks, each step, as many layers of each MPU
@@ -45,7 +46,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -53,6 +54,7 @@ import torch
 from torch import nn
 
 from mscale.findings import Finding, Reason, Severity
+from mscale.hook import rounding
 from mscale.hook.budget import Budget
 from mscale.hook.checksum_config import (  # noqa: F401  (re-exported: the config's public home)
     DEFAULT_RTOL,
@@ -63,34 +65,12 @@ from mscale.hook.checksum_config import (  # noqa: F401  (re-exported: the confi
 from mscale.hook.commit import on
 from mscale.hook.coverage import Schedule
 from mscale.hook.linears import LinearKind, kind_of
+from mscale.hook.outputs import output_tensors
 from mscale.hook.replay import compare, fresh_copies, rng_get, run_again
 
 SOURCE = "checksum"
 log = structlog.get_logger("mscale.hook")
 ABS_REFRESH = 16  # steps between refreshes of the |W| column sums (tolerance scale only)
-
-
-def output_tensors(output: Any) -> list[torch.Tensor]:
-    """The floating-point tensors in a module's output (tensor, tuple, dict, ModelOutput)."""
-    if isinstance(output, torch.Tensor):
-        return [output] if output.is_floating_point() else []
-    if isinstance(output, Mapping):
-        return [t for v in output.values() for t in output_tensors(v)]
-    if isinstance(output, (tuple, list)):
-        return [t for v in output for t in output_tensors(v)]
-    return []
-
-
-def loss_of(output: Any) -> torch.Tensor | None:
-    """The scalar loss in a model's output (a 0-d tensor, or a mapping or ModelOutput with
-    "loss"); None when there is none."""
-    if isinstance(output, torch.Tensor):
-        return output if output.dim() == 0 else None
-    if isinstance(output, Mapping):
-        loss = output.get("loss")
-    else:
-        loss = getattr(output, "loss", None)
-    return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -151,6 +131,8 @@ class ChecksumDetector:
         self._zeros: dict[tuple, torch.Tensor] = {}  # a 0-d zero per (dtype, device): no allocation a check
         self._wcache: dict[int, tuple] = {}
         self._ones: dict[tuple, torch.Tensor] = {}
+        self._signs = rounding.Signs()  # float32's rtol for the float32 arithmetic: no TF32 in a bf16 GEMM
+        self._rounding = {"sigmas": config.rounding_sigmas, "rtol32": config.tolerance(torch.float32)}
         self._bias_floats: dict[int, tuple[float, float]] = {}
         self._planned = -1  # the step planned last
         self._committed = -1  # the step packed last for the commit point
@@ -245,29 +227,42 @@ class ChecksumDetector:
             if st is None:
                 return
             if on_cpu:
-                self._abft_sums(mpu, st, module, kind, args[0], out)
+                with rounding.no_autocast(out.device):
+                    self._abft_sums(mpu, st, module, kind, args[0], out)
             else:
-                with self.budget.timer(SOURCE, out.device):
+                with self.budget.timer(SOURCE, out.device), rounding.no_autocast(out.device):
                     self._abft_sums(mpu, st, module, kind, args[0], out)
         finally:
             self.budget.leave(mark)
             self.abft_s += time.perf_counter() - t0
 
     def _weight_sums(
-        self, module: nn.Module, kind: LinearKind, acc: torch.dtype, cast: torch.dtype | None, floats: bool
+        self,
+        module: nn.Module,
+        kind: LinearKind,
+        acc: torch.dtype,
+        cast: torch.dtype | None,
+        floats: bool,
+        signs: torch.Tensor | None = None,
     ) -> tuple:
-        """(c(W), c(|W|), sum(b), sum|b|) of the weight as the GEMM saw it, cached.
+        """(c(W), c(|W|), sum(b), sum|b|) of the weight as the GEMM saw it, cached; with `signs`
+        (r, bf16 layers: mscale.hook.rounding) the weighted W^T r and r . b for the first and third.
 
         A trained weight changes every optimizer step (and fused optimizers update it without
         bumping `_version`), so its signed sums are recomputed once per step; a frozen weight
         (requires_grad False: no optimizer touches it) only when its version or storage
         changes, with a refresh every ABS_REFRESH steps in case it was written through
-        `.data`. The |W| sums only size the tolerance and drift slowly: every ABS_REFRESH steps."""
+        `.data`. The |W| sums only size the tolerance: refreshed 1, 2, 4, 8 steps after the
+        layer is first seen, then every ABS_REFRESH steps, so a weight growing from a near-zero
+        init (Blip2's qkv: 1e-10 to 1e-3 in Adam's first step) is never sized more than 2x
+        small."""
         w = kind.weight_of(module)
         step = self._step()
-        key = (step if w.requires_grad else -1, w._version, w.data_ptr(), acc, cast, floats)
+        key = (step if w.requires_grad else -1, w._version, w.data_ptr(), acc, cast, floats, signs is not None)
         cached = self._wcache.get(id(module))
-        if cached is not None and cached[0] == key and step - cached[3] < ABS_REFRESH:
+        first = step if cached is None else cached[4]
+        gap = min(ABS_REFRESH, max(1, (cached[2] if cached else step) - first))
+        if cached is not None and cached[0] == key and step - cached[3] < ABS_REFRESH and step - cached[2] < gap:
             return cached[1]
         with torch.no_grad():
             wd = w.detach() if cast is None else w.detach().to(cast)
@@ -278,23 +273,27 @@ class ChecksumDetector:
                 zero = self._zeros[(acc, w.device)] = torch.zeros((), dtype=acc, device=w.device)
             # the sums over the output dimension: dim 0 of an (out, in) weight, 1 of an (in, out)
             red = 1 if kind.transposed else 0
-            # the |W| sums every ABS_REFRESH steps (or after a change of storage/dtype)
-            if cached is None or step - cached[2] >= ABS_REFRESH or cached[0][2:] != key[2:]:
+            # the |W| sums on their schedule (or after a change of storage/dtype)
+            if cached is None or step - cached[2] >= gap or cached[0][2:] != key[2:]:
                 absums = (wd.abs().sum(red, dtype=acc), b.abs().sum(dtype=acc) if b is not None else zero)
                 abs_step = step
             else:
-                absums = (cached[1][1], cached[1][3])
-                abs_step = cached[2]
+                absums, abs_step = (cached[1][1], cached[1][3]), cached[2]
+            if signs is not None:
+                wc = rounding.weighted_colsums(wd, signs, kind.transposed)
+                bs = b.to(torch.float32) @ signs if b is not None else zero
             # GEMVs (torch.mv) read W once, faster than a column reduction; and mv, unlike a 1-row
             # matmul, is no FLOP of FlopCounterMode's, so MSRP does not count the checks as the MPU's work
-            if wd.dtype == acc and not kind.transposed:
+            elif wd.dtype == acc and not kind.transposed:
                 wc = torch.mv(wd.t(), self._ones_of(wd.shape[0], wd.device, acc))
             elif wd.dtype == acc:
                 wc = torch.mv(wd, self._ones_of(wd.shape[1], wd.device, acc))
             else:
                 wc = wd.sum(red, dtype=acc)
-            sums = (wc, absums[0], b.sum(dtype=acc) if b is not None else zero, absums[1])
-        self._wcache[id(module)] = (key, sums, abs_step, step)
+            if signs is None:
+                bs = b.sum(dtype=acc) if b is not None else zero
+            sums = (wc, absums[0], bs, absums[1])
+        self._wcache[id(module)] = (key, sums, abs_step, step, first)
         if floats:  # the CPU's in-step check adds the bias terms in Python
             self._bias_floats[id(module)] = (sums[2].item(), sums[3].item())
         return sums
@@ -318,10 +317,19 @@ class ChecksumDetector:
         w = kind.weight_of(module)
         cast = out.dtype if out.dtype != w.dtype and out.dtype in (torch.bfloat16, torch.float16) else None
         on_device = x.device.type != "cpu" or self.commit_mode(mpu)
-        wc, wa, bs, ba = self._weight_sums(module, kind, acc, cast, not on_device)
         if x.dtype != out.dtype and out.dtype in (torch.bfloat16, torch.float16):
             x = x.detach().to(out.dtype)
         layer = st.layer_names.get(id(module), "?")
+        if out.dtype == torch.bfloat16 and self.config.rounding_sigmas > 0:  # mscale.hook.rounding
+            r = self._signs.of(out.shape[-1], out.device)
+            sums = self._weight_sums(module, kind, acc, cast, False, r)
+            with torch.no_grad():
+                x2, y2 = x.detach().reshape(-1, x.shape[-1]), out.detach().reshape(-1, out.shape[-1])
+                # on CPU (in_step) a value costs no device sync: one read, here
+                row = rounding.residual_and_tolerance(x2, y2, sums, self._signs, **self._rounding, host=not on_device)
+            (st.rows if self.commit_mode(mpu) else st.pending).append(("abft", layer, out.dtype, row))
+            return
+        wc, wa, bs, ba = self._weight_sums(module, kind, acc, cast, not on_device)
         rtol = self.config.tolerance(out.dtype, x.device)
         with torch.no_grad():
             x2 = x.detach().reshape(-1, x.shape[-1])

@@ -19,6 +19,16 @@ DEFAULT_RTOL: dict[torch.dtype, float] = {
 # accumulates in float32. 2e-3 is twice that worst case per term, float16's rtol (the same
 # 10-bit mantissa), and still ~5000x below the scaling of a single exponent-bit flip.
 TF32_RTOL = 2e-3
+# bfloat16 outputs: the tolerance comes from the output's own rounding, not from rtol x S. A GEMM
+# that accumulates in float32 rounds each output once to bf16 (8-bit mantissa): an error within
+# half an ulp, ulp <= 2^-7 |y|, so of standard deviation at most 2^-7/sqrt(12) |y|. Summed with
+# random +-1 weights (ChecksumDetector's signs) those errors add like a random walk whatever the
+# rounding's bias: the weighted sum's rounding has standard deviation at most
+# BF16_ROUNDING x ||y||_2, and the tolerance is `rounding_sigmas` (6) of that. Measured on this
+# CPU (tiny LLaVA, 2,800 clean checks): 0.74 of the bound on average (mantissas spread
+# log-uniformly give 0.425 x 2^-8 / 0.577 x 2^-8), the largest 2.75, so 6 is 8 actual sigmas.
+BF16_ROUNDING = 2.0**-7 / 12**0.5
+ROUNDING_SIGMAS = 6.0
 
 
 VERDICTS = ("auto", "in_step", "commit")
@@ -46,6 +56,10 @@ class ChecksumConfig:
     # noise of non-deterministic kernels, in any dtype
     replay_rtol: float = 1e-5
     rtol: Mapping[torch.dtype, float] = field(default_factory=lambda: dict(DEFAULT_RTOL))
+    # bfloat16 layers: tolerance in multiples of the bound on the output rounding's standard
+    # deviation (BF16_ROUNDING x ||y||_2); 0: rtol[bfloat16] x S instead (the worst-case
+    # bound, for a kernel that rounds more than once per output)
+    rounding_sigmas: float = ROUNDING_SIGMAS
     tf32_rtol: float = TF32_RTOL  # float32 GEMMs on CUDA while TF32 is allowed (see TF32_RTOL)
 
     def __post_init__(self) -> None:
@@ -63,6 +77,8 @@ class ChecksumConfig:
             raise ValueError(f"incident_steps: expected >= 1, got {self.incident_steps}")
         if self.failures_l1 < 1:
             raise ValueError(f"failures_l1: expected >= 1, got {self.failures_l1}")
+        if not 0.0 <= self.rounding_sigmas < 1e3:
+            raise ValueError(f"rounding_sigmas: expected 0 (off) or a multiple below 1000, got {self.rounding_sigmas}")
         if self.verdicts not in VERDICTS:
             raise ValueError(f"verdicts: expected one of {', '.join(VERDICTS)}, got {self.verdicts!r}")
 

@@ -38,13 +38,14 @@ import mscale.hook.placement as placement
 from mscale import link as protocol
 from mscale.findings import Finding, Severity
 from mscale.hook.budget import Budget, StepTimes
-from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, loss_of, output_tensors
+from mscale.hook.checksum import ChecksumConfig, ChecksumDetector
 from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics
 from mscale.hook.commit import CommitPoint, commit
 from mscale.hook.coverage import suspicions
 from mscale.hook.inputs import InputCheck
 from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
+from mscale.hook.outputs import loss_of, output_tensors
 from mscale.hook.plugin import HOOKS
 from mscale.hook.ranks import identify
 from mscale.hook.report import step_report
