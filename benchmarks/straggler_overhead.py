@@ -16,7 +16,7 @@ CPU in % of one core with 8 ranks at STEPS_PER_S steps a second; the control is 
 the same way (truly 1.00): when it strays further than the effect's distance from the target,
 "inconclusive".
 
-    .venv/bin/python benchmarks/straggler_overhead.py [--steps 200] [--rounds 15] [--json PATH] [--strict]
+    .venv/bin/python benchmarks/straggler_overhead.py [--steps 300] [--rounds 15] [--json PATH] [--strict]
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def feed(link, job, batch: list[tuple[int, str]]) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=200, help="steps of all 8 ranks per round and arm")
+    ap.add_argument("--steps", type=int, default=300, help="steps of all 8 ranks per round and arm")
     ap.add_argument("--rounds", type=int, default=15)
     add_json_arg(ap)
     ap.add_argument("--strict", action="store_true", help="exit 1 when the target is missed")

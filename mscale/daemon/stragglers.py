@@ -8,10 +8,11 @@ library measures them per rank and reports them every step), and the rank's comp
 the sum of its MPUs' forward and backward times.
 
 The figures are the rank's `compute` and each MPU's `forward` and `backward`. For each, every
-rank keeps its last `stragglers.window_steps` (20) values, and at each step that every live
-rank of the job on this node has reported (at least `stragglers.min_ranks`; older steps still
-missing a rank are then dropped) the agent takes each rank's level x, the lower quartile of its
-window (`stragglers.quantile`, 0.25), and the median m of the other ranks' levels:
+rank keeps its last `stragglers.window_steps` (20) values in a fixed ring, written as its report
+comes. A step counts as compared once every live rank of the job on this node has reported it
+(at least `stragglers.min_ranks`; older steps still missing a rank are then dropped), and at a
+verdict the agent takes each rank's level x, the lower quartile of its window
+(`stragglers.quantile`, 0.25), and the median m of the other ranks' levels:
 
     ratio = x / m        straggler: ratio >= stragglers.ratio (1.5)
                          and x - m >= stragglers.min_excess_s (5 ms: timing noise of small MPUs)
@@ -34,10 +35,12 @@ Metrics: mscale.exporters.stragglers, over the immutable `StragglerView` that th
 in `state.snapshots["stragglers"]`, builds at scrape time. Across nodes Prometheus compares the
 per-rank series with recording rules (mscale/rules/recording.py), since it sees every node.
 
-Cost per compared step: an append per rank and figure; per verdict one sort of `window_steps`
-values per rank and figure and one of the ranks' levels per figure
-(benchmarks/straggler_overhead.py). Bounded: steps waiting
-for their last rank (`MAX_PENDING` per job), jobs (those in state.jobs).
+Cost per report: one slot written per figure (no allocation, no sort); per step a set of the
+ranks that reported it; per verdict one sort of `window_steps` values per rank and figure and
+one of the ranks' levels per figure, the median of the others read off the sorted levels of
+all (benchmarks/straggler_overhead.py: the added cost on the agent's report path, against the
+target of a tenth). Bounded: steps waiting for their last rank (`MAX_PENDING` per job), jobs
+(those in state.jobs), a window per rank and figure.
 """
 
 from __future__ import annotations
@@ -203,25 +206,25 @@ class StragglerWatch:
             if not isinstance(m, dict):
                 continue
             fwd, bwd = m.get("forward_s"), m.get("backward_s")
-            if fwd.__class__ is not float:
+            if fwd.__class__ is not float:  # (JSON gives floats; the rest is rare)
                 fwd = _seconds(fwd)
             if bwd.__class__ is not float:
                 bwd = _seconds(bwd)
-            if not fwd > 0:  # (NaN is not)
-                fwd = 0.0
-            if not bwd > 0:
-                bwd = 0.0
-            if fwd or bwd:
-                pair = row.mpus.get(mpu_id) or board.mpu(rank, row, mpu_id, size)
-                if fwd:
-                    w = pair[0]
-                    w.values[w.n % size] = fwd
-                    w.n += 1
-                if bwd:
-                    w = pair[1]
-                    w.values[w.n % size] = bwd
-                    w.n += 1
-                compute += fwd + bwd
+            pair = row.mpus.get(mpu_id)
+            if fwd > 0:  # (NaN is not)
+                if pair is None:
+                    pair = board.mpu(rank, row, mpu_id, size)
+                w = pair[0]
+                w.values[w.n % size] = fwd
+                w.n += 1
+                compute += fwd
+            if bwd > 0:
+                if pair is None:
+                    pair = board.mpu(rank, row, mpu_id, size)
+                w = pair[1]
+                w.values[w.n % size] = bwd
+                w.n += 1
+                compute += bwd
         if compute > 0:
             row.compute.add(compute)
 
