@@ -45,15 +45,19 @@ target of a tenth). Bounded: steps waiting for their last rank (`MAX_PENDING` pe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from mscale.daemon.jobs import JobState
 from mscale.daemon.keys import CONFIG, LINK, STATE
 from mscale.daemon.settings import StragglerSection
 from mscale.findings import Finding, Reason, Severity
+from mscale.link import StepReport
 
 SOURCE = "stragglers"
 COMPUTE = "compute"  # the rank-level figure's phase: its MPUs' forward + backward
+INF = math.inf
 MAX_PENDING = 64  # steps per job still waiting for a rank's report; older ones are dropped
 
 
@@ -148,12 +152,6 @@ class _JobBoard:
         return pair
 
 
-def _seconds(v: Any) -> float:
-    """A reported time that is not a float: an int as a float, anything else (absent, a
-    string, a bool) as 0.0, none."""
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
-
-
 class StragglerWatch:
     """The per-job comparison; `observe` is called for every step report a rank sends."""
 
@@ -163,15 +161,13 @@ class StragglerWatch:
         self.findings_total = 0
         self.steps_compared = 0
 
-    def observe(self, job: Any, rank: int, report: dict[str, Any]) -> None:
+    def observe(self, job: JobState, rank: int, report: StepReport) -> None:
         """O(1) per figure: the report's times go into the rank's rings; a verdict only every
         `evaluate_every_steps` whole steps."""
         cfg = self.config
         if not cfg.enabled:
             return
-        step = report.get("step")
-        if not isinstance(step, int):
-            return
+        step = report.step
         board = self.boards.get(job.job_id) or self.boards.setdefault(job.job_id, _JobBoard())
         if board.compared >= cfg.warmup_steps:  # the job's first steps are left out
             self._take(board, rank, report)
@@ -193,32 +189,23 @@ class StragglerWatch:
         if board.compared > cfg.warmup_steps and board.compared % cfg.evaluate_every_steps == 0:
             self._judge(job, board, step, live)
 
-    def _take(self, board: _JobBoard, rank: int, report: dict[str, Any]) -> None:
+    def _take(self, board: _JobBoard, rank: int, report: StepReport) -> None:
         """The report's figures into the rank's rings (a ring per figure, made on its first
         value). Inline, no call per figure: this runs for every report of every rank."""
         size = self.config.window_steps
         row = board.rows.get(rank) or board.row(rank, size)
-        mpus = report.get("mpus")
-        if not isinstance(mpus, dict):
-            return
         compute = 0.0
-        for mpu_id, m in mpus.items():
-            if not isinstance(m, dict):
-                continue
-            fwd, bwd = m.get("forward_s"), m.get("backward_s")
-            if fwd.__class__ is not float:  # (JSON gives floats; the rest is rare)
-                fwd = _seconds(fwd)
-            if bwd.__class__ is not float:
-                bwd = _seconds(bwd)
+        for mpu_id, m in report.mpus.items():
+            fwd, bwd = m.forward_s, m.backward_s
             pair = row.mpus.get(mpu_id)
-            if fwd > 0:  # (NaN is not)
+            if 0 < fwd < INF:  # (NaN, the job's "not measured", is not)
                 if pair is None:
                     pair = board.mpu(rank, row, mpu_id, size)
                 w = pair[0]
                 w.values[w.n % size] = fwd
                 w.n += 1
                 compute += fwd
-            if bwd > 0:
+            if 0 < bwd < INF:
                 if pair is None:
                     pair = board.mpu(rank, row, mpu_id, size)
                 w = pair[1]

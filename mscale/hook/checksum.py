@@ -42,6 +42,7 @@ passed to `emit`.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -59,6 +60,7 @@ from mscale.hook.checksum_config import (  # noqa: F401  (re-exported: the confi
     VERDICTS,
     ChecksumConfig,
 )
+from mscale.hook.commit import on
 from mscale.hook.coverage import Schedule
 from mscale.hook.linears import LinearKind, kind_of
 from mscale.hook.replay import compare, fresh_copies, rng_get, run_again
@@ -115,6 +117,10 @@ class _MpuChecks:
         self.ran, self.unresolved, self.replay = set(), False, None
 
 
+def _passes(resid: float, tol: float) -> bool:
+    return math.isfinite(resid) and abs(resid) <= tol
+
+
 # one check: (method, layer, dtype, value); value (residual, tolerance) as floats or a tensor
 # of 2 on the device. It fails when the residual is not finite or exceeds the tolerance.
 _Row = tuple[str, str, torch.dtype, Any]
@@ -142,29 +148,34 @@ class ChecksumDetector:
         self._mpus: dict[int, _MpuChecks] = {}
         self._by_id: dict[str, Any] = {}
         self._handles: list[Any] = []
+        self._zeros: dict[tuple, torch.Tensor] = {}  # a 0-d zero per (dtype, device): no allocation a check
         self._wcache: dict[int, tuple] = {}
         self._ones: dict[tuple, torch.Tensor] = {}
         self._bias_floats: dict[int, tuple[float, float]] = {}
         self._planned = -1  # the step planned last
-        self._committed = -1  # the step committed last
+        self._committed = -1  # the step packed last for the commit point
+        self._judged = -1  # the step judged last
+        self._packed: list[Any] = []  # the MPUs whose rows went into the step's commit point
         self.replaying = False
         self.readbacks = 0  # host reads of check results (tests count them per step)
         # seconds spent in ABFT (linear hooks + evaluation) and in replays; the Guard resets
         # them each step (benchmarks/hook_overhead.py reads them)
         self.abft_s = 0.0
         self.replay_s = 0.0
+        self._idle_s = 0.0  # this step's time in the hooks of layers not checked (charged at its end)
 
     def attach(self, mpu: Any) -> None:
-        linears = [(n or "<self>", m) for n, m in mpu.module.named_modules() if kind_of(m) is not None]
-        self._mpus[id(mpu)] = _MpuChecks({id(m): n for n, m in linears})
+        linears = [(n or "<self>", m, k) for n, m in mpu.module.named_modules() if (k := kind_of(m)) is not None]
+        self._mpus[id(mpu)] = _MpuChecks({id(m): n for n, m, _ in linears})
         self._by_id[mpu.mpu_id] = mpu
         self.schedule.add(mpu.mpu_id, [])  # layers join the rotation when first seen running
         if not self.config.abft:
             return
-        for _, m in linears:
-            self._handles.append(
-                m.register_forward_hook(lambda mod, args, out, mpu=mpu: self._linear(mpu, mod, args, out), prepend=True)
-            )
+        # Every checkable layer keeps its hook, checked this step or not: hooks registered
+        # later (a fault injector's, a user's, with prepend) keep their order around it. A layer
+        # not planned costs the hook's dispatch and an early return (a few microseconds).
+        for _, m, kind in linears:
+            self._handles.append(m.register_forward_hook(functools.partial(self._linear, mpu, kind), prepend=True))
 
     def detach(self) -> None:
         for h in self._handles:
@@ -196,6 +207,7 @@ class ChecksumDetector:
         b = self.budget
         self.schedule.plan(step, b.allowance_s(SOURCE), b.share * (b.step_s or 0.0))
         self._planned = step
+        self._committed = self._judged = -1  # a step re-run after a rollback commits again
         for st in self._mpus.values():
             st.reset()
 
@@ -208,26 +220,38 @@ class ChecksumDetector:
         if st.forwards == 1 and mpu.mpu_id in self.schedule.replays:
             st.replay = (rng_get(mpu.device), fresh_copies(args, kwargs))
 
-    def _linear(self, mpu: Any, module: nn.Module, args: tuple, out: Any) -> None:
-        kind = kind_of(module)
-        out = kind.output_of(out) if kind is not None else None
-        if self.replaying or not args or out is None or kind is None:
-            return
-        if torch._C._current_graph_task_id() != -1:
-            return  # the recomputation of a checkpointed forward, inside backward: checked once already
-        rot = self.schedule.mpus[mpu.mpu_id]
-        if id(module) not in rot.planned:
-            if id(module) in rot.seen:
-                return
-            rot.see(id(module), self._step())  # a layer first seen running is checked at once
-            rot.planned = rot.planned | {id(module)}
-        st = self._mpus.get(id(mpu))
-        if st is None:
-            return
+    def _linear(self, mpu: Any, kind: LinearKind, module: nn.Module, args: tuple, out: Any) -> None:
         t0 = time.perf_counter()
-        with self.budget.timer(SOURCE, out.device):
-            self._abft_sums(mpu, st, module, kind, args[0], out)
-        self.abft_s += time.perf_counter() - t0
+        rot = self.schedule.mpus[mpu.mpu_id]
+        if id(module) not in rot.planned and id(module) in rot.seen:
+            # not checked this step: the cheapest way out (most calls); its time is still the
+            # checks' (charged at the step's end: a charge per call would cost more than it)
+            self._idle_s += time.perf_counter() - t0
+            return
+        out = kind.output_of(out)
+        on_cpu = out is None or out.device.type == "cpu"
+        # the whole hook is the check's cost (host); on a device its kernels are timed by CUDA
+        # events and the host's launches go to "guard"
+        mark = self.budget.enter(SOURCE if on_cpu else "guard")
+        try:
+            if self.replaying or not args or out is None:
+                return
+            if torch._C._current_graph_task_id() != -1:
+                return  # the recomputation of a checkpointed forward, inside backward: checked once already
+            if id(module) not in rot.planned:
+                rot.see(id(module), self._step())  # a layer first seen running is checked at once
+                rot.planned = rot.planned | {id(module)}
+            st = self._mpus.get(id(mpu))
+            if st is None:
+                return
+            if on_cpu:
+                self._abft_sums(mpu, st, module, kind, args[0], out)
+            else:
+                with self.budget.timer(SOURCE, out.device):
+                    self._abft_sums(mpu, st, module, kind, args[0], out)
+        finally:
+            self.budget.leave(mark)
+            self.abft_s += time.perf_counter() - t0
 
     def _weight_sums(
         self, module: nn.Module, kind: LinearKind, acc: torch.dtype, cast: torch.dtype | None, floats: bool
@@ -249,7 +273,9 @@ class ChecksumDetector:
             wd = w.detach() if cast is None else w.detach().to(cast)
             bias = kind.bias_of(module)
             b = None if bias is None else (bias.detach() if cast is None else bias.detach().to(cast))
-            zero = torch.zeros((), dtype=acc, device=w.device)
+            zero = self._zeros.get((acc, w.device))
+            if zero is None:
+                zero = self._zeros[(acc, w.device)] = torch.zeros((), dtype=acc, device=w.device)
             # the sums over the output dimension: dim 0 of an (out, in) weight, 1 of an (in, out)
             red = 1 if kind.transposed else 0
             # the |W| sums every ABS_REFRESH steps (or after a change of storage/dtype)
@@ -435,32 +461,63 @@ class ChecksumDetector:
                 failures.append((Reason.CHECKSUM_FAILURE, "replay", detail))
         return failures
 
-    def commit(self, *, data_fault: bool = False) -> list[str]:
-        """The step's verdicts at the commit point (the optimizer step pre-hook): rows kept for
-        it read in one read-back, findings emitted, every MPU's step counted. Returns the ids
-        of the MPUs judged here (commit verdicts) whose step failed: the guard drops its update
-        (once per step; [] after)."""
-        step = self._step()
-        if self._committed == step:
-            return []
-        self._committed = step
+    def pack(self, point: Any, data_fault: torch.Tensor | None = None) -> None:
+        """At the commit point (the optimizer step pre-hook): the rows kept for it go into the
+        step's one read (mscale.hook.commit), and so do, still on the device, per MPU, whether
+        its kept rows failed (`checksum/failed`, one flag per MPU, none of them when the batch
+        was not finite: `data_fault`), what the step agreement carries to the other ranks."""
+        if self._committed == self._step():
+            return
+        self._committed, self._packed = self._step(), []
+        t0 = time.perf_counter()
         try:
-            return self._commit(data_fault)
+            with self.budget.timer(SOURCE):
+                tensors: list[torch.Tensor] = []
+                flags: list[Any] = []
+                for mpu in self._by_id.values():
+                    st = self._mpus[id(mpu)]
+                    mine = [r[3] for r in st.rows if isinstance(r[3], torch.Tensor)]
+                    flags.append(any(not _passes(*r[3]) for r in st.rows if not isinstance(r[3], torch.Tensor)))
+                    self._packed.append(mpu)
+                    if mine:
+                        rows = torch.stack([t.to(mine[0].device, torch.float64) for t in mine])  # residual, tolerance
+                        tensors.append(rows)
+                        flags[-1] = (~(torch.isfinite(rows[:, 0]) & (rows[:, 0].abs() <= rows[:, 1]))).any() | flags[-1]
+                dev = tensors[0].device if tensors else torch.device("cpu")
+                if tensors:
+                    point.put("checksum", torch.cat([t.to(dev) for t in tensors]))
+                failed = torch.stack([on(torch.as_tensor(f), dev) for f in flags])
+                if data_fault is not None:  # the batch was not finite (mscale.hook.inputs): no MPU to blame
+                    failed = failed * (1.0 - on(data_fault, dev))
+                point.put("checksum/failed", failed)
         except Exception:  # a detector bug must not stop training
             log.exception("checksum_error", where="commit")
-            return []
-
-    def _commit(self, data_fault: bool) -> list[str]:
-        if data_fault:  # the batch was not finite (mscale.hook.inputs): the kept checks blame no MPU
-            for mpu in self._by_id.values():
-                if self.commit_mode(mpu):
-                    self._mpus[id(mpu)].rows = []
-        t0 = time.perf_counter()
-        with self.budget.timer(SOURCE):
-            rows = [(mpu, r) for mpu in self._by_id.values() for r in self._mpus[id(mpu)].rows]
-            failures = self._judge([r for _, r in rows]) if rows else []
+            self._packed = []
         self.abft_s += time.perf_counter() - t0
-        if failures:  # blame: judge each MPU's rows again, from the values now on the host
+
+    def judge(self, point: Any, *, data_fault: bool = False) -> list[str]:
+        """After the read: the kept rows judged from their values, findings emitted, every MPU's
+        step counted. Returns the ids of the MPUs judged here (commit verdicts) whose step
+        failed: the guard drops its update and, with the fuse, re-runs the step (once per
+        step; [] after)."""
+        packed, self._packed = self._packed, []
+        if not packed and self._judged == self._committed:
+            return []
+        self._judged = self._committed
+        t0 = time.perf_counter()
+        try:
+            values = point.get("checksum") or []
+            self.readbacks += 1 if values else 0
+            off = 0
+            for mpu in packed:  # the kept tensors' values, in the order they were packed
+                st = self._mpus[id(mpu)]
+                rows: list[_Row] = []
+                for method, layer, dtype, v in st.rows:
+                    if isinstance(v, torch.Tensor):
+                        v, off = (values[off], values[off + 1]), off + 2
+                    rows.append((method, layer, dtype, v))
+                st.rows = [] if data_fault else rows
+            bad = []
             for mpu in self._by_id.values():
                 st = self._mpus[id(mpu)]
                 mine = self._judge(st.rows) if st.rows else []
@@ -468,20 +525,25 @@ class ChecksumDetector:
                     st.unresolved = True
                     st.failures.extend(mine)
                     self._report(mpu, mine)
-        bad = []
-        for mpu in self._by_id.values():
-            st = self._mpus[id(mpu)]
-            st.rows = []
-            mpu.last_checksum_ok = not st.unresolved
-            self._record(mpu, st)
-            if st.unresolved and self.commit_mode(mpu):
-                bad.append(mpu.mpu_id)
-        return bad
+                st.rows = []
+                mpu.last_checksum_ok = not st.unresolved
+                self._record(mpu, st)
+                if st.unresolved and self.commit_mode(mpu):
+                    bad.append(mpu.mpu_id)
+            return bad
+        except Exception:  # a detector bug must not stop training
+            log.exception("checksum_error", where="commit")
+            return []
+        finally:
+            self.abft_s += time.perf_counter() - t0
 
     def end_step(self, *, guard_s: float = 0.0) -> None:
         """At the step's end: the guard's own seconds (`guard_s`) charged, the budget's step
         closed, the measured cost per element checked taken for the next plans."""
         self.budget.charge("guard", guard_s)
+        self.budget.charge(SOURCE, self._idle_s)  # the hooks of the layers not checked
+        self.abft_s += self._idle_s
+        self._idle_s = 0.0
         self.budget.step_ended()
         self.schedule.measured(self.budget.last_spent_s.get(SOURCE, 0.0))
         for mpu in self._by_id.values():

@@ -7,10 +7,13 @@ per step in turn, so every parameter's gradient is checked once in `groups` step
 reads 1/groups of the gradients once. A post-accumulate-grad hook on each parameter of the
 group due takes the norm of its gradient when it is accumulated: before DDP's reducer copies it
 into a bucket for the all_reduce (the reducer's hook on the accumulator runs after the
-tensor's), so the norm is this rank's own gradient. The norm stays a tensor on the gradient's
+tensor's), so the norm is this rank's own gradient. With one rank there is no reduction to get
+ahead of: no hooks, the due group's norms are taken at the commit point in one foreach pass. The norm stays a tensor on the gradient's
 device: nothing is read back inside backward. At the commit point (the optimizer step's
-pre-hook, `on_step_decide`, ahead of the agreement) the step's norms are read back at once, and
-each is compared with the median of its own last `history` checked norms: more than `factor`
+pre-hook) the step's norms go into its one read (`on_commit`, mscale.hook.commit), with their
+verdict on the device, which the step agreement carries to the other ranks in its all-reduce;
+then (`on_step_decide`, ahead of the agreement's) each is compared with the median of its own
+last `history` checked norms: more than `factor`
 times that median once `warmup` of them are known is a GRADIENT_CORRUPTION finding (critical)
 naming the rank, the MPU and the tensor. (A non-finite norm is left to the guard's own
 non-finite path, which skips the batch; an outlier that comes back when its step is re-run is
@@ -39,6 +42,7 @@ from typing import Any
 import torch
 
 from mscale.findings import Finding, Reason, Severity
+from mscale.hook.commit import on
 from mscale.hook.weights import charge, split_by_bytes
 
 SOURCE = "gradients"
@@ -67,6 +71,8 @@ class GradCheck:
         self.reproduced: list[int] = []  # flagged steps whose re-run gave the same outlier: let through
         self.checks = 0
         self._handles: list[Any] = []
+        self._order: list[int] = []  # the indices of the norms put in the commit point, in order
+        self._point: Any = None
 
     def on_attach(self, guard: Any) -> None:
         self.guard = guard
@@ -95,23 +101,73 @@ class GradCheck:
         self._unhook()
         self.due = set(self.split[self.turn % len(self.split)])
         self.turn += 1
+        if getattr(self.guard, "world_size", 1) <= 1:
+            return  # one rank: no reduction to get ahead of; the norms are taken at the commit point
         for i in sorted(self.due):
             hook = self.params[i][2].register_post_accumulate_grad_hook(lambda p, i=i: self._accumulated(i, p))
             self._handles.append(hook)
 
     def _accumulated(self, i: int, p: torch.nn.Parameter) -> None:
-        if p.grad is not None:
-            self.norms[i] = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
+        # a hook from the autograd engine: its whole time is the check's (mscale.hook.budget)
+        budget = getattr(self.guard, "budget", None)
+        mark = budget.enter(SOURCE) if budget is not None else None
+        try:
+            if p.grad is not None:
+                self.norms[i] = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
+        finally:
+            if budget is not None and mark is not None:
+                budget.leave(mark)
+
+    def _norms_now(self) -> None:
+        """One rank: the due group's norms from the gradients as accumulated, in one foreach
+        pass per device at the commit point (no Python hook per parameter inside backward)."""
+        due = [(i, p.grad) for i in sorted(self.due) if (p := self.params[i][2]).grad is not None]
+        by_device: dict[Any, list[tuple[int, torch.Tensor]]] = {}
+        for i, g in due:
+            by_device.setdefault(g.device, []).append((i, g))
+        with torch.no_grad():
+            for items in by_device.values():
+                norms = torch._foreach_norm([g.detach() for _, g in items], 2, dtype=torch.float32)
+                self.norms.update(zip([i for i, _ in items], norms, strict=True))
+
+    def on_commit(self, point: Any) -> None:
+        """The step's norms go into the commit point's one read (mscale.hook.commit), with the
+        verdict the agreement carries to the other ranks, on the device: `gradients/bad`, 1 when
+        a norm is over `factor` times its median (known on the host from earlier steps)."""
+        if self.split and not self._handles and getattr(self.guard, "world_size", 1) <= 1:
+            t0 = time.perf_counter()
+            self._norms_now()  # one rank: taken here, not by hooks inside backward
+            charge(self.guard, SOURCE, t0)
+        self._order, self._point = sorted(self.norms), point
+        self.norms, norms = {}, self.norms
+        if not self._order:
+            return
+        t0 = time.perf_counter()
+        dev = norms[self._order[0]].device
+        values = torch.stack([norms[i].to(dev) for i in self._order])
+        point.put("gradients", values)
+        limits = [self._limit(i) for i in self._order]
+        if point.step in self.flagged:  # a flagged step's re-run: its outlier is let through (below)
+            limits = [math.inf] * len(limits)
+        over = torch.isfinite(values) & (values > on(torch.tensor(limits), dev).to(values.dtype))
+        point.put("gradients/bad", over.any().to(torch.float64))
+        charge(self.guard, SOURCE, t0)
+
+    def _limit(self, i: int) -> float:
+        seen = self.seen.get(i)
+        median = statistics.median(seen) if seen is not None and len(seen) >= self.warmup else math.nan
+        return self.factor * median if median > 0 else math.inf
 
     def on_step_decide(self, step: int) -> None:
-        norms, self.norms = self.norms, {}
-        if not norms:
+        order, point = self._order, self._point
+        self._order, self._point = [], None
+        values = point.get("gradients") if point is not None else None
+        if not order or values is None:
             return
         self.checks += 1
         t0 = time.perf_counter()
-        values = self._read(norms)
         bad = []
-        for i, v in values.items():
+        for i, v in zip(order, values, strict=True):
             seen = self.seen.setdefault(i, collections.deque(maxlen=self.history))
             median = statistics.median(seen) if len(seen) >= self.warmup else math.nan
             if math.isfinite(v) and median > 0 and v > self.factor * median:
@@ -127,17 +183,6 @@ class GradCheck:
         elif bad:
             self.flagged.append(step)
             self._corrupted(step, bad)
-
-    @staticmethod
-    def _read(norms: dict[int, torch.Tensor]) -> dict[int, float]:
-        """The norms as floats: one read-back per device."""
-        by_device: dict[Any, list[int]] = {}
-        for i, t in norms.items():
-            by_device.setdefault(t.device, []).append(i)
-        out: dict[int, float] = {}
-        for idx in by_device.values():
-            out.update(zip(idx, torch.stack([norms[i] for i in idx]).cpu().tolist(), strict=True))
-        return out
 
     def _corrupted(self, step: int, bad: list[tuple[int, float, float]]) -> None:
         g = self.guard

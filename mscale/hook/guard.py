@@ -40,12 +40,14 @@ from mscale.findings import Finding, Severity
 from mscale.hook.budget import Budget, StepTimes
 from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, loss_of, output_tensors
 from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics
+from mscale.hook.commit import CommitPoint, commit
 from mscale.hook.coverage import suspicions
 from mscale.hook.inputs import InputCheck
 from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
 from mscale.hook.plugin import HOOKS
 from mscale.hook.ranks import identify
+from mscale.hook.report import step_report
 
 log = structlog.get_logger("mscale.hook")
 
@@ -63,7 +65,8 @@ class Guard:
     - `job_id`, `rank`, `model`, `optimizer`, `mpus` (list of `Mpu`), `mpu(key)` by id or name
     - `current_step` (the step in progress, or the next one), `set_step(n)` after a restore
     - `checksum` (ChecksumDetector), `loss_detector` (LossDetector), `cmsa` (Cmsa or None)
-    - `emit(finding)`, `request_skip(reason)`, `rebind(mpu, gpu, ...)`, `send_to_agent(msg)`
+    - `emit(finding)`, `request_skip(reason)`, `request_rerun(reason)`, `rebind(mpu, gpu, ...)`,
+      `send_to_agent(msg)`, `commit_point` (the last step's verdicts, mscale.hook.commit)
     - `add_plugin(p)`, `plugins`, `plugin_errors`, `findings` (recent), `link` (or None)
     - `watch_scaler(scaler)`: end steps at the GradScaler's update (see the module docstring)
     - `fuse`, `snapshots`: the fuse plugin and SnapshotEngine `attach(snapshots=...)` added, or None
@@ -116,6 +119,9 @@ class Guard:
         self._losses: list[torch.Tensor | float] = []
         self.inputs = InputCheck(self.emit, self._losses)  # the batch checked before the first MPU
         self._skip_reason = ""
+        self._rerun_reason = ""  # a fault found at the commit point: re-run the step (request_rerun)
+        self._committed = -1  # the step whose commit point was read
+        self.commit_point: CommitPoint | None = None  # the last step's (mscale.hook.commit)
         self._step_findings: list[Finding] = []
         self._last: dict[str, Any] = {}
         self._mpu_by_module = {id(m.module): m for m in self.mpus}
@@ -182,6 +188,13 @@ class Guard:
         reacting to a finding before the optimizer step."""
         self._skip_reason = reason or "requested"
 
+    def request_rerun(self, reason: str) -> None:
+        """Drop this step's update and, with the fuse (`snapshots=`), re-run the step on the same
+        batch: the fuse's rollback that keeps the batch (FusePlugin.rerun_step), after the
+        agreement, on every rank alike. Without the fuse the update is only dropped."""
+        self.request_skip(self._skip_reason or reason)
+        self._rerun_reason = self._rerun_reason or reason or "requested"
+
     def rebind(
         self, mpu: Mpu | str, gpu: int, *, gpu_uuid: str | None = None, device: torch.device | str | None = None
     ) -> Mpu:
@@ -230,14 +243,16 @@ class Guard:
         scaler.update = update  # on the instance; detach() deletes it, uncovering the class's
         self._scaler, self._scaler_patch = scaler, update
 
-    def registration(self) -> dict:
-        return protocol.register(
+    def registration(self) -> protocol.Register:
+        return protocol.Register(
             job_id=self.job_id,
-            **{"rank": self.rank, "local_rank": self.local_rank, "world_size": self.world_size},
+            rank=self.rank,
             pid=os.getpid(),
             step=self.current_step,
-            mpus=[m.describe() for m in self.mpus],
-            pod=protocol.pod_from_env(),
+            mpus=tuple(m.describe() for m in self.mpus),
+            local_rank=self.local_rank,
+            world_size=self.world_size,
+            pod=protocol.Pod.from_env(),
         )
 
     def observe(self, loss: torch.Tensor | float) -> None:
@@ -266,14 +281,14 @@ class Guard:
             command = self._commands.popleft()
             n += 1
             if command.get("type") == protocol.Command.PING:
-                self.send_to_agent(protocol.pong(command.get("id")))
+                self.send_to_agent(protocol.Pong(command.get("id")).to_wire())
                 continue
             for mpu_id, why in suspicions(command, self.mpus):
                 self.checksum.suspect(mpu_id, why)  # the agent's GPU finding on an MPU's GPU
             for p in list(self.plugins):
                 reply = self._call(p, "on_command", command)
                 if isinstance(reply, dict) and self.link is not None:
-                    self.link.send(protocol.reply(command.get("id"), reply))
+                    self.link.send(protocol.Reply(command.get("id"), reply).to_wire())
         return n
 
     def detach(self) -> None:
@@ -298,18 +313,40 @@ class Guard:
 
     # --- hooks -----------------------------------------------------------------------
 
+    def _entry(self, fn: Any) -> Any:
+        """`fn` as an entry point torch calls: its whole host time is charged to the budget
+        ("guard", less what was charged inside it: mscale.hook.budget), so the measured overhead
+        is everything the guard and its plugins do, not only the checks."""
+        budget = self.budget
+
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            mark = budget.enter("guard")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                budget.leave(mark)
+
+        return entry
+
     def _install(self) -> None:
-        self._handles.append(self.model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(self._model_post))
+        entry = self._entry
+        self._handles.append(self.model.register_forward_pre_hook(entry(self._model_pre), with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(entry(self._model_post)))
         for m in self.mpus:
-            self._handles.append(m.module.register_forward_pre_hook(self._mpu_pre, with_kwargs=True))
-            self._handles.append(m.module.register_forward_hook(self._mpu_post, with_kwargs=True))
-            for p in m.parameters():
-                self._handles.append(p.register_post_accumulate_grad_hook(lambda _p, m=m: m._mark_backward_end()))
+            self._handles.append(m.module.register_forward_pre_hook(entry(self._mpu_pre), with_kwargs=True))
+            self._handles.append(m.module.register_forward_hook(entry(self._mpu_post), with_kwargs=True))
+            # the MPU's backward ends when its first parameter (in module order: the one its
+            # forward uses first, so the last its backward reaches) has its gradient; one hook
+            # per MPU, not one per parameter (a Python call from the autograd engine each)
+            first = next(iter(m.parameters()), None)
+            if first is not None:
+                self._handles.append(
+                    first.register_post_accumulate_grad_hook(entry(lambda _p, m=m: m._mark_backward_end()))
+                )
             self.checksum.attach(m)
         if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_pre_hook(lambda opt, a, k: self._pre_step()))
-            self._handles.append(self.optimizer.register_step_post_hook(lambda opt, a, k: self._post_step()))
+            self._handles.append(self.optimizer.register_step_pre_hook(entry(lambda opt, a, k: self._pre_step())))
+            self._handles.append(self.optimizer.register_step_post_hook(entry(lambda opt, a, k: self._post_step())))
 
     def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if module.training and not self.checksum.replaying:
@@ -325,12 +362,14 @@ class Guard:
             self._losses.append(loss.detach())
 
     def _begin_step(self, batch: ModelInputs) -> None:
+        self.budget.step_began()  # the step the budget is a share of starts here
         self.poll_commands()  # between steps: plugins may rebind or restore before this one
         self._in_step = True
         self.times.reset()
         self.checksum.abft_s = self.checksum.replay_s = 0.0
         # (findings made between steps, e.g. by commands polled after the last report, stay queued)
-        self._skip_reason = ""
+        self._skip_reason = self._rerun_reason = ""
+        self._committed = -1  # a step re-run after a rollback commits again
         for m in self.mpus:
             m._reset_step()
         self.checksum.begin_step()  # this step's checks, within the budget
@@ -369,12 +408,17 @@ class Guard:
         if torch.is_grad_enabled():
             for t in output_tensors(output):
                 if t.requires_grad:
-                    t.register_hook(lambda g, m=m: m._mark_backward_start())
+                    t.register_hook(self._entry(lambda g, m=m: m._mark_backward_start()))
         return replaced
 
     def _pre_step(self) -> None:
-        self._commit_checks()
+        self._commit_checks(plugins=True)  # the one read, the agreement's all-reduce in it
         self._dispatch("on_step_decide", self.current_step)  # before the statistics: see mscale.hook.agree
+        if self._rerun_reason and self.fuse is not None:
+            try:  # a fault found at the commit point: the step re-run on the same batch
+                self.fuse.rerun_step(self._rerun_reason)
+            except Exception as e:
+                self.log.exception("guard_error", where="rerun", error=str(e))
         try:
             self._statistics()
         except Exception as e:
@@ -465,12 +509,12 @@ class Guard:
             "clipped": {},
         }
 
-    def _commit_checks(self) -> None:
-        """The checks' verdicts, read once a step (the commit point); a failure judged here
-        (commit verdicts: nothing read inside the step, no re-run in it) drops the update."""
-        late = self.checksum.commit(data_fault=self.inputs.bad())
-        if late and self.optimizer is not None and not self._skip_reason:
-            self._skip_reason = f"checksum failed at the commit point: MPU {', '.join(late)}"
+    def _commit_checks(self, *, plugins: bool = False) -> None:
+        """The commit point, once a step (mscale.hook.commit.commit: the one read; a failure
+        judged there drops the update on every rank and asks for a re-run)."""
+        if self._committed != self.current_step:
+            self._committed = self.current_step
+            self.commit_point = commit(self, plugins=plugins)
 
     def _end_step(self) -> None:
         self._commit_checks()
@@ -492,8 +536,7 @@ class Guard:
                 self.log.exception("report_error", error=str(e))
         self._step_findings = []  # reported (or no link): the next report starts afresh
         self.times.report_s += time.perf_counter() - t1
-        t = self.times  # the guard's own work; plugins charge theirs (guard.budget.charge)
-        self.checksum.end_step(guard_s=t.hooks_s + t.grad_stats_s + t.loss_s + t.cmsa_s + t.report_s)
+        self.checksum.end_step()  # (the guard's own work is charged by its entry points: _entry)
         self._last.update(checksum=self.checksum.figures(), guard_overhead_ratio=self.budget.overhead_ratio)
         self._losses.clear()
         self._in_step = False
@@ -513,42 +556,25 @@ class Guard:
             return None
         if len(self._losses) == 1:
             return float(self._losses[0])
+        if all(isinstance(v, float) for v in self._losses):  # read at the commit point
+            return math.fsum(self._losses) / len(self._losses)
         # several forwards (gradient accumulation): one read-back for all their losses
         vals = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in self._losses]
         if len({v.device for v in vals}) == 1:
             return torch.stack([v.reshape(()).to(torch.float64) for v in vals]).mean().item()
         return sum(float(v) for v in vals) / len(vals)
 
-    def _report(self) -> dict:
-        last, mpus, figures = self._last, {}, self.checksum.figures()
-        for m in self.mpus:
-            mpus[m.mpu_id] = {
-                "forward_s": m.forward_s,
-                "backward_s": m.backward_s,
-                "grad_norm": protocol.number(m.grad_norm),
-                "gvc": protocol.number(m.gvc),
-                "checksum_ok": m.last_checksum_ok,
-                "checksum_consecutive_failures": m.consecutive_failures,
-                "checksum_failures_total": m.checksum_failures_total,
-                **{f"checksum_{k}": figures[m.mpu_id][k] for k in ("coverage_ratio", "max_gap_steps")},
-                "clip_ratio": self.cmsa.clip_ratio(m.mpu_id) if self.cmsa else 0.0,
-                "distill_share": protocol.number(m.distill_share),  # the fuse's L3 term (0 when none)
-                "clipped": bool(last.get("clipped", {}).get(m.mpu_id, False)),
-                "gpu": m.gpu,
-                "fuse_level": m.fuse_level,
-                **m.memory(),
-            }
-        return {
-            "step": self.current_step,
-            "time": last.get("time", time.time()),
-            "loss": protocol.number(last.get("loss")),  # what the model returned: L3 adds its term (fuse)
-            "task_loss": protocol.number(last.get("loss")),
-            "grad_norm": protocol.number(last.get("grad_norm")),
-            "skipped": bool(self._skip_reason),
-            "guard_overhead_ratio": self.budget.overhead_ratio,
-            "mpus": mpus,
-            "findings": [f.to_dict() for f in self._step_findings],
-        }
+    def _report(self) -> protocol.StepReport:
+        return step_report(
+            step=self.current_step,
+            last=self._last,
+            mpus=self.mpus,
+            figures=self.checksum.figures(),
+            cmsa=self.cmsa,
+            skipped=bool(self._skip_reason),
+            overhead_ratio=self.budget.overhead_ratio,
+            findings=self._step_findings,
+        )
 
     def _dispatch(self, hook: str, *args: Any) -> None:
         for p in list(self.plugins):

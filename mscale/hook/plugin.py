@@ -11,10 +11,15 @@ fuse). Calls happen in the training thread, in this order for each step:
                                    after each MPU forward and its checksums (not for the
                                    checksum's own replays); return a value to replace the
                                    MPU's output (the fuse's re-run)
+    on_commit(point)               at the optimizer's step pre-hook, first: put this step's
+                                   device verdicts in the commit point (mscale.hook.commit),
+                                   read back with every other verdict in one read, after the
+                                   agreement's all-reduce (nothing may be read here)
     on_step_decide(step)           at the optimizer's step pre-hook, before the gradient
                                    statistics and the loss detector: where the ranks agree on
                                    the step (mscale.hook.agree; a collective, so every rank's
-                                   guard calls it once per optimizer step)
+                                   guard calls it once per optimizer step); the values put
+                                   in `on_commit` are in `guard.commit_point` (`get(key)`)
     on_finding(finding)            as each finding is made: checksums inside the forward,
                                    loss and gradient statistics in the optimizer's step
                                    pre-hook (before the update; at scaler.update() for a
@@ -25,8 +30,8 @@ fuse). Calls happen in the training thread, in this order for each step:
                                    NaN stays NaN. A plugin that restores a snapshot here calls
                                    guard.set_step(n) and the guard runs step n next
     on_report(report)              after every plugin's on_step_end, with the step report the
-                                   guard sends the agent (mscale.link STEP_FIELDS): a plugin
-                                   may add its fields (mscale.hook.goodput adds "seconds")
+                                   guard sends the agent (a mscale.link.StepReport): a plugin
+                                   may set its fields (mscale.hook.goodput sets `seconds`)
     on_command(command) -> dict | None
                                    commands from the agent, dispatched between steps (never
                                    mid-step); a returned dict is sent back as the reply
@@ -50,11 +55,13 @@ if TYPE_CHECKING:
     from mscale.findings import Finding
     from mscale.hook.guard import Guard, ModelInputs
     from mscale.hook.mpu import Mpu
+    from mscale.link import StepReport
 
 HOOKS: tuple[str, ...] = (
     "on_attach",
     "on_step_begin",
     "on_mpu_output",
+    "on_commit",
     "on_step_decide",
     "on_finding",
     "on_step_end",
@@ -73,13 +80,15 @@ class Plugin(Protocol):
 
     def on_mpu_output(self, mpu: Mpu, inputs: ModelInputs, output: Any) -> Any: ...
 
+    def on_commit(self, point: Any) -> None: ...
+
     def on_step_decide(self, step: int) -> None: ...
 
     def on_finding(self, finding: Finding) -> None: ...
 
     def on_step_end(self, step: int, loss: float | None) -> None: ...
 
-    def on_report(self, report: dict) -> None: ...
+    def on_report(self, report: StepReport) -> None: ...
 
     def on_command(self, command: dict) -> dict | None: ...
 
