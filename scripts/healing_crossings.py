@@ -93,7 +93,7 @@ async def main() -> None:
         count = Crossings()
         sys.setprofile(count)
         try:
-            (out,) = await service.alerts(app, [a], source="alertmanager")
+            (out,) = [o async for o in service.alerts(app, [a], source="alertmanager")]
         finally:
             sys.setprofile(None)
         data = {k: n for k, n in count.down.items() if "__create_fn__" in k}

@@ -140,3 +140,47 @@ def test_a_persistent_fault_at_the_commit_point_escalates_and_the_step_runs_on_t
     assert vision.gpu != gpu and vision.fuse_level == "l1_swapped"
     rolled = guard.fuse.states["rollback"].rollbacks
     assert [(x["step"], x["to"]) for x in rolled] == [(FAULT_AT, FAULT_AT - 1)] * 3
+
+
+@pytest.mark.usefixtures("_quiet")
+def test_a_step_failing_at_the_commit_point_is_re_run_at_most_max_step_reruns_times() -> None:
+    """A fault that follows the vision MPU through every level, on every run of step 3: the
+    step is re-run MAX_STEP_RERUNS times (the fuse escalating meanwhile), then its update stays
+    dropped and training goes on with the next batch."""
+    from mscale.hook.fuse import MAX_STEP_RERUNS
+
+    torch.manual_seed(0)
+    cfg = TinyConfig()
+    model = TinyMultimodal(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = mscale.ResumableLoader(SyntheticCaptions(cfg, size=64, seed=0), batch_size=2, seed=0)
+    guard = mscale.attach(
+        model,
+        opt,
+        job_id="limit",
+        connect=False,
+        checksum=mscale.ChecksumConfig(full=True, verdicts="commit"),
+        snapshots=mscale.SnapshotConfig(memory_every=1),
+        data=loader,
+    )
+    consumed: list[tuple[int, list[int]]] = []
+    batches = iter(loader)
+    injector = None
+    try:
+        for _ in range(30):
+            if guard.current_step >= 5:
+                break
+            if guard.current_step == FAULT_AT and injector is None:
+                injector = inject(guard, kind="mantissa_flip", mpu="vision", steps=1, element="max")
+            b = next(batches)
+            consumed.append((guard.current_step, b["index"].tolist()))
+            model(b["images"], b["tokens"])["loss"].backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        guard.detach()
+    runs = [ids for step, ids in consumed if step == FAULT_AT]
+    assert len(runs) == 1 + MAX_STEP_RERUNS and all(ids == runs[0] for ids in runs)
+    after = [ids for step, ids in consumed if step == FAULT_AT + 1]
+    assert len(after) == 1 and after[0] != runs[0]  # the next batch: training went on
+    assert [s for s, _ in consumed] == [0, 1, 2] + [FAULT_AT] * (1 + MAX_STEP_RERUNS) + [4]

@@ -18,6 +18,7 @@ from mscale.daemon.app import new_state
 from mscale.daemon.jobs import JobState
 from mscale.daemon.settings import HttpSection
 from mscale.exporters import make_registry
+from mscale.link import Register
 from support.link_agent import Agent, RawLink, metric
 
 MPUS = [{"mpu_id": f"{m:03d}", "name": f"mpu{m}", "gpu": m % 8} for m in range(8)]
@@ -29,7 +30,11 @@ def state_with(jobs: dict[str, int], ranks: int = 2):
     for job_id, uid in jobs.items():
         job = JobState(job_id=job_id, uid=uid)
         for r in range(ranks):
-            job.register({"rank": r, "pid": 100 + r, "step": 0, "local_rank": r, "mpus": MPUS})
+            job.register(
+                Register.from_wire(
+                    {"job_id": job_id, "rank": r, "pid": 100 + r, "step": 0, "local_rank": r, "mpus": MPUS}
+                )
+            )
             job.ranks[r] = 100 + r
         state.jobs[job_id] = job
     return state

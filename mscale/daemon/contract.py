@@ -1,7 +1,7 @@
 """The agent's side of resource contracts: plans and MSRP from jobs, compliance checks, the API.
 
 A job whose contract is in force sends its plan over the link ({"type": "contract"},
-mscale.link.validate_contract) and, with MSRP on, its measured profiles ({"type": "msrp"}).
+mscale.link.Contract.from_wire) and, with MSRP on, its measured profiles ({"type": "msrp"}).
 Every `contract.check_interval_s` (and at once when a plan arrives) the agent reads the job's
 tasks in /proc (mscale.daemon.compliance, in a worker thread under `contract.check_timeout_s`)
 and publishes an immutable `ContractSnapshot` at state.snapshots["contract"], which the

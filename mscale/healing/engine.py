@@ -6,8 +6,12 @@ in the agent, `mscale.daemon.healing` feeds it the node's findings and alerts an
 decisions to jobs as commands. Both keep the same books: per-MPU fuse state machines, the
 dedup ledger, counters for `mscale_heal_actions_total` and `mpu_drift_count_total`.
 
+In the agent there is one way through: `plan(cond, view)` takes the condition and the node's
+view (mscale.healing.view) and returns the plan (mscale.healing.decision.Plan: each decision
+with its command and the ranks it goes to), which the agent carries out and books in one call
+(`book`); the engine never calls the agent back. The fuse uses `decide` with its own targets.
 The policy is matched once per condition (`match`); `decide` and `resolve` take the rule so
-a caller that looked at it first (the agent's service) does not match again. What the engine
+a caller that looked at it first does not match again. What the engine
 does with an action (once per job or per MPU, rate limit and escalation, drift count, a job's
 cooling window) comes from the action's spec (mscale.healing.actions), never its name.
 
@@ -18,8 +22,10 @@ In-process conditions carry an `occurrence` instead (the fuse's step count, or a
 stretch of an MPU at one placement): a trigger in a later occurrence is new evidence that the
 last action did not cure the fault, so it escalates instead of being dropped.
 
-The books stay bounded whatever arrives (mscale.healing.ledger): the dedup ledger keeps an
-entry for `dedup_window_s` and at most ACTED_CAP entries (oldest evicted first), the
+The books stay bounded whatever arrives (mscale.healing.ledger): the one dedup ledger holds
+the faults acted on (a duplicate for `dedup_window_s`) and the alerts acted on (their
+fingerprint and start: a duplicate for ALERT_TTL_S), at most ACTED_CAP entries (oldest
+evicted first, expired after the longer of the two), the
 occurrence ledger at most ACTED_CAP, the recent decisions the last RECENT; each costs O(1)
 per condition, however long the agent has run. A caller with an action budget passes it to
 `decide_within`: the budget counts actions, not conditions.

@@ -48,8 +48,8 @@ from mscale.healing.policy import Policy, Rule
 from mscale.healing.settings import HealingSection
 from mscale.healing.words import Result, TargetKind
 from mscale.hook import actions as executors
+from mscale.hook.actions import rollback  # rerun_step goes through it, with a reason that keeps the batch
 from mscale.hook.actions.base import ActionFailed
-from mscale.hook.actions.rollback import COMMIT_FAILURE  # rerun_step's reason: it keeps the batch
 
 log = structlog.get_logger("mscale.fuse")
 SOURCE = "fuse"
@@ -128,7 +128,7 @@ class FusePlugin:
         restored after the step, the steps since re-run. A rollback already pending decides
         alone. One step is re-run at most MAX_STEP_RERUNS times in a row; after that its update
         stays dropped and training goes on with the next batch (logged: step_not_rerun)."""
-        state = self.states.get("rollback")
+        state = self.states.get(rollback.EXECUTOR.name)
         if state is None:
             return Result.NOOP
         step = self.guard.current_step
@@ -143,7 +143,7 @@ class FusePlugin:
             return Result.FAILED  # not re-run: the update stays dropped (logged above)
         if state.pending is not None:
             return Result.NOOP
-        spec = actions.get("rollback")
+        spec = rollback.EXECUTOR.spec
         level = self._engine.job(self.guard.job_id).level
         d = Decision(
             "commit_point",
@@ -151,7 +151,7 @@ class FusePlugin:
             spec.level,
             Target(self.guard.job_id),
             level,
-            COMMIT_FAILURE,
+            rollback.COMMIT_FAILURE,
             why,
             step,
             self.clock(),
