@@ -6,20 +6,23 @@ the same path without it, in the same run.
 Two real agent apps (`create_app`, not served): one with the link only, one with the link and
 the straggler watch. Each round feeds both the same --steps steps of all 8 ranks, as frames
 the link takes them: decoded and validated (mscale.link), then applied by the link server's
-report handler (state, findings, observers), in alternating order; the figure is the CPU time
-of each arm. The verdict is on the median over --rounds of (with / without - 1), the added
+report handler (state, findings, observers). The arms take turns step by step (the 8 reports
+of one step to each arm, the arms' order cycling through every permutation), so that a
+neighbour's burst on this shared machine, or the caches it leaves cold, falls on all arms
+alike; the figure is each arm's CPU time summed over the round. The verdict is on the median over --rounds of (with / without - 1), the added
 fraction, at most TARGET (the link's path here is without the websocket and aiohttp layers,
 which the comparison does not touch, so the real fraction is smaller); also printed: the added
 CPU in % of one core with 8 ranks at STEPS_PER_S steps a second; the control is the bare arm against a second bare arm, interleaved
 the same way (truly 1.00): when it strays further than the effect's distance from the target,
 "inconclusive".
 
-    .venv/bin/python benchmarks/straggler_overhead.py [--steps 200] [--rounds 7] [--json PATH] [--strict]
+    .venv/bin/python benchmarks/straggler_overhead.py [--steps 300] [--rounds 15] [--json PATH] [--strict]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import sys
@@ -82,8 +85,8 @@ def feed(link, job, batch: list[tuple[int, str]]) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=200, help="steps of all 8 ranks per round and arm")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=300, help="steps of all 8 ranks per round and arm")
+    ap.add_argument("--rounds", type=int, default=15)
     add_json_arg(ap)
     ap.add_argument("--strict", action="store_true", help="exit 1 when the target is missed")
     args = ap.parse_args()
@@ -93,15 +96,18 @@ def main() -> int:
         "without (control)": agent(bare),
         "with": agent((*bare, "mscale.daemon.stragglers")),
     }
+    orders = list(itertools.permutations(arms))
     times: dict[str, list[float]] = {k: [] for k in arms}
     for i in range(args.rounds + 1):  # round 0 warms up (the windows fill), not counted
         batch = frames(args.steps, i * args.steps, seed=i)
-        order = list(arms) if i % 2 == 0 else list(reversed(arms))
-        for name in order:
-            link, job = arms[name]
-            dt = feed(link, job, batch)
-            if i:
-                times[name].append(dt)
+        spent = dict.fromkeys(arms, 0.0)
+        for s in range(args.steps):
+            step = batch[s * RANKS : (s + 1) * RANKS]
+            for name in orders[(i * args.steps + s) % len(orders)]:
+                spent[name] += feed(*arms[name], step)
+        if i:
+            for name in arms:
+                times[name].append(spent[name])
     watch = arms["with"][0].state.snapshots["stragglers"]
     assert watch.steps_compared == (args.rounds + 1) * args.steps, "every step must have been compared"
     rep = Report("straggler_overhead", args.json)

@@ -8,10 +8,11 @@ library measures them per rank and reports them every step), and the rank's comp
 the sum of its MPUs' forward and backward times.
 
 The figures are the rank's `compute` and each MPU's `forward` and `backward`. For each, every
-rank keeps its last `stragglers.window_steps` (20) values, and at each step that every live
-rank of the job on this node has reported (at least `stragglers.min_ranks`; older steps still
-missing a rank are then dropped) the agent takes each rank's level x, the lower quartile of its
-window (`stragglers.quantile`, 0.25), and the median m of the other ranks' levels:
+rank keeps its last `stragglers.window_steps` (20) values in a fixed ring, written as its report
+comes. A step counts as compared once every live rank of the job on this node has reported it
+(at least `stragglers.min_ranks`; older steps still missing a rank are then dropped), and at a
+verdict the agent takes each rank's level x, the lower quartile of its window
+(`stragglers.quantile`, 0.25), and the median m of the other ranks' levels:
 
     ratio = x / m        straggler: ratio >= stragglers.ratio (1.5)
                          and x - m >= stragglers.min_excess_s (5 ms: timing noise of small MPUs)
@@ -34,16 +35,17 @@ Metrics: mscale.exporters.stragglers, over the immutable `StragglerView` that th
 in `state.snapshots["stragglers"]`, builds at scrape time. Across nodes Prometheus compares the
 per-rank series with recording rules (mscale/rules/recording.py), since it sees every node.
 
-Cost per compared step: an append per rank and figure; per verdict one sort of `window_steps`
-values per rank and figure and one of the ranks' levels per figure
-(benchmarks/straggler_overhead.py). Bounded: steps waiting
-for their last rank (`MAX_PENDING` per job), jobs (those in state.jobs).
+Cost per report: one slot written per figure (no allocation, no sort); per step a set of the
+ranks that reported it; per verdict one sort of `window_steps` values per rank and figure and
+one of the ranks' levels per figure, the median of the others read off the sorted levels of
+all (benchmarks/straggler_overhead.py: the added cost on the agent's report path, against the
+target of a tenth). Bounded: steps waiting for their last rank (`MAX_PENDING` per job), jobs
+(those in state.jobs), a window per rank and figure.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +57,7 @@ from mscale.link import StepReport
 
 SOURCE = "stragglers"
 COMPUTE = "compute"  # the rank-level figure's phase: its MPUs' forward + backward
+INF = math.inf
 MAX_PENDING = 64  # steps per job still waiting for a rank's report; older ones are dropped
 
 
@@ -83,49 +86,70 @@ class StragglerView:
     steps_compared: int = 0
 
 
-@dataclass
 class _Window:
-    values: deque[float] = field(default_factory=deque)
-    level: float = 0.0  # the window's quantile, as of the last verdict
-    ratio: float = 1.0
-    since_step: int | None = None
+    """A fixed ring of the figure's last `size` values: a report writes one slot, nothing is
+    allocated or sorted until a verdict."""
 
-    def add(self, seconds: float, size: int) -> None:
-        self.values.append(seconds)
-        if len(self.values) > size:
-            self.values.popleft()
+    __slots__ = ("rank", "values", "n", "level", "ratio", "since_step")
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank = rank
+        self.values = [0.0] * size
+        self.n = 0  # values written, ever; the ring is full once n >= size
+        self.level = 0.0  # the window's quantile, as of the last verdict
+        self.ratio = 1.0
+        self.since_step: int | None = None
+
+    def add(self, seconds: float) -> None:
+        self.values[self.n % len(self.values)] = seconds
+        self.n += 1
+
+    def full(self) -> bool:
+        return self.n >= len(self.values)
 
 
-def median_without(levels: list[float], i: int) -> float:
-    """The median of sorted `levels` with the one at index i left out."""
+def median_without(levels: list[float], x: float) -> float:
+    """The median of sorted `levels` with one value x (one of them) left out: the middle of
+    the others is the middle of all, shifted by one on x's side. Compared by value: where x
+    ties with the middle, either copy may go, the rest is the same."""
     n = len(levels) - 1
     k = n // 2
-    hi = levels[k] if k < i else levels[k + 1]
+    hi = levels[k + 1] if x <= levels[k] else levels[k]
     if n % 2:
         return hi
-    lo = levels[k - 1] if k - 1 < i else levels[k]
+    lo = levels[k] if x <= levels[k - 1] else levels[k - 1]
     return (lo + hi) / 2
+
+
+class _Row:
+    """One rank's windows: its compute, and each MPU's (forward, backward)."""
+
+    __slots__ = ("compute", "mpus", "figures")
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.compute = _Window(rank, size)
+        self.mpus: dict[str, tuple[_Window, _Window]] = {}
+        self.figures: list[tuple[tuple[str, str], _Window]] = [(("", COMPUTE), self.compute)]
 
 
 @dataclass
 class _JobBoard:
-    pending: dict[int, dict[int, dict[tuple[str, str], float]]] = field(default_factory=dict)
-    windows: dict[tuple[int, str, str], _Window] = field(default_factory=dict)
+    pending: dict[int, set[int]] = field(default_factory=dict)  # step -> the ranks that reported it
+    rows: dict[int, _Row] = field(default_factory=dict)
+    windows: dict[tuple[int, str, str], _Window] = field(default_factory=dict)  # the same, for the view
     compared: int = 0
 
+    def row(self, rank: int, size: int) -> _Row:
+        row = self.rows[rank] = _Row(rank, size)
+        self.windows[(rank, "", COMPUTE)] = row.compute
+        return row
 
-def figures(report: StepReport) -> dict[tuple[str, str], float]:
-    """The figures of one step report: (mpu_id, phase) -> seconds, and ("", compute)."""
-    out: dict[tuple[str, str], float] = {}
-    compute = 0.0
-    for mpu_id, m in report.mpus.items():
-        for phase, v in (("forward", m.forward_s), ("backward", m.backward_s)):
-            if math.isfinite(v) and v > 0:
-                out[(mpu_id, phase)] = v
-                compute += v
-    if compute > 0:
-        out[("", COMPUTE)] = compute
-    return out
+    def mpu(self, rank: int, row: _Row, mpu_id: str, size: int) -> tuple[_Window, _Window]:
+        pair = row.mpus[mpu_id] = (_Window(rank, size), _Window(rank, size))
+        for phase, w in (("forward", pair[0]), ("backward", pair[1])):
+            self.windows[(rank, mpu_id, phase)] = w
+            row.figures.append(((mpu_id, phase), w))
+        return pair
 
 
 class StragglerWatch:
@@ -138,56 +162,87 @@ class StragglerWatch:
         self.steps_compared = 0
 
     def observe(self, job: JobState, rank: int, report: StepReport) -> None:
-        if not self.config.enabled:
+        """O(1) per figure: the report's times go into the rank's rings; a verdict only every
+        `evaluate_every_steps` whole steps."""
+        cfg = self.config
+        if not cfg.enabled:
             return
         step = report.step
         board = self.boards.get(job.job_id) or self.boards.setdefault(job.job_id, _JobBoard())
-        by_rank = board.pending.get(step)
-        if by_rank is None:
-            by_rank = board.pending[step] = {}
+        if board.compared >= cfg.warmup_steps:  # the job's first steps are left out
+            self._take(board, rank, report)
+        seen = board.pending.get(step)
+        if seen is None:
+            seen = board.pending[step] = set()
             if len(board.pending) > MAX_PENDING:
                 del board.pending[min(board.pending)]
-        by_rank[rank] = figures(report)
+        seen.add(rank)
         live = job.ranks.keys() or {rank}
-        if len(live) < self.config.min_ranks or not live <= by_rank.keys():
+        if len(seen) < len(live) or len(live) < cfg.min_ranks or not live <= seen:
             return  # (a step still missing a rank that left is dropped with the next whole one)
         del board.pending[step]
-        self._compare(job, board, step, {r: by_rank[r] for r in live})
-        for old in [p for p in board.pending if p < step]:  # a rank that joined late: never whole
-            del board.pending[old]
-
-    def _compare(self, job: Any, board: _JobBoard, step: int, by_rank: dict[int, dict[tuple[str, str], float]]) -> None:
-        cfg = self.config
+        if board.pending:
+            for old in [p for p in board.pending if p < step]:  # a rank that joined late: never whole
+                del board.pending[old]
         self.steps_compared += 1
         board.compared += 1
-        if board.compared <= cfg.warmup_steps:
-            return
-        judge = board.compared % cfg.evaluate_every_steps == 0
-        keys = set().union(*(f.keys() for f in by_rank.values()))
-        for key in sorted(keys):
-            windows = []
-            for r, f in by_rank.items():
-                k = (r, *key)
-                w = board.windows.get(k) or board.windows.setdefault(k, _Window())
-                if key in f:
-                    w.add(f[key], cfg.window_steps)
-                if judge and len(w.values) >= cfg.window_steps:
-                    w.level = sorted(w.values)[int(cfg.quantile * (len(w.values) - 1))]
-                    windows.append((w.level, r, w))
+        if board.compared > cfg.warmup_steps and board.compared % cfg.evaluate_every_steps == 0:
+            self._judge(job, board, step, live)
+
+    def _take(self, board: _JobBoard, rank: int, report: StepReport) -> None:
+        """The report's figures into the rank's rings (a ring per figure, made on its first
+        value). Inline, no call per figure: this runs for every report of every rank."""
+        size = self.config.window_steps
+        row = board.rows.get(rank) or board.row(rank, size)
+        compute = 0.0
+        for mpu_id, m in report.mpus.items():
+            fwd, bwd = m.forward_s, m.backward_s
+            pair = row.mpus.get(mpu_id)
+            if 0 < fwd < INF:  # (NaN, the job's "not measured", is not)
+                if pair is None:
+                    pair = board.mpu(rank, row, mpu_id, size)
+                w = pair[0]
+                w.values[w.n % size] = fwd
+                w.n += 1
+                compute += fwd
+            if 0 < bwd < INF:
+                if pair is None:
+                    pair = board.mpu(rank, row, mpu_id, size)
+                w = pair[1]
+                w.values[w.n % size] = bwd
+                w.n += 1
+                compute += bwd
+        if compute > 0:
+            row.compute.add(compute)
+
+    def _judge(self, job: Any, board: _JobBoard, step: int, live: Any) -> None:
+        """The verdict at a whole step: each live rank's level (its window's quantile) against
+        the median of the other ranks' levels, per figure. One sort per window and one per
+        figure; the median without the rank is read off the sorted levels of all."""
+        cfg = self.config
+        q = int(cfg.quantile * (cfg.window_steps - 1))
+        by_key: dict[tuple[str, str], list[_Window]] = {}
+        for r in sorted(live):
+            row = board.rows.get(r)
+            for key, w in row.figures if row is not None else ():
+                if w.n >= cfg.window_steps:
+                    w.level = sorted(w.values)[q]
+                    by_key.setdefault(key, []).append(w)
+        for key in sorted(by_key):
+            windows = by_key[key]
             if len(windows) < cfg.min_ranks:
                 continue
-            windows.sort(key=lambda t: t[0])
-            levels = [t[0] for t in windows]
-            for i, (level, r, w) in enumerate(windows):
-                m = median_without(levels, i)
-                w.ratio = level / m if m > 0 else 1.0
-                slow = w.ratio >= cfg.ratio and level - m >= cfg.min_excess_s
+            levels = sorted(w.level for w in windows)
+            for w in windows:
+                m = median_without(levels, w.level)
+                w.ratio = w.level / m if m > 0 else 1.0
+                slow = w.ratio >= cfg.ratio and w.level - m >= cfg.min_excess_s
                 if slow and w.since_step is None:
                     w.since_step = step
-                    self._finding(job, r, key, w, step, True)
+                    self._finding(job, w.rank, key, w, step, True)
                 elif not slow and w.since_step is not None:
                     w.since_step = None
-                    self._finding(job, r, key, w, step, False)
+                    self._finding(job, w.rank, key, w, step, False)
 
     def _where(self, job: Any, rank: int, mpu_id: str) -> dict[str, str]:
         rs = job.rank_states.get(rank)
@@ -235,7 +290,7 @@ class StragglerWatch:
             if job is None:
                 continue
             for (rank, mpu_id, phase), w in sorted(board.windows.items()):
-                if len(w.values) < self.config.window_steps:
+                if not w.full():
                     continue
                 where = self._where(job, rank, mpu_id)
                 out.append(
