@@ -59,6 +59,7 @@ from mscale.hook.checksum_config import (  # noqa: F401  (re-exported: the confi
     VERDICTS,
     ChecksumConfig,
 )
+from mscale.hook.compiled import GraphChecks, compiling
 from mscale.hook.coverage import Schedule
 from mscale.hook.linears import LinearKind, kind_of
 from mscale.hook.replay import compare, fresh_copies, rng_get, run_again
@@ -139,6 +140,9 @@ class ChecksumDetector:
             replay_max_gap_steps=gap,
             incident_steps=config.incident_steps,
         )
+        # the checks of MPU forwards traced by torch.compile (mscale.hook.compiled)
+        self.graph = GraphChecks(stride=1 if config.full else config.max_gap_steps, rtol=config.tolerance)
+        self._graph_mpus: set[str] = set()  # MPUs whose forwards ran in a compiled graph
         self._mpus: dict[int, _MpuChecks] = {}
         self._by_id: dict[str, Any] = {}
         self._handles: list[Any] = []
@@ -159,6 +163,7 @@ class ChecksumDetector:
         self._mpus[id(mpu)] = _MpuChecks({id(m): n for n, m in linears})
         self._by_id[mpu.mpu_id] = mpu
         self.schedule.add(mpu.mpu_id, [])  # layers join the rotation when first seen running
+        self.graph.attach(mpu, [(n, m, k) for n, m in linears if (k := kind_of(m)) is not None], abft=self.config.abft)
         if not self.config.abft:
             return
         for _, m in linears:
@@ -170,6 +175,7 @@ class ChecksumDetector:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.graph.detach()
         self._wcache.clear()
 
     def forget(self, mpu: Any) -> None:
@@ -178,6 +184,8 @@ class ChecksumDetector:
 
     def commit_mode(self, mpu: Any) -> bool:
         v = self.config.verdicts
+        if mpu.mpu_id in self._graph_mpus:  # a compiled forward reads nothing back: commit verdicts
+            return True
         return v == "commit" or (v == "auto" and mpu.device.type != "cpu")
 
     # --- suspicion -------------------------------------------------------------------
@@ -198,6 +206,7 @@ class ChecksumDetector:
         self._planned = step
         for st in self._mpus.values():
             st.reset()
+        self.graph.begin_step(step, {mid: r.in_incident(step) for mid, r in self.schedule.mpus.items()})
 
     def before_forward(self, mpu: Any, args: tuple, kwargs: dict) -> None:
         st = self._mpus[id(mpu)]
@@ -209,6 +218,8 @@ class ChecksumDetector:
             st.replay = (rng_get(mpu.device), fresh_copies(args, kwargs))
 
     def _linear(self, mpu: Any, module: nn.Module, args: tuple, out: Any) -> None:
+        if compiling():
+            return  # a compiled forward: the in-graph check (mscale.hook.compiled)
         kind = kind_of(module)
         out = kind.output_of(out) if kind is not None else None
         if self.replaying or not args or out is None or kind is None:
@@ -451,6 +462,10 @@ class ChecksumDetector:
             return []
 
     def _commit(self, data_fault: bool) -> list[str]:
+        for mpu, failed in self.graph.collect():  # the compiled forwards' checks (one read-back)
+            self._graph_mpus.add(mpu.mpu_id)
+            self._mpus[id(mpu)].rows.extend(failed)
+        self.readbacks, self.graph.readbacks = self.readbacks + self.graph.readbacks, 0
         if data_fault:  # the batch was not finite (mscale.hook.inputs): the kept checks blame no MPU
             for mpu in self._by_id.values():
                 if self.commit_mode(mpu):
@@ -489,7 +504,11 @@ class ChecksumDetector:
 
     def figures(self) -> dict[str, dict[str, float]]:
         """Per MPU id: coverage ratio, achieved max gap (steps), incident (0/1), replayed (0/1)."""
-        return self.schedule.figures(self._step())
+        figures = self.schedule.figures(self._step())
+        for mid in self._graph_mpus & set(figures):  # compiled: every layer, a sample of its rows
+            stride = self.graph.stride_of(mid)
+            figures[mid].update(coverage_ratio=1.0 / stride, max_gap_steps=float(stride))
+        return figures
 
     # --- counting --------------------------------------------------------------------
 
