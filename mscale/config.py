@@ -14,6 +14,8 @@ imports them, above the rooms, and no room imports it: the machinery they use (`
   [contract]                  mscale.contracts.settings
   [stragglers]                mscale.daemon.settings (mscale.daemon.stragglers)
   [kubernetes]                mscale.kube.settings
+  [remediation]               mscale.daemon.remediation.settings, [remediation.<filer>] from
+                              each filer's module (mscale.daemon.remediation.REGISTRY)
 
 `from_dict`/`load` build a `Config` strictly, `reference_markdown()` renders
 docs/configuration.md's table. Every key has a default, a type and (where it matters) a range;
@@ -36,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 from mscale import probes
 from mscale.contracts.settings import ContractSection
+from mscale.daemon.remediation.settings import RemediationSection
+from mscale.daemon.remediation.settings import section as remediation_section
 from mscale.daemon.settings import (
     AgentSection,
     ChaosSection,
@@ -133,6 +137,7 @@ class Config:
     contract: ContractSection = _table(ContractSection)
     stragglers: StragglerSection = _table(StragglerSection)
     kubernetes: KubernetesSection = _table(KubernetesSection)
+    remediation: RemediationSection = _section(remediation_section, RemediationSection.HELP)
 
     def replace(self, **sections: Any) -> Config:
         return dataclasses.replace(self, **sections)

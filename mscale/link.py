@@ -105,7 +105,8 @@ REGISTER_FIELDS = frozenset({"type", "job_id", "rank", "pid", "step", "mpus", "l
 MPU_FIELDS = frozenset({"mpu_id", "name", "path", "device", "gpu", "gpu_uuid", "fuse_level", "params"})
 REPORT_FIELDS = frozenset({"type", "job_id", "dropped", "reports"})
 STEP_FIELDS = frozenset(
-    {"step", "time", "loss", "grad_norm", "skipped", "mpus", "findings", "seconds", "guard_overhead_ratio"}
+    {"step", "time", "loss", "task_loss", "grad_norm", "skipped", "mpus", "findings", "seconds"}
+    | {"guard_overhead_ratio"}
 )
 TIME_CAUSES = ("productive", "startup", "snapshot", "rerun", "checks", "degraded", "data_wait", "hang")  # hook.goodput
 CHECK_FIGURES = ("checksum_coverage_ratio", "checksum_max_gap_steps")  # the budget's (mscale.hook.coverage)
@@ -421,8 +422,8 @@ def validate_report(msg: dict) -> None:
         t = r.get("time", 0.0)
         _need(_is_num(t) and not isinstance(t, str) and (t or 0) >= 0, f"report: reports[{i}].time must be a time")
         _need(
-            all(_is_num(r.get(k)) for k in ("loss", "grad_norm", "guard_overhead_ratio")),
-            f"report: reports[{i}] loss/grad_norm/guard_overhead_ratio must be numbers",
+            all(_is_num(r.get(k)) for k in ("loss", "task_loss", "grad_norm", "guard_overhead_ratio")),
+            f"report: reports[{i}] loss/task_loss/grad_norm/guard_overhead_ratio must be numbers",
         )
         _need(isinstance(r.get("skipped", False), bool), f"report: reports[{i}].skipped must be a boolean")
         seconds = r.get("seconds", {})

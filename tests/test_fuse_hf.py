@@ -38,10 +38,13 @@ def tower(model):
 
 class Watch:
     def __init__(self) -> None:
-        self.findings = []
+        self.findings, self.reports = [], []
 
     def on_finding(self, f) -> None:
         self.findings.append(f)
+
+    def on_report(self, report) -> None:  # what the agent receives, after the fuse added its part
+        self.reports.append((report["loss"], report["task_loss"]))
 
     def heal(self, action, result="applied"):
         return [
@@ -121,10 +124,12 @@ def train(name, *, fault_steps=(), steps, trainer=False, plugins=()):
     )
     shapes = {n: p.shape for n, p in model.named_parameters()}
     task, types, reported = [], set(), []
+    guard.returned = []  # per step: the loss the model returned, and its task loss where L3 set one apart
     for s in range(steps):
         fault.on = s in fault_steps
         out = model(**make_batch(s, torch.Generator().manual_seed(s)))
         types.add(type(out).__name__)
+        guard.returned.append((float(out.loss.detach()), float(out["task_loss"]) if "task_loss" in out else None))
         out.loss.backward()
         opt.step()
         opt.zero_grad()
@@ -166,6 +171,12 @@ def test_persistent_vision_fault_escalates_l1_l2_l3_and_recovery_undoes_them(nam
     last = max(by_step)  # the recovery step: booked, then the term removed before the report
     assert all(share == pytest.approx(by_step.get(s, 0.0)) for s, share in reported if s != last)
     assert reported[-1][1] == 0.0 and reported[0][1] == 0.0
+    # the step report carries the loss returned and the task loss apart (mscale_job_loss, _task_loss)
+    assert len(watch.reports) == len(guard.returned) == steps
+    pairs = list(zip(watch.reports, guard.returned, strict=True))
+    at_l3 = [(rep, ret) for rep, ret in pairs if ret[1] is not None]
+    assert at_l3 and all(rep == pytest.approx(ret) and rep[0] > rep[1] for rep, ret in at_l3)
+    assert all(rep[0] == rep[1] == pytest.approx(ret[0]) for rep, ret in pairs if ret[1] is None)
     # recovery undid L2 and L3: the tower's own forward, no term, the parameters as they were
     assert "forward" not in tower(model).__dict__
     assert not fuse.states["l2_degrade"].mpus and not fuse.states["l3_distill"].mpus

@@ -190,6 +190,14 @@ def test_rbac_is_what_the_agent_does_and_cordon_only_with_remediation(rendered) 
     assert observe == {"nodes": {"get", "list"}, "nodes/status": {"patch"}, "events": {"create", "patch"}}
     remediation = _verbs(rendered["remediation"])
     assert remediation["nodes"] == {"get", "list", "patch"}
+    assert remediation["externalfaults"] == {"create", "delete"}  # the NVSentinel hand-off
+    (ef,) = [
+        r
+        for o in by_kind(rendered["remediation"], "ClusterRole")
+        for r in o["rules"]
+        if "externalfaults" in r["resources"]
+    ]
+    assert ef["apiGroups"] == [from_dict({}).remediation.externalfault.api_group]
     for objs in rendered.values():
         for binding in by_kind(objs, "ClusterRoleBinding"):
             assert binding["subjects"] == [
@@ -203,6 +211,8 @@ def test_the_configmap_is_a_valid_agent_config(overlay: str, rendered) -> None:
     (ds,) = by_kind(rendered[overlay], "DaemonSet")
     cfg = from_dict(tomllib.loads(cm["data"]["agent.toml"]))  # strict: an unknown key fails here
     assert cfg.kubernetes.enabled and cfg.kubernetes.cordon is (overlay == "remediation")
+    assert cfg.remediation.externalfault.enabled is (overlay == "remediation")  # off by default
+    assert cfg.remediation.nodecondition.enabled
     assert cfg.agent.socket_path == "/run/mscale/agent.sock" and cfg.agent.listen.endswith(":9477")
     volumes = ds["spec"]["template"]["spec"]["volumes"]
     assert {"name": "config", "configMap": {"name": cm["metadata"]["name"]}} in volumes

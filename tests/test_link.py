@@ -76,6 +76,8 @@ def test_register_reports_and_metrics(sock: str) -> None:
         assert 'mscale_distill_share{job_id="job-a",local_rank="0",mpu_id="001",rank="0"} 0.0' in text  # no L3 term
         assert 'mscale_job_up{job_id="job-a",local_rank="0",rank="0"} 1.0' in text
         assert 'mscale_job_loss{job_id="job-a"}' in text
+        # no L3 term: the task loss is the loss returned
+        assert metric(text, 'mscale_job_task_loss{job_id="job-a"}') == metric(text, 'mscale_job_loss{job_id="job-a"}')
         assert 'mscale_mpu_checksum_failures_total{job_id="job-a",local_rank="0",mpu_id="002",rank="0"} 0.0' in text
         # a command reaches the plugins at the next step boundary
         got = []

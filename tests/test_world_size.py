@@ -1,13 +1,16 @@
 """A job restarted on another world size, with the README's protection line on the tiny LLaVA
 (gloo ranks forked by tests/support/world_job.py): under DDP it resumes at the snapshot's step
-with the weights bitwise those the old world saved, its data positions re-split; under FSDP2 it
-is refused with a finding naming both world sizes. The directory never holds snapshots that
+with the weights bitwise those the old world saved, its data positions re-split; under FSDP2 its
+shards are re-sharded (the weights and optimizer state bitwise those saved), and a restart the
+directory cannot re-shard (an old rank's shards missing) is refused with a finding naming both
+world sizes. The directory never holds snapshots that
 resume, listing or pruning cannot see (`step_*` beside `rank_*`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -79,10 +82,34 @@ def test_ddp_restart_on_4_ranks_after_2(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_fsdp2_restart_on_1_rank_after_2_is_refused_naming_both_world_sizes(tmp_path: Path) -> None:
+def test_fsdp2_restart_on_1_rank_after_2_reshards_and_is_refused_without_every_shard(tmp_path: Path) -> None:
     directory = tmp_path / "snaps"
-    run(tmp_path, "first", world=2, steps=FIRST, directory=directory, wrap="fsdp")
+    first = run(tmp_path, "first", world=2, steps=FIRST, directory=directory, wrap="fsdp")
+    # a copy without old rank 1's shards (written to a disk this job cannot read): refused
+    lost = tmp_path / "lost"
+    shutil.copytree(directory, lost)
+    shutil.rmtree(lost / "rank_00001")
     (second,) = run(tmp_path, "second", world=1, steps=SECOND, directory=directory, wrap="fsdp")
-    assert second["error"].startswith("WorldSizeChanged: the newest snapshot (step 8) was written by 2 rank(s)")
-    assert "this job runs 1" in second["error"]
+    assert "error" not in second, second
+    assert second["start"] == 9  # the snapshot of step 8, re-sharded onto one rank
+    assert second["start_hash"] == first[0]["hashes"]["8"]  # bitwise the weights the old world saved
+    assert second["start_optimizer_hash"] == first[0]["optimizer_hashes"]["8"]  # and its optimizer state
+    assert any("written by 2 rank(s), resumed on 1" in m and "shards re-sharded" in m for m in second["resumed"])
+    assert second["index"] == 9 * 2 * 2 // 1  # data positions re-split as under DDP
+    visible(directory)
+    (refused,) = run(tmp_path, "refused", world=1, steps=SECOND, directory=lost, wrap="fsdp")
+    assert refused["error"].startswith("WorldSizeChanged: the newest snapshot (step 8) was written by 2 rank(s)")
+    assert "this job runs 1" in refused["error"] and "only the shards of rank(s) [0]" in refused["error"]
+
+
+@pytest.mark.slow
+def test_fsdp2_restart_on_2_ranks_after_1_reshards(tmp_path: Path) -> None:
+    directory = tmp_path / "snaps"
+    (first,) = run(tmp_path, "first", world=1, steps=FIRST, directory=directory, wrap="fsdp")
+    second = run(tmp_path, "second", world=2, steps=SECOND, directory=directory, wrap="fsdp")
+    for r in second:  # each new rank took its half of the one old shard
+        assert "error" not in r, r
+        assert r["start"] == 9
+        assert r["start_hash"] == first["hashes"]["8"]
+        assert r["start_optimizer_hash"] == first["optimizer_hashes"]["8"]
     visible(directory)

@@ -245,6 +245,7 @@ class RankState:
     last_report_at: float = 0.0
     step: int = -1
     loss: float = math.nan
+    task_loss: float = math.nan
     grad_norm: float = math.nan
     reports_total: int = 0
     reports_dropped: int = 0  # dropped by the rank's bounded queue (agent slow or down)
@@ -275,6 +276,7 @@ class RankState:
         self.last_report_at = time.time()
         self.step = max(self.step, int(r.get("step", self.step)))
         self.loss = _num(r.get("loss"))
+        self.task_loss = _num(r.get("task_loss", r.get("loss")))  # a job that sends none: the one loss
         self.grad_norm = _num(r.get("grad_norm"))
         self.steps_skipped += 1 if r.get("skipped") else 0
         self.guard_overhead_ratio = _num(r.get("guard_overhead_ratio"))
@@ -300,6 +302,7 @@ class RankState:
             "connected": self.connected,
             "step": self.step,
             "loss": self.loss,
+            "task_loss": self.task_loss,
             "grad_norm": self.grad_norm,
             "reports_total": self.reports_total,
             "reports_dropped": self.reports_dropped,
@@ -404,6 +407,10 @@ class JobState:
         return self.rank_states[self.lead].loss if self.rank_states else math.nan
 
     @property
+    def task_loss(self) -> float:
+        return self.rank_states[self.lead].task_loss if self.rank_states else math.nan
+
+    @property
     def grad_norm(self) -> float:
         return self.rank_states[self.lead].grad_norm if self.rank_states else math.nan
 
@@ -451,6 +458,7 @@ class JobState:
             "connected": self.connected,
             "step": self.step,
             "loss": self.loss,
+            "task_loss": self.task_loss,
             "grad_norm": self.grad_norm,
             "reports_total": self.reports_total,
             "reports_dropped": self.reports_dropped,

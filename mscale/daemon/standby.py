@@ -9,7 +9,8 @@ its node view. A GPU qualifies when it is:
 - healthy in the GPU probe's latest snapshot (not degraded or failed: a fatal Xid, an ECC
   double-bit error, a lost GPU), and there is a snapshot at all;
 - not quarantined: a quarantine_gpu action was applied or sent for it on this node (the
-  healing events), until the agent restarts;
+  healing events), or it was shown at fault (gpu_fault_verdict: an SDC the fuse proved, a
+  fatal Xid), until the agent restarts;
 - not in use by another rank of any job here, nor promised a moment ago to another rank (a
   grant is held RESERVE_S seconds, until the rank re-registers on it);
 - not one this MPU of this rank left before (its history here: it failed there), nor one the
@@ -62,7 +63,8 @@ class StandbyBook:
             and lab.get("action") == "quarantine_gpu"
             and lab.get("gpu", "").isdigit()
             and lab.get("result") in (Result.APPLIED, Result.SENT)
-        ):
+        ) or (f.reason is Reason.GPU_FAULT_VERDICT and lab.get("gpu", "").isdigit()):
+            # a GPU the fuse proved computes wrong (mscale.daemon.remediation) is no standby either
             self.quarantined.add(int(lab["gpu"]))
 
     def choose(

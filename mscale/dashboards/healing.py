@@ -1,5 +1,5 @@
 """Healing and snapshots: actions by fuse level, fuse states, findings, snapshot durations,
-sizes and age, recovery time."""
+sizes and age, recovery time; the remediation hand-off (GPUs shown at fault, filings)."""
 
 from __future__ import annotations
 
@@ -87,6 +87,40 @@ def build(ctx: Ctx):
                         "Snapshot failures",
                         [(f"increase(mscale_snapshot_failures_total{s}[$__rate_interval])", "{{job_id}}")],
                         width=24,
+                    ),
+                ],
+            ),
+            (
+                "Remediation hand-off",
+                [
+                    Panel(
+                        "GPUs shown at fault",
+                        [
+                            (
+                                f"mscale_remediation_gpu_fault{n} == 1",
+                                "{{node}} GPU {{gpu}} {{kind}} {{reason}} {{action}}",
+                            )
+                        ],
+                        description="An SDC verdict of the fuse (an L1 swap off the GPU came clean on the standby) "
+                        "or a fatal Xid, until the GPU was reset and passed its checks.",
+                    ),
+                    Panel(
+                        "Filings held",
+                        [(f"sum by (node, filer) (mscale_remediation_filed{n})", "{{node}} {{filer}}")],
+                        description="ExternalFault objects, SDC node conditions and command-hook filings standing now.",
+                    ),
+                    Panel(
+                        "Files and undos",
+                        [
+                            (
+                                f"sum by (filer, event, result) (increase(mscale_remediation_filings_total{n}[$__rate_interval]))",
+                                "{{filer}} {{event}} {{result}}",
+                            )
+                        ],
+                        stack=True,
+                        width=24,
+                        description="failed: retried after remediation.retry_interval_s; deferred: over "
+                        "remediation.max_filings_per_hour.",
                     ),
                 ],
             ),

@@ -311,7 +311,7 @@ def summarise(
             a
             for a in fs
             if a.reason.value == "heal_action"
-            and a.labels.get("result") in (Result.APPLIED, Result.ENDED, Result.STEP_DROPPED)
+            and a.labels.get("result") in (Result.APPLIED, Result.ENDED)
             and int(a.labels.get("step", -1)) >= f.sent_step
             and (until is None or int(a.labels.get("step", -1)) < until)
         ]

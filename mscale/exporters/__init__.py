@@ -30,6 +30,7 @@ MODULES: tuple[str, ...] = (
     "mscale.exporters.msrp",
     "mscale.exporters.density",
     "mscale.exporters.kube",
+    "mscale.exporters.remediation",
 )
 
 

@@ -39,7 +39,14 @@ def collect(state: AgentState) -> Iterable[Metric]:
     )
     loss = GaugeMetricFamily(
         "mscale_job_loss",
-        "training loss of the last reported step, as the job's lowest rank here reports it",
+        "loss the model returned in the last reported step (with an L3 term while one is in force), "
+        "as the job's lowest rank here reports it",
+        labels=["job_id"],
+    )
+    task_loss = GaugeMetricFamily(
+        "mscale_job_task_loss",
+        "task loss alone of the last reported step (mscale_job_loss less any L3 distillation term), "
+        "as the job's lowest rank here reports it",
         labels=["job_id"],
     )
     gnorm = GaugeMetricFamily(
@@ -128,6 +135,7 @@ def collect(state: AgentState) -> Iterable[Metric]:
         ranks.add_metric([job_id], len(job.ranks))
         step.add_metric([job_id], value(job.step))
         loss.add_metric([job_id], value(job.loss))
+        task_loss.add_metric([job_id], value(job.task_loss))
         gnorm.add_metric([job_id], value(job.grad_norm))
         reports.add_metric([job_id], value(job.reports_total))
         dropped.add_metric([job_id], value(job.reports_dropped))
@@ -163,6 +171,7 @@ def collect(state: AgentState) -> Iterable[Metric]:
         rank_step,
         step,
         loss,
+        task_loss,
         gnorm,
         reports,
         dropped,

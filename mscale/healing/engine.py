@@ -443,7 +443,7 @@ class HealingEngine:
     ) -> Finding:
         """Book a decision's outcome: counters, state machine, an event. `result` is
         applied / sent / noop / duplicate / rate_limited / disabled / failed / ended (or an
-        action's own word, e.g. step_dropped)."""
+        action's own word)."""
         t = d.target
         extra = labels
         spec = actions.get(d.action)

@@ -15,7 +15,7 @@ class Result(StrEnum):
     SENT = "sent"  # the agent sent the command to the job, which books its own result
     NOOP = "noop"  # nothing to do: done already (another path, the same fault)
     FAILED = "failed"  # could not be carried out (the event says why)
-    STEP_DROPPED = "step_dropped"  # the step's update was dropped; the rollback books after the step
+    DEFERRED = "deferred"  # never booked: the action books its one result itself, later (a rollback, after the step)
     ENDED = "ended"  # a job closed what the action started (a cooling window)
     DUPLICATE = "duplicate"  # the same condition within the dedup window: not acted on again
     RATE_LIMITED = "rate_limited"  # past a budget (swaps per hour, webhook actions per minute)

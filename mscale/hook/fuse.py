@@ -172,6 +172,9 @@ class FusePlugin:
         self.step_dropped = False
         self.dispatch("step_begin")
 
+    def on_report(self, report: dict) -> None:
+        self.dispatch("report", report)  # actions add what they changed (L3: the loss returned)
+
     def on_finding(self, f: Finding) -> None:
         if f.source == SOURCE or f.reason in _OWN:
             return
@@ -317,7 +320,8 @@ class FusePlugin:
             self._engine.record(d, Result.FAILED, detail=repr(e))
             return Result.FAILED
         detail, extra = ex.event(state, d) if ex.event is not None and result == Result.APPLIED else ("", {})
-        self._engine.record(d, result, detail=detail, labels=extra)
+        if result != Result.DEFERRED:  # the action books its one event itself, later
+            self._engine.record(d, result, detail=detail, labels=extra)
         if d.target.mpu_id:
             m = self.guard.mpu(d.target.mpu_id)
             m.fuse_level = self._engine.mpu(self.guard.job_id, m.mpu_id).level.value

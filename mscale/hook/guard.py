@@ -563,7 +563,8 @@ class Guard:
         return {
             "step": self.current_step,
             "time": last.get("time", time.time()),
-            "loss": protocol.number(last.get("loss")),
+            "loss": protocol.number(last.get("loss")),  # what the model returned: L3 adds its term (fuse)
+            "task_loss": protocol.number(last.get("loss")),
             "grad_norm": protocol.number(last.get("grad_norm")),
             "skipped": bool(self._skip_reason),
             "guard_overhead_ratio": self.budget.overhead_ratio,

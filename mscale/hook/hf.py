@@ -29,9 +29,10 @@ from typing import Any
 from transformers import TrainerCallback
 
 from mscale.hook.attach import attach
+from mscale.hook.callbacks import protect_attached, refuse_owned
 from mscale.hook.guard import Guard
 from mscale.hook.null import NullGuard
-from mscale.hook.protect import LoopData, protect, snapshot_config
+from mscale.hook.protect import snapshot_config
 
 _TRAINER_OWNS = {
     "data": "the Trainer's data loader",
@@ -42,9 +43,7 @@ _TRAINER_OWNS = {
 
 class MscaleCallback(TrainerCallback):
     def __init__(self, *, job_id: str, snapshots: Any = None, **attach_kwargs: Any) -> None:
-        for key, owner in _TRAINER_OWNS.items():
-            if key in attach_kwargs:
-                raise TypeError(f"MscaleCallback: {key}= is not taken under the Trainer ({owner} stays the Trainer's)")
+        refuse_owned(attach_kwargs, _TRAINER_OWNS, under="the Trainer", owner="the Trainer's")
         self.job_id = job_id
         self.snapshot_config = snapshot_config(snapshots)  # refused here, before training starts
         self.attach_kwargs = attach_kwargs
@@ -55,23 +54,11 @@ class MscaleCallback(TrainerCallback):
             raise ValueError("MscaleCallback: the Trainer passed no model to on_train_begin")
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
         self.attach_kwargs.setdefault("rank", getattr(args, "process_index", 0))
-        # healing= reaches attach (the gradient and replica checks) and, below, protect (the fuse)
         guard = self.guard = attach(model, inner, job_id=self.job_id, **self.attach_kwargs)
         if isinstance(guard, Guard):
             guard.set_step(state.global_step)
             if self.snapshot_config is not None:  # after set_step: the first snapshot is of the step before
-                try:
-                    protect(
-                        guard,
-                        self.snapshot_config,
-                        data=LoopData(),
-                        scaler=self.attach_kwargs.get("scaler"),
-                        resume=False,
-                        healing=self.attach_kwargs.get("healing"),
-                    )
-                except BaseException:
-                    guard.detach()
-                    raise
+                protect_attached(guard, self.snapshot_config, self.attach_kwargs, on_failure=guard.detach)
         return control
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -39,10 +39,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from mscale.findings import Finding, Reason
 from mscale.hook.attach import attach
+from mscale.hook.callbacks import protect_attached, refuse_owned
 from mscale.hook.cmsa import CmsaState
 from mscale.hook.guard import Guard
 from mscale.hook.null import NullGuard
-from mscale.hook.protect import LoopData, protect, snapshot_config
+from mscale.hook.protect import snapshot_config
 
 __all__ = ["MscaleCallback"]
 
@@ -55,9 +56,7 @@ _LIGHTNING_OWNS = {
 
 class MscaleCallback(Callback):
     def __init__(self, *, job_id: str, snapshots: Any = None, **attach_kwargs: Any) -> None:
-        for key, owner in _LIGHTNING_OWNS.items():
-            if key in attach_kwargs:
-                raise TypeError(f"MscaleCallback: {key}= is not taken under Lightning ({owner} stays Lightning's)")
+        refuse_owned(attach_kwargs, _LIGHTNING_OWNS, under="Lightning", owner="Lightning's")
         self.job_id = job_id
         self.snapshot_config = snapshot_config(snapshots)  # refused here, before training starts
         self.attach_kwargs = attach_kwargs
@@ -84,7 +83,6 @@ class MscaleCallback(Callback):
             raise ValueError("MscaleCallback: LBFGS evaluates its closure many times a step: not supported")
         self.attach_kwargs.setdefault("rank", trainer.global_rank)
         plugins = [*self.attach_kwargs.pop("plugins", ()), _StepWatch(self)]
-        # healing= reaches attach (the gradient and replica checks) and, below, protect (the fuse)
         guard = self.guard = attach(pl_module, optimizer, job_id=self.job_id, plugins=plugins, **self.attach_kwargs)
         if not isinstance(guard, Guard):
             return
@@ -93,19 +91,9 @@ class MscaleCallback(Callback):
             CmsaState(guard.cmsa, guard._grad_stats).load_state_dict(self._restored_cmsa)
         self._closure_first(optimizer)
         if self.snapshot_config is not None:  # after set_step: the first snapshot is of the step before
-            try:
-                protect(
-                    guard,
-                    self.snapshot_config,
-                    data=LoopData(),
-                    scheduler=_Schedulers(trainer),
-                    scaler=self.attach_kwargs.get("scaler"),
-                    resume=False,
-                    healing=self.attach_kwargs.get("healing"),
-                )
-            except BaseException:
-                self._detach()
-                raise
+            protect_attached(
+                guard, self.snapshot_config, self.attach_kwargs, scheduler=_Schedulers(trainer), on_failure=self._detach
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """What Lightning's checkpoints hold of the callback: CMSA's fitted state."""

@@ -216,7 +216,7 @@ def protect(
     if is_sharded(model):  # FSDP2: the engine holds each rank's shard, through local views
         view = LocalView(model, optimizer)
         model, optimizer, module_of = view.model, view.optimizer, view.module
-        extra["sharding"] = ShardingMarker(guard.world_size)
+        extra["sharding"] = ShardingMarker(guard.world_size, guard.model)
     engine = SnapshotEngine(
         model,
         optimizer,

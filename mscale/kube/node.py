@@ -1,7 +1,8 @@
 """The node's view of its GPUs in the Kubernetes API, through the official client:
 
-- the node condition `GPUUnhealthy` (status True while a GPU is failed; reason from the fault,
-  the recommended action in the message), written on a change and at least every heartbeat;
+- the node condition `GPUUnhealthy` (status True while a GPU is failed, or proven by the fuse to
+  compute wrong: reason `GPUSilentDataCorruption`; reason from the fault, the recommended action
+  in the message), written on a change and at least every heartbeat;
 - non-fatal GPU findings as Events on the node;
 - remediation (opt-in): cordon (and taint) the node on a fatal fault, with a circuit breaker
   (no more than `max_cordoned_nodes` nodes of the cluster carrying the agents' cordon label),
@@ -16,6 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +37,8 @@ ACTIONS = {
 }
 LOST_ACTION = "drain the node and reboot it; if the GPU stays lost, reseat or replace it"
 DEFAULT_ACTION = "drain the node's GPU workloads and reset the GPU, or reboot the node"
+SDC_REASON = "GPUSilentDataCorruption"  # a GPU the fuse proved computes wrong (mscale.daemon.remediation)
+SDC_SNAPSHOT = "remediation_sdc"  # AgentState.snapshots key of the open SDC verdicts the condition carries
 
 
 def now_iso(t: float) -> str:
@@ -55,26 +59,35 @@ class Condition:
     healthy: frozenset[str] = frozenset()  # UUIDs of the GPUs in the `healthy` state
 
 
-def condition_of(snapshot: Any) -> Condition:
-    """The node condition the GPU snapshot calls for."""
+def condition_of(snapshot: Any, sdc: Iterable[Any] = ()) -> Condition:
+    """The node condition the GPU snapshot calls for. `sdc`: the open silent-data-corruption
+    verdicts (mscale.daemon.remediation: a GPU the fuse proved at fault, `gpu`, `gpu_uuid`,
+    `message`, `recommended`); the probe sees nothing wrong with such a GPU, so it counts as
+    failed here and not as healthy until the verdict is undone."""
     gpus = getattr(snapshot, "gpus", ())
     failed = [g for g in gpus if g.health == "failed"]
-    healthy = frozenset(g.uuid for g in gpus if g.health == "healthy")
-    if not failed:
+    sdc = [f for f in sdc if f.gpu_uuid not in {g.uuid for g in failed}]
+    bad = frozenset(g.uuid for g in failed) | frozenset(f.gpu_uuid for f in sdc)
+    healthy = frozenset(g.uuid for g in gpus if g.health == "healthy") - bad
+    if not bad:
         return Condition(False, "GPUsHealthy", "no GPU of this node is failed", healthy=healthy)
-    g = failed[0]
-    actions = dict(g.xid_actions)
-    if g.lost:
-        reason, action = "GPULost", LOST_ACTION
-    elif g.last_xid is not None and g.last_xid in actions:
-        reason, action = f"GPUXid{g.last_xid}", ACTIONS.get(actions[g.last_xid], DEFAULT_ACTION)
-    elif g.ecc_dbe_volatile:
-        reason, action = "GPUDoubleBitECC", DEFAULT_ACTION
+    if failed:
+        g = failed[0]
+        actions = dict(g.xid_actions)
+        if g.lost:
+            reason, action = "GPULost", LOST_ACTION
+        elif g.last_xid is not None and g.last_xid in actions:
+            reason, action = f"GPUXid{g.last_xid}", ACTIONS.get(actions[g.last_xid], DEFAULT_ACTION)
+        elif g.ecc_dbe_volatile:
+            reason, action = "GPUDoubleBitECC", DEFAULT_ACTION
+        else:
+            reason, action = "GPUFailed", DEFAULT_ACTION
     else:
-        reason, action = "GPUFailed", DEFAULT_ACTION
-    what = "; ".join(f"GPU {x.index} ({x.uuid}): " + ("; ".join(x.reasons) or "failed") for x in failed)
-    message = f"{what}. Recommended action: {action}."[:1024]
-    return Condition(True, reason, message, frozenset(x.uuid for x in failed), healthy)
+        reason, action = SDC_REASON, sdc[0].recommended
+    parts = [f"GPU {x.index} ({x.uuid}): " + ("; ".join(x.reasons) or "failed") for x in failed]
+    parts += [f"GPU {f.gpu} ({f.gpu_uuid}): silent data corruption: {f.message}" for f in sdc]
+    message = f"{'; '.join(parts)}. Recommended action: {action}."[:1024]
+    return Condition(True, reason, message, bad, healthy)
 
 
 @dataclass

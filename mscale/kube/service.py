@@ -20,7 +20,7 @@ import structlog
 
 from mscale.findings import Finding, Severity
 from mscale.kube.attribution import SNAPSHOT
-from mscale.kube.node import NodeWriter, condition_of, make_api
+from mscale.kube.node import SDC_SNAPSHOT, NodeWriter, condition_of, make_api
 from mscale.kube.podresources import PodMap, list_pods
 from mscale.kube.settings import KubernetesSection
 
@@ -77,7 +77,7 @@ class KubeService:
         snap = self.state.snapshots.get("gpu")
         if writer is None or snap is None:
             return "none"
-        cond = condition_of(snap)
+        cond = condition_of(snap, self.state.snapshots.get(SDC_SNAPSHOT, ()))
         now = self.clock()
         try:
             await self._call(writer.write_condition, cond, now)

@@ -152,6 +152,7 @@ class GpuProbe:
         self._xid_pending: list[tuple[XidEvent, XidInfo]] = []
         self._xid_counts: Counter[tuple[int, int]] = Counter()
         self._last_xid: dict[int, int] = {}
+        self._resets: Counter[int] = Counter()  # GPU resets the health model saw, per GPU
         self._xid_action: dict[tuple[int, int], str] = {}  # (gpu, code) -> the latest action
         self._uuids: dict[int, str] = dict(enumerate(getattr(reader, "uuids", ())))
         self._stop = threading.Event()
@@ -233,6 +234,7 @@ class GpuProbe:
         out = []
         for r in reading.gpus:
             upd = self.model.update(r.index, r, now)
+            self._resets[r.index] += upd.reset_seen
             xids = tuple(sorted((code, n) for (gpu, code), n in self._xid_counts.items() if gpu == r.index))
             sample = dataclasses.replace(
                 r,
@@ -241,6 +243,7 @@ class GpuProbe:
                 xid_errors=xids,
                 xid_actions=tuple((code, self._xid_action[(r.index, code)]) for code, _ in xids),
                 last_xid=self._last_xid.get(r.index),
+                resets=self._resets[r.index],
                 sbe_per_hour=upd.sbe_per_hour,
                 pcie_replays_per_min=upd.pcie_replays_per_min,
             )

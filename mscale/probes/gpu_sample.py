@@ -65,6 +65,7 @@ class GpuSample:
     xid_errors: tuple[tuple[int, int], ...] = ()  # (xid, count since the agent started)
     xid_actions: tuple[tuple[int, str], ...] = ()  # (xid, NVIDIA's immediate action from the Xid table)
     last_xid: int | None = None
+    resets: int = 0  # GPU resets the health model saw since the agent started (remediation undoes on one)
     sbe_per_hour: float | None = None
     pcie_replays_per_min: float | None = None
 

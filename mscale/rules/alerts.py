@@ -88,6 +88,27 @@ snapshot when the weights themselves fail their checksums).
    check power and cooling, then RMA.""",
     ),
     Alert(
+        "MscaleGpuSilentDataCorruption",
+        "gpu",
+        'mscale_remediation_gpu_fault{$agent, kind="sdc"} == 1',
+        "GPU {{ $labels.gpu }} on {{ $labels.node }} computes wrong (silent data corruption)",
+        "The fuse proved GPU {{ $labels.gpu }} ({{ $labels.gpu_uuid }}) on node {{ $labels.node }} at "
+        "fault: an MPU's outputs failed their checks on it and came clean on a standby GPU. The agent "
+        "filed it for node remediation ({{ $labels.action }}); it stands until the GPU is reset and healthy.",
+        """The GPU reports nothing wrong, yet computes wrong: a job's MPU failed its checksums there
+and came clean on the standby it was swapped to (same model, same data). The job goes on, on
+the standby; the next job would land on the same GPU.
+
+1. `GET /api/v1/events` reason `gpu_fault_verdict` names the job, rank, MPU and standby; the
+   Healing dashboard's row Remediation hand-off shows what was filed where
+   (`mscale_remediation_filed`: the `GPUUnhealthy` node condition with reason
+   `GPUSilentDataCorruption`, an NVSentinel ExternalFault, the command hook).
+2. Drain the GPU's workloads and reset it (`nvidia-smi -r -i <gpu>`), or reboot the node, then run
+   its diagnostics (`dcgmi diag -r 3`). The agent undoes its filings once it saw the reset and the
+   GPU passed `remediation.clear_healthy_checks` health checks.
+3. It recurs after a reset: replace the GPU (RMA); quote the `gpu_fault_verdict` events.""",
+    ),
+    Alert(
         "MscaleGpuTemperatureHigh",
         "gpu",
         "mscale_gpu_temperature_celsius{$agent} >= $celsius",

@@ -535,7 +535,9 @@ class SnapshotEngine:
         # this world's snapshots and other world sizes' it can take, this run's only (ownership.py)
         plan = worlds.plan(self, keep=self._mine)
         steps = sorted(plan, reverse=True)
-        found = load_newest_valid(self, steps, collective=self.world_size > 1, where=lambda s: plan[s].path)
+        found = load_newest_valid(
+            self, steps, collective=self.world_size > 1, where=lambda s: plan[s].path, read=worlds.reader(self, plan)
+        )
         if found is not None:
             step, path, tensors, objects = found
             self._apply(tensors, worlds.fit(self, step, objects, plan), where=str(path), owned=True)
@@ -550,7 +552,8 @@ class SnapshotEngine:
             self._emit(
                 Reason.SNAPSHOT_RESUMED,
                 Severity.INFO,
-                f"resumed from {path} (step {step}{worlds.note(plan[step], self.world_size)}) in {seconds:.3f} s; "
+                f"resumed from {path} (step {step}{worlds.note(plan[step], self.world_size, 'sharding' in self.extra)}) "
+                f"in {seconds:.3f} s; "
                 f"training continues at step {step + 1}",
                 world_size_then=plan[step].world_size,
                 step=step,

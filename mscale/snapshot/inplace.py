@@ -116,10 +116,16 @@ def plan_in_place(
 
 
 def load_newest_valid(
-    engine: SnapshotEngine, steps: list[int], *, collective: bool, where: Callable[[int], Path] | None = None
+    engine: SnapshotEngine,
+    steps: list[int],
+    *,
+    collective: bool,
+    where: Callable[[int], Path] | None = None,
+    read: Callable[[int], tuple[dict, dict] | None] | None = None,
 ) -> tuple[int, Path, Any, dict] | None:
     """(step, path, tensors, objects) of the newest of `steps` that verifies and fits, read
-    into the live tensors where it fits them; each refused one a finding; collective: a step
+    into the live tensors where it fits them (or by `read(step)`, when it gives (tensors,
+    objects): another world's shards re-sharded); each refused one a finding; collective: a step
     any rank refuses is skipped by all. Raises SnapshotError (on every rank, when collective)
     when a refused snapshot had already landed in live tensors and no older one replaced it."""
     assert engine.rank_dir is not None
@@ -135,7 +141,10 @@ def load_newest_valid(
         path = where(step) if where is not None else engine.rank_dir / f"step_{step:08d}"  # another rank's: worlds.py
         landed.clear()
         try:
-            tensors, objects, _ = load_snapshot(path, pool=engine._copier.pool(), plan=plan)
+            got = read(step) if read is not None else None
+            tensors, objects = (
+                got if got is not None else load_snapshot(path, pool=engine._copier.pool(), plan=plan)[:2]
+            )
             check_fits(engine, tensors, objects, str(path))
         except SnapshotError as e:  # SnapshotInvalid names the file at fault
             overwritten = path if any(landed) else overwritten

@@ -148,15 +148,40 @@ class LocalView:
         return self._modules[id(real)]
 
 
+def layout_of(model: nn.Module) -> dict[str, dict]:
+    """Where each sharded parameter's local tensor on this rank lies in the whole one: fqn ->
+    {"shape": global shape, "offset": global offset of the local box, "local": its shape}, or
+    {"unsupported": placements} for a placement whose local part is not one box (Partial,
+    strided shards). Recorded in every snapshot so that another world size can re-shard it
+    (mscale.snapshot.reshard)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out: dict[str, dict] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if not hasattr(param, "device_mesh"):
+            continue
+        p: Any = param  # a DTensor
+        if not all(type(pl) is Shard or isinstance(pl, Replicate) for pl in p.placements):
+            out[name] = {"unsupported": str(tuple(p.placements))}
+            continue
+        local, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        out[name] = {"shape": list(p.shape), "offset": list(offset), "local": list(local)}
+    return out
+
+
 class ShardingMarker:
     """Snapshotted with a sharded model's state (the engine's `extra`), so that tools reading a
-    snapshot know it holds one rank's shard, not the whole model."""
+    snapshot know it holds one rank's shard, not the whole model, and where that shard lies
+    (`layout_of`). It describes the live job: loading a snapshot's (another world's, re-sharded)
+    changes nothing."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, model: nn.Module | None = None) -> None:
         self.world_size = world_size
+        self.layout = layout_of(model) if model is not None else {}
 
     def state_dict(self) -> dict:
-        return {"sharded": True, "world_size": self.world_size}
+        return {"sharded": True, "world_size": self.world_size, "layout": self.layout}
 
     def load_state_dict(self, state: dict) -> None:
-        self.world_size = int(state.get("world_size", self.world_size))
+        pass

@@ -19,11 +19,16 @@ Resume. The candidates are every complete snapshot in the directory, by step:
   `ResumableFileStream` keeps old rank r % old_world's byte offset, with records dealt anew:
   up to one batch per old rank is seen twice or skipped. Other loaders' states are loaded as
   they are (their own `load_state_dict` decides);
-- written by another world size for a sharded (FSDP2) model: refused. Each snapshot holds one
-  rank's shard; re-sharding it is not done here. `WorldSizeChanged` (a SnapshotError) names both
-  world sizes, with a `snapshot_refused` finding, at attach: restart on the old world size, or
-  export and reload through torch.distributed.checkpoint (`mscale snapshot export --format dcp`
-  covers DDP snapshots).
+- written by another world size for a sharded (FSDP2) model: re-sharded (reshard.py). Each
+  snapshot holds one old rank's shard and where it lies in the whole tensor (the layout that
+  `ShardingMarker` records); every rank reads every old rank's snapshot of the step and keeps
+  the part of each tensor its own shard covers, bitwise. Its RNG state, data position and
+  non-tensor state are old rank r % old_world's, as under DDP. Refused where the state does
+  not allow it: not every old rank's shard of the newest step is in the directory (a shard
+  written to a disk this rank cannot read), the snapshot holds no layout (written before one
+  was recorded), or a parameter's placement is not a set of boxes (Partial, the strided shards
+  of FSDP2 with tensor parallelism). `WorldSizeChanged` (a SnapshotError) then names both
+  world sizes and why, with a `snapshot_refused` finding, at attach.
 """
 
 from __future__ import annotations
@@ -31,10 +36,18 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from mscale.snapshot.format import RANK_DIR, STEP_DIR, SnapshotError, SnapshotInfo, list_snapshots
+from mscale.snapshot.format import (
+    RANK_DIR,
+    STEP_DIR,
+    TRAIN_STATE,
+    SnapshotError,
+    SnapshotInfo,
+    list_snapshots,
+    read_train_state,
+)
 
 __all__ = ["Candidate", "WorldSizeChanged", "candidates", "per_rank", "rank_dir", "resplit"]
 
@@ -48,6 +61,7 @@ class Candidate:
     step: int
     path: Path  # the snapshot this rank resumes
     world_size: int  # the world size that wrote it
+    shards: dict[int, Path] = field(default_factory=dict)  # another world's: every old rank's of the step held
 
 
 def per_rank(directory: Path) -> bool:
@@ -107,7 +121,8 @@ def candidates(
         (world,) = worlds
         source = rank if world == world_size else rank % world  # a missing one: not this rank's to resume
         if source in ranks:
-            out[step] = Candidate(step, ranks[source][0], world)
+            shards = {r: p for r, (p, _) in sorted(ranks.items())} if world != world_size else {}
+            out[step] = Candidate(step, ranks[source][0], world, shards)
     for step, path in broken.items():
         out.setdefault(step, Candidate(step, path, world_size))
     return out
@@ -127,7 +142,8 @@ def resplit(state: dict | None, rank: int, world_size: int, old_world: int) -> d
 def plan(engine, keep: Callable[[list[SnapshotInfo]], list[SnapshotInfo]] | None = None) -> dict[int, Candidate]:
     """The steps `engine` (a SnapshotEngine with a directory) may resume, agreed across its ranks
     (collective with several); raises WorldSizeChanged, with a finding, where the newest was
-    written by another world size and this job's state cannot take it (FSDP2 shards)."""
+    written by another world size and this job's state cannot take it (sharded, and not
+    re-shardable: `unshardable`). Older steps that cannot be re-sharded are left out."""
     import mscale.snapshot.distributed as mdist  # torch: job side only
     from mscale.findings import Reason, Severity
 
@@ -136,23 +152,67 @@ def plan(engine, keep: Callable[[list[SnapshotInfo]], list[SnapshotInfo]] | None
         mdist.any_flag(False, engine.group)  # rank 0 moved a single rank's snapshots (adopt_single) first
     found = candidates(engine.directory, engine.rank, engine.world_size, engine.rank_dir, keep)
     steps = mdist.common_steps(sorted(found), engine.group) if several else sorted(found, reverse=True)
-    if steps and found[steps[0]].world_size != engine.world_size and "sharding" in engine.extra:
-        old = found[steps[0]].world_size
+    if "sharding" not in engine.extra:
+        return {s: found[s] for s in steps}
+    out: dict[int, Candidate] = {}
+    for i, step in enumerate(steps):  # the same files on every rank: the same answer on every rank
+        why = unshardable(found[step]) if found[step].world_size != engine.world_size else None
+        if why is None:
+            out[step] = found[step]
+            continue
+        if i > 0:
+            continue
+        old = found[step].world_size
         message = (
-            f"the newest snapshot (step {steps[0]}) was written by {old} rank(s), this job runs "
-            f"{engine.world_size}: each holds one rank's shard of a sharded (FSDP2) model, which is not "
-            f"re-sharded here. Restart on {old} rank(s), or give an empty directory"
+            f"the newest snapshot (step {step}) was written by {old} rank(s), this job runs "
+            f"{engine.world_size}: each holds one rank's shard of a sharded (FSDP2) model, and {why}, so it "
+            f"cannot be re-sharded. Restart on {old} rank(s), or give an empty directory"
         )
-        labels = {"step": steps[0], "world_size_then": old, "world_size_now": engine.world_size}
+        labels = {"step": step, "world_size_then": old, "world_size_now": engine.world_size}
         engine._emit(Reason.SNAPSHOT_REFUSED, Severity.CRITICAL, message, **labels)
         raise WorldSizeChanged(message)
-    return {s: found[s] for s in steps}
+    return out
 
 
-def note(found: Candidate, world_size: int) -> str:
+def unshardable(found: Candidate) -> str | None:
+    """Why another world's sharded snapshot cannot be re-sharded (the module docstring), or None."""
+    if sorted(found.shards) != list(range(found.world_size)):
+        return f"only the shards of rank(s) {sorted(found.shards)} are in the directory"
+    try:
+        objects = read_train_state(found.shards[0] / TRAIN_STATE)
+    except SnapshotError as e:
+        return f"rank 0's train state is unreadable ({e})"
+    marker = (objects.get("extra") or {}).get("sharding")
+    if not isinstance(marker, dict):
+        return "it does not say how it was sharded"
+    layout = marker.get("layout")
+    if not layout:
+        return "it records no shard layout (written before mscale recorded one)"
+    odd = sorted(fqn for fqn, box in layout.items() if "unsupported" in box)
+    if odd:
+        return f"{odd[0]} is placed {layout[odd[0]]['unsupported']}, which is not one box per rank"
+    return None
+
+
+def reader(engine, found: dict[int, Candidate]) -> Callable[[int], tuple[dict, dict] | None]:
+    """For load_newest_valid: another world's sharded snapshot re-sharded for this rank
+    (reshard.read); None for the others (read as they are)."""
+
+    def read(step: int) -> tuple[dict, dict] | None:
+        if found[step].world_size == engine.world_size or "sharding" not in engine.extra:
+            return None
+        from mscale.snapshot.reshard import read as reshard  # torch: job side only
+
+        return reshard(engine, found[step])
+
+    return read
+
+
+def note(found: Candidate, world_size: int, sharded: bool = False) -> str:
     if found.world_size == world_size:
         return ""
-    return f", written by {found.world_size} rank(s), resumed on {world_size}: data positions re-split"
+    shards = ", shards re-sharded" if sharded else ""
+    return f", written by {found.world_size} rank(s), resumed on {world_size}: data positions re-split{shards}"
 
 
 def fit(engine, step: int, objects: dict, found: dict[int, Candidate]) -> dict:

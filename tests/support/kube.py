@@ -1,5 +1,6 @@
 """Protocol servers for the Kubernetes tests: the kubelet's pod-resources v1 gRPC service on a
-Unix socket, and the few Kubernetes API endpoints the agent calls (aiohttp, on 127.0.0.1),
+Unix socket, and the few Kubernetes API endpoints the agent calls (aiohttp, on 127.0.0.1: nodes,
+node status, events, cluster-scoped custom objects),
 which record every request for the test to check field by field."""
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ class ApiServer:
     events: list[dict] = field(default_factory=list)
     port: int = 0
     hold: asyncio.Event | None = None  # set: event posts wait for it (a slow API server)
+    # cluster-scoped custom objects (NVSentinel's ExternalFault) by (group, version, plural) -> name -> object
+    custom: dict[tuple[str, str, str], dict[str, dict]] = field(default_factory=dict)
+    deny_custom: str = ""  # non-empty: creates are denied as an admission webhook does (400, this message)
 
     def node(self, name: str, *, labels: dict | None = None, unschedulable: bool = False) -> None:
         self.nodes[name] = {
@@ -164,6 +168,28 @@ class ApiServer:
         self.events.append(rec.body)
         return web.json_response(rec.body, status=201)
 
+    async def create_custom(self, request: web.Request) -> web.Response:
+        rec = await self._record(request)
+        m = request.match_info
+        objs = self.custom.setdefault((m["group"], m["version"], m["plural"]), {})
+        name = rec.body["metadata"]["name"]
+        if self.deny_custom:
+            status = {"kind": "Status", "code": 400, "reason": "BadRequest", "message": self.deny_custom}
+            return web.json_response(status, status=400)
+        if name in objs:
+            return web.json_response({"kind": "Status", "code": 409, "reason": "AlreadyExists"}, status=409)
+        objs[name] = {**rec.body, "metadata": {**rec.body["metadata"], "uid": f"uid-{name}"}}
+        return web.json_response(objs[name], status=201)
+
+    async def delete_custom(self, request: web.Request) -> web.Response:
+        await self._record(request)
+        m = request.match_info
+        objs = self.custom.get((m["group"], m["version"], m["plural"]), {})
+        if m["name"] not in objs:
+            return web.json_response({"kind": "Status", "code": 404, "reason": "NotFound"}, status=404)
+        del objs[m["name"]]
+        return web.json_response({"kind": "Status", "status": "Success"})
+
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/api/v1/nodes", self.list_nodes)
@@ -171,6 +197,8 @@ class ApiServer:
         app.router.add_patch("/api/v1/nodes/{name}", self.patch_node)
         app.router.add_patch("/api/v1/nodes/{name}/status", self.patch_node)
         app.router.add_post("/api/v1/namespaces/{namespace}/events", self.create_event)
+        app.router.add_post("/apis/{group}/{version}/{plural}", self.create_custom)
+        app.router.add_delete("/apis/{group}/{version}/{plural}/{name}", self.delete_custom)
         return app
 
     async def start(self) -> web.AppRunner:

@@ -1,8 +1,9 @@
 """A job of --world gloo ranks (forked) training the tiny LLaVA under DDP or FSDP2 with the
 README's protection line and a snapshot directory, for restarts on another world size.
 
-Each rank writes out/rank_R.json: the step it started at (after attach's resume), a hash of the
-weights then and at each step end, or the error attach raised."""
+Each rank writes out/rank_R.json: the step it started at (after attach's resume), hashes of the
+weights and of the optimizer state (whole tensors, shards gathered) then and at each step end,
+or the error attach raised."""
 
 from __future__ import annotations
 
@@ -34,6 +35,19 @@ def weights_hash(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def optimizer_hash(opt: torch.optim.Optimizer) -> str:
+    """Every state tensor (whole, a shard's gathered) and scalar, by parameter index and key."""
+    h = hashlib.sha256()
+    for i, st in sorted(opt.state_dict()["state"].items()):
+        for k, v in sorted(st.items()):
+            h.update(f"{i}/{k}".encode())
+            if isinstance(v, torch.Tensor):
+                h.update(full(v).detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            else:
+                h.update(repr(v).encode())
+    return h.hexdigest()
+
+
 class Samples(torch.utils.data.Dataset):
     def __init__(self, make_batch) -> None:
         self.make_batch = make_batch
@@ -46,11 +60,12 @@ class Samples(torch.utils.data.Dataset):
 
 
 class Hashes:
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model, self.at = model, {}
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt, self.at, self.opt_at = model, opt, {}, {}
 
     def on_step_end(self, step: int, loss) -> None:
         self.at[step] = weights_hash(self.model)
+        self.opt_at[step] = optimizer_hash(self.opt)
 
 
 def rank_main(args: argparse.Namespace, rank: int) -> int:
@@ -70,7 +85,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
     loader = mscale.ResumableLoader(Samples(make_batch), batch_size=2, seed=0, rank=rank, world_size=args.world)
     cfg = mscale.SnapshotConfig(directory=args.dir, memory_every=args.every, disk_every=args.every, disk_keep=2)
     out: dict = {"rank": rank, "world": args.world}
-    hashes = Hashes(model)
+    hashes = Hashes(model, opt)
     try:
         guard = mscale.attach(wrapped, opt, job_id="world-job", snapshots=cfg, data=loader, connect=False)
     except Exception as e:
@@ -81,6 +96,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
     guard.add_plugin(hashes)
     out["start"] = guard.current_step
     out["start_hash"] = weights_hash(model)
+    out["start_optimizer_hash"] = optimizer_hash(opt)
     out["index"] = loader.index
     while guard.current_step < args.steps:
         loss = wrapped(**loader.next_batch()).loss
@@ -89,7 +105,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         opt.zero_grad()
     out["resumed"] = [f.message for f in guard.findings if f.reason.value == "snapshot_resumed"]
     guard.detach()
-    out["hashes"] = hashes.at
+    out["hashes"], out["optimizer_hashes"] = hashes.at, hashes.opt_at
     Path(args.out, f"rank_{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
     return 0

@@ -9,7 +9,8 @@ Each module declares `EXECUTOR = Executor(spec, apply, ...)`:
 `fuse` is the FusePlugin seen through `FuseContext` (the guard, the healing engine, the snapshot
 engine, `dispatch` to the other actions' states), `state` this action's own per-job state, built
 once per job by `state(fuse)` when the plugin is made (None when the action keeps none). The
-result is "applied", "noop" or another word booked as is (rollback's "step_dropped");
+result is "applied", "noop" or another word booked as is, or "deferred": the action books its
+one event itself, later (a rollback, after the step, its restore with the dropped update);
 ActionFailed says why it could not be done (a "failed" event). Executors import torch inside
 their functions: importing the fuse stays cheap.
 
@@ -24,6 +25,7 @@ with itself first (`fuse.dispatch(hook, *args)`):
     settle(fuse, step) -> bool    after the clean-step count; True: the step's state was
                                   dropped or replaced (a rollback), so it is not snapshotted
     weights_settled(fuse)         the weights are final for this step (or restored)
+    report(fuse, report)          the step report is being built: add or change its fields
     in_force(fuse, mpu) -> bool   a measure of this action holds on the MPU
     undo(fuse, mpu)               undo that measure (the MPU came clean)
     avoid_gpus(fuse) -> set[int]  GPUs no MPU of the job may move onto

@@ -19,7 +19,9 @@ The term is added by a forward hook on the model, registered when the fuse attac
 guard's own model hook: the loss detector watches the task loss, backward gets the task loss
 plus the L3 term, a step up by design, not a spike). The model's output keeps its type
 (a ModelOutput or a dict has its `loss` replaced in place, and gets `task_loss`: the task loss
-alone, the one the guard reports, `mscale_job_loss`).
+alone, the one the guard's detectors watch). The step report carries both: `loss`, the loss
+the model returned (the term included, `mscale_job_loss`), and `task_loss`
+(`mscale_job_task_loss`); outside L3 they are equal.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class Distilling:
         self._last: Any = None  # the previous complete step's capture (L3 entry checks the term on it)
         self._handles: list[Any] = []
         self._calibrating: set[str] = set()
+        self._terms: list[float] = []  # this step's L3 term value per training forward (0: none added)
 
     def attach(self, fuse) -> None:
         from mscale.hook.distill import Captured
@@ -101,9 +104,16 @@ class Distilling:
             h.remove()
         self._handles.clear()
 
+    def report(self, fuse, report: dict) -> None:
+        """The step report's `loss` is what the model returned: the task loss plus the term."""
+        task = report.get("task_loss")
+        if self._terms and isinstance(task, (int, float)) and math.isfinite(task):
+            report["loss"] = task + sum(self._terms) / len(self._terms)
+
     def step_begin(self, fuse) -> None:
         from mscale.hook.distill import Captured
 
+        self._terms = []
         self._captured = Captured()
 
     def step_end(self, fuse, step: int) -> None:
@@ -184,6 +194,7 @@ class Distilling:
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             return None
         task = float(loss.detach())
+        self._terms.append(0.0)
         lo, hi = self.band
         target = (lo + hi) / 2
         terms: list[tuple[Distill, float, Any, float]] = []  # (state, weight, term, its value)
@@ -211,6 +222,7 @@ class Distilling:
         if not terms:
             return None
         extra = sum(w * k for _, w, _, k in terms)
+        self._terms[-1] = extra
         for d, w, _, k in terms:
             d.share = w * k / (task + extra)
         new_loss = loss + sum(w * kl for _, w, kl, _ in terms).to(loss.dtype)

@@ -28,6 +28,11 @@ class Rollbacks:
         self.skipped_steps: list[int] = []
         self.to_step: int | None = None  # the next rollback's target when an action chose one, else the newest
 
+    def detach(self, fuse) -> None:
+        if self.pending is not None:  # the step never ended: its one event says so
+            d, self.pending = self.pending, None
+            fuse.record(d, Result.FAILED, detail="the guard detached before the step ended: nothing restored")
+
     def settle(self, fuse, step: int) -> bool:
         engine = fuse.snapshot_engine
         if getattr(engine, "world_size", 1) > 1:
@@ -57,15 +62,21 @@ class Rollbacks:
             self.skipped_steps.append(step)
             self.rollbacks.append({"step": step, "to": None, "error": str(e)})
             if d is not None:
-                fuse.record(d, Result.FAILED, detail=f"rollback: {e}")
+                fuse.record(d, Result.FAILED, detail=f"{_dropped(step)}; rollback: {e}")
             return True
         if to is None:
+            if d is not None:
+                fuse.record(d, Result.NOOP, detail=f"{_dropped(step)}, no rank rolled back")
             return False
         self.skipped_steps.append(step)
         self.rollbacks.append({"step": step, "to": int(to)})
         fuse.dispatch("weights_settled")
         if d is not None:
-            fuse.record(d, Result.APPLIED, detail=f"restored step {to} on every rank, {_skipped(engine, step)}")
+            fuse.record(
+                d,
+                Result.APPLIED,
+                detail=f"{_dropped(step)}, restored step {to} on every rank, {_skipped(engine, step)}",
+            )
         fuse.guard.set_step(int(to) + 1)
         return True
 
@@ -76,20 +87,24 @@ class Rollbacks:
         engine = fuse.snapshot_engine
         if engine is None or not hasattr(engine, "rollback"):
             self.rollbacks.append({"step": step, "to": None})
-            fuse.record(d, Result.NOOP, detail="no snapshot engine: the step was dropped, nothing restored")
+            fuse.record(d, Result.NOOP, detail=f"{_dropped(step)}; no snapshot engine: nothing restored")
             return
         try:
             to_step, self.to_step = self.to_step, None
             to = int(engine.rollback(to_step, skip_batch=skip, micro_batches=_bad(fuse) if skip else ()))
         except Exception as e:  # no snapshot yet, or a corrupt one: the step stays dropped
             self.rollbacks.append({"step": step, "to": None, "error": str(e)})
-            fuse.record(d, Result.FAILED, detail=f"rollback: {e}")
+            fuse.record(d, Result.FAILED, detail=f"{_dropped(step)}; rollback: {e}")
             return
         self.rollbacks.append({"step": step, "to": to})
         fuse.dispatch("weights_settled")
         kept = _skipped(engine, step) if skip else f"the batches of step {step} re-run with the steps since"
-        fuse.record(d, Result.APPLIED, detail=f"restored step {to}, {kept}")
+        fuse.record(d, Result.APPLIED, detail=f"{_dropped(step)}, restored step {to}, {kept}")
         fuse.guard.set_step(to + 1)  # the restored state continues at its next step
+
+
+def _dropped(step: int) -> str:
+    return f"the update of step {step} dropped"
 
 
 def _bad(fuse) -> list[int]:
@@ -121,7 +136,7 @@ def _to_newest_common(engine) -> int:
 def apply(fuse: FuseContext, state: Rollbacks, d: Decision) -> str:
     fuse.drop_step(f"{d.reason}: rollback")
     state.pending = d
-    return Result.STEP_DROPPED  # the restore after the step books "applied" (or why not)
+    return Result.DEFERRED  # one event per rollback: the restore after the step books it, with the drop
 
 
 EXECUTOR = Executor(actions.get("rollback"), apply, state=Rollbacks)

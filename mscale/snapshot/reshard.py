@@ -1,0 +1,106 @@
+"""Another world size's snapshot of a sharded (FSDP2) model, re-sharded for this rank.
+
+Each old rank's snapshot holds its local shards and, in its `ShardingMarker` state, where each
+one lies in the whole tensor (global shape, offset and shape of the local box). This rank's
+own boxes come from its live marker. Every old rank's snapshot of the step is read and
+verified in turn (one at a time: the memory held is this rank's new shards plus one old
+snapshot), and the overlap of each old box with this rank's box is copied into a fresh tensor
+of this rank's local shape: the bytes are the saved ones, nothing is computed. Written
+elements are counted, so a layout that does not cover this rank's box is refused, never left
+uninitialised.
+
+Which tensors are sharded: a parameter's (`model/<fqn>` where the layout names fqn), and an
+optimizer state tensor of that parameter with its local shape (Adam's moments; the rule
+LocalOptimizer.load_state_dict applies too). Everything else (buffers, 0-d `step` counters) is
+whole on every old rank and is taken, with the RNG state, data position and non-tensor state,
+from old rank r % old_world (worlds.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from mscale.snapshot.format import SnapshotError
+from mscale.snapshot.tensors import load_snapshot
+
+if TYPE_CHECKING:
+    from mscale.snapshot.engine import SnapshotEngine
+    from mscale.snapshot.worlds import Candidate
+
+__all__ = ["read"]
+
+
+def _param_of(key: str, t: torch.Tensor, layout: dict[str, dict]) -> str | None:
+    """The parameter whose shard `key` (a snapshot key) is, or None for a whole tensor."""
+    kind, _, rest = key.partition("/")
+    fqn = rest if kind == "model" else rest.rpartition("/")[0] if kind == "optim" else ""
+    box = layout.get(fqn)
+    if box is None or t.dim() == 0:
+        return None
+    if kind == "optim" and list(t.shape) != box["local"]:
+        return None  # state of another shape than the shard's: kept whole
+    return fqn
+
+
+def _overlap(src: torch.Tensor, src_at: list[int], dst: torch.Tensor, dst_at: list[int]) -> int:
+    """Copy where the box `src` (at global offset src_at) overlaps the box `dst`; elements copied."""
+    s_idx, d_idx = [], []
+    for a, n, b, m in zip(src_at, src.shape, dst_at, dst.shape, strict=True):
+        lo, hi = max(a, b), min(a + n, b + m)
+        if hi <= lo:
+            return 0
+        s_idx.append(slice(lo - a, hi - a))
+        d_idx.append(slice(lo - b, hi - b))
+    part = src[tuple(s_idx)]
+    dst[tuple(d_idx)].copy_(part)
+    return part.numel()
+
+
+def read(engine: SnapshotEngine, found: Candidate) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+    """(tensors per file, objects) of the snapshot at `found.step`, written by `found.world_size`
+    ranks, as this rank of `engine` holds it (see the module docstring). Raises SnapshotError
+    (SnapshotInvalid naming the file) where an old rank's snapshot fails or does not fit."""
+    mine: dict[str, dict] = engine.extra["sharding"].layout
+    source = engine.rank % found.world_size
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    written: dict[str, int] = {}
+    objects: dict | None = None
+    for rank in range(found.world_size):
+        path = found.shards[rank]
+        tensors, objs, _ = load_snapshot(path, pool=engine._copier.pool())
+        theirs = ((objs.get("extra") or {}).get("sharding") or {}).get("layout") or {}
+        if rank == source:
+            objects = objs
+        for file, entries in tensors.items():
+            for key, t in entries.items():
+                fqn = _param_of(key, t, theirs)
+                if fqn is None:
+                    if rank == source:  # a copy: a view would keep the old file's whole buffer alive
+                        out.setdefault(file, {})[key] = t.clone()
+                    continue
+                box, want = theirs[fqn], mine.get(fqn)
+                if (
+                    want is None
+                    or "shape" not in want
+                    or want["shape"] != box["shape"]
+                    or list(t.shape) != box["local"]
+                ):
+                    raise SnapshotError(
+                        f"{path}: {key} is a shard of a {box['shape']} tensor of shape {list(t.shape)}, "
+                        f"this job's {fqn} {want.get('shape') if want else 'is not sharded'}: it does not fit"
+                    )
+                dst = out.setdefault(file, {}).get(key)
+                if dst is None:
+                    dst = out[file][key] = torch.empty(want["local"], dtype=t.dtype)
+                written[key] = written.get(key, 0) + _overlap(t, box["offset"], dst, want["offset"])
+        del tensors
+    short = [k for d in out.values() for k, t in d.items() if k in written and written[k] < t.numel()]
+    if short:
+        raise SnapshotError(
+            f"the shards of step {found.step} do not cover this rank's part of {short[0]} "
+            f"({written[short[0]]} of its elements)"
+        )
+    assert objects is not None  # source < world_size
+    return out, objects
