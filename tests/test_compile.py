@@ -248,7 +248,7 @@ def test_tiny_llava_under_inductor_trains_guarded_clean_steps_quiet(llava):
 
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # the incident's graph (every row) is compiled here
-def test_a_persistent_vision_fault_under_inductor_is_caught_and_healed_by_l1(llava):
+def test_tiny_llava_under_inductor_a_persistent_vision_fault_is_caught_and_healed_by_l1(llava):
     """The fault belongs to the tower's simulated GPU: on while the tower runs there, gone once
     the fuse's L1 swap moves it to a standby. Caught in its first step (every row carries it),
     L1 after 3 failed steps, then clean steps on the standby."""
