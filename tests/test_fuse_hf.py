@@ -43,8 +43,8 @@ class Watch:
     def on_finding(self, f) -> None:
         self.findings.append(f)
 
-    def on_report(self, report) -> None:  # what the agent receives, after the fuse added its part
-        self.reports.append((report["loss"], report["task_loss"]))
+    def on_report(self, report) -> None:  # read after every plugin added its part, as the link sends it
+        self.reports.append(report)
 
     def heal(self, action, result="applied"):
         return [
@@ -173,7 +173,7 @@ def test_persistent_vision_fault_escalates_l1_l2_l3_and_recovery_undoes_them(nam
     assert reported[-1][1] == 0.0 and reported[0][1] == 0.0
     # the step report carries the loss returned and the task loss apart (mscale_job_loss, _task_loss)
     assert len(watch.reports) == len(guard.returned) == steps
-    pairs = list(zip(watch.reports, guard.returned, strict=True))
+    pairs = list(zip([(r["loss"], r["task_loss"]) for r in watch.reports], guard.returned, strict=True))
     at_l3 = [(rep, ret) for rep, ret in pairs if ret[1] is not None]
     assert at_l3 and all(rep == pytest.approx(ret) and rep[0] > rep[1] for rep, ret in at_l3)
     assert all(rep[0] == rep[1] == pytest.approx(ret[0]) for rep, ret in pairs if ret[1] is None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from support.link_agent import Agent, RawLink, metric
+from support import REPO, free_port
+from support.link_agent import Agent, RawLink, metric, wait_for
 from support.users import second_uid
 
 MPUS = [{"mpu_id": "001", "name": "text", "gpu": 0}]
@@ -171,3 +173,52 @@ def test_one_uids_connections_are_capped_and_another_uid_still_connects(other, s
         for raw in links:
             raw.close()
         agent.stop()
+
+
+def _limit_nofile() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+
+def test_1124_idle_connections_leave_no_accept_tracebacks_in_the_agents_log(other, shared_sock: str) -> None:
+    """The issue's flood on a real agent process under the common 1,024 open-files limit: 1,124
+    idle connections from a uid the socket refuses, then 1,124 from an allowed uid (past its
+    cap). Before, they filled the agent's descriptors and asyncio logged about 8,500 accept()
+    tracebacks a second; now each is closed at accept or by its handshake deadline."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 4096:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+    tmp = Path(shared_sock).parent
+    port = free_port()
+    (tmp / "timeline.yaml").write_text("gpus: 2\nevents: []\n")
+    (tmp / "agent.toml").write_text(
+        f'[agent]\nlisten = "127.0.0.1:{port}"\nsocket_path = "{shared_sock}"\n'
+        f'simulate = "{tmp / "timeline.yaml"}"\n'
+        "[probes.ebpf]\nenabled = false\n"
+        f"[socket]\nmode = {0o666}\nhandshake_timeout_s = 3\n"
+    )
+    log_path = tmp / "agent.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mscale", "agent", "--config", str(tmp / "agent.toml")],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_limit_nofile,
+        )
+    try:
+        wait_for(lambda: os.path.exists(shared_sock) or proc.poll() is not None, 60, "the agent's socket")
+        assert proc.poll() is None, log_path.read_text()[-2000:]
+        refused_uid = idle(other[0], shared_sock, 1124, 10)
+        assert refused_uid == {"opened": 1124, "closed": 1124}, refused_uid
+        allowed_uid = idle(os.getuid(), shared_sock, 1124, 30)  # 256 of them wait for their deadline
+        assert allowed_uid == {"opened": 1124, "closed": 1124}, allowed_uid
+        for path in ("/healthz", "/metrics"):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+                assert r.status == 200
+        assert proc.poll() is None
+        log = log_path.read_text()
+        assert "accept" not in log and "Traceback" not in log and "out of system resource" not in log, log[-3000:]
+        assert log.count("link_connection_refused") < 40  # rate-limited
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -217,6 +217,33 @@ async def test_sdc_verdict_runs_the_command_with_the_facts_once_and_undoes_it_af
     assert st.command_exit == {"file": 0, "clear": 0}
 
 
+async def test_every_remediation_series_is_documented_with_its_labels(hook) -> None:
+    """The series a filing makes (most have no sample in the live scrape of tests/test_metrics_doc.py)
+    against docs/metrics.md's rows, by their exposed name, type and labels."""
+    from prometheus_client import generate_latest
+    from test_metrics_doc import documented, exposed
+
+    from mscale.exporters import make_registry
+
+    clock, state = Clock(), AgentState(node=NODE)
+    state.publish("gpu", gpus(failed=(1,)))
+    svc = service(state, clock, command={"enabled": True, "argv": [hook.path]})
+    await svc.turn()
+    page = generate_latest(make_registry(state, ("mscale.exporters.remediation",))).decode()
+    got, docs = exposed(page), documented()
+    assert set(got) == {
+        "mscale_remediation_gpu_fault",
+        "mscale_remediation_filed",
+        "mscale_remediation_filings_total",
+        "mscale_remediation_filer_up",
+        "mscale_remediation_command_exit_code",
+    }
+    for name, (typ, labels) in got.items():
+        assert docs[name] == (typ, labels), name
+    assert 'mscale_remediation_filings_total{event="file",filer="command",result="filed"} 1.0' in page
+    assert 'mscale_remediation_command_exit_code{event="file"} 0.0' in page
+
+
 @pytest.mark.parametrize(
     "evidence",
     [
@@ -263,6 +290,23 @@ async def test_a_verdict_outlives_an_agent_restart_and_a_reboot_is_its_reset(hoo
     await svc.turn()
     assert [c["argv"][0] for c in hook.calls()] == ["file", "clear"]
     assert json.loads(Path(state_file).read_text()) == {"version": 1, "faults": [], "filed": {"command": []}}
+
+
+async def test_the_node_conditions_sdc_reason_outlives_an_agent_restart(tmp_path: Path) -> None:
+    cfg = {"state_file": str(tmp_path / "remediation.json"), "_kube": {"enabled": True, "node_name": NODE}}
+    state = AgentState(node=NODE)
+    state.publish("gpu", gpus())
+    svc = service(state, Clock(), **cfg)
+    assert [f.name for f in svc.filers] == ["nodecondition"]
+    await svc.observe(swap(2, 5))
+    await svc.observe(clean_on_standby())
+    assert [f.gpu_uuid for f in state.snapshots["remediation_sdc"]] == ["GPU-2"]
+    state = AgentState(node=NODE)  # restarted: the condition's SDC faults are filed again at start
+    state.publish("gpu", gpus())
+    svc = service(state, Clock(), **cfg)
+    await svc.turn()
+    assert [f.gpu_uuid for f in state.snapshots["remediation_sdc"]] == ["GPU-2"]
+    assert state.snapshots[SNAPSHOT].filings.get(("nodecondition", "file", "filed"), 0) == 0  # not a new filing
 
 
 async def test_a_state_file_that_does_not_pass_is_set_aside(hook, tmp_path: Path) -> None:
@@ -514,6 +558,18 @@ async def test_an_admission_refusal_is_counted_and_retried(api: ApiServer) -> No
     await svc.turn()
     assert len(api.custom[(GROUP, VERSION, PLURAL)]) == 1
     assert state.snapshots[SNAPSHOT].filings[("externalfault", "file", "filed")] == 1
+
+
+async def test_no_external_fault_crd_says_so(api: ApiServer) -> None:
+    clock, state = Clock(), AgentState(node=NODE)
+    state.publish("gpu", gpus(failed=(0,)))
+    svc = service(state, clock, externalfault={"enabled": True, "plural": "externalfaultz"}, _kube=kube_cfg(api))
+    await svc.turn()
+    failed = findings(state, Reason.REMEDIATION_FILING)[-1]
+    assert (failed.labels["result"], failed.labels["http_status"]) == ("failed", "404")
+    assert "(no externalfaultz.nvsentinel.dgxc.nvidia.com/v1 here: is NVSentinel's ExternalFault CRD installed?" in (
+        failed.message
+    )
 
 
 # --- the node condition's SDC reason (Kubernetes without NVSentinel) ----------------------

@@ -113,3 +113,23 @@ def test_fsdp2_restart_on_2_ranks_after_1_reshards(tmp_path: Path) -> None:
         assert r["start_hash"] == first["hashes"]["8"]
         assert r["start_optimizer_hash"] == first["optimizer_hashes"]["8"]
     visible(directory)
+
+
+def test_old_shards_land_bitwise_in_the_new_ranks_boxes_and_a_missing_one_is_named(tmp_path: Path) -> None:
+    """Fast: the re-sharding copy (mscale/snapshot/reshard.py) from 2 row shards into 3, and
+    why a step without every old rank's shard cannot be re-sharded."""
+    import torch
+
+    from mscale.snapshot.reshard import _overlap
+    from mscale.snapshot.worlds import Candidate, unshardable
+
+    whole = torch.arange(10 * 3, dtype=torch.float32).reshape(10, 3)
+    old = [(whole[:5], [0, 0]), (whole[5:], [5, 0])]  # torch.chunk over 2 ranks, as FSDP2 shards
+    at = 0
+    for new in torch.chunk(whole, 3):  # rows 0-3, 4-7, 8-9
+        dst = torch.full_like(new, float("nan"))
+        written = sum(_overlap(src, src_at, dst, [at, 0]) for src, src_at in old)
+        assert written == new.numel() and torch.equal(dst, new)
+        at += new.shape[0]
+    lost = Candidate(8, tmp_path / "rank_00000" / "step_00000008", 2, {0: tmp_path / "rank_00000" / "step_00000008"})
+    assert unshardable(lost) == "only the shards of rank(s) [0] are in the directory"

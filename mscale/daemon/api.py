@@ -1,4 +1,4 @@
-"""Read-only HTTP API: /metrics, /healthz, /api/v1/{gpus,probes,events}.
+"""Read-only HTTP API: /metrics (mscale.daemon.scrape), /healthz, /api/v1/{gpus,probes,events}.
 
 The jobs, their MPUs and fuse levels are in GET /api/v1/status (mscale.daemon.status_api);
 the POST routes are /api/v1/alerts (mscale.daemon.webhook) and /api/v1/chaos
@@ -12,9 +12,8 @@ import enum
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from mscale.daemon import keys
+from mscale.daemon import keys, scrape
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -28,11 +27,6 @@ def to_jsonable(obj: Any) -> Any:
     if isinstance(obj, (list, tuple, set, frozenset)):
         return [to_jsonable(v) for v in obj]
     return obj
-
-
-async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[keys.REGISTRY])
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -62,7 +56,7 @@ async def events(request: web.Request) -> web.Response:
 
 
 def setup(app: web.Application) -> None:
-    app.router.add_get("/metrics", metrics)
+    scrape.setup(app)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/api/v1/gpus", gpus)
     app.router.add_get("/api/v1/probes", probes)

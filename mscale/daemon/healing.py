@@ -16,14 +16,16 @@ is not marked seen, so Alertmanager's repeat may act once the budget allows.
 Bounded and O(1) per alert, however long the agent has run: the seen-alerts ledger keeps an
 alert for SEEN_TTL_S and at most SEEN_CAP of them (the oldest evicted first), expired from
 its old end, never scanned; the budget keeps one entry per grant in the last minute. A body
-is handled in slices of SLICE alerts with the event loop served between them, so a large
-body (the body-size limit bounds it) never blocks /healthz, the scrape or the socket.
+is handled in slices of SLICE alerts or SLICE_S seconds, whichever ends first, with the event
+loop served between them, so a large body (the body-size limit bounds it) never blocks
+/healthz, the scrape or the socket (the webhook decodes and checks it in a worker thread).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +47,10 @@ log = structlog.get_logger("mscale.healing")
 SOURCE = "healing"
 SEEN_CAP = 16_384  # alerts remembered as acted on; the oldest are forgotten first
 SEEN_TTL_S = 86_400.0  # and for at most a day (Alertmanager repeats within repeat_interval)
-SLICE = 256  # alerts of one body handled between turns of the event loop
+SLICE = 256  # alerts of one body handled between turns of the event loop at most
+# and for this long at most: a request needs several turns of the loop (accept, read, answer),
+# so a turn every 256 alerts (50 ms here, more under load) kept /healthz waiting over a second
+SLICE_S = 0.005
 _SEEN = web.AppKey("alerts_seen", Ledger)  # (fingerprint, startsAt) -> when acted on
 _BUDGET = web.AppKey("alert_action_budget", Budget)  # actions taken from alerts, last minute
 
@@ -163,19 +168,26 @@ class AlertOutcome:
     rate_limited: int = 0
 
 
-async def alerts(app: web.Application, items: Iterable[Mapping[str, Any]], *, source: str) -> list[AlertOutcome]:
-    """A body's alerts, in order, in slices of SLICE with the event loop served between them;
-    the engine publishes its books once a slice."""
+async def alerts(
+    app: web.Application, items: Iterable[Mapping[str, Any]], *, source: str
+) -> AsyncIterator[AlertOutcome]:
+    """A body's alerts, in order, in slices of SLICE alerts or SLICE_S seconds with the event
+    loop served between them; the engine publishes its books once a slice. Each outcome is
+    yielded as it is known, not kept: 10^5 of them held to the end made the collector's full
+    passes long enough to stall the loop."""
     engine: HealingEngine = app[keys.ENGINE]
     items = list(items)
-    out = []
-    for start in range(0, len(items), SLICE):
-        if start:
+    i = 0
+    while i < len(items):
+        if i:
             await asyncio.sleep(0)
+        end = time.monotonic() + SLICE_S
         with engine.batch():
-            for a in items[start : start + SLICE]:
-                out.append(await alert(app, a, source=source))
-    return out
+            for a in items[i : i + SLICE]:
+                i += 1
+                yield await alert(app, a, source=source)
+                if time.monotonic() >= end:
+                    break
 
 
 async def alert(app: web.Application, a: Mapping[str, Any], *, source: str) -> AlertOutcome:

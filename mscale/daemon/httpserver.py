@@ -12,9 +12,19 @@ Every accepted connection passes a gate (`_Gate`, a protocol in front of aiohttp
   reserve for probes, the hook socket and logs). A connection over a cap first evicts the
   longest-idle connection that is not serving a request (of the same peer for the per-peer
   cap, of the busiest peer for the total), so a flood of idle connections cannot keep anyone
-  out; with none idle, the new one is closed at once (why="peer_limit" / "connection_limit").
+  out. A connection whose reader has stalled (its writes paused: the peer reads nothing of what
+  was sent) counts as idle here and goes first, the longest-stalled (why="stalled_evicted"), so
+  slow readers cannot keep a scrape out either. With none idle or stalled, the new one waits
+  up to ADMIT_WAIT_S (unread, at most MAX_WAITING connections at a time) for room, as when a
+  burst of requests waits for one render of /metrics and then stalls, and is closed past it
+  (why="peer_limit" / "connection_limit"); past MAX_WAITING it is closed at once.
 - its first request head must arrive within `http.header_timeout_s` (why="header_timeout");
   between requests aiohttp closes a connection idle for `http.idle_timeout_s`.
+- a response its peer stops reading is closed after `http.write_timeout_s` of stalled writes
+  (why="write_timeout"): a slow reader holds its descriptor and one chunk of the page
+  (mscale.daemon.scrape writes /metrics in chunks) for that long at most. A stalled connection
+  is closed with a reset, so the kernel drops what it still held for the reader, and the
+  reader learns at once.
 
 Refused and evicted connections are counted in `mscale_refused_messages_total{where="http"}`;
 the log lines about them are rate-limited.
@@ -24,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import resource
+import socket
+import struct
 from collections import defaultdict
 from typing import Any
 
@@ -37,6 +49,9 @@ from mscale.daemon.gate import Gate
 log = structlog.get_logger("mscale.http")
 WHERE = "http"
 FD_RESERVE = 128  # descriptors kept for everything that is not an HTTP client
+ADMIT_WAIT_S = 1.0  # a connection over a cap waits this long for room (a render's length, with margin)
+ADMIT_RETRY_S = 0.02  # how often it looks
+MAX_WAITING = 64  # connections waiting for room at most (each holds a descriptor)
 
 
 def make_runner(app: web.Application) -> web.AppRunner:
@@ -63,8 +78,10 @@ class Limiter:
         self.max_total = fd_limited(cfg.max_connections)
         self.max_per_peer = min(cfg.max_connections_per_peer, self.max_total)
         self.header_timeout_s = cfg.header_timeout_s
+        self.write_timeout_s = cfg.write_timeout_s
         self.by_peer: dict[str, dict[_Gate, None]] = defaultdict(dict)  # insertion-ordered sets
         self.total = 0
+        self.waiting = 0
         self.logger = RateLimitedLog()
         if self.max_total < cfg.max_connections:
             log.warning(
@@ -78,32 +95,39 @@ class Limiter:
         self.state.refused[(WHERE, why)] += 1
         self.logger.warning((WHERE, why), "http_connection_refused", why=why, **fields)
 
-    def admit(self, gate: _Gate) -> bool:
+    def admit(self, gate: _Gate) -> str:
+        """Admit the connection (evicting one if need be): "", or the cap that keeps it out."""
         peer = gate.peer
         if len(self.by_peer.get(peer, ())) >= self.max_per_peer:
             victim = self._idlest(self.by_peer[peer])
             if victim is None:
-                self.count("peer_limit", peer=peer, limit=self.max_per_peer)
-                return False
+                return "peer_limit"
             self.evict(victim)
         if self.total >= self.max_total:
             busiest = max(self.by_peer.values(), key=len)
             victim = self._idlest(busiest) or self._idlest(g for gs in self.by_peer.values() for g in gs)
             if victim is None:
-                self.count("connection_limit", peer=peer, limit=self.max_total)
-                return False
+                return "connection_limit"
             self.evict(victim)
         self.by_peer[peer][gate] = None
         self.total += 1
-        return True
+        return ""
+
+    def refuse(self, gate: _Gate, why: str) -> None:
+        limit = self.max_per_peer if why == "peer_limit" else self.max_total
+        self.count(why, peer=gate.peer, limit=limit)
 
     @staticmethod
     def _idlest(gates: Any) -> _Gate | None:
+        """The longest-stalled connection, else the longest-idle one, else None."""
+        stalled = [g for g in gates if g.stalled_at is not None]
+        if stalled:
+            return min(stalled, key=lambda g: g.stalled_at)
         idle = [g for g in gates if g.idle()]
         return min(idle, key=lambda g: g.last_rx) if idle else None
 
     def evict(self, gate: _Gate) -> None:
-        self.count("idle_evicted", peer=gate.peer)
+        self.count("stalled_evicted" if gate.stalled_at is not None else "idle_evicted", peer=gate.peer)
         self.release(gate)
         gate.close()
 
@@ -126,6 +150,10 @@ class _Gate(Gate):
         self.peer = ""
         self.head_seen = False
         self.last_rx = 0.0
+        self.stalled_at: float | None = None  # loop time its writes were paused (its reader stalled)
+        self._write_timer: asyncio.TimerHandle | None = None
+        self.wait_until = 0.0  # over a cap: loop time it may wait for room until
+        self._retry: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -134,12 +162,50 @@ class _Gate(Gate):
         self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
         loop = asyncio.get_running_loop()
         self.last_rx = loop.time()
-        if not self.limiter.admit(self):
-            transport.abort()  # the descriptor is released now, not after a handshake
-            return
         self._timer = loop.call_later(self.limiter.header_timeout_s, self._header_deadline)
+        why = self.limiter.admit(self)
+        if not why:
+            self._start()
+        elif self.limiter.waiting >= MAX_WAITING:
+            self._refuse(why)
+        else:  # wait, unread, for room
+            self.limiter.waiting += 1
+            self.wait_until = self.last_rx + ADMIT_WAIT_S
+            transport.pause_reading()
+            self._retry = loop.call_later(ADMIT_RETRY_S, self._try_again)
+
+    def _start(self) -> None:
+        assert self.transport is not None
         self.inner = self.make()
-        self.inner.connection_made(transport)
+        self.inner.connection_made(self.transport)
+
+    def _refuse(self, why: str) -> None:
+        self._stop_timer()
+        self.limiter.refuse(self, why)
+        if self.transport is not None:
+            self.transport.abort()  # the descriptor is released now, not after a handshake
+
+    def _stop_waiting(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+            self.limiter.waiting -= 1
+
+    def _try_again(self) -> None:
+        self._retry = None
+        self.limiter.waiting -= 1
+        if self.transport is None:
+            return
+        loop = asyncio.get_running_loop()
+        why = self.limiter.admit(self)
+        if not why:
+            self.transport.resume_reading()
+            self._start()
+        elif loop.time() >= self.wait_until:
+            self._refuse(why)
+        else:
+            self.limiter.waiting += 1
+            self._retry = loop.call_later(ADMIT_RETRY_S, self._try_again)
 
     def _header_deadline(self) -> None:
         self._timer = None
@@ -159,8 +225,40 @@ class _Gate(Gate):
         return waiter is not None and not waiter.done()
 
     def close(self) -> None:
+        if self.transport is None:
+            return
+        if self.stalled_at is not None:  # a reset: the kernel drops the unread data, the reader knows
+            sock = self.transport.get_extra_info("socket")
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except (OSError, AttributeError):
+                pass
+        self.transport.abort()
+
+    def pause_writing(self) -> None:
+        # the peer's buffers are full: it reads nothing of what was sent; it has until the deadline
+        loop = asyncio.get_running_loop()
+        self.stalled_at = loop.time()
+        if self._write_timer is None:
+            self._write_timer = loop.call_later(self.limiter.write_timeout_s, self._write_deadline)
+        super().pause_writing()
+
+    def resume_writing(self) -> None:
+        self._stop_write_timer()
+        super().resume_writing()
+
+    def _stop_write_timer(self) -> None:
+        self.stalled_at = None
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_deadline(self) -> None:
+        self._write_timer = None
         if self.transport is not None:
-            self.transport.abort()
+            self.limiter.count("write_timeout", peer=self.peer)
+            self.limiter.release(self)
+            self.close()
 
     def data_received(self, data: bytes) -> None:
         if self.inner is None:
@@ -173,6 +271,8 @@ class _Gate(Gate):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
+        self._stop_write_timer()
+        self._stop_waiting()
         self.limiter.release(self)
         inner, self.inner, self.transport = self.inner, None, None
         if inner is not None:

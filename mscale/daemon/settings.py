@@ -102,7 +102,7 @@ class ChaosSection:
 
 @dataclass(frozen=True)
 class HttpSection:
-    HELP: ClassVar[str] = "HTTP timeouts, connection caps, Host names"
+    HELP: ClassVar[str] = "HTTP timeouts, connection caps, Host names, the /metrics page budget"
     idle_timeout_s: float = opt(30.0, "an idle HTTP keep-alive connection is closed after this", min=1, max=3600)
     header_timeout_s: float = opt(
         10.0, "a new HTTP connection must send its first request head within this, or it is closed", min=0.5, max=600
@@ -114,6 +114,30 @@ class HttpSection:
         512, "open HTTP connections at most (also kept below the open-files limit)", min=4, max=1_000_000
     )
     max_connections_per_peer: int = opt(64, "open HTTP connections from one peer address at most", min=2, max=1_000_000)
+    write_timeout_s: float = opt(
+        10.0,
+        "a connection whose peer reads nothing of a response for this long is closed (a slow reader)",
+        min=0.5,
+        max=600,
+    )
+    metrics_reuse_s: float = opt(
+        0.0, "a rendered /metrics page is reused for this long (0: every scrape renders, one at a time)", min=0, max=60
+    )
+    metrics_max_series_per_job: int = opt(
+        16_384, "series with one job_id on /metrics at most; past it they are left out and counted", min=1, max=1 << 24
+    )
+    metrics_max_series_per_uid: int = opt(
+        24_576,
+        "series of the jobs of one uid on /metrics at most; past it they are left out and counted",
+        min=1,
+        max=1 << 24,
+    )
+    metrics_max_bytes: int = opt(
+        4 << 20,
+        "size of /metrics at most; past it the jobs' series are left out and counted (the agent's own are kept)",
+        min=1 << 16,
+        max=1 << 30,
+    )
     allowed_hosts: list = opt(  # type: ignore[type-arg]  # bare: check() names a bad item itself
         None,
         "extra Host names (NAME or NAME:PORT) state-changing requests may use, besides the listen address, "

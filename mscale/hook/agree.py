@@ -7,8 +7,10 @@ averaged the corrupted gradient into every rank's, LR cooled on the rank whose l
 spiked. `Agreement` (a guard plugin, added by `mscale.attach` when the process group has
 several ranks) makes every rank take the same decision in the same step:
 
-    at the optimizer step pre-hook (`on_step_decide`), before the gradient statistics and the
-    loss detector, each rank contributes a few numbers to ONE all_reduce(SUM) of float64:
+    at the optimizer step pre-hook, before the gradient statistics and the loss detector, each
+    rank contributes a few numbers to ONE all_reduce(SUM) of float64, built on the device from
+    the step's verdicts (`on_commit`) and run inside the commit point's one host read
+    (mscale.hook.commit), so nothing is read back before it and nothing after it but the sum:
 
         skip             the rank already dropped this step's update (a plugin asked)
         nonfinite        the rank's loss is NaN/Inf
@@ -16,18 +18,24 @@ several ranks) makes every rank take the same decision in the same step:
         rollback         a rollback is pending on the rank (the fuse's, e.g. an agent command)
         swaps            MPUs the rank moved to a standby in this step (L1)
         loss_sum, loss_n the rank's finite loss and 1 (or 0, 0)
+        commit_failed    a check of the rank failed at the commit point (commit verdicts)
+        gradient         a weight gradient of the rank is corrupted (mscale.hook.gradcheck)
+        keep             the rank's pending rollback re-runs its batch (not skipped)
         multipliers      each MPU's CMSA clip-threshold multiplier (an L2 degrade raises it
                          on its rank), one number per MPU
 
         failed MPUs      per MPU, 1 when that MPU's output failed its checksum on the rank
         faulty ranks     per rank, 1 at the rank's own index when it dropped the step, had a
-                         non-finite loss or a failed checksum (so every rank can name it)
+                         non-finite loss, a failed checksum or a corrupted gradient (so every
+                         rank can name it)
 
-    then on every rank: the step's loss becomes the mean over ranks (NaN when any rank's was
+    then on every rank (`on_step_decide`): the step's loss becomes the mean over ranks (NaN when any rank's was
     not finite), so the loss detector, hence LR cooling and the NaN rollback, judge the same
-    loss everywhere; the update is dropped on all ranks when any rank dropped it or had a
-    non-finite loss (a STEP_DROPPED_AGREED finding, naming the ranks at fault, on the ranks that
-    found nothing themselves). An MPU whose output failed its checksum on some rank (and was
+    loss everywhere; the update is dropped on all ranks when any rank dropped it, had a
+    non-finite loss, failed a check at the commit point or had a corrupted gradient (a
+    STEP_DROPPED_AGREED finding, naming the ranks at fault, on the ranks that found nothing
+    themselves); for the last two every rank asks for the step to be re-run on the same batch
+    (`guard.request_rerun`: the fuse's rollback that keeps the batch). An MPU whose output failed its checksum on some rank (and was
     not re-run clean) has its gradient dropped on every rank for this step, the rest of the
     update kept (MPU_GRADIENT_DROPPED_AGREED on every rank, naming the MPU and the ranks): DDP
     has already averaged the faulty rank's gradient of that MPU into every rank's, and without
@@ -58,10 +66,23 @@ import torch
 import torch.distributed as dist
 
 from mscale.findings import Finding, Reason, Severity
+from mscale.hook.actions.rollback import KEEP_BATCH
+from mscale.hook.commit import on
 from mscale.snapshot.distributed import _device, rank_and_size
 
 SOURCE = "agree"
-FIELDS = ("skip", "nonfinite", "checksum_failed", "rollback", "swaps", "loss_sum", "loss_n")
+FIELDS = (
+    "skip",
+    "nonfinite",
+    "checksum_failed",
+    "rollback",
+    "swaps",
+    "loss_sum",
+    "loss_n",
+    "commit_failed",
+    "gradient",
+    "keep",
+)
 HISTORY = 256  # agreements kept (tests, benchmarks)
 
 
@@ -76,10 +97,18 @@ class Agreed:
     rollback: int
     swaps: int
     loss: float | None  # the mean over ranks; NaN when a rank's loss was not finite; None: no loss
+    commit_failed: int = 0  # ranks whose checks failed at the commit point (commit verdicts)
+    gradient: int = 0  # ranks with a corrupted weight gradient (mscale.hook.gradcheck)
+    keep: int = 0  # ranks whose pending rollback re-runs its batch (not skipped)
 
     @property
-    def drop(self) -> bool:  # a checksum failure drops only that MPU's gradient (on_step_decide)
-        return bool(self.skip or self.nonfinite)
+    def drop(self) -> bool:  # an in-step checksum failure drops only that MPU's gradient (on_step_decide)
+        return bool(self.skip or self.nonfinite or self.commit_failed or self.gradient)
+
+    @property
+    def rerun(self) -> bool:
+        """The step is re-run on the same batch on every rank (a fault found at the commit point)."""
+        return bool(self.commit_failed or self.gradient)
 
 
 class Agreement:
@@ -95,6 +124,7 @@ class Agreement:
         self.collectives = 0
         self._reruns_at_begin = 0
         self._own: dict[str, float] | None = None  # this rank's CMSA multipliers, while agreed ones apply
+        self._point: Any = None  # this step's commit point (mscale.hook.commit)
 
     def on_attach(self, guard: Any) -> None:
         self.guard = guard
@@ -104,28 +134,46 @@ class Agreement:
         fuse = getattr(self.guard, "fuse", None)
         self._reruns_at_begin = len(fuse.reruns) if fuse is not None else 0
 
-    def local(self) -> list[float]:
-        """This rank's contribution, in FIELDS order, then the CMSA multipliers by MPU."""
+    def on_commit(self, point: Any) -> None:
+        """This rank's contribution to the step's one all-reduce, in FIELDS order, then the CMSA
+        multipliers, the failed MPUs and the faulty rank: built on the device from the verdicts
+        the guard and the gradient check put in the commit point, so nothing is read first."""
+        if self.world_size < 2:
+            return
         g = self.guard
-        loss = g._step_loss()
-        finite = loss is not None and math.isfinite(loss)
+        self._point = point
+        losses, commit, grad = (point.tensor(k) for k in ("losses", "checksum/failed", "gradients/bad"))
+        dev = next((t.device for t in (commit, grad, losses) if t is not None), torch.device("cpu"))
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
         fuse = getattr(g, "fuse", None)
         pending = getattr(getattr(fuse, "states", {}).get("rollback"), "pending", None)
         swaps = len(fuse.reruns) - self._reruns_at_begin if fuse is not None else 0
-        failed = [0.0 if m.last_checksum_ok else 1.0 for m in g.mpus]
-        faulty = bool(g._skip_reason) or (loss is not None and not finite) or any(failed)
-        return [
-            1.0 if g._skip_reason else 0.0,
-            1.0 if loss is not None and not finite else 0.0,
-            1.0 if any(failed) else 0.0,
-            1.0 if pending is not None else 0.0,
-            float(swaps),
-            float(loss) if finite else 0.0,
-            1.0 if finite else 0.0,
-            *self._multipliers(),
-            *failed,
-            *[1.0 if faulty and r == self.rank else 0.0 for r in range(self.world_size)],
-        ]
+        skip, rollback = (on(torch.tensor(float(v)), dev) for v in (bool(g._skip_reason), pending is not None))
+        keep = on(torch.tensor(float(pending is not None and pending.reason in KEEP_BATCH)), dev)
+        if losses is not None and losses.numel():
+            mean = on(losses, dev).mean()
+            finite = torch.isfinite(mean)
+            nonfinite, loss_sum, loss_n = (~finite).to(torch.float64), torch.where(finite, mean, zero), finite.to(zero)
+        else:
+            nonfinite, loss_sum, loss_n = zero, zero, zero
+        # in-step verdicts are on the host already; commit ones on the device
+        in_step = [0.0 if g.checksum.commit_mode(m) or m.last_checksum_ok else 1.0 for m in g.mpus]
+        failed = on(torch.tensor(in_step, dtype=torch.float64), dev)
+        commit_failed = zero
+        if commit is not None and commit.numel() == len(g.mpus) and len(g.mpus):
+            failed = torch.maximum(failed, on(commit, dev))
+            commit_failed = on(commit, dev).amax()
+        gradient = on(grad, dev).reshape(()) if grad is not None else zero
+        checksum_failed = failed.amax() if len(g.mpus) else zero
+        faulty = torch.stack((skip, nonfinite, checksum_failed, commit_failed, gradient)).amax()
+        ranks = torch.zeros(self.world_size, dtype=torch.float64, device=dev)
+        ranks[self.rank] = faulty
+        head = torch.stack(
+            (skip, nonfinite, checksum_failed, rollback, on(torch.tensor(float(swaps)), dev), loss_sum, loss_n)
+            + (commit_failed, gradient, keep)
+        )
+        multipliers = on(torch.tensor(self._multipliers(), dtype=torch.float64), dev)
+        point.agree(torch.cat((head, multipliers, failed, ranks)), self._reduce, _device(self.group))
 
     def _multipliers(self) -> list[float]:
         cmsa = getattr(self.guard, "cmsa", None)
@@ -136,22 +184,21 @@ class Agreement:
         if own is not None and self.guard.cmsa is not None:
             self.guard.cmsa.multiplier.update(own)
 
-    def reduce(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=_device(self.group))
+    def _reduce(self, t: torch.Tensor) -> None:
         t0 = time.perf_counter()
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         self.seconds += time.perf_counter() - t0
         self.collectives += 1
-        return t.tolist()
 
     def on_step_decide(self, step: int) -> None:
-        if self.world_size < 2:
+        point, self._point = self._point, None
+        if self.world_size < 2 or point is None or not point.agreed():
             return
         g = self.guard
-        mine = self.local()
-        total = self.reduce(mine)
+        total = point.agreed()
         skip, nonfinite, failed, rollback, swaps = (round(v) for v in total[:5])
         loss_sum, loss_n = total[5], total[6]
+        commit_failed, gradient, keep = (round(v) for v in total[7:10])
         cmsa = getattr(g, "cmsa", None)
         n_mult = len(total) - len(FIELDS) - len(g.mpus) - self.world_size
         if cmsa is not None and n_mult:
@@ -159,29 +206,35 @@ class Agreement:
             for m, v in zip(g.mpus, total[len(FIELDS) : len(FIELDS) + n_mult], strict=True):
                 cmsa.multiplier[m.mpu_id] = v / self.world_size
         per_mpu = total[len(FIELDS) + n_mult : len(FIELDS) + n_mult + len(g.mpus)]
-        faulty = [r for r, v in enumerate(total[len(total) - self.world_size :]) if v > 0.5]
+        ranks = total[len(total) - self.world_size :]
+        faulty = [r for r, v in enumerate(ranks) if v > 0.5]
         if nonfinite:
             loss: float | None = math.nan
         elif loss_n:
             loss = loss_sum / loss_n
         else:
             loss = None
-        a = Agreed(step, skip, nonfinite, failed, rollback, swaps, loss)
+        a = Agreed(step, skip, nonfinite, failed, rollback, swaps, loss, commit_failed, gradient, keep)
         self.history.append(a)
         if loss is not None:
             g._losses[:] = [loss]  # every rank's detector judges the same loss
         at_fault = ",".join(str(r) for r in faulty)
-        if a.drop and not g._skip_reason:
+        if a.drop:
             why = ", ".join(
                 f"{n} rank(s) {what}"
                 for n, what in (
                     (skip, "dropped it"),
                     (nonfinite, "had a non-finite loss"),
+                    (commit_failed, "failed a check at the commit point"),
+                    (gradient, "had a corrupted gradient"),
                 )
                 if n
             )
-            g.request_skip(f"agreed across {self.world_size} ranks: {why}")
-            if not (mine[0] or mine[1]):
+            if a.rerun:  # re-run on the same batch on every rank (the fuse's rollback that keeps it)
+                g.request_rerun(f"agreed across {self.world_size} ranks: {why}")
+            if not g._skip_reason:
+                g.request_skip(f"agreed across {self.world_size} ranks: {why}")
+            if ranks[self.rank] < 0.5:
                 g.emit(
                     Finding(
                         SOURCE,

@@ -59,6 +59,7 @@ from mscale.hook.checksum_config import (  # noqa: F401  (re-exported: the confi
     VERDICTS,
     ChecksumConfig,
 )
+from mscale.hook.commit import on
 from mscale.hook.compiled import GraphChecks, compiling
 from mscale.hook.coverage import Schedule
 from mscale.hook.linears import LinearKind, kind_of
@@ -116,6 +117,10 @@ class _MpuChecks:
         self.ran, self.unresolved, self.replay = set(), False, None
 
 
+def _passes(resid: float, tol: float) -> bool:
+    return math.isfinite(resid) and abs(resid) <= tol
+
+
 # one check: (method, layer, dtype, value); value (residual, tolerance) as floats or a tensor
 # of 2 on the device. It fails when the residual is not finite or exceeds the tolerance.
 _Row = tuple[str, str, torch.dtype, Any]
@@ -150,7 +155,9 @@ class ChecksumDetector:
         self._ones: dict[tuple, torch.Tensor] = {}
         self._bias_floats: dict[int, tuple[float, float]] = {}
         self._planned = -1  # the step planned last
-        self._committed = -1  # the step committed last
+        self._committed = -1  # the step packed last for the commit point
+        self._judged = -1  # the step judged last
+        self._packed: list[Any] = []  # the MPUs whose rows went into the step's commit point
         self.replaying = False
         self.readbacks = 0  # host reads of check results (tests count them per step)
         # seconds spent in ABFT (linear hooks + evaluation) and in replays; the Guard resets
@@ -204,6 +211,7 @@ class ChecksumDetector:
         b = self.budget
         self.schedule.plan(step, b.allowance_s(SOURCE), b.share * (b.step_s or 0.0))
         self._planned = step
+        self._committed = self._judged = -1  # a step re-run after a rollback commits again
         for st in self._mpus.values():
             st.reset()
         self.graph.begin_step(step, {mid: r.in_incident(step) for mid, r in self.schedule.mpus.items()})
@@ -446,36 +454,66 @@ class ChecksumDetector:
                 failures.append((Reason.CHECKSUM_FAILURE, "replay", detail))
         return failures
 
-    def commit(self, *, data_fault: bool = False) -> list[str]:
-        """The step's verdicts at the commit point (the optimizer step pre-hook): rows kept for
-        it read in one read-back, findings emitted, every MPU's step counted. Returns the ids
-        of the MPUs judged here (commit verdicts) whose step failed: the guard drops its update
-        (once per step; [] after)."""
-        step = self._step()
-        if self._committed == step:
-            return []
-        self._committed = step
+    def pack(self, point: Any, data_fault: torch.Tensor | None = None) -> None:
+        """At the commit point (the optimizer step pre-hook): the rows kept for it go into the
+        step's one read (mscale.hook.commit), and so do, still on the device, per MPU, whether
+        its kept rows failed (`checksum/failed`, one flag per MPU, none of them when the batch
+        was not finite: `data_fault`), what the step agreement carries to the other ranks."""
+        if self._committed == self._step():
+            return
+        self._committed, self._packed = self._step(), []
+        t0 = time.perf_counter()
+        for mpu, traced in self.graph.take():  # the compiled forwards' checks, still on the device
+            self._graph_mpus.add(mpu.mpu_id)
+            self._mpus[id(mpu)].rows.extend(traced)
         try:
-            return self._commit(data_fault)
+            with self.budget.timer(SOURCE):
+                tensors: list[torch.Tensor] = []
+                flags: list[Any] = []
+                for mpu in self._by_id.values():
+                    st = self._mpus[id(mpu)]
+                    mine = [r[3] for r in st.rows if isinstance(r[3], torch.Tensor)]
+                    flags.append(any(not _passes(*r[3]) for r in st.rows if not isinstance(r[3], torch.Tensor)))
+                    self._packed.append(mpu)
+                    if mine:
+                        rows = torch.stack([t.to(mine[0].device, torch.float64) for t in mine])  # residual, tolerance
+                        tensors.append(rows)
+                        flags[-1] = (~(torch.isfinite(rows[:, 0]) & (rows[:, 0].abs() <= rows[:, 1]))).any() | flags[-1]
+                dev = tensors[0].device if tensors else torch.device("cpu")
+                if tensors:
+                    point.put("checksum", torch.cat([t.to(dev) for t in tensors]))
+                failed = torch.stack([on(torch.as_tensor(f), dev) for f in flags])
+                if data_fault is not None:  # the batch was not finite (mscale.hook.inputs): no MPU to blame
+                    failed = failed * (1.0 - on(data_fault, dev))
+                point.put("checksum/failed", failed)
         except Exception:  # a detector bug must not stop training
             log.exception("checksum_error", where="commit")
-            return []
-
-    def _commit(self, data_fault: bool) -> list[str]:
-        for mpu, failed in self.graph.collect():  # the compiled forwards' checks (one read-back)
-            self._graph_mpus.add(mpu.mpu_id)
-            self._mpus[id(mpu)].rows.extend(failed)
-        self.readbacks, self.graph.readbacks = self.readbacks + self.graph.readbacks, 0
-        if data_fault:  # the batch was not finite (mscale.hook.inputs): the kept checks blame no MPU
-            for mpu in self._by_id.values():
-                if self.commit_mode(mpu):
-                    self._mpus[id(mpu)].rows = []
-        t0 = time.perf_counter()
-        with self.budget.timer(SOURCE):
-            rows = [(mpu, r) for mpu in self._by_id.values() for r in self._mpus[id(mpu)].rows]
-            failures = self._judge([r for _, r in rows]) if rows else []
+            self._packed = []
         self.abft_s += time.perf_counter() - t0
-        if failures:  # blame: judge each MPU's rows again, from the values now on the host
+
+    def judge(self, point: Any, *, data_fault: bool = False) -> list[str]:
+        """After the read: the kept rows judged from their values, findings emitted, every MPU's
+        step counted. Returns the ids of the MPUs judged here (commit verdicts) whose step
+        failed: the guard drops its update and, with the fuse, re-runs the step (once per
+        step; [] after)."""
+        packed, self._packed = self._packed, []
+        if not packed and self._judged == self._committed:
+            return []
+        self._judged = self._committed
+        t0 = time.perf_counter()
+        try:
+            values = point.get("checksum") or []
+            self.readbacks += 1 if values else 0
+            off = 0
+            for mpu in packed:  # the kept tensors' values, in the order they were packed
+                st = self._mpus[id(mpu)]
+                rows: list[_Row] = []
+                for method, layer, dtype, v in st.rows:
+                    if isinstance(v, torch.Tensor):
+                        v, off = (values[off], values[off + 1]), off + 2
+                    rows.append((method, layer, dtype, v))
+                st.rows = [] if data_fault else rows
+            bad = []
             for mpu in self._by_id.values():
                 st = self._mpus[id(mpu)]
                 mine = self._judge(st.rows) if st.rows else []
@@ -483,15 +521,17 @@ class ChecksumDetector:
                     st.unresolved = True
                     st.failures.extend(mine)
                     self._report(mpu, mine)
-        bad = []
-        for mpu in self._by_id.values():
-            st = self._mpus[id(mpu)]
-            st.rows = []
-            mpu.last_checksum_ok = not st.unresolved
-            self._record(mpu, st)
-            if st.unresolved and self.commit_mode(mpu):
-                bad.append(mpu.mpu_id)
-        return bad
+                st.rows = []
+                mpu.last_checksum_ok = not st.unresolved
+                self._record(mpu, st)
+                if st.unresolved and self.commit_mode(mpu):
+                    bad.append(mpu.mpu_id)
+            return bad
+        except Exception:  # a detector bug must not stop training
+            log.exception("checksum_error", where="commit")
+            return []
+        finally:
+            self.abft_s += time.perf_counter() - t0
 
     def end_step(self, *, guard_s: float = 0.0) -> None:
         """At the step's end: the guard's own seconds (`guard_s`) charged, the budget's step

@@ -20,7 +20,7 @@ be traced as is. Here instead:
 - Verdicts stay on the device: each layer's (residual, tolerance) is kept in a small tensor per
   MPU, `values` (layers + 1 rows: the last is the MPU output's non-finite check), written in
   place by the graph; a failed forward's pair sticks until the step's commit point, where the
-  checksum detector reads all MPUs' tensors in one read-back (`collect`) and clears them.
+  checksum detector takes them (`take`) into the step's one read (mscale.hook.commit).
 
 Not traced (documented in docs/hook.md): replays (an MPU's forward run again, with the RNG
 state restored, is host work), timers (the budget does not see the cost of in-graph checks;
@@ -68,7 +68,8 @@ class _Slot:
         self.place(mpu.device)
 
     def place(self, device: torch.device) -> None:
-        self.values = torch.zeros(len(self.names) + 1, 2, dtype=torch.float32, device=device)
+        # float64: the commit point reads rows as float64 (no conversion, one stack for all)
+        self.values = torch.zeros(len(self.names) + 1, 2, dtype=torch.float64, device=device)
         self.phase = torch.zeros((), dtype=torch.int64, device=device)
 
 
@@ -89,7 +90,6 @@ class GraphChecks:
         self._rtol = rtol  # (dtype, device) -> rtol: ChecksumConfig.tolerance
         self._slots: dict[str, _Slot] = {}
         self._handles: list[Any] = []
-        self.readbacks = 0
 
     def attach(self, mpu: Any, layers: list[tuple[str, nn.Module, LinearKind]], *, abft: bool) -> None:
         slot = self._slots[mpu.mpu_id] = _Slot(mpu, layers, self.stride)
@@ -127,38 +127,19 @@ class GraphChecks:
                 slot.place(device)
             slot.phase.fill_(step % slot.stride)
 
-    def collect(self) -> list[tuple[Any, list[tuple]]]:
-        """The failed checks of the MPUs traced since the last call, one read-back for all: per
-        MPU, its failed rows as the checksum detector's (method, layer, dtype, (residual,
-        tolerance)). The state is cleared for the next step."""
-        slots = [s for s in self._slots.values() if s.traced]
-        if not slots:
-            return []
-        by_device: dict[torch.device, list[_Slot]] = {}
-        for s in slots:
-            by_device.setdefault(s.values.device, []).append(s)
-        values: dict[int, list[float]] = {}
-        for group in by_device.values():
-            flat = torch.cat([s.values.reshape(-1) for s in group]).tolist()
-            self.readbacks += 1
-            off = 0
-            for s in group:
-                n = s.values.numel()
-                values[id(s)] = flat[off : off + n]
-                off += n
-                s.values.zero_()
-                s.traced = False
+    def take(self) -> list[tuple[Any, list[tuple]]]:
+        """The checks of the MPUs traced since the last call, still on the device: per MPU, its
+        rows as the checksum detector keeps them for the commit point's one read (method, layer,
+        dtype, a tensor (residual, tolerance)). The state is cleared for the next forwards."""
         out = []
-        for s in slots:
-            v, rows = values[id(s)], []
-            for i in range(len(s.names) + 1):
-                resid, tol = v[2 * i], v[2 * i + 1]
-                if math.isfinite(resid) and abs(resid) <= tol:
-                    continue
-                if i == len(s.names):
-                    rows.append(("nonfinite", "<output>", torch.float32, (resid, tol)))
-                else:
-                    rows.append(("abft", s.names[i], s.dtypes[i], (resid, tol)))
+        for s in self._slots.values():
+            if not s.traced:
+                continue
+            kept = s.values.clone()  # the rows read at the commit; the slot starts afresh
+            s.values.zero_()
+            s.traced = False
+            rows: list[tuple] = [("abft", name, s.dtypes[i], kept[i]) for i, name in enumerate(s.names)]
+            rows.append(("nonfinite", "<output>", torch.float32, kept[len(s.names)]))
             out.append((s.mpu, rows))
         return out
 

@@ -9,8 +9,10 @@ group due takes the norm of its gradient when it is accumulated: before DDP's re
 into a bucket for the all_reduce (the reducer's hook on the accumulator runs after the
 tensor's), so the norm is this rank's own gradient. The norm stays a tensor on the gradient's
 device: nothing is read back inside backward. At the commit point (the optimizer step's
-pre-hook, `on_step_decide`, ahead of the agreement) the step's norms are read back at once, and
-each is compared with the median of its own last `history` checked norms: more than `factor`
+pre-hook) the step's norms go into its one read (`on_commit`, mscale.hook.commit), with their
+verdict on the device, which the step agreement carries to the other ranks in its all-reduce;
+then (`on_step_decide`, ahead of the agreement's) each is compared with the median of its own
+last `history` checked norms: more than `factor`
 times that median once `warmup` of them are known is a GRADIENT_CORRUPTION finding (critical)
 naming the rank, the MPU and the tensor. (A non-finite norm is left to the guard's own
 non-finite path, which skips the batch; an outlier that comes back when its step is re-run is
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 
 from mscale.findings import Finding, Reason, Severity
+from mscale.hook.commit import on
 from mscale.hook.weights import charge, split_by_bytes
 
 SOURCE = "gradients"
@@ -67,6 +70,8 @@ class GradCheck:
         self.reproduced: list[int] = []  # flagged steps whose re-run gave the same outlier: let through
         self.checks = 0
         self._handles: list[Any] = []
+        self._order: list[int] = []  # the indices of the norms put in the commit point, in order
+        self._point: Any = None
 
     def on_attach(self, guard: Any) -> None:
         self.guard = guard
@@ -103,15 +108,40 @@ class GradCheck:
         if p.grad is not None:
             self.norms[i] = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
 
+    def on_commit(self, point: Any) -> None:
+        """The step's norms go into the commit point's one read (mscale.hook.commit), with the
+        verdict the agreement carries to the other ranks, on the device: `gradients/bad`, 1 when
+        a norm is over `factor` times its median (known on the host from earlier steps)."""
+        self._order, self._point = sorted(self.norms), point
+        self.norms, norms = {}, self.norms
+        if not self._order:
+            return
+        t0 = time.perf_counter()
+        dev = norms[self._order[0]].device
+        values = torch.stack([norms[i].to(dev) for i in self._order])
+        point.put("gradients", values)
+        limits = [self._limit(i) for i in self._order]
+        if point.step in self.flagged:  # a flagged step's re-run: its outlier is let through (below)
+            limits = [math.inf] * len(limits)
+        over = torch.isfinite(values) & (values > on(torch.tensor(limits), dev).to(values.dtype))
+        point.put("gradients/bad", over.any().to(torch.float64))
+        charge(self.guard, SOURCE, t0)
+
+    def _limit(self, i: int) -> float:
+        seen = self.seen.get(i)
+        median = statistics.median(seen) if seen is not None and len(seen) >= self.warmup else math.nan
+        return self.factor * median if median > 0 else math.inf
+
     def on_step_decide(self, step: int) -> None:
-        norms, self.norms = self.norms, {}
-        if not norms:
+        order, point = self._order, self._point
+        self._order, self._point = [], None
+        values = point.get("gradients") if point is not None else None
+        if not order or values is None:
             return
         self.checks += 1
         t0 = time.perf_counter()
-        values = self._read(norms)
         bad = []
-        for i, v in values.items():
+        for i, v in zip(order, values, strict=True):
             seen = self.seen.setdefault(i, collections.deque(maxlen=self.history))
             median = statistics.median(seen) if len(seen) >= self.warmup else math.nan
             if math.isfinite(v) and median > 0 and v > self.factor * median:
@@ -127,17 +157,6 @@ class GradCheck:
         elif bad:
             self.flagged.append(step)
             self._corrupted(step, bad)
-
-    @staticmethod
-    def _read(norms: dict[int, torch.Tensor]) -> dict[int, float]:
-        """The norms as floats: one read-back per device."""
-        by_device: dict[Any, list[int]] = {}
-        for i, t in norms.items():
-            by_device.setdefault(t.device, []).append(i)
-        out: dict[int, float] = {}
-        for idx in by_device.values():
-            out.update(zip(idx, torch.stack([norms[i] for i in idx]).cpu().tolist(), strict=True))
-        return out
 
     def _corrupted(self, step: int, bad: list[tuple[int, float, float]]) -> None:
         g = self.guard

@@ -40,6 +40,7 @@ from mscale.findings import Finding, Severity
 from mscale.hook.budget import Budget, StepTimes
 from mscale.hook.checksum import ChecksumConfig, ChecksumDetector, loss_of, output_tensors
 from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics
+from mscale.hook.commit import CommitPoint, commit
 from mscale.hook.compiled import compiling, unwrap
 from mscale.hook.coverage import suspicions
 from mscale.hook.inputs import InputCheck
@@ -65,7 +66,8 @@ class Guard:
       calls), `optimizer`, `mpus` (list of `Mpu`), `mpu(key)` by id or name
     - `current_step` (the step in progress, or the next one), `set_step(n)` after a restore
     - `checksum` (ChecksumDetector), `loss_detector` (LossDetector), `cmsa` (Cmsa or None)
-    - `emit(finding)`, `request_skip(reason)`, `rebind(mpu, gpu, ...)`, `send_to_agent(msg)`
+    - `emit(finding)`, `request_skip(reason)`, `request_rerun(reason)`, `rebind(mpu, gpu, ...)`,
+      `send_to_agent(msg)`, `commit_point` (the last step's verdicts, mscale.hook.commit)
     - `add_plugin(p)`, `plugins`, `plugin_errors`, `findings` (recent), `link` (or None)
     - `watch_scaler(scaler)`: end steps at the GradScaler's update (see the module docstring)
     - `fuse`, `snapshots`: the fuse plugin and SnapshotEngine `attach(snapshots=...)` added, or None
@@ -121,6 +123,9 @@ class Guard:
         self._losses: list[torch.Tensor | float] = []
         self.inputs = InputCheck(self.emit, self._losses)  # the batch checked before the first MPU
         self._skip_reason = ""
+        self._rerun_reason = ""  # a fault found at the commit point: re-run the step (request_rerun)
+        self._committed = -1  # the step whose commit point was read
+        self.commit_point: CommitPoint | None = None  # the last step's (mscale.hook.commit)
         self._step_findings: list[Finding] = []
         self._last: dict[str, Any] = {}
         self._mpu_by_module = {id(m.module): m for m in self.mpus}
@@ -192,6 +197,13 @@ class Guard:
         """Make this step's optimizer update a no-op (its gradients are dropped). For plugins
         reacting to a finding before the optimizer step."""
         self._skip_reason = reason or "requested"
+
+    def request_rerun(self, reason: str) -> None:
+        """Drop this step's update and, with the fuse (`snapshots=`), re-run the step on the same
+        batch: the fuse's rollback that keeps the batch (FusePlugin.rerun_step), after the
+        agreement, on every rank alike. Without the fuse the update is only dropped."""
+        self.request_skip(self._skip_reason or reason)
+        self._rerun_reason = self._rerun_reason or reason or "requested"
 
     def rebind(
         self, mpu: Mpu | str, gpu: int, *, gpu_uuid: str | None = None, device: torch.device | str | None = None
@@ -347,7 +359,8 @@ class Guard:
         self.times.reset()
         self.checksum.abft_s = self.checksum.replay_s = 0.0
         # (findings made between steps, e.g. by commands polled after the last report, stay queued)
-        self._skip_reason = ""
+        self._skip_reason = self._rerun_reason = ""
+        self._committed = -1  # a step re-run after a rollback commits again
         for m in self.mpus:
             m._reset_step()
         self.checksum.begin_step()  # this step's checks, within the budget
@@ -395,8 +408,13 @@ class Guard:
         return replaced
 
     def _pre_step(self) -> None:
-        self._commit_checks()
+        self._commit_checks(plugins=True)  # the one read, the agreement's all-reduce in it
         self._dispatch("on_step_decide", self.current_step)  # before the statistics: see mscale.hook.agree
+        if self._rerun_reason and self.fuse is not None:
+            try:  # a fault found at the commit point: the step re-run on the same batch
+                self.fuse.rerun_step(self._rerun_reason)
+            except Exception as e:
+                self.log.exception("guard_error", where="rerun", error=str(e))
         try:
             self._statistics()
         except Exception as e:
@@ -487,12 +505,12 @@ class Guard:
             "clipped": {},
         }
 
-    def _commit_checks(self) -> None:
-        """The checks' verdicts, read once a step (the commit point); a failure judged here
-        (commit verdicts: nothing read inside the step, no re-run in it) drops the update."""
-        late = self.checksum.commit(data_fault=self.inputs.bad())
-        if late and self.optimizer is not None and not self._skip_reason:
-            self._skip_reason = f"checksum failed at the commit point: MPU {', '.join(late)}"
+    def _commit_checks(self, *, plugins: bool = False) -> None:
+        """The commit point, once a step (mscale.hook.commit.commit: the one read; a failure
+        judged there drops the update on every rank and asks for a re-run)."""
+        if self._committed != self.current_step:
+            self._committed = self.current_step
+            self.commit_point = commit(self, plugins=plugins)
 
     def _end_step(self) -> None:
         self._commit_checks()
@@ -535,6 +553,8 @@ class Guard:
             return None
         if len(self._losses) == 1:
             return float(self._losses[0])
+        if all(isinstance(v, float) for v in self._losses):  # read at the commit point
+            return math.fsum(self._losses) / len(self._losses)
         # several forwards (gradient accumulation): one read-back for all their losses
         vals = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in self._losses]
         if len({v.device for v in vals}) == 1:

@@ -7,7 +7,8 @@ At each training forward of the model the floating-point tensors of its argument
 into dicts, lists and tuples, as Hugging Face batches come) are reduced on their device to one
 flag, with no host synchronisation; the flag is read at the first MPU's output check, which
 synchronises anyway (mscale.hook.checksum), so the check adds no wait of its own; with the
-checksum's commit verdicts (the default off a CPU) it is read at the commit point instead. A bad batch
+checksum's commit verdicts (the default off a CPU) the flags of every forward of the step are read
+at the commit point instead, in its one read (mscale.hook.commit: `pack`, then `judge`). A bad batch
 makes one `input_nonfinite` finding naming the micro-batch and the input; the MPUs' output
 checks are not run for that forward (their counters do not move), and the policy rolls the
 job back with the batch stepped over, as for a non-finite loss.
@@ -52,37 +53,63 @@ class InputCheck:
 
     def __init__(self, emit: Callable[[Finding], None], losses: list) -> None:
         self.emit, self.losses = emit, losses  # the guard's: the step's losses, one per forward so far
-        self._pending: tuple[int, list[str], torch.Tensor] | None = None
+        self._pending: list[tuple[int, list[str], torch.Tensor]] = []  # forwards whose flag is unread
         self.bad_forward: int | None = None  # the micro-batch of the last forward found bad
         self.findings = 0
 
     def begin(self, args: tuple, kwargs: dict) -> None:
-        if self._pending is not None:  # the last forward ran no MPU check: its flag is read now
-            self.bad()
         micro_batch, named = len(self.losses), _tensors(args, kwargs)
         self.bad_forward = None
         if not named:
-            self._pending = None
             return
         with torch.no_grad():
             flags = torch.stack([torch.isfinite(t).all().to(named[0][1].device) for _, t in named])
-        self._pending = (micro_batch, [n for n, _ in named], flags)
+        if len(self._pending) >= 64:  # forwards no check and no commit read: keep it bounded
+            self._flagged(self._pending[:1], self._pending[0][2].tolist())
+            del self._pending[:1]
+        self._pending.append((micro_batch, [n for n, _ in named], flags))
 
     def bad(self) -> bool:
-        """Whether this forward's inputs were not finite; the flag is read (and the finding
-        emitted) at the first call of the forward."""
-        if self._pending is None:
+        """Whether this forward's inputs were not finite; the step's unread flags are read (and
+        the findings emitted) at the first call of the forward."""
+        if not self._pending:
             return self.bad_forward is not None
-        micro_batch, names, flags = self._pending
-        self._pending = None
-        ok = flags.tolist()
-        if all(ok):
-            return False
-        self.bad_forward = micro_batch
-        self.findings += 1
-        bad = [n for n, good in zip(names, ok, strict=True) if not good]
-        self.emit(self._finding(micro_batch, bad))
-        return True
+        pending, self._pending = self._pending, []
+        self._flagged(pending, torch.cat([f for _, _, f in pending]).tolist())
+        if self.bad_forward != pending[-1][0]:  # an earlier forward's (found now): not this one's
+            self.bad_forward = None
+        return self.bad_forward is not None
+
+    def pack(self, point: Any) -> torch.Tensor | None:
+        """At the commit point: the unread flags go into its one read (`inputs`); the returned
+        device flag is 1 when any of them is bad (or a forward already read was), None when
+        there is nothing to read."""
+        if not self._pending:
+            return None if self.bad_forward is None else torch.ones((), dtype=torch.float64)
+        flags = torch.cat([f for _, _, f in self._pending])
+        point.put("inputs", flags)
+        bad = (~flags.bool()).any().to(torch.float64)
+        return bad if self.bad_forward is None else torch.ones_like(bad)
+
+    def judge(self, point: Any) -> bool:
+        """After the read: the findings of the flags `pack` put; whether the step's batch (any
+        of its forwards) was not finite."""
+        pending, self._pending = self._pending, []
+        values = point.get("inputs")
+        if pending and values is not None:
+            self._flagged(pending, [v > 0.5 for v in values])
+        return self.bad_forward is not None
+
+    def _flagged(self, pending: list, ok: list) -> None:
+        off = 0
+        for micro_batch, names, _ in pending:
+            mine = ok[off : off + len(names)]
+            off += len(names)
+            if all(mine):
+                continue
+            self.bad_forward = micro_batch
+            self.findings += 1
+            self.emit(self._finding(micro_batch, [n for n, good in zip(names, mine, strict=True) if not good]))
 
     @staticmethod
     def _finding(micro_batch: int, bad: list[str]) -> Finding:

@@ -11,10 +11,15 @@ fuse). Calls happen in the training thread, in this order for each step:
                                    after each MPU forward and its checksums (not for the
                                    checksum's own replays); return a value to replace the
                                    MPU's output (the fuse's re-run)
+    on_commit(point)               at the optimizer's step pre-hook, first: put this step's
+                                   device verdicts in the commit point (mscale.hook.commit),
+                                   read back with every other verdict in one read, after the
+                                   agreement's all-reduce (nothing may be read here)
     on_step_decide(step)           at the optimizer's step pre-hook, before the gradient
                                    statistics and the loss detector: where the ranks agree on
                                    the step (mscale.hook.agree; a collective, so every rank's
-                                   guard calls it once per optimizer step)
+                                   guard calls it once per optimizer step); the values put
+                                   in `on_commit` are in `guard.commit_point` (`get(key)`)
     on_finding(finding)            as each finding is made: checksums inside the forward,
                                    loss and gradient statistics in the optimizer's step
                                    pre-hook (before the update; at scaler.update() for a
@@ -55,6 +60,7 @@ HOOKS: tuple[str, ...] = (
     "on_attach",
     "on_step_begin",
     "on_mpu_output",
+    "on_commit",
     "on_step_decide",
     "on_finding",
     "on_step_end",
@@ -72,6 +78,8 @@ class Plugin(Protocol):
     def on_step_begin(self, step: int, batch: ModelInputs) -> None: ...
 
     def on_mpu_output(self, mpu: Mpu, inputs: ModelInputs, output: Any) -> Any: ...
+
+    def on_commit(self, point: Any) -> None: ...
 
     def on_step_decide(self, step: int) -> None: ...
 

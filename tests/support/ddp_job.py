@@ -15,7 +15,12 @@ corrupt: one element of the vision MPU's first weight scaled by 1.5 (a corrupted
 gradient: one element of GRAD_TENSOR's gradient on that rank raised by 1e6 times its norm (a
 tensor hook, before the accumulation and the reduction), once, from --fault-at on, in the
 first step whose gradient check covers it (--grad-groups: healing.gradient_groups);
-rollback_cmd: a heal rollback command handed to that rank's fuse alone.
+rollback_cmd: a heal rollback command handed to that rank's fuse alone;
+commit: checksum verdicts read at the commit point (every layer checked), the batches drawn from a
+ResumableLoader given as `data=` (each step's sample ids recorded), and one element of the vision
+MPU's first GEMM output raised by 100 by this script's own forward hook, once, at --fault-at;
+every tensor read-back (item, tolist, float, bool) is counted by phase: forward and backward,
+and the commit point (from the optimizer step pre-hook to the end of the step agreement).
 Several nodes on one machine (--sockets A,B: ranks split evenly over the agents' sockets in
 order, LOCAL_RANK = rank within its node, every MPU of a rank on simulated GPU LOCAL_RANK;
 --snapdir: disk snapshots there; --hold-at N --go FILE: every rank waits before step N until
@@ -71,6 +76,37 @@ def batch(data: SyntheticCaptions, step: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.stack([b["images"] for b in items]), torch.stack([b["tokens"] for b in items])
 
 
+READS = ("item", "tolist", "__float__", "__bool__")
+
+
+class Reads:
+    """Counts tensor read-backs (READS) by phase, for the commit scenario."""
+
+    def __init__(self) -> None:
+        self.phase = ""
+        self.now: dict[str, int] = {}
+        self.steps: list[dict] = []  # per optimizer step: {"step", "forward", "commit"}
+        self._originals = {n: getattr(torch.Tensor, n) for n in READS}
+
+    def install(self) -> None:
+        for name, original in self._originals.items():
+
+            def read(t, *a, _original=original, **k):
+                if self.phase:
+                    self.now[self.phase] = self.now.get(self.phase, 0) + 1
+                return _original(t, *a, **k)
+
+            setattr(torch.Tensor, name, read)
+
+    def uninstall(self) -> None:
+        for name, original in self._originals.items():
+            setattr(torch.Tensor, name, original)
+
+    def on_step_decide(self, step: int) -> None:  # added last: after the agreement's
+        self.steps.append({"step": step, "forward": self.now.get("forward", 0), "commit": self.now.get("commit", 0)})
+        self.phase, self.now = "", {}
+
+
 class Recorder:
     """A guard plugin noting, at each step end, whether the update was dropped and the weights."""
 
@@ -123,7 +159,36 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         kw["healing"] = HealingSection(gradient_groups=args.grad_groups)
     if args.scenario == "checksum":  # a one-step fault in one layer: every layer checked every step
         kw["checksum"] = mscale.ChecksumConfig(full=True)
+    reads = Reads()
+    loader = None
+    if args.scenario == "commit":
+        kw["checksum"] = mscale.ChecksumConfig(full=True, verdicts="commit")
+        loader = mscale.ResumableLoader(
+            SyntheticCaptions(cfg, size=64, seed=0), batch_size=2, seed=0, rank=rank, world_size=args.world
+        )
+        kw["data"] = loader
+
+        def commit_begins(opt, a, k) -> None:  # registered before attach's: runs first
+            reads.phase = "commit"
+
+        opt.register_step_pre_hook(commit_begins)
     guard = mscale.attach(ddp, opt, job_id="ddp-job", snapshots=snaps, plugins=[rec], **kw)
+    consumed: list[list] = []  # (step, sample ids) of every batch drawn
+    output_hit: list[int] = []
+    if args.scenario == "commit":
+        guard.add_plugin(reads)
+
+        def corrupt_output(mod, inputs, out):
+            if rank != args.fault_rank or output_hit or guard.current_step != args.fault_at:
+                return None
+            output_hit.append(guard.current_step)
+            out = out.clone()
+            out.view(-1)[0] += 100.0
+            return out
+
+        # in front of the guard's checksum hook, as a faulty GEMM's output would be
+        model.vision_tower.layers[0].linear1.register_forward_hook(corrupt_output, prepend=True)
+        batches = iter(loader)
     grad_hit: list[int] = []  # the step whose gradient the gradient scenario corrupted
     if args.scenario == "gradient" and rank == args.fault_rank:
         weight = dict(model.named_parameters())[GRAD_TENSOR]
@@ -153,7 +218,14 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
             deadline = time.monotonic() + 120
             while not os.path.exists(args.go) and time.monotonic() < deadline:
                 time.sleep(0.05)
-        images, tokens = batch(data, step)
+        if loader is not None:
+            b = next(batches)
+            images, tokens = b["images"], b["tokens"]
+            consumed.append([step, b["index"].tolist()])
+            reads.install()
+            reads.phase = "forward"
+        else:
+            images, tokens = batch(data, step)
         fault = rank == args.fault_rank and step == args.fault_at and not faulted
         injector = None
         if fault:
@@ -171,8 +243,10 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
                     guard.mpu("vision").parameters()[0].view(-1)[7] *= 1.5
         loss = ddp(images, tokens)["loss"]
         loss.backward()
+        reads.phase = ""  # the next read this script's own
         norms.append({m.name: [None, full_norm(m)] for m in guard.mpus})
         opt.step()
+        reads.uninstall()
         for m in guard.mpus:
             norms[-1][m.name][0] = m.grad_norm
         opt.zero_grad()
@@ -192,6 +266,10 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         "repairs": guard.replicas.repairs if guard.replicas is not None else [],
         "replica_checks": guard.replicas.checks if guard.replicas is not None else 0,
         "grad_hit": grad_hit,
+        "output_hit": output_hit,
+        "consumed": consumed,
+        "reads": reads.steps,
+        "commit_reads": guard.checksum.readbacks,
         "grad_findings": [f.labels for f in guard.findings if f.reason.value == "gradient_corruption"],
         "replica_findings": [[f.reason.value, f.labels] for f in guard.findings if f.source == "replicas"],
         "replicas": guard.replicas is not None,
@@ -228,7 +306,9 @@ def main() -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument(
-        "--scenario", choices=("nan", "checksum", "corrupt", "gradient", "rollback_cmd", "plain"), default="plain"
+        "--scenario",
+        choices=("nan", "checksum", "corrupt", "gradient", "rollback_cmd", "commit", "plain"),
+        default="plain",
     )
     ap.add_argument("--grad-groups", type=int, default=-1, help="healing.gradient_groups (-1: the default)")
     ap.add_argument("--replica-every", type=int, default=100)

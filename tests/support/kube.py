@@ -99,6 +99,10 @@ class ApiServer:
     # cluster-scoped custom objects (NVSentinel's ExternalFault) by (group, version, plural) -> name -> object
     custom: dict[tuple[str, str, str], dict[str, dict]] = field(default_factory=dict)
     deny_custom: str = ""  # non-empty: creates are denied as an admission webhook does (400, this message)
+    # the custom resources the server has a CRD for; any other answers 404
+    crds: set[tuple[str, str, str]] = field(
+        default_factory=lambda: {("nvsentinel.dgxc.nvidia.com", "v1", "externalfaults")}
+    )
 
     def node(self, name: str, *, labels: dict | None = None, unschedulable: bool = False) -> None:
         self.nodes[name] = {
@@ -171,6 +175,8 @@ class ApiServer:
     async def create_custom(self, request: web.Request) -> web.Response:
         rec = await self._record(request)
         m = request.match_info
+        if (m["group"], m["version"], m["plural"]) not in self.crds:
+            return web.json_response({"kind": "Status", "code": 404, "reason": "NotFound"}, status=404)
         objs = self.custom.setdefault((m["group"], m["version"], m["plural"]), {})
         name = rec.body["metadata"]["name"]
         if self.deny_custom:

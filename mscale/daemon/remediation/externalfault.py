@@ -178,7 +178,13 @@ class ExternalFaultFiler:
         except Exception as e:
             if getattr(e, "status", None) == 409:
                 return EXISTS
-            raise FilingFailed(f"create ExternalFault: {_why(e)}", labels=_status(e)) from None
+            hint = (
+                f" (no {self.cfg.plural}.{self.cfg.api_group}/{self.cfg.api_version} here: is NVSentinel's "
+                "ExternalFault CRD installed? remediation.externalfault.api_group, api_version, plural)"
+                if getattr(e, "status", None) == 404
+                else ""
+            )
+            raise FilingFailed(f"create ExternalFault: {_why(e)}{hint}", labels=_status(e)) from None
         return FILED
 
     async def clear(self, fault: Fault) -> str:

@@ -26,6 +26,7 @@ class NodeConditionSection:
 
 class NodeConditionFiler:
     name, kinds = "nodecondition", (SDC,)
+    in_memory = True  # its filings live in this process: filed again from remediation.state_file at start
 
     def __init__(self, state: Any) -> None:
         self.state = state

@@ -7,7 +7,8 @@ each filing whose fault was undone is cleared. Per filer and fault one filing (i
 filers treat "already there" as filed); a failure is retried after `retry_interval_s`; at most
 `max_filings_per_hour` filings per filer (undos are not limited: they only give capacity back),
 the rest wait, counted. Each file and clear is a finding (remediation_filing) and counted in
-`mscale_remediation_filings_total`. A filer's calls are awaited on the agent's loop: the
+`mscale_remediation_filings_total`; the open faults and filings are written to
+`remediation.state_file` after each change (mscale.daemon.remediation.ledger). A filer's calls are awaited on the agent's loop: the
 Kubernetes calls run in a thread under the request deadline, the command as a subprocess
 under its own; neither blocks the loop, nor can one stop the agent.
 """
@@ -161,6 +162,9 @@ class RemediationService:
             log.error("remediation_filer_unavailable", filer=filer.name, error=str(e)[:300])
             return False
         self.started.add(filer.name)
+        if getattr(filer, "in_memory", False):  # what it filed lives in this process: file again what was restored
+            for fault in self.filed[filer.name].values():
+                await filer.file(fault)
         return True
 
     async def _file(self, filer: Any, fault: Fault) -> None:

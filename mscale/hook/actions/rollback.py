@@ -4,8 +4,9 @@ offending batch (not for a weight corrupted between steps: the batch was not at 
 steps since the snapshot re-run on the same batches). Without a snapshot engine the step is
 still dropped, and the event says so. With several ranks the restore is the engine's
 collective `agree_rollback`, run at every step end on every rank (mscale.hook.agree): all ranks
-restore the same step, or none does (and every rank skips the batch: whether to keep it is
-not agreed across ranks)."""
+restore the same step, or none does, and every rank skips the batch unless every rollback
+asked keeps it (the agreement counts those pending before it; the ones decided after it,
+on agreed values, are alike on every rank)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from mscale.healing.engine import Decision
 from mscale.healing.words import Result
 from mscale.hook.actions.base import Executor, FuseContext
 
-KEEP_BATCH = ("weight_corruption", "gradient_corruption")  # reasons whose batch is re-run, not skipped
+# reasons whose batch is re-run, not skipped: the batch was not at fault (commit_failure: the
+# checks found a fault at the commit point, mscale.hook.fuse.FusePlugin.rerun_step)
+COMMIT_FAILURE = "commit_failure"
+KEEP_BATCH = ("weight_corruption", "gradient_corruption", COMMIT_FAILURE)
 
 
 class Rollbacks:
@@ -53,9 +57,13 @@ class Rollbacks:
         d, self.pending = self.pending, None
         agreement = getattr(fuse.guard, "agreement", None)
         last = agreement.history[-1] if agreement is not None and agreement.history else None
+        skip = True
         try:
             if last is not None and last.step == step:
-                to = _to_newest_common(engine) if d is not None or last.rollback else None
+                # the batch is kept when every rollback asked for keeps it: those pending before
+                # the agreement are in its count, those decided after were decided alike everywhere
+                skip = (d is not None and d.reason not in KEEP_BATCH) or last.rollback > last.keep
+                to = _to_newest_common(engine, skip) if d is not None or last.rollback else None
             else:
                 to = engine.agree_rollback(d is not None, skip_batch=True, micro_batches=_bad(fuse))
         except Exception as e:  # no snapshot common to every rank: the step stays dropped everywhere
@@ -68,15 +76,13 @@ class Rollbacks:
             if d is not None:
                 fuse.record(d, Result.NOOP, detail=f"{_dropped(step)}, no rank rolled back")
             return False
-        self.skipped_steps.append(step)
+        if skip:
+            self.skipped_steps.append(step)
         self.rollbacks.append({"step": step, "to": int(to)})
         fuse.dispatch("weights_settled")
         if d is not None:
-            fuse.record(
-                d,
-                Result.APPLIED,
-                detail=f"{_dropped(step)}, restored step {to} on every rank, {_skipped(engine, step)}",
-            )
+            done = _skipped(engine, step) if skip else f"the batches of step {step} re-run with the steps since"
+            fuse.record(d, Result.APPLIED, detail=f"{_dropped(step)}, restored step {to} on every rank, {done}")
         fuse.guard.set_step(int(to) + 1)
         return True
 
@@ -122,19 +128,25 @@ def _skipped(engine, step: int) -> str:
     return f"{len(skipped)} micro-batch{'es' if len(skipped) > 1 else ''} of step {step} skipped ({where})"
 
 
-def _to_newest_common(engine) -> int:
+def _to_newest_common(engine, skip: bool = True) -> int:
     """Every rank, once the ranks agree there is a fault: restore the newest in-memory snapshot
-    every rank holds (one gather of the steps held), the faulty batch skipped."""
+    every rank holds (one gather of the steps held), the faulty batch skipped (`skip`) or re-run."""
     from mscale.snapshot import distributed as mdist  # torch: job side only
 
     target = mdist.newest_common(engine.held_steps, engine.group)
     if target is None:
         raise RuntimeError("no in-memory snapshot common to every rank: no rank rolls back")
-    return engine.rollback(target, skip_batch=True)
+    return engine.rollback(target, skip_batch=skip)
 
 
 def apply(fuse: FuseContext, state: Rollbacks, d: Decision) -> str:
     fuse.drop_step(f"{d.reason}: rollback")
+    first = state.pending
+    if first is not None and first.reason == COMMIT_FAILURE and first.step == d.step and d.reason != COMMIT_FAILURE:
+        # the step already re-runs on its batch for a fault the checks found at the commit point
+        # (on every rank alike, before the loss statistics): what follows from it in the same
+        # step, a non-finite loss from the faulty output, does not make the batch skipped
+        return Result.NOOP
     state.pending = d
     return Result.DEFERRED  # one event per rollback: the restore after the step books it, with the drop
 

@@ -1,0 +1,142 @@
+"""The commit point (mscale.hook.commit): under commit verdicts every check's verdict is read back
+once per step, at the optimizer step, in one read that carries the step agreement's all-reduce;
+a failure found there drops the step's update on every rank and re-runs the step on the same
+batch. Real gloo ranks (tests/support/ddp_job.py), the tiny model under DDP, the fault from the
+job's own forward hook; a single-process run for the fuse's levels on a persistent fault."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import structlog
+import torch
+
+import mscale
+from mscale.sim.inject import inject
+from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
+from support.ddp_run import run_job
+
+STEPS, FAULT_AT = 6, 3
+
+
+@pytest.fixture(scope="module")
+def commit_jobs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], list[dict]]:
+    """(clean, hit): the commit scenario without a fault, and with rank 1's fault at FAULT_AT."""
+    opts = dict(world=2, scenario="commit", snapshots=True, steps=STEPS)
+    clean = run_job(tmp_path_factory.mktemp("clean"), fault_at=99, **opts)
+    hit = run_job(tmp_path_factory.mktemp("hit"), fault_rank=1, fault_at=FAULT_AT, **opts)
+    return clean, hit
+
+
+def test_two_ranks_read_back_once_a_step_at_the_commit_point_with_the_agreement(commit_jobs) -> None:
+    """Every tensor read-back counted on both ranks: none in forward and backward, exactly one
+    from the optimizer step pre-hook to the end of the agreement, in every step, the faulty one
+    and its re-run included (the checksums', the inputs', the losses' and the gradient check's
+    values and the agreement's all-reduce, all in the one read)."""
+    for job, reruns in zip(commit_jobs, (0, 1), strict=True):
+        for r in job:
+            runs = STEPS + reruns
+            assert len(r["reads"]) == runs
+            assert [(x["forward"], x["commit"]) for x in r["reads"]] == [(0, 1)] * runs
+            assert r["commit_reads"] == runs  # the checksum detector's own count of verdict reads
+            assert r["agreements"] == runs
+
+
+def test_a_fault_found_at_the_commit_point_re_runs_the_step_on_the_same_batch_on_every_rank(commit_jobs) -> None:
+    """Rank 1's vision GEMM output corrupted once at step 3: rank 1 finds it at the commit point,
+    both ranks drop the update, roll back one step keeping the batch and re-run step 3 on the
+    same samples; no step is skipped, the ranks stay bitwise equal to each other and to the
+    fault-free run."""
+    clean, hit = commit_jobs
+    assert hit[1]["output_hit"] == [FAULT_AT] and hit[0]["output_hit"] == []
+    assert ["checksum", "checksum_failure"] in hit[1]["findings"]
+    assert ["checksum", "checksum_failure"] not in hit[0]["findings"]
+    assert ["agree", "step_dropped_agreed"] in hit[0]["findings"]
+    for r, ref in zip(hit, clean, strict=True):
+        steps = [e["step"] for e in r["ends"]]
+        assert steps == [0, 1, 2, 3, 3, 4, 5]  # step 3 run twice, none skipped
+        assert [e["step"] for e in r["ends"] if e["skip"]] == [FAULT_AT]
+        assert r["ends"][3]["hash"] == r["ends"][2]["hash"]  # the first run's update dropped
+        assert r["rollbacks"] == [{"step": FAULT_AT, "to": FAULT_AT - 1}]
+        assert r["final_step"] == STEPS
+        (first, again) = [ids for step, ids in r["consumed"] if step == FAULT_AT]
+        assert first == again  # the batch re-consumed
+        assert [ids for _, ids in r["consumed"]] == [ids for _, ids in ref["consumed"][:3]] + [first] + [
+            ids for _, ids in ref["consumed"][3:]
+        ]
+        heal = [h for h in r["heal"] if h[0] == "rollback"]
+        assert heal == [["rollback", "step_dropped"], ["rollback", "applied"]]
+    assert [e["hash"] for e in hit[0]["ends"]] == [e["hash"] for e in hit[1]["ends"]]
+    assert hit[0]["hash"] == hit[1]["hash"] == clean[0]["hash"] == clean[1]["hash"]
+
+
+@pytest.fixture
+def _quiet():
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+    yield
+    structlog.reset_defaults()
+
+
+@pytest.mark.usefixtures("_quiet")
+def test_a_persistent_fault_at_the_commit_point_escalates_and_the_step_runs_on_the_standby() -> None:
+    """One process: the vision MPU's GPU corrupts every run of step 3 (an exponent flip in its
+    first GEMM). Each run fails at the commit point, its update dropped and the step re-run on
+    the same batch; the third failed run is the L1 trigger, the MPU moves to a standby GPU, and
+    the fourth run of step 3 passes there: the step is repeated, none is lost."""
+    torch.manual_seed(0)
+    cfg = TinyConfig()
+    model = TinyMultimodal(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = mscale.ResumableLoader(SyntheticCaptions(cfg, size=64, seed=0), batch_size=2, seed=0)
+    ends: list[tuple[int, bool]] = []
+
+    class Ends:
+        def on_step_end(self, step: int, loss) -> None:
+            ends.append((step, bool(guard._skip_reason)))
+
+    guard = mscale.attach(
+        model,
+        opt,
+        job_id="commit",
+        connect=False,
+        plugins=[Ends()],
+        checksum=mscale.ChecksumConfig(full=True, verdicts="commit"),
+        snapshots=mscale.SnapshotConfig(memory_every=1),
+        data=loader,
+    )
+    vision = guard.mpu("vision")
+    gpu = vision.gpu
+    consumed: list[tuple[int, list[int]]] = []
+    batches = iter(loader)
+    injector = None
+    try:
+        for _ in range(20):
+            if guard.current_step >= 6:
+                break
+            if guard.current_step == FAULT_AT and injector is None:
+                injector = inject(guard, kind="exponent_flip", gpu=gpu, steps=1, element="max")
+            b = next(batches)
+            consumed.append((guard.current_step, b["index"].tolist()))
+            model(b["images"], b["tokens"])["loss"].backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        guard.detach()
+    assert ends == [
+        (0, False),
+        (1, False),
+        (2, False),
+        (3, True),
+        (3, True),
+        (3, True),
+        (3, False),
+        (4, False),
+        (5, False),
+    ]
+    runs = [ids for step, ids in consumed if step == FAULT_AT]
+    assert len(runs) == 4 and all(ids == runs[0] for ids in runs)
+    assert injector is not None and len({h.step for h in injector.hits}) == 1 and len(injector.hits) >= 3
+    assert vision.gpu != gpu and vision.fuse_level == "l1_swapped"
+    rolled = guard.fuse.states["rollback"].rollbacks
+    assert [(x["step"], x["to"]) for x in rolled] == [(FAULT_AT, FAULT_AT - 1)] * 3
