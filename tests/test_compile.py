@@ -250,20 +250,28 @@ def test_tiny_llava_under_inductor_trains_guarded_clean_steps_quiet(llava):
 @pytest.mark.timeout(2400)  # the incident's graph (every row) is compiled here
 def test_tiny_llava_under_inductor_a_persistent_vision_fault_is_caught_and_healed_by_l1(llava):
     """The fault belongs to the tower's simulated GPU: on while the tower runs there, gone once
-    the fuse's L1 swap moves it to a standby. Caught in its first step (every row carries it),
-    L1 after 3 failed steps, then clean steps on the standby."""
+    the fuse's L1 swap moves it to a standby. Caught in its first step (every row carries it);
+    each failed step is rolled back and re-run on its batch (the commit point's re-run), L1
+    follows the third failed check, then the steps on the standby are clean."""
     guard, findings, fault = llava["guard"], llava["findings"], llava["fault"]
     vision = guard.mpu("vision")
     bad_gpu, start = vision.gpu, guard.current_step
-    for _ in range(14):
+
+    def failures() -> list:
+        return [f for f in findings if f.reason is Reason.CHECKSUM_FAILURE]
+
+    seen = []
+    for _ in range(24):
         fault.on.fill_(1.0 if vision.gpu == bad_gpu else 0.0)
         step(llava)
-    failed = [f for f in findings if f.reason is Reason.CHECKSUM_FAILURE]
+        seen.append(len(failures()))
+    failed = failures()
     assert failed and int(failed[0].labels["step"]) == start and failed[0].labels["mpu_id"] == vision.mpu_id
     l1 = [f for f in findings if f.reason is Reason.CHECKSUM_L1_TRIGGER]
-    assert l1 and int(l1[0].labels["step"]) == start + 2
+    assert l1 and l1[0].labels["mpu_id"] == vision.mpu_id
+    before_l1 = findings[: findings.index(l1[0])]
+    assert sum(f.reason is Reason.CHECKSUM_FAILURE for f in before_l1) <= 3  # within 3 checked steps
     states = [f.labels["state"] for f in findings if f.reason is Reason.FUSE_STATE and f.labels["mpu_id"] == "001"]
     assert "l1_swapped" in states and vision.gpu != bad_gpu
-    last = max(int(f.labels["step"]) for f in failed)
-    assert last <= start + 3 and guard.current_step - last >= 8  # healed: clean steps since
+    assert len(set(seen[-8:])) == 1  # healed: no failure in the last 8 iterations
     assert not [r for r in llava["breaks"].records if "mscale" in r]
