@@ -50,8 +50,8 @@ def agent(features: tuple[str, ...]):
 
     job = JobState(job_id="bench")
     for r in range(RANKS):
-        mpus = [{"mpu_id": m, "name": f"mpu{m}", "gpu": r} for m in MPUS]
-        job.register({"rank": r, "pid": 1000 + r, "local_rank": r, "mpus": mpus})
+        mpus = tuple(protocol.MpuInfo(m, f"mpu{m}", r) for m in MPUS)
+        job.register(protocol.Register(job_id="bench", rank=r, pid=1000 + r, local_rank=r, world_size=RANKS, mpus=mpus))
         job.ranks[r] = 1000 + r
     state.jobs[job.job_id] = job
     return link, job
@@ -68,7 +68,7 @@ def frames(steps: int, first: int, seed: int) -> list[tuple[int, str]]:
                 for m in MPUS
             }
             rep = {"step": s, "time": time.time(), "loss": 1.0, "grad_norm": 1.0, "mpus": mpus, "findings": []}
-            out.append((r, json.dumps(protocol.report("bench", 0, [rep]))))
+            out.append((r, json.dumps({"type": "report", "job_id": "bench", "dropped": 0, "reports": [rep]})))
     return out
 
 
@@ -76,9 +76,7 @@ def feed(link, job, batch: list[tuple[int, str]]) -> float:
     """CPU seconds the agent's report path takes for `batch`."""
     t0 = time.process_time()
     for rank, frame in batch:
-        msg = protocol.decode(frame)
-        protocol.validate_report(msg)
-        link._report(job, rank, msg)
+        link._report(job, rank, protocol.Report.from_wire(protocol.decode(frame)))
     return time.process_time() - t0
 
 

@@ -73,6 +73,13 @@ def test_a_poisoned_micro_batch_in_each_position_costs_one_rollback_and_blames_t
         step, micro = POISONED[k]
         index = (step * ACC + micro + k) * BS
         assert f"1 micro-batch of step {step} skipped (epoch 0, index {index})" in f.message
+    # one heal event per rollback: the dropped update and the restore are one event, not two
+    rolled = [f for f in findings if f.reason is Reason.HEAL_ACTION and f.labels.get("action") == "rollback"]
+    assert [f.labels["result"] for f in rolled] == ["applied"] * len(POISONED)
+    assert all(
+        f"the update of step {s} dropped, restored step" in f.message
+        for f, (s, _) in zip(rolled, POISONED, strict=True)
+    )
     # one heal event per decision: no in-process duplicates for the loss and gradient findings
     assert not [f for f in findings if f.reason is Reason.HEAL_ACTION and f.labels.get("result") == "duplicate"]
 

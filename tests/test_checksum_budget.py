@@ -329,3 +329,67 @@ def test_a_registered_linear_type_is_checked_and_bad_registrations_are_refused()
         guard.step()
         opt.zero_grad()
     assert rec.steps(Reason.CHECKSUM_FAILURE, mpu="vision") == [2]
+
+
+class FakeClock:
+    """The budget module's `time`, advanced by hand: costs and step times without timing."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_the_budget_step_runs_from_the_guards_first_forward_and_entries_are_charged_once(monkeypatch) -> None:
+    import mscale.hook.budget as budget_mod
+
+    clock = FakeClock()
+    monkeypatch.setattr(budget_mod, "time", clock)
+    b = Budget(0.01)
+    b.step_ended()  # the previous step's end: t = 100
+    clock.now = 150.0  # 50 s between steps (data loading, another arm's step) are not the guard's
+    b.step_began()
+    outer = b.enter("guard")
+    clock.now = 151.0
+    inner = b.enter("guard")
+    b.charge("checksum", 0.25)  # a detector's own charge inside a nested entry
+    clock.now = 152.0
+    b.leave(inner)  # 1 s, less the 0.25 charged inside
+    clock.now = 154.0
+    b.leave(outer)  # 4 s, less the inner entry's 1 s in all
+    clock.now = 160.0
+    b.step_ended()
+    assert b.step_s == pytest.approx(10.0)
+    assert b.last_spent_s == pytest.approx({"checksum": 0.25, "guard": 3.75})
+    assert b.last_ratio == pytest.approx(0.4)
+    # an entry open across a step end (the optimizer hook that ends it): its time so far is
+    # that step's, the rest the next one's
+    b.step_began()
+    hook = b.enter("guard")
+    clock.now = 163.0
+    b.step_ended()
+    assert b.last_spent_s == pytest.approx({"guard": 3.0})
+    clock.now = 164.0
+    b.leave(hook)
+    assert b.spent_s == pytest.approx({"guard": 1.0})
+
+
+def test_a_plugins_work_in_a_step_is_in_the_guards_measured_overhead(monkeypatch) -> None:
+    import mscale.hook.budget as budget_mod
+
+    clock = FakeClock()
+    monkeypatch.setattr(budget_mod, "time", clock)
+
+    class Slow:  # a plugin whose step end takes 2 s of the fake clock
+        def on_step_end(self, step: int, loss) -> None:
+            clock.now += 2.0
+
+    guard, train, _ = job()
+    guard.add_plugin(Slow())
+    train(2)
+    # charged through the guard's entry point (the optimizer hook), in the step it ran in (less
+    # the detectors' own charges inside it, on the real clock: well under 0.5 s here)
+    assert guard.budget.last_spent_s.get("guard", 0.0) >= 1.5
+    assert guard.budget.spent_s.get("guard", 0.0) < 1.5
+    assert guard.gradients._handles == []  # one rank: no per-parameter hooks in backward

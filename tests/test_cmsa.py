@@ -173,7 +173,7 @@ def test_cmsa_in_training_reports_clip_ratio() -> None:
         step(i)
     assert guard.cmsa.alpha is not None and guard.cmsa.steps == 25
     report = guard._report()
-    ratios = {k: v["clip_ratio"] for k, v in report["mpus"].items()}
+    ratios = {k: v.clip_ratio for k, v in report.mpus.items()}
     assert ratios["003"] > 0.5  # the text model's gradients are far above a 0.05 base
     assert all(0.0 <= r <= 1.0 for r in ratios.values())
     assert not math.isnan(guard.mpu("text").gvc)

@@ -15,7 +15,7 @@ import pytest
 from mscale.contracts.hardware import format_cpulist, parse_cpulist, read_host
 from mscale.contracts.spec import Code, ContractRefused, load_file, parse
 from mscale.contracts.validate import validate
-from mscale.link import BadMessage, validate_contract
+from mscale.link import BadMessage, Contract
 from support import REPO, hosts
 
 EXAMPLE = {  # the issue's example, on the two-socket host
@@ -142,7 +142,7 @@ def test_the_issues_example_becomes_a_plan(smt: Path) -> None:
     assert [(r.device, r.port) for r in plan.rdma] == [("mlx5_0", 1)]
     assert (plan.recovery_point, plan.stateful_io) == ("step_128", True)
     assert tree_digest(smt) == before  # reading and planning change nothing
-    validate_contract({"type": "contract", "job_id": "j", "rank": 0, "plan": plan.to_dict()})
+    Contract.from_wire({"type": "contract", "job_id": "j", "rank": 0, "plan": plan.to_dict()})
     same = parse(**EXAMPLE)
     assert plan.contract_id == same.contract_id and len(plan.contract_id) == 12
 
@@ -264,16 +264,16 @@ def test_the_link_refuses_a_plan_out_of_shape(smt: Path, change) -> None:
     plan = check(smt, EXAMPLE["io_topology"], EXAMPLE["compute_profile"]).to_dict()
     change(plan)
     with pytest.raises(BadMessage):
-        validate_contract({"type": "contract", "job_id": "j", "rank": 0, "plan": plan})
+        Contract.from_wire({"type": "contract", "job_id": "j", "rank": 0, "plan": plan})
 
 
 def test_the_link_takes_a_plan_for_any_job_id_the_link_takes(smt: Path) -> None:
     plan = check(smt, EXAMPLE["io_topology"], EXAMPLE["compute_profile"]).to_dict()
     job_id = "team-a/run-42:attempt@node+1." + "x" * 90  # 120 characters of the job-id set
-    validate_contract({"type": "contract", "job_id": job_id, "rank": 7, "plan": plan})
+    Contract.from_wire({"type": "contract", "job_id": job_id, "rank": 7, "plan": plan})
     with pytest.raises(BadMessage, match="plan.threads\\[0\\].cpus is missing"):
         broken = {**plan, "threads": [{k: v for k, v in plan["threads"][0].items() if k != "cpus"}]}
-        validate_contract({"type": "contract", "job_id": job_id, "rank": 7, "plan": broken})
+        Contract.from_wire({"type": "contract", "job_id": job_id, "rank": 7, "plan": broken})
 
 
 # --- the CLI ---------------------------------------------------------------------------------

@@ -134,7 +134,7 @@ def train(name, *, fault_steps=(), steps, trainer=False, plugins=()):
         opt.step()
         opt.zero_grad()
         task.append(guard.summary().get("loss"))
-        reported.append((s, guard._report()["mpus"]["001"]["distill_share"]))  # what the agent exports
+        reported.append((s, guard._report().mpus["001"].distill_share))  # what the agent exports
     return model, guard, watch, task, types, shapes, reported
 
 
@@ -173,7 +173,7 @@ def test_persistent_vision_fault_escalates_l1_l2_l3_and_recovery_undoes_them(nam
     assert reported[-1][1] == 0.0 and reported[0][1] == 0.0
     # the step report carries the loss returned and the task loss apart (mscale_job_loss, _task_loss)
     assert len(watch.reports) == len(guard.returned) == steps
-    pairs = list(zip([(r["loss"], r["task_loss"]) for r in watch.reports], guard.returned, strict=True))
+    pairs = list(zip([(r.loss, r.task_loss) for r in watch.reports], guard.returned, strict=True))
     at_l3 = [(rep, ret) for rep, ret in pairs if ret[1] is not None]
     assert at_l3 and all(rep == pytest.approx(ret) and rep[0] > rep[1] for rep, ret in at_l3)
     assert all(rep[0] == rep[1] == pytest.approx(ret[0]) for rep, ret in pairs if ret[1] is None)

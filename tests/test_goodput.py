@@ -67,10 +67,10 @@ def test_the_agent_counts_each_ranks_seconds_by_cause_as_its_reports_carry_them(
     [{"idle": 1.0}, {"productive": -1.0}, {"productive": "1"}, {"hang": True}, {"checks": float("inf")}, [1.0]],
 )
 def test_a_report_with_bad_seconds_is_refused(seconds) -> None:
-    from mscale.link import BadMessage, validate_report
+    from mscale.link import BadMessage, Report
 
     ok = {"type": "report", "job_id": "j", "reports": [{"step": 1, "seconds": {"productive": 0.5, "data_wait": 0}}]}
-    validate_report(ok)
+    assert Report.from_wire(ok).reports[0].seconds == {"productive": 0.5, "data_wait": 0.0}
     bad = {"type": "report", "job_id": "j", "reports": [{"step": 1, "seconds": seconds}]}
     with pytest.raises(BadMessage, match="seconds must map causes"):
-        validate_report(bad)
+        Report.from_wire(bad)

@@ -293,7 +293,7 @@ def test_a_resolved_alert_ends_only_the_cooling_its_rule_started():
     assert eng.resolve(hang, tgt, eng.match(hang)) == []  # its rule cools nothing
     spike = Condition("alert", "MscaleLossSpike", {"job_id": "j1"})
     (end,) = eng.resolve(spike, tgt, eng.match(spike))
-    assert end.action == "lr_cool" and end.command(end=True)["end"] is True and "resolved" in end.why
+    assert end.action == "lr_cool" and end.command(end=True).end is True and "resolved" in end.why
     assert eng.snapshot().cooling == ("j1",)  # until the job says the window ended
     eng.observe(
         Finding(

@@ -73,7 +73,7 @@ def test_an_mpu_no_fuse_holds_reports_healthy():
     from mscale.hook.mpu import Mpu
 
     # what a guard without the fuse plugin registers with the agent
-    assert Mpu("001", "vision", nn.Linear(2, 2), "", 0).describe()["fuse_level"] == "healthy"
+    assert Mpu("001", "vision", nn.Linear(2, 2), "", 0).describe().fuse_level == "healthy"
 
 
 def test_vision_corruption_for_20_steps_heals_at_l1_without_losing_a_step(reference):

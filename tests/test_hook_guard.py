@@ -214,7 +214,7 @@ def test_on_mpu_output_can_replace_and_request_skip() -> None:
     guard.observe(loss * float("nan"))
     opt.step()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
-    assert guard._report()["skipped"] is True
+    assert guard._report().skipped is True
 
 
 def _logits_model() -> nn.Module:

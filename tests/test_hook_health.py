@@ -6,31 +6,29 @@ import pytest
 
 from mscale.daemon.jobs import BASELINE_SKIP, BASELINE_STEPS, JobState, gpus_by_index
 from mscale.daemon.state import AgentState
+from mscale.link import MpuInfo, Register, StepReport
 from mscale.probes.gpu import GpuSample, GpuSnapshot
 
 
 def job() -> JobState:
     j = JobState(job_id="j", rank=0, pid=1)
-    j.register(
-        {
-            "rank": 0,
-            "pid": 1,
-            "mpus": [{"mpu_id": "001", "name": "vision", "gpu": 3}, {"mpu_id": "002", "name": "text", "gpu": 4}],
-        }
-    )
+    j.register(Register(job_id="j", rank=0, pid=1, mpus=(MpuInfo("001", "vision", 3), MpuInfo("002", "text", 4))))
     return j
 
 
-def report(step: int, fwd: float = 0.01, bwd: float = 0.02, **vision) -> dict:
-    return {
-        "step": step,
-        "loss": 1.0,
-        "grad_norm": 1.0,
-        "mpus": {
-            "001": {"forward_s": fwd, "backward_s": bwd, **vision},
-            "002": {"forward_s": 0.01, "backward_s": 0.02},
-        },
-    }
+def report(step: int, fwd: float = 0.01, bwd: float = 0.02, **vision) -> StepReport:
+    """A step report as the link reads it off the wire."""
+    return StepReport.from_wire(
+        {
+            "step": step,
+            "loss": 1.0,
+            "grad_norm": 1.0,
+            "mpus": {
+                "001": {"forward_s": fwd, "backward_s": bwd, **vision},
+                "002": {"forward_s": 0.01, "backward_s": 0.02},
+            },
+        }
+    )
 
 
 def warm(j: JobState, gpus=None) -> int:

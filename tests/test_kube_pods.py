@@ -183,21 +183,26 @@ async def test_a_job_registered_with_its_pod_labels_its_series(tmp_path: Path, p
         async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=config.agent.socket_path)) as s:
             async with s.ws_connect("http://localhost/v1/link") as ws:
                 # a malformed pod is refused, naming the field, and registers nothing
-                bad = protocol.register(
+                bad = protocol.Register(
                     job_id="j",
                     rank=0,
                     pid=os.getpid(),
                     step=0,
-                    mpus=mpus,
-                    pod={"name": "Bad Name", "namespace": "train"},
-                )
+                    mpus=tuple(protocol.MpuInfo(**m) for m in mpus),
+                    pod=protocol.Pod("Bad Name", "train"),
+                ).to_wire()
                 await ws.send_str(json.dumps(bad))
                 answer = json.loads((await ws.receive(timeout=10)).data)
                 assert answer["type"] == "error" and "pod.name" in answer["error"]
                 assert "j" not in state.jobs
-                good = protocol.register(
-                    job_id="j", rank=0, pid=os.getpid(), step=0, mpus=mpus, pod=protocol.pod_from_env(env)
-                )
+                good = protocol.Register(
+                    job_id="j",
+                    rank=0,
+                    pid=os.getpid(),
+                    step=0,
+                    mpus=tuple(protocol.MpuInfo(**m) for m in mpus),
+                    pod=protocol.Pod.from_env(env),
+                ).to_wire()
                 await ws.send_str(json.dumps(good))
                 assert json.loads((await ws.receive(timeout=10)).data)["type"] == "registered"
                 async with aiohttp.ClientSession() as http:
@@ -216,8 +221,8 @@ async def test_a_job_registered_with_its_pod_labels_its_series(tmp_path: Path, p
 
 def test_pod_from_env_only_on_kubernetes() -> None:
     assert protocol.pod_from_env({}) is None  # off the cluster the registration is unchanged
-    assert "pod" not in protocol.register(job_id="j", rank=0, pid=1, step=0, mpus=[], pod=protocol.pod_from_env({}))
-    assert protocol.pod_from_env({"POD_NAME": "a-0", "POD_NAMESPACE": "ns"}) == {"name": "a-0", "namespace": "ns"}
+    assert "pod" not in protocol.Register(job_id="j", rank=0, pid=1, pod=protocol.pod_from_env({})).to_wire()
+    assert protocol.pod_from_env({"POD_NAME": "a-0", "POD_NAMESPACE": "ns"}) == protocol.Pod("a-0", "ns")
     assert protocol.pod_from_env({"POD_NAME": "a-0", "POD_NAMESPACE": "Not_A_Namespace"}) is None
 
 
@@ -244,9 +249,14 @@ async def test_off_the_cluster_a_reported_pod_is_ignored(tmp_path: Path) -> None
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     try:
         mpus = [{"mpu_id": "001", "name": "text", "gpu": 0}]
-        msg = protocol.register(
-            job_id="j", rank=0, pid=os.getpid(), step=0, mpus=mpus, pod={"name": "p", "namespace": "n"}
-        )
+        msg = protocol.Register(
+            job_id="j",
+            rank=0,
+            pid=os.getpid(),
+            step=0,
+            mpus=tuple(protocol.MpuInfo(**m) for m in mpus),
+            pod=protocol.Pod("p", "n"),
+        ).to_wire()
         async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=config.agent.socket_path)) as s:
             async with s.ws_connect("http://localhost/v1/link") as ws:
                 await ws.send_str(json.dumps(msg))
@@ -272,11 +282,11 @@ def test_the_hook_library_sends_its_pod_from_the_downward_api(monkeypatch, tmp_p
         model, job_id="j", mpus={"text": model[0]}, socket_path=str(tmp_path / "none.sock"), snapshots=False
     )
     try:
-        msg = guard.registration()
+        msg = guard.registration().to_wire()
         assert msg["pod"] == {"name": "llm-0", "namespace": "train"}
-        protocol.validate_register(msg)
+        assert protocol.Register.from_wire(msg).pod == protocol.Pod("llm-0", "train")
         monkeypatch.delenv("POD_NAME")
-        assert "pod" not in guard.registration()  # off Kubernetes the registration is as before
+        assert "pod" not in guard.registration().to_wire()  # off Kubernetes the registration is as before
     finally:
         guard.detach()
 
@@ -289,7 +299,7 @@ def test_a_job_across_pods_labels_by_rank_and_never_guesses() -> None:
     pods = PodMap(devices={"GPU-0": PodRef("ml", "w-0", "trainer"), "GPU-1": PodRef("ml", "w-1", "trainer")})
     job = JobState(job_id="j", rank=0, pid=1)
     for rank in (0, 1):
-        job.register({"rank": rank, "pid": 10 + rank, "mpus": [], "pod": {"name": f"w-{rank}", "namespace": "ml"}})
+        job.register(protocol.Register(job_id="j", rank=rank, pid=10 + rank, pod=protocol.Pod(f"w-{rank}", "ml")))
         job.ranks[rank] = 10 + rank
     assert _job_pod(job, "1", pods) == PodRef("ml", "w-1", "trainer")
     assert _job_pod(job, None, pods) is None  # a job-wide series of a job in two pods: no label

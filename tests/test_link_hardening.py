@@ -203,7 +203,7 @@ def test_fuzz_register_refused_cleanly_or_taken(fuzz_agent, path, value) -> None
         assert _state(agent) == before, "a refused registration changed the agent's state"
     else:
         assert reply == {"type": "registered", "job_id": "fuzz", "node": agent.state.node}
-        protocol.validate_register(json.loads(frame))
+        protocol.Register.from_wire(json.loads(frame))
     assert "mscale_job_up{" in agent.metrics()
 
 
@@ -250,7 +250,7 @@ def test_fuzz_report_refused_cleanly_or_taken(fuzz_agent, path, value) -> None:
 def _refused_now(frame: str) -> bool:
     """Whether the protocol refuses this report as a whole (it then gets an error frame)."""
     try:
-        protocol.validate_report(protocol.decode(frame))
+        protocol.Report.from_wire(protocol.decode(frame))
     except BadMessage:
         return True
     return False

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import http.server
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -29,52 +30,96 @@ PKG = REPO / "mscale"
 
 
 def test_messages_are_byte_compatible_with_the_wire_format():
-    mpus = [{"mpu_id": "001", "name": "vision", "gpu": 0}]
+    mpus = (protocol.MpuInfo("001", "vision", 0),)
     assert (
-        protocol.encode(protocol.register(job_id="j", rank=0, pid=7, step=3, mpus=mpus))
-        == '{"type": "register", "job_id": "j", "rank": 0, "pid": 7, "step": 3, '
-        '"mpus": [{"mpu_id": "001", "name": "vision", "gpu": 0}], "local_rank": 0, "world_size": 1}'
+        protocol.encode(protocol.Register(job_id="j", rank=0, pid=7, step=3, mpus=mpus).to_wire())
+        == '{"type": "register", "job_id": "j", "rank": 0, "pid": 7, "step": 3, "mpus": [{"mpu_id": "001", '
+        '"name": "vision", "path": "", "device": "", "gpu": 0, "gpu_uuid": "", "fuse_level": "healthy", '
+        '"params": 0}], "local_rank": 0, "world_size": 1}'
     )
     assert (
-        protocol.encode(protocol.report("j", 2, [{"step": 1}]))
-        == '{"type": "report", "job_id": "j", "dropped": 2, "reports": [{"step": 1}]}'
+        protocol.encode(protocol.Report("j", 2, (protocol.StepReport(step=1, time=5.0),)).to_wire())
+        == '{"type": "report", "job_id": "j", "dropped": 2, "reports": [{"step": 1, "time": 5.0, "loss": "nan", '
+        '"grad_norm": "nan", "skipped": false, "guard_overhead_ratio": "nan", "mpus": {}, "findings": []}]}'
     )
     assert (
-        protocol.encode(protocol.reply(9, {"ok": True, "step": 4}))
+        protocol.encode(protocol.Reply(9, {"ok": True, "step": 4}).to_wire())
         == '{"type": "reply", "id": 9, "ok": true, "step": 4}'
     )
-    assert protocol.encode(protocol.pong(1)) == '{"type": "pong", "id": 1}'
+    assert protocol.encode(protocol.Pong(1).to_wire()) == '{"type": "pong", "id": 1}'
     assert (
-        protocol.encode(protocol.registered("j", "node-a")) == '{"type": "registered", "job_id": "j", "node": "node-a"}'
+        protocol.encode(protocol.Registered("j", "node-a").to_wire())
+        == '{"type": "registered", "job_id": "j", "node": "node-a"}'
     )
-    assert protocol.encode(protocol.error("no")) == '{"type": "error", "error": "no"}'
+    assert protocol.encode(protocol.Error("no").to_wire()) == '{"type": "error", "error": "no"}'
     assert (
-        protocol.encode(protocol.heal("lr_cool", end=True, reason="LossSpike"))
-        == '{"type": "heal", "action": "lr_cool", "end": true, "reason": "LossSpike"}'
+        protocol.encode(protocol.Heal("lr_cool", reason="LossSpike", end=True).to_wire())
+        == '{"type": "heal", "action": "lr_cool", "reason": "LossSpike", "end": true}'
     )
     assert (
-        protocol.encode(protocol.chaos("gpu_fault", gpu=1, mode="noise", fault="xid"))
+        protocol.encode(protocol.Chaos("gpu_fault", gpu=1, mode="noise", fault="xid").to_wire())
         == '{"type": "chaos", "kind": "gpu_fault", "gpu": 1, "mode": "noise", "fault": "xid"}'
     )
-    # the builders put plain strings on the wire, so a plugin comparing with "heal" still matches
-    assert type(protocol.heal("l1_swap")["type"]) is str and protocol.heal("l1_swap")["type"] == Command.HEAL == "heal"
+    # the messages put plain strings on the wire, so a plugin comparing with "heal" still matches
+    heal = protocol.Heal("l1_swap").to_wire()
+    assert type(heal["type"]) is str and heal["type"] == Command.HEAL == "heal"
+
+
+def test_every_message_reads_back_what_it_wrote():
+    """from_wire(to_wire(m)) == m for every message the two sides exchange (a step report's
+    findings come back as the agent's, source "hook:<detector>")."""
+    f = Finding("checksum", Reason.CHECKSUM_FAILURE, Severity.WARNING, "x", {"mpu_id": "001"}, time=3.0)
+    figures = dict.fromkeys(
+        ("backward_s", "gvc", "clip_ratio", "checksum_coverage_ratio", "checksum_max_gap_steps"), 0.25
+    )
+    mpu = protocol.MpuReport(
+        forward_s=0.5, grad_norm=float("inf"), gpu=1, fuse_level="l1", memory_used_bytes=2.0, **figures
+    )
+    step = protocol.StepReport(step=4, time=1.0, loss=2.0, grad_norm=1.0, guard_overhead_ratio=0.01, mpus={"001": mpu})
+    step.findings, step.seconds = [f], {"hang": 1.0}  # what a plugin may set
+    back = protocol.Report.from_wire(protocol.Report("j", 1, (step,)).to_wire())
+    (got,) = back.reports
+    assert got.mpus == {"001": mpu} and got.seconds == {"hang": 1.0} and (got.step, got.time, got.loss) == (4, 1.0, 2.0)
+    assert got.refused_findings == [] and (got.grad_norm, got.guard_overhead_ratio) == (1.0, 0.01)
+    assert [g.source for g in got.findings] == ["hook:checksum"] and got.findings[0].labels == f.labels
+    assert (back.job_id, back.dropped) == ("j", 1)
+    reg = protocol.Register(
+        "j", 2, 9, 5, (protocol.MpuInfo("001", "v", 3, "m.v", "cpu", "GPU-3", "l1", 10),), 2, 4, protocol.Pod("p", "n")
+    )
+    assert protocol.Register.from_wire(reg.to_wire()) == reg
+    for msg in (
+        protocol.Heal("l1_swap", rule="r", gpu="3", decided_at=1.5, end=True),
+        protocol.StandbyRequest(3, "001", 2, (5, 7)),
+        protocol.Standby(3, None, why="none free", decided=False),
+        protocol.Contract("j", 0, {"contract_id": "0123456789ab", "compute_profile": "default"}),
+        protocol.Msrp("j", 0, {"0": {"bandwidth_bytes_per_s": 1.0}}, {"001": {"flops_per_step": 2.0}}),
+        protocol.Registered("j", "n"),
+        protocol.Error("no"),
+        protocol.Pong(1),
+        protocol.Reply(2, {"ok": True}),
+    ):
+        assert type(msg).from_wire(msg.to_wire()) == msg, msg
+    assert protocol.Chaos.from_wire(protocol.Chaos("hang", seconds=2.0).to_wire()).injection() == {
+        "kind": "hang",
+        "seconds": 2.0,
+    }
 
 
 def test_the_engines_heal_command_is_the_protocols():
-    """Until the engine builds it with protocol.heal, this keeps the two in step."""
     from mscale.healing.engine import Decision, Target
 
     d = Decision(
         "xid_fatal", "l1_swap", "L1", Target("job", "001", "3", "GPU-x"), "healthy", "gpu_xid", "Xid 79", time=12.5
     )
     for cmd in (d.command(), d.command(end=True)):
-        fields = {k: v for k, v in cmd.items() if k not in ("type", "action")}
-        assert cmd == protocol.heal(cmd["action"], **fields)
-        assert set(fields) <= set(protocol.HEAL_FIELDS)
-    with pytest.raises(ValueError, match="unknown field"):
-        protocol.heal("l1_swap", colour="red")
+        wire = cmd.to_wire()
+        assert protocol.Heal.from_wire(wire) == cmd
+        assert set(wire) - {"type", "action"} <= protocol.HEAL_FIELDS
+        assert Decision.from_command(cmd, "job").fault_key == d.fault_key
+    with pytest.raises(BadMessage, match="unknown field"):
+        protocol.Heal.from_wire({"type": "heal", "action": "l1_swap", "colour": "red"})
     with pytest.raises(ValueError, match="kind"):
-        protocol.chaos("meteor")
+        protocol.Chaos("meteor")
 
 
 # --- reading and validating ---------------------------------------------------------------------
@@ -120,10 +165,10 @@ def test_decode_refuses_oversized_malformed_and_untyped_frames():
     ],
 )
 def test_register_validator(change, words):
-    protocol.validate_register(REG)
-    protocol.validate_register({**REG, "rank": 3, "local_rank": 3, "world_size": 8})  # both optional
+    assert protocol.Register.from_wire(REG).mpus == (protocol.MpuInfo("001", "vision", 0),)
+    protocol.Register.from_wire({**REG, "rank": 3, "local_rank": 3, "world_size": 8})  # both optional
     with pytest.raises(BadMessage, match=words):
-        protocol.validate_register({**REG, **change})
+        protocol.Register.from_wire({**REG, **change})
 
 
 @pytest.mark.parametrize(
@@ -139,11 +184,12 @@ def test_register_validator(change, words):
     ],
 )
 def test_report_validator(report, words):
-    protocol.validate_report(
+    (step,) = protocol.Report.from_wire(
         {"reports": [{"step": 1, "loss": "nan", "grad_norm": 2.0, "mpus": {"001": {"gvc": None}}}]}
-    )
+    ).reports
+    assert math.isnan(step.loss) and step.grad_norm == 2.0 and math.isnan(step.mpus["001"].gvc)
     with pytest.raises(BadMessage, match=words):
-        protocol.validate_report(report)
+        protocol.Report.from_wire(report)
 
 
 def test_a_reported_finding_is_read_back_clamped():

@@ -16,6 +16,7 @@ import pytest
 from mscale.agent_client import AgentClient
 from mscale.daemon.jobs import JobState, RankLimit
 from mscale.daemon.status_cli import render
+from mscale.link import MpuInfo, Register, StepReport
 from support import REPO
 from support.link_agent import Agent, metric, wait_for
 
@@ -104,8 +105,8 @@ def test_eight_ranks_of_one_job_are_kept_and_exported_per_rank(tmp_path: Path) -
     assert all(not rs.connected for rs in job.rank_states.values())
 
 
-def _reg(rank: int, pid: int) -> dict:
-    return {"rank": rank, "pid": pid, "mpus": [{"mpu_id": "001", "name": "vision", "gpu": rank}]}
+def _reg(rank: int, pid: int) -> Register:
+    return Register(job_id="j", rank=rank, pid=pid, mpus=(MpuInfo("001", "vision", rank),))
 
 
 def test_the_rank_table_is_bounded_and_a_gone_rank_makes_room() -> None:
@@ -127,9 +128,9 @@ def test_job_figures_are_aggregated_on_purpose() -> None:
     for r in (0, 1, 2):
         job.register(_reg(r, 10 + r))
         job.ranks[r] = 10 + r
-    job.apply_report({"step": 7, "loss": 1.5, "skipped": True}, {}, rank=0)
-    job.apply_report({"step": 5, "loss": 9.0}, {}, rank=1)
-    job.apply_report({"step": 9, "loss": 4.0}, {}, rank=2)
+    job.apply_report(StepReport(step=7, loss=1.5, skipped=True), {}, rank=0)
+    job.apply_report(StepReport(step=5, loss=9.0), {}, rank=1)
+    job.apply_report(StepReport(step=9, loss=4.0), {}, rank=2)
     assert (job.step, job.loss, job.reports_total, job.steps_skipped) == (5, 1.5, 3, 1)
     job.ranks.pop(1)  # a rank that left no longer holds the job back
     assert job.step == 7

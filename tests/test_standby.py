@@ -48,7 +48,9 @@ def quarantine(agent: Agent, gpu: int) -> None:
 
 
 def swap(guard, mpu_id: str, gpu: int) -> dict:
-    cmd = protocol.heal("l1_swap", rule="gpu_fatal", level="L1", mpu_id=mpu_id, gpu=str(gpu), reason="gpu_xid")
+    cmd = protocol.Heal(
+        "l1_swap", rule="gpu_fatal", level="L1", mpu_id=mpu_id, gpu=str(gpu), reason="gpu_xid"
+    ).to_wire()
     return guard.fuse.on_command(cmd)
 
 
@@ -97,7 +99,7 @@ def test_a_bad_standby_request_is_refused_and_counted(tmp_path: Path) -> None:
     agent = Agent(sock)
     raw = RawLink(sock)
     try:
-        reg = protocol.register(job_id="j", rank=0, pid=1, step=0, mpus=[{"mpu_id": "001", "name": "v", "gpu": 0}])
+        reg = protocol.Register(job_id="j", rank=0, pid=1, step=0, mpus=(protocol.MpuInfo("001", "v", 0),)).to_wire()
         assert '"registered"' in raw.ask(protocol.encode(reg))
         bad = {"type": "standby_request", "id": 1, "mpu_id": "001", "gpu": 0, "avoid": ["x"]}
         got = raw.ask(protocol.encode(bad))

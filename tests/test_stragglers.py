@@ -17,6 +17,7 @@ from mscale.daemon.jobs import JobState
 from mscale.daemon.state import AgentState
 from mscale.daemon.stragglers import SOURCE, StragglerSection, StragglerWatch
 from mscale.findings import Reason
+from mscale.link import MpuInfo, Register, StepReport
 from support import REPO, free_port
 from support.link_agent import FEATURES, Agent, metric, wait_for
 
@@ -113,8 +114,8 @@ def test_no_slowdown_gives_no_finding_in_300_steps(tmp_path: Path, agent: Agent)
 def _job(state: AgentState, ranks: int = 4) -> JobState:
     job = JobState(job_id="j")
     for r in range(ranks):
-        job.register({"rank": r, "pid": 100 + r, "local_rank": r, "mpus": [
-            {"mpu_id": "001", "name": "vision", "gpu": r}, {"mpu_id": "002", "name": "text", "gpu": r}]})  # fmt: skip
+        job.register(Register(job_id="j", rank=r, pid=100 + r, local_rank=r, world_size=ranks,
+                              mpus=(MpuInfo("001", "vision", r), MpuInfo("002", "text", r))))  # fmt: skip
         job.ranks[r] = 100 + r
     state.jobs["j"] = job
     return job
@@ -124,7 +125,7 @@ def _step(watch: StragglerWatch, job: JobState, step: int, vision: dict[int, flo
     for r in sorted(job.ranks):
         rep = {"step": step, "mpus": {"001": {"forward_s": vision.get(r, 0.010), "backward_s": 0.020},
                                       "002": {"forward_s": 0.010, "backward_s": 0.020}}}  # fmt: skip
-        watch.observe(job, r, rep)
+        watch.observe(job, r, StepReport.from_wire(rep))
 
 
 def test_one_slow_step_is_not_a_straggler_and_a_held_one_is_then_clears() -> None:
@@ -156,13 +157,13 @@ def test_a_step_is_compared_once_every_live_rank_reported_it_and_odd_figures_are
     state = AgentState(node="n")
     job = _job(state, ranks=3)
     watch = StragglerWatch(StragglerSection(), state)
-    watch.observe(job, 0, {"step": 0, "mpus": {"001": {"forward_s": 0.01}}})
-    watch.observe(job, 1, {"step": 0, "mpus": {"001": {"forward_s": "nan", "backward_s": True}}})
+    watch.observe(job, 0, StepReport.from_wire({"step": 0, "mpus": {"001": {"forward_s": 0.01}}}))
+    watch.observe(job, 1, StepReport.from_wire({"step": 0, "mpus": {"001": {"forward_s": "nan", "backward_s": -1}}}))
     assert watch.steps_compared == 0  # rank 2 has not reported step 0
     job.ranks.pop(2)  # rank 2 left: the others are the job now
-    watch.observe(job, 0, {"step": 1, "mpus": {"001": {"forward_s": 0.01}}})
+    watch.observe(job, 0, StepReport.from_wire({"step": 1, "mpus": {"001": {"forward_s": 0.01}}}))
     assert watch.steps_compared == 0
-    watch.observe(job, 1, {"step": 1, "mpus": {"001": {"forward_s": 0.01}}})
+    watch.observe(job, 1, StepReport.from_wire({"step": 1, "mpus": {"001": {"forward_s": 0.01}}}))
     assert watch.steps_compared == 1  # step 1; step 0, never whole, is dropped with it
     assert watch.boards["j"].pending == {}
     del state.jobs["j"]

@@ -21,12 +21,11 @@ import pytest
 import structlog
 from aiohttp import web
 
-from mscale.daemon import healing as service
 from mscale.daemon import keys
 from mscale.daemon.app import create_app
 from mscale.demo.embedded import agent_config
 from mscale.healing import policy as policymod
-from mscale.healing.engine import ACTED_CAP, Condition, HealingEngine, Target
+from mscale.healing.engine import ACTED_CAP, ALERT_TTL_S, Condition, HealingEngine, Target
 from mscale.healing.ledger import Budget, Ledger
 from mscale.sim.nvml import SimNvml
 
@@ -148,10 +147,10 @@ async def test_a_partly_spent_budget_runs_the_actions_that_fit_in_policy_order(t
 
 @pytest.mark.slow  # 17,384 alerts: about 2 s
 async def test_the_seen_alerts_ledger_stays_within_its_cap_and_forgets_the_oldest(tmp_path):
-    n = service.SEEN_CAP + 1000
+    n = ACTED_CAP + 1000
     clock = Clock()
 
-    def warning(i: int) -> dict:  # no rule acts on it: only the seen ledger keeps it
+    def warning(i: int) -> dict:  # no rule acts on it: only its identity is kept
         return {
             "status": "firing",
             "labels": {"alertname": "MscaleGpuTemperatureHigh", "gpu": str(i % 8), "severity": "warning"},
@@ -160,16 +159,16 @@ async def test_the_seen_alerts_ledger_stays_within_its_cap_and_forgets_the_oldes
         }
 
     async with agent(tmp_path, clock) as a:
-        seen = a.app[service._SEEN]
+        seen = a.app[keys.ENGINE].acted  # the engine's one dedup ledger
         for start in range(0, n, 4000):
             clock.now += 1.0
             await a.post(body(*(warning(i) for i in range(start, min(n, start + 4000)))))
-            assert len(seen) <= service.SEEN_CAP
-        assert len(seen) == service.SEEN_CAP and seen.evicted == n - service.SEEN_CAP
-        assert ("w0", "2026-11-30T06:00:00Z") not in seen  # the oldest went first
-        assert (f"w{n - 1}", "2026-11-30T06:00:00Z") in seen
+            assert len(seen) <= ACTED_CAP
+        assert len(seen) == ACTED_CAP and seen.evicted == n - ACTED_CAP
+        assert ("alert", "w0", "2026-11-30T06:00:00Z") not in seen  # the oldest went first
+        assert ("alert", f"w{n - 1}", "2026-11-30T06:00:00Z") in seen
         # and a day on, one new alert expires them all from the old end
-        clock.now += service.SEEN_TTL_S
+        clock.now += ALERT_TTL_S
         await a.post(body(warning(n)))
         assert len(seen) == 1
 
@@ -233,8 +232,11 @@ def test_engine_dedup_ledger_stays_within_its_cap_after_many_distinct_conditions
     # the newest is still deduplicated within the policy's window
     cond = Condition("alert", "MscaleGpuFatalXid", {"gpu": str(n - 1)}, severity="critical")
     assert engine.decide(cond, lambda rule, c: [Target(gpu=c.labels["gpu"])]) == []
-    # past the window, the next condition expires the whole table from its old end
+    # past the window it acts again (the entry stays until the ledger's longer expiry)
     clock.now += engine.policy.dedup_window_s
+    assert engine.decide(cond, lambda rule, c: [Target(gpu=c.labels["gpu"])])
+    # past the ledger's expiry, the next condition expires the whole table from its old end
+    clock.now += ALERT_TTL_S
     cond = Condition("alert", "MscaleGpuFatalXid", {"gpu": "fresh"}, severity="critical")
     assert engine.decide(cond, lambda rule, c: [Target(gpu=c.labels["gpu"])])
     assert len(engine.acted) == 1

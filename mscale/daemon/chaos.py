@@ -121,7 +121,7 @@ def command_for(body: Any, nvml: Any = None) -> tuple[str, dict[str, Any], Any]:
     if extra:
         raise ChaosError(f"unknown field(s): {', '.join(e[:40] for e in extra[:5])}")
     _check_fields(body)
-    cmd: dict[str, Any] = protocol.chaos(kind) if kind in protocol.CHAOS_JOB_KINDS else {}
+    cmd: dict[str, Any] = protocol.Chaos(kind).to_wire() if kind in protocol.CHAOS_JOB_KINDS else {}
     event = None
     if kind == "corrupt":
         mode = body.get("mode", "noise")
@@ -162,7 +162,7 @@ def command_for(body: Any, nvml: Any = None) -> tuple[str, dict[str, Any], Any]:
         corrupt = body.get("corrupt", "noise")
         if corrupt not in MODES + ("none",):
             raise ChaosError(f"corrupt: expected one of {', '.join(MODES)}, none; got {corrupt!r}")
-        cmd = protocol.chaos("gpu_fault", gpu=gpu, mode=corrupt, fault=kind) if corrupt != "none" else {}
+        cmd = protocol.Chaos("gpu_fault", gpu=gpu, mode=corrupt, fault=kind).to_wire() if corrupt != "none" else {}
     if "job_id" in body:
         if not isinstance(body["job_id"], str) or not protocol.JOB_ID.fullmatch(body["job_id"]):
             raise ChaosError(f"job_id: expected a job id matching {protocol.JOB_ID.pattern}")

@@ -102,35 +102,36 @@ class ContractService:
 
     # --- link messages ------------------------------------------------------------------
 
-    def on_contract(self, job: JobState, msg: dict[str, Any]) -> None:
-        protocol.validate_contract(msg)
+    def on_contract(self, job: JobState, wire: dict[str, Any]) -> None:
+        msg = protocol.Contract.from_wire(wire)
         self._own(job, msg)
-        key = (job.job_id, msg["rank"])
+        key = (job.job_id, msg.rank)
         if key not in self.records and len(self.records) >= self.config.max_contracts:
             raise BadMessage("contract_limit", f"contract: {len(self.records)} plans kept (contract.max_contracts)")
-        pid = job.ranks.get(msg["rank"], job.pid)
-        self.records[key] = ContractRecord(job.job_id, msg["rank"], pid, msg["plan"], self.clock())
-        log.info("contract_received", job_id=job.job_id, rank=msg["rank"], contract_id=msg["plan"]["contract_id"])
+        pid = job.ranks.get(msg.rank, job.pid)
+        self.records[key] = ContractRecord(job.job_id, msg.rank, pid, dict(msg.plan), self.clock())
+        log.info("contract_received", job_id=job.job_id, rank=msg.rank, contract_id=msg.plan["contract_id"])
         self._publish()
         self._wake.set()
 
-    def on_msrp(self, job: JobState, msg: dict[str, Any]) -> None:
-        protocol.validate_msrp(msg)
+    def on_msrp(self, job: JobState, wire: dict[str, Any]) -> None:
+        msg = protocol.Msrp.from_wire(wire)
         self._own(job, msg)
-        key = (job.job_id, msg["rank"])
-        profile = {"gpus": msg.get("gpus", {}), "mpus": msg.get("mpus", {})}
+        key = (job.job_id, msg.rank)
+        profile = {"gpus": dict(msg.gpus), "mpus": dict(msg.mpus)}
         old = self.records.get(key)
         if old is None:  # MSRP without a contract: kept under an empty plan, so it is exported too
             if len(self.records) >= self.config.max_contracts:
                 raise BadMessage("contract_limit", "msrp: contract.max_contracts reached")
-            old = ContractRecord(job.job_id, msg["rank"], job.pid, {}, self.clock())
+            old = ContractRecord(job.job_id, msg.rank, job.pid, {}, self.clock())
         self.records[key] = replace(old, msrp=profile, msrp_at=self.clock())
         self._publish()
 
     @staticmethod
-    def _own(job: JobState, msg: dict[str, Any]) -> None:
-        if msg.get("job_id") != job.job_id:
-            raise BadMessage("malformed", f"{msg['type']}: job_id is not this connection's job")
+    def _own(job: JobState, msg: protocol.Contract | protocol.Msrp) -> None:
+        if msg.job_id != job.job_id:
+            kind = protocol.CONTRACT if isinstance(msg, protocol.Contract) else protocol.MSRP
+            raise BadMessage("malformed", f"{kind}: job_id is not this connection's job")
 
     # --- checks ----------------------------------------------------------------------------
 

@@ -4,10 +4,11 @@ registered, for mscale.exporters.goodput. A job the agent no longer holds goes w
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
+from mscale.daemon.jobs import JobState
 from mscale.daemon.keys import LINK, STATE
+from mscale.link import StepReport
 
 SOURCE = "goodput"
 
@@ -15,17 +16,17 @@ SOURCE = "goodput"
 class GoodputBook:
     def __init__(self, state: Any) -> None:
         self.state = state
-        self.seconds: dict[str, dict[int, Counter[str]]] = {}  # job -> rank -> cause -> seconds
+        self.seconds: dict[str, dict[int, dict[str, float]]] = {}  # job -> rank -> cause -> seconds
 
-    def observe(self, job: Any, rank: int, report: dict[str, Any]) -> None:
-        seconds = report.get("seconds")
+    def observe(self, job: JobState, rank: int, report: StepReport) -> None:
+        seconds = report.seconds
         if not seconds:
             return
-        counter = self.seconds.setdefault(job.job_id, {}).setdefault(rank, Counter())
+        counter = self.seconds.setdefault(job.job_id, {}).setdefault(rank, {})
         for cause, s in seconds.items():  # validated by mscale.link: known causes, finite, >= 0
-            counter[cause] += s
+            counter[cause] = counter.get(cause, 0.0) + s
 
-    def view(self) -> dict[str, dict[int, Counter[str]]]:
+    def view(self) -> dict[str, dict[int, dict[str, float]]]:
         for job_id in [j for j in self.seconds if j not in self.state.jobs]:
             del self.seconds[job_id]
         return self.seconds

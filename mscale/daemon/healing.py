@@ -1,24 +1,30 @@
 """Runs the healing engine inside the agent.
 
 The engine subscribes to the agent's event log. Node-view conditions (GPU faults, hangs)
-and the alerts the webhook hands over (`alert`) become decisions, sent to the jobs as link
-commands; what a job decided in-process (checksums, loss) arrives as its own
+and the alerts the webhook hands over (`alert`) become plans, carried out as link commands to
+the jobs; what a job decided in-process (checksums, loss) arrives as its own
 HEAL_ACTION/FUSE_STATE events and only keeps the books (and the per-MPU state the API shows)
-in step. Each condition's policy rule is matched once, here, and every outcome is booked by
-the engine: an alert that Alertmanager repeats (same fingerprint and start) is a duplicate,
-a resolved one forgets its dedup entry and ends the cooling windows its rule started.
+in step.
+
+One way through: the service builds the node view (`node_view`: a row per job, rank and MPU
+with its GPU), hands the engine the condition and the view once (`HealingEngine.plan`), and
+gets back the plan: each decision with its command and the ranks it goes to. It sends them
+(`carry_out`) and books every outcome in one call (`HealingEngine.book`). The engine's one
+dedup ledger also holds the alert's identity: an alert that Alertmanager repeats (same
+fingerprint and start) is a duplicate, a resolved one forgets its entry and ends the cooling
+windows its firing started.
 
 The per-minute action budget (`webhook.max_actions_per_minute`) counts actions, not alerts:
 a firing alert whose rule yields three actions takes three. When only some fit, those run in
 the policy's order and the rest are booked `rate_limited`; an alert none of whose actions fit
 is not marked seen, so Alertmanager's repeat may act once the budget allows.
 
-Bounded and O(1) per alert, however long the agent has run: the seen-alerts ledger keeps an
-alert for SEEN_TTL_S and at most SEEN_CAP of them (the oldest evicted first), expired from
-its old end, never scanned; the budget keeps one entry per grant in the last minute. A body
-is handled in slices of SLICE alerts or SLICE_S seconds, whichever ends first, with the event
-loop served between them, so a large body (the body-size limit bounds it) never blocks
-/healthz, the scrape or the socket (the webhook decodes and checks it in a worker thread).
+Bounded and O(1) per alert, however long the agent has run: the engine's ledger keeps an alert
+for ALERT_TTL_S and at most ACTED_CAP entries (the oldest evicted first), expired from its old
+end, never scanned; the budget keeps one entry per grant in the last minute. A body is handled
+in slices of SLICE alerts or SLICE_S seconds, whichever ends first, with the event loop served
+between them, so a large body (the body-size limit bounds it) never blocks /healthz, the scrape
+or the socket (the webhook decodes and checks it in a worker thread).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,126 +40,65 @@ import structlog
 from aiohttp import web
 
 from mscale.daemon import keys
-from mscale.daemon.jobs import MpuState
 from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing import policy as policymod
-from mscale.healing.engine import Condition, Decision, HealingEngine, Target
-from mscale.healing.ledger import Budget, Ledger
-from mscale.healing.policy import Rule
-from mscale.healing.words import Result, TargetKind
+from mscale.healing.engine import Condition, Decision, HealingEngine, Plan, Step
+from mscale.healing.ledger import Budget
+from mscale.healing.view import NodeRow, NodeView
+from mscale.healing.words import Result
 
 log = structlog.get_logger("mscale.healing")
 SOURCE = "healing"
-SEEN_CAP = 16_384  # alerts remembered as acted on; the oldest are forgotten first
-SEEN_TTL_S = 86_400.0  # and for at most a day (Alertmanager repeats within repeat_interval)
 SLICE = 256  # alerts of one body handled between turns of the event loop at most
 # and for this long at most: a request needs several turns of the loop (accept, read, answer),
 # so a turn every 256 alerts (50 ms here, more under load) kept /healthz waiting over a second
 SLICE_S = 0.005
-_SEEN = web.AppKey("alerts_seen", Ledger)  # (fingerprint, startsAt) -> when acted on
 _BUDGET = web.AppKey("alert_action_budget", Budget)  # actions taken from alerts, last minute
 
 
-def gpu_ids(state: AgentState) -> dict[str, str]:
-    """GPU index (text) -> UUID, and UUID -> index, from the GPU probe's latest snapshot."""
-    out: dict[str, str] = {}
-    snap = state.snapshots.get("gpu")
-    for g in getattr(snap, "gpus", ()) or ():
-        out[str(g.index)] = g.uuid
-        out[g.uuid] = str(g.index)
-    return out
-
-
-def _mpus(state: AgentState) -> Iterable[tuple[str, MpuState]]:
-    """Every rank's MPUs (each rank's on its own GPU), by job."""
-    for job_id, job in list(state.jobs.items()):
-        if hasattr(job, "iter_mpus"):
-            for _rs, mpu in list(job.iter_mpus()):
-                yield job_id, mpu
-        else:
-            for mpu in list(getattr(job, "mpus", {}).values()):
-                yield job_id, mpu
-
-
-def target_ranks(state: AgentState, t: Target) -> list[int] | None:
-    """The ranks a decision on a GPU goes to: those whose MPU is bound to it (None: every rank
-    of the job, for job and MPU targets, or when no rank is known to be there)."""
-    job = state.jobs.get(t.job_id)
-    if job is None or not t.gpu or not hasattr(job, "iter_mpus"):
-        return None
-    ranks = sorted(
-        {rs.rank for rs, m in job.iter_mpus() if str(m.gpu) == t.gpu and (not t.mpu_id or m.mpu_id == t.mpu_id)}
+def node_view(state: AgentState) -> NodeView:
+    """The node as the engine reads it: a row per job, rank and MPU with its GPU, every job,
+    and the GPU probe's index <-> UUID map."""
+    gpus: dict[str, str] = {}
+    for g in getattr(state.snapshots.get("gpu"), "gpus", ()) or ():
+        gpus[str(g.index)] = g.uuid
+        gpus[g.uuid] = str(g.index)
+    rows = tuple(
+        NodeRow(job_id, rs.rank, m.mpu_id, m.name, str(m.gpu), m.gpu_uuid)
+        for job_id, job in list(state.jobs.items())
+        for rs, m in list(job.iter_mpus())
     )
-    return ranks or None
+    return NodeView(rows, tuple(state.jobs), gpus)
 
 
-def resolve_targets(state: AgentState, rule: Rule, cond: Condition) -> list[Target]:
-    """What a rule acts on, from the condition's labels and the agent's jobs."""
-    lab = cond.labels
-    job_id = lab.get("job_id", "")
-    ids = gpu_ids(state)
-    if rule.target == TargetKind.GPU:
-        uuid = lab.get("gpu_uuid", "") or ids.get(lab.get("gpu", ""), "")
-        index = lab.get("gpu", "") or ids.get(uuid, "")
-        hits = [
-            Target(j, m.mpu_id, str(m.gpu), getattr(m, "gpu_uuid", "") or uuid)
-            for j, m in _mpus(state)
-            if (index and str(m.gpu) == index) or (uuid and getattr(m, "gpu_uuid", "") == uuid)
-        ]
-        if job_id:
-            hits = [t for t in hits if t.job_id == job_id]
-        return hits or [Target("", "", index, uuid)]
-    if rule.target == TargetKind.JOB:
-        jobs = [job_id] if job_id else sorted(state.jobs)
-        return [Target(j) for j in jobs]
-    mpu_key = lab.get("mpu_id", "") or lab.get("mpu", "")
-    out = []
-    for j, m in _mpus(state):
-        if (not job_id or j == job_id) and mpu_key in (m.mpu_id, getattr(m, "name", "")):
-            out.append(Target(j, m.mpu_id, str(m.gpu), getattr(m, "gpu_uuid", "")))
-    if not out and job_id and mpu_key:
-        out.append(Target(job_id, mpu_key))  # not connected: the send fails and says so
-    return out
-
-
-async def act(app: web.Application, decisions: list[Decision]) -> list[tuple[Decision, str]]:
-    """Send decisions to their jobs; book each outcome."""
-    engine: HealingEngine = app[keys.ENGINE]
+async def carry_out(app: web.Application, plan: Plan) -> list[tuple[Decision, str]]:
+    """Send a plan's commands to their jobs (each to the ranks the plan names), then book
+    every outcome with the engine in one call."""
     link = app.get(keys.LINK)
-    done: list[tuple[Decision, str]] = []
-    for d in decisions:
-        if not d.target.job_id:
-            engine.record(d, Result.NOOP, detail="no job has an MPU there")
-            done.append((d, Result.NOOP))
+    outcomes: list[tuple[Step, str, str]] = []
+    for step in plan.steps:
+        job_id = step.decision.target.job_id
+        if not job_id:
+            outcomes.append((step, Result.NOOP, "no job has an MPU there"))
             continue
         if link is None:
-            engine.record(d, Result.FAILED, detail="no link to jobs")
-            done.append((d, Result.FAILED))
+            outcomes.append((step, Result.FAILED, "no link to jobs"))
             continue
         try:
-            ok = await link.send(d.target.job_id, d.command(), ranks=target_ranks(app[keys.STATE], d.target))
+            ok = await link.send(job_id, step.command, ranks=step.ranks)
         except Exception as e:  # a dead peer must not stop the engine; the event says why
-            log.warning("heal_send_failed", job_id=d.target.job_id, error=repr(e))
+            log.warning("heal_send_failed", job_id=job_id, error=repr(e))
             ok = False
-        result = Result.SENT if ok else Result.FAILED
-        engine.record(d, result, detail="" if ok else "job not connected")
-        done.append((d, result))
-    return done
+        outcomes.append((step, Result.SENT if ok else Result.FAILED, "" if ok else "job not connected"))
+    if outcomes:
+        app[keys.ENGINE].book(outcomes)
+    return [(step.decision, result) for step, result, _ in outcomes]
 
 
 async def handle(app: web.Application, cond: Condition) -> list[tuple[Decision, str]]:
     """Decide and act on one condition the node saw (a finding)."""
-    engine: HealingEngine = app[keys.ENGINE]
-    rule = engine.match(cond)
-    if rule is None or (rule.decide == "in_process" and cond.kind == "reason"):
-        return []  # nothing to do, or the job acts within the step and reports what it did
-    return await act(app, engine.decide(cond, _targets(app), rule))
-
-
-def _targets(app: web.Application) -> Callable[[Rule, Condition], list[Target]]:
-    state = app[keys.STATE]
-    return lambda rule, cond: resolve_targets(state, rule, cond)
+    return await carry_out(app, app[keys.ENGINE].plan(cond, node_view(app[keys.STATE])))
 
 
 @dataclass
@@ -207,41 +152,22 @@ async def alert(app: web.Application, a: Mapping[str, Any], *, source: str) -> A
             now,
         )
     )
-    rule = engine.match(cond)
-    seen = app[_SEEN]
     ident = (a.get("fingerprint") or json.dumps(labels, sort_keys=True), a.get("startsAt", ""))
+    plan = engine.plan(cond, node_view(state), alert=ident, resolved=not firing, budget=app[_BUDGET])
     if not firing:
-        acted_on = seen.pop(ident) is not None  # this alert's firing acted here
-        ends = engine.resolve(cond, _targets(app), rule) if rule is not None else []
-        # it ends only what its own firing started: a resolution never seen firing ends nothing
-        return AlertOutcome(False, "resolved", cooling_ended=await _end(app, ends if acted_on else []))
-    if seen.fresh(ident, now):  # Alertmanager's repeat of an alert already acted on
-        engine.refuse(rule, cond, Result.DUPLICATE, "Alertmanager repeated an alert already acted on")
-        return AlertOutcome(True, Result.DUPLICATE)
-    run: list[Decision] = []
-    over: list[Decision] = []
-    if rule is not None:
-        budget = app[_BUDGET]
-        run, over = engine.decide_within(
-            cond,
-            _targets(app),
-            rule,
-            budget=lambda n: budget.take(n, now),
-            over_why=f"action budget of {budget.per_minute}/min spent",
-        )
-    if over and not run:
-        return AlertOutcome(True, Result.RATE_LIMITED, rate_limited=len(over))
-    seen.mark(ident, now)
-    return AlertOutcome(True, "acted", await act(app, run), rate_limited=len(over))
+        return AlertOutcome(False, "resolved", cooling_ended=await _end(app, plan.ends))
+    if plan.result in (Result.DUPLICATE, Result.RATE_LIMITED):
+        return AlertOutcome(True, plan.result, rate_limited=plan.rate_limited)
+    return AlertOutcome(True, "acted", await carry_out(app, plan), rate_limited=plan.rate_limited)
 
 
-async def _end(app: web.Application, ends: list[Decision]) -> int:
+async def _end(app: web.Application, ends: Iterable[Step]) -> int:
     """Send end commands (a resolved alert ends the cooling windows its rule started);
     the number the jobs received."""
     link = app.get(keys.LINK)
     n = 0
-    for d in ends:
-        if link is not None and await link.send(d.target.job_id, d.command(end=True)):
+    for step in ends:
+        if link is not None and await link.send(step.decision.target.job_id, step.command):
             n += 1
     return n
 
@@ -303,6 +229,5 @@ def setup(app: web.Application) -> None:
         emit=state.events.emit,
         publish=lambda snap: state.publish("healing", snap),
     )
-    app[_SEEN] = Ledger(cap=SEEN_CAP, ttl_s=SEEN_TTL_S)
     app[_BUDGET] = Budget(cfg.webhook.max_actions_per_minute)
     app.cleanup_ctx.append(_run)

@@ -1,5 +1,8 @@
 """The agent's per-job, per-MPU state, fed by the hook library's reports, and the MPU health score.
 
+It takes the link's messages as `mscale.link` read them (`Register`, `StepReport`, `MpuReport`:
+checked and typed once, on arrival), so nothing here reads a field by name or coerces it again.
+
 Health score (0-100, per MPU and phase, forward or backward), recomputed on every report
 and every scrape:
 
@@ -27,12 +30,13 @@ import math
 import statistics
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing.fsm import Level
+from mscale.link import MpuReport, Register, StepReport
 
 BASELINE_SKIP = 3
 MAX_FINDING_SERIES = 128  # distinct (source, reason, severity) counted per job: bounds its series
@@ -45,8 +49,8 @@ def _clamp01(v: float) -> float:
     return 0.0 if v < 0 else 1.0 if v > 1 else v
 
 
-def _num(v: Any) -> float:
-    """A report number: finite float, or NaN for null / "nan" / "inf" strings."""
+def _num(v: object) -> float:
+    """A number in a finding's label: a float, NaN for anything else."""
     if isinstance(v, bool) or v is None:
         return math.nan
     if isinstance(v, (int, float, str)):
@@ -72,7 +76,7 @@ class Latency:
 
     seen: int = 0
     baseline_samples: list[float] = field(default_factory=list)
-    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     last_s: float = 0.0
 
     def add(self, seconds: float) -> None:
@@ -119,36 +123,32 @@ class MpuState:
     checksum_failures_total: int = 0
     checksum_coverage_ratio: float = math.nan  # share of its checked layers the last step checked
     checksum_max_gap_steps: float = math.nan  # the largest gap between checks of any layer, steps
-    recent_failures: deque = field(default_factory=lambda: deque(maxlen=100))
+    recent_failures: deque[int] = field(default_factory=lambda: deque(maxlen=100))
     memory_used_bytes: float = math.nan
     memory_total_bytes: float = math.nan
 
-    def update(self, r: dict) -> None:
-        self.latency["forward"].add(_num(r.get("forward_s")))
-        self.latency["backward"].add(_num(r.get("backward_s")))
-        self.grad_norm = _num(r.get("grad_norm"))
-        self.gvc = _num(r.get("gvc"))
-        cr = _num(r.get("clip_ratio"))
-        self.clip_ratio = cr if math.isfinite(cr) else self.clip_ratio
-        ds = _num(r.get("distill_share", 0.0))
-        self.distill_share = ds if math.isfinite(ds) else 0.0
-        self.checksum_ok = bool(r.get("checksum_ok", True))
-        self.checksum_coverage_ratio = _num(r.get("checksum_coverage_ratio"))
-        self.checksum_max_gap_steps = _num(r.get("checksum_max_gap_steps"))
-        self.checksum_consecutive_failures = int(r.get("checksum_consecutive_failures", 0) or 0)
-        total = int(r.get("checksum_failures_total", self.checksum_failures_total) or 0)
+    def update(self, r: MpuReport) -> None:
+        self.latency["forward"].add(r.forward_s)
+        self.latency["backward"].add(r.backward_s)
+        self.grad_norm, self.gvc = r.grad_norm, r.gvc
+        self.clip_ratio = r.clip_ratio if math.isfinite(r.clip_ratio) else self.clip_ratio
+        self.distill_share = r.distill_share if math.isfinite(r.distill_share) else 0.0
+        self.checksum_ok = r.checksum_ok
+        self.checksum_coverage_ratio, self.checksum_max_gap_steps = r.checksum_coverage_ratio, r.checksum_max_gap_steps
+        self.checksum_consecutive_failures = r.checksum_consecutive_failures
+        total = self.checksum_failures_total if r.checksum_failures_total is None else r.checksum_failures_total
         self.recent_failures.append(max(0, total - self.checksum_failures_total))
         self.checksum_failures_total = max(total, self.checksum_failures_total)
-        if isinstance(r.get("gpu"), int) and not isinstance(r.get("gpu"), bool):
-            if r["gpu"] != self.gpu:
+        if r.gpu is not None:
+            if r.gpu != self.gpu:
                 self.gpu_uuid = ""  # rebound: the UUID comes from the agent's snapshot again
-            self.gpu = r["gpu"]
-        if isinstance(r.get("fuse_level"), str):
-            self.fuse_level = r["fuse_level"][:32]
-        self.memory_used_bytes = _num(r.get("memory_used_bytes"))
-        self.memory_total_bytes = _num(r.get("memory_total_bytes"))
+            self.gpu = r.gpu
+        if r.fuse_level is not None:
+            self.fuse_level = r.fuse_level
+        self.memory_used_bytes = math.nan if r.memory_used_bytes is None else r.memory_used_bytes
+        self.memory_total_bytes = math.nan if r.memory_total_bytes is None else r.memory_total_bytes
 
-    def score(self, gpu_sample: Any = None) -> dict[str, float]:
+    def score(self, gpu_sample: GpuSample | None = None) -> dict[str, float]:
         """Recompute the health per phase (see the module docstring) and return it."""
         checksum = min(60.0, 20.0 * self.checksum_consecutive_failures) + min(20.0, 2.0 * sum(self.recent_failures))
         used, total = self.memory_used_bytes, self.memory_total_bytes
@@ -167,7 +167,7 @@ class MpuState:
         self.health_score = min(self.health.values())
         return dict(self.health)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "mpu_id": self.mpu_id,
             "name": self.name,
@@ -252,48 +252,43 @@ class RankState:
     steps_skipped: int = 0
     guard_overhead_ratio: float = math.nan  # the guard's measured cost over its step time
 
-    def register(self, msg: dict) -> None:
+    def register(self, msg: Register) -> None:
         """Apply a (re-)registration: MPUs added or rebound keep their history."""
-        self.pid = msg["pid"]
-        self.local_rank = int(msg.get("local_rank", self.local_rank))
-        self.world_size = int(msg.get("world_size", self.world_size))
+        self.pid, self.local_rank, self.world_size = msg.pid, msg.local_rank, msg.world_size
         mpus = {}
-        for d in msg["mpus"]:
-            old = self.mpus.get(d["mpu_id"])
-            m = old or MpuState(mpu_id=d["mpu_id"], name=d["name"], gpu=d["gpu"])
-            if old is not None and old.gpu != d["gpu"]:
+        for d in msg.mpus:
+            old = self.mpus.get(d.mpu_id)
+            m = old or MpuState(mpu_id=d.mpu_id, name=d.name, gpu=d.gpu)
+            if old is not None and old.gpu != d.gpu:
                 m.gpu_uuid = ""
-            m.name, m.gpu = d["name"], d["gpu"]
-            m.gpu_uuid = d.get("gpu_uuid") or m.gpu_uuid
-            m.device, m.path = str(d.get("device", "")), str(d.get("path", ""))
-            m.params = int(d.get("params", 0) or 0)
-            m.fuse_level = str(d.get("fuse_level", m.fuse_level))[:32]
+            m.name, m.gpu = d.name, d.gpu
+            m.gpu_uuid = d.gpu_uuid or m.gpu_uuid
+            m.device, m.path, m.params, m.fuse_level = d.device, d.path, d.params, d.fuse_level
             mpus[m.mpu_id] = m
         self.mpus = mpus
 
-    def apply_report(self, r: dict, gpus: dict[int, Any]) -> None:
+    def apply_report(self, r: StepReport, gpus: Mapping[int, GpuSample]) -> None:
         self.reports_total += 1
         self.last_report_at = time.time()
-        self.step = max(self.step, int(r.get("step", self.step)))
-        self.loss = _num(r.get("loss"))
-        self.task_loss = _num(r.get("task_loss", r.get("loss")))  # a job that sends none: the one loss
-        self.grad_norm = _num(r.get("grad_norm"))
-        self.steps_skipped += 1 if r.get("skipped") else 0
-        self.guard_overhead_ratio = _num(r.get("guard_overhead_ratio"))
-        for mpu_id, mr in (r.get("mpus") or {}).items():
+        self.step = max(self.step, r.step)
+        self.loss, self.grad_norm = r.loss, r.grad_norm
+        self.task_loss = r.loss if r.task_loss is None else r.task_loss  # a job that sends none: the one loss
+        self.steps_skipped += 1 if r.skipped else 0
+        self.guard_overhead_ratio = r.guard_overhead_ratio
+        for mpu_id, mr in r.mpus.items():
             m = self.mpus.get(mpu_id)
-            if m is not None and isinstance(mr, dict):
+            if m is not None:
                 m.update(mr)
         self.refresh(gpus)
 
-    def refresh(self, gpus: dict[int, Any]) -> None:
+    def refresh(self, gpus: Mapping[int, GpuSample]) -> None:
         for m in self.mpus.values():
             sample = gpus.get(m.gpu)
             if sample is not None and not m.gpu_uuid:
                 m.gpu_uuid = str(getattr(sample, "uuid", "") or "")
             m.score(sample)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "rank": self.rank,
             "local_rank": self.local_rank,
@@ -331,7 +326,9 @@ class JobState:
     connected: bool = True
     registered_at: float = field(default_factory=time.time)
     connects: int = 1
-    findings: Counter = field(default_factory=Counter)  # (source, reason, severity) of reported findings
+    findings: Counter[tuple[str, str, str]] = field(
+        default_factory=Counter
+    )  # (source, reason, severity) of reported findings
     snapshots: SnapshotStats = field(default_factory=SnapshotStats)
     # identity (mscale.daemon.link): the uid that registered the job first owns its id until the
     # job expires; the live ranks on this node and their processes; when the last one left
@@ -355,10 +352,10 @@ class JobState:
         live = [r for r in self.rank_states if r in self.ranks]
         return min(live or self.rank_states or [self.rank])
 
-    def register(self, msg: dict) -> RankState:
+    def register(self, msg: Register) -> RankState:
         """Apply a (re-)registration of one rank. Past `max_ranks` ranks a disconnected rank's
         state makes room (the one gone longest); with none, RankLimit and nothing changes."""
-        rank = msg["rank"]
+        rank = msg.rank
         rs = self.rank_states.get(rank)
         if rs is None:
             if len(self.rank_states) >= self.max_ranks:
@@ -366,13 +363,13 @@ class JobState:
                 if not gone:
                     raise RankLimit(f"job {self.job_id} holds {len(self.rank_states)} ranks")
                 del self.rank_states[min(gone)[1]]
-            rs = self.rank_states[rank] = RankState(rank=rank, pid=msg["pid"])
+            rs = self.rank_states[rank] = RankState(rank=rank, pid=msg.pid)
         rs.register(msg)
         rs.connected = True
-        if "pod" in msg:  # Kubernetes: the pod this rank runs in
-            self.pods[rank] = (msg["pod"]["namespace"], msg["pod"]["name"])
+        if msg.pod is not None:  # Kubernetes: the pod this rank runs in
+            self.pods[rank] = (msg.pod.namespace, msg.pod.name)
         if len(self.rank_states) == 1:
-            self.rank, self.pid = rank, msg["pid"]
+            self.rank, self.pid = rank, msg.pid
         return rs
 
     def disconnect(self, rank: int) -> None:
@@ -380,7 +377,7 @@ class JobState:
         if rs is not None:
             rs.connected = False
 
-    def apply_report(self, r: dict, gpus: dict[int, Any], rank: int | None = None) -> None:
+    def apply_report(self, r: StepReport, gpus: Mapping[int, GpuSample], rank: int | None = None) -> None:
         self.rank_state(rank).apply_report(r, gpus)
 
     def iter_mpus(self) -> Iterator[tuple[RankState, MpuState]]:
@@ -448,11 +445,11 @@ class JobState:
             self.snapshots.observe(f)
         return True
 
-    def refresh(self, gpus: dict[int, Any]) -> None:
+    def refresh(self, gpus: Mapping[int, GpuSample]) -> None:
         for rs in self.rank_states.values():
             rs.refresh(gpus)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "job_id": self.job_id,
             "connected": self.connected,
@@ -466,7 +463,28 @@ class JobState:
         }
 
 
-def gpus_by_index(state: Any) -> dict[int, Any]:
+class GpuSample(Protocol):
+    """What the health score reads of a GPU's sample (mscale.probes.gpu_sample.GpuSample; the
+    probe room imports the agent's state, so its type is named here by shape, not imported)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def uuid(self) -> str: ...
+    @property
+    def health(self) -> str: ...
+    @property
+    def memory_used_bytes(self) -> int | None: ...
+    @property
+    def memory_total_bytes(self) -> int | None: ...
+
+
+class _Published(Protocol):
+    @property
+    def snapshots(self) -> Mapping[str, object]: ...
+
+
+def gpus_by_index(state: _Published) -> dict[int, GpuSample]:
     """The latest GPU samples by index, from the GPU probe's snapshot (empty without one)."""
     snap = state.snapshots.get("gpu")
     return {g.index: g for g in getattr(snap, "gpus", ())} if snap is not None else {}

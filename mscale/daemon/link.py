@@ -36,7 +36,7 @@ import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from aiohttp import WSMsgType, web
@@ -44,13 +44,15 @@ from aiohttp import WSMsgType, web
 from mscale import link as protocol
 from mscale.daemon import keys, socket_file
 from mscale.daemon.jobs import JobState, RankLimit, gpus_by_index
+from mscale.daemon.link_bounds import check_mpu_budget, make_room
 from mscale.daemon.link_gate import GatedSockSite, LinkLimits, peer_cred
 from mscale.findings import Finding, Reason, Severity
-from mscale.link import BadMessage, Msg
+from mscale.link import BadMessage, Error, Msg, Register, Registered, Report, StepReport, Wire
 
 log = structlog.get_logger("mscale.link")
 
 Handler = Callable[..., Awaitable[None] | None]  # (job, msg), or (job, msg, rank) with_rank
+ReportObserver = Callable[[JobState, int, StepReport], None]
 
 
 def peer_uid(request: web.Request) -> tuple[int, int] | None:
@@ -69,18 +71,20 @@ class LinkServer:
         self.connections: dict[str, dict[int, web.WebSocketResponse]] = {}
         self.peer_uids: dict[web.WebSocketResponse, int] = {}  # each live connection's SO_PEERCRED uid
         self.handlers: dict[str, Handler] = {}
-        self.report_observers: list[Callable[[JobState, int, dict], None]] = []
+        self.report_observers: list[ReportObserver] = []
         self._with_rank: dict[str, bool] = {}
         self.error = ""  # why the socket is not served, if it is not
         self._runner: web.AppRunner | None = None
-        self._sweeper: asyncio.Task | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     # --- commands to jobs ----------------------------------------------------------------
 
-    async def send(self, job_id: str, command: dict, *, ranks: Iterable[int] | None = None) -> bool:
-        """Send a command (a dict with "type", see mscale.link.Command) to a connected job's
-        ranks (`ranks`: only those, e.g. the ranks whose MPU is on a faulty GPU); False if none
-        of them is there."""
+    async def send(self, job_id: str, command: Outgoing | Wire, *, ranks: Iterable[int] | None = None) -> bool:
+        """Send a command (one of mscale.link's, e.g. `Heal`, or a plugin's dict with a "type")
+        to a connected job's ranks (`ranks`: only those, e.g. the ranks whose MPU is on a faulty
+        GPU); False if none of them is there."""
+        if not isinstance(command, dict):
+            command = command.to_wire()
         protocol.check_command(command)
         only = None if ranks is None else set(ranks)
         job = self.state.jobs.get(job_id)
@@ -98,7 +102,7 @@ class LinkServer:
                 log.warning("command_not_sent", job_id=job_id, rank=rank, error=str(e))
         return sent
 
-    async def broadcast(self, command: dict) -> int:
+    async def broadcast(self, command: Outgoing | Wire) -> int:
         sent = await asyncio.gather(*(self.send(j, command) for j in list(self.connections)))
         return sum(sent)
 
@@ -110,7 +114,7 @@ class LinkServer:
         self.handlers[type_] = handler
         self._with_rank[type_] = with_rank
 
-    def on_report(self, fn: Callable[[JobState, int, dict], None]) -> None:
+    def on_report(self, fn: ReportObserver) -> None:
         """Call fn(job, rank, step_report) for every step report applied (mscale.daemon.stragglers)."""
         self.report_observers.append(fn)
 
@@ -192,60 +196,6 @@ class LinkServer:
             await asyncio.sleep(interval)
             self.expire()
 
-    def _make_room(self, uid: int) -> None:
-        """Room for one more job of `uid` under socket.max_jobs_per_uid and socket.max_jobs:
-        that uid's own longest-disconnected job goes early if need be, never another uid's (a
-        job id stays its owner's until it expires); else refused (uid_job_limit, job_limit)."""
-        cfg = self.config.socket
-        for why, key, cap in (
-            ("uid_job_limit", "socket.max_jobs_per_uid", cfg.max_jobs_per_uid),
-            ("job_limit", "socket.max_jobs", cfg.max_jobs),
-        ):
-            own = [(j.disconnected_at, k) for k, j in self.state.jobs.items() if j.uid == uid]
-            held = len(own) if why == "uid_job_limit" else len(self.state.jobs)
-            if held < cap:
-                continue
-            idle = [(t, k) for t, k in own if t is not None and not self.state.jobs[k].ranks]
-            if not idle:
-                whose = f"of uid {uid} " if why == "uid_job_limit" else ""
-                raise BadMessage(why, f"register: {held} jobs {whose}kept ({key}); no other user's job is evicted")
-            self._drop(min(idle)[1], key.removeprefix("socket."))
-
-    def _check_mpu_budget(self, uid: int, job: JobState | None, msg: dict) -> None:
-        """What one uid can make the agent hold: MPU states (each a dozen series) at most
-        socket.max_mpu_states_per_uid for the uid's jobs, socket.max_mpu_states in all, so a
-        flood of registrations cannot blow /metrics up. Past either, the uid's own
-        longest-disconnected jobs go early (never another uid's), else refused (uid_mpu_limit,
-        mpu_state_limit)."""
-        cfg = self.config.socket
-        rs = job.rank_states.get(msg["rank"]) if job is not None else None
-        adding = len(msg["mpus"]) - (len(rs.mpus) if rs is not None else 0)
-        while adding > 0:
-            total = own = 0
-            for j in self.state.jobs.values():
-                held = sum(len(r.mpus) for r in j.rank_states.values())
-                total, own = total + held, own + (held if j.uid == uid else 0)
-            over = [
-                (why, key, held)
-                for why, key, held, cap in (
-                    ("uid_mpu_limit", "socket.max_mpu_states_per_uid", own, cfg.max_mpu_states_per_uid),
-                    ("mpu_state_limit", "socket.max_mpu_states", total, cfg.max_mpu_states),
-                )
-                if held + adding > cap
-            ]
-            if not over:
-                return
-            idle = [
-                (j.disconnected_at, k)
-                for k, j in self.state.jobs.items()
-                if j.uid == uid and j is not job and not j.ranks and j.disconnected_at is not None
-            ]
-            if not idle:
-                why, key, held = over[0]
-                whose = f" of uid {uid}" if why == "uid_mpu_limit" else ""
-                raise BadMessage(why, f"register: the jobs{whose} hold {held} MPU states, {adding} more is past {key}")
-            self._drop(min(idle)[1], over[0][1].removeprefix("socket."))
-
     # --- messages ----------------------------------------------------------------------------
 
     def _refuse(self, why: str, detail: str, **labels: Any) -> None:
@@ -275,16 +225,16 @@ class LinkServer:
                         await self._message(conn, msg.data)
                     except BadMessage as e:
                         self._refuse(e.why, str(e), job_id=conn.job.job_id if conn.job else "", uid=conn.uid)
-                        await ws.send_str(protocol.encode(protocol.error(str(e))))
+                        await ws.send_str(protocol.encode(Error(str(e)).to_wire()))
                     except (ConnectionError, RuntimeError, asyncio.CancelledError):
                         raise
                     except Exception as e:  # a validator's gap: refused and counted, the connection goes on
                         log.error("link_message_failed", error=f"{type(e).__name__}: {e}"[:300], uid=conn.uid)
                         self._refuse("internal", f"{type(e).__name__}", job_id=conn.job.job_id if conn.job else "")
-                        await ws.send_str(protocol.encode(protocol.error(f"not understood ({type(e).__name__})")))
+                        await ws.send_str(protocol.encode(Error(f"not understood ({type(e).__name__})").to_wire()))
                 elif msg.type == WSMsgType.BINARY:
                     self._refuse("malformed", "binary frame")
-                    await ws.send_str(protocol.encode(protocol.error("binary frames are not accepted")))
+                    await ws.send_str(protocol.encode(Error("binary frames are not accepted").to_wire()))
                 elif msg.type == WSMsgType.ERROR:
                     exc = ws.exception()
                     why = (
@@ -334,9 +284,8 @@ class LinkServer:
         msg = protocol.decode(data, self.config.socket.max_message_bytes)
         kind = msg["type"]
         if kind == Msg.REGISTER:
-            protocol.validate_register(msg, self.config.socket.max_mpus_per_job)
-            registered = self._register(conn, msg)
-            await conn.ws.send_str(protocol.encode(protocol.registered(registered.job_id, self.state.node)))
+            registered = self._register(conn, Register.from_wire(msg, self.config.socket.max_mpus_per_job))
+            await conn.ws.send_str(protocol.encode(Registered(registered.job_id, self.state.node).to_wire()))
             return
         job = conn.job
         if job is None or not self._current(job):  # never registered, or expired meanwhile
@@ -346,8 +295,7 @@ class LinkServer:
                 raise BadMessage(
                     "malformed", f"report: job_id {str(msg.get('job_id'))[:140]!r} is not this connection's job"
                 )
-            protocol.validate_report(msg)
-            self._report(job, conn.rank, msg)
+            self._report(job, conn.rank, Report.from_wire(msg))
         elif kind in self.handlers:
             try:
                 handler: Any = self.handlers[kind]
@@ -365,10 +313,10 @@ class LinkServer:
     def _current(self, job: JobState) -> bool:
         return self.state.jobs.get(job.job_id) is job
 
-    def _register(self, conn: _Conn, msg: dict) -> JobState:
+    def _register(self, conn: _Conn, msg: Register) -> JobState:
         """Check the registration against the job's owner, its live ranks and the caps, then
         apply it; a refusal (BadMessage) changes nothing."""
-        job_id, rank = msg["job_id"], msg["rank"]
+        job_id, rank = msg.job_id, msg.rank
         if conn.job is not None and (conn.job.job_id, conn.rank) != (job_id, rank):
             raise BadMessage(
                 "identity",
@@ -376,16 +324,16 @@ class LinkServer:
                 "a re-registration keeps job_id and rank",
             )
         # the peer's PID as this kernel namespace sees it (the eBPF probe traces it)
-        msg = {**msg, "pid": conn.pid or msg["pid"]}
+        msg = dataclasses.replace(msg, pid=conn.pid or msg.pid)
         if not self.config.kubernetes.enabled:
-            msg.pop("pod", None)  # pod labels only on Kubernetes (mscale.kube)
+            msg = dataclasses.replace(msg, pod=None)  # pod labels only on Kubernetes (mscale.kube)
         job = self.state.jobs.get(job_id)
         live = self.connections.get(job_id, {})
         old = live.get(rank)
         if job is not None and job.uid is not None and job.uid != conn.uid:
             raise BadMessage("job_owner", f"register: job {job_id} belongs to another user (uid {job.uid})")
         if old is not None and old is not conn.ws and not old.closed and job is not None:
-            if job.ranks.get(rank) != msg["pid"]:
+            if job.ranks.get(rank) != msg.pid:
                 raise BadMessage(
                     "duplicate",
                     f"register: job {job_id} rank {rank} is already connected (pid {job.ranks.get(rank)})",
@@ -394,11 +342,11 @@ class LinkServer:
             raise BadMessage(
                 "rank_limit", f"register: job {job_id} has {len(live)} ranks connected (socket.max_ranks_per_job)"
             )
-        self._check_mpu_budget(conn.uid, job, msg)
+        check_mpu_budget(self.config.socket, self.state.jobs, conn.uid, job, msg, self._drop)
         if job is None:
-            self._make_room(conn.uid)
+            make_room(self.config.socket, self.state.jobs, conn.uid, self._drop)
             job = JobState(
-                job_id=job_id, rank=rank, pid=msg["pid"], uid=conn.uid, max_ranks=self.config.socket.max_ranks_per_job
+                job_id=job_id, rank=rank, pid=msg.pid, uid=conn.uid, max_ranks=self.config.socket.max_ranks_per_job
             )
             job.register(msg)
             self.state.jobs[job_id] = job
@@ -414,7 +362,7 @@ class LinkServer:
         if old is not None and old is not conn.ws and not old.closed:
             asyncio.ensure_future(old.close())  # the same process reconnected; its old link is dead to us
         first = old is not conn.ws
-        job.ranks[rank] = msg["pid"]
+        job.ranks[rank] = msg.pid
         job.connected, job.disconnected_at = True, None
         job.refresh(gpus_by_index(self.state))
         self.connections.setdefault(job_id, {})[rank] = conn.ws
@@ -433,32 +381,29 @@ class LinkServer:
             )
         return job
 
-    def _report(self, job: JobState, rank: int, msg: dict) -> None:
+    def _report(self, job: JobState, rank: int, msg: Report) -> None:
         gpus = gpus_by_index(self.state)
         rs = job.rank_state(rank)
-        rs.reports_dropped = max(rs.reports_dropped, msg.get("dropped", 0))
-        for r in msg["reports"]:
+        rs.reports_dropped = max(rs.reports_dropped, msg.dropped)
+        for r in msg.reports:
             rs.apply_report(r, gpus)
             for observe in self.report_observers:
                 try:
                     observe(job, rank, r)
                 except Exception as e:  # an observer's bug must not stop the job's reports
                     log.exception("report_observer_failed", job_id=job.job_id, error=str(e)[:300])
-            for f in r.get("findings", []):
-                finding = self._finding(job, rank, f)
-                if finding is None:
-                    self._refuse("bad_finding", f"finding not understood: {str(f)[:200]}", job_id=job.job_id)
-                elif not job.observe_finding(finding):
+            for bad in r.refused_findings:
+                self._refuse("bad_finding", f"finding not understood: {bad}", job_id=job.job_id)
+            for f in r.findings:
+                finding = self._labelled(job, rank, f)
+                if not job.observe_finding(finding):
                     self._refuse("finding_limit", f"finding {finding.source}/{finding.reason.value}", job_id=job.job_id)
                 else:
                     self.state.events.emit(finding)
 
-    def _finding(self, job: JobState, rank: int, f: Any) -> Finding | None:
+    def _labelled(self, job: JobState, rank: int, finding: Finding) -> Finding:
         """A reported finding with the job's labels: its job_id, the rank that made it (its
         connection's, whatever the finding says), and the GPU of the rank's MPU."""
-        finding = protocol.finding(f)
-        if finding is None:
-            return None
         labels = dict(finding.labels)
         rs = job.rank_state(rank)
         labels["job_id"], labels["rank"], labels["local_rank"] = job.job_id, str(rank), str(rs.local_rank)
@@ -468,6 +413,12 @@ class LinkServer:
             if m.gpu_uuid:
                 labels.setdefault("gpu_uuid", m.gpu_uuid)
         return dataclasses.replace(finding, labels=labels)
+
+
+class Outgoing(Protocol):
+    """A message the agent sends (mscale.link's command and answer classes)."""
+
+    def to_wire(self) -> Wire: ...
 
 
 @dataclasses.dataclass

@@ -68,7 +68,7 @@ class StandbyBook:
             self.quarantined.add(int(lab["gpu"]))
 
     def choose(
-        self, state: AgentState, job_id: str, rank: int, msg: dict[str, Any], now: float
+        self, state: AgentState, job_id: str, rank: int, msg: protocol.StandbyRequest, now: float
     ) -> tuple[int | None, str, str]:
         """(gpu or None, its uuid, why) for one request."""
         snap = state.snapshots.get("gpu")
@@ -82,9 +82,9 @@ class StandbyBook:
             for rs, m in job.iter_mpus():
                 if (jid, rs.rank) != (job_id, rank):
                     others.add(m.gpu)
-                elif m.mpu_id != msg["mpu_id"]:
+                elif m.mpu_id != msg.mpu_id:
                     own.add(m.gpu)
-        key = (job_id, rank, msg["mpu_id"])
+        key = (job_id, rank, msg.mpu_id)
         history = self.left.get(key, set())
         out = {
             "unhealthy": {i for i, g in gpus.items() if getattr(g, "health", "healthy") != "healthy"},
@@ -92,7 +92,7 @@ class StandbyBook:
             "in use by another rank": others & set(gpus),
             "promised to another rank": {g for g, r in self.reserved.items() if r[1:3] != (job_id, rank)},
             "left before by this MPU": history,
-            "avoided by the job": set(msg.get("avoid", [])) | {msg["gpu"]},
+            "avoided by the job": set(msg.avoid) | {msg.gpu},
         }
         usable = set(gpus) - set().union(*out.values())
         free = sorted(usable - own) or sorted(usable & own)
@@ -100,9 +100,9 @@ class StandbyBook:
             why = "; ".join(f"{what}: {', '.join(map(str, sorted(g)))}" for what, g in out.items() if g)
             return None, "", f"no standby among {len(gpus)} GPUs ({why})"
         gpu = free[0]
-        self.reserved[gpu] = (now + RESERVE_S, job_id, rank, msg["mpu_id"])
+        self.reserved[gpu] = (now + RESERVE_S, job_id, rank, msg.mpu_id)
         if key in self.left or len(self.left) < MAX_HISTORY:
-            self.left.setdefault(key, set()).add(msg["gpu"])
+            self.left.setdefault(key, set()).add(msg.gpu)
         return gpu, str(getattr(gpus[gpu], "uuid", "") or ""), "healthy, not quarantined, not in use"
 
 
@@ -115,8 +115,8 @@ def setup(app: web.Application) -> None:
     if link is None:
         return
 
-    async def handle(job: Any, msg: dict[str, Any], rank: int) -> None:
-        protocol.validate_standby_request(msg)
+    async def handle(job: Any, wire: dict[str, Any], rank: int) -> None:
+        msg = protocol.StandbyRequest.from_wire(wire)
         gpu, uuid, why = book.choose(state, job.job_id, rank, msg, time.monotonic())
         granted = gpu is not None
         state.events.emit(
@@ -124,7 +124,7 @@ def setup(app: web.Application) -> None:
                 SOURCE,
                 Reason.HEAL_ACTION,
                 Severity.INFO if granted else Severity.WARNING,
-                f"standby for job {job.job_id} rank {rank} MPU {msg['mpu_id']} leaving GPU {msg['gpu']}: "
+                f"standby for job {job.job_id} rank {rank} MPU {msg.mpu_id} leaving GPU {msg.gpu}: "
                 + (f"GPU {gpu}" if granted else "none")
                 + f" ({why})",
                 {
@@ -132,13 +132,13 @@ def setup(app: web.Application) -> None:
                     "result": "granted" if granted else "none",
                     "job_id": job.job_id,
                     "rank": str(rank),
-                    "mpu_id": msg["mpu_id"],
-                    "gpu": str(msg["gpu"]),
+                    "mpu_id": msg.mpu_id,
+                    "gpu": str(msg.gpu),
                     **({"standby_gpu": str(gpu)} if granted else {}),
                 },
             )
         )
-        reply = protocol.standby(msg["id"], gpu, uuid, why, decided=why != NO_VIEW)
+        reply = protocol.Standby(msg.id, gpu, uuid, why, decided=why != NO_VIEW)
         await link.send(job.job_id, reply, ranks=[rank])
 
     link.on_message(protocol.STANDBY_REQUEST, handle, with_rank=True)

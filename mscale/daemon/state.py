@@ -17,6 +17,7 @@ from typing import Any
 
 import structlog
 
+from mscale.daemon.jobs import JobState
 from mscale.findings import Finding, Severity
 
 log = structlog.get_logger("mscale.events")
@@ -35,7 +36,7 @@ class ProbeStatus:
     samples_total: int = 0
     errors_total: int = 0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, object]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
@@ -52,7 +53,7 @@ class JobLogLimit:
 
     def __init__(self, burst: int = 20, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.burst, self.window_s, self.clock = burst, window_s, clock
-        self._windows: dict[tuple[str, str, str], list] = {}  # key -> [window start, lines, dropped]
+        self._windows: dict[tuple[str, str, str], list[float]] = {}  # key -> [window start, lines, dropped]
         self.dropped_total = 0
 
     def admit(self, key: tuple[str, str, str]) -> int | None:
@@ -63,7 +64,7 @@ class JobLogLimit:
             if w is None and len(self._windows) >= 4096:  # bounded: forget the oldest windows
                 for k in sorted(self._windows, key=lambda k: self._windows[k][0])[:1024]:
                     del self._windows[k]
-            dropped = w[2] if w is not None else 0
+            dropped = int(w[2]) if w is not None else 0
             self._windows[key] = [now, 1, 0]
             return dropped
         if w[1] >= self.burst:
@@ -87,7 +88,7 @@ class EventLog:
         self.bytes = 0  # finding_bytes of the history now
         self._seq = itertools.count(1)
         self.counts: Counter[tuple[str, str, str]] = Counter()
-        self._subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        self._subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Finding]]] = []
         self._sync_subscribers: list[Callable[[Finding], None]] = []
 
     def emit(self, finding: Finding) -> int:
@@ -122,15 +123,15 @@ class EventLog:
             fn(finding)
         return seq
 
-    def subscribe(self, loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Queue:
+    def subscribe(self, loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Queue[Finding]:
         """An unbounded queue receiving every finding emitted from now on."""
         loop = loop or asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[Finding] = asyncio.Queue()
         with self._lock:
             self._subscribers.append((loop, queue))
         return queue
 
-    def unsubscribe(self, queue: asyncio.Queue) -> None:
+    def unsubscribe(self, queue: asyncio.Queue[Finding]) -> None:
         with self._lock:
             self._subscribers = [(lp, q) for lp, q in self._subscribers if q is not queue]
 
@@ -154,9 +155,9 @@ class AgentState:
     snapshots: dict[str, Any] = field(default_factory=dict)
     probe_status: dict[str, ProbeStatus] = field(default_factory=dict)
     # job id -> the link's per-job state (mscale.daemon.link)
-    jobs: dict[str, Any] = field(default_factory=dict)
+    jobs: dict[str, JobState] = field(default_factory=dict)
     # refused or dropped input, by (where, why): webhook, socket, chaos API
-    refused: Counter = field(default_factory=Counter)
+    refused: Counter[tuple[str, str]] = field(default_factory=Counter)
     jobs_expired: int = 0  # jobs removed after socket.job_expiry_s (or early, to stay under socket.max_jobs)
 
     def publish(self, probe: str, snapshot: Any) -> None:

@@ -42,13 +42,16 @@ for their last rank (`MAX_PENDING` per job), jobs (those in state.jobs).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from mscale.daemon.jobs import JobState
 from mscale.daemon.keys import CONFIG, LINK, STATE
 from mscale.daemon.settings import StragglerSection
 from mscale.findings import Finding, Reason, Severity
+from mscale.link import StepReport
 
 SOURCE = "stragglers"
 COMPUTE = "compute"  # the rank-level figure's phase: its MPUs' forward + backward
@@ -111,18 +114,15 @@ class _JobBoard:
     compared: int = 0
 
 
-def figures(report: dict[str, Any]) -> dict[tuple[str, str], float]:
+def figures(report: StepReport) -> dict[tuple[str, str], float]:
     """The figures of one step report: (mpu_id, phase) -> seconds, and ("", compute)."""
     out: dict[tuple[str, str], float] = {}
     compute = 0.0
-    for mpu_id, m in (report.get("mpus") or {}).items():
-        if not isinstance(m, dict):
-            continue
-        for phase in ("forward", "backward"):
-            v = m.get(f"{phase}_s")
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-                out[(mpu_id, phase)] = float(v)
-                compute += float(v)
+    for mpu_id, m in report.mpus.items():
+        for phase, v in (("forward", m.forward_s), ("backward", m.backward_s)):
+            if math.isfinite(v) and v > 0:
+                out[(mpu_id, phase)] = v
+                compute += v
     if compute > 0:
         out[("", COMPUTE)] = compute
     return out
@@ -137,12 +137,10 @@ class StragglerWatch:
         self.findings_total = 0
         self.steps_compared = 0
 
-    def observe(self, job: Any, rank: int, report: dict[str, Any]) -> None:
+    def observe(self, job: JobState, rank: int, report: StepReport) -> None:
         if not self.config.enabled:
             return
-        step = report.get("step")
-        if not isinstance(step, int):
-            return
+        step = report.step
         board = self.boards.get(job.job_id) or self.boards.setdefault(job.job_id, _JobBoard())
         by_rank = board.pending.get(step)
         if by_rank is None:

@@ -31,20 +31,34 @@ import contextlib
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
-from mscale import link
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing import actions
 from mscale.healing.actions.base import ActionSpec
+from mscale.healing.decision import Condition, Decision, Plan, Step
 from mscale.healing.fsm import IllegalTransition, JobLossState, Level, MpuFuseState, Transition
-from mscale.healing.ledger import Ledger
+from mscale.healing.ledger import Budget, Ledger
 from mscale.healing.policy import Policy, Rule
 from mscale.healing.settings import HealingSection
+from mscale.healing.target import Target
+from mscale.healing.view import NodeView
 from mscale.healing.words import DONE, FuseLevel, Result, TargetKind
+
+__all__ = [
+    "ACTED_CAP",
+    "ALERT_TTL_S",
+    "Condition",
+    "Decision",
+    "HealingEngine",
+    "HealingSnapshot",
+    "Plan",
+    "Step",
+    "Target",
+]
 
 log = structlog.get_logger("mscale.healing")
 
@@ -56,94 +70,9 @@ _RANK = {
     Level.L2_DEGRADED: 3,
     Level.L3_DISTILLING: 4,
 }
-ACTED_CAP = 16_384  # entries in each dedup ledger; the oldest are evicted first
+ACTED_CAP = 32_768  # entries in the dedup ledger (faults and alerts acted on); the oldest are evicted first
+ALERT_TTL_S = 86_400.0  # an alert acted on is remembered a day (Alertmanager repeats within repeat_interval)
 RECENT = 50  # decisions kept for the status API
-
-
-@dataclass(frozen=True)
-class Condition:
-    kind: str  # "reason" (a Finding's reason code) or "alert" (an Alertmanager alert name)
-    name: str
-    labels: Mapping[str, str] = field(default_factory=dict)
-    source: str = ""
-    severity: str = ""
-    time: float = 0.0
-    step: int | None = None  # in-process: the training step it was seen at
-    # in-process: what makes it new evidence (acted on once per occurrence, not per time
-    # window); None: deduplicated by the policy's dedup_window_s
-    occurrence: Hashable | None = None
-
-    @classmethod
-    def of(cls, f: Finding, step: int | None = None, occurrence: Hashable | None = None) -> Condition:
-        return cls("reason", f.reason.value, dict(f.labels), f.source, f.severity.value, f.time, step, occurrence)
-
-
-@dataclass(frozen=True)
-class Target:
-    job_id: str = ""
-    mpu_id: str = ""
-    gpu: str = ""  # GPU index as text ("" when unknown)
-    gpu_uuid: str = ""
-
-    def key(self, kind: str) -> tuple[str, ...]:
-        """The fault's identity under a rule's target kind (the dedup ledger's key): a GPU fault
-        is one fault for every MPU bound to the GPU, and stays one after they moved off it."""
-        if kind == TargetKind.GPU:
-            return (TargetKind.GPU, self.gpu_uuid or self.gpu)
-        if kind == TargetKind.JOB:
-            return (TargetKind.JOB, self.job_id)
-        return (TargetKind.MPU, self.job_id, self.mpu_id)
-
-
-@dataclass(frozen=True)
-class Decision:
-    rule: str
-    action: str
-    level: str  # L1, L2, L3 or none
-    target: Target
-    before: str  # the target's level when decided
-    reason: str  # the condition (reason code or alert name)
-    why: str = ""
-    step: int | None = None  # the training step (in-process), None in the agent
-    time: float = 0.0
-
-    @property
-    def fault_key(self) -> str:
-        t = self.target
-        return "/".join((self.rule, t.job_id, t.mpu_id, t.gpu_uuid or t.gpu))
-
-    def command(self, *, end: bool = False) -> dict[str, Any]:
-        """The link command carrying this decision to a job (`end`: end what the action
-        started, e.g. a cooling window whose alert resolved)."""
-        t = self.target
-        return link.heal(
-            self.action,
-            rule=self.rule,
-            level=self.level,
-            mpu_id=t.mpu_id,
-            gpu=t.gpu,
-            gpu_uuid=t.gpu_uuid,
-            reason=self.reason,
-            why=self.why,
-            fault_key=self.fault_key,
-            decided_at=self.time,
-            **({"end": True} if end else {}),
-        )
-
-    @classmethod
-    def from_command(cls, cmd: Mapping[str, Any], job_id: str) -> Decision:
-        action = str(cmd.get("action", ""))
-        spec = actions.get(action)  # KeyError names the known actions
-        return cls(
-            rule=str(cmd.get("rule", "command")),
-            action=action,
-            level=spec.level,
-            target=Target(job_id, str(cmd.get("mpu_id", "")), str(cmd.get("gpu", "")), str(cmd.get("gpu_uuid", ""))),
-            before="",
-            reason=str(cmd.get("reason", "command")),
-            why=str(cmd.get("why", "")),
-            time=float(cmd.get("decided_at", 0.0) or 0.0),
-        )
 
 
 @dataclass(frozen=True)
@@ -179,7 +108,10 @@ class HealingEngine:
         self.jobs: dict[str, JobLossState] = {}
         # dedup ledgers: condition identity -> when acted (kept for the policy's window), and
         # (identity, occurrence) -> when acted (in-process: once per occurrence)
-        self.acted = Ledger(cap=ACTED_CAP, ttl_s=policy.dedup_window_s)
+        # The one dedup ledger: a fault acted on (rule, target) is a duplicate for the policy's
+        # dedup_window_s (the lookup's window), an alert acted on ("alert", fingerprint,
+        # startsAt) for ALERT_TTL_S; entries expire after the longer of the two
+        self.acted = Ledger(cap=ACTED_CAP, ttl_s=max(policy.dedup_window_s, ALERT_TTL_S))
         self.occurrences = Ledger(cap=ACTED_CAP)
         self.actions: Counter[tuple[str, str, str, str]] = Counter()
         self.drift: Counter[tuple[str, str]] = Counter()
@@ -331,6 +263,57 @@ class HealingEngine:
                 return [], over
         self._mark(acting, cond, now)
         return out, over
+
+    def plan(
+        self,
+        cond: Condition,
+        view: NodeView,
+        *,
+        alert: tuple[str, str] | None = None,
+        resolved: bool = False,
+        budget: Budget | None = None,
+    ) -> Plan:
+        """The plan for one condition the agent saw, from the node's view: the one way from a
+        finding or an alert to its actions. `alert` is an Alertmanager alert's identity
+        (fingerprint, startsAt), kept in the dedup ledger: its repeat is a duplicate, its
+        resolution (`resolved`) ends what its firing started. `budget` counts the actions an
+        alert may take per minute. Rate-limited, duplicate and disabled decisions are booked
+        here; the plan's steps are booked by `book` once carried out."""
+        rule = self.match(cond)
+        now = self.clock()
+        key = None if alert is None else ("alert", *alert)
+
+        def targets(r: Rule, c: Condition) -> list[Target]:
+            return view.targets(r.target, c.labels)
+
+        if resolved:
+            acted_on = key is not None and self.acted.pop(key) is not None  # its firing acted here
+            ends = self.resolve(cond, targets, rule) if rule is not None else []
+            # it ends only what its own firing started: a resolution never seen firing ends nothing
+            return Plan("resolved", ends=tuple(Step(d, d.command(end=True)) for d in ends if acted_on))
+        if key is not None and self.acted.fresh(key, now):  # Alertmanager's repeat of an alert acted on
+            self.refuse(rule, cond, Result.DUPLICATE, "Alertmanager repeated an alert already acted on")
+            return Plan(Result.DUPLICATE)
+        if key is None and (rule is None or rule.decide == "in_process"):
+            return Plan("none")  # nothing to do, or the job acts within the step and reports what it did
+        run: list[Decision] = []
+        over: list[Decision] = []
+        if rule is not None:
+            take = None if budget is None else (lambda n: budget.take(n, now))
+            why = "action budget spent" if budget is None else f"action budget of {budget.per_minute}/min spent"
+            run, over = self.decide_within(cond, targets, rule, budget=take, over_why=why)
+        if over and not run:
+            return Plan(Result.RATE_LIMITED, rate_limited=len(over))
+        if key is not None:
+            self.acted.mark(key, now)
+        steps = tuple(Step(d, d.command(), view.ranks(d.target)) for d in run)
+        return Plan("acted", steps, rate_limited=len(over))
+
+    def book(self, outcomes: Iterable[tuple[Step, str, str]]) -> None:
+        """Book a carried-out plan's outcomes, (step, result, detail) each, in one call."""
+        with self.batch():
+            for step, result, detail in outcomes:
+                self.record(step.decision, result, detail=detail)
 
     def _mark(self, acting: set[tuple[Hashable, ...]], cond: Condition, now: float) -> None:
         for ident in sorted(acting, key=repr):  # a set's order is not the ledger's to keep

@@ -11,8 +11,18 @@ What it measures. A detector's cost is the time of the work it does inside the s
 timers (`time.perf_counter`) on a CPU, CUDA events on a GPU (a host timer there measures only
 the launch, not the kernels). CUDA events are resolved when they have completed, a step or
 more later, with `Event.query()`, never `synchronize()`, so timing adds no host sync. The step
-time is the host wall time from one step end to the next: the whole iteration the user waits
-for, checks included.
+time is the host wall time of the guard's step, from its first forward (`step_began`) to its
+end (optimizer step or scaler update), checks included: the loop's data loading and whatever
+else it does between steps are left out, so the allowance is never bought with time the guard
+does not ride on (a benchmark interleaving arms, an evaluation between steps).
+
+Everything the guard does counts. Besides what detectors time or charge themselves, every
+entry point through which torch calls the guard (module and MPU hooks, the linear layers'
+hooks, backward hooks, the optimizer hooks) is timed whole with `enter`/`leave`: its host time,
+less what was charged inside it, goes to "guard". So hook bookkeeping, plugins (the fuse, the
+goodput accountant, the gradient check) and early returns are in the measured ratio, not only
+the checks. (On a GPU the host time of a block timed with CUDA events is charged as well: a
+conservative double count of launches.)
 
 How it shares. Each detector's cost per step is smoothed (an exponential moving average,
 `smoothing`); the allowance of one detector is `share * step time` minus what the others spent
@@ -37,6 +47,7 @@ from typing import Any
 import torch
 
 SMOOTHING = 0.2  # weight of the newest step in the moving averages
+MAX_OPEN = 64  # entries open at once (nesting depth, a bound: a mark left open is dropped at 64)
 MAX_PENDING_EVENTS = 4096  # CUDA event pairs waiting to complete (a bound, not a working size)
 
 
@@ -76,12 +87,46 @@ class Budget:
         self.steps = 0
         self._events: list[tuple[str, Any, Any]] = []  # (who, start, end) CUDA events in flight
         self._ended_at: float | None = None  # host time of the last step end (step_ended)
+        self._began_at: float | None = None  # host time of this step's begin (step_began)
+        self._charged = 0.0  # every host charge so far (monotonic): enter/leave subtract it
+        self._open: list[list] = []  # the entries open now ([who, start, charged at start]), outermost first
 
     # --- what detectors call -----------------------------------------------------------
 
     def charge(self, who: str, seconds: float) -> None:
         """Add `seconds` of `who`'s work to this step."""
-        self.spent_s[who] = self.spent_s.get(who, 0.0) + max(0.0, seconds)
+        seconds = max(0.0, seconds)
+        self.spent_s[who] = self.spent_s.get(who, 0.0) + seconds
+        self._charged += seconds
+
+    def enter(self, who: str = "guard") -> list:
+        """A mark at an entry point's start, for `leave`: the entry's time goes to `who`."""
+        mark = [who, time.perf_counter(), self._charged]
+        if len(self._open) < MAX_OPEN:
+            self._open.append(mark)
+        return mark
+
+    def leave(self, mark: list) -> None:
+        """Charge the mark's `who` the host time since `enter` (or since the last step end, for
+        an entry open across it), less what was charged since (nested entries and detectors'
+        own charges are not counted twice)."""
+        who, t0, c0 = mark
+        if self._open and self._open[-1] is mark:
+            self._open.pop()
+        else:  # (left out of order)
+            self._open = [m for m in self._open if m is not mark]
+        self.charge(who, time.perf_counter() - t0 - (self._charged - c0))
+
+    def _flush_open(self) -> None:
+        """At a step end inside entries (the optimizer hook that ends the step): their time so
+        far belongs to this step; the outermost is charged and every open mark restarts now."""
+        if not self._open:
+            return
+        who, t0, c0 = self._open[0]
+        self.charge(who, time.perf_counter() - t0 - (self._charged - c0))
+        now = time.perf_counter()
+        for mark in self._open:
+            mark[1], mark[2] = now, self._charged
 
     @contextlib.contextmanager
     def timer(self, who: str, device: torch.device | str | None = None) -> Iterator[None]:
@@ -121,6 +166,7 @@ class Budget:
     def end_step(self, step_s: float) -> None:
         """Close a step that took `step_s` seconds of wall time: resolve completed CUDA events,
         update the moving averages and the ratios."""
+        self._flush_open()
         self._resolve()
         a = self.smoothing
         if step_s > 0:
@@ -133,12 +179,17 @@ class Budget:
         self.last_spent_s, self.spent_s = self.spent_s, {}
         self.steps += 1
 
+    def step_began(self) -> None:
+        """The guard's step begins (its first training forward): the clock of `step_ended`."""
+        self._began_at = time.perf_counter()
+
     def step_ended(self) -> None:
-        """`end_step` with the step time measured here: from the last call to this one (the
-        first call only starts the clock)."""
+        """`end_step` with the step time measured here: from `step_began` (else from the last
+        call to this one; the first call without either only starts the clock)."""
         now = time.perf_counter()
-        self.end_step(now - self._ended_at if self._ended_at is not None else 0.0)
-        self._ended_at = now
+        start = self._began_at if self._began_at is not None else self._ended_at
+        self.end_step(now - start if start is not None else 0.0)
+        self._ended_at, self._began_at = now, None
 
     @property
     def overhead_ratio(self) -> float:

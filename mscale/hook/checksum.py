@@ -42,6 +42,7 @@ passed to `emit`.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -151,6 +152,7 @@ class ChecksumDetector:
         self._mpus: dict[int, _MpuChecks] = {}
         self._by_id: dict[str, Any] = {}
         self._handles: list[Any] = []
+        self._zeros: dict[tuple, torch.Tensor] = {}  # a 0-d zero per (dtype, device): no allocation a check
         self._wcache: dict[int, tuple] = {}
         self._ones: dict[tuple, torch.Tensor] = {}
         self._bias_floats: dict[int, tuple[float, float]] = {}
@@ -164,19 +166,21 @@ class ChecksumDetector:
         # them each step (benchmarks/hook_overhead.py reads them)
         self.abft_s = 0.0
         self.replay_s = 0.0
+        self._idle_s = 0.0  # this step's time in the hooks of layers not checked (charged at its end)
 
     def attach(self, mpu: Any) -> None:
-        linears = [(n or "<self>", m) for n, m in mpu.module.named_modules() if kind_of(m) is not None]
-        self._mpus[id(mpu)] = _MpuChecks({id(m): n for n, m in linears})
+        linears = [(n or "<self>", m, k) for n, m in mpu.module.named_modules() if (k := kind_of(m)) is not None]
+        self._mpus[id(mpu)] = _MpuChecks({id(m): n for n, m, _ in linears})
         self._by_id[mpu.mpu_id] = mpu
         self.schedule.add(mpu.mpu_id, [])  # layers join the rotation when first seen running
-        self.graph.attach(mpu, [(n, m, k) for n, m in linears if (k := kind_of(m)) is not None], abft=self.config.abft)
+        self.graph.attach(mpu, linears, abft=self.config.abft)
         if not self.config.abft:
             return
-        for _, m in linears:
-            self._handles.append(
-                m.register_forward_hook(lambda mod, args, out, mpu=mpu: self._linear(mpu, mod, args, out), prepend=True)
-            )
+        # Every checkable layer keeps its hook, checked this step or not: hooks registered
+        # later (a fault injector's, a user's, with prepend) keep their order around it. A layer
+        # not planned costs the hook's dispatch and an early return (a few microseconds).
+        for _, m, kind in linears:
+            self._handles.append(m.register_forward_hook(functools.partial(self._linear, mpu, kind), prepend=True))
 
     def detach(self) -> None:
         for h in self._handles:
@@ -225,28 +229,40 @@ class ChecksumDetector:
         if st.forwards == 1 and mpu.mpu_id in self.schedule.replays:
             st.replay = (rng_get(mpu.device), fresh_copies(args, kwargs))
 
-    def _linear(self, mpu: Any, module: nn.Module, args: tuple, out: Any) -> None:
+    def _linear(self, mpu: Any, kind: LinearKind, module: nn.Module, args: tuple, out: Any) -> None:
         if compiling():
             return  # a compiled forward: the in-graph check (mscale.hook.compiled)
-        kind = kind_of(module)
-        out = kind.output_of(out) if kind is not None else None
-        if self.replaying or not args or out is None or kind is None:
-            return
-        if torch._C._current_graph_task_id() != -1:
-            return  # the recomputation of a checkpointed forward, inside backward: checked once already
-        rot = self.schedule.mpus[mpu.mpu_id]
-        if id(module) not in rot.planned:
-            if id(module) in rot.seen:
-                return
-            rot.see(id(module), self._step())  # a layer first seen running is checked at once
-            rot.planned = rot.planned | {id(module)}
-        st = self._mpus.get(id(mpu))
-        if st is None:
-            return
         t0 = time.perf_counter()
-        with self.budget.timer(SOURCE, out.device):
-            self._abft_sums(mpu, st, module, kind, args[0], out)
-        self.abft_s += time.perf_counter() - t0
+        rot = self.schedule.mpus[mpu.mpu_id]
+        if id(module) not in rot.planned and id(module) in rot.seen:
+            # not checked this step: the cheapest way out (most calls); its time is still the
+            # checks' (charged at the step's end: a charge per call would cost more than it)
+            self._idle_s += time.perf_counter() - t0
+            return
+        out = kind.output_of(out)
+        on_cpu = out is None or out.device.type == "cpu"
+        # the whole hook is the check's cost (host); on a device its kernels are timed by CUDA
+        # events and the host's launches go to "guard"
+        mark = self.budget.enter(SOURCE if on_cpu else "guard")
+        try:
+            if self.replaying or not args or out is None:
+                return
+            if torch._C._current_graph_task_id() != -1:
+                return  # the recomputation of a checkpointed forward, inside backward: checked once already
+            if id(module) not in rot.planned:
+                rot.see(id(module), self._step())  # a layer first seen running is checked at once
+                rot.planned = rot.planned | {id(module)}
+            st = self._mpus.get(id(mpu))
+            if st is None:
+                return
+            if on_cpu:
+                self._abft_sums(mpu, st, module, kind, args[0], out)
+            else:
+                with self.budget.timer(SOURCE, out.device):
+                    self._abft_sums(mpu, st, module, kind, args[0], out)
+        finally:
+            self.budget.leave(mark)
+            self.abft_s += time.perf_counter() - t0
 
     def _weight_sums(
         self, module: nn.Module, kind: LinearKind, acc: torch.dtype, cast: torch.dtype | None, floats: bool
@@ -268,7 +284,9 @@ class ChecksumDetector:
             wd = w.detach() if cast is None else w.detach().to(cast)
             bias = kind.bias_of(module)
             b = None if bias is None else (bias.detach() if cast is None else bias.detach().to(cast))
-            zero = torch.zeros((), dtype=acc, device=w.device)
+            zero = self._zeros.get((acc, w.device))
+            if zero is None:
+                zero = self._zeros[(acc, w.device)] = torch.zeros((), dtype=acc, device=w.device)
             # the sums over the output dimension: dim 0 of an (out, in) weight, 1 of an (in, out)
             red = 1 if kind.transposed else 0
             # the |W| sums every ABS_REFRESH steps (or after a change of storage/dtype)
@@ -537,6 +555,9 @@ class ChecksumDetector:
         """At the step's end: the guard's own seconds (`guard_s`) charged, the budget's step
         closed, the measured cost per element checked taken for the next plans."""
         self.budget.charge("guard", guard_s)
+        self.budget.charge(SOURCE, self._idle_s)  # the hooks of the layers not checked
+        self.abft_s += self._idle_s
+        self._idle_s = 0.0
         self.budget.step_ended()
         self.schedule.measured(self.budget.last_spent_s.get(SOURCE, 0.0))
         for mpu in self._by_id.values():

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -72,11 +73,11 @@ def _local(g: torch.Tensor) -> torch.Tensor:
     return g.to_local() if hasattr(g, "to_local") else g
 
 
-def _over_shards(values: torch.Tensor, counts: list[int], mpus: Sequence[Mpu]) -> torch.Tensor:
+def _over_shards(values: torch.Tensor, counts: list[int], mesh: Any) -> torch.Tensor:
     """Sums the per-shard sums (norms squared, GVC sums, sample counts appended) over the shard
-    group when the MPUs' parameters are sharded (FSDP2 on a 1-D mesh), so that the norms and
-    GVC are the whole gradient's on every rank; `values` unchanged otherwise."""
-    mesh = next((p.device_mesh for m in mpus for p in m.parameters() if hasattr(p, "device_mesh")), None)
+    group when the MPUs' parameters are sharded (FSDP2 on a 1-D mesh: `mesh`, their device
+    mesh), so that the norms and GVC are the whole gradient's on every rank; `values` unchanged
+    otherwise (mesh None)."""
     if mesh is None:
         return values
     import torch.distributed as dist
@@ -101,9 +102,12 @@ def grad_stats(
     rows: list[torch.Tensor] = []
     counts: list[int] = []
     in_mpus: set[int] = set()
+    mesh = None  # the parameters' device mesh when sharded (FSDP2)
     for m in mpus:
-        ps = m.parameters()
+        ps = m.parameters()  # (a walk of the module tree: once per MPU and step)
         in_mpus.update(id(p) for p in ps)
+        if mesh is None:
+            mesh = next((p.device_mesh for p in ps if hasattr(p, "device_mesh")), None)
         grads = [_local(p.grad) for p in ps if p.grad is not None]
         if not grads:
             counts.append(0)
@@ -150,7 +154,7 @@ def grad_stats(
     # are on (rows of MPUs without gradients are CPU zeros; a no-op on CPU)
     devs = [r.device for r in rows] + [other.device]
     dev = max(set(devs), key=devs.count)
-    values = _over_shards(torch.cat([r.to(dev) for r in rows] + [other.reshape(1).to(dev)]), counts, mpus).tolist()
+    values = _over_shards(torch.cat([r.to(dev) for r in rows] + [other.reshape(1).to(dev)]), counts, mesh).tolist()
     counts = [round(c) for c in values[len(rows) * 4 + 1 :]] or counts
     out: dict[str, tuple[float, float | None]] = {}
     total = values[-1]

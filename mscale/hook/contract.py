@@ -2,7 +2,7 @@
 
 `join(guard)` (one line in `mscale.attach`) adds it, and the MSRP plugin (mscale.hook.msrp),
 when a contract is in force in this process. On attach, and again after every reconnection of the link (a restarted agent has
-forgotten), it sends the plan ({"type": "contract"}, mscale.link.contract_plan). It changes
+forgotten), it sends the plan ({"type": "contract"}, mscale.link.Contract). It changes
 nothing in the step.
 """
 
@@ -37,7 +37,7 @@ class ContractPlugin:
         if guard is None or guard.link is None:
             return
         # the link queues it after its registration: it goes out on the next connection too
-        guard.send_to_agent(protocol.contract_plan(guard.job_id, guard.rank, self.applied.plan.to_dict()))
+        guard.send_to_agent(protocol.Contract(guard.job_id, guard.rank, self.applied.plan.to_dict()).to_wire())
         self._sent_for = guard.link.connects + (0 if guard.link.connected else 1)
 
 

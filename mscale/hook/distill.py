@@ -9,8 +9,11 @@ made at L3 entry (trained by its own optimizer at each step's end, held in the s
 that optimizer's state: `state`/`restore`; removed on recovery).
 
 Positions, from the model's own inputs: the student's rows fill the image placeholders,
-`input_ids == config.image_token_id` (or `image_token_index`), in order (the models scatter
-the features into them the same way), so each sample's rows are known; its text positions are
+`input_ids == config.image_token_id` (or `image_token_index`; an audio MPU's: `audio_token_id`
+or `audio_token_index`), in order (the models scatter
+the features into them the same way), so each sample's rows are known; where the model adds
+rows after the MPU (LLaVA-NeXT's row-end newlines) and every sample holds as many placeholders,
+each sample's rows are its equal share of the MPU's, in batch order. Its text positions are
 the others (attention mask honoured). A text MPU that takes the student itself as its leading
 input (the project's tiny model: `language_model(prefix, tokens)`) has it first and the text
 after. Anything else: no term (`Term.why_not`, `Term.loss` say why).
@@ -61,9 +64,12 @@ def unwrapped(model: nn.Module) -> nn.Module:
     return model
 
 
-def image_token_id(model: nn.Module) -> int | None:
+def placeholder_id(model: nn.Module, modality: str = "vision") -> int | None:
+    """The token id whose positions the `modality` MPU's features fill (the image's, or the audio
+    clip's: Qwen2-Audio's `audio_token_index`)."""
     cfg = getattr(unwrapped(model), "config", None)
-    for key in ("image_token_id", "image_token_index"):
+    keys = ("audio_token_id", "audio_token_index") if modality == "audio" else ("image_token_id", "image_token_index")
+    for key in keys:
         v = getattr(cfg, key, None)
         if isinstance(v, int):
             return v
@@ -114,7 +120,7 @@ class Term:
         # the MPU whose output the text model receives: the projector, for the encoders upstream of it
         self.carrier = aligner if aligner is not None and failing.name not in ("aligner", "text") else failing
         self.width = text_width(self.text.module) if self.text is not None else None
-        self.token = image_token_id(model)
+        self.token = placeholder_id(model, failing.name)
         self.projection: nn.Linear | None = None
         self._opt: torch.optim.Optimizer | None = None
         self._initial: dict | None = None  # the projection's state as made
@@ -163,12 +169,19 @@ class Term:
         if self.token is not None and isinstance(ids, torch.Tensor) and ids.shape == teacher.shape[:2]:
             image = ids.to(teacher.device) == self.token
             counts = image.sum(dim=1)
-            if int(counts.sum()) != rows.shape[0] or bool((counts == 0).any()):
+            # rows the model adds after the MPU (LLaVA-NeXT's row-end newlines) break the one row a
+            # position match; with one image a sample (equal counts) each sample's rows are its
+            # equal share, in batch order, as the towers emit them
+            shares = bool((counts == counts[0]).all()) and rows.shape[0] % b == 0
+            if bool((counts == 0).any()) or (int(counts.sum()) != rows.shape[0] and not shares):
                 return f"{int(counts.sum())} image-token positions for {rows.shape[0]} student rows"
             text = ~image
             if cap.attention_mask is not None and cap.attention_mask.shape == text.shape:
                 text = text & cap.attention_mask.to(text.device).bool()
-            pooled = torch.stack([r.mean(dim=0) for r in torch.split(rows, counts.tolist())])
+            if int(counts.sum()) == rows.shape[0]:
+                pooled = torch.stack([r.mean(dim=0) for r in torch.split(rows, counts.tolist())])
+            else:
+                pooled = rows.reshape(b, -1, rows.shape[-1]).mean(dim=1)
         else:
             lead = cap.text_inputs[0] if cap.text_inputs else None
             out = cap.outputs.get(self.carrier.mpu_id)

@@ -212,7 +212,7 @@ class FusePlugin:
         self.step_dropped = False
         self.dispatch("step_begin")
 
-    def on_report(self, report: dict) -> None:
+    def on_report(self, report: link.StepReport) -> None:
         self.dispatch("report", report)  # actions add what they changed (L3: the loss returned)
 
     def on_finding(self, f: Finding) -> None:
@@ -281,11 +281,12 @@ class FusePlugin:
         if command.get("type") != link.Command.HEAL:
             return None
         try:
-            d = Decision.from_command(command, self.guard.job_id)
-        except KeyError as e:
+            heal = link.Heal.from_wire(command)
+            d = Decision.from_command(heal, self.guard.job_id)
+        except (KeyError, ValueError) as e:
             return {"ok": False, "error": str(e)}
         ex = executors.get(d.action)
-        if command.get("end"):
+        if heal.end:
             if ex.end is None:
                 return {"ok": False, "error": f"{d.action}: nothing to end"}
             ex.end(self, self.states.get(ex.name), d.why or f"{d.reason} ended")

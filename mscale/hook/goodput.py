@@ -26,7 +26,7 @@ import time
 from collections import deque
 from typing import Any
 
-from mscale.link import TIME_CAUSES
+from mscale.link import TIME_CAUSES, StepReport
 
 HANG_FACTOR = 10.0
 HANG_MIN_S = 1.0
@@ -87,7 +87,7 @@ class GoodputAccountant:
             self._gaps.append(gap - hang)
         self.step_begin = now
 
-    def on_report(self, report: dict) -> None:
+    def on_report(self, report: StepReport) -> None:
         now = self.clock()
         begin = self.step_begin if self.step_begin is not None else self.last_end
         seconds = now - begin
@@ -99,21 +99,21 @@ class GoodputAccountant:
         rest = seconds - snapshot - checks
         hang = self._hang_part(rest, self._steps)
         rest -= hang
-        step = report.get("step", -1)
-        if report.get("skipped") or step <= self.done_upto:
+        step = report.step
+        if report.skipped or step <= self.done_upto:
             cause = "rerun"
         elif any(m.fuse_level in DEGRADED_LEVELS for m in self.guard.mpus):
             cause = "degraded"
         else:
             cause = "productive"
-        if not report.get("skipped"):
+        if not report.skipped:
             self.done_upto = max(self.done_upto, step)
         for c, v in (("snapshot", snapshot), ("checks", checks), ("hang", hang), (cause, rest)):
             self._add(c, v)
         self._steps.append(rest)
         self.steps += 1
         self.step_begin, self.last_end = None, now
-        report["seconds"] = {c: round(v, 9) for c, v in self.pending.items() if v > 0}
+        report.seconds = {c: round(v, 9) for c, v in self.pending.items() if v > 0}
         self.pending.clear()
 
     def breakdown(self) -> list[tuple[str, float, float]]:

@@ -7,7 +7,8 @@ per step in turn, so every parameter's gradient is checked once in `groups` step
 reads 1/groups of the gradients once. A post-accumulate-grad hook on each parameter of the
 group due takes the norm of its gradient when it is accumulated: before DDP's reducer copies it
 into a bucket for the all_reduce (the reducer's hook on the accumulator runs after the
-tensor's), so the norm is this rank's own gradient. The norm stays a tensor on the gradient's
+tensor's), so the norm is this rank's own gradient. With one rank there is no reduction to get
+ahead of: no hooks, the due group's norms are taken at the commit point in one foreach pass. The norm stays a tensor on the gradient's
 device: nothing is read back inside backward. At the commit point (the optimizer step's
 pre-hook) the step's norms go into its one read (`on_commit`, mscale.hook.commit), with their
 verdict on the device, which the step agreement carries to the other ranks in its all-reduce;
@@ -100,18 +101,43 @@ class GradCheck:
         self._unhook()
         self.due = set(self.split[self.turn % len(self.split)])
         self.turn += 1
+        if getattr(self.guard, "world_size", 1) <= 1:
+            return  # one rank: no reduction to get ahead of; the norms are taken at the commit point
         for i in sorted(self.due):
             hook = self.params[i][2].register_post_accumulate_grad_hook(lambda p, i=i: self._accumulated(i, p))
             self._handles.append(hook)
 
     def _accumulated(self, i: int, p: torch.nn.Parameter) -> None:
-        if p.grad is not None:
-            self.norms[i] = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
+        # a hook from the autograd engine: its whole time is the check's (mscale.hook.budget)
+        budget = getattr(self.guard, "budget", None)
+        mark = budget.enter(SOURCE) if budget is not None else None
+        try:
+            if p.grad is not None:
+                self.norms[i] = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
+        finally:
+            if budget is not None and mark is not None:
+                budget.leave(mark)
+
+    def _norms_now(self) -> None:
+        """One rank: the due group's norms from the gradients as accumulated, in one foreach
+        pass per device at the commit point (no Python hook per parameter inside backward)."""
+        due = [(i, p.grad) for i in sorted(self.due) if (p := self.params[i][2]).grad is not None]
+        by_device: dict[Any, list[tuple[int, torch.Tensor]]] = {}
+        for i, g in due:
+            by_device.setdefault(g.device, []).append((i, g))
+        with torch.no_grad():
+            for items in by_device.values():
+                norms = torch._foreach_norm([g.detach() for _, g in items], 2, dtype=torch.float32)
+                self.norms.update(zip([i for i, _ in items], norms, strict=True))
 
     def on_commit(self, point: Any) -> None:
         """The step's norms go into the commit point's one read (mscale.hook.commit), with the
         verdict the agreement carries to the other ranks, on the device: `gradients/bad`, 1 when
         a norm is over `factor` times its median (known on the host from earlier steps)."""
+        if self.split and not self._handles and getattr(self.guard, "world_size", 1) <= 1:
+            t0 = time.perf_counter()
+            self._norms_now()  # one rank: taken here, not by hooks inside backward
+            charge(self.guard, SOURCE, t0)
         self._order, self._point = sorted(self.norms), point
         self.norms, norms = {}, self.norms
         if not self._order:

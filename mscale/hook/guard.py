@@ -48,6 +48,7 @@ from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
 from mscale.hook.plugin import HOOKS
 from mscale.hook.ranks import identify
+from mscale.hook.report import step_report
 
 log = structlog.get_logger("mscale.hook")
 
@@ -253,14 +254,16 @@ class Guard:
         scaler.update = update  # on the instance; detach() deletes it, uncovering the class's
         self._scaler, self._scaler_patch = scaler, update
 
-    def registration(self) -> dict:
-        return protocol.register(
+    def registration(self) -> protocol.Register:
+        return protocol.Register(
             job_id=self.job_id,
-            **{"rank": self.rank, "local_rank": self.local_rank, "world_size": self.world_size},
+            rank=self.rank,
             pid=os.getpid(),
             step=self.current_step,
-            mpus=[m.describe() for m in self.mpus],
-            pod=protocol.pod_from_env(),
+            mpus=tuple(m.describe() for m in self.mpus),
+            local_rank=self.local_rank,
+            world_size=self.world_size,
+            pod=protocol.Pod.from_env(),
         )
 
     def observe(self, loss: torch.Tensor | float) -> None:
@@ -289,14 +292,14 @@ class Guard:
             command = self._commands.popleft()
             n += 1
             if command.get("type") == protocol.Command.PING:
-                self.send_to_agent(protocol.pong(command.get("id")))
+                self.send_to_agent(protocol.Pong(command.get("id")).to_wire())
                 continue
             for mpu_id, why in suspicions(command, self.mpus):
                 self.checksum.suspect(mpu_id, why)  # the agent's GPU finding on an MPU's GPU
             for p in list(self.plugins):
                 reply = self._call(p, "on_command", command)
                 if isinstance(reply, dict) and self.link is not None:
-                    self.link.send(protocol.reply(command.get("id"), reply))
+                    self.link.send(protocol.Reply(command.get("id"), reply).to_wire())
         return n
 
     def detach(self) -> None:
@@ -321,24 +324,47 @@ class Guard:
 
     # --- hooks -----------------------------------------------------------------------
 
+    def _entry(self, fn: Any) -> Any:
+        """`fn` as an entry point torch calls: its whole host time is charged to the budget
+        ("guard", less what was charged inside it: mscale.hook.budget), so the measured overhead
+        is everything the guard and its plugins do, not only the checks."""
+        budget = self.budget
+
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            if compiling():  # traced (an MPU's hooks under torch.compile): no host timer in a graph
+                return fn(*args, **kwargs)
+            mark = budget.enter("guard")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                budget.leave(mark)
+
+        return entry
+
     def _install(self) -> None:
         # The step's begin and the loss capture are Python bookkeeping, never traced: on a
         # torch.compile wrapper given to attach they sit on the wrapper, which runs them before
         # entering the graph; on a model compiled after attach dynamo would trace them, so they
         # are disabled for it (a graph break at the model's entry and exit, none inside).
-        outer = self._outer
-        pre, post = torch._dynamo.disable(self._model_pre), torch._dynamo.disable(self._model_post)
+        entry, outer = self._entry, self._outer
+        pre, post = torch._dynamo.disable(entry(self._model_pre)), torch._dynamo.disable(entry(self._model_post))
         self._handles.append(outer.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(outer.register_forward_hook(post))
         for m in self.mpus:
-            self._handles.append(m.module.register_forward_pre_hook(self._mpu_pre, with_kwargs=True))
-            self._handles.append(m.module.register_forward_hook(self._mpu_post, with_kwargs=True))
-            for p in m.parameters():
-                self._handles.append(p.register_post_accumulate_grad_hook(lambda _p, m=m: m._mark_backward_end()))
+            self._handles.append(m.module.register_forward_pre_hook(entry(self._mpu_pre), with_kwargs=True))
+            self._handles.append(m.module.register_forward_hook(entry(self._mpu_post), with_kwargs=True))
+            # the MPU's backward ends when its first parameter (in module order: the one its
+            # forward uses first, so the last its backward reaches) has its gradient; one hook
+            # per MPU, not one per parameter (a Python call from the autograd engine each)
+            first = next(iter(m.parameters()), None)
+            if first is not None:
+                self._handles.append(
+                    first.register_post_accumulate_grad_hook(entry(lambda _p, m=m: m._mark_backward_end()))
+                )
             self.checksum.attach(m)
         if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_pre_hook(lambda opt, a, k: self._pre_step()))
-            self._handles.append(self.optimizer.register_step_post_hook(lambda opt, a, k: self._post_step()))
+            self._handles.append(self.optimizer.register_step_pre_hook(entry(lambda opt, a, k: self._pre_step())))
+            self._handles.append(self.optimizer.register_step_post_hook(entry(lambda opt, a, k: self._post_step())))
 
     def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.model.training and not self.checksum.replaying:  # (the model the wrapper compiles)
@@ -354,6 +380,7 @@ class Guard:
             self._losses.append(loss.detach())
 
     def _begin_step(self, batch: ModelInputs) -> None:
+        self.budget.step_began()  # the step the budget is a share of starts here
         self.poll_commands()  # between steps: plugins may rebind or restore before this one
         self._in_step = True
         self.times.reset()
@@ -404,7 +431,7 @@ class Guard:
         if torch.is_grad_enabled():
             for t in output_tensors(output):
                 if t.requires_grad:
-                    t.register_hook(lambda g, m=m: m._mark_backward_start())
+                    t.register_hook(self._entry(lambda g, m=m: m._mark_backward_start()))
         return replaced
 
     def _pre_step(self) -> None:
@@ -532,8 +559,7 @@ class Guard:
                 self.log.exception("report_error", error=str(e))
         self._step_findings = []  # reported (or no link): the next report starts afresh
         self.times.report_s += time.perf_counter() - t1
-        t = self.times  # the guard's own work; plugins charge theirs (guard.budget.charge)
-        self.checksum.end_step(guard_s=t.hooks_s + t.grad_stats_s + t.loss_s + t.cmsa_s + t.report_s)
+        self.checksum.end_step()  # (the guard's own work is charged by its entry points: _entry)
         self._last.update(checksum=self.checksum.figures(), guard_overhead_ratio=self.budget.overhead_ratio)
         self._losses.clear()
         self._in_step = False
@@ -561,36 +587,17 @@ class Guard:
             return torch.stack([v.reshape(()).to(torch.float64) for v in vals]).mean().item()
         return sum(float(v) for v in vals) / len(vals)
 
-    def _report(self) -> dict:
-        last, mpus, figures = self._last, {}, self.checksum.figures()
-        for m in self.mpus:
-            mpus[m.mpu_id] = {
-                "forward_s": m.forward_s,
-                "backward_s": m.backward_s,
-                "grad_norm": protocol.number(m.grad_norm),
-                "gvc": protocol.number(m.gvc),
-                "checksum_ok": m.last_checksum_ok,
-                "checksum_consecutive_failures": m.consecutive_failures,
-                "checksum_failures_total": m.checksum_failures_total,
-                **{f"checksum_{k}": figures[m.mpu_id][k] for k in ("coverage_ratio", "max_gap_steps")},
-                "clip_ratio": self.cmsa.clip_ratio(m.mpu_id) if self.cmsa else 0.0,
-                "distill_share": protocol.number(m.distill_share),  # the fuse's L3 term (0 when none)
-                "clipped": bool(last.get("clipped", {}).get(m.mpu_id, False)),
-                "gpu": m.gpu,
-                "fuse_level": m.fuse_level,
-                **m.memory(),
-            }
-        return {
-            "step": self.current_step,
-            "time": last.get("time", time.time()),
-            "loss": protocol.number(last.get("loss")),  # what the model returned: L3 adds its term (fuse)
-            "task_loss": protocol.number(last.get("loss")),
-            "grad_norm": protocol.number(last.get("grad_norm")),
-            "skipped": bool(self._skip_reason),
-            "guard_overhead_ratio": self.budget.overhead_ratio,
-            "mpus": mpus,
-            "findings": [f.to_dict() for f in self._step_findings],
-        }
+    def _report(self) -> protocol.StepReport:
+        return step_report(
+            step=self.current_step,
+            last=self._last,
+            mpus=self.mpus,
+            figures=self.checksum.figures(),
+            cmsa=self.cmsa,
+            skipped=bool(self._skip_reason),
+            overhead_ratio=self.budget.overhead_ratio,
+            findings=self._step_findings,
+        )
 
     def _dispatch(self, hook: str, *args: Any) -> None:
         for p in list(self.plugins):

@@ -46,7 +46,7 @@ class LinkClient:
         self,
         socket_path: str,
         *,
-        registration: Callable[[], dict],
+        registration: Callable[[], protocol.Register],
         on_command: Callable[[dict], Any],
         queue_max: int = 256,
         backoff_s: tuple[float, float] = (0.05, 2.0),
@@ -63,7 +63,7 @@ class LinkClient:
         self.agent_uids = protocol.agent_uids() if agent_uids is None else frozenset(agent_uids)
         self.findings: collections.deque[Finding] = collections.deque(maxlen=64)  # the guard emits them
         self.untrusted_uid: int | None = None  # the uid last refused as the agent, until a trusted one
-        self.queue: collections.deque[dict] = collections.deque()
+        self.queue: collections.deque[protocol.StepReport] = collections.deque()
         self.queue_max = queue_max
         self.dropped = 0  # reports dropped (queue full), reported to the agent
         self.sent = 0  # reports sent
@@ -89,7 +89,7 @@ class LinkClient:
         self._thread.start()
         self._started.wait(5.0)
 
-    def report(self, report: dict) -> None:
+    def report(self, report: protocol.StepReport) -> None:
         """Queue one step's report; never blocks. Drops the oldest when full."""
         with self._lock:
             if len(self.queue) >= self.queue_max:
@@ -166,8 +166,8 @@ class LinkClient:
             async with session.ws_connect(f"http://localhost{protocol.PATH}", heartbeat=10.0) as ws:
                 self._check_peer(ws)
                 reg = self.registration()
-                self._job_id = reg["job_id"]
-                await ws.send_str(protocol.encode(reg))
+                self._job_id = reg.job_id
+                await ws.send_str(protocol.encode(reg.to_wire()))
                 self._reregister = False
                 self.connected = True
                 self.connects += 1
@@ -208,7 +208,7 @@ class LinkClient:
             self._wake.clear()
             if self._reregister:
                 self._reregister = False
-                await ws.send_str(protocol.encode(self.registration()))
+                await ws.send_str(protocol.encode(self.registration().to_wire()))
             while self._messages:
                 await ws.send_str(protocol.encode(self._messages.popleft()))
             while True:
@@ -217,7 +217,7 @@ class LinkClient:
                     dropped = self.dropped
                 if not batch:
                     break
-                await ws.send_str(protocol.encode(protocol.report(self._job_id, dropped, batch)))
+                await ws.send_str(protocol.encode(protocol.Report(self._job_id, dropped, tuple(batch)).to_wire()))
                 self.sent += len(batch)
             waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(self._stop.wait())]
             await asyncio.wait(waits + [receiver], return_when=asyncio.FIRST_COMPLETED)

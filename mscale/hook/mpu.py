@@ -17,12 +17,15 @@ import torch
 from torch import nn
 
 from mscale.healing.fsm import Level
+from mscale.link import MpuInfo
 
 # attribute name in the module tree -> MPU name. First match per MPU name wins (shallowest).
 KNOWN_NAMES: dict[str, str] = {
     "vision_tower": "vision",
     "visual": "vision",
     "vision_model": "vision",
+    "image_tower": "vision",  # Video-LLaVA (its video_tower is not found: one vision MPU a model)
+    "vision_encoder": "vision",  # LightOnOCR
     "audio_tower": "audio",
     "qformer": "resampler",  # Blip2, InstructBlip: learned queries read the vision features
     "multi_modal_projector": "aligner",
@@ -30,8 +33,10 @@ KNOWN_NAMES: dict[str, str] = {
     "mlp1": "aligner",
     "connector": "aligner",  # Idefics3, SmolVLM
     "language_projection": "aligner",  # Blip2: the Q-Former's output into the text model's width
+    "vision_projection": "aligner",  # LightOnOCR
     "language_model": "text",
     "text_model": "text",  # Idefics3, SmolVLM
+    "text_decoder": "text",  # BLIP
 }
 # reporting and id order: encoders, then the resampler and the aligner, then the text model
 _ORDER = ("vision", "audio", "resampler", "aligner", "text")
@@ -83,18 +88,18 @@ class Mpu:
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def describe(self) -> dict:
+    def describe(self) -> MpuInfo:
         """The registration record sent to the agent."""
-        return {
-            "mpu_id": self.mpu_id,
-            "name": self.name,
-            "path": self.path,
-            "device": str(self.device),
-            "gpu": self.gpu,
-            "gpu_uuid": self.gpu_uuid,
-            "fuse_level": self.fuse_level,
-            "params": sum(p.numel() for p in self.module.parameters()),
-        }
+        return MpuInfo(
+            mpu_id=self.mpu_id,
+            name=self.name,
+            path=self.path,
+            device=str(self.device),
+            gpu=self.gpu,
+            gpu_uuid=self.gpu_uuid,
+            fuse_level=self.fuse_level,
+            params=sum(p.numel() for p in self.module.parameters()),
+        )
 
     def memory(self) -> dict:
         """Device memory in use and in all (bytes), for the step report; empty off CUDA."""

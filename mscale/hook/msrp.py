@@ -182,12 +182,12 @@ class MsrpPlugin:
         if self.mpus and now - self._reported_at >= self.report_s:
             self._reported_at = now
             self.guard.send_to_agent(
-                protocol.msrp(
+                protocol.Msrp(
                     self.guard.job_id,
                     self.guard.rank,
                     {str(g): dict(p) for g, p in self.devices.items()},
                     {k: dict(v) for k, v in self.mpus.items()},
-                )
+                ).to_wire()
             )
 
     def msrp_profiles(self) -> tuple[dict[int, dict], dict[str, dict]]:

@@ -30,8 +30,8 @@ fuse). Calls happen in the training thread, in this order for each step:
                                    NaN stays NaN. A plugin that restores a snapshot here calls
                                    guard.set_step(n) and the guard runs step n next
     on_report(report)              after every plugin's on_step_end, with the step report the
-                                   guard sends the agent (mscale.link STEP_FIELDS): a plugin
-                                   may add its fields (mscale.hook.goodput adds "seconds")
+                                   guard sends the agent (a mscale.link.StepReport): a plugin
+                                   may set its fields (mscale.hook.goodput sets `seconds`)
     on_command(command) -> dict | None
                                    commands from the agent, dispatched between steps (never
                                    mid-step); a returned dict is sent back as the reply
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from mscale.findings import Finding
     from mscale.hook.guard import Guard, ModelInputs
     from mscale.hook.mpu import Mpu
+    from mscale.link import StepReport
 
 HOOKS: tuple[str, ...] = (
     "on_attach",
@@ -87,7 +88,7 @@ class Plugin(Protocol):
 
     def on_step_end(self, step: int, loss: float | None) -> None: ...
 
-    def on_report(self, report: dict) -> None: ...
+    def on_report(self, report: StepReport) -> None: ...
 
     def on_command(self, command: dict) -> dict | None: ...
 

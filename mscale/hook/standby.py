@@ -55,7 +55,7 @@ class AgentStandby:
         if link is None or not link.connected:
             return None
         ident = next(self._ids)
-        link.send(protocol.standby_request(id=ident, mpu_id=m.mpu_id, gpu=m.gpu, avoid=[int(g) for g in avoid]))
+        link.send(protocol.StandbyRequest(ident, m.mpu_id, m.gpu, tuple(int(g) for g in avoid)).to_wire())
         with self._cond:
             self._cond.wait_for(lambda: ident in self._pending, timeout=self.timeout_s)
             answer = self._pending.pop(ident, None)

@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 import torch
 
-from mscale.link import Command
+from mscale.link import Chaos, Command
 
 log = structlog.get_logger("mscale.chaos")
 # chaos modes -> injector kinds (a bit flip in the top exponent bit: the classic SDC)
@@ -64,7 +64,7 @@ class ChaosPlugin:
         if command.get("type") != Command.CHAOS:
             return None
         try:
-            self.inject(**{k: v for k, v in command.items() if k != "type"})
+            self.inject(**Chaos.from_wire(command).injection())
         except (ValueError, TypeError) as e:
             return {"ok": False, "error": str(e)}
         return {"ok": True}

@@ -237,7 +237,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
             elif args.scenario == "rollback_cmd":  # the agent's rollback reaches this rank only
                 from mscale import link
 
-                guard.fuse.on_command(link.heal("rollback", rule="test", level="none", reason="gpu_xid"))
+                guard.fuse.on_command(link.Heal("rollback", rule="test", level="none", reason="gpu_xid").to_wire())
             elif args.scenario == "corrupt":
                 with torch.no_grad():
                     guard.mpu("vision").parameters()[0].view(-1)[7] *= 1.5

@@ -36,6 +36,7 @@ from mscale.healing import actions
 from mscale.healing.engine import Decision
 from mscale.healing.words import Result
 from mscale.hook.actions.base import ActionFailed, Executor, FuseContext
+from mscale.link import StepReport
 
 log = structlog.get_logger("mscale.fuse")
 
@@ -104,11 +105,11 @@ class Distilling:
             h.remove()
         self._handles.clear()
 
-    def report(self, fuse, report: dict) -> None:
+    def report(self, fuse, report: StepReport) -> None:
         """The step report's `loss` is what the model returned: the task loss plus the term."""
-        task = report.get("task_loss")
-        if self._terms and isinstance(task, (int, float)) and math.isfinite(task):
-            report["loss"] = task + sum(self._terms) / len(self._terms)
+        task = report.task_loss
+        if self._terms and task is not None and math.isfinite(task):
+            report.loss = task + sum(self._terms) / len(self._terms)
 
     def step_begin(self, fuse) -> None:
         from mscale.hook.distill import Captured
