@@ -63,6 +63,7 @@ from mscale.hook.checksum_config import (  # noqa: F401  (re-exported: the confi
     ChecksumConfig,
 )
 from mscale.hook.commit import on
+from mscale.hook.compiled import GraphChecks, compiling
 from mscale.hook.coverage import Schedule
 from mscale.hook.linears import LinearKind, kind_of
 from mscale.hook.outputs import output_tensors
@@ -125,6 +126,9 @@ class ChecksumDetector:
             replay_max_gap_steps=gap,
             incident_steps=config.incident_steps,
         )
+        # the checks of MPU forwards traced by torch.compile (mscale.hook.compiled)
+        self.graph = GraphChecks(stride=1 if config.full else config.max_gap_steps, rtol=config.tolerance)
+        self._graph_mpus: set[str] = set()  # MPUs whose forwards ran in a compiled graph
         self._mpus: dict[int, _MpuChecks] = {}
         self._by_id: dict[str, Any] = {}
         self._handles: list[Any] = []
@@ -151,6 +155,7 @@ class ChecksumDetector:
         self._mpus[id(mpu)] = _MpuChecks({id(m): n for n, m, _ in linears})
         self._by_id[mpu.mpu_id] = mpu
         self.schedule.add(mpu.mpu_id, [])  # layers join the rotation when first seen running
+        self.graph.attach(mpu, linears, abft=self.config.abft)
         if not self.config.abft:
             return
         # Every checkable layer keeps its hook, checked this step or not: hooks registered
@@ -163,6 +168,7 @@ class ChecksumDetector:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.graph.detach()
         self._wcache.clear()
 
     def forget(self, mpu: Any) -> None:
@@ -171,6 +177,8 @@ class ChecksumDetector:
 
     def commit_mode(self, mpu: Any) -> bool:
         v = self.config.verdicts
+        if mpu.mpu_id in self._graph_mpus:  # a compiled forward reads nothing back: commit verdicts
+            return True
         return v == "commit" or (v == "auto" and mpu.device.type != "cpu")
 
     # --- suspicion -------------------------------------------------------------------
@@ -192,6 +200,7 @@ class ChecksumDetector:
         self._committed = self._judged = -1  # a step re-run after a rollback commits again
         for st in self._mpus.values():
             st.reset()
+        self.graph.begin_step(step, {mid: r.in_incident(step) for mid, r in self.schedule.mpus.items()})
 
     def before_forward(self, mpu: Any, args: tuple, kwargs: dict) -> None:
         st = self._mpus[id(mpu)]
@@ -203,6 +212,8 @@ class ChecksumDetector:
             st.replay = (rng_get(mpu.device), fresh_copies(args, kwargs))
 
     def _linear(self, mpu: Any, kind: LinearKind, module: nn.Module, args: tuple, out: Any) -> None:
+        if compiling():
+            return  # a compiled forward: the in-graph check (mscale.hook.compiled)
         t0 = time.perf_counter()
         rot = self.schedule.mpus[mpu.mpu_id]
         if id(module) not in rot.planned and id(module) in rot.seen:
@@ -478,6 +489,9 @@ class ChecksumDetector:
             return
         self._committed, self._packed = self._step(), []
         t0 = time.perf_counter()
+        for mpu, traced in self.graph.take():  # the compiled forwards' checks, still on the device
+            self._graph_mpus.add(mpu.mpu_id)
+            self._mpus[id(mpu)].rows.extend(traced)
         try:
             with self.budget.timer(SOURCE):
                 tensors: list[torch.Tensor] = []
@@ -559,7 +573,11 @@ class ChecksumDetector:
 
     def figures(self) -> dict[str, dict[str, float]]:
         """Per MPU id: coverage ratio, achieved max gap (steps), incident (0/1), replayed (0/1)."""
-        return self.schedule.figures(self._step())
+        figures = self.schedule.figures(self._step())
+        for mid in self._graph_mpus & set(figures):  # compiled: every layer, a sample of its rows
+            stride = self.graph.stride_of(mid)
+            figures[mid].update(coverage_ratio=1.0 / stride, max_gap_steps=float(stride))
+        return figures
 
     # --- counting --------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from mscale.hook.budget import Budget, StepTimes
 from mscale.hook.checksum import ChecksumConfig, ChecksumDetector
 from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics
 from mscale.hook.commit import CommitPoint, commit
+from mscale.hook.compiled import compiling, unwrap
 from mscale.hook.coverage import suspicions
 from mscale.hook.inputs import InputCheck
 from mscale.hook.loss import LossConfig, LossDetector
@@ -63,7 +64,8 @@ class ModelInputs(NamedTuple):
 class Guard:
     """Watches one model + optimizer. Public, stable surface for plugins:
 
-    - `job_id`, `rank`, `model`, `optimizer`, `mpus` (list of `Mpu`), `mpu(key)` by id or name
+    - `job_id`, `rank`, `model` (a torch.compile wrapper's inner model), `outer` (what the loop
+      calls), `optimizer`, `mpus` (list of `Mpu`), `mpu(key)` by id or name
     - `current_step` (the step in progress, or the next one), `set_step(n)` after a restore
     - `checksum` (ChecksumDetector), `loss_detector` (LossDetector), `cmsa` (Cmsa or None)
     - `emit(finding)`, `request_skip(reason)`, `request_rerun(reason)`, `rebind(mpu, gpu, ...)`,
@@ -98,6 +100,9 @@ class Guard:
         if not isinstance(job_id, str) or not job_id:
             raise ValueError("job_id: expected a non-empty string naming the training job")
         self.job_id, (self.rank, self.local_rank, self.world_size) = job_id, identify(rank)
+        # a torch.compile(model) wrapper: the guard holds the model it compiles; OptimizedModule
+        # calls that model's own hooks outside the graph (mscale.hook.compiled)
+        self._outer, model = model, unwrap(model)
         self.model, self.optimizer = model, optimizer
         self.mpus: list[Mpu] = mpumod.discover(model, mpus, gpus)
         self.log = log.bind(job_id=job_id, rank=self.rank)
@@ -148,6 +153,12 @@ class Guard:
             self.add_plugin(p)
 
     # --- public surface --------------------------------------------------------------
+
+    @property
+    def outer(self) -> nn.Module:
+        """The module the loop calls: the model, or the torch.compile wrapper given to attach.
+        Hooks that must run outside a compiled graph go there (see `_install`)."""
+        return self._outer
 
     def mpu(self, key: str) -> Mpu:
         return mpumod.by_key(self.mpus, key)
@@ -321,6 +332,8 @@ class Guard:
         budget = self.budget
 
         def entry(*args: Any, **kwargs: Any) -> Any:
+            if compiling():  # traced (an MPU's hooks under torch.compile): no host timer in a graph
+                return fn(*args, **kwargs)
             mark = budget.enter("guard")
             try:
                 return fn(*args, **kwargs)
@@ -330,9 +343,14 @@ class Guard:
         return entry
 
     def _install(self) -> None:
-        entry = self._entry
-        self._handles.append(self.model.register_forward_pre_hook(entry(self._model_pre), with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(entry(self._model_post)))
+        # The step's begin and the loss capture are Python bookkeeping, never traced: on a
+        # torch.compile wrapper given to attach they sit on the wrapper, which runs them before
+        # entering the graph; on a model compiled after attach dynamo would trace them, so they
+        # are disabled for it (a graph break at the model's entry and exit, none inside).
+        entry, outer = self._entry, self._outer
+        pre, post = torch._dynamo.disable(entry(self._model_pre)), torch._dynamo.disable(entry(self._model_post))
+        self._handles.append(outer.register_forward_pre_hook(pre, with_kwargs=True))
+        self._handles.append(outer.register_forward_hook(post))
         for m in self.mpus:
             self._handles.append(m.module.register_forward_pre_hook(entry(self._mpu_pre), with_kwargs=True))
             self._handles.append(m.module.register_forward_hook(entry(self._mpu_post), with_kwargs=True))
@@ -350,13 +368,13 @@ class Guard:
             self._handles.append(self.optimizer.register_step_post_hook(entry(lambda opt, a, k: self._post_step())))
 
     def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if module.training and not self.checksum.replaying:
+        if self.model.training and not self.checksum.replaying:  # (the model the wrapper compiles)
             if not self._in_step:
                 self._begin_step(ModelInputs(args, kwargs))
             self.inputs.begin(args, kwargs)
 
     def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self.checksum.replaying or not module.training:
+        if self.checksum.replaying or not self.model.training:
             return
         loss = loss_of(output)
         if loss is not None:
@@ -377,6 +395,8 @@ class Guard:
         self._dispatch("on_step_begin", self.current_step, batch)
 
     def _mpu_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if compiling():
+            return  # traced: no timers, no replay (mscale.hook.compiled)
         if self.checksum.replaying:
             return
         m = self._mpu_by_module[id(module)]
@@ -384,6 +404,9 @@ class Guard:
         self.checksum.before_forward(m, args, kwargs)
 
     def _mpu_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if compiling():  # traced: the output's non-finite check only, as tensor ops
+            self.checksum.graph.output(self._mpu_by_module[id(module)], output_tensors(output))
+            return None
         if self.checksum.replaying:
             return None
         m = self._mpu_by_module[id(module)]

@@ -181,29 +181,13 @@ def uuid_of(gpu: int, given: str | None = None, known: Mapping[int, str] | None 
     return (known or {}).get(gpu, "")
 
 
-def refuse_compiled(model: nn.Module) -> None:
-    """TypeError naming what to do when `model`, or a module in it, is compiled (torch.compile,
-    or nn.Module.compile): the guard's checksum hooks read values back (Tensor.item) inside every
-    MPU forward, which breaks a compiled graph at each check and recompiles until dynamo's
-    recompile limit, so the guarded model would run uncompiled anyway, slower than plain eager."""
-    for path, m in model.named_modules():
-        if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None:
-            where = f"the module at {path!r}" if path else f"the model ({type(m).__name__})"
-            raise TypeError(
-                f"{where} is compiled with torch.compile; the guard's hooks (output checksums read "
-                "values back with Tensor.item()) break compiled graphs. Attach to the model without "
-                "torch.compile (train it eager), or attach with enabled=False to train it compiled "
-                "without the guard."
-            )
-
-
 def discover(
     model: nn.Module, mpus: Mapping[str, nn.Module | str] | None = None, gpus: Mapping[str, int] | None = None
 ) -> list[Mpu]:
     """The model's MPUs: `mpus` maps names to sub-modules (or dotted paths); None finds
     them by module name. `gpus` maps MPU names to GPU indices (default: the parameters'
-    CUDA device, else simulated index = position). A compiled model is refused (refuse_compiled)."""
-    refuse_compiled(model)
+    CUDA device, else simulated index = position). A `torch.compile` wrapper is the guard's to unwrap
+    (mscale.hook.compiled.unwrap)."""
     if mpus is None:
         found = _find(model)
         if not found:

@@ -82,10 +82,15 @@ class Distilling:
         extra = getattr(fuse.snapshot_engine, "extra", None)
         if isinstance(extra, dict):
             extra.setdefault(SNAPSHOT_NAME, self)
-        model = fuse.guard.model
+        import torch
+
+        # on the module the loop calls, never traced: a torch.compile wrapper runs them outside
+        # its graph, a model compiled after attach at the graph's entry and exit (as the guard's)
+        model = fuse.guard.outer
         text = next((m for m in fuse.guard.mpus if m.name == "text"), None)
-        self._handles.append(model.register_forward_pre_hook(self._model_input, with_kwargs=True))
-        self._handles.append(model.register_forward_hook(self._model_output))
+        pre, post = torch._dynamo.disable(self._model_input), torch._dynamo.disable(self._model_output)
+        self._handles.append(model.register_forward_pre_hook(pre, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(post))
         if text is not None:
             self._handles.append(text.module.register_forward_pre_hook(self._text_input, with_kwargs=True))
 
