@@ -68,7 +68,7 @@ COMPONENTS: list[tuple[str, str, str]] = [
     ("mscale.hook.checksum", "ChecksumDetector", "begin_step"),
     ("mscale.hook.checksum", "ChecksumDetector", "before_forward"),
     ("mscale.hook.checksum", "ChecksumDetector", "_linear"),
-    ("mscale.hook.checksum", "ChecksumDetector", "_weight_sums"),
+    ("mscale.hook.weight_sums", "WeightSums", "of"),
     ("mscale.hook.checksum", "ChecksumDetector", "_abft_sums"),
     ("mscale.hook.checksum", "ChecksumDetector", "after_forward"),
     ("mscale.hook.checksum", "ChecksumDetector", "_replay"),

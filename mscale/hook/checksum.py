@@ -68,10 +68,10 @@ from mscale.hook.coverage import Schedule
 from mscale.hook.linears import LinearKind, kind_of
 from mscale.hook.outputs import output_tensors
 from mscale.hook.replay import compare, fresh_copies, rng_get, run_again
+from mscale.hook.weight_sums import WeightSums
 
 SOURCE = "checksum"
 log = structlog.get_logger("mscale.hook")
-ABS_REFRESH = 16  # steps between refreshes of the |W| column sums (tolerance scale only)
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -132,12 +132,9 @@ class ChecksumDetector:
         self._mpus: dict[int, _MpuChecks] = {}
         self._by_id: dict[str, Any] = {}
         self._handles: list[Any] = []
-        self._zeros: dict[tuple, torch.Tensor] = {}  # a 0-d zero per (dtype, device): no allocation a check
-        self._wcache: dict[int, tuple] = {}
-        self._ones: dict[tuple, torch.Tensor] = {}
+        self.wsums = WeightSums()
         self._signs = rounding.Signs()  # float32's rtol for the float32 arithmetic: no TF32 in a bf16 GEMM
         self._rounding = {"sigmas": config.rounding_sigmas, "rtol32": config.tolerance(torch.float32)}
-        self._bias_floats: dict[int, tuple[float, float]] = {}
         self._planned = -1  # the step planned last
         self._committed = -1  # the step packed last for the commit point
         self._judged = -1  # the step judged last
@@ -169,11 +166,11 @@ class ChecksumDetector:
             h.remove()
         self._handles.clear()
         self.graph.detach()
-        self._wcache.clear()
+        self.wsums.clear()
 
     def forget(self, mpu: Any) -> None:
         """Drop cached weight sums (the MPU moved device)."""
-        self._wcache.clear()
+        self.wsums.clear()
 
     def commit_mode(self, mpu: Any) -> bool:
         v = self.config.verdicts
@@ -247,76 +244,6 @@ class ChecksumDetector:
             self.budget.leave(mark)
             self.abft_s += time.perf_counter() - t0
 
-    def _weight_sums(
-        self,
-        module: nn.Module,
-        kind: LinearKind,
-        acc: torch.dtype,
-        cast: torch.dtype | None,
-        floats: bool,
-        signs: torch.Tensor | None = None,
-    ) -> tuple:
-        """(c(W), c(|W|), sum(b), sum|b|) of the weight as the GEMM saw it, cached; with `signs`
-        (r, bf16 layers: mscale.hook.rounding) the weighted W^T r and r . b for the first and third.
-
-        A trained weight changes every optimizer step (and fused optimizers update it without
-        bumping `_version`), so its signed sums are recomputed once per step; a frozen weight
-        (requires_grad False: no optimizer touches it) only when its version or storage
-        changes, with a refresh every ABS_REFRESH steps in case it was written through
-        `.data`. The |W| sums only size the tolerance: refreshed 1, 2, 4, 8 steps after the
-        layer is first seen, then every ABS_REFRESH steps, so a weight growing from a near-zero
-        init (Blip2's qkv: 1e-10 to 1e-3 in Adam's first step) is never sized more than 2x
-        small."""
-        w = kind.weight_of(module)
-        step = self._step()
-        key = (step if w.requires_grad else -1, w._version, w.data_ptr(), acc, cast, floats, signs is not None)
-        cached = self._wcache.get(id(module))
-        first = step if cached is None else cached[4]
-        gap = min(ABS_REFRESH, max(1, (cached[2] if cached else step) - first))
-        if cached is not None and cached[0] == key and step - cached[3] < ABS_REFRESH and step - cached[2] < gap:
-            return cached[1]
-        with torch.no_grad():
-            wd = w.detach() if cast is None else w.detach().to(cast)
-            bias = kind.bias_of(module)
-            b = None if bias is None else (bias.detach() if cast is None else bias.detach().to(cast))
-            zero = self._zeros.get((acc, w.device))
-            if zero is None:
-                zero = self._zeros[(acc, w.device)] = torch.zeros((), dtype=acc, device=w.device)
-            # the sums over the output dimension: dim 0 of an (out, in) weight, 1 of an (in, out)
-            red = 1 if kind.transposed else 0
-            # the |W| sums on their schedule (or after a change of storage/dtype)
-            if cached is None or step - cached[2] >= gap or cached[0][2:] != key[2:]:
-                absums = (wd.abs().sum(red, dtype=acc), b.abs().sum(dtype=acc) if b is not None else zero)
-                abs_step = step
-            else:
-                absums, abs_step = (cached[1][1], cached[1][3]), cached[2]
-            if signs is not None:
-                wc = rounding.weighted_colsums(wd, signs, kind.transposed)
-                bs = b.to(torch.float32) @ signs if b is not None else zero
-            # GEMVs (torch.mv) read W once, faster than a column reduction; and mv, unlike a 1-row
-            # matmul, is no FLOP of FlopCounterMode's, so MSRP does not count the checks as the MPU's work
-            elif wd.dtype == acc and not kind.transposed:
-                wc = torch.mv(wd.t(), self._ones_of(wd.shape[0], wd.device, acc))
-            elif wd.dtype == acc:
-                wc = torch.mv(wd, self._ones_of(wd.shape[1], wd.device, acc))
-            else:
-                wc = wd.sum(red, dtype=acc)
-            if signs is None:
-                bs = b.sum(dtype=acc) if b is not None else zero
-            sums = (wc, absums[0], bs, absums[1])
-        self._wcache[id(module)] = (key, sums, abs_step, step, first)
-        if floats:  # the CPU's in-step check adds the bias terms in Python
-            self._bias_floats[id(module)] = (sums[2].item(), sums[3].item())
-        return sums
-
-    def _ones_of(self, n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        ones = self._ones.get((n, device, dtype))
-        if ones is None:
-            if len(self._ones) > 64:  # variable sequence lengths: keep the cache bounded
-                self._ones.clear()
-            ones = self._ones[(n, device, dtype)] = torch.ones(n, dtype=dtype, device=device)
-        return ones
-
     def _abft_sums(
         self, mpu: Any, st: _MpuChecks, module: nn.Module, kind: LinearKind, x: torch.Tensor, out: torch.Tensor
     ) -> None:
@@ -333,20 +260,20 @@ class ChecksumDetector:
         layer = st.layer_names.get(id(module), "?")
         if out.dtype == torch.bfloat16 and self.config.rounding_sigmas > 0:  # mscale.hook.rounding
             r = self._signs.of(out.shape[-1], out.device)
-            sums = self._weight_sums(module, kind, acc, cast, False, r)
+            sums = self.wsums.of(module, self._step(), kind, acc, cast, False, r)
             with torch.no_grad():
                 x2, y2 = x.detach().reshape(-1, x.shape[-1]), out.detach().reshape(-1, out.shape[-1])
                 # on CPU (in_step) a value costs no device sync: one read, here
                 row = rounding.residual_and_tolerance(x2, y2, sums, self._signs, **self._rounding, host=not on_device)
             (st.rows if self.commit_mode(mpu) else st.pending).append(("abft", layer, out.dtype, row))
             return
-        wc, wa, bs, ba = self._weight_sums(module, kind, acc, cast, not on_device)
+        wc, wa, bs, ba = self.wsums.of(module, self._step(), kind, acc, cast, not on_device)
         rtol = self.config.tolerance(out.dtype, x.device)
         with torch.no_grad():
             x2 = x.detach().reshape(-1, x.shape[-1])
             n = x2.shape[0]
             if x2.dtype == acc:  # a GEMV reads x once, faster than a column reduction
-                sx = torch.mv(x2.t(), self._ones_of(n, x2.device, acc))
+                sx = torch.mv(x2.t(), self.wsums.ones(n, x2.device, acc))
             else:  # low precision: sum in float32, not in the input's dtype
                 sx = x2.sum(0, dtype=acc)
             total = out.detach().sum(dtype=acc)
@@ -363,7 +290,7 @@ class ChecksumDetector:
             # c(|W|) >= 0), so a residual within rtol times that lower bound is within rtol * S.
             # The factor 0.99 absorbs the rounding of the two fp32 dot products. Only a residual
             # above it (a fault, or inputs whose columns cancel) pays for the exact S.
-            bsf, baf = self._bias_floats[id(module)]
+            bsf, baf = self.wsums.bias_floats[id(module)]
             t, p = total.item(), (sx @ wc).item() + n * bsf
             lo = (sx.abs() @ wa).item() + n * baf
             if abs(t - p) <= rtol * 0.99 * lo:

@@ -50,6 +50,7 @@ from mscale.hook.outputs import loss_of, output_tensors
 from mscale.hook.plugin import HOOKS
 from mscale.hook.ranks import identify
 from mscale.hook.report import step_report
+from mscale.hook.scaler import ScalerSteps
 
 log = structlog.get_logger("mscale.hook")
 
@@ -61,7 +62,7 @@ class ModelInputs(NamedTuple):
     kwargs: dict
 
 
-class Guard:
+class Guard(ScalerSteps):
     """Watches one model + optimizer. Public, stable surface for plugins:
 
     - `job_id`, `rank`, `model` (a torch.compile wrapper's inner model), `outer` (what the loop
@@ -233,27 +234,6 @@ class Guard:
             return False
         self.link.send(message)
         return True
-
-    def watch_scaler(self, scaler: Any) -> None:
-        """End each step at `scaler.update()` (called once per iteration after `scaler.step`),
-        so a step whose `optimizer.step()` the scaler skipped still ends: the loss detector sees
-        its loss, plugins get `on_step_end` (a NaN rollback), the report says skipped. Snapshots
-        taken at the step end then hold the scale as updated for that step. Until the loop first
-        calls `scaler.update()`, steps still end at the optimizer step."""
-        if scaler is self._scaler:
-            return
-        if self._scaler is not None:
-            raise ValueError("the guard already watches another GradScaler")
-        self._scaler_used = False
-        original = scaler.update
-
-        def update(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
-            self._scaler_update()
-            return result
-
-        scaler.update = update  # on the instance; detach() deletes it, uncovering the class's
-        self._scaler, self._scaler_patch = scaler, update
 
     def registration(self) -> protocol.Register:
         return protocol.Register(
@@ -500,38 +480,6 @@ class Guard:
             self._end_step()
         else:
             self._opt_stepped = True  # the step ends at scaler.update(), after the scale is updated
-
-    def _scaler_update(self) -> None:
-        stepped, self._opt_stepped = self._opt_stepped, False
-        # From now on steps end here. (Not before: a scaler held only to be snapshotted, in a
-        # loop that never calls it, must not leave every step open.)
-        self._scaler_used = True
-        if not self._in_step:
-            return
-        if not stepped:
-            self._scaler_skipped()
-        self._end_step()
-
-    def _scaler_skipped(self) -> None:
-        """The scaler found inf/NaN gradients and skipped optimizer.step(). Only the loss goes
-        to the detector: inf gradients with a finite loss are the scaler's ordinary overflow
-        (it lowers the scale), not a fault to roll back; a NaN loss is one."""
-        self._skip_reason = self._skip_reason or "grad scaler: inf/NaN gradients, optimizer step skipped"
-        for m in self.mpus:
-            m.grad_norm = m.gvc = math.nan
-        loss = self._step_loss()
-        try:
-            for f in self.loss_detector.observe(self.current_step, loss):
-                self.emit(f)
-        except Exception as e:
-            self.log.exception("guard_error", where="scaler_skip", error=str(e))
-        self._last = {
-            "step": self.current_step,
-            "time": time.time(),
-            "loss": loss,
-            "grad_norm": math.nan,
-            "clipped": {},
-        }
 
     def _commit_checks(self, *, plugins: bool = False) -> None:
         """The commit point, once a step (mscale.hook.commit.commit: the one read; a failure
