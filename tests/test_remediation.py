@@ -414,12 +414,13 @@ async def test_output_is_kept_to_max_output_bytes(tmp_path: Path) -> None:
 
 def test_a_gpu_shown_at_fault_is_never_granted_as_a_standby() -> None:
     from mscale.daemon.standby import StandbyBook
+    from mscale.link import StandbyRequest
 
     state, book = AgentState(node=NODE), StandbyBook()
     state.publish("gpu", gpus())
     state.events.on_emit(book.observe)
     svc = service(state, Clock())
-    req = {"type": "standby_request", "id": 1, "mpu_id": "001", "gpu": 0, "avoid": []}
+    req = StandbyRequest.from_wire({"type": "standby_request", "id": 1, "mpu_id": "001", "gpu": 0, "avoid": []})
     assert book.choose(state, "j2", 0, req, 0.0)[0] == 1
     book.reserved.clear()
     svc.book.observe(swap(1, 3))
