@@ -173,7 +173,7 @@ def test_rebind_keeps_a_truthful_gpu_uuid() -> None:
     assert vision.gpu_uuid == "GPU-four"
     guard.rebind(vision, 7)  # simulated (on the CPU), never seen: unknown, never another GPU's uuid
     assert vision.gpu_uuid == ""
-    assert {d["mpu_id"]: d["gpu_uuid"] for d in (x.describe() for x in guard.mpus)}[text.mpu_id] == "GPU-four"
+    assert {d.mpu_id: d.gpu_uuid for d in (x.describe() for x in guard.mpus)}[text.mpu_id] == "GPU-four"
     guard.detach()
 
 
