@@ -61,16 +61,7 @@ def blip2(seed: int = 0):
             encoder_hidden_size=32,
             vocab_size=VOCAB,
         ),
-        text_config=dict(
-            model_type="opt",
-            hidden_size=32,
-            ffn_dim=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            vocab_size=VOCAB,
-            word_embed_proj_dim=32,
-            max_position_embeddings=256,
-        ),
+        text_config=dict(OPT),
         num_query_tokens=queries,
         image_token_index=IMAGE_TOKEN,
     )
