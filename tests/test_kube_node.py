@@ -15,32 +15,14 @@ from mscale.kube.node import condition_of
 from mscale.kube.service import KubeService
 from mscale.kube.settings import KubernetesSection
 from mscale.probes.gpu_sample import GpuSample, GpuSnapshot
-from support.kube import ApiServer, wait_until
+from support.kube import ApiServer, four_gpus, wait_until
 
 NODE = "gpu-node-1"
 MERGE = "application/strategic-merge-patch+json"
 
 
 def snapshot(*failed: int, degraded: tuple[int, ...] = ()) -> GpuSnapshot:
-    gpus = []
-    for i in range(4):
-        if i in degraded:
-            gpus.append(GpuSample(index=i, uuid=f"GPU-{i}", health="degraded", reasons=("row remap pending",)))
-        elif i in failed:
-            gpus.append(
-                GpuSample(
-                    index=i,
-                    uuid=f"GPU-{i}",
-                    health="failed",
-                    reasons=("Xid 79: GPU has fallen off the bus",),
-                    last_xid=79,
-                    xid_errors=((79, 1),),
-                    xid_actions=((79, "RESTART_BM"),),
-                )
-            )
-        else:
-            gpus.append(GpuSample(index=i, uuid=f"GPU-{i}"))
-    return GpuSnapshot(time=0.0, backend="sim", gpus=tuple(gpus))
+    return four_gpus(failed, degraded)
 
 
 class Clock:

@@ -22,8 +22,8 @@ from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason, Severity
 from mscale.kube.service import KubeService
 from mscale.kube.settings import KubernetesSection
-from mscale.probes.gpu_sample import GpuSample, GpuSnapshot
-from support.kube import ApiServer, wait_until
+from mscale.probes.gpu_sample import GpuSnapshot
+from support.kube import ApiServer, four_gpus, wait_until
 
 NODE = "gpu-node-1"
 GROUP, VERSION, PLURAL = "nvsentinel.dgxc.nvidia.com", "v1", "externalfaults"
@@ -38,27 +38,7 @@ class Clock:
 
 
 def gpus(*, failed: tuple[int, ...] = (), resets: dict[int, int] | None = None, degraded=()) -> GpuSnapshot:
-    out = []
-    for i in range(4):
-        n = (resets or {}).get(i, 0)
-        if i in failed:
-            out.append(
-                GpuSample(
-                    index=i,
-                    uuid=f"GPU-{i}",
-                    health="failed",
-                    reasons=("Xid 79: GPU has fallen off the bus",),
-                    last_xid=79,
-                    xid_errors=((79, 1),),
-                    xid_actions=((79, "RESTART_BM"),),
-                    resets=n,
-                )
-            )
-        elif i in degraded:
-            out.append(GpuSample(index=i, uuid=f"GPU-{i}", health="degraded", reasons=("hot",), resets=n))
-        else:
-            out.append(GpuSample(index=i, uuid=f"GPU-{i}", resets=n))
-    return GpuSnapshot(time=0.0, backend="sim", gpus=tuple(out))
+    return four_gpus(failed, degraded, degraded_reason="hot", resets=resets)
 
 
 def swap(gpu: int, to: int, *, job="j1", rank="0", mpu="001", reason="checksum_l1_trigger", action="l1_swap"):

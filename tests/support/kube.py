@@ -14,6 +14,8 @@ from typing import Any
 
 from aiohttp import web
 
+from mscale.probes.gpu_sample import GpuSample, GpuSnapshot
+
 
 def pod_reply(pods: list[tuple[str, str, list[tuple[str, list[tuple[str, list[str]]]]]]]):
     """ListPodResourcesResponse from [(namespace, pod, [(container, [(resource, [device ids])])])]."""
@@ -228,3 +230,35 @@ async def wait_until(cond: Any, timeout_s: float = 10.0, what: str = "condition"
             return v
         await asyncio.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def four_gpus(
+    failed: tuple[int, ...] = (),
+    degraded: tuple[int, ...] = (),
+    *,
+    degraded_reason: str = "row remap pending",
+    resets: dict[int, int] | None = None,
+) -> GpuSnapshot:
+    """A simulated node of 4 GPUs (GPU-0..GPU-3): `failed` ones fallen off the bus (Xid 79),
+    `degraded` ones with `degraded_reason`, the rest healthy; `resets` per index."""
+    gpus = []
+    for i in range(4):
+        n = (resets or {}).get(i, 0)
+        if i in failed:
+            gpus.append(
+                GpuSample(
+                    index=i,
+                    uuid=f"GPU-{i}",
+                    health="failed",
+                    reasons=("Xid 79: GPU has fallen off the bus",),
+                    last_xid=79,
+                    xid_errors=((79, 1),),
+                    xid_actions=((79, "RESTART_BM"),),
+                    resets=n,
+                )
+            )
+        elif i in degraded:
+            gpus.append(GpuSample(index=i, uuid=f"GPU-{i}", health="degraded", reasons=(degraded_reason,), resets=n))
+        else:
+            gpus.append(GpuSample(index=i, uuid=f"GPU-{i}", resets=n))
+    return GpuSnapshot(time=0.0, backend="sim", gpus=tuple(gpus))
