@@ -114,11 +114,13 @@ def test_checksum_findings_reach_the_agent(sock: str) -> None:
         assert job.mpus["002"].checksum_consecutive_failures == 3
         assert job.mpus["002"].health["forward"] <= 40  # 3 in a row: below the "act" line of 60
         assert job.mpus["001"].health["forward"] == 100
-        events = [f for _, f in agent.state.events.since(0)]
-        l1 = [f for f in events if f.reason.value == "checksum_l1_trigger"]
+        # the step report and the finding travel as separate messages: wait for the finding itself
+        l1 = wait_for(
+            lambda: [f for _, f in agent.state.events.since(0) if f.reason.value == "checksum_l1_trigger"],
+            what="the L1 trigger finding",
+        )
         assert (
-            l1
-            and l1[0].labels["job_id"] == "job-f"
+            l1[0].labels["job_id"] == "job-f"
             and l1[0].labels["mpu_id"] == "002"
             and l1[0].source == "hook:checksum"
         )
