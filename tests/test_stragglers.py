@@ -74,6 +74,9 @@ def test_a_rank_slowed_in_its_vision_tower_is_found_and_named(tmp_path: Path, ag
     assert [r["steps"] for r in ranks] == [60] * 4
     job = agent.state.jobs[JOB]
     wait_for(lambda: all(rs.step == 59 for rs in job.rank_states.values()), 30, "every report")
+    # the agent compares a step once its last report is in: wait for that, not only the reports
+    compared = "mscale_straggler_steps_compared_total"
+    wait_for(lambda: f"\n{compared} 60.0" in agent.metrics(), 30, "the last step's comparison")
     found = [f for f in stragglers(agent) if f.reason is not Reason.STRAGGLER_CLEARED]
     named = {(f.labels["rank"], f.labels["mpu_id"], f.labels["phase"]) for f in found}
     # the vision MPU's forward, and so the rank's compute; nothing else, no other rank
@@ -92,7 +95,7 @@ def test_a_rank_slowed_in_its_vision_tower_is_found_and_named(tmp_path: Path, ag
     fast = f'job_id="{JOB}",local_rank="0",mpu="vision",mpu_id="001",phase="forward",rank="0"'
     assert metric(text, f'mscale_straggler{{gpu="0",gpu_uuid="",{fast}}}') == 0
     assert metric(text, "mscale_straggler_findings_total") == 2
-    assert metric(text, "mscale_straggler_steps_compared_total") == 60
+    assert metric(text, compared) == 60
 
 
 @pytest.mark.slow
@@ -101,9 +104,11 @@ def test_no_slowdown_gives_no_finding_in_300_steps(tmp_path: Path, agent: Agent)
     assert [r["steps"] for r in ranks] == [300] * 4
     job = agent.state.jobs[JOB]
     wait_for(lambda: all(rs.step == 299 for rs in job.rank_states.values()), 30, "every report")
+    compared = "mscale_straggler_steps_compared_total"
+    wait_for(lambda: f"\n{compared} 300.0" in agent.metrics(), 30, "the last step's comparison")
     assert stragglers(agent) == []
     text = agent.metrics()
-    assert metric(text, "mscale_straggler_steps_compared_total") == 300  # every step was compared
+    assert metric(text, compared) == 300  # every step was compared
     assert metric(text, "mscale_straggler_findings_total") == 0
     assert text.count("mscale_straggler{") == 4 * (1 + 3 * 2)  # per rank: compute, 3 MPUs x 2 phases
 
