@@ -116,6 +116,7 @@ class Run:
         from mscale.hook.guard import Guard
         from mscale.sim.chaos_job import ChaosPlugin
         from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
+        from mscale.snapshot.config import SnapshotConfig
         from mscale.snapshot.data import ResumableLoader
         from mscale.snapshot.engine import SnapshotEngine
 
@@ -149,9 +150,7 @@ class Run:
             self.optimizer,
             mpus={m.name: (m.mpu_id, m.module) for m in g.mpus},
             data=self.data,
-            directory=cfg.snapshot_dir,
-            memory_every=cfg.memory_every,
-            disk_every=cfg.disk_every,
+            config=SnapshotConfig(directory=cfg.snapshot_dir, memory_every=cfg.memory_every, disk_every=cfg.disk_every),
             binding=lambda: {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid} for m in g.mpus},
             emit=self.fuse.snapshot_emit,
             job_id=cfg.job_id,
