@@ -355,7 +355,6 @@ LONG_FUNCTIONS: dict[str, str] = {
     "sim/timeline.py:parse_timeline": _NEXT,
     "demo/verdict.py:judge": _NEXT,
     "rules/render.py:render_alertmanager": _NEXT,
-    "daemon/link.py:_register": _NEXT,
     "demo/run.py:plot": _NEXT,
     "hook/degrade.py:_merge": _NEXT,
     "demo/scenario.py:__init__": _NEXT,
