@@ -342,7 +342,6 @@ LONG_FUNCTIONS: dict[str, str] = {
     "hook/guard.py:__init__": LEAD,
     "hook/cmsa.py:grad_stats": LEAD,
     "hook/weight_sums.py:of": LEAD,
-    "exporters/cuda.py:collect": _NEXT,
     "demo/run.py:main": _NEXT,
     "demo/nodes.py:main": _NEXT,
     "demo/run.py:summarise": _NEXT,
