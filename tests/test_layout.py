@@ -342,13 +342,10 @@ LONG_FUNCTIONS: dict[str, str] = {
     "hook/guard.py:__init__": LEAD,
     "hook/cmsa.py:grad_stats": LEAD,
     "hook/weight_sums.py:of": LEAD,
-    "demo/run.py:main": _NEXT,
     "demo/nodes.py:main": _NEXT,
-    "demo/run.py:summarise": _NEXT,
     "sim/timeline.py:parse_timeline": _NEXT,
     "demo/verdict.py:judge": _NEXT,
     "rules/render.py:render_alertmanager": _NEXT,
-    "demo/run.py:plot": _NEXT,
     "hook/degrade.py:_merge": _NEXT,
     "demo/scenario.py:__init__": _NEXT,
 }
