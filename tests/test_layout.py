@@ -342,7 +342,6 @@ LONG_FUNCTIONS: dict[str, str] = {
     "hook/guard.py:__init__": LEAD,
     "hook/cmsa.py:grad_stats": LEAD,
     "hook/weight_sums.py:of": LEAD,
-    "demo/nodes.py:main": _NEXT,
     "demo/verdict.py:judge": _NEXT,
     "rules/render.py:render_alertmanager": _NEXT,
     "hook/degrade.py:_merge": _NEXT,
