@@ -343,7 +343,6 @@ LONG_FUNCTIONS: dict[str, str] = {
     "hook/cmsa.py:grad_stats": LEAD,
     "hook/weight_sums.py:of": LEAD,
     "demo/verdict.py:judge": _NEXT,
-    "hook/degrade.py:_merge": _NEXT,
     "demo/scenario.py:__init__": _NEXT,
 }
 
