@@ -342,7 +342,6 @@ LONG_FUNCTIONS: dict[str, str] = {
     "hook/guard.py:__init__": LEAD,
     "hook/cmsa.py:grad_stats": LEAD,
     "hook/weight_sums.py:of": LEAD,
-    "demo/verdict.py:judge": _NEXT,
     "demo/scenario.py:__init__": _NEXT,
 }
 
