@@ -133,6 +133,7 @@ def main() -> int:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from mscale.sim.tinymm import SyntheticCaptions, TinyConfig
+    from mscale.snapshot.config import SnapshotConfig
     from mscale.snapshot.engine import SnapshotEngine
     from mscale.snapshot.format import verify_snapshot
 
@@ -159,10 +160,7 @@ def main() -> int:
             mpus=mpus,
             scheduler=sched,
             data=loader,
-            directory=work / "ours",
-            memory_every=1,
-            disk_every=0,
-            disk_keep=1,
+            config=SnapshotConfig(directory=work / "ours", memory_every=1, disk_every=0, disk_keep=1),
         )
         t0 = time.perf_counter()
         engine.snapshot(1)
@@ -210,7 +208,7 @@ def main() -> int:
             t0 = time.perf_counter()
             train_step(model, opt, batch)
             steps.append(time.perf_counter() - t0)
-            step_wait.append(engine._copier.last_wait)
+            step_wait.append(engine.copier.last_wait)
             stalls.append(in_call[-1] + step_wait[-1])
             engine.save(wait=True)  # the state after that step, written in the background
             writes.append(engine.last_write["seconds"])
@@ -238,7 +236,12 @@ def main() -> int:
             verify.append(time.perf_counter() - t0)
 
             fresh = SnapshotEngine(
-                model, opt, mpus=mpus, scheduler=sched, data=loader, directory=work / "ours", disk_every=0
+                model,
+                opt,
+                config=SnapshotConfig(directory=work / "ours", disk_every=0),
+                mpus=mpus,
+                scheduler=sched,
+                data=loader,
             )
             release_memory()
             t0 = time.perf_counter()
@@ -261,7 +264,14 @@ def main() -> int:
             tl_new.append(time.perf_counter() - t0)
             del sd, o, s
             o, s = new_optimizer()
-            fresh = SnapshotEngine(model, o, mpus=mpus, scheduler=s, data=loader, directory=work / "ours", disk_every=0)
+            fresh = SnapshotEngine(
+                model,
+                o,
+                config=SnapshotConfig(directory=work / "ours", disk_every=0),
+                mpus=mpus,
+                scheduler=s,
+                data=loader,
+            )
             release_memory()
             t0 = time.perf_counter()
             fresh.resume()

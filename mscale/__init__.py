@@ -29,7 +29,7 @@ _LAZY: dict[str, str] = {
     "ChecksumConfig": "mscale.hook.checksum",
     "LossConfig": "mscale.hook.loss",
     "MscaleCallback": "mscale.hook.hf",
-    "SnapshotConfig": "mscale.hook.protect",
+    "SnapshotConfig": "mscale.snapshot.config",
     "ResumableLoader": "mscale.snapshot.data",
     "ResumableFileStream": "mscale.snapshot.data",
     "contract": "mscale.contracts.declare",

@@ -250,7 +250,7 @@ def snapshot_stall() -> dict:
     model, opt, guard, step = tiny_job("cuda:0", guarded=False)
     for _ in range(3):
         step()
-    engine = SnapshotEngine(model, opt, mpus={}, directory=None)
+    engine = SnapshotEngine(model, opt, mpus={})
     stalls, saves = [], []
     with tempfile.TemporaryDirectory() as d:
         for _ in range(5):

@@ -86,13 +86,14 @@ def test_a_poisoned_micro_batch_in_each_position_costs_one_rollback_and_blames_t
 
 def test_a_non_finite_step_no_loss_names_steps_over_every_micro_batch():
     """A NaN gradient with finite losses (nothing says which micro-batch): all 4 are skipped."""
+    from mscale.snapshot.config import SnapshotConfig
     from mscale.snapshot.engine import SnapshotEngine
 
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = mscale.ResumableLoader(torch.arange(64.0).view(32, 2), batch_size=2, shuffle=False)
-    engine = SnapshotEngine(model, opt, data=loader, memory_every=1)
+    engine = SnapshotEngine(model, opt, config=SnapshotConfig(memory_every=1), data=loader)
     engine.snapshot(step=0)
     engine.step_end(0)
     for _ in range(ACC):

@@ -12,6 +12,7 @@ import asyncio
 import importlib.util
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from mscale.probes import spec
 from mscale.probes.base import ProbeContext, ProbeUnavailable
 from mscale.probes.ebpf_detect import BlockedShare, LaunchWatch
 from mscale.probes.ebpf_loader import SOURCE, specialise
+from mscale.probes.ebpf_procfs import Procfs
 from support import REPO, require, require_tool
 from support.cuda_stub import (
     DEADLINE_S,
@@ -98,6 +100,35 @@ def test_blocked_share_needs_a_whole_window() -> None:
     assert s.ratio() == pytest.approx(0.0)
     s.add(30.0, 48.0)  # four threads blocked all the time: capped
     assert s.ratio() == 1.0
+
+
+def test_procfs_reads_under_its_root(tmp_path) -> None:
+    """The probe's procfs reads go under `probes.ebpf.proc_root`, as the host probe's do."""
+    lib = tmp_path / "libcuda.so.1"
+    lib.write_bytes(b"")
+
+    def proc(pid: int, state: str, maps: str, cmdline: bytes, tids: tuple[int, ...] = ()) -> None:
+        d = tmp_path / "proc" / str(pid)
+        (d / "task").mkdir(parents=True)
+        fields = [state] + ["0"] * 18 + [str(pid * 10)]  # field 22 of stat: starttime
+        (d / "stat").write_text(f"{pid} (a) b) {' '.join(fields)}\n")
+        (d / "maps").write_text(maps)
+        (d / "cmdline").write_bytes(cmdline)
+        for tid in tids:
+            (d / "task" / str(tid)).mkdir()
+
+    ino = lib.stat().st_ino
+    proc(7, "S", f"7f00-7f01 r-xp 0 08:01 {ino} {lib}\n", b"python\0train.py\0", tids=(8,))
+    proc(9, "Z", "7f00-7f01 r-xp 0 08:01 1 /usr/lib/libcudart.so.12\n", b"")
+    (tmp_path / "proc" / "self").mkdir()
+    fs = Procfs(str(tmp_path / "proc"))
+    assert fs.start_time(7) == 70 and fs.start_time(9) is None and fs.start_time(5) is None
+    assert fs.libcuda(7) == str(lib)  # the same file from here
+    assert fs.libcudart(9) == f"{tmp_path}/proc/9/root/usr/lib/libcudart.so.12"  # another namespace
+    assert fs.libcuda(9) is None
+    assert fs.matching(re.compile(r"train\.py$"), skip=set()) == [7]
+    assert fs.matching(re.compile(r"train\.py$"), skip={7}) == []
+    assert fs.thread_alive(7, 8) and not fs.thread_alive(7, 9)
 
 
 # --- fixtures ----------------------------------------------------------------------------

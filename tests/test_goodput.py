@@ -8,7 +8,7 @@ import pytest
 from mscale.demo.scenario import Fault, RunConfig, run
 from mscale.link import TIME_CAUSES
 
-# the demo's five faults (mscale/demo/run.py script) as the job's own chaos plugin injects them,
+# the demo's five faults (mscale/demo/faults.py script) as the job's own chaos plugin injects them,
 # then a hang
 FAULTS = (
     Fault(10, "corrupt", {"gpu": 0, "mode": "noise", "steps": 8}),  # SDC: replays, L1 swap

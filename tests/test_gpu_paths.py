@@ -273,8 +273,8 @@ def test_ebpf_launch_counts_match_torch_profiler_kernels() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     try:
-        from mscale.probes.ebpf import find_libcuda, find_libcudart
         from mscale.probes.ebpf_loader import CudaBpf, preflight
+        from mscale.probes.ebpf_procfs import find_libcuda, find_libcudart
 
         preflight()
         bpf = CudaBpf(max_pids=4, max_threads=1024)

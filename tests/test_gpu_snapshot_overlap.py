@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
+from mscale.snapshot.config import SnapshotConfig
 from mscale.snapshot.engine import SnapshotEngine
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +28,9 @@ def test_the_copy_overlaps_the_next_step_on_a_side_stream_and_restores_exactly()
         model(batch["images"], batch["tokens"])["loss"].backward()
         opt.step()
 
-    engine = SnapshotEngine(model, opt, mpus={"vision": ("001", model.vision_tower)}, memory_every=0)
+    engine = SnapshotEngine(
+        model, opt, config=SnapshotConfig(memory_every=0), mpus={"vision": ("001", model.vision_tower)}
+    )
     step()  # the optimizer state exists
     torch.cuda.synchronize()
     before = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
@@ -35,9 +38,9 @@ def test_the_copy_overlaps_the_next_step_on_a_side_stream_and_restores_exactly()
     torch.cuda._sleep(int(2e9))  # hold the compute stream: the side stream starts after it
     snap = engine.snapshot(step=1)
     assert not snap.is_ready(), "the copy finished at once: it did not wait for the compute stream"
-    waits = engine._copier.waits
+    waits = engine.copier.waits
     step()  # enqueued behind the copy on the device; the host does not wait
-    assert engine._copier.waits == waits
+    assert engine.copier.waits == waits
     snap.wait_ready()
     assert all(t.is_pinned() for d in snap.tensors.values() for t in d.values())
     assert engine.rollback() == 1

@@ -6,7 +6,9 @@
 - the shared core (`healing/`) imports no job-side room, by any route;
 - no import cycles between files, counting imports under `if TYPE_CHECKING:` and modules named
   by a string (`importlib.import_module("mscale.x")`, `"mscale.x:Name"` registries) too;
-- no folder holds more than a quarter of the package's lines, no file more than 600.
+- each room imports only what its docstring's "May import:" line names;
+- no folder holds more than a quarter of the package's lines, no file more than 500 lines, no
+  function more than 60, but for the exceptions named below with why.
 """
 
 from __future__ import annotations
@@ -283,15 +285,99 @@ def test_the_layout_rules_see_what_they_look_for(tmp_path: Path) -> None:
     assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
     assert _components({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
     assert "torch" in _closure("mscale.hook.fuse")
+    assert may_import("healing") == ["findings", "options", "link", "textfile"]
+    assert may_import("demo") is None
+
+
+ROOMS = sorted(p.name for p in PKG.iterdir() if (p / "__init__.py").exists())
+_MAY_IMPORT = re.compile(r"May import: (.*?)\.(?:\s|$)", re.S)
+
+
+def may_import(room: str) -> list[str] | None:
+    """The modules a room's docstring says it may import (`findings`, `probes.nvml_api`, ...;
+    a remark in parentheses is left out), or None for `everything`."""
+    doc = ast.get_docstring(ast.parse((PKG / room / "__init__.py").read_text())) or ""
+    m = _MAY_IMPORT.search(doc)
+    assert m, f"mscale/{room}/__init__.py's docstring has no 'May import: ...' sentence"
+    names = [n.strip() for n in re.sub(r"\([^)]*\)", "", m.group(1)).split(",")]
+    return None if names == ["everything"] else names
+
+
+@pytest.mark.parametrize("room", ROOMS)
+def test_room_imports_only_what_its_docstring_allows(room: str) -> None:
+    """Imports that run (lazy ones included; not those for type checking only) of the room's
+    files, outside the room, each under a module its docstring names."""
+    allowed = may_import(room)
+    if allowed is None:
+        return
+    unknown = [n for n in allowed if not _exists(f"mscale.{n}")]
+    assert not unknown, f"mscale/{room}/__init__.py names no module of the package: {unknown}"
+    bad = sorted(
+        f"{_module_name(p)} -> {d}"
+        for p in _files()
+        if _room(_module_name(p)) == room
+        for d in imports_of(p)
+        if d.startswith("mscale") and _room(d) != room
+        if not any(d == f"mscale.{n}" or d.startswith(f"mscale.{n}.") for n in allowed)
+    )
+    assert not bad, f"mscale/{room} imports what its docstring does not allow ({allowed}):\n" + "\n".join(bad)
 
 
 def _lines(path: Path) -> int:
     return len(path.read_text().splitlines())
 
 
-def test_no_file_over_600_lines() -> None:
-    big = [f"{p.relative_to(PKG)}: {_lines(p)}" for p in _files() if _lines(p) > 600]
-    assert not big, "files over 600 lines: " + ", ".join(big)
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 60
+GENERATED = ("kube/podresources_pb2.py",)  # protoc's output, not read or written by hand
+LEAD = "the lead's: being rewritten for issue 24"
+# file (under mscale/) -> why it may hold more than MAX_FILE_LINES
+LONG_FILES: dict[str, str] = {
+    "hook/guard.py": LEAD,
+    "hook/checksum.py": LEAD,
+}
+# "file:function" -> why it may run past MAX_FUNCTION_LINES
+LONG_FUNCTIONS: dict[str, str] = {
+    "hook/guard.py:__init__": LEAD,
+    "hook/cmsa.py:grad_stats": LEAD,
+    "hook/weight_sums.py:of": LEAD,
+}
+
+
+def measured_files() -> list[Path]:
+    """The package's files the size limits apply to (generated code left out)."""
+    return [p for p in _files() if str(p.relative_to(PKG)) not in GENERATED]
+
+
+def long_functions(limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    """ "file:function" -> lines, for every function (or method) longer than `limit`."""
+    out = {}
+    for p in measured_files():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > limit:
+                    out[f"{p.relative_to(PKG)}:{node.name}"] = n
+    return out
+
+
+def test_no_file_over_500_lines_but_the_named() -> None:
+    sizes = {str(p.relative_to(PKG)): _lines(p) for p in measured_files()}
+    big = [f"{f}: {n}" for f, n in sizes.items() if n > MAX_FILE_LINES and f not in LONG_FILES]
+    assert not big, f"files over {MAX_FILE_LINES} lines (split at a seam, or name it in LONG_FILES with why): {big}"
+    stale = [f for f in LONG_FILES if sizes.get(f, 0) <= MAX_FILE_LINES]
+    assert not stale, f"LONG_FILES names files within the limit now: drop them: {stale}"
+
+
+def test_no_function_over_60_lines_but_the_named() -> None:
+    found = long_functions()
+    long = [f"{f}: {n}" for f, n in sorted(found.items()) if f not in LONG_FUNCTIONS]
+    assert not long, (
+        f"functions over {MAX_FUNCTION_LINES} lines (break at their steps, or name them in "
+        f"LONG_FUNCTIONS with why): {long}"
+    )
+    stale = [f for f in LONG_FUNCTIONS if f not in found]
+    assert not stale, f"LONG_FUNCTIONS names functions within the limit now: drop them: {stale}"
 
 
 def test_no_folder_holds_over_a_quarter_of_the_package() -> None:

@@ -267,6 +267,7 @@ def test_snapshot_and_loss_findings_become_per_job_metrics(sock: str, tmp_path: 
     them per job_id: writes (duration histogram, size, last success), a failed write, the
     recovery times of a rollback (memory) and a resume (disk), and the findings counter."""
     from mscale.findings import Reason
+    from mscale.snapshot.config import SnapshotConfig
     from mscale.snapshot.data import ResumableLoader
     from mscale.snapshot.plugin import SnapshotPlugin
 
@@ -278,7 +279,9 @@ def test_snapshot_and_loss_findings_become_per_job_metrics(sock: str, tmp_path: 
     loader = ResumableLoader(SyntheticCaptions(cfg, size=256, seed=0), batch_size=4, seed=0)
     snaps = tmp_path / "snaps"
     plugin = SnapshotPlugin(
-        directory=snaps, memory_every=2, disk_every=4, data=loader, rollback_on={Reason.LOSS_NONFINITE}
+        config=SnapshotConfig(directory=snaps, memory_every=2, disk_every=4),
+        data=loader,
+        rollback_on={Reason.LOSS_NONFINITE},
     )
     guard = attach(model, opt, job_id="job-s", socket_path=sock, cmsa=False, plugins=[plugin])
 

@@ -269,7 +269,7 @@ def test_bad_arguments_are_refused_before_anything_is_hooked() -> None:
     with pytest.raises(TypeError, match="data= without snapshots=: .* Add snapshots=True"):
         mscale.attach(model, optimizer, job_id="x", data=mscale.ResumableLoader(Pairs(64), batch_size=8), connect=False)
     with pytest.raises(ValueError, match="memory_every"):
-        mscale.SnapshotConfig(memory_every=0)
+        mscale.attach(model, optimizer, job_id="x", snapshots=mscale.SnapshotConfig(memory_every=0), connect=False)
     assert hooks() == n and not optimizer._optimizer_step_pre_hooks
 
 

@@ -10,12 +10,15 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from mscale.agent_client import AgentClient
 from mscale.daemon.jobs import JobState, RankLimit
+from mscale.daemon.state import AgentState
 from mscale.daemon.status_cli import render
+from mscale.exporters import jobs as jobs_exporter
 from mscale.link import MpuInfo, Register, StepReport
 from support import REPO
 from support.link_agent import Agent, metric, wait_for
@@ -137,6 +140,22 @@ def test_job_figures_are_aggregated_on_purpose() -> None:
     job.ranks.pop(0)  # rank 0 gone: the lowest live rank speaks for the job
     assert (job.lead, job.loss) == (2, 4.0)
     assert [(rs.rank, m.gpu) for rs, m in job.iter_mpus()] == [(0, 0), (1, 1), (2, 2)]
+
+
+def test_a_gpu_snapshot_rescores_the_mpus_on_it_and_a_scrape_only_reads() -> None:
+    """Health is scored when a report arrives and when the GPU probe publishes, never at a
+    scrape (issue 24: the scrape only reads)."""
+    state = AgentState(node="n")
+    job = state.jobs["j"] = JobState(job_id="j")
+    job.register(_reg(0, 10))
+    job.ranks[0] = 10
+    (_, mpu), *_ = job.iter_mpus()
+    assert mpu.health_score == 100.0
+    state.publish("gpu", SimpleNamespace(gpus=(SimpleNamespace(index=0, uuid="GPU-0", health="degraded"),)))
+    assert (mpu.health_score, mpu.gpu_uuid) == (75.0, "GPU-0")
+    mpu.health_score = -1.0  # a scrape must leave the score as it is
+    list(jobs_exporter.collect(state))
+    assert mpu.health_score == -1.0
 
 
 def test_the_host_probe_measures_every_live_rank_of_a_job() -> None:

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from mscale.findings import Reason
+from mscale.snapshot.config import SnapshotConfig
 from mscale.snapshot.engine import RollbackUnavailable, SnapshotEngine
 from mscale.snapshot.format import (
     MANIFEST,
@@ -200,7 +201,9 @@ def test_parameters_outside_every_mpu_have_their_own_file(tmp_path):
     opt = torch.optim.Adam(model.parameters())
     model.inner(torch.ones(2, 4)).mul(model.scale).sum().backward()
     opt.step()
-    engine = SnapshotEngine(model, opt, mpus={"text": ("007", model.inner)}, directory=tmp_path, disk_every=1)
+    engine = SnapshotEngine(
+        model, opt, config=SnapshotConfig(directory=tmp_path, disk_every=1), mpus={"text": ("007", model.inner)}
+    )
     engine.step_end(1)
     engine.flush()
     assert set(load_file(tmp_path / "step_00000001" / NONMPU_FILE)) == {"model/scale", "model/calls"}
@@ -373,9 +376,7 @@ def test_guard_plugin_drives_the_engine_and_rolls_back_on_a_nonfinite_loss(tmp_p
 
     model, opt, sched, scaler, loader, mpus = build(dataset_size=256)
     plugin = SnapshotPlugin(
-        directory=tmp_path,
-        memory_every=5,
-        disk_every=5,
+        config=SnapshotConfig(directory=tmp_path, memory_every=5, disk_every=5),
         data=loader,
         scheduler=sched,
         rollback_on={Reason.LOSS_NONFINITE},
@@ -426,7 +427,11 @@ def test_guard_with_a_grad_scaler_rolls_back_a_nan_step_the_scaler_skipped(tmp_p
 
     model, opt, sched, scaler, loader, mpus = build(dataset_size=256)
     plugin = SnapshotPlugin(
-        memory_every=5, data=loader, scheduler=sched, scaler=scaler, rollback_on={Reason.LOSS_NONFINITE}
+        config=SnapshotConfig(memory_every=5),
+        data=loader,
+        scheduler=sched,
+        scaler=scaler,
+        rollback_on={Reason.LOSS_NONFINITE},
     )
     guard = attach(model, opt, job_id="scaler-test", connect=False, cmsa=False, plugins=[plugin])
     steps_run = []

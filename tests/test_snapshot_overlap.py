@@ -28,7 +28,7 @@ def _wait_for(cond, timeout=30.0):
 def _hold_copies(job: Job) -> threading.Event:
     """Keeps the copies queued after this call in flight until the returned event is set."""
     gate = threading.Event()
-    job.engine._copier._background.submit(gate.wait, 60)
+    job.engine.copier._background.submit(gate.wait, 60)
     return gate
 
 
@@ -42,7 +42,7 @@ def test_the_optimizer_step_waits_for_the_copy_in_flight_and_the_snapshot_is_the
         assert snap is not None and snap.step == 10
         assert not snap.is_ready()  # the parameters' copy is still queued: training goes on
         at10 = job.state()
-        copier = job.engine._copier
+        copier = job.engine.copier
         waits = copier.waits
         stepped = threading.Thread(target=job.step, args=(11,))
         stepped.start()  # forward and backward run; the optimizer step must wait for the copy
@@ -104,7 +104,7 @@ def test_wait_copy_lets_other_writers_wait_for_the_copy_in_flight():
     at10 = job.state()
     waited = threading.Thread(target=job.engine.wait_copy)
     waited.start()
-    _wait_for(lambda: job.engine._copier.waiting)
+    _wait_for(lambda: job.engine.copier.waiting)
     assert not snap.is_ready()
     gate.set()
     waited.join(60)

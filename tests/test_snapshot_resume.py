@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from mscale.sim.tinymm import TinyConfig
+from mscale.snapshot.config import SnapshotConfig
 from mscale.snapshot.engine import SnapshotEngine
 from mscale.snapshot.format import list_snapshots, verify_snapshot
 from support.snapshot_job import build
@@ -166,8 +167,7 @@ def test_kill_9_during_disk_writes_never_leaves_a_torn_snapshot(tmp_path):
                 scaler=scaler,
                 scheduler=sched,
                 data=loader,
-                directory=d,
-                disk_every=0,
+                config=SnapshotConfig(directory=d, disk_every=0),
                 job_id="snapshot-test",  # the job's: a run resumes only its own snapshots
             )
             assert engine.resume() == max(s.step for s in snaps)

@@ -444,7 +444,7 @@ def test_a_weight_hit_while_the_snapshot_copies_is_repaired_from_the_snapshot_be
     def hold_the_copy_then_corrupt(r) -> None:
         if r.guard.current_step == 22:
             # a job queued first on the copier's background thread holds step 22's copy behind it
-            r.snapshots._copier._background.submit(gate.wait, 60)
+            r.snapshots.copier._background.submit(gate.wait, 60)
         elif r.guard.current_step == 23 and not gate.is_set():
             corrupt(r.model.vision_tower.layers[0].linear1.weight)
             gate.set()

@@ -6,8 +6,9 @@ Run by three processes: the TRAINING JOB (`mscale.contract(...)`: hardware view,
 pinning its own threads and data-loader workers), the CLI (`mscale contract check|status`)
 and the AGENT (the plan's types, read back from the link, and the profile catalogue).
 
-May import: options (the config machinery), textfile, link; the standard library and PyYAML. Never imports torch,
-daemon or hook, so the agent and the CLI load it in milliseconds.
+May import: options (the config machinery), textfile, link, agent_client (the CLI asks the agent),
+config (the CLI reads the agent's [contract] section). Outside the package: the standard library
+and PyYAML. Never imports torch, daemon or hook, so the agent and the CLI load it in milliseconds.
 
   hardware  the host from /sys and /proc behind injectable roots (HostView)
   spec      the contract's fields, its stable error codes (Code), the profile catalogue

@@ -26,6 +26,17 @@ class _Check:
     def __init__(self, host: HostView, allowed_cpus: frozenset[int] | None) -> None:
         self.host, self.allowed_cpus = host, allowed_cpus
         self.problems: list[Problem] = []
+        self.owner: dict[int, str] = {}  # CPU -> the entry that holds it
+
+    def thread(self, e: Entry, index: int, where: str) -> ThreadPlan:
+        """The thread of an entry with CPU cores: its cores checked, each held by one entry."""
+        self.cores(e, where)
+        for c in e.cpu_cores:
+            if c in self.owner:
+                self.bad(Code.CORE_SHARED, where, f"CPU {c} is also {self.owner[c]}'s; give each its own")
+            self.owner.setdefault(c, e.name)
+        tag = "" if e.name == MAIN else thread_tag(index, e.name)
+        return ThreadPlan(e.name, tuple(sorted(e.cpu_cores)), tag, e.numa_node)
 
     def bad(self, code: Code, where: str, message: str) -> None:
         self.problems.append(Problem(code, where, message))
@@ -173,7 +184,6 @@ def validate(
         host = read_host(sys_root, proc_root)
     check = _Check(host, frozenset(allowed_cpus) if allowed_cpus is not None else None)
     threads, gpus, pools, rdma, nvme = [], [], [], [], []
-    owner: dict[int, str] = {}
     for i, e in enumerate(contract.io_topology):
         where = f"io_topology.{e.name}"
         if e.numa_node is not None and e.numa_node not in host.numa_nodes:
@@ -181,15 +191,7 @@ def validate(
             check.bad(Code.NUMA_UNKNOWN, f"{where}.numa_node", f"no NUMA node {e.numa_node} here; nodes: {nodes}")
             e = _without_numa(e)
         if e.cpu_cores:
-            check.cores(e, f"{where}.cpu_cores")
-            for c in e.cpu_cores:
-                if c in owner:
-                    check.bad(
-                        Code.CORE_SHARED, f"{where}.cpu_cores", f"CPU {c} is also {owner[c]}'s; give each its own"
-                    )
-                owner.setdefault(c, e.name)
-            tag = "" if e.name == MAIN else thread_tag(i, e.name)
-            threads.append(ThreadPlan(e.name, tuple(sorted(e.cpu_cores)), tag, e.numa_node))
+            threads.append(check.thread(e, i, f"{where}.cpu_cores"))
         if e.gpu_id is not None and (g := check.gpu(e, where)) is not None:
             gpus.append(g)
         if e.memory_pool is not None and (p := check.pool(e, f"{where}.memory_pool")) is not None:

@@ -327,36 +327,8 @@ class LinkServer:
         msg = dataclasses.replace(msg, pid=conn.pid or msg.pid)
         if not self.config.kubernetes.enabled:
             msg = dataclasses.replace(msg, pod=None)  # pod labels only on Kubernetes (mscale.kube)
-        job = self.state.jobs.get(job_id)
-        live = self.connections.get(job_id, {})
-        old = live.get(rank)
-        if job is not None and job.uid is not None and job.uid != conn.uid:
-            raise BadMessage("job_owner", f"register: job {job_id} belongs to another user (uid {job.uid})")
-        if old is not None and old is not conn.ws and not old.closed and job is not None:
-            if job.ranks.get(rank) != msg.pid:
-                raise BadMessage(
-                    "duplicate",
-                    f"register: job {job_id} rank {rank} is already connected (pid {job.ranks.get(rank)})",
-                )
-        elif old is None and len(live) >= self.config.socket.max_ranks_per_job:
-            raise BadMessage(
-                "rank_limit", f"register: job {job_id} has {len(live)} ranks connected (socket.max_ranks_per_job)"
-            )
-        check_mpu_budget(self.config.socket, self.state.jobs, conn.uid, job, msg, self._drop)
-        if job is None:
-            make_room(self.config.socket, self.state.jobs, conn.uid, self._drop)
-            job = JobState(
-                job_id=job_id, rank=rank, pid=msg.pid, uid=conn.uid, max_ranks=self.config.socket.max_ranks_per_job
-            )
-            job.register(msg)
-            self.state.jobs[job_id] = job
-        else:
-            try:
-                job.register(msg)
-            except RankLimit as e:
-                raise BadMessage("rank_limit", f"register: {e} (socket.max_ranks_per_job)") from None
-            if old is not conn.ws:
-                job.connects += 1
+        old = self.connections.get(job_id, {}).get(rank)
+        job = self._admitted(conn, msg, self.state.jobs.get(job_id), old)
         if job.uid is None:
             job.uid = conn.uid
         if old is not None and old is not conn.ws and not old.closed:
@@ -379,6 +351,42 @@ class LinkServer:
                     {"job_id": job_id, "rank": str(rank), "local_rank": str(rs.local_rank), "pid": str(rs.pid)},
                 )
             )
+        return job
+
+    def _admitted(
+        self, conn: _Conn, msg: Register, job: JobState | None, old: web.WebSocketResponse | None
+    ) -> JobState:
+        """The job with this registration in it (made when new), or BadMessage: another
+        user's job, a rank already connected from another process, past a cap."""
+        job_id, rank = msg.job_id, msg.rank
+        live = self.connections.get(job_id, {})
+        if job is not None and job.uid is not None and job.uid != conn.uid:
+            raise BadMessage("job_owner", f"register: job {job_id} belongs to another user (uid {job.uid})")
+        if old is not None and old is not conn.ws and not old.closed and job is not None:
+            if job.ranks.get(rank) != msg.pid:
+                raise BadMessage(
+                    "duplicate",
+                    f"register: job {job_id} rank {rank} is already connected (pid {job.ranks.get(rank)})",
+                )
+        elif old is None and len(live) >= self.config.socket.max_ranks_per_job:
+            raise BadMessage(
+                "rank_limit", f"register: job {job_id} has {len(live)} ranks connected (socket.max_ranks_per_job)"
+            )
+        check_mpu_budget(self.config.socket, self.state.jobs, conn.uid, job, msg, self._drop)
+        if job is None:
+            make_room(self.config.socket, self.state.jobs, conn.uid, self._drop)
+            job = JobState(
+                job_id=job_id, rank=rank, pid=msg.pid, uid=conn.uid, max_ranks=self.config.socket.max_ranks_per_job
+            )
+            job.register(msg)
+            self.state.jobs[job_id] = job
+            return job
+        try:
+            job.register(msg)
+        except RankLimit as e:
+            raise BadMessage("rank_limit", f"register: {e} (socket.max_ranks_per_job)") from None
+        if old is not conn.ws:
+            job.connects += 1
         return job
 
     def _report(self, job: JobState, rank: int, msg: Report) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from mscale.daemon.jobs import JobState
+from mscale.daemon.jobs import JobState, gpus_by_index
 from mscale.findings import Finding, Severity
 
 log = structlog.get_logger("mscale.events")
@@ -162,3 +162,7 @@ class AgentState:
 
     def publish(self, probe: str, snapshot: Any) -> None:
         self.snapshots[probe] = snapshot
+        if probe == "gpu":  # the bound GPU's health is part of each MPU's score: scored now, never at a scrape
+            gpus = gpus_by_index(self)
+            for job in self.jobs.values():
+                job.refresh(gpus)

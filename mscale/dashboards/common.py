@@ -135,6 +135,9 @@ class Panel:
         )
 
 
+Row = tuple[str, list[Panel]]  # a dashboard row: its title and its panels, left to right
+
+
 def _threshold_steps(value: float | None, below: bool) -> list[dict]:
     if value is None:
         return []
@@ -149,7 +152,7 @@ def dashboard(
     uid: str,
     title: str,
     description: str,
-    rows: list[tuple[str, list[Panel]]],
+    rows: list[Row],
     job: bool = False,
     gpu: bool = False,
 ) -> g.Dashboard:

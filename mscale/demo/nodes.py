@@ -127,29 +127,16 @@ def _rank(rank: int, world: int, ranks: int, port: int, socket: str, tmp: Path) 
     (tmp / f"rank_{rank}.json").write_text(json.dumps(out))
 
 
+Agents = list[tuple[str, int, Path, subprocess.Popen]]  # (node name, port, folder, process)
+
+
 def main(*, nodes: int, ranks: int, out: str) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="mscale-demo-nodes-"))
     names = [f"node-{chr(ord('a') + i)}" for i in range(nodes)]
-    agents: list[tuple[str, int, Path, subprocess.Popen]] = []
+    agents: Agents = []
     children: list[int] = []
     try:
-        for name in names:
-            d = tmp / name
-            d.mkdir()
-            port = _free_port()
-            (d / "timeline.yaml").write_text(f"gpus: {ranks + 1}\nevents: []\n")
-            (d / "agent.toml").write_text(
-                f'[agent]\nlisten = "127.0.0.1:{port}"\nsocket_path = "{d / "agent.sock"}"\nnode = "{name}"\n'
-                f'simulate = "{d / "timeline.yaml"}"\n[probes.ebpf]\nenabled = false\n'
-                f'[chaos]\ntoken = "{CHAOS_TOKEN}"\n'
-            )
-            log = open(d / "agent.log", "w")
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "mscale", "agent", "--config", str(d / "agent.toml")], stdout=log, stderr=log
-            )
-            agents.append((name, port, d, proc))
-        for name, _, d, _ in agents:
-            _until(f"{name}'s socket", lambda d=d: (d / "agent.sock").exists(), 60)
+        _start_agents(tmp, names, ranks, agents)
         print(f"{nodes} agents up ({', '.join(names)}); starting {nodes} x {ranks} ranks (gloo, DDP)", flush=True)
         world, port = nodes * ranks, _free_port()
         for rank in range(world):
@@ -162,47 +149,12 @@ def main(*, nodes: int, ranks: int, out: str) -> int:
                 finally:
                     os._exit(code)
             children.append(pid)
-
-        def held(port: int) -> bool:
-            jobs = [j for j in _agent(port).status(events=1)["jobs"] if j["job_id"] == "demo-nodes"]
-            return (
-                bool(jobs)
-                and len(jobs[0]["ranks"]) == ranks
-                and all(r["step"] == HOLD_AT - 1 for r in jobs[0]["ranks"])
-            )
-
-        for name, p, _, _ in agents:
-            _until(f"{name}'s ranks at step {HOLD_AT - 1}", lambda p=p: held(p))
-        name_b, port_b, _, _ = agents[-1]
-        gpu = ranks - 1
-        code, reply = _agent(port_b).chaos({"kind": "xid", "gpu": gpu, "code": 79, "corrupt": "none"})
-        if code != 200:
-            raise RuntimeError(f"{name_b} refused the Xid injection: {reply}")
-        print(f"injected Xid 79 on {name_b} GPU {gpu}", flush=True)
-
-        def sent() -> set[str]:
-            evs = _agent(port_b).events()
-            return {
-                e["labels"].get("action", "")
-                for e in evs
-                if e["reason"] == "heal_action" and e["labels"].get("result") == Result.SENT
-            }
-
-        _until(f"{name_b}'s decisions", lambda: {"emergency_snapshot", "l1_swap"} <= sent(), 60)
+        name_b, gpu = _inject_xid(agents, ranks)
         (tmp / "go").touch()
         codes = [_reap(pid, time.monotonic() + DEADLINE_S) for pid in children]
-        children = []
+        children.clear()
         results = [json.loads((tmp / f"rank_{r}.json").read_text()) for r in range(world) if codes[r] == 0]
-        faulty = world - 1
-        ok = (
-            len(results) == world
-            and len({r["weights"] for r in results}) == 1
-            and all(r["steps"] == STEPS for r in results)
-            and all(
-                bool(r["actions"]) == (r["node"] == name_b) for r in results
-            )  # node B's ranks: the drain's snapshot
-            and all(r["fuse"] == ["healthy"] for r in results if r["rank"] != faulty)  # only the faulty rank moved
-        )
+        ok = _replicas_ok(results, world, name_b)
         summary = {
             "nodes": names,
             "ranks_per_node": ranks,
@@ -210,31 +162,105 @@ def main(*, nodes: int, ranks: int, out: str) -> int:
             "ranks": results,
             "replicas_equal": ok,
         }
-        print(f"\n{'RANK':<5}{'NODE':<8}{'LOCAL':<6}{'STEPS':<6}{'GPUS (vision aligner text)':<28}{'FUSE':<14}ACTIONS")
-        for r in results:
-            gpus = " ".join(str(r["gpus"][k]) for k in ("vision", "aligner", "text"))
-            print(
-                f"{r['rank']:<5}{r['node']:<8}{r['local_rank']:<6}{r['steps']:<6}{gpus:<28}{','.join(r['fuse']):<14}{', '.join(sorted(set(r['actions']))) or '-'}"
-            )
-        print(
-            f"\nXid 79 on {name_b} GPU {gpu}: {name_b}'s ranks took an emergency snapshot (Xid 79 asks for the "
-            f"node to be drained), only rank {faulty} moved its MPUs; all {world} ranks ran {STEPS} steps in one "
-            f"process each (no restart); replicas bitwise equal: {'yes' if len({r['weights'] for r in results}) == 1 else 'NO'}"
-        )
+        _print_ranks(results, name_b, gpu, world)
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"summary: {Path(out) / 'summary.json'}")
         return 0 if ok else 1
     finally:
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except ProcessLookupError:
-                pass
-        for _, _, _, proc in agents:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        _stop(children, agents)
+
+
+def _start_agents(tmp: Path, names: list[str], ranks: int, agents: Agents) -> None:
+    """One `mscale agent` per node, each with its own port, socket and ranks + 1 simulated GPUs,
+    added to `agents` as it starts (so the caller stops what did); back once every socket is up."""
+    for name in names:
+        d = tmp / name
+        d.mkdir()
+        port = _free_port()
+        (d / "timeline.yaml").write_text(f"gpus: {ranks + 1}\nevents: []\n")
+        (d / "agent.toml").write_text(
+            f'[agent]\nlisten = "127.0.0.1:{port}"\nsocket_path = "{d / "agent.sock"}"\nnode = "{name}"\n'
+            f'simulate = "{d / "timeline.yaml"}"\n[probes.ebpf]\nenabled = false\n'
+            f'[chaos]\ntoken = "{CHAOS_TOKEN}"\n'
+        )
+        log = open(d / "agent.log", "w")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mscale", "agent", "--config", str(d / "agent.toml")], stdout=log, stderr=log
+        )
+        agents.append((name, port, d, proc))
+    for name, _, d, _ in agents:
+        _until(f"{name}'s socket", lambda d=d: (d / "agent.sock").exists(), 60)
+
+
+def _inject_xid(agents: Agents, ranks: int) -> tuple[str, int]:
+    """Once every node's ranks wait at the hold step, an Xid 79 on the last node's last rank's
+    GPU, through its chaos API; back when that node's agent has sent its decisions (the node and
+    the GPU)."""
+
+    def held(port: int) -> bool:
+        jobs = [j for j in _agent(port).status(events=1)["jobs"] if j["job_id"] == "demo-nodes"]
+        return bool(jobs) and len(jobs[0]["ranks"]) == ranks and all(r["step"] == HOLD_AT - 1 for r in jobs[0]["ranks"])
+
+    for name, p, _, _ in agents:
+        _until(f"{name}'s ranks at step {HOLD_AT - 1}", lambda p=p: held(p))
+    name_b, port_b, _, _ = agents[-1]
+    gpu = ranks - 1
+    code, reply = _agent(port_b).chaos({"kind": "xid", "gpu": gpu, "code": 79, "corrupt": "none"})
+    if code != 200:
+        raise RuntimeError(f"{name_b} refused the Xid injection: {reply}")
+    print(f"injected Xid 79 on {name_b} GPU {gpu}", flush=True)
+
+    def sent() -> set[str]:
+        evs = _agent(port_b).events()
+        return {
+            e["labels"].get("action", "")
+            for e in evs
+            if e["reason"] == "heal_action" and e["labels"].get("result") == Result.SENT
+        }
+
+    _until(f"{name_b}'s decisions", lambda: {"emergency_snapshot", "l1_swap"} <= sent(), 60)
+    return name_b, gpu
+
+
+def _replicas_ok(results: list[dict], world: int, name_b: str) -> bool:
+    """Every rank finished with the same weights, only node B's ranks acted (the drain's
+    snapshot) and only the faulty rank (the last) moved."""
+    faulty = world - 1
+    return (
+        len(results) == world
+        and len({r["weights"] for r in results}) == 1
+        and all(r["steps"] == STEPS for r in results)
+        and all(bool(r["actions"]) == (r["node"] == name_b) for r in results)
+        and all(r["fuse"] == ["healthy"] for r in results if r["rank"] != faulty)
+    )
+
+
+def _print_ranks(results: list[dict], name_b: str, gpu: int, world: int) -> None:
+    print(f"\n{'RANK':<5}{'NODE':<8}{'LOCAL':<6}{'STEPS':<6}{'GPUS (vision aligner text)':<28}{'FUSE':<14}ACTIONS")
+    for r in results:
+        gpus = " ".join(str(r["gpus"][k]) for k in ("vision", "aligner", "text"))
+        print(
+            f"{r['rank']:<5}{r['node']:<8}{r['local_rank']:<6}{r['steps']:<6}{gpus:<28}{','.join(r['fuse']):<14}{', '.join(sorted(set(r['actions']))) or '-'}"
+        )
+    print(
+        f"\nXid 79 on {name_b} GPU {gpu}: {name_b}'s ranks took an emergency snapshot (Xid 79 asks for the "
+        f"node to be drained), only rank {world - 1} moved its MPUs; all {world} ranks ran {STEPS} steps in one "
+        f"process each (no restart); replicas bitwise equal: {'yes' if len({r['weights'] for r in results}) == 1 else 'NO'}"
+    )
+
+
+def _stop(children: list[int], agents: Agents) -> None:
+    """Ranks not reaped killed; agents terminated (killed past 15 s)."""
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except ProcessLookupError:
+            pass
+    for _, _, _, proc in agents:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()

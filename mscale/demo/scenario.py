@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,10 @@ from mscale.findings import Finding
 from mscale.healing.settings import HealingSection
 from mscale.healing.words import Result
 from mscale.hook.checksum import ChecksumConfig
+
+if TYPE_CHECKING:
+    from mscale.sim.tinymm import TinyConfig
+    from mscale.snapshot.data import ResumableLoader
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,21 @@ class _Recorder:
         self.lrs.append((step, self.guard.optimizer.param_groups[0]["lr"]))
 
 
+def _data(cfg: RunConfig, mcfg: TinyConfig) -> tuple[ResumableLoader, list[dict]]:
+    """The training data (a resumable loader, its position in every snapshot) and the held-out
+    batches the final loss is measured on."""
+    from mscale.sim.tinymm import SyntheticCaptions
+    from mscale.snapshot.data import ResumableLoader
+
+    data = ResumableLoader(SyntheticCaptions(mcfg, size=4096, seed=cfg.seed), batch_size=cfg.batch_size, seed=cfg.seed)
+    held = SyntheticCaptions(mcfg, size=cfg.eval_batches * cfg.batch_size, seed=cfg.seed + 7919)
+    eval_data = [
+        torch.utils.data.default_collate([held[i] for i in range(b * cfg.batch_size, (b + 1) * cfg.batch_size)])
+        for b in range(cfg.eval_batches)
+    ]
+    return data, eval_data
+
+
 class Run:
     """The objects of one run, built by `setup` (the demo and the benchmark poke at them)."""
 
@@ -115,8 +134,8 @@ class Run:
         from mscale.hook.goodput import account
         from mscale.hook.guard import Guard
         from mscale.sim.chaos_job import ChaosPlugin
-        from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
-        from mscale.snapshot.data import ResumableLoader
+        from mscale.sim.tinymm import TinyConfig, TinyMultimodal
+        from mscale.snapshot.config import SnapshotConfig
         from mscale.snapshot.engine import SnapshotEngine
 
         self.cfg = cfg
@@ -126,14 +145,7 @@ class Run:
         mcfg = cfg.model_config or TinyConfig()
         self.model = TinyMultimodal(mcfg)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
-        self.data = ResumableLoader(
-            SyntheticCaptions(mcfg, size=4096, seed=cfg.seed), batch_size=cfg.batch_size, seed=cfg.seed
-        )
-        held = SyntheticCaptions(mcfg, size=cfg.eval_batches * cfg.batch_size, seed=cfg.seed + 7919)
-        self.eval_data = [
-            torch.utils.data.default_collate([held[i] for i in range(b * cfg.batch_size, (b + 1) * cfg.batch_size)])
-            for b in range(cfg.eval_batches)
-        ]
+        self.data, self.eval_data = _data(cfg, mcfg)
         self.guard = Guard(
             self.model,
             self.optimizer,
@@ -149,9 +161,7 @@ class Run:
             self.optimizer,
             mpus={m.name: (m.mpu_id, m.module) for m in g.mpus},
             data=self.data,
-            directory=cfg.snapshot_dir,
-            memory_every=cfg.memory_every,
-            disk_every=cfg.disk_every,
+            config=SnapshotConfig(directory=cfg.snapshot_dir, memory_every=cfg.memory_every, disk_every=cfg.disk_every),
             binding=lambda: {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid} for m in g.mpus},
             emit=self.fuse.snapshot_emit,
             job_id=cfg.job_id,

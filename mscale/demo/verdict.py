@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mscale.healing.words import Result
@@ -90,44 +90,72 @@ def judge(
         return False, [], f"no healing is defined for a {chaos['kind']} fault"
     if missing:
         return False, healed_by, f"not applied: {', '.join(missing)}"
-    rows = [(s, c) for s, c in checks if inside(s)]
-    kind = chaos["kind"]
-    if kind in ("corrupt", "xid", "ecc"):
-        if "gpu" in chaos:
-            targets = [m for m, (_, g) in mpus_at_start.items() if g == int(chaos["gpu"])]
-        else:
-            targets = [m for m, (name, _) in mpus_at_start.items() if chaos.get("mpu") in (m, name)]
-        if not targets:
-            return False, healed_by, "no MPU was on the faulty placement"
-        for m in targets:
-            home = mpus_at_start[m][1]
-            moved = [s for s, c in rows if m in c and c[m][0] != home] if "gpu" in chaos else [s for s, _ in rows]
-            if not moved:
-                return False, healed_by, f"MPU {m} never left GPU {home}"
-            after = [c[m] for s, c in rows if m in c and s >= (moved[0] if moved else start)]
-            last = after[-CLEAN_CHECKS:]
-            if len(last) < CLEAN_CHECKS or not all(ok for _, ok in last):
-                return False, healed_by, f"MPU {m}: its last checks are not clean"
-            if "gpu" in chaos and any(g == int(chaos["gpu"]) for g, _ in after[-CLEAN_CHECKS:]):
-                return False, healed_by, f"MPU {m} is back on GPU {chaos['gpu']}"
-        where = "on the new placement" if "gpu" in chaos else "at the end of the window"
-        return True, healed_by, f"{CLEAN_CHECKS}+ clean checks {where}"
+    if chaos["kind"] in ("corrupt", "xid", "ecc"):
+        rows = [(s, c) for s, c in checks if inside(s)]
+        healed, evidence = _placement_clean(chaos, start, rows, mpus_at_start)
+    else:
+        healed, evidence = _loss_back(
+            chaos, start, inside, window, losses, by_action.get("rollback", []), nan_in_weights
+        )
+    return healed, healed_by, evidence
+
+
+def _placement_clean(
+    chaos: dict,
+    start: int,
+    rows: list[tuple[int, dict[str, tuple[int, bool]]]],
+    mpus_at_start: dict[str, tuple[str, int]],
+) -> tuple[bool, str]:
+    """A corruption or an Xid: every MPU that was on the faulty GPU (or the corrupted MPU) left
+    it and its last checks of the window are clean."""
+    if "gpu" in chaos:
+        targets = [m for m, (_, g) in mpus_at_start.items() if g == int(chaos["gpu"])]
+    else:
+        targets = [m for m, (name, _) in mpus_at_start.items() if chaos.get("mpu") in (m, name)]
+    if not targets:
+        return False, "no MPU was on the faulty placement"
+    for m in targets:
+        home = mpus_at_start[m][1]
+        moved = [s for s, c in rows if m in c and c[m][0] != home] if "gpu" in chaos else [s for s, _ in rows]
+        if not moved:
+            return False, f"MPU {m} never left GPU {home}"
+        after = [c[m] for s, c in rows if m in c and s >= (moved[0] if moved else start)]
+        last = after[-CLEAN_CHECKS:]
+        if len(last) < CLEAN_CHECKS or not all(ok for _, ok in last):
+            return False, f"MPU {m}: its last checks are not clean"
+        if "gpu" in chaos and any(g == int(chaos["gpu"]) for g, _ in after[-CLEAN_CHECKS:]):
+            return False, f"MPU {m} is back on GPU {chaos['gpu']}"
+    where = "on the new placement" if "gpu" in chaos else "at the end of the window"
+    return True, f"{CLEAN_CHECKS}+ clean checks {where}"
+
+
+def _loss_back(
+    chaos: dict,
+    start: int,
+    inside: Callable[[int], bool],
+    window: list[Any],
+    losses: Sequence[tuple[int, float]],
+    rollbacks: list[Any],
+    nan_in_weights: bool,
+) -> tuple[bool, str]:
+    """A loss spike or a NaN loss: no further spike, the loss back in its band (and for a NaN:
+    none in the weights, every loss after the rollback finite)."""
     before = [v for s, v in losses if start - 10 <= s < start and math.isfinite(v)]
     later = [v for s, v in losses if inside(s) and s > start]
-    if kind == "nan_loss":
+    if chaos["kind"] == "nan_loss":
         if nan_in_weights:
-            return False, healed_by, "a NaN reached the weights"
-        rolled = by_action["rollback"][0]
+            return False, "a NaN reached the weights"
+        rolled = rollbacks[0]
         later = [v for s, v in losses if inside(s) and _step(rolled) < s]
         if not all(math.isfinite(v) for v in later[1:]):
-            return False, healed_by, "a later loss is not finite"
+            return False, "a later loss is not finite"
     spikes = [f for f in window if f.reason.value in _LOSS_FINDINGS and _step(f) > start + 1]
     if spikes:
-        return False, healed_by, f"the loss spiked again at step {_step(spikes[0])}"
+        return False, f"the loss spiked again at step {_step(spikes[0])}"
     tail = [v for v in later if math.isfinite(v)][-5:]
     if not before or len(tail) < 3:
-        return False, healed_by, "too few steps to tell whether the loss is back in its band"
+        return False, "too few steps to tell whether the loss is back in its band"
     ratio = statistics.median(tail) / statistics.median(before)
     if ratio > BAND:
-        return False, healed_by, f"the loss is {ratio:.2f}x its level before the fault"
-    return True, healed_by, f"loss back in its band ({ratio:.2f}x its level before)"
+        return False, f"the loss is {ratio:.2f}x its level before the fault"
+    return True, f"loss back in its band ({ratio:.2f}x its level before)"

@@ -2,7 +2,8 @@
 module; each exports `collect(state)` yielding prometheus_client metric families built from
 the agent's latest snapshots (a scrape never touches hardware).
 
-May import: daemon.state, daemon.jobs, probes, healing. Never imports torch.
+May import: daemon (the agent's state and books it reads), probes, healing, kube, link. Never
+imports torch.
 """
 
 from __future__ import annotations

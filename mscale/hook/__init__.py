@@ -3,8 +3,8 @@ detectors, CMSA, the fuse plugin and the healing actions' executors (actions/), 
 client, and the integrations, each imported on its own: the Hugging Face callback (hf),
 Accelerate (accelerate), Lightning (lightning).
 
-May import: findings, options (the config machinery), link, healing (the decision core), snapshot. Never imports
-daemon. Importing this package imports torch; `import mscale` does not (it re-exports lazily).
+May import: findings, options (the config machinery), link, healing (the decision core), snapshot,
+contracts (torch-free). Never imports daemon. Importing this package imports torch; `import mscale` does not (it re-exports lazily).
 """
 
 from __future__ import annotations

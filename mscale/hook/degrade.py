@@ -220,9 +220,6 @@ def _merge(module: nn.Module, scale: float) -> Reduction | None:
     if p <= 0:
         return None
 
-    def shrink(g: int) -> int:
-        return _small_grid(g, scale, m)
-
     def reduced(inner: Callable, args: tuple, kwargs: dict) -> Any:
         kwargs = dict(kwargs)
         x = kwargs.pop("hidden_states", args[0] if args else None)
@@ -233,45 +230,61 @@ def _merge(module: nn.Module, scale: float) -> Reduction | None:
         rows = [tuple(int(v) for v in r) for r in grid.tolist()]
         if x.shape[1] != c * tp * p * p or x.shape[0] != sum(t * h * w for t, h, w in rows):
             raise ValueError(f"patches {tuple(x.shape)} do not match grid_thw {rows} and the patch size")
-        parts, small_rows = [], []
-        for chunk, (t, h, w) in zip(torch.split(x, [t * h * w for t, h, w in rows]), rows, strict=True):
-            sh, sw = shrink(h), shrink(w)
-            if (sh, sw) == (h, w):
-                parts.append(chunk)
-            else:
-                img = _unpatch(chunk, (t, h, w), c, tp, p, m)
-                parts.append(_patch(_resize(img, (sh * p, sw * p)), t, c, tp, p, m))
-            small_rows.append((t, sh, sw))
+        small_x, small_rows = _shrink_patches(x, rows, scale, (c, tp, p, m))
         small_grid = torch.tensor(small_rows, dtype=grid.dtype, device=grid.device)
-        out = inner(torch.cat(parts), small_grid, *rest, **kwargs)
-        merged_small = [t * h * w // (m * m) for t, h, w in small_rows]
-        unmerged_small = [t * h * w for t, h, w in small_rows]
-
-        def back(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.dim() != 2:
-                return tensor
-            n = tensor.shape[0]
-            if n == sum(merged_small) and n != sum(t * h * w // (m * m) for t, h, w in rows):
-                pieces = torch.split(tensor, merged_small)
-                return torch.cat(
-                    [
-                        _resize(pc.reshape(t, h // m, w // m, -1).permute(0, 3, 1, 2), (gh // m, gw // m))
-                        .permute(0, 2, 3, 1)
-                        .reshape(-1, pc.shape[-1])
-                        for pc, (t, h, w), (_, gh, gw) in zip(pieces, small_rows, rows, strict=True)
-                    ]
-                )
-            if n == sum(unmerged_small) and n != sum(t * h * w for t, h, w in rows):
-                pieces = torch.split(tensor, unmerged_small)
-                return torch.cat(
-                    [
-                        _grid_to_windows(_resize(_windows_to_grid(pc, t, h, w, m), (gh, gw)), m)
-                        for pc, (t, h, w), (_, gh, gw) in zip(pieces, small_rows, rows, strict=True)
-                    ]
-                )
-            return tensor
-
-        return map_tensors(out, back)
+        out = inner(small_x, small_grid, *rest, **kwargs)
+        return map_tensors(out, lambda tensor: _regrid(tensor, rows, small_rows, m))
 
     detail = f"images at {scale:g}x of their patch grid (multiples of the {m}x{m} merge), features resampled to the original grid"
     return _guarded(module, "merge", detail, reduced)
+
+
+def _shrink_patches(
+    x: torch.Tensor, rows: list[tuple[int, ...]], scale: float, shape: tuple[int, int, int, int]
+) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """Each image's patches (rows of grid_thw) rebuilt into the image, resized to `scale` of its
+    grid (a multiple of the merge size `m`) and cut into patches again; an image whose grid
+    cannot shrink keeps its patches. `shape`: (channels, temporal patch, patch size, m).
+    The patches and their grids."""
+    c, tp, p, m = shape
+    parts, small_rows = [], []
+    for chunk, (t, h, w) in zip(torch.split(x, [t * h * w for t, h, w in rows]), rows, strict=True):
+        sh, sw = _small_grid(h, scale, m), _small_grid(w, scale, m)
+        if (sh, sw) == (h, w):
+            parts.append(chunk)
+        else:
+            img = _unpatch(chunk, (t, h, w), c, tp, p, m)
+            parts.append(_patch(_resize(img, (sh * p, sw * p)), t, c, tp, p, m))
+        small_rows.append((t, sh, sw))
+    return torch.cat(parts), small_rows
+
+
+def _regrid(
+    tensor: torch.Tensor, rows: list[tuple[int, ...]], small_rows: list[tuple[int, int, int]], m: int
+) -> torch.Tensor:
+    """An output of the small grids resampled back to the original ones: the merged tokens
+    (one per m x m window) and the unmerged ones; any other tensor as it is."""
+    if tensor.dim() != 2:
+        return tensor
+    merged_small = [t * h * w // (m * m) for t, h, w in small_rows]
+    unmerged_small = [t * h * w for t, h, w in small_rows]
+    n = tensor.shape[0]
+    if n == sum(merged_small) and n != sum(t * h * w // (m * m) for t, h, w in rows):
+        pieces = torch.split(tensor, merged_small)
+        return torch.cat(
+            [
+                _resize(pc.reshape(t, h // m, w // m, -1).permute(0, 3, 1, 2), (gh // m, gw // m))
+                .permute(0, 2, 3, 1)
+                .reshape(-1, pc.shape[-1])
+                for pc, (t, h, w), (_, gh, gw) in zip(pieces, small_rows, rows, strict=True)
+            ]
+        )
+    if n == sum(unmerged_small) and n != sum(t * h * w for t, h, w in rows):
+        pieces = torch.split(tensor, unmerged_small)
+        return torch.cat(
+            [
+                _grid_to_windows(_resize(_windows_to_grid(pc, t, h, w, m), (gh, gw)), m)
+                for pc, (t, h, w), (_, gh, gw) in zip(pieces, small_rows, rows, strict=True)
+            ]
+        )
+    return tensor

@@ -33,47 +33,18 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from mscale.contracts.msrp import msrp_binding
+from mscale.snapshot.config import SnapshotConfig
 
 if TYPE_CHECKING:
     from mscale.hook.guard import Guard
+    from mscale.snapshot.engine import SnapshotEngine
 
 log = structlog.get_logger("mscale.hook")
-
-
-@dataclass(frozen=True)
-class SnapshotConfig:
-    """The snapshots `attach(..., snapshots=...)` takes (a path is `SnapshotConfig(directory=path)`,
-    True is `SnapshotConfig()`: in memory only).
-
-    directory: where disk snapshots go (None: in memory only). memory_every: an in-memory
-    snapshot after every N-th step, the rollback targets; memory_keep: how many are held.
-    disk_every: a disk snapshot after every N-th step (0: only on demand and in emergencies);
-    disk_keep: how many stay on disk.
-    """
-
-    directory: str | os.PathLike | None = None
-    memory_every: int = 10
-    memory_keep: int = 2
-    disk_every: int = 100
-    disk_keep: int = 3
-
-    def __post_init__(self) -> None:
-        if self.directory is not None and not os.fspath(self.directory):
-            raise ValueError("directory: expected a path, got an empty string")
-        if self.memory_every < 1:
-            raise ValueError(
-                f"memory_every: expected >= 1 (rollbacks need in-memory snapshots), got {self.memory_every}"
-            )
-        if self.disk_every < 0:
-            raise ValueError(f"disk_every: expected >= 0 (0: only on demand), got {self.disk_every}")
-        if self.memory_keep < 1 or self.disk_keep < 1:
-            raise ValueError(f"memory_keep, disk_keep: expected >= 1, got {self.memory_keep}, {self.disk_keep}")
 
 
 def snapshot_config(snapshots: Any) -> SnapshotConfig | None:
@@ -81,15 +52,19 @@ def snapshot_config(snapshots: Any) -> SnapshotConfig | None:
     if snapshots is None or snapshots is False:
         return None
     if snapshots is True:
-        return SnapshotConfig()
-    if isinstance(snapshots, SnapshotConfig):
-        return snapshots
-    if isinstance(snapshots, (str, os.PathLike)):
-        return SnapshotConfig(directory=snapshots)
-    raise TypeError(
-        f"snapshots: expected a directory, True (in memory only) or a mscale.SnapshotConfig, "
-        f"got {type(snapshots).__name__}"
-    )
+        cfg = SnapshotConfig()
+    elif isinstance(snapshots, SnapshotConfig):
+        cfg = snapshots
+    elif isinstance(snapshots, (str, os.PathLike)):
+        cfg = SnapshotConfig(directory=snapshots)
+    else:
+        raise TypeError(
+            f"snapshots: expected a directory, True (in memory only) or a mscale.SnapshotConfig, "
+            f"got {type(snapshots).__name__}"
+        )
+    if cfg.memory_every < 1:  # the fuse rolls back to in-memory snapshots: it needs a schedule of them
+        raise ValueError(f"memory_every: expected >= 1 (rollbacks need in-memory snapshots), got {cfg.memory_every}")
+    return cfg
 
 
 class LoopData:
@@ -199,67 +174,21 @@ def protect(
     what `data_position` made. resume: restore the newest valid disk snapshot now; False refuses
     a directory that already holds snapshots (an older run's would outlive this one's). healing:
     the fuse's mscale.healing.settings.HealingSection (None: the defaults)."""
-    from mscale.hook.cmsa import CmsaState
     from mscale.hook.fuse import FusePlugin
-    from mscale.snapshot.engine import SnapshotEngine
-    from mscale.snapshot.format import list_snapshots
-    from mscale.snapshot.sharded import LocalView, ShardingMarker, is_sharded
 
     fuse: Any = None
 
     def emit(finding: Any) -> None:  # the writer thread's findings reach the guard through the fuse
         fuse.snapshot_emit(finding)
 
-    model, module_of = guard.model, (lambda m: m)
-    optimizer: Any = guard.optimizer
-    extra: dict[str, Any] = {CmsaState.SNAPSHOT_NAME: CmsaState(guard.cmsa, guard._grad_stats)}
-    if is_sharded(model):  # FSDP2: the engine holds each rank's shard, through local views
-        view = LocalView(model, optimizer)
-        model, optimizer, module_of = view.model, view.optimizer, view.module
-        extra["sharding"] = ShardingMarker(guard.world_size, guard.model)
-    engine = SnapshotEngine(
-        model,
-        optimizer,
-        mpus={m.name: (m.mpu_id, module_of(m.module)) for m in guard.mpus},
-        scaler=scaler,
-        scheduler=scheduler,
-        data=data,
-        directory=cfg.directory,
-        memory_every=cfg.memory_every,
-        memory_keep=cfg.memory_keep,
-        disk_every=cfg.disk_every,
-        disk_keep=cfg.disk_keep,
-        emit=emit,
-        job_id=guard.job_id,
-        extra=extra,
-        binding=lambda: {
-            m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None, **msrp_binding(guard, m)} for m in guard.mpus
-        },
-    )
+    engine = _engine(guard, cfg, data=data, scheduler=scheduler, scaler=scaler, emit=emit)
     fuse = FusePlugin(snapshot_engine=engine, config=healing)
     if guard.link is not None:  # an L1 swap's standby from the agent's node view
         from mscale.hook.standby import AgentStandby
 
         fuse.ask_standby = AgentStandby(guard)
     try:
-        held = list_snapshots(cfg.directory) if cfg.directory is not None else []
-        if held and not resume:
-            raise ValueError(
-                f"snapshots: {cfg.directory} already holds snapshots (newest step "
-                f"{max(i.step for i in held)}); resume from them, or give an empty directory"
-            )
-        step = None
-        if held or (resume and engine.world_size > 1):  # with several ranks resume is collective
-            restoring = isinstance(data, LoopData)
-            if restoring:
-                data.restoring = True
-            try:
-                step = engine.resume()
-            finally:
-                if restoring:
-                    data.restoring = False
-            if step is not None:
-                _step_scheduler_past(scheduler)
+        step = _resume(engine, cfg, data=data, scheduler=scheduler, resume=resume)
         # the fuse fingerprints the weights when added: after the resume
         guard.add_plugin(fuse)
         guard.add_plugin(Protection(engine))
@@ -280,3 +209,60 @@ def protect(
         resumed_step=step,
         data=type(data.loader if isinstance(data, LoopData) else data).__name__,
     )
+
+
+def _engine(guard: Guard, cfg: SnapshotConfig, *, data: Any, scheduler: Any, scaler: Any, emit: Any) -> SnapshotEngine:
+    """The snapshot engine over the guard's model (each rank's shard, for FSDP2) and MPUs,
+    holding CMSA's fitted state as an extra."""
+    from mscale.hook.cmsa import CmsaState
+    from mscale.snapshot.engine import SnapshotEngine
+    from mscale.snapshot.sharded import LocalView, ShardingMarker, is_sharded
+
+    model, module_of = guard.model, (lambda m: m)
+    optimizer: Any = guard.optimizer
+    extra: dict[str, Any] = {CmsaState.SNAPSHOT_NAME: CmsaState(guard.cmsa, guard._grad_stats)}
+    if is_sharded(model):  # FSDP2: the engine holds each rank's shard, through local views
+        view = LocalView(model, optimizer)
+        model, optimizer, module_of = view.model, view.optimizer, view.module
+        extra["sharding"] = ShardingMarker(guard.world_size, guard.model)
+    return SnapshotEngine(
+        model,
+        optimizer,
+        mpus={m.name: (m.mpu_id, module_of(m.module)) for m in guard.mpus},
+        scaler=scaler,
+        scheduler=scheduler,
+        data=data,
+        config=cfg,
+        emit=emit,
+        job_id=guard.job_id,
+        extra=extra,
+        binding=lambda: {
+            m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None, **msrp_binding(guard, m)} for m in guard.mpus
+        },
+    )
+
+
+def _resume(engine: SnapshotEngine, cfg: SnapshotConfig, *, data: Any, scheduler: Any, resume: bool) -> int | None:
+    """Start-up: the step restored from the newest valid disk snapshot (None: none); with
+    `resume` False, a directory that holds snapshots is refused."""
+    from mscale.snapshot.format import list_snapshots
+
+    held = list_snapshots(cfg.directory) if cfg.directory is not None else []
+    if held and not resume:
+        raise ValueError(
+            f"snapshots: {cfg.directory} already holds snapshots (newest step "
+            f"{max(i.step for i in held)}); resume from them, or give an empty directory"
+        )
+    step = None
+    if held or (resume and engine.world_size > 1):  # with several ranks resume is collective
+        restoring = isinstance(data, LoopData)
+        if restoring:
+            data.restoring = True
+        try:
+            step = engine.resume()
+        finally:
+            if restoring:
+                data.restoring = False
+        if step is not None:
+            _step_scheduler_past(scheduler)
+    return step

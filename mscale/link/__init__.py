@@ -2,7 +2,7 @@
 
 SHARED: imported by the agent's socket server (mscale.daemon.link), the job's client
 (mscale.hook.link), the guard and the plugins that take commands, and by the CLIs for the
-agent's default address. Pure Python: imports only `mscale.findings`; no torch, no aiohttp.
+agent's default address. Pure Python, no torch, no aiohttp. May import: findings.
 
 Its modules, each at a seam: `wire` (frames, sizes, the message types, the field readers),
 `messages` (register, step report, MPU report and the small answers), `commands` (heal,

@@ -22,8 +22,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
@@ -32,7 +31,9 @@ from mscale.findings import Finding, Reason, Severity
 from mscale.options import opt
 from mscale.probes.base import ProbeContext, ProbeSpec, ProbeUnavailable
 from mscale.probes.ebpf_detect import BlockedShare, LaunchWatch
-from mscale.probes.ebpf_loader import DIRECTIONS, HIST_SLOTS, ROLES, RUNTIME, Link, PidCounters, Role, preflight
+from mscale.probes.ebpf_loader import ROLES, RUNTIME, Link, preflight
+from mscale.probes.ebpf_process import CudaProcess, HangCause, Traced
+from mscale.probes.ebpf_procfs import Procfs
 
 if TYPE_CHECKING:
     from mscale.probes.ebpf_loader import CudaBpf, InflightSync
@@ -40,44 +41,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger("mscale.probes.ebpf")
 
 SOURCE = "ebpf"
-_LIBCUDA = re.compile(r"/libcuda\.so(\.\d+)*$")
-_LIBCUDART = re.compile(r"/libcudart\.so(\.\d+)*$")
-_ZERO = PidCounters(0, 0, 0, (0,) * len(DIRECTIONS), (0,) * len(DIRECTIONS), 0, 0, 0, 0, 0, 0, (0,) * HIST_SLOTS)
+__all__ = ["EbpfProbe", "EbpfSnapshot", "CudaProcess", "HangCause", "PendingProcess", "SPEC"]
 
 
 # --- the snapshot ------------------------------------------------------------------------
-
-
-class HangCause(StrEnum):
-    """Why a process counts as hung: the `cause` label of a training_hang finding."""
-
-    SYNC_BLOCKED = "sync_blocked"  # a synchronising call (stream, device, event) blocked too long
-    NO_LAUNCH = "no_launch"  # no kernel launched for too long while the process was observed
-
-
-@dataclass(frozen=True)
-class CudaProcess:
-    pid: int
-    job_id: str  # "" for a process traced by cmdline_pattern only
-    library: str
-    launches: float  # extrapolated by period/window; exact when always on
-    launches_observed: int
-    graph_launches: float
-    graph_launches_observed: int
-    memcpy_bytes: tuple[tuple[str, float], ...]  # (direction, bytes), extrapolated
-    memcpy_bytes_observed: tuple[tuple[str, int], ...]
-    sync_calls: int
-    sync_seconds_sum: float
-    sync_hist: tuple[int, ...]  # sync_hist[s]: calls that took [2^(s-1), 2^s) ns
-    sync_inflight_s: float  # longest synchronise call in flight now (0: none)
-    sync_blocked_ratio: float | None  # over sync_stall_window_s; None until a window is seen
-    alloc_failures: int
-    hang: bool
-    hang_cause: str  # a HangCause, or "" while not hung
-    launch_quiet_s: float | None  # since the last launch seen; None: never seen one
-    sync_stall: bool
-    error: str = ""  # a probe that could not attach (the others still count)
-    runtime_library: str = ""  # the libcudart attached too ("": none mapped, driver only)
 
 
 @dataclass(frozen=True)
@@ -100,90 +67,18 @@ class EbpfSnapshot:
     pending: tuple[PendingProcess, ...]
 
 
-# --- one traced process --------------------------------------------------------------------
-
-
-@dataclass
-class _Tracked:
-    pid: int
-    job_id: str
-    start_time: int  # /proc/PID/stat starttime: a reused pid is another process
-    library: str
-    offsets: dict[str, list[int]]
-    watch: LaunchWatch
-    share: BlockedShare
-    rare: list[Link] = field(default_factory=list)
-    high: list[Link] = field(default_factory=list)
-    last: PidCounters = _ZERO
-    launches: float = 0.0
-    graph_launches: float = 0.0
-    copy_bytes: list[float] = field(default_factory=lambda: [0.0] * len(DIRECTIONS))
-    hang_cause: str = ""
-    stall: bool = False
-    error: str = ""
-    runtime: str = ""  # libcudart, once mapped and attached
-    rt_offsets: dict[str, list[int]] = field(default_factory=dict)
-    runtime_seen: str = ""  # the libcudart last tried (not retried on every sample)
-
-    def targets(self, role: Role) -> tuple[str, list[int]]:
-        """(library path, offsets) of a role in this process; no offsets: not attached."""
-        if role.library == RUNTIME:
-            return self.runtime, self.rt_offsets.get(role.prog, []) if self.runtime else []
-        return self.library, self.offsets.get(role.prog, [])
-
-
-def _proc_start(pid: int) -> int | None:
-    """starttime of a live process, None if gone or a zombie."""
-    try:
-        stat = open(f"/proc/{pid}/stat", "rb").read().decode(errors="replace")
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
-
-
-def find_libcuda(pid: int) -> str | None:
-    """The libcuda a process has mapped, as a path that reaches the same file from here."""
-    return find_library(pid, _LIBCUDA)
-
-
-def find_libcudart(pid: int) -> str | None:
-    """The CUDA runtime a process has mapped (none when it links it statically)."""
-    return find_library(pid, _LIBCUDART)
-
-
-def find_library(pid: int, name: re.Pattern) -> str | None:
-    try:
-        maps = open(f"/proc/{pid}/maps").read()
-    except OSError:
-        return None
-    for line in maps.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) < 6 or not name.search(parts[5]):
-            continue
-        path, inode = parts[5], int(parts[4])
-        try:
-            if os.stat(path).st_ino == inode:
-                return path
-        except OSError:
-            pass
-        return f"/proc/{pid}/root{path}"  # another mount namespace (a container)
-    return None
-
-
 class EbpfProbe:
     name = SOURCE
 
     def __init__(self, ctx: ProbeContext, section: EbpfProbeSection, pattern: re.Pattern | None) -> None:
         self.ctx, self.cfg, self.pattern = ctx, section, pattern
+        self.procfs = Procfs(section.proc_root)
         self.always_on = section.duty_window_s >= section.duty_period_s
         self.scale = 1.0 if self.always_on else section.duty_period_s / section.duty_window_s
         self.bpf: CudaBpf | None = None
         self._unavailable = ""
         self._lock = threading.RLock()
-        self._tracked: dict[int, _Tracked] = {}
+        self._tracked: dict[int, Traced] = {}
         self._pending: dict[int, PendingProcess] = {}
         self._high_on = False
         self._windows = 0
@@ -268,7 +163,7 @@ class EbpfProbe:
                     self._detach(tr.high)
                 self._high_on = False
 
-    def _attach_high(self, tr: _Tracked) -> None:
+    def _attach_high(self, tr: Traced) -> None:
         try:
             for role in ROLES:
                 path, offsets = tr.targets(role)
@@ -295,21 +190,13 @@ class EbpfProbe:
                 if isinstance(pid, int) and pid > 0:
                     out[pid] = str(getattr(job, "job_id", ""))
         if self.pattern is not None:
-            me = os.getpid()
-            for entry in os.listdir("/proc"):
-                if not entry.isdigit() or int(entry) in out or int(entry) == me:
-                    continue
-                try:
-                    cmdline = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-                except OSError:
-                    continue
-                if cmdline and self.pattern.search(cmdline.strip()):
-                    out[int(entry)] = ""
+            for pid in self.procfs.matching(self.pattern, skip={*out, os.getpid()}):
+                out[pid] = ""
         return out
 
     def _reconcile(self, targets: dict[int, str], now: float) -> None:
         for pid, tr in list(self._tracked.items()):
-            start = _proc_start(pid)
+            start = self.procfs.start_time(pid)
             if pid not in targets or start != tr.start_time:
                 self._untrack(tr, "exited" if start != tr.start_time else "no longer a target")
         self._pending = {p: v for p, v in self._pending.items() if p in targets}
@@ -318,11 +205,11 @@ class EbpfProbe:
                 self._tracked[pid].job_id = job_id
                 self._find_runtime(self._tracked[pid])
                 continue
-            start = _proc_start(pid)
+            start = self.procfs.start_time(pid)
             if start is None:
                 self._pend(pid, job_id, "process not running")
                 continue
-            library = self.cfg.libcuda_path or find_libcuda(pid)
+            library = self.cfg.libcuda_path or self.procfs.libcuda(pid)
             if library is None:
                 self._pend(
                     pid, job_id, "libcuda not mapped (yet); set probes.ebpf.libcuda_path to attach before it loads"
@@ -347,7 +234,7 @@ class EbpfProbe:
             self._pend(pid, job_id, f"cannot read symbols of {library}: {e}")
             return
         cfg = self.cfg
-        tr = _Tracked(
+        tr = Traced(
             pid,
             job_id,
             start,
@@ -374,11 +261,11 @@ class EbpfProbe:
         log.info("ebpf_attached", pid=pid, job_id=job_id, library=library, mode=self._bpf.attach_mode)
         self._find_runtime(tr)
 
-    def _find_runtime(self, tr: _Tracked) -> None:
+    def _find_runtime(self, tr: Traced) -> None:
         """Attach to the libcudart the process maps, once it maps one (checked each sample)."""
         if tr.runtime or not self.cfg.runtime_probes:
             return
-        path = find_libcudart(tr.pid)
+        path = self.procfs.libcudart(tr.pid)
         if path is None or path == tr.runtime_seen:
             return
         tr.runtime_seen = path
@@ -399,7 +286,7 @@ class EbpfProbe:
         tr.high += high
         log.info("ebpf_runtime_attached", pid=tr.pid, job_id=tr.job_id, library=path)
 
-    def _untrack(self, tr: _Tracked, why: str) -> None:
+    def _untrack(self, tr: Traced, why: str) -> None:
         self._detach(tr.rare)
         self._detach(tr.high)
         self._bpf.remove_pid(tr.pid)
@@ -423,12 +310,14 @@ class EbpfProbe:
             counters = self._bpf.read_stats()
             inflight: dict[int, list[InflightSync]] = {}
             for e in self._bpf.read_inflight():
-                if e.pid not in self._tracked or not os.path.exists(f"/proc/{e.pid}/task/{e.tid}"):
+                if e.pid not in self._tracked or not self.procfs.thread_alive(e.pid, e.tid):
                     self._bpf.forget_thread(e.pid << 32 | e.tid)  # the thread died inside the call
                     continue
                 inflight.setdefault(e.pid, []).append(e)
             procs = tuple(
-                self._update(tr, counters.get(pid), inflight.get(pid, []), now)
+                tr.update(
+                    counters.get(pid), inflight.get(pid, []), now, scale=self.scale, limits=self.cfg, emit=self._emit
+                )
                 for pid, tr in sorted(self._tracked.items())
             )
             return EbpfSnapshot(
@@ -443,99 +332,6 @@ class EbpfProbe:
                 pending=tuple(self._pending[p] for p in sorted(self._pending)),
             )
 
-    def _update(self, tr: _Tracked, c: PidCounters | None, inflight: list[InflightSync], now: float) -> CudaProcess:
-        c = c or tr.last
-        prev, tr.last = tr.last, c
-        tr.launches += (c.launches - prev.launches) * self.scale
-        tr.graph_launches += (c.graph_launches - prev.graph_launches) * self.scale
-        for i in range(len(DIRECTIONS)):
-            tr.copy_bytes[i] += (c.copy_bytes[i] - prev.copy_bytes[i]) * self.scale
-        if (c.launches, c.graph_launches) != (prev.launches, prev.graph_launches) and c.last_launch_ns:
-            tr.watch.launched(c.last_launch_ns / 1e9)
-        blocked = [max(0.0, now - e.entered_ns / 1e9) for e in inflight]
-        longest = max(blocked, default=0.0)
-        tr.share.add(now, c.sync_ns / 1e9 + sum(blocked))
-        ratio = tr.share.ratio()
-        labels = {"pid": str(tr.pid), "job_id": tr.job_id}
-        cfg = self.cfg
-
-        cause = ""
-        if longest > cfg.hang_timeout_s:
-            cause = HangCause.SYNC_BLOCKED
-        elif tr.watch.hung(now):
-            cause = HangCause.NO_LAUNCH
-        if cause and not tr.hang_cause:
-            if cause == HangCause.SYNC_BLOCKED:
-                kinds = sorted({e.kind for e in inflight})
-                msg = f"process {tr.pid} blocked in {', '.join(kinds)} for {longest:.1f}s (> {cfg.hang_timeout_s:g}s)"
-            else:
-                msg = (
-                    f"process {tr.pid} launched no kernel for {tr.watch.quiet_s(now):.1f}s "
-                    f"(> {cfg.hang_timeout_s:g}s, {tr.watch.evidence_s(now):.1f}s of it observed)"
-                )
-            self._emit(Reason.TRAINING_HANG, Severity.CRITICAL, msg, {**labels, "cause": cause})
-        elif tr.hang_cause and not cause:
-            self._emit(
-                Reason.TRAINING_HANG_CLEARED,
-                Severity.INFO,
-                f"process {tr.pid} is launching kernels again",
-                {**labels, "cause": tr.hang_cause},
-            )
-        tr.hang_cause = cause
-
-        if ratio is not None and (ratio > cfg.sync_stall_ratio) != tr.stall:
-            tr.stall = not tr.stall
-            if tr.stall:
-                self._emit(
-                    Reason.SYNC_STALL,
-                    Severity.WARNING,
-                    f"process {tr.pid} blocked in synchronise calls {ratio:.0%} of the last "
-                    f"{cfg.sync_stall_window_s:g}s (> {cfg.sync_stall_ratio:.0%})",
-                    labels,
-                )
-            else:
-                self._emit(
-                    Reason.SYNC_STALL_CLEARED,
-                    Severity.INFO,
-                    f"process {tr.pid} blocked in synchronise calls {ratio:.0%} of the last "
-                    f"{cfg.sync_stall_window_s:g}s",
-                    labels,
-                )
-
-        failed = c.alloc_failures - prev.alloc_failures
-        if failed > 0:
-            self._emit(
-                Reason.CUDA_ALLOC_FAILURE,
-                Severity.WARNING,
-                f"process {tr.pid}: {failed} cuMemAlloc call(s) failed, the latest for "
-                f"{c.last_alloc_fail_bytes} bytes with CUresult {c.last_alloc_error}",
-                {**labels, "bytes": str(c.last_alloc_fail_bytes), "cuda_error": str(c.last_alloc_error)},
-            )
-
-        return CudaProcess(
-            pid=tr.pid,
-            job_id=tr.job_id,
-            library=tr.library,
-            launches=tr.launches,
-            launches_observed=c.launches,
-            graph_launches=tr.graph_launches,
-            graph_launches_observed=c.graph_launches,
-            memcpy_bytes=tuple(zip(DIRECTIONS, tr.copy_bytes, strict=True)),
-            memcpy_bytes_observed=tuple(zip(DIRECTIONS, c.copy_bytes, strict=True)),
-            sync_calls=c.sync_calls,
-            sync_seconds_sum=c.sync_ns / 1e9,
-            sync_hist=c.sync_hist,
-            sync_inflight_s=longest,
-            sync_blocked_ratio=ratio,
-            alloc_failures=c.alloc_failures,
-            hang=bool(cause),
-            hang_cause=cause,
-            launch_quiet_s=tr.watch.quiet_s(now),
-            sync_stall=tr.stall,
-            error=tr.error,
-            runtime_library=tr.runtime,
-        )
-
     def _emit(self, reason: Reason, severity: Severity, message: str, labels: dict[str, str]) -> None:
         self.ctx.emit(Finding(SOURCE, reason, severity, message, labels, self.ctx.clock()))
 
@@ -549,6 +345,7 @@ class EbpfProbeSection:
         30.0, "deadline for one read (the first includes compiling the BPF program)", min=0.05, max=600
     )
     libcuda_path: str = opt("", "path of libcuda.so.1 (empty: found per process from /proc/PID/maps)")
+    proc_root: str = opt("/proc", "procfs root (tests point it at a fixture tree)")
     runtime_probes: bool = opt(
         True,
         "also probe the libcudart a process maps, counting each launch once (three uprobe hits per "

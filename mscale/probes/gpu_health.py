@@ -333,6 +333,23 @@ class HealthModel:
     def update(self, gpu: int, r: Any, now: float) -> Update:
         """`r` is a GpuSample's readings (mscale.probes.gpu.GpuSample, health not yet set)."""
         m = self._mem(gpu)
+        reset = self._note_reset(m, r)
+        self._expire_xids(m, now)
+        sbe_rate = m.sbe.update(now, r.ecc_sbe_volatile)
+        replay_rate = m.replay.update(now, r.pcie_replay_count)
+        sbe_per_hour = sbe_rate * 3600 if sbe_rate is not None else None
+        replays_per_min = replay_rate * 60 if replay_rate is not None else None
+        reasons = self._failed(m, r) + self._degraded(m, r, sbe_per_hour, replays_per_min)
+        health = Health(worst(*(x.state for x in reasons)), tuple(reasons))
+        before = {x.key for x in m.health.reasons}
+        new = tuple(x for x in reasons if x.key not in before)
+        previous, m.health = m.health.state, health
+        return Update(health, new, previous, sbe_per_hour, replays_per_min, reset)
+
+    @staticmethod
+    def _note_reset(m: _GpuMemory, r: Any) -> bool:
+        """Whether the GPU was reset since the last sample (its Xid-based reasons cleared then),
+        and the readings that show the next one remembered."""
         # A GPU reset clears the Xid-based reasons: the driver's recovery action falls back
         # to none, a lost GPU answers again, or a volatile ECC counter goes down (a reset
         # zeroes them; that is how a driver without the recovery-action field shows one).
@@ -353,6 +370,10 @@ class HealthModel:
         if not r.lost:
             m.ecc_volatile = volatile
         m.lost = r.lost
+        return reset
+
+    def _expire_xids(self, m: _GpuMemory, now: float) -> None:
+        """Xids whose class holds only for a while (degrading; fatal where no reset shows) lapse."""
         holds = {"degrading": self.cfg.xid_degraded_hold_s}
         if m.recovery_action is None and self.cfg.xid_fatal_hold_s > 0:
             # no recovery-action field: a reset with no counter to show it would otherwise
@@ -364,83 +385,50 @@ class HealthModel:
                 del m.xids[code]
                 m.xid_info.pop(code, None)
 
-        sbe_rate = m.sbe.update(now, r.ecc_sbe_volatile)
-        replay_rate = m.replay.update(now, r.pcie_replay_count)
-        sbe_per_hour = sbe_rate * 3600 if sbe_rate is not None else None
-        replays_per_min = replay_rate * 60 if replay_rate is not None else None
-
-        reasons: list[HealthReason] = []
-        add = reasons.append
+    def _failed(self, m: _GpuMemory, r: Any) -> list[HealthReason]:
+        """The reasons a GPU fails (lost, uncorrectable ECC, failed remap) and its standing Xids."""
+        out = []
         if r.lost:
-            add(HealthReason("lost", Reason.GPU_LOST, FAILED, f"GPU is lost: {r.lost_reason or 'fallen off the bus'}"))
-        if r.ecc_dbe_volatile:
-            add(
-                HealthReason(
-                    "ecc_dbe",
-                    Reason.GPU_ECC_DBE,
-                    FAILED,
-                    f"{r.ecc_dbe_volatile} double-bit ECC error(s) since the last reset",
-                )
+            out.append(
+                HealthReason("lost", Reason.GPU_LOST, FAILED, f"GPU is lost: {r.lost_reason or 'fallen off the bus'}")
             )
+        if r.ecc_dbe_volatile:
+            why = f"{r.ecc_dbe_volatile} double-bit ECC error(s) since the last reset"
+            out.append(HealthReason("ecc_dbe", Reason.GPU_ECC_DBE, FAILED, why))
         if r.remapped_rows_failed:
-            add(HealthReason("remap_failed", Reason.GPU_RESET_REQUIRED, FAILED, "row remapping failed"))
+            out.append(HealthReason("remap_failed", Reason.GPU_RESET_REQUIRED, FAILED, "row remapping failed"))
         for code in sorted(m.xids):
             info = m.xid_info.get(code) or self.xids.classify(code)
-            add(
-                HealthReason(
-                    f"xid:{code}",
-                    Reason.GPU_XID,
-                    _CLASS_STATE[info.cls],
-                    f"Xid {code} ({info.cls}, {info.action}): {info.description}",
-                )
-            )
-        t = self.cfg.temperature_degraded_c
+            why = f"Xid {code} ({info.cls}, {info.action}): {info.description}"
+            out.append(HealthReason(f"xid:{code}", Reason.GPU_XID, _CLASS_STATE[info.cls], why))
+        return out
+
+    def _degraded(
+        self, m: _GpuMemory, r: Any, sbe_per_hour: float | None, replays_per_min: float | None
+    ) -> list[HealthReason]:
+        """The reasons a GPU is degraded: heat, ECC and PCIe error rates, a link down, a pending reset."""
+        cfg, out = self.cfg, []
+        t = cfg.temperature_degraded_c
         if r.temperature_c is not None and r.temperature_c >= t:
-            add(
-                HealthReason(
-                    "temperature", Reason.GPU_TEMPERATURE, DEGRADED, f"temperature {r.temperature_c:g} C >= {t:g} C"
-                )
-            )
-        if sbe_per_hour is not None and sbe_per_hour > self.cfg.sbe_per_hour_degraded:
-            add(
-                HealthReason(
-                    "sbe_rate",
-                    Reason.GPU_ECC_SBE_STORM,
-                    DEGRADED,
-                    f"single-bit ECC errors at {sbe_per_hour:.0f}/h > {self.cfg.sbe_per_hour_degraded:g}/h",
-                )
-            )
-        if replays_per_min is not None and replays_per_min > self.cfg.pcie_replays_per_min_degraded:
-            add(
-                HealthReason(
-                    "pcie_replay",
-                    Reason.GPU_PCIE_REPLAY,
-                    DEGRADED,
-                    f"PCIe replays at {replays_per_min:.0f}/min > {self.cfg.pcie_replays_per_min_degraded:g}/min",
-                )
-            )
+            why = f"temperature {r.temperature_c:g} C >= {t:g} C"
+            out.append(HealthReason("temperature", Reason.GPU_TEMPERATURE, DEGRADED, why))
+        if sbe_per_hour is not None and sbe_per_hour > cfg.sbe_per_hour_degraded:
+            why = f"single-bit ECC errors at {sbe_per_hour:.0f}/h > {cfg.sbe_per_hour_degraded:g}/h"
+            out.append(HealthReason("sbe_rate", Reason.GPU_ECC_SBE_STORM, DEGRADED, why))
+        if replays_per_min is not None and replays_per_min > cfg.pcie_replays_per_min_degraded:
+            why = f"PCIe replays at {replays_per_min:.0f}/min > {cfg.pcie_replays_per_min_degraded:g}/min"
+            out.append(HealthReason("pcie_replay", Reason.GPU_PCIE_REPLAY, DEGRADED, why))
         for link in r.nvlinks:
             if link.up:
                 m.links_seen_up.add(link.link)
             elif link.link in m.links_seen_up:
-                add(
-                    HealthReason(
-                        f"nvlink:{link.link}", Reason.GPU_NVLINK_DOWN, DEGRADED, f"NVLink link {link.link} is down"
-                    )
-                )
+                why = f"NVLink link {link.link} is down"
+                out.append(HealthReason(f"nvlink:{link.link}", Reason.GPU_NVLINK_DOWN, DEGRADED, why))
         if r.remapped_rows_pending or r.retired_pages_pending:
             what = "row remap" if r.remapped_rows_pending else "page retirement"
-            add(
-                HealthReason(
-                    "reset_pending", Reason.GPU_RESET_REQUIRED, DEGRADED, f"{what} pending: the GPU needs a reset"
-                )
-            )
-
-        health = Health(worst(*(x.state for x in reasons)), tuple(reasons))
-        before = {x.key for x in m.health.reasons}
-        new = tuple(x for x in reasons if x.key not in before)
-        previous, m.health = m.health.state, health
-        return Update(health, new, previous, sbe_per_hour, replays_per_min, reset)
+            why = f"{what} pending: the GPU needs a reset"
+            out.append(HealthReason("reset_pending", Reason.GPU_RESET_REQUIRED, DEGRADED, why))
+        return out
 
 
 def xid_markdown(table: XidTable | None = None) -> str:

@@ -120,12 +120,40 @@ def rule_documents(params: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     return alerts, records
 
 
+ALERTMANAGER_HEAD = (
+    "# Alertmanager example for mscale: one route per severity (critical = P0 at once and\n"
+    "# repeated often, warning = P1, info = P2 batched), each delivering to the agent's healing\n"
+    "# webhook (POST /api/v1/alerts, bearer token read from credentials_file). Add your human\n"
+    "# channels (pagerduty_configs, slack_configs, email_configs) to the mscale-p0/p1/p2 receivers.\n"
+    "# Inhibition: a critical GPU alert hides the training alerts of the same gpu_uuid; an agent\n"
+    "# down hides its probe alerts; a node down hides everything else on that node.\n"
+    '# One agent URL serves one node: for a fleet, add a route per node (matchers: node="NAME")\n'
+    "# to a receiver with that node's agent URL, or point it at a relay that fans out by node.\n"
+)
+
+
 def render_alertmanager(params: dict, *, agent_url: str | None = None, token_file: str | None = None) -> str:
     am = params["alertmanager"]
     url = agent_url.rstrip("/") + "/api/v1/alerts" if agent_url else am["webhook_url"]
-    gpu_critical = [
-        a.name for a in ALERTS if a.component == "gpu" and params["alerts"][a.name]["severity"] == "critical"
-    ]
+    routes, receivers = _routes(am, url, token_file or am["token_file"])
+    config = {
+        "route": {
+            "receiver": "mscale-default",
+            "group_by": am["group_by"],
+            "group_wait": am["routes"]["warning"]["group_wait"],
+            "group_interval": am["routes"]["warning"]["group_interval"],
+            "repeat_interval": am["routes"]["warning"]["repeat_interval"],
+            "routes": routes,
+        },
+        "inhibit_rules": _inhibit_rules(params),
+        "receivers": receivers,
+    }
+    return HEADER + ALERTMANAGER_HEAD + _dump(config)
+
+
+def _routes(am: dict, url: str, token_file: str) -> tuple[list[dict], list[dict]]:
+    """One route per severity, each to its receiver, every receiver the agent's webhook; the
+    default receiver (first) delivers as the last severity's does."""
     receivers, routes = [], []
     for sev, r in am["routes"].items():
         routes.append(
@@ -145,53 +173,38 @@ def render_alertmanager(params: dict, *, agent_url: str | None = None, token_fil
                         "url": url,
                         "send_resolved": True,
                         "max_alerts": 0,
-                        "http_config": {
-                            "authorization": {"type": "Bearer", "credentials_file": token_file or am["token_file"]}
-                        },
+                        "http_config": {"authorization": {"type": "Bearer", "credentials_file": token_file}},
                     }
                 ],
             }
         )
     receivers.insert(0, {"name": "mscale-default", "webhook_configs": receivers[-1]["webhook_configs"]})
-    config = {
-        "route": {
-            "receiver": "mscale-default",
-            "group_by": am["group_by"],
-            "group_wait": am["routes"]["warning"]["group_wait"],
-            "group_interval": am["routes"]["warning"]["group_interval"],
-            "repeat_interval": am["routes"]["warning"]["repeat_interval"],
-            "routes": routes,
+    return routes, receivers
+
+
+def _inhibit_rules(params: dict) -> list[dict]:
+    """A critical GPU alert hides the training alerts of its GPU; an agent down, its probe
+    alerts; a node down, everything else on the node."""
+    gpu_critical = [
+        a.name for a in ALERTS if a.component == "gpu" and params["alerts"][a.name]["severity"] == "critical"
+    ]
+    return [
+        {
+            "source_matchers": [f'alertname=~"{"|".join(gpu_critical)}"'],
+            "target_matchers": ['component="training"'],
+            "equal": ["gpu_uuid"],
         },
-        "inhibit_rules": [
-            {
-                "source_matchers": [f'alertname=~"{"|".join(gpu_critical)}"'],
-                "target_matchers": ['component="training"'],
-                "equal": ["gpu_uuid"],
-            },
-            {
-                "source_matchers": ['alertname="MscaleAgentDown"'],
-                "target_matchers": ['component="probe"'],
-                "equal": ["node"],
-            },
-            {
-                "source_matchers": ['alertname="MscaleNodeDown"'],
-                "target_matchers": ['alertname!="MscaleNodeDown"'],
-                "equal": ["node"],
-            },
-        ],
-        "receivers": receivers,
-    }
-    head = (
-        HEADER + "# Alertmanager example for mscale: one route per severity (critical = P0 at once and\n"
-        "# repeated often, warning = P1, info = P2 batched), each delivering to the agent's healing\n"
-        "# webhook (POST /api/v1/alerts, bearer token read from credentials_file). Add your human\n"
-        "# channels (pagerduty_configs, slack_configs, email_configs) to the mscale-p0/p1/p2 receivers.\n"
-        "# Inhibition: a critical GPU alert hides the training alerts of the same gpu_uuid; an agent\n"
-        "# down hides its probe alerts; a node down hides everything else on that node.\n"
-        '# One agent URL serves one node: for a fleet, add a route per node (matchers: node="NAME")\n'
-        "# to a receiver with that node's agent URL, or point it at a relay that fans out by node.\n"
-    )
-    return head + _dump(config)
+        {
+            "source_matchers": ['alertname="MscaleAgentDown"'],
+            "target_matchers": ['component="probe"'],
+            "equal": ["node"],
+        },
+        {
+            "source_matchers": ['alertname="MscaleNodeDown"'],
+            "target_matchers": ['alertname!="MscaleNodeDown"'],
+            "equal": ["node"],
+        },
+    ]
 
 
 def alerts_markdown(params: dict) -> str:

@@ -206,65 +206,7 @@ def parse_timeline(text: str, source: str = "<timeline>") -> Timeline:
         root = loader.get_single_node()
         if root is None:
             return Timeline(source=source)
-
-        def value(node: yaml.Node, what: str) -> Any:
-            try:
-                return loader.construct_object(node, deep=True)
-            except (ValueError, TypeError, OverflowError) as e:  # e.g. `!!int x`, a date 2001-13-45
-                raise TimelineError(f"{source} line {_line(node)}: {what}: not a valid value ({e})") from None
-
-        def key(node: yaml.Node, what: str) -> str:
-            k = value(node, what) if isinstance(node, yaml.ScalarNode) else None
-            if not isinstance(k, str):
-                raise TimelineError(f"{source} line {_line(node)}: {what}: keys must be plain names")
-            return k
-
-        if not isinstance(root, yaml.MappingNode):
-            raise TimelineError(f"{source} line {_line(root)}: expected a mapping with gpus and events")
-        top = {key(k, "key"): (k, v) for k, v in root.value}
-        for name, (knode, _) in top.items():
-            if name not in ("gpus", "model", "events"):
-                raise TimelineError(
-                    f"{source} line {_line(knode)}: {_short(name)}: unknown key (known: gpus, model, events)"
-                )
-        gpus = 8
-        if "gpus" in top:
-            node = top["gpus"][1]
-            try:
-                gpus = _int_in(1, MAX_GPUS)(value(node, "gpus"))
-            except ValueError as e:
-                raise TimelineError(f"{source} line {_line(node)}: gpus: {e}") from None
-        model = "h100"
-        if "model" in top:
-            node = top["model"][1]
-            model = value(node, "model")
-            if not isinstance(model, str) or model not in MODELS:
-                raise TimelineError(
-                    f"{source} line {_line(node)}: model: expected one of {', '.join(MODELS)}, got {_short(model)}"
-                )
-        events: list[FaultEvent] = []
-        if "events" in top:
-            node = top["events"][1]
-            if isinstance(node, yaml.ScalarNode) and value(node, "events") is None:
-                node = yaml.SequenceNode("tag:yaml.org,2002:seq", [])
-            if not isinstance(node, yaml.SequenceNode):
-                raise TimelineError(f"{source} line {_line(node)}: events: expected a list of events")
-            for i, ev in enumerate(node.value):
-                if not isinstance(ev, yaml.MappingNode):
-                    raise TimelineError(
-                        f"{source} line {_line(ev)}: events[{i}]: expected a mapping (at, gpu, fault, ...)"
-                    )
-                fields = {}
-                lines = {}
-                for k, v in ev.value:
-                    name = key(k, f"events[{i}]")
-                    fields[name] = value(v, f"events[{i}].{name}")
-                    lines[name] = _line(v)
-
-                def where(name: str, i: int = i, ev: yaml.Node = ev, lines: dict = lines) -> str:
-                    return f"{source} line {lines.get(name, _line(ev))}: events[{i}].{name}"
-
-                events.append(_event(fields, gpus, where, _line(ev)))
+        gpus, model, events = _Nodes(loader, source).timeline(root)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line = f" line {mark.line + 1}" if mark else ""
@@ -281,6 +223,77 @@ def parse_timeline(text: str, source: str = "<timeline>") -> Timeline:
             loader.dispose()
     events.sort(key=lambda e: e.at_s)  # stable: same-time events keep file order
     return Timeline(gpus=gpus, model=model, events=tuple(events), source=source)
+
+
+class _Nodes:
+    """A timeline's YAML nodes read into its values, each error naming the line at fault."""
+
+    def __init__(self, loader: yaml.SafeLoader, source: str) -> None:
+        self.loader, self.source = loader, source
+
+    def value(self, node: yaml.Node, what: str) -> Any:
+        try:
+            return self.loader.construct_object(node, deep=True)
+        except (ValueError, TypeError, OverflowError) as e:  # e.g. `!!int x`, a date 2001-13-45
+            raise TimelineError(f"{self.source} line {_line(node)}: {what}: not a valid value ({e})") from None
+
+    def key(self, node: yaml.Node, what: str) -> str:
+        k = self.value(node, what) if isinstance(node, yaml.ScalarNode) else None
+        if not isinstance(k, str):
+            raise TimelineError(f"{self.source} line {_line(node)}: {what}: keys must be plain names")
+        return k
+
+    def timeline(self, root: yaml.Node) -> tuple[int, str, list[FaultEvent]]:
+        """(gpus, model, events) from the document's root mapping."""
+        source = self.source
+        if not isinstance(root, yaml.MappingNode):
+            raise TimelineError(f"{source} line {_line(root)}: expected a mapping with gpus and events")
+        top = {self.key(k, "key"): (k, v) for k, v in root.value}
+        for name, (knode, _) in top.items():
+            if name not in ("gpus", "model", "events"):
+                raise TimelineError(
+                    f"{source} line {_line(knode)}: {_short(name)}: unknown key (known: gpus, model, events)"
+                )
+        gpus = 8
+        if "gpus" in top:
+            node = top["gpus"][1]
+            try:
+                gpus = _int_in(1, MAX_GPUS)(self.value(node, "gpus"))
+            except ValueError as e:
+                raise TimelineError(f"{source} line {_line(node)}: gpus: {e}") from None
+        model = "h100"
+        if "model" in top:
+            node = top["model"][1]
+            model = self.value(node, "model")
+            if not isinstance(model, str) or model not in MODELS:
+                raise TimelineError(
+                    f"{source} line {_line(node)}: model: expected one of {', '.join(MODELS)}, got {_short(model)}"
+                )
+        return gpus, model, self.events(top["events"][1], gpus) if "events" in top else []
+
+    def events(self, node: yaml.Node, gpus: int) -> list[FaultEvent]:
+        if isinstance(node, yaml.ScalarNode) and self.value(node, "events") is None:
+            return []
+        if not isinstance(node, yaml.SequenceNode):
+            raise TimelineError(f"{self.source} line {_line(node)}: events: expected a list of events")
+        return [self.event(i, ev, gpus) for i, ev in enumerate(node.value)]
+
+    def event(self, i: int, ev: yaml.Node, gpus: int) -> FaultEvent:
+        if not isinstance(ev, yaml.MappingNode):
+            raise TimelineError(
+                f"{self.source} line {_line(ev)}: events[{i}]: expected a mapping (at, gpu, fault, ...)"
+            )
+        fields = {}
+        lines = {}
+        for k, v in ev.value:
+            name = self.key(k, f"events[{i}]")
+            fields[name] = self.value(v, f"events[{i}].{name}")
+            lines[name] = _line(v)
+
+        def where(name: str) -> str:
+            return f"{self.source} line {lines.get(name, _line(ev))}: events[{i}].{name}"
+
+        return _event(fields, gpus, where, _line(ev))
 
 
 def load_timeline(path: str | Path) -> Timeline:

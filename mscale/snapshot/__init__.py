@@ -3,11 +3,14 @@
     format.py       the on-disk format without torch: names, manifest, listing, verifying,
                     reading the train state, inspecting (all `mscale snapshot` uses)
     manifest.py     the manifest's strict schema and completeness; files opened safely
+    train_state.py  `train_state.pt` read without torch (a restricted unpickler)
     tensors.py      the torch side of the format: tensors to safetensors, load_snapshot
     memory.py       snapshots in host memory and the copies that fill them; RNG states
     optim.py        optimizer state keyed by parameter name
     writer.py       the background thread that writes snapshots to disk
-    engine.py       SnapshotEngine: capture, rollback, resume
+    config.py       SnapshotConfig: the snapshots' settings, validated once
+    capture.py      the engine's capturing half: in-memory snapshots, schedule, disk writes
+    engine.py       SnapshotEngine: capture (capture.py), rollback, resume
     plugin.py       SnapshotPlugin: the engine as a Guard plugin
     data.py         resumable data positions; distributed.py: the collectives of agreed rollback
     cli.py          `mscale snapshot list|verify|inspect`
@@ -15,7 +18,8 @@
 The public names are importable from here (`from mscale.snapshot import SnapshotEngine`);
 importing this package or `mscale.snapshot.format` does not import torch.
 
-May import: findings, options (the config machinery), healing, hook. Never imports daemon.
+May import: findings, logs, version, contracts.msrp (the binding's MSRP fields). Never imports
+daemon, nor the hook library (which drives the engine).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from types import ModuleType
 from typing import Any
 
 __all__ = [
+    "SnapshotConfig",
     "SnapshotEngine",
     "SnapshotPlugin",
     "SnapshotError",
@@ -51,6 +56,8 @@ def __getattr__(name: str) -> Any:
         "read_manifest",
     ):
         from mscale.snapshot import format as module
+    elif name == "SnapshotConfig":
+        from mscale.snapshot import config as module
     elif name in ("SnapshotEngine", "RollbackUnavailable"):
         from mscale.snapshot import engine as module
     elif name == "SnapshotPlugin":

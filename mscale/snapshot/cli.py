@@ -220,13 +220,7 @@ def _chosen(root: Path, args: argparse.Namespace) -> list:
 
 
 def _inspect(root: Path, args: argparse.Namespace) -> int:
-    infos = [i for i in snap.list_snapshots(root) if i.complete or i.problem]  # a bad newest one is refused
-    if args.rank is not None:
-        infos = [i for i in infos if i.rank == args.rank]
-    elif any(i.rank is not None for i in infos):
-        infos = [i for i in infos if i.rank in (0, None)]  # None: a bad manifest did not say
-    if args.step is not None:
-        infos = [i for i in infos if i.step == args.step]
+    infos = _chosen(root, args)
     if not infos:
         print(
             f"mscale snapshot: no complete snapshot{'' if args.step is None else f' of step {args.step}'} under {root}",

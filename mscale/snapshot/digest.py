@@ -146,67 +146,85 @@ def read_and_verify(
     file goes through a scratch buffer and nothing is kept. pool: the threads
     to use (else `workers` new ones). Raises
     SnapshotInvalid naming the first file (in name order) that differs or cannot be read."""
-    bufs: dict[str, Any] = {}
-    dests: dict[str, _Pieces] = {}
-    leaves: dict[str, list] = {}
-    whole: dict[str, Any] = {}
-    tasks: list[tuple[int, str, int]] = []  # (bytes, name, chunk index)
-    for name in sorted(metas):
-        size = metas[name]["size"]
-        if into is not None and (buf := into(name, size)) is not None:
-            bufs[name] = buf
-            dests[name] = _Pieces(buf if isinstance(buf, list) else [buf], size)
-        if "blake3_tree" in metas[name] or not hashes:
-            n = -(-size // TREE_CHUNK)
-            leaves[name] = [b""] * n
-            tasks += [(min(TREE_CHUNK, size - i * TREE_CHUNK), name, i) for i in range(n)]
-        else:
-            whole[name] = hashlib.sha256()
-            tasks.append((size, name, -1))
-    scratch = threading.local()  # a buffer per thread when nothing is kept
+    reads = _Pass(fds, metas, into, hashes, progress)
+    tasks = sorted(reads.tasks, key=lambda t: -t[0])  # largest first, so the longest task starts at once
+    if pool is not None:  # the caller's threads, already started
+        problems = sorted((name, why) for name, why in pool.map(reads.run, tasks) if why)
+    else:
+        with ThreadPoolExecutor(max_workers=max(1, min(workers or os.cpu_count() or 1, len(tasks) or 1))) as own:
+            problems = sorted((name, why) for name, why in own.map(reads.run, tasks) if why)
+    if problems:
+        raise SnapshotInvalid(path, *problems[0])
+    if hashes:
+        for name in sorted(metas):
+            kind = "blake3_tree" if name in reads.leaves else "sha256"
+            got = (
+                _root(reads.leaves[name], metas[name]["size"])
+                if name in reads.leaves
+                else reads.whole[name].hexdigest()
+            )
+            if got != metas[name][kind]:
+                raise SnapshotInvalid(path, name, f"{_NAMES[kind]} differs from the manifest (corrupted)")
+    return reads.bufs
 
-    def run(task: tuple[int, str, int]) -> tuple[str, str | None]:
+
+class _Pass:
+    """One read_and_verify pass: the tasks (a BLAKE3 tree chunk, or a whole SHA-256 file, each
+    (bytes, name, chunk index or -1)), where each file's bytes land, and the digests so far."""
+
+    def __init__(
+        self,
+        fds: dict[str, int],
+        metas: dict[str, dict],
+        into: Callable[[str, int], Any] | None,
+        hashes: bool,
+        progress: Callable[[int], None] | None,
+    ) -> None:
+        self.fds, self.hashes, self.progress = fds, hashes, progress
+        self.bufs: dict[str, Any] = {}
+        self.dests: dict[str, _Pieces] = {}
+        self.leaves: dict[str, list] = {}
+        self.whole: dict[str, Any] = {}
+        self.tasks: list[tuple[int, str, int]] = []
+        self.scratch = threading.local()  # a buffer per thread when nothing is kept
+        for name in sorted(metas):
+            size = metas[name]["size"]
+            if into is not None and (buf := into(name, size)) is not None:
+                self.bufs[name] = buf
+                self.dests[name] = _Pieces(buf if isinstance(buf, list) else [buf], size)
+            if "blake3_tree" in metas[name] or not hashes:
+                n = -(-size // TREE_CHUNK)
+                self.leaves[name] = [b""] * n
+                self.tasks += [(min(TREE_CHUNK, size - i * TREE_CHUNK), name, i) for i in range(n)]
+            else:
+                self.whole[name] = hashlib.sha256()
+                self.tasks.append((size, name, -1))
+
+    def _views(self, name: str, start: int, n: int) -> list[memoryview]:
+        if name in self.dests:
+            return self.dests[name].span(start, n)
+        if not hasattr(self.scratch, "view"):
+            self.scratch.view = memoryview(bytearray(TREE_CHUNK))
+        return [self.scratch.view[:n]]
+
+    def run(self, task: tuple[int, str, int]) -> tuple[str, str | None]:
+        """One task, on a pool thread: (file name, why it failed or None)."""
         nbytes, name, index = task
-
-        def views(start: int, n: int) -> list[memoryview]:
-            if name in dests:
-                return dests[name].span(start, n)
-            if not hasattr(scratch, "view"):
-                scratch.view = memoryview(bytearray(TREE_CHUNK))
-            return [scratch.view[:n]]
-
         try:
             if index < 0:  # SHA-256: the whole file, in order
                 for start in range(0, nbytes, TREE_CHUNK):
                     part = min(TREE_CHUNK, nbytes - start)
-                    _read_into(fds[name], views(start, part), start, whole[name], progress)
+                    _read_into(self.fds[name], self._views(name, start, part), start, self.whole[name], self.progress)
                 return name, None
             start = index * TREE_CHUNK
-            h = blake3.blake3() if hashes else _NoHash()
-            _read_into(fds[name], views(start, nbytes), start, h, progress)
-            leaves[name][index] = h.digest()
+            h = blake3.blake3() if self.hashes else _NoHash()
+            _read_into(self.fds[name], self._views(name, start, nbytes), start, h, self.progress)
+            self.leaves[name][index] = h.digest()
             return name, None
         except EOFError:
             return name, "shorter than the manifest says (truncated while read)"
         except OSError as e:
             return name, f"unreadable: {e.strerror or e}"
-
-    # Largest first, so the longest task starts at once.
-    tasks.sort(key=lambda t: -t[0])
-    if pool is not None:  # the caller's threads, already started
-        problems = sorted((name, why) for name, why in pool.map(run, tasks) if why)
-    else:
-        with ThreadPoolExecutor(max_workers=max(1, min(workers or os.cpu_count() or 1, len(tasks) or 1))) as own:
-            problems = sorted((name, why) for name, why in own.map(run, tasks) if why)
-    if problems:
-        raise SnapshotInvalid(path, *problems[0])
-    if hashes:
-        for name in sorted(metas):
-            kind = "blake3_tree" if name in leaves else "sha256"
-            got = _root(leaves[name], metas[name]["size"]) if name in leaves else whole[name].hexdigest()
-            if got != metas[name][kind]:
-                raise SnapshotInvalid(path, name, f"{_NAMES[kind]} differs from the manifest (corrupted)")
-    return bufs
 
 
 class _NoHash:

@@ -28,9 +28,9 @@ def check_fits(engine: SnapshotEngine, tensors: dict[str, dict[str, torch.Tensor
         )
     for k, t in live.items():  # shape and dtype: nothing is cast or reshaped on the way in
         fits(f"model/{k}", model_keys[k], t, f"{where} does not fit the model", "the model's")
-    if engine._named_opt is not None:
+    if engine.named_optimizer is not None:
         optim = {k[6:]: t for d in tensors.values() for k, t in d.items() if k.startswith("optim/")}
-        engine._named_opt.check(objects.get("optimizer"), where, optim)
+        engine.named_optimizer.check(objects.get("optimizer"), where, optim)
     for name, obj in (("scaler", engine.scaler), ("scheduler", engine.scheduler), ("data", engine.data)):
         if obj is not None and name not in objects:
             raise SnapshotError(f"{where} holds no {name} state")

@@ -26,7 +26,7 @@ import torch
 import mscale.snapshot.distributed as mdist
 from mscale.findings import Reason, Severity
 from mscale.snapshot.fit import check_fits
-from mscale.snapshot.format import SnapshotError, SnapshotInvalid
+from mscale.snapshot.format import SnapshotError, SnapshotInvalid, step_dir_name
 from mscale.snapshot.tensors import MAX_HEADER, Entry, load_snapshot, parse_header
 
 if TYPE_CHECKING:
@@ -42,9 +42,9 @@ def live_targets(engine: SnapshotEngine) -> dict[str, torch.Tensor]:
     model = engine.model
     if any(m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks for m in model.modules()):
         return {}
-    engine._copier.fence()  # a snapshot copy still reading the live tensors finishes first
+    engine.copier.fence()  # a snapshot copy still reading the live tensors finishes first
     live = {f"model/{k}": t for k, t in model.state_dict().items()}
-    named = engine._named_opt
+    named = engine.named_optimizer
     if named is not None:
         opt = named.optimizer
         params = [p for g in opt.param_groups for p in g["params"]]
@@ -138,18 +138,16 @@ def load_newest_valid(
         return plans
 
     for step in steps:
-        path = where(step) if where is not None else engine.rank_dir / f"step_{step:08d}"  # another rank's: worlds.py
+        path = where(step) if where is not None else engine.rank_dir / step_dir_name(step)  # another rank's: worlds.py
         landed.clear()
         try:
             got = read(step) if read is not None else None
-            tensors, objects = (
-                got if got is not None else load_snapshot(path, pool=engine._copier.pool(), plan=plan)[:2]
-            )
+            tensors, objects = got if got is not None else load_snapshot(path, pool=engine.copier.pool(), plan=plan)[:2]
             check_fits(engine, tensors, objects, str(path))
         except SnapshotError as e:  # SnapshotInvalid names the file at fault
             overwritten = path if any(landed) else overwritten
             file, why = {"file": e.file} if isinstance(e, SnapshotInvalid) else {}, f"{e}; trying an older snapshot"
-            engine._emit(Reason.SNAPSHOT_REFUSED, Severity.WARNING, why, step=step, **file)
+            engine.emit(Reason.SNAPSHOT_REFUSED, Severity.WARNING, why, step=step, **file)
             if collective:
                 mdist.any_flag(True, engine.group)
             continue

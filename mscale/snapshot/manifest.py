@@ -36,6 +36,10 @@ __all__ = [
     "read_small",
     "safe_name",
     "check_binding",
+    "step_dir_name",
+    "rank_dir_name",
+    "mpu_file",
+    "optim_file",
 ]
 
 FORMAT = "mscale-snapshot/1"
@@ -44,6 +48,27 @@ BINDING = "resource_binding.json"
 TRAIN_STATE = "train_state.pt"
 NONMPU_FILE = "nonmpu_state.safetensors"
 NONMPU_OPTIM_FILE = "nonmpu_optim.safetensors"
+
+
+def step_dir_name(step: int) -> str:
+    """A complete snapshot's directory: `step_00000120`."""
+    return f"step_{step:08d}"
+
+
+def rank_dir_name(rank: int) -> str:
+    """A rank's directory when several ranks share one root: `rank_00003`."""
+    return f"rank_{rank:05d}"
+
+
+def mpu_file(mpu_id: str, name: str) -> str:
+    """The file of an MPU's model tensors (`optim_file` of it: its optimizer state's)."""
+    return f"mpu_{safe_name(mpu_id)}_{safe_name(name)}_state.safetensors"
+
+
+def optim_file(state_file: str) -> str:
+    """The optimizer-state twin of a model-state file (nonmpu_state -> nonmpu_optim)."""
+    return state_file.replace("_state.safetensors", "_optim.safetensors")
+
 
 MAX_MANIFEST_BYTES = 4 << 20  # a manifest of 4,096 files is ~600 KB
 MAX_BINDING_BYTES = 4 << 20
@@ -235,8 +260,8 @@ def _check_mpus(mpus: Any, bad: Any) -> None:
             raise bad(f"MPU id '{_printable(mpu_id)}' is not a printable string of 1-{MAX_TEXT} characters")
         if not isinstance(entry, dict) or entry.keys() != {"name", "file", "optim_file"} or not _text(entry["name"]):
             raise bad(f"MPU {mpu_id}: must hold exactly a printable name, file and optim_file")
-        file = f"mpu_{safe_name(mpu_id)}_{safe_name(entry['name'])}_state.safetensors"
-        if entry["file"] != file or entry["optim_file"] != file.replace("_state.", "_optim."):
+        file = mpu_file(mpu_id, entry["name"])
+        if entry["file"] != file or entry["optim_file"] != optim_file(file):
             raise bad(f"MPU {mpu_id}: its files must be {file} and its _optim twin")
 
 

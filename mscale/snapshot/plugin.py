@@ -20,7 +20,7 @@ class SnapshotPlugin:
     (`FusePlugin` drives the engine itself: give it the engine, not this plugin;
     `mscale.attach(..., snapshots=...)` does that for you).
 
-        plugin = SnapshotPlugin(directory="/ckpt", scheduler=sched, data=loader)
+        plugin = SnapshotPlugin(config=SnapshotConfig(directory="/ckpt"), scheduler=sched, data=loader)
         guard.add_plugin(plugin)          # builds the engine from the guard's model and MPUs
         plugin.resume()                   # start-up: newest valid snapshot, guard step set
 
@@ -131,7 +131,7 @@ class SnapshotPlugin:
             to = self._engine.rollback(skip_batch=self.skip_batch if skip_batch is None else skip_batch)
         except SnapshotError as e:
             self.rollbacks.append({"step": at_step, "to": None, "why": why, "error": str(e)})
-            self._engine._emit(Reason.ROLLBACK, Severity.CRITICAL, f"rollback ({why}) failed: {e}")
+            self._engine.emit(Reason.ROLLBACK, Severity.CRITICAL, f"rollback ({why}) failed: {e}")
             return None
         self.guard.set_step(to + 1)
         self.rollbacks.append({"step": at_step, "to": to, "why": why})

@@ -69,7 +69,7 @@ def read(engine: SnapshotEngine, found: Candidate) -> tuple[dict[str, dict[str, 
     objects: dict | None = None
     for rank in range(found.world_size):
         path = found.shards[rank]
-        tensors, objs, _ = load_snapshot(path, pool=engine._copier.pool())
+        tensors, objs, _ = load_snapshot(path, pool=engine.copier.pool())
         theirs = ((objs.get("extra") or {}).get("sharding") or {}).get("layout") or {}
         if rank == source:
             objects = objs

@@ -46,6 +46,7 @@ from mscale.snapshot.format import (
     SnapshotError,
     SnapshotInfo,
     list_snapshots,
+    rank_dir_name,
     read_train_state,
 )
 
@@ -71,7 +72,7 @@ def per_rank(directory: Path) -> bool:
 def rank_dir(directory: Path, rank: int, world_size: int) -> Path:
     """Where this rank writes (see the module docstring)."""
     if world_size > 1 or per_rank(directory):
-        return directory / f"rank_{rank:05d}"
+        return directory / rank_dir_name(rank)
     return directory
 
 
@@ -82,7 +83,7 @@ def adopt_single(directory: Path) -> None:
     steps = [p for p in directory.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
     if not steps:
         return
-    target = directory / "rank_00000"
+    target = directory / rank_dir_name(0)
     target.mkdir(exist_ok=True)
     for p in steps:
         if (target / p.name).exists():  # the same step from the other layout: keep the per-rank one
@@ -169,7 +170,7 @@ def plan(engine, keep: Callable[[list[SnapshotInfo]], list[SnapshotInfo]] | None
             f"cannot be re-sharded. Restart on {old} rank(s), or give an empty directory"
         )
         labels = {"step": step, "world_size_then": old, "world_size_now": engine.world_size}
-        engine._emit(Reason.SNAPSHOT_REFUSED, Severity.CRITICAL, message, **labels)
+        engine.emit(Reason.SNAPSHOT_REFUSED, Severity.CRITICAL, message, **labels)
         raise WorldSizeChanged(message)
     return out
 

@@ -42,6 +42,7 @@ from mscale.snapshot.format import (
     SnapshotError,
     fsync_dir,
     list_snapshots,
+    step_dir_name,
     write_file,
 )
 from mscale.snapshot.manifest import parse_manifest
@@ -55,6 +56,18 @@ __all__ = ["DiskWriter"]
 _WRITERS = 2  # files written (and hashed) at once
 
 log = structlog.get_logger("mscale.snapshot")
+
+
+def _train_state(snap: MemorySnapshot) -> io.BytesIO:
+    """The snapshot's objects as `train_state.pt` bytes, refused now if loading them with
+    weights_only would be refused later."""
+    train_state = io.BytesIO()
+    torch.save(snap.objects, train_state)
+    try:
+        torch.load(io.BytesIO(train_state.getvalue()), weights_only=True)
+    except Exception as e:
+        raise SnapshotError(f"the training state holds objects that weights_only loading refuses: {e}") from None
+    return train_state
 
 
 class DiskWriter:
@@ -178,76 +191,19 @@ class DiskWriter:
     def write_now(self, snap: MemorySnapshot, why: str) -> Path:
         """Writes `snap` in the calling thread (the writer's); returns its directory."""
         t0 = time.perf_counter()
-        name = f"step_{snap.step:08d}"
+        name = step_dir_name(snap.step)
         final = self.rank_dir / name
         tmp = self.rank_dir / f"{TEMP_PREFIX}{name}-{os.getpid()}-{os.urandom(4).hex()}"
         try:
             snap.wait_ready()
-            train_state = io.BytesIO()
-            torch.save(snap.objects, train_state)
-            try:  # refuse at write time what could not be loaded safely later
-                torch.load(io.BytesIO(train_state.getvalue()), weights_only=True)
-            except Exception as e:
-                raise SnapshotError(
-                    f"the training state holds objects that weights_only loading refuses: {e}"
-                ) from None
+            train_state = _train_state(snap)
             tmp.mkdir()
-            files: dict[str, dict] = {}
-            meta = {"format": FORMAT, "step": str(snap.step)}
-
-            def write(fname: str) -> tuple[str, tuple[int, dict]]:
-                # fsync in the writer: the device flushes one file while the other writer
-                # thread is still hashing and copying the next.
-                return fname, write_file(tmp / fname, safetensors_parts(snap.tensors[fname], meta), self._hasher)
-
-            by_size = sorted(
-                snap.tensors, key=lambda f: -sum(t.numel() * t.element_size() for t in snap.tensors[f].values())
-            )
-            futures = [self._file_writers.submit(write, f) for f in by_size]
-            wait_futures(futures)  # all of them, even when one failed: then the cleanup is whole
-            for fname, (size, digest) in sorted(f.result() for f in futures):
-                files[fname] = {"size": size, **digest}
-            size, digest = write_file(tmp / TRAIN_STATE, [train_state.getbuffer()], self._hasher)
-            files[TRAIN_STATE] = {"size": size, **digest}
-            raw = json.dumps(snap.binding, indent=2, sort_keys=True).encode()
-            size, digest = write_file(tmp / BINDING, [raw], self._hasher)
-            files[BINDING] = {"size": size, **digest}
-            manifest = {
-                "format": FORMAT,
-                "step": snap.step,
-                **self.identity,
-                "created_unix": snap.created,
-                "why": why,
-                "versions": {"mscale": __version__, "torch": torch.__version__, "python": platform.python_version()},
-                "files": files,
-            }
-            raw_manifest = json.dumps(manifest, indent=2, sort_keys=True).encode()
-            parse_manifest(raw_manifest, tmp)  # never a snapshot its own loader would refuse
-            # Written last: a directory with a manifest had every other file fsynced first.
-            write_file(tmp / MANIFEST, [raw_manifest], self._hasher)
-            fsync_dir(tmp)
-            aside = None
-            if final.exists():  # the same step again (after a rollback): replace it whole
-                aside = self.rank_dir / f"{ASIDE_PREFIX}{name}-{os.urandom(4).hex()}"
-                os.rename(final, aside)
-            os.rename(tmp, final)
-            fsync_dir(self.rank_dir)
-            if aside is not None:
-                shutil.rmtree(aside, ignore_errors=True)
+            files = self._write_files(snap, tmp, train_state)
+            self._write_manifest(snap, tmp, files, why)
+            self._put_in_place(tmp, final, name)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, OSError):
-                code = errno.errorcode.get(e.errno or 0, str(e.errno))
-                msg = f"snapshot of step {snap.step} not written to {self.rank_dir}: {e.strerror or e} ({code}); training continues, the in-memory snapshot is kept"
-                self._emit(Reason.SNAPSHOT_FAILED, Severity.CRITICAL, msg, step=snap.step, errno=code, why=why)
-            else:
-                self._emit(
-                    Reason.SNAPSHOT_FAILED,
-                    Severity.CRITICAL,
-                    f"snapshot of step {snap.step} not written: {e}",
-                    step=snap.step,
-                    why=why,
-                )
+            self._emit_failed(snap, e, why)
             raise
         snap.disk_path = final
         seconds = time.perf_counter() - t0
@@ -267,6 +223,73 @@ class DiskWriter:
         except OSError as e:
             log.error("could not remove old snapshots", error=str(e), keep=self.keep)
         return final
+
+    def _write_files(self, snap: MemorySnapshot, tmp: Path, train_state: io.BytesIO) -> dict[str, dict]:
+        """Every file but the manifest, fsynced: the tensors (the largest first, on the file
+        writers' threads), the train state and the binding. Returns name -> size and digest."""
+        files: dict[str, dict] = {}
+        meta = {"format": FORMAT, "step": str(snap.step)}
+
+        def write(fname: str) -> tuple[str, tuple[int, dict]]:
+            # fsync in the writer: the device flushes one file while the other writer
+            # thread is still hashing and copying the next.
+            return fname, write_file(tmp / fname, safetensors_parts(snap.tensors[fname], meta), self._hasher)
+
+        by_size = sorted(
+            snap.tensors, key=lambda f: -sum(t.numel() * t.element_size() for t in snap.tensors[f].values())
+        )
+        futures = [self._file_writers.submit(write, f) for f in by_size]
+        wait_futures(futures)  # all of them, even when one failed: then the cleanup is whole
+        for fname, (size, digest) in sorted(f.result() for f in futures):
+            files[fname] = {"size": size, **digest}
+        size, digest = write_file(tmp / TRAIN_STATE, [train_state.getbuffer()], self._hasher)
+        files[TRAIN_STATE] = {"size": size, **digest}
+        raw = json.dumps(snap.binding, indent=2, sort_keys=True).encode()
+        size, digest = write_file(tmp / BINDING, [raw], self._hasher)
+        files[BINDING] = {"size": size, **digest}
+        return files
+
+    def _write_manifest(self, snap: MemorySnapshot, tmp: Path, files: dict[str, dict], why: str) -> None:
+        manifest = {
+            "format": FORMAT,
+            "step": snap.step,
+            **self.identity,
+            "created_unix": snap.created,
+            "why": why,
+            "versions": {"mscale": __version__, "torch": torch.__version__, "python": platform.python_version()},
+            "files": files,
+        }
+        raw_manifest = json.dumps(manifest, indent=2, sort_keys=True).encode()
+        parse_manifest(raw_manifest, tmp)  # never a snapshot its own loader would refuse
+        # Written last: a directory with a manifest had every other file fsynced first.
+        write_file(tmp / MANIFEST, [raw_manifest], self._hasher)
+        fsync_dir(tmp)
+
+    def _put_in_place(self, tmp: Path, final: Path, name: str) -> None:
+        """The complete snapshot renamed to its step's name (one of that step already there,
+        after a rollback, is replaced whole)."""
+        aside = None
+        if final.exists():
+            aside = self.rank_dir / f"{ASIDE_PREFIX}{name}-{os.urandom(4).hex()}"
+            os.rename(final, aside)
+        os.rename(tmp, final)
+        fsync_dir(self.rank_dir)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+
+    def _emit_failed(self, snap: MemorySnapshot, e: BaseException, why: str) -> None:
+        if isinstance(e, OSError):
+            code = errno.errorcode.get(e.errno or 0, str(e.errno))
+            msg = f"snapshot of step {snap.step} not written to {self.rank_dir}: {e.strerror or e} ({code}); training continues, the in-memory snapshot is kept"
+            self._emit(Reason.SNAPSHOT_FAILED, Severity.CRITICAL, msg, step=snap.step, errno=code, why=why)
+        else:
+            self._emit(
+                Reason.SNAPSHOT_FAILED,
+                Severity.CRITICAL,
+                f"snapshot of step {snap.step} not written: {e}",
+                step=snap.step,
+                why=why,
+            )
 
     # -- removing ---------------------------------------------------------------------
     def _remove(self, path: Path) -> None:

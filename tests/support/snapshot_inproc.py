@@ -7,6 +7,7 @@ import random
 import numpy as np
 import torch
 
+from mscale.snapshot.config import SnapshotConfig
 from mscale.snapshot.engine import (
     SnapshotEngine,
 )
@@ -16,18 +17,17 @@ from support.snapshot_job import build, train_step
 class Job:
     """A small training job in this process, driven step by step."""
 
-    def __init__(self, directory=None, **engine_kwargs):
+    def __init__(self, directory=None, *, job_id: str = "", **settings):
         self.model, self.opt, self.sched, self.scaler, self.loader, self.mpus = build(dataset_size=256)
-        engine_kwargs.setdefault("memory_every", 10)
         self.engine = SnapshotEngine(
             self.model,
             self.opt,
+            config=SnapshotConfig(directory=directory, **settings),
             mpus=self.mpus,
             scaler=self.scaler,
             scheduler=self.sched,
             data=self.loader,
-            directory=directory,
-            **engine_kwargs,
+            job_id=job_id,
         )
         self.seen: dict[int, list[int]] = {}
 

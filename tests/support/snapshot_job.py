@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
+from mscale.snapshot.config import SnapshotConfig
 from mscale.snapshot.data import ResumableLoader
 from mscale.snapshot.engine import SnapshotEngine
 
@@ -166,10 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         scaler=scaler,
         scheduler=scheduler,
         data=loader,
-        directory=args.dir,
-        memory_every=args.memory_every,
-        disk_every=args.disk_every,
-        disk_keep=args.disk_keep,
+        config=SnapshotConfig(
+            directory=args.dir, memory_every=args.memory_every, disk_every=args.disk_every, disk_keep=args.disk_keep
+        ),
         job_id="snapshot-test",
     )
     if args.guard:

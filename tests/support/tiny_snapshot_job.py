@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mscale.snapshot.config import SnapshotConfig
 from mscale.snapshot.engine import SnapshotEngine
 
 
@@ -22,13 +23,15 @@ class Net(nn.Module):
         return self.text(self.vision(x) * self.scale)
 
 
-def job(directory: Path, dtype: torch.dtype = torch.float32, seed: int = 0, **engine_kwargs):
+def job(directory: Path, dtype: torch.dtype = torch.float32, seed: int = 0, job_id: str = "", **settings):
     torch.manual_seed(seed)
     model = Net().to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mpus = {"vision": ("001", model.vision), "text": ("002", model.text)}
-    engine_kwargs = {"memory_every": 0, "disk_every": 10, **engine_kwargs}
-    engine = SnapshotEngine(model, opt, mpus=mpus, directory=directory, **engine_kwargs)
+    settings = {"memory_every": 0, "disk_every": 10, **settings}
+    engine = SnapshotEngine(
+        model, opt, config=SnapshotConfig(directory=directory, **settings), mpus=mpus, job_id=job_id
+    )
     return model, opt, engine
 
 
