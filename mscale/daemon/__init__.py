@@ -3,6 +3,6 @@ job state, the agent's healing service, systemd notify.
 
 May import: findings, config (the agent's, assembled from the rooms' sections), options, logs,
 link, agent_client, healing (the decision core), probes, exporters, kube, sim (the simulated
-node of `--simulate`), contracts (torch-free). Never imports torch, and nothing job-side (hook,
+node of `--simulate`), contracts (torch-free), tasks. Never imports torch, and nothing job-side (hook,
 snapshot) imports this package.
 """

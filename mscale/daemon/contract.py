@@ -30,6 +30,7 @@ from mscale.daemon.density import DensityGuard
 from mscale.daemon.jobs import JobState, gpus_by_index
 from mscale.findings import Finding, Reason, Severity
 from mscale.link import BadMessage
+from mscale.tasks import cancel_and_wait
 
 log = structlog.get_logger("mscale.contract")
 
@@ -270,6 +271,4 @@ def setup(app: web.Application) -> None:
 async def _run(app: web.Application) -> AsyncIterator[None]:
     tasks = [asyncio.ensure_future(app[CONTRACTS].run()), asyncio.ensure_future(app[CONTRACTS].run_density())]
     yield
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await cancel_and_wait(tasks)

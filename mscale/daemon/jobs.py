@@ -43,6 +43,8 @@ MAX_FINDING_SERIES = 128  # distinct (source, reason, severity) counted per job:
 BASELINE_STEPS = 20
 RECENT = 5
 PHASES = ("forward", "backward")
+# the step figures a rank and its job both show in their dicts (the job's are its ranks', aggregated)
+FIGURES = ("connected", "step", "loss", "task_loss", "grad_norm", "reports_total", "reports_dropped")
 
 
 def _clamp01(v: float) -> float:
@@ -294,13 +296,7 @@ class RankState:
             "local_rank": self.local_rank,
             "world_size": self.world_size,
             "pid": self.pid,
-            "connected": self.connected,
-            "step": self.step,
-            "loss": self.loss,
-            "task_loss": self.task_loss,
-            "grad_norm": self.grad_norm,
-            "reports_total": self.reports_total,
-            "reports_dropped": self.reports_dropped,
+            **_figures(self),
             "steps_skipped": self.steps_skipped,
             "mpus": {k: m.to_dict() for k, m in sorted(self.mpus.items())},
         }
@@ -452,15 +448,13 @@ class JobState:
     def to_dict(self) -> dict[str, Any]:
         return {
             "job_id": self.job_id,
-            "connected": self.connected,
-            "step": self.step,
-            "loss": self.loss,
-            "task_loss": self.task_loss,
-            "grad_norm": self.grad_norm,
-            "reports_total": self.reports_total,
-            "reports_dropped": self.reports_dropped,
+            **_figures(self),
             "ranks": {str(r): s.to_dict() for r, s in sorted(self.rank_states.items())},
         }
+
+
+def _figures(state: RankState | JobState) -> dict[str, Any]:
+    return {name: getattr(state, name) for name in FIGURES}
 
 
 class GpuSample(Protocol):

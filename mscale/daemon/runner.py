@@ -19,6 +19,7 @@ import structlog
 from mscale.daemon.state import AgentState, ProbeStatus
 from mscale.findings import Finding, Reason, Severity
 from mscale.probes.base import Probe, ProbeUnavailable
+from mscale.tasks import cancel_and_wait
 
 log = structlog.get_logger("mscale.runner")
 
@@ -145,9 +146,7 @@ class ProbeRunner:
             self._asyncio_tasks.append(asyncio.create_task(self._loop(task), name=f"probe:{task.probe.name}"))
 
     async def stop(self) -> None:
-        for t in self._asyncio_tasks:
-            t.cancel()
-        await asyncio.gather(*self._asyncio_tasks, return_exceptions=True)
+        await cancel_and_wait(self._asyncio_tasks)
         running = [t.inflight for t in self.tasks if t.inflight is not None and not t.inflight.done()]
         if running:  # a sample that ends soon ends before its probe closes under it
             await asyncio.wait(running, timeout=self.close_grace_s)

@@ -196,22 +196,15 @@ class StragglerWatch:
         row = board.rows.get(rank) or board.row(rank, size)
         compute = 0.0
         for mpu_id, m in report.mpus.items():
-            fwd, bwd = m.forward_s, m.backward_s
             pair = row.mpus.get(mpu_id)
-            if 0 < fwd < INF:  # (NaN, the job's "not measured", is not)
-                if pair is None:
-                    pair = board.mpu(rank, row, mpu_id, size)
-                w = pair[0]
-                w.values[w.n % size] = fwd
-                w.n += 1
-                compute += fwd
-            if 0 < bwd < INF:
-                if pair is None:
-                    pair = board.mpu(rank, row, mpu_id, size)
-                w = pair[1]
-                w.values[w.n % size] = bwd
-                w.n += 1
-                compute += bwd
+            for phase, seconds in enumerate((m.forward_s, m.backward_s)):  # the pair's rings, in order
+                if 0 < seconds < INF:  # (NaN, the job's "not measured", is not)
+                    if pair is None:
+                        pair = board.mpu(rank, row, mpu_id, size)
+                    w = pair[phase]
+                    w.values[w.n % size] = seconds
+                    w.n += 1
+                    compute += seconds
         if compute > 0:
             row.compute.add(compute)
 

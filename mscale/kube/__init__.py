@@ -4,6 +4,6 @@ official Kubernetes client (node.py), run by the agent's kube service (service.p
 [kubernetes] enabled is set. Off the cluster nothing here is imported.
 
 The optional dependencies (grpcio, protobuf, kubernetes: `pip install megascale-omni[kube]`)
-are imported only by the service. May import: findings, options (the config machinery). Never
+are imported only by the service. May import: findings, options (the config machinery), tasks. Never
 imports torch, nor mscale.daemon (the daemon imports this room).
 """

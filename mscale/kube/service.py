@@ -23,6 +23,7 @@ from mscale.kube.attribution import SNAPSHOT
 from mscale.kube.node import SDC_SNAPSHOT, NodeWriter, condition_of, make_api
 from mscale.kube.podresources import PodMap, list_pods
 from mscale.kube.settings import KubernetesSection
+from mscale.tasks import cancel_and_wait
 
 log = structlog.get_logger("mscale.kube")
 NODE_SNAPSHOT = "kube_node"  # AgentState.snapshots key of the NodeWriter's status
@@ -157,7 +158,4 @@ class KubeService:
     async def stop(self) -> None:
         if self._queue is not None:
             self.state.events.unsubscribe(self._queue)
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
+        await cancel_and_wait(self._tasks)

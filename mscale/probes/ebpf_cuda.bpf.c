@@ -99,7 +99,10 @@ static __always_inline void runtime_enter(u64 id, u32 kind) {
 
 /* --- high rate: attached for a window every period --------------------------------- */
 
-static __always_inline int count_launch(int graph, int runtime) {
+/* The stats of the calling process when this launch or copy counts: a runtime call marks its
+ * thread (so the driver call inside it is not counted again), a driver call the runtime
+ * already counted does not count. NULL: the process is not traced, or the call was counted. */
+static __always_inline struct pid_stats *counts_here(int runtime) {
     u64 id = bpf_get_current_pid_tgid();
     struct pid_stats *s = traced(id);
     if (!s)
@@ -107,6 +110,13 @@ static __always_inline int count_launch(int graph, int runtime) {
     if (runtime)
         runtime_enter(id, RT_LAUNCH);
     else if (runtime_counted(id, RT_LAUNCH))
+        return 0;
+    return s;
+}
+
+static __always_inline int count_launch(int graph, int runtime) {
+    struct pid_stats *s = counts_here(runtime);
+    if (!s)
         return 0;
     if (graph)
         __sync_fetch_and_add(&s->graph_launches, 1);
@@ -133,13 +143,8 @@ int on_rt_return(struct pt_regs *ctx) {
 /* The byte count is the third argument of every async copy; the pre-v2 entry points take
  * it as a 32-bit unsigned int, whose register's upper half is undefined. */
 static __always_inline int count_copy(u32 dir, u64 bytes, int runtime) {
-    u64 id = bpf_get_current_pid_tgid();
-    struct pid_stats *s = traced(id);
+    struct pid_stats *s = counts_here(runtime);
     if (!s)
-        return 0;
-    if (runtime)
-        runtime_enter(id, RT_LAUNCH);
-    else if (runtime_counted(id, RT_LAUNCH))
         return 0;
     __sync_fetch_and_add(&s->copies[dir], 1);
     __sync_fetch_and_add(&s->copy_bytes[dir], bytes);

@@ -31,6 +31,7 @@ from mscale.daemon.remediation import REGISTRY, ledger, spec
 from mscale.daemon.remediation.base import FilerContext, FilingFailed
 from mscale.daemon.remediation.verdicts import Fault, VerdictBook, boot_id
 from mscale.findings import Finding, Reason, Severity
+from mscale.tasks import cancel_and_wait
 
 log = structlog.get_logger("mscale.remediation")
 SOURCE = "remediation"
@@ -275,10 +276,7 @@ class RemediationService:
     async def stop(self) -> None:
         if self._queue is not None:
             self.state.events.unsubscribe(self._queue)
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
+        await cancel_and_wait(self._tasks)
         for filer in self.filers:
             await filer.stop()
 
