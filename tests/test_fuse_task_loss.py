@@ -42,9 +42,10 @@ def assert_escalated_recovered_and_within_10_percent(clean: dict, fused: dict) -
     assert fused["held_out"] <= 1.10 * clean["held_out"], (fused["held_out"], clean["held_out"])
 
 
+# one seed per model here (a pair of 800-step runs each); benchmarks/fuse_real_models.py gives the
+# verdict over several seeds
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("model", ["llava", "qwen2vl"])
+@pytest.mark.parametrize(("model", "seed"), [("llava", 0), ("qwen2vl", 1)])
 def test_held_out_task_loss_after_l1_l2_l3_and_recovery_is_within_10_percent_of_the_clean_run(model, seed):
     clean = fuse_run(model, "clean", STEPS, seed, fault=FAULT, endings=ENDINGS)
     fused = fuse_run(model, "fuse", STEPS, seed, fault=FAULT, endings=ENDINGS)

@@ -61,6 +61,9 @@ async def start(api: ApiServer, clock: Clock, **cfg) -> tuple[KubeService, Agent
     service = KubeService(state, kube, clock=clock)
     await service.start()
     await wait_until(lambda: any(r.path.endswith("/status") for r in api.requests), what="the first condition")
+    # the request arrives before the writer has its answer: wait for the writer to book it, or a
+    # test's own turn can run beside the first one and write the same condition again
+    await wait_until(lambda: service.writer.status.condition is not None, what="the first condition booked")
     return service, state
 
 
