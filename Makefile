@@ -11,8 +11,11 @@ STAMP := $(VENV)/.installed
 demo: $(STAMP)
 	$(PY) -m mscale demo $(ARGS)
 
+# Two workers (pytest-xdist), a test file each at a time: module fixtures (a compiled model, a
+# service) stay shared within their file. TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
 test: system $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # ruff over the project (mscale/, tests/, benchmarks/; .gitignore and extend-exclude respected),
 # mypy over the packages [tool.mypy] names. Fix formatting with `$(VENV)/bin/ruff format`.

@@ -18,11 +18,15 @@ def second_uid() -> tuple[int, int]:
     try:
         pw = pwd.getpwnam(NAME)
     except KeyError:
-        subprocess.run(
+        # (two test workers may both find it absent: the second useradd fails, the user exists)
+        made = subprocess.run(
             ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", NAME],
-            check=True,
             capture_output=True,
+            text=True,
             timeout=30,
         )
-        pw = pwd.getpwnam(NAME)
+        try:
+            pw = pwd.getpwnam(NAME)
+        except KeyError:
+            raise AssertionError(f"useradd {NAME} failed: {made.stderr.strip()}") from None
     return pw.pw_uid, pw.pw_gid
