@@ -73,10 +73,18 @@ from mscale.healing.settings import HealingSection  # noqa: E402
 from mscale.hook.checksum import ChecksumConfig  # noqa: E402
 
 IMAGE_TOKEN = 1000
-IMAGE, PATCH, CAPTION, VOCAB = 64, 8, 32, 1024
+PATCH, VOCAB = 8, 1024
+# (image side in pixels, caption tokens) per shape; the weights are the same (--hidden, --layers)
+SHAPES = {
+    # the shape the line was first measured on: 64 image tokens (8x8 patches of 64x64) + 32
+    "issue": (64, 32),
+    # as many tokens a sample as benchmarks/hook_overhead.py's realistic shape: 144 image tokens
+    # (96x96) + 64, 208 a sample (LLaVA-1.5 feeds 576 image tokens and a prompt)
+    "realistic": (96, 64),
+}
 
 
-def llava(hidden: int, layers: int):
+def llava(hidden: int, layers: int, image: int = 64):
     """A LLaVA (CLIP + Llama) built from its config, random weights."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
@@ -86,7 +94,7 @@ def llava(hidden: int, layers: int):
         intermediate_size=4 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
-        image_size=IMAGE,
+        image_size=image,
         patch_size=PATCH,
         projection_dim=hidden,
     )
@@ -97,7 +105,7 @@ def llava(hidden: int, layers: int):
         num_attention_heads=4,
         num_key_value_heads=4,
         vocab_size=VOCAB,
-        max_position_embeddings=256,
+        max_position_embeddings=512,
     )
     cfg = LlavaConfig(
         vision_config=vision,
@@ -112,16 +120,23 @@ def llava(hidden: int, layers: int):
 class Captions(torch.utils.data.Dataset):
     """Image tokens, then a caption; pixels and caption a function of the index."""
 
+    def __init__(self, image: int = 64, caption: int = 32) -> None:
+        self.image, self.caption = image, caption
+
     def __len__(self) -> int:
         return 1 << 16
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(i)
         ids = torch.cat(
-            [torch.full(((IMAGE // PATCH) ** 2,), IMAGE_TOKEN), torch.randint(0, 999, (CAPTION,), generator=g)]
+            [
+                torch.full(((self.image // PATCH) ** 2,), IMAGE_TOKEN),
+                torch.randint(0, 999, (self.caption,), generator=g),
+            ]
         )
         labels = ids.masked_fill(ids == IMAGE_TOKEN, -100)
-        return {"input_ids": ids, "pixel_values": torch.rand(3, IMAGE, IMAGE, generator=g), "labels": labels}
+        pixels = torch.rand(3, self.image, self.image, generator=g)
+        return {"input_ids": ids, "pixel_values": pixels, "labels": labels}
 
 
 class Arm:
@@ -136,9 +151,10 @@ class Arm:
         checksum: ChecksumConfig | None = None,
     ):
         self.name, self.clip = name, clip
-        self.model = llava(args.hidden, args.layers)
+        image, caption = SHAPES[args.shape]
+        self.model = llava(args.hidden, args.layers, image)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.loader = mscale.ResumableLoader(Captions(), batch_size=args.batch, seed=0)
+        self.loader = mscale.ResumableLoader(Captions(image, caption), batch_size=args.batch, seed=0)
         self.guard = None
         if healing is not None and snapshots:
             self.guard = mscale.attach(
@@ -217,9 +233,13 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
             a.close()
     by = {a.name: a for a in arms}
     params = sum(p.numel() for p in arms[0].model.parameters())
+    image, caption = SHAPES[args.shape]
+    image_tokens = (image // PATCH) ** 2
+    tokens = image_tokens + caption
     print(
         f"\n== {load}: LLaVA {args.hidden}x{args.layers} + {args.hidden}x{args.layers}, {params / 1e6:.1f}M params, "
-        f"batch {args.batch}, {args.steps} timed steps per arm in {args.repeats} blocks"
+        f"batch {args.batch}, {args.shape} shape ({tokens} tokens a sample: {image_tokens} image + {caption}), "
+        f"{args.steps} timed steps per arm in {args.repeats} blocks"
         + (", a second process spinning on one core" if busy is not None else ", nothing else of ours running"),
         flush=True,
     )
@@ -246,7 +266,8 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
             m = attached.mpu(mid)
             print(
                 f"  checks, MPU {mid} ({m.name}): coverage {f['coverage_ratio']:.0%} of its layers in the last step, "
-                f"largest gap between checks of a layer {f['max_gap_steps']:.0f} steps"
+                f"largest gap between checks of a layer {f['max_gap_steps']:.0f} steps, "
+                f"{f['replay_gap_steps']:.0f} steps between replays of its forward"
             )
         b = attached.budget.figures()
         print(
@@ -283,6 +304,7 @@ def main() -> None:
         action="store_false",
         help="drop the incident-mode reference arm (every layer checked, every MPU replayed, every step)",
     )
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="realistic", help="tokens a sample (SHAPES)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8)

@@ -180,6 +180,51 @@ def test_a_fault_at_a_towers_output_reaches_l1_through_replay_within_its_bound()
     assert all(f.labels["method"] == "replay" for f in rec.items if f.reason is Reason.CHECKSUM_FAILURE)
 
 
+def test_at_the_defaults_a_fault_at_a_towers_output_is_caught_within_the_replay_gap_it_reports() -> None:
+    """No ceiling by default: replays are paid from the budget alone, each MPU's turn once the
+    bank holds every MPU's replay (its forward time before its first replay). The gap each
+    MPU reports is the bound: the fault is caught by the vision tower's next replay, then
+    every step replays (incident mode) and L1 follows two steps later."""
+    guard, train, rec = job()
+    train(20)  # the budget has step times and the replay costs their forward times
+    gap = guard.summary()["checksum"]["001"]["replay_gap_steps"]
+    assert 1 <= gap < 1000, gap  # a bound from the measured costs, not the old fixed 100
+    start = guard.current_step
+    inject(guard, kind="noise", noise_scale=0.05, mpu="vision", site="output", steps=10_000, seed=4)
+    for _ in range(int(gap) + 4):
+        train(1)
+        if rec.steps(Reason.CHECKSUM_L1_TRIGGER, mpu="vision"):
+            break
+    failed = rec.steps(Reason.CHECKSUM_FAILURE, mpu="vision")
+    assert failed and failed[0] - start <= gap, (failed, start, gap)
+    assert rec.steps(Reason.CHECKSUM_L1_TRIGGER, mpu="vision")[0] == failed[0] + 2
+    assert all(f.labels["method"] == "replay" for f in rec.items if f.reason is Reason.CHECKSUM_FAILURE)
+
+
+def test_replays_are_paid_from_the_bank_alone_and_take_turns() -> None:
+    """Replays from the bank with no ceiling: one MPU at a time, in turn, at the rate the bank
+    pays for (replay_share of the budget a step), the first ones priced at the forward time."""
+    from mscale.hook.coverage import Schedule
+
+    s = Schedule(max_gap_steps=8, replay_share=0.5, replay_max_gap_steps=0, incident_steps=4)
+    for mid in ("001", "002"):
+        s.add(mid, [])
+    s.plan(0, 0.0, 1.0)
+    assert s.replays == set()  # nothing priced yet: nothing replayed blind
+    s.forward_took("001", 1.0)
+    s.forward_took("002", 1.0)
+    assert s.replay_gap(1.0) == 4  # 2 s of replays at 0.5 s a step
+    turns = []
+    for step in range(1, 13):
+        s.plan(step, 0.0, 1.0)
+        turns += [(step, mid) for mid in sorted(s.replays)]
+    assert [mid for _, mid in turns] == ["001", "002", "001", "002", "001", "002"]
+    assert all(b - a == 2 for (a, _), (b, _) in zip(turns, turns[1:], strict=False))
+    s.replayed("001", 3.0)  # measured: it now costs 3 s, its forward time no longer counts
+    s.forward_took("001", 1.0)
+    assert s.mpus["001"].replay_cost_s == 3.0 and s.replay_gap(1.0) == 8
+
+
 def test_replays_rotate_across_mpus_with_their_ceiling() -> None:
     guard, train, _ = job(ChecksumConfig(budget=0.0, replay_max_gap_steps=3))
     replayed: dict[str, list[int]] = {}

@@ -125,6 +125,7 @@ class MpuState:
     checksum_failures_total: int = 0
     checksum_coverage_ratio: float = math.nan  # share of its checked layers the last step checked
     checksum_max_gap_steps: float = math.nan  # the largest gap between checks of any layer, steps
+    checksum_replay_gap_steps: float = math.nan  # steps between replays of its forward (inf: none)
     recent_failures: deque[int] = field(default_factory=lambda: deque(maxlen=100))
     memory_used_bytes: float = math.nan
     memory_total_bytes: float = math.nan
@@ -137,6 +138,7 @@ class MpuState:
         self.distill_share = r.distill_share if math.isfinite(r.distill_share) else 0.0
         self.checksum_ok = r.checksum_ok
         self.checksum_coverage_ratio, self.checksum_max_gap_steps = r.checksum_coverage_ratio, r.checksum_max_gap_steps
+        self.checksum_replay_gap_steps = r.checksum_replay_gap_steps
         self.checksum_consecutive_failures = r.checksum_consecutive_failures
         total = self.checksum_failures_total if r.checksum_failures_total is None else r.checksum_failures_total
         self.recent_failures.append(max(0, total - self.checksum_failures_total))

@@ -140,6 +140,14 @@ FAMILIES: tuple[tuple[str, type[Family], str, str, list[str]], ...] = (
         "largest gap, in steps, between two checks of any of the MPU's layers (at most max_gap_steps)",
         MPU,
     ),
+    (
+        "replay_gap",
+        G,
+        "mscale_checksum_replay_gap_steps",
+        "steps between two replays of the MPU's forward at its budget: the bound for a fault outside "
+        "every linear layer (+Inf: no background replay)",
+        MPU,
+    ),
 )
 
 
@@ -192,6 +200,8 @@ def _add_mpus(f: dict[str, Family], job_id: str, job: JobState) -> None:
         if m.checksum_coverage_ratio == m.checksum_coverage_ratio:  # reported (not NaN)
             f["coverage"].add_metric(r, m.checksum_coverage_ratio)
             f["gap"].add_metric(r, value(m.checksum_max_gap_steps))
+        if m.checksum_replay_gap_steps == m.checksum_replay_gap_steps:
+            f["replay_gap"].add_metric(r, m.checksum_replay_gap_steps)
         for phase in PHASES:
             f["health"].add_metric([*r, m.name, phase], value(m.health[phase]))
             f["latency"].add_metric([*r, phase], value(m.latency[phase].last_s))

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from mscale.findings import Finding, Reason, Severity
-from mscale.hook import rounding
+from mscale.hook import abft, rounding
 from mscale.hook.budget import Budget
 from mscale.hook.checksum_config import (  # noqa: F401  (re-exported: the config's public home)
     DEFAULT_RTOL,
@@ -72,10 +72,7 @@ from mscale.hook.weight_sums import WeightSums
 
 SOURCE = "checksum"
 log = structlog.get_logger("mscale.hook")
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+_Row = abft.Row  # one check: (method, layer, dtype, value)
 
 
 class _MpuChecks:
@@ -96,15 +93,6 @@ class _MpuChecks:
     def reset(self) -> None:
         self.forwards, self.pending, self.rows, self.failures = 0, [], [], []
         self.ran, self.unresolved, self.replay = set(), False, None
-
-
-def _passes(resid: float, tol: float) -> bool:
-    return math.isfinite(resid) and abs(resid) <= tol
-
-
-# one check: (method, layer, dtype, value); value (residual, tolerance) as floats or a tensor
-# of 2 on the device. It fails when the residual is not finite or exceeds the tolerance.
-_Row = tuple[str, str, torch.dtype, Any]
 
 
 class ChecksumDetector:
@@ -133,8 +121,9 @@ class ChecksumDetector:
         self._by_id: dict[str, Any] = {}
         self._handles: list[Any] = []
         self.wsums = WeightSums()
-        self._signs = rounding.Signs()  # float32's rtol for the float32 arithmetic: no TF32 in a bf16 GEMM
-        self._rounding = {"sigmas": config.rounding_sigmas, "rtol32": config.tolerance(torch.float32)}
+        # the bf16 check's signs; float32's rtol for its float32 arithmetic (no TF32 in a bf16 GEMM)
+        rounding_cfg = {"sigmas": config.rounding_sigmas, "rtol32": config.tolerance(torch.float32)}
+        self._check = abft.LayerCheck(self.wsums, rounding.Signs(), rounding_cfg, config.tolerance)
         self._planned = -1  # the step planned last
         self._committed = -1  # the step packed last for the commit point
         self._judged = -1  # the step judged last
@@ -152,12 +141,12 @@ class ChecksumDetector:
         self._mpus[id(mpu)] = _MpuChecks({id(m): n for n, m, _ in linears})
         self._by_id[mpu.mpu_id] = mpu
         self.schedule.add(mpu.mpu_id, [])  # layers join the rotation when first seen running
-        self.graph.attach(mpu, linears, abft=self.config.abft)
+        self.graph.attach(mpu, linears)
         if not self.config.abft:
             return
-        # Every checkable layer keeps its hook, checked this step or not: hooks registered
-        # later (a fault injector's, a user's, with prepend) keep their order around it. A layer
-        # not planned costs the hook's dispatch and an early return (a few microseconds).
+        # Every checkable layer keeps its one hook, checked this step or not, eager or traced:
+        # hooks registered later (a fault injector's, a user's, with prepend) keep their order
+        # around it. A layer not planned costs the hook's dispatch and an early return.
         for _, m, kind in linears:
             self._handles.append(m.register_forward_hook(functools.partial(self._linear, mpu, kind), prepend=True))
 
@@ -209,8 +198,9 @@ class ChecksumDetector:
             st.replay = (rng_get(mpu.device), fresh_copies(args, kwargs))
 
     def _linear(self, mpu: Any, kind: LinearKind, module: nn.Module, args: tuple, out: Any) -> None:
-        if compiling():
-            return  # a compiled forward: the in-graph check (mscale.hook.compiled)
+        if compiling():  # a compiled forward: the in-graph check (mscale.hook.compiled)
+            self.graph.linear(mpu.mpu_id, kind, module, args, out)
+            return
         t0 = time.perf_counter()
         rot = self.schedule.mpus[mpu.mpu_id]
         if id(module) not in rot.planned and id(module) in rot.seen:
@@ -247,57 +237,13 @@ class ChecksumDetector:
     def _abft_sums(
         self, mpu: Any, st: _MpuChecks, module: nn.Module, kind: LinearKind, x: torch.Tensor, out: torch.Tensor
     ) -> None:
-        acc = _acc(out.dtype)
         rot = self.schedule.mpus[mpu.mpu_id]
         if id(module) not in rot.sizes:  # what a check of it reads: input, output, weight
             rot.sizes[id(module)] = x.numel() + out.numel() + kind.weight_of(module).numel()
-        # under autocast the GEMM saw x and W rounded to the output dtype: predict from those
-        w = kind.weight_of(module)
-        cast = out.dtype if out.dtype != w.dtype and out.dtype in (torch.bfloat16, torch.float16) else None
-        on_device = x.device.type != "cpu" or self.commit_mode(mpu)
-        if x.dtype != out.dtype and out.dtype in (torch.bfloat16, torch.float16):
-            x = x.detach().to(out.dtype)
-        layer = st.layer_names.get(id(module), "?")
-        if out.dtype == torch.bfloat16 and self.config.rounding_sigmas > 0:  # mscale.hook.rounding
-            r = self._signs.of(out.shape[-1], out.device)
-            sums = self.wsums.of(module, self._step(), kind, acc, cast, False, r)
-            with torch.no_grad():
-                x2, y2 = x.detach().reshape(-1, x.shape[-1]), out.detach().reshape(-1, out.shape[-1])
-                # on CPU (in_step) a value costs no device sync: one read, here
-                row = rounding.residual_and_tolerance(x2, y2, sums, self._signs, **self._rounding, host=not on_device)
-            (st.rows if self.commit_mode(mpu) else st.pending).append(("abft", layer, out.dtype, row))
-            return
-        wc, wa, bs, ba = self.wsums.of(module, self._step(), kind, acc, cast, not on_device)
-        rtol = self.config.tolerance(out.dtype, x.device)
-        with torch.no_grad():
-            x2 = x.detach().reshape(-1, x.shape[-1])
-            n = x2.shape[0]
-            if x2.dtype == acc:  # a GEMV reads x once, faster than a column reduction
-                sx = torch.mv(x2.t(), self.wsums.ones(n, x2.device, acc))
-            else:  # low precision: sum in float32, not in the input's dtype
-                sx = x2.sum(0, dtype=acc)
-            total = out.detach().sum(dtype=acc)
-            if on_device:
-                # no host read per layer: residual and tolerance on the device, read with the
-                # verdicts (after the forward, or at the commit point)
-                resid = total - (sx @ wc + n * bs)
-                tol = (x2.abs().sum(0, dtype=acc) @ wa + n * ba) * rtol + 1e-30
-                row = ("abft", layer, out.dtype, torch.stack((resid, tol)))
-                (st.rows if self.commit_mode(mpu) else st.pending).append(row)
-                return
-            # On CPU a value costs no device sync, so decide here and skip the pass over |x|
-            # when it cannot change the outcome: |sx| . c(|W|) <= S (|sum_n x_nk| <= sum_n |x_nk|,
-            # c(|W|) >= 0), so a residual within rtol times that lower bound is within rtol * S.
-            # The factor 0.99 absorbs the rounding of the two fp32 dot products. Only a residual
-            # above it (a fault, or inputs whose columns cancel) pays for the exact S.
-            bsf, baf = self.wsums.bias_floats[id(module)]
-            t, p = total.item(), (sx @ wc).item() + n * bsf
-            lo = (sx.abs() @ wa).item() + n * baf
-            if abs(t - p) <= rtol * 0.99 * lo:
-                st.pending.append(("abft", layer, out.dtype, (t - p, rtol * lo + 1e-30)))
-                return
-            scale = (x2.abs().sum(0, dtype=acc) @ wa).item() + n * baf
-            st.pending.append(("abft", layer, out.dtype, (t - p, rtol * scale + 1e-30)))
+        commit = self.commit_mode(mpu)
+        on_device = x.device.type != "cpu" or commit
+        value = self._check.row(module, kind, x, out, step=self._step(), on_device=on_device)
+        (st.rows if commit else st.pending).append(("abft", st.layer_names.get(id(module), "?"), out.dtype, value))
 
     def after_forward(self, mpu: Any, inputs: Any, output: Any, *, rerun: bool = False) -> bool:
         """This forward's checks: read and judged now (in_step verdicts, findings emitted) or
@@ -307,12 +253,14 @@ class ChecksumDetector:
         st = self._mpus[id(mpu)]
         outs = output_tensors(output)
         commit = self.commit_mode(mpu)
+        self.schedule.forward_took(mpu.mpu_id, mpu.forward_s)  # its replay's cost, until one is measured
         if self.config.abft and self.schedule.mpus[mpu.mpu_id].planned:
             st.ran.add("abft")
         with torch.no_grad(), self.budget.timer(SOURCE, mpu.device):
-            # the non-finite check of the MPU's output: every forward, every MPU
-            for t in outs:
-                s = t.detach().sum(dtype=_acc(t.dtype)).to(torch.float64)
+            # the non-finite check of the MPU's output: every forward, every MPU; a tensor the
+            # output holds twice (a tower's last hidden state among its hidden states) read once
+            for t in {(t.data_ptr(), t.dtype, t.shape, t.stride()): t for t in outs}.values():
+                s = t.detach().sum(dtype=abft.acc_dtype(t.dtype)).to(torch.float64)
                 row = ("nonfinite", "<output>", t.dtype, torch.stack((s, torch.full_like(s, math.inf))))
                 (st.rows if commit else st.pending).append(row)
         t1 = time.perf_counter()
@@ -367,44 +315,8 @@ class ChecksumDetector:
 
     def _judge(self, rows: list[_Row]) -> list[tuple[Reason, str, str]]:
         """Read the rows (one read-back for all the tensors among them) and judge them."""
-        tensors = [r[3] for r in rows if isinstance(r[3], torch.Tensor)]
-        values: list[float] = []
-        if tensors:
-            values = torch.cat([t.reshape(-1).to(torch.float64).cpu() for t in tensors]).tolist()
-            self.readbacks += 1
-        off, failures = 0, []
-        nonfinite = abft = replayed = False
-        for method, layer, dtype, v in rows:
-            if isinstance(v, torch.Tensor):
-                resid, tol = values[off], values[off + 1]
-                off += 2
-            else:
-                resid, tol = v
-            if math.isfinite(resid) and abs(resid) <= tol:
-                continue  # passed
-            if method == "nonfinite" and not nonfinite:
-                nonfinite = True
-                failures.append((Reason.NONFINITE_OUTPUT, "nonfinite", "MPU output has NaN or Inf"))
-            elif method == "abft" and not abft:
-                abft = True
-                if not math.isfinite(resid):
-                    failures.append((Reason.NONFINITE_OUTPUT, "abft", f"layer {layer}: non-finite output"))
-                else:
-                    failures.append(
-                        (
-                            Reason.CHECKSUM_FAILURE,
-                            "abft",
-                            f"layer {layer} ({dtype}): residual {abs(resid):.3g} > tolerance {tol:.3g}",
-                        )
-                    )
-            elif method == "replay" and not (replayed or abft):  # ABFT's names the layer: one of the two
-                replayed = True
-                detail = (
-                    layer
-                    if not math.isfinite(resid) and tol == 0.0
-                    else (f"replay {layer}: max difference {resid:.3g} > tolerance {tol:.3g}")
-                )
-                failures.append((Reason.CHECKSUM_FAILURE, "replay", detail))
+        failures, reads = abft.judge(rows)
+        self.readbacks += reads
         return failures
 
     def pack(self, point: Any, data_fault: torch.Tensor | None = None) -> None:
@@ -426,7 +338,7 @@ class ChecksumDetector:
                 for mpu in self._by_id.values():
                     st = self._mpus[id(mpu)]
                     mine = [r[3] for r in st.rows if isinstance(r[3], torch.Tensor)]
-                    flags.append(any(not _passes(*r[3]) for r in st.rows if not isinstance(r[3], torch.Tensor)))
+                    flags.append(any(not abft.passes(*r[3]) for r in st.rows if not isinstance(r[3], torch.Tensor)))
                     self._packed.append(mpu)
                     if mine:
                         rows = torch.stack([t.to(mine[0].device, torch.float64) for t in mine])  # residual, tolerance
@@ -500,7 +412,8 @@ class ChecksumDetector:
 
     def figures(self) -> dict[str, dict[str, float]]:
         """Per MPU id: coverage ratio, achieved max gap (steps), incident (0/1), replayed (0/1)."""
-        figures = self.schedule.figures(self._step())
+        b = self.budget
+        figures = self.schedule.figures(self._step(), b.share * (b.step_s or 0.0))
         for mid in self._graph_mpus & set(figures):  # compiled: every layer, a sample of its rows
             stride = self.graph.stride_of(mid)
             figures[mid].update(coverage_ratio=1.0 / stride, max_gap_steps=float(stride))

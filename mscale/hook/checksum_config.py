@@ -40,8 +40,12 @@ class ChecksumConfig:
     budget: float = 0.01  # the share of step time the checks may take (mscale.hook.budget)
     max_gap_steps: int = 8  # every checked layer of every MPU at least once in this many steps
     full: bool = False  # every layer every step, whatever the budget (the pre-budget default)
-    replay_share: float = 0.25  # of the budget, for background replays
-    replay_max_gap_steps: int = 100  # each MPU replayed at least once in this many steps (0: budget only)
+    # of the budget, for background replays: an MPU's forward run again, the one check that sees
+    # a fault outside every linear layer (a norm, an activation, a tower's output); the steps
+    # between two replays of an MPU are what its bound comes to (`mscale_checksum_replay_gap_steps`)
+    replay_share: float = 0.2
+    # each MPU replayed at least once in this many steps, whatever the budget (0: the budget alone)
+    replay_max_gap_steps: int = 0
     # the pre-budget spelling, a special case: every MPU replayed every K steps, no budgeted
     # replays (0: no background replay at all; incident mode still replays)
     replay_every: int | None = None

@@ -87,6 +87,53 @@ def _over_shards(values: torch.Tensor, counts: list[int], mesh: Any) -> torch.Te
     return out
 
 
+def _gvc_row(
+    mpu_id: str, grads: list[torch.Tensor], l2sq: torch.Tensor, buffers: dict | None
+) -> tuple[torch.Tensor, int]:
+    """One MPU's row for grad_stats' one read, on the device: (norm squared, sum |g|, sum g^2,
+    sum g) over every GVC_ROWS-th row of each gradient matrix (vectors whole), gathered in one
+    float32 buffer per MPU (strided reductions are several times slower on CPU), kept in
+    `buffers` while the shapes hold; and the count of sampled elements."""
+    sample = [_sample(g) for g in grads]
+    shapes = tuple(s.shape for s in sample)
+    n = sum(s.numel() for s in sample)
+    device = grads[0].device
+    cached = None if buffers is None else buffers.get(mpu_id)
+    if cached is None or cached[0] != shapes or cached[1].device != device:
+        flat = torch.empty(n, dtype=torch.float32, device=device)
+        views, off = [], 0
+        for shape, s in zip(shapes, sample, strict=True):
+            views.append(flat[off : off + s.numel()].view(shape))
+            off += s.numel()
+        cached = (shapes, flat, views)
+        if buffers is not None:
+            buffers[mpu_id] = cached
+    _, flat, views = cached
+    with torch.no_grad():
+        torch._foreach_copy_(views, sample)
+        s_sum = flat.sum()
+        s_l2 = torch.linalg.vector_norm(flat)
+        s_l1 = flat.abs_().sum()
+        stats = torch.stack((s_l1, s_l2, s_sum)).to(torch.float64)
+        stats[1] = stats[1].square()
+        return torch.cat((l2sq.reshape(1), stats)), n  # stays on the device: one sync in grad_stats
+
+
+def _norm_and_gvc(row: list[float], n: int, gvc: bool) -> tuple[float, float | None]:
+    """An MPU's (gradient norm, GVC) from its row as read back (see _gvc_row); GVC None when
+    not estimated this step, 0.0 when nothing was sampled."""
+    l2sq, s_l1, s_l2sq, s_sum = row
+    norm = math.sqrt(l2sq) if l2sq >= 0 else math.nan
+    if not gvc:
+        return norm, None
+    if n == 0:
+        return 0.0, 0.0
+    mean = s_sum / n
+    var = max(s_l2sq / n - mean * mean, 0.0) if math.isfinite(s_l2sq) else math.nan
+    mean_abs = s_l1 / n
+    return norm, (math.sqrt(var) / mean_abs if mean_abs > 0 else (0.0 if math.isfinite(mean_abs) else math.nan))
+
+
 def grad_stats(
     mpus: Sequence[Mpu], params: Iterable[torch.nn.Parameter], buffers: dict | None = None, *, gvc: bool = True
 ) -> tuple[float, dict[str, tuple[float, float | None]]]:
@@ -104,7 +151,7 @@ def grad_stats(
     in_mpus: set[int] = set()
     mesh = None  # the parameters' device mesh when sharded (FSDP2)
     for m in mpus:
-        ps = m.parameters()  # (a walk of the module tree: once per MPU and step)
+        ps = m.parameters()  # (its module tree walked once, the parameters read live: Mpu._tree)
         in_mpus.update(id(p) for p in ps)
         if mesh is None:
             mesh = next((p.device_mesh for p in ps if hasattr(p, "device_mesh")), None)
@@ -119,31 +166,9 @@ def grad_stats(
             counts.append(0)
             rows.append(torch.cat((l2sq.reshape(1), l2sq.new_zeros(3))))
             continue
-        sample = [_sample(g) for g in grads]
-        shapes = tuple(s.shape for s in sample)
-        n = sum(s.numel() for s in sample)
+        row, n = _gvc_row(m.mpu_id, grads, l2sq, buffers)
         counts.append(n)
-        device = grads[0].device
-        # one float32 buffer per MPU and its per-gradient views, kept while the shapes hold
-        cached = None if buffers is None else buffers.get(m.mpu_id)
-        if cached is None or cached[0] != shapes or cached[1].device != device:
-            flat = torch.empty(n, dtype=torch.float32, device=device)
-            views, off = [], 0
-            for shape, s in zip(shapes, sample, strict=True):
-                views.append(flat[off : off + s.numel()].view(shape))
-                off += s.numel()
-            cached = (shapes, flat, views)
-            if buffers is not None:
-                buffers[m.mpu_id] = cached
-        _, flat, views = cached
-        with torch.no_grad():
-            torch._foreach_copy_(views, sample)
-            s_sum = flat.sum()
-            s_l2 = torch.linalg.vector_norm(flat)
-            s_l1 = flat.abs_().sum()
-            stats = torch.stack((s_l1, s_l2, s_sum)).to(torch.float64)
-            stats[1] = stats[1].square()
-            rows.append(torch.cat((l2sq.reshape(1), stats)))  # stays on the device: one sync below
+        rows.append(row)
     # the rest of the model (outside every MPU) only adds to the global norm
     rest = [_local(p.grad) for p in params if p.grad is not None and id(p) not in in_mpus]
     if rest:
@@ -159,20 +184,8 @@ def grad_stats(
     out: dict[str, tuple[float, float | None]] = {}
     total = values[-1]
     for i, m in enumerate(mpus):
-        l2sq, s_l1, s_l2sq, s_sum = values[4 * i : 4 * i + 4]
-        total += l2sq
-        n = counts[i]
-        if not gvc:
-            out[m.mpu_id] = (math.sqrt(l2sq) if l2sq >= 0 else math.nan, None)
-            continue
-        if n == 0:
-            out[m.mpu_id] = (0.0, 0.0)
-            continue
-        mean = s_sum / n
-        var = max(s_l2sq / n - mean * mean, 0.0) if math.isfinite(s_l2sq) else math.nan
-        mean_abs = s_l1 / n
-        ratio = math.sqrt(var) / mean_abs if mean_abs > 0 else (0.0 if math.isfinite(mean_abs) else math.nan)
-        out[m.mpu_id] = (math.sqrt(l2sq) if l2sq >= 0 else math.nan, ratio)
+        total += values[4 * i]
+        out[m.mpu_id] = _norm_and_gvc(values[4 * i : 4 * i + 4], counts[i], gvc)
     return (math.sqrt(total) if total >= 0 else math.nan), out
 
 

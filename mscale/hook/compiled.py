@@ -89,24 +89,17 @@ class GraphChecks:
         self.stride = stride
         self._rtol = rtol  # (dtype, device) -> rtol: ChecksumConfig.tolerance
         self._slots: dict[str, _Slot] = {}
-        self._handles: list[Any] = []
+        self._index: dict[int, int] = {}  # a linear layer's position in its MPU's slot, by module id
 
-    def attach(self, mpu: Any, layers: list[tuple[str, nn.Module, LinearKind]], *, abft: bool) -> None:
-        slot = self._slots[mpu.mpu_id] = _Slot(mpu, layers, self.stride)
-        if not abft:
-            return
-        for i, (_, m, kind) in enumerate(layers):
-            self._handles.append(
-                m.register_forward_hook(
-                    lambda mod, args, out, slot=slot, i=i, kind=kind: self._linear(slot, i, kind, mod, args, out),
-                    prepend=True,
-                )
-            )
+    def attach(self, mpu: Any, layers: list[tuple[str, nn.Module, LinearKind]]) -> None:
+        """The MPU's slot; its layers' checks are called by the checksum detector's one forward
+        hook per linear layer (`linear`), which comes here while dynamo traces."""
+        self._slots[mpu.mpu_id] = _Slot(mpu, layers, self.stride)
+        self._index.update({id(m): i for i, (_, m, _) in enumerate(layers)})
 
     def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._slots.clear()
+        self._index.clear()
 
     def traced(self, mpu: Any) -> bool:
         """The MPU's forward ran in a compiled graph (since the last commit)."""
@@ -145,9 +138,9 @@ class GraphChecks:
 
     # --- traced (pure tensor ops) -----------------------------------------------------
 
-    def _linear(self, slot: _Slot, i: int, kind: LinearKind, module: nn.Module, args: tuple, out: Any) -> None:
-        if not compiling():
-            return  # eager forwards: the checksum detector's own hooks
+    def linear(self, mpu_id: str, kind: LinearKind, module: nn.Module, args: tuple, out: Any) -> None:
+        """A linear layer's check, traced (the checksum detector's hook calls it under dynamo)."""
+        slot, i = self._slots[mpu_id], self._index[id(module)]
         y = kind.output_of(out)
         if not args or not isinstance(args[0], torch.Tensor) or y is None:
             return

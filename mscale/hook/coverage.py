@@ -10,9 +10,12 @@ a layer: ABFT reads each once). An MPU in incident mode has every layer checked.
 
 Replays. A replay re-runs one MPU's forward (about a third of that MPU's step), far more than
 a layer's check, so replays are paid from a bank: each step adds `replay_share` of the budget
-(share x step time), and the next MPU in rotation is replayed when the bank holds its measured
-replay cost. Whatever the bank, each MPU is replayed at least once every `replay_max_gap_steps`
-steps (0: only from the bank); an MPU in incident mode is replayed every step.
+(share x step time), and the next MPU in rotation is replayed when the bank holds its replay
+cost (measured; before its first replay, its forward time). The MPUs take turns, so each is
+replayed once every sum(replay costs) / (replay_share x budget) steps: `replay_gap_steps`, the
+bound for a fault only a replay sees. With `replay_max_gap_steps` (0 by default: the bank
+alone) each MPU is also replayed at least that often, whatever the bank; an MPU in incident
+mode is replayed every step.
 
 Incident mode (`suspect`): every layer of the MPU checked and its forward replayed, every step
 for `incident_steps` steps; a new suspicion extends the window.
@@ -42,7 +45,8 @@ class MpuRotation:
     incident_until: int = -1  # incident mode through this step
     incident_why: str = ""
     last_replay: int = -1
-    replay_cost_s: float = 0.0  # smoothed seconds per replay (0: not measured yet)
+    replay_cost_s: float = 0.0  # smoothed seconds per replay (before the first: the forward's)
+    replayed: bool = False  # replay_cost_s was measured on a replay
 
     @property
     def floor(self) -> int:
@@ -176,7 +180,24 @@ class Schedule:
 
     def replayed(self, mpu_id: str, seconds: float) -> None:
         r = self.mpus[mpu_id]
-        r.replay_cost_s = seconds if r.replay_cost_s == 0 else (1 - SMOOTHING) * r.replay_cost_s + SMOOTHING * seconds
+        r.replay_cost_s = seconds if not r.replayed else (1 - SMOOTHING) * r.replay_cost_s + SMOOTHING * seconds
+        r.replayed = True
+
+    def forward_took(self, mpu_id: str, seconds: float) -> None:
+        """The MPU's forward time: its replay cost until a replay is measured (a replay runs
+        that forward again)."""
+        r = self.mpus.get(mpu_id)
+        if r is not None and not r.replayed and seconds > 0:
+            r.replay_cost_s = seconds
+
+    def replay_gap(self, budget_s: float) -> float:
+        """Steps between two replays of an MPU paid from the bank (each MPU's turn comes once
+        the bank has paid for every MPU's replay); inf without a bank."""
+        per_step = self.replay_share * budget_s
+        total = sum(r.replay_cost_s for r in self.mpus.values())
+        if per_step <= 0 or total <= 0:
+            return math.inf
+        return math.ceil(total / per_step)
 
     def measured(self, seconds: float) -> None:
         """The checksum's seconds in the step that ended, for the elements it planned."""
@@ -193,14 +214,20 @@ class Schedule:
     def _cost(self, chosen: dict[str, list[int]]) -> float:
         return self.s_per_element * sum(self._size(self.mpus[m], x) for m, ls in chosen.items() for x in ls)
 
-    def figures(self, step: int) -> dict[str, dict[str, float]]:
-        """Per MPU: coverage ratio of the step, the achieved max gap, incident mode (0/1)."""
+    def figures(self, step: int, budget_s: float = 0.0) -> dict[str, dict[str, float]]:
+        """Per MPU: coverage ratio of the step, the achieved max gap, incident mode (0/1),
+        replayed this step (0/1), and the steps between its replays (`replay_gap`, or the
+        ceiling `replay_max_gap_steps` when tighter; at least the steps since its last one)."""
+        gap = self.replay_gap(budget_s)
+        if self.replay_max_gap:
+            gap = min(gap, self.replay_max_gap)
         return {
             mid: {
                 "coverage_ratio": r.coverage(),
                 "max_gap_steps": float(r.gap(step)),
                 "incident": 1.0 if r.in_incident(step) else 0.0,
                 "replayed": 1.0 if mid in self.replays else 0.0,
+                "replay_gap_steps": float(max(gap, step - r.last_replay if r.last_replay >= 0 else 0)),
             }
             for mid, r in self.mpus.items()
         }

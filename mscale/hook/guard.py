@@ -22,7 +22,6 @@ and leaves model and optimizer untouched.
 from __future__ import annotations
 
 import collections
-import math
 import os
 import threading
 import time
@@ -39,7 +38,7 @@ from mscale import link as protocol
 from mscale.findings import Finding, Severity
 from mscale.hook.budget import Budget, StepTimes
 from mscale.hook.checksum import ChecksumConfig, ChecksumDetector
-from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics
+from mscale.hook.cmsa import Cmsa, CmsaConfig, GradStatistics
 from mscale.hook.commit import CommitPoint, commit
 from mscale.hook.compiled import compiling, unwrap
 from mscale.hook.coverage import suspicions
@@ -47,10 +46,11 @@ from mscale.hook.inputs import InputCheck
 from mscale.hook.loss import LossConfig, LossDetector
 from mscale.hook.mpu import Mpu
 from mscale.hook.outputs import loss_of, output_tensors
-from mscale.hook.plugin import HOOKS
+from mscale.hook.plugin import Plugins
 from mscale.hook.ranks import identify
 from mscale.hook.report import step_report
 from mscale.hook.scaler import ScalerSteps
+from mscale.hook.stepstats import StepStatistics
 
 log = structlog.get_logger("mscale.hook")
 
@@ -62,7 +62,7 @@ class ModelInputs(NamedTuple):
     kwargs: dict
 
 
-class Guard(ScalerSteps):
+class Guard(ScalerSteps, StepStatistics, Plugins):
     """Watches one model + optimizer. Public, stable surface for plugins:
 
     - `job_id`, `rank`, `model` (a torch.compile wrapper's inner model), `outer` (what the loop
@@ -113,13 +113,7 @@ class Guard(ScalerSteps):
         self.plugin_errors = 0
         self.findings: collections.deque[Finding] = collections.deque(maxlen=1000)
         self.times = StepTimes()
-        checksum = checksum or ChecksumConfig()
-        self.budget = Budget(checksum.budget)  # the share of step time the detectors may take
-        self.checksum = ChecksumDetector(checksum, emit=self.emit, step=lambda: self.current_step, budget=self.budget)
-        self.loss_detector = LossDetector(loss or LossConfig())
-        if cmsa is True:
-            cmsa = CmsaConfig()
-        self.cmsa: Cmsa | None = Cmsa(self.mpus, cmsa) if cmsa else None
+        self._detectors(checksum or ChecksumConfig(), loss or LossConfig(), CmsaConfig() if cmsa is True else cmsa)
         self._handles: list[Any] = []
         self._commands: collections.deque[dict] = collections.deque(maxlen=1024)
         self._in_step = False
@@ -141,17 +135,26 @@ class Guard(ScalerSteps):
         self._install()
         if scaler is not None:
             self.watch_scaler(scaler)
-        self.link = None
-        if connect:
-            from mscale.hook.link import LinkClient
-
-            path = protocol.socket_path(socket_path)
-            self.link = LinkClient(
-                path, registration=self.registration, on_command=self._commands.append, queue_max=report_queue
-            )
-            self.link.start()
+        self.link = self._connect(socket_path, report_queue) if connect else None
         for p in plugins:
             self.add_plugin(p)
+
+    def _detectors(self, checksum: ChecksumConfig, loss: LossConfig, cmsa: CmsaConfig | None | bool) -> None:
+        self.budget = Budget(checksum.budget)  # the share of step time the detectors may take
+        self.checksum = ChecksumDetector(checksum, emit=self.emit, step=lambda: self.current_step, budget=self.budget)
+        self.loss_detector = LossDetector(loss)
+        self.cmsa: Cmsa | None = Cmsa(self.mpus, cmsa) if isinstance(cmsa, CmsaConfig) else None
+
+    def _connect(self, socket_path: str | None, report_queue: int) -> Any:
+        """The link to the node's agent, started (it connects, and reconnects, on its own thread)."""
+        from mscale.hook.link import LinkClient
+
+        path = protocol.socket_path(socket_path)
+        link = LinkClient(
+            path, registration=self.registration, on_command=self._commands.append, queue_max=report_queue
+        )
+        link.start()
+        return link
 
     # --- public surface --------------------------------------------------------------
 
@@ -163,16 +166,6 @@ class Guard(ScalerSteps):
 
     def mpu(self, key: str) -> Mpu:
         return mpumod.by_key(self.mpus, key)
-
-    def add_plugin(self, plugin: Any) -> None:
-        if not any(hasattr(plugin, h) for h in HOOKS):
-            raise TypeError(f"{type(plugin).__name__} has none of the plugin methods {', '.join(HOOKS)}")
-        self.plugins.append(plugin)
-        self._call(plugin, "on_attach", self)
-
-    def remove_plugin(self, plugin: Any) -> None:
-        self.plugins.remove(plugin)
-        self._call(plugin, "on_detach", self)
 
     def set_step(self, step: int) -> None:
         """The step to run next (a restored snapshot continues at its step + 1)."""
@@ -216,6 +209,7 @@ class Guard(ScalerSteps):
         given one, else the new GPU's (mpu.uuid_of: CUDA's, or one this job saw for that index).
         On CPU only the simulated binding changes; the agent is told at once."""
         m = mpu if isinstance(mpu, Mpu) else self.mpu(mpu)
+        m.forget()
         if device is not None:
             placement.place(m.module, self.optimizer, device)
         old, seen = m.gpu, {o.gpu: o.gpu_uuid for o in self.mpus if o.gpu_uuid}
@@ -433,48 +427,6 @@ class Guard(ScalerSteps):
                 for p in group["params"]:
                     p.grad = None
 
-    def _statistics(self) -> None:
-        for m in self.mpus:
-            if m._bwd_start and m._bwd_end >= m._bwd_start:
-                m.backward_s = m._bwd_end - m._bwd_start
-        t0 = time.perf_counter()
-        params = (
-            [p for g in self.optimizer.param_groups for p in g["params"]]
-            if self.optimizer
-            else [p for p in self.model.parameters()]
-        )
-        step = self.current_step
-        scheduled = self.cmsa.wants_gvc(step) if self.cmsa is not None else step % GVC_EVERY == 0
-        global_norm = self._grad_stats.measure(self.mpus, params, step, scheduled)
-        loss = self._step_loss()
-        if self.optimizer is not None and not self._skip_reason:
-            bad = [
-                what
-                for what, v in (("loss", loss), ("gradient norm", global_norm))
-                if v is not None and not math.isfinite(v)
-            ]
-            if bad:  # never let it reach the weights, with or without a plugin that reacts
-                self._skip_reason = f"non-finite {' and '.join(bad)}"
-        t1 = time.perf_counter()
-        self.times.grad_stats_s += t1 - t0
-        for f in self.loss_detector.observe(
-            self.current_step, loss, global_norm, {m.mpu_id: m.grad_norm for m in self.mpus}
-        ):
-            self.emit(f)
-        t2 = time.perf_counter()
-        self.times.loss_s += t2 - t1
-        clipped: dict[str, bool] = {}
-        if self.cmsa is not None and not self._skip_reason:
-            clipped = self.cmsa.apply(self.current_step, loss)
-        self.times.cmsa_s += time.perf_counter() - t2
-        self._last = {
-            "step": self.current_step,
-            "time": time.time(),
-            "loss": loss,
-            "grad_norm": global_norm,
-            "clipped": clipped,
-        }
-
     def _post_step(self) -> None:
         if self._scaler is None or not self._scaler_used:
             self._end_step()
@@ -517,25 +469,6 @@ class Guard(ScalerSteps):
         self._step_set = False
         self.poll_commands()
 
-    def _statistics_safe(self) -> None:
-        try:
-            self._statistics()
-        except Exception as e:
-            self.log.exception("guard_error", where="end_step", error=str(e))
-
-    def _step_loss(self) -> float | None:
-        if not self._losses:
-            return None
-        if len(self._losses) == 1:
-            return float(self._losses[0])
-        if all(isinstance(v, float) for v in self._losses):  # read at the commit point
-            return math.fsum(self._losses) / len(self._losses)
-        # several forwards (gradient accumulation): one read-back for all their losses
-        vals = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in self._losses]
-        if len({v.device for v in vals}) == 1:
-            return torch.stack([v.reshape(()).to(torch.float64) for v in vals]).mean().item()
-        return sum(float(v) for v in vals) / len(vals)
-
     def _report(self) -> protocol.StepReport:
         return step_report(
             step=self.current_step,
@@ -547,18 +480,3 @@ class Guard(ScalerSteps):
             overhead_ratio=self.budget.overhead_ratio,
             findings=self._step_findings,
         )
-
-    def _dispatch(self, hook: str, *args: Any) -> None:
-        for p in list(self.plugins):
-            self._call(p, hook, *args)
-
-    def _call(self, plugin: Any, hook: str, *args: Any) -> Any:
-        fn = getattr(plugin, hook, None)
-        if fn is None:
-            return None
-        try:
-            return fn(*args)
-        except Exception as e:  # a plugin must never break the training step
-            self.plugin_errors += 1
-            self.log.exception("plugin_error", plugin=type(plugin).__name__, hook=hook, error=str(e))
-            return None

@@ -41,6 +41,7 @@ KNOWN_NAMES: dict[str, str] = {
 # reporting and id order: encoders, then the resampler and the aligner, then the text model
 _ORDER = ("vision", "audio", "resampler", "aligner", "text")
 UNCOVERED_SHARE = 0.10  # trainable parameters outside every MPU above which discovery warns
+WALK_EVERY = 64  # steps between walks of an MPU's module tree (Mpu._tree)
 
 
 class MpuLayoutError(ValueError):
@@ -76,17 +77,43 @@ class Mpu:
     _fwd_start: float | None = field(default=None, repr=False)  # the guard's, at each forward
     _bwd_start: float = field(default=0.0, repr=False)
     _bwd_end: float = field(default=0.0, repr=False)
+    # the module tree walked once: nn.Module.parameters() nests a generator per level, about
+    # 0.2 ms for a tower of 50 modules, and the guard asks several times a step (see _tree)
+    _walked: tuple[nn.Module, ...] | None = field(default=None, repr=False)
+    _first: torch.Tensor | None = field(default=None, repr=False)  # its first parameter or buffer
+    _steps_walked: int = field(default=0, repr=False)
+
+    def _tree(self) -> tuple[nn.Module, ...]:
+        """The MPU's modules, walked anew every WALK_EVERY steps and after a rebind (`forget`):
+        parameters are read live from them, so a moved, replaced or re-frozen parameter is seen
+        at once; only a sub-module added to the tree waits for the next walk."""
+        if self._walked is None:
+            self._walked = tuple(self.module.modules())
+            self._first = next(
+                (t for m in self._walked for t in (*m._parameters.values(), *m._buffers.values()) if t is not None),
+                None,
+            )
+        return self._walked
+
+    def forget(self) -> None:
+        """Walk the module tree again at the next use (the MPU was rebound or restructured)."""
+        self._walked = self._first = None
 
     @property
     def device(self) -> torch.device:
-        for p in self.module.parameters():
-            return p.device
-        for b in self.module.buffers():
-            return b.device
-        return torch.device("cpu")
+        self._tree()
+        return self._first.device if self._first is not None else torch.device("cpu")
 
     def parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.module.parameters() if p.requires_grad]
+        """The trained parameters (requiring a gradient), each once, in module order."""
+        seen: set[int] = set()
+        out: list[nn.Parameter] = []
+        for m in self._tree():
+            for p in m._parameters.values():
+                if p is not None and p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
 
     def describe(self) -> MpuInfo:
         """The registration record sent to the agent."""
@@ -115,6 +142,10 @@ class Mpu:
     def _reset_step(self) -> None:
         self.forward_s = self.backward_s = 0.0
         self._bwd_start = self._bwd_end = 0.0
+        self._steps_walked += 1
+        if self._steps_walked >= WALK_EVERY:
+            self._steps_walked = 0
+            self.forget()
 
     def _mark_backward_start(self) -> None:
         if not self._bwd_start:

@@ -51,6 +51,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+import structlog
+
 if TYPE_CHECKING:
     from mscale.findings import Finding
     from mscale.hook.guard import Guard, ModelInputs
@@ -93,3 +95,38 @@ class Plugin(Protocol):
     def on_command(self, command: dict) -> dict | None: ...
 
     def on_detach(self, guard: Guard) -> None: ...
+
+
+class Plugins:
+    """The guard's plugin list and its dispatch, mixed into mscale.hook.guard.Guard: each hook
+    called on every plugin that has it, in the order they were added; one that raises is logged
+    and counted (`plugin_errors`), never passed on to the training loop."""
+
+    plugins: list[Any]
+    plugin_errors: int
+    log: structlog.typing.FilteringBoundLogger
+
+    def add_plugin(self, plugin: Any) -> None:
+        if not any(hasattr(plugin, h) for h in HOOKS):
+            raise TypeError(f"{type(plugin).__name__} has none of the plugin methods {', '.join(HOOKS)}")
+        self.plugins.append(plugin)
+        self._call(plugin, "on_attach", self)
+
+    def remove_plugin(self, plugin: Any) -> None:
+        self.plugins.remove(plugin)
+        self._call(plugin, "on_detach", self)
+
+    def _dispatch(self, hook: str, *args: Any) -> None:
+        for p in list(self.plugins):
+            self._call(p, hook, *args)
+
+    def _call(self, plugin: Any, hook: str, *args: Any) -> Any:
+        fn = getattr(plugin, hook, None)
+        if fn is None:
+            return None
+        try:
+            return fn(*args)
+        except Exception as e:  # a plugin must never break the training step
+            self.plugin_errors += 1
+            self.log.exception("plugin_error", plugin=type(plugin).__name__, hook=hook, error=str(e))
+            return None

@@ -42,6 +42,7 @@ def step_report(
             checksum_failures_total=m.checksum_failures_total,
             checksum_coverage_ratio=figures[m.mpu_id]["coverage_ratio"],
             checksum_max_gap_steps=figures[m.mpu_id]["max_gap_steps"],
+            checksum_replay_gap_steps=figures[m.mpu_id].get("replay_gap_steps", math.nan),
             clip_ratio=cmsa.clip_ratio(m.mpu_id) if cmsa else 0.0,
             distill_share=_float(m.distill_share),  # the fuse's L3 term (0 when none)
             clipped=bool(last.get("clipped", {}).get(m.mpu_id, False)),

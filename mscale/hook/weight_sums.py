@@ -68,24 +68,35 @@ class WeightSums:
                 abs_step = step
             else:
                 absums, abs_step = (cached[1][1], cached[1][3]), cached[2]
-            if signs is not None:
-                wc = rounding.weighted_colsums(wd, signs, kind.transposed)
-                bs = b.to(torch.float32) @ signs if b is not None else zero
-            # GEMVs (torch.mv) read W once, faster than a column reduction; and mv, unlike a 1-row
-            # matmul, is no FLOP of FlopCounterMode's, so MSRP does not count the checks as the MPU's work
-            elif wd.dtype == acc and not kind.transposed:
-                wc = torch.mv(wd.t(), self.ones(wd.shape[0], wd.device, acc))
-            elif wd.dtype == acc:
-                wc = torch.mv(wd, self.ones(wd.shape[1], wd.device, acc))
-            else:
-                wc = wd.sum(red, dtype=acc)
-            if signs is None:
-                bs = b.sum(dtype=acc) if b is not None else zero
+            wc, bs = self._signed(wd, b, kind, acc, signs, zero)
             sums = (wc, absums[0], bs, absums[1])
         self.cache[id(module)] = (key, sums, abs_step, step, first)
         if floats:  # the CPU's in-step check adds the bias terms in Python
             self.bias_floats[id(module)] = (sums[2].item(), sums[3].item())
         return sums
+
+    def _signed(
+        self,
+        wd: torch.Tensor,
+        b: torch.Tensor | None,
+        kind: LinearKind,
+        acc: torch.dtype,
+        signs: torch.Tensor | None,
+        zero: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """c(W) and sum(b), or with `signs` W^T r and r . b."""
+        if signs is not None:
+            wc = rounding.weighted_colsums(wd, signs, kind.transposed)
+            return wc, (b.to(torch.float32) @ signs if b is not None else zero)
+        # GEMVs (torch.mv) read W once, faster than a column reduction; and mv, unlike a 1-row
+        # matmul, is no FLOP of FlopCounterMode's, so MSRP does not count the checks as the MPU's work
+        if wd.dtype == acc and not kind.transposed:
+            wc = torch.mv(wd.t(), self.ones(wd.shape[0], wd.device, acc))
+        elif wd.dtype == acc:
+            wc = torch.mv(wd, self.ones(wd.shape[1], wd.device, acc))
+        else:
+            wc = wd.sum(1 if kind.transposed else 0, dtype=acc)
+        return wc, (b.sum(dtype=acc) if b is not None else zero)
 
     def ones(self, n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         ones = self._ones_cache.get((n, device, dtype))

@@ -56,7 +56,8 @@ STEP_FIELDS = frozenset(
     | {"guard_overhead_ratio"}
 )
 TIME_CAUSES = ("productive", "startup", "snapshot", "rerun", "checks", "degraded", "data_wait", "hang")  # hook.goodput
-CHECK_FIGURES = ("checksum_coverage_ratio", "checksum_max_gap_steps")  # the budget's (mscale.hook.coverage)
+# the budget's (mscale.hook.coverage)
+CHECK_FIGURES = ("checksum_coverage_ratio", "checksum_max_gap_steps", "checksum_replay_gap_steps")
 MPU_REPORT_FIELDS = frozenset(
     {"forward_s", "backward_s", "grad_norm", "gvc", "clip_ratio", "distill_share", "clipped", "checksum_ok"}
     | {"checksum_consecutive_failures", "checksum_failures_total", "gpu", "fuse_level"}
@@ -229,6 +230,7 @@ class MpuReport:
     checksum_failures_total: int | None = None
     checksum_coverage_ratio: float = math.nan  # share of its checked layers the step checked
     checksum_max_gap_steps: float = math.nan  # the largest gap between checks of any layer
+    checksum_replay_gap_steps: float = math.nan  # steps between replays of its forward (inf: none)
     gpu: int | None = None
     fuse_level: str | None = None
     memory_used_bytes: float | None = None  # None off CUDA
@@ -246,6 +248,7 @@ class MpuReport:
                 "checksum_failures_total": self.checksum_failures_total,
                 "checksum_coverage_ratio": number(self.checksum_coverage_ratio),
                 "checksum_max_gap_steps": number(self.checksum_max_gap_steps),
+                "checksum_replay_gap_steps": number(self.checksum_replay_gap_steps),
                 "clip_ratio": number(self.clip_ratio),
                 "distill_share": number(self.distill_share),
                 "clipped": self.clipped,
