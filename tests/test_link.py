@@ -119,11 +119,7 @@ def test_checksum_findings_reach_the_agent(sock: str) -> None:
             lambda: [f for _, f in agent.state.events.since(0) if f.reason.value == "checksum_l1_trigger"],
             what="the L1 trigger finding",
         )
-        assert (
-            l1[0].labels["job_id"] == "job-f"
-            and l1[0].labels["mpu_id"] == "002"
-            and l1[0].source == "hook:checksum"
-        )
+        assert l1[0].labels["job_id"] == "job-f" and l1[0].labels["mpu_id"] == "002" and l1[0].source == "hook:checksum"
         assert (
             'mscale_mpu_checksum_consecutive_failures{job_id="job-f",local_rank="0",mpu_id="002",rank="0"} 3.0'
             in agent.metrics()
