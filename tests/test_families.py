@@ -42,15 +42,10 @@ FAMILIES = {
     "idefics2": (lambda: tf.idefics2(seed=0), ["vision", "aligner", "text"]),
     "qwen2_audio": (lambda: tf.qwen2_audio(seed=0), ["audio", "aligner", "text"]),
 }
-# Blip2: its fault is caught and healed through L1 and L2, but L3 fails ("no distillation term
-# for this model: no hidden-state tensor in the MPU outputs"), a fuse limit for its layout. Its
-# clean steps are quiet (the checksum false alarm it had: test_blip2_clean_steps_pass_abft).
-BLIP2_L3 = pytest.mark.xfail(strict=True, reason="L3 finds no hidden-state tensor in Blip2's MPU outputs")
-QFORMER = {"blip2", "instructblip"}  # InstructBLIP's layout is Blip2's: the same L3 limit
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [pytest.param(f, marks=BLIP2_L3) if f in QFORMER else f for f in sorted(FAMILIES)])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_is_discovered_trains_clean_and_a_vision_fault_is_healed(family: str) -> None:
     build, names = FAMILIES[family]
     model, make_batch = build()

@@ -1,7 +1,10 @@
 """The L3 distillation term on any layout (used by mscale.hook.actions.distill).
 
 Teacher: the text MPU's final hidden states (`last_hidden_state`, or the first (B, S, H)
-tensor of its output whose width is the text hidden size H), detached. Student: the failing
+tensor of its output whose width is the text hidden size H), detached. A text MPU with a head
+(Blip2's and InstructBLIP's `language_model` is an `OPTForCausalLM`, whose output holds only the
+logits) has them as its LM head's input (`lm_head_of`), captured there: the one place every
+causal LM passes them (OPT's forward calls its decoder directly, past its `base_model`). Student: the failing
 MPU's output as the text model receives it: the output of the MPU downstream of it (the
 projector, `aligner`) when there is one, else its own output (`pooler_output` first: Qwen2-VL's
 tower merges into the text width itself); when that is not H wide, a small linear projection
@@ -64,6 +67,15 @@ def unwrapped(model: nn.Module) -> nn.Module:
     return model
 
 
+def lm_head_of(text: nn.Module) -> nn.Module | None:
+    """The LM head inside a text MPU that has one (a `*ForCausalLM`: Hugging Face's
+    `get_output_embeddings()`), whose input is the text model's final hidden states; None for a
+    text MPU without a head (the base models most families hold)."""
+    get = getattr(text, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, nn.Module) and head is not text else None
+
+
 def placeholder_id(model: nn.Module, modality: str = "vision") -> int | None:
     """The token id whose positions the `modality` MPU's features fill (the image's, or the audio
     clip's: Qwen2-Audio's `audio_token_index`)."""
@@ -107,6 +119,7 @@ class Captured:
     attention_mask: torch.Tensor | None = None
     outputs: dict[str, Any] = field(default_factory=dict)  # mpu_id -> output
     text_inputs: tuple = ()
+    hidden: Any = None  # the text MPU's final hidden states, where it has an LM head (its input)
 
 
 class Term:
@@ -144,9 +157,12 @@ class Term:
         text_out = cap.outputs.get(self.text.mpu_id)
         if out is None or text_out is None:
             return None, "the failing MPU or the text MPU did not run this step"
-        student, teacher = student_of(out), teacher_of(text_out, self.width)
-        if student is None or teacher is None:
-            return None, "no hidden-state tensor in the MPU outputs"
+        student = student_of(out)
+        teacher = teacher_of(cap.hidden if cap.hidden is not None else text_out, self.width)
+        if student is None:
+            return None, f"no floating-point tensor of 2 or more dimensions in the {self.carrier.name} MPU's output"
+        if teacher is None:
+            return None, f"no ({self.width} wide) hidden-state tensor in the text MPU's output"
         rows = student.reshape(-1, student.shape[-1])
         if rows.shape[-1] != self.width:
             rows = self._project(rows)

@@ -74,9 +74,10 @@ class Distilling:
         self._handles: list[Any] = []
         self._calibrating: set[str] = set()
         self._terms: list[float] = []  # this step's L3 term value per training forward (0: none added)
+        self._replaying: Any = lambda: False  # the guard's replay check is running (not the step's forward)
 
     def attach(self, fuse) -> None:
-        from mscale.hook.distill import Captured
+        from mscale.hook.distill import Captured, lm_head_of
 
         self._captured = Captured()
         extra = getattr(fuse.snapshot_engine, "extra", None)
@@ -93,6 +94,10 @@ class Distilling:
         self._handles.append(model.register_forward_hook(post))
         if text is not None:
             self._handles.append(text.module.register_forward_pre_hook(self._text_input, with_kwargs=True))
+            head = lm_head_of(text.module)
+            if head is not None:  # a text model with a head: its hidden states are the head's input
+                self._replaying = lambda: bool(getattr(fuse.guard.checksum, "replaying", False))
+                self._handles.append(head.register_forward_pre_hook(self._text_hidden))
 
     def detach(self, fuse) -> None:
         extra = getattr(fuse.snapshot_engine, "extra", None)
@@ -172,6 +177,14 @@ class Distilling:
     def _text_input(self, module: Any, args: tuple, kwargs: dict) -> None:
         if module.training and self._captured is not None:
             self._captured.text_inputs = args
+
+    def _text_hidden(self, module: Any, args: tuple) -> None:
+        """The text MPU's LM head's input (its final hidden states): the teacher. A replay's
+        forward is the check's, not the step's; a re-run's replaces the discarded one."""
+        from mscale.hook.compiled import compiling
+
+        if module.training and args and self._captured is not None and not compiling() and not self._replaying():
+            self._captured.hidden = args[0]
 
     def _model_output(self, module: Any, args: tuple, output: Any) -> Any:
         """Add the term to the loss the model returns (before backward sees it). A hook on the
