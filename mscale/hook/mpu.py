@@ -38,6 +38,21 @@ KNOWN_NAMES: dict[str, str] = {
     "text_model": "text",  # Idefics3, SmolVLM
     "text_decoder": "text",  # BLIP
 }
+# generic attribute names (`encoder`, `decoder`, `projector`) that name an MPU only under a parent
+# of one of these classes: parent class name -> {attribute: MPU name}. Checked before KNOWN_NAMES.
+KNOWN_CHILDREN: dict[str, dict[str, str]] = {
+    # encoder-decoders: the image reaches the text decoder through its cross-attention
+    "VisionEncoderDecoderModel": {"encoder": "vision", "decoder": "text"},
+    "Pix2StructForConditionalGeneration": {"encoder": "vision", "decoder": "text"},
+    "PPFormulaNetModel": {"encoder": "vision", "decoder": "text"},  # its projector sits in the encoder
+    # GIT: a vision tower, its projection, and a BERT-style decoder (`encoder`) over image + text tokens
+    "GitModel": {"image_encoder": "vision", "visual_projection": "aligner", "encoder": "text"},
+    # Granite-Speech: a CTC speech encoder, a Q-Former projector (the qformer and its linear)
+    "GraniteSpeechModel": {"encoder": "audio", "projector": "aligner"},
+    "GraniteSpeechPlusModel": {"encoder": "audio", "projector": "aligner"},
+    # Phi-4-multimodal: both towers inside the text model's embedding (no text MPU: it holds them)
+    "Phi4MultimodalFeatureEmbedding": {"image_embed": "vision", "audio_embed": "audio"},
+}
 # reporting and id order: encoders, then the resampler and the aligner, then the text model
 _ORDER = ("vision", "audio", "resampler", "aligner", "text")
 UNCOVERED_SHARE = 0.10  # trainable parameters outside every MPU above which discovery warns
@@ -127,10 +142,11 @@ class Mpu:
 def _find(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
     found: dict[str, tuple[str, nn.Module]] = {}
     # named_modules is breadth-unaware; prefer the shallowest match per MPU name
-    candidates = sorted(((path.count("."), path, m) for path, m in model.named_modules() if path), key=lambda t: t[0])
+    modules = dict(model.named_modules())
+    candidates = sorted(((path.count("."), path, m) for path, m in modules.items() if path), key=lambda t: t[0])
     for _, path, module in candidates:
-        attr = path.rsplit(".", 1)[-1]
-        name = KNOWN_NAMES.get(attr)
+        parent, _, attr = path.rpartition(".")
+        name = KNOWN_CHILDREN.get(type(modules[parent]).__name__, {}).get(attr) or KNOWN_NAMES.get(attr)
         if name is None or name in found:
             continue
         # a match nested inside an MPU already found is part of it, not another MPU
@@ -240,8 +256,16 @@ def uncovered(model: nn.Module, modules: list[nn.Module], share: float = UNCOVER
     """The largest modules whose trainable parameters lie outside every MPU, when those are more
     than `share` of all trainable ones (else []): logged as a warning saying how to map them."""
     inside = {id(p) for m in modules for p in m.parameters()}
-    # (a top-level lm_head is the text model's output layer, outside its module in Hugging Face)
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad and not n.startswith("lm_head.")]
+    # (the LM head is the text model's output layer, outside its module in Hugging Face: a
+    # top-level `lm_head`, or whatever the model's get_output_embeddings() names, GIT's `output`)
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    skip = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
+    params = [
+        (n, p)
+        for n, p in model.named_parameters()
+        if p.requires_grad and not n.startswith("lm_head.") and id(p) not in skip
+    ]
     total = sum(p.numel() for _, p in params)
     outside = [(n, p) for n, p in params if id(p) not in inside]
     left = sum(p.numel() for _, p in outside)
