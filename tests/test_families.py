@@ -153,3 +153,27 @@ def test_every_installed_multimodal_family_is_discovered_or_says_why() -> None:
     assert {f: missed[f] for f in sorted(missed) if f not in OUT_OF_SCOPE} == GAPS
     assert set(OUT_OF_SCOPE) <= set(missed)  # none of those is found with a tower and a text model
     assert {f for f, n in found.items() if "audio" in n} >= {"qwen2_audio", "qwen2_5_omni_thinker"}
+
+
+def test_l3_in_an_encoder_decoder_pairs_each_image_with_its_own_decoder_states() -> None:
+    """An encoder-decoder has no image placeholders: the term takes each sample's encoder rows
+    against the mean of its decoder states, and is built (it used to say the student's positions
+    were unknown)."""
+    from mscale.hook.distill import Captured, Term
+    from mscale.hook.mpu import discover
+
+    model, _ = tf.vision_encoder_decoder(seed=0)
+    mpus = discover(model)
+    assert [m.name for m in mpus] == ["vision", "text"]
+    term = Term(model, mpus, mpus[0])
+    assert term.why_not() == "" and term.cross and term.token is None
+    cap = Captured()
+    cap.outputs["001"] = model.encoder(pixel_values=torch.randn(4, 3, 16, 16))
+    cap.hidden = torch.randn(4, 7, 32)  # the decoder's final states (its LM head's input)
+    cap.outputs["002"] = torch.randn(4, 7, 64)  # what the decoder returns: logits only
+    loss, why = term.loss(cap)
+    assert why == "" and loss is not None and math.isfinite(float(loss))
+    loss.backward()
+    assert model.encoder.embeddings.patch_embeddings.projection.weight.grad is not None
+    cap.hidden = torch.randn(3, 7, 32)  # a teacher whose batch does not match: no term, and why
+    assert term.loss(cap)[0] is None

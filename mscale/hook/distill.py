@@ -19,7 +19,10 @@ rows after the MPU (LLaVA-NeXT's row-end newlines) and every sample holds as man
 each sample's rows are its equal share of the MPU's, in batch order. Its text positions are
 the others (attention mask honoured). A text MPU that takes the student itself as its leading
 input (the project's tiny model: `language_model(prefix, tokens)`) has it first and the text
-after. Anything else: no term (`Term.why_not`, `Term.loss` say why).
+after. In an encoder-decoder (`config.is_encoder_decoder`: VisionEncoderDecoder, Pix2Struct)
+the student reaches the text decoder through cross-attention only: each sample's rows are all
+of its own, and every decoder position is text. Anything else: no term (`Term.why_not`,
+`Term.loss` say why).
 
 Term: contrastive, per batch. Each sample's student is the mean of its rows, its teacher the
 mean of the text model's hidden states over its own text positions (what the text model makes
@@ -98,8 +101,10 @@ def teacher_of(output: Any, width: int) -> torch.Tensor | None:
     return None
 
 
-def student_of(output: Any) -> torch.Tensor | None:
-    for key in ("pooler_output", "last_hidden_state"):
+def student_of(output: Any, keys: tuple[str, ...] = ("pooler_output", "last_hidden_state")) -> torch.Tensor | None:
+    """The student in an MPU's output: the first of `keys` there (a decoder's cross-attention
+    reads an encoder's `last_hidden_state`, not its pooled output), else its first tensor."""
+    for key in keys:
         t = getattr(output, key, None)
         if isinstance(t, (tuple, list)) and t and all(isinstance(x, torch.Tensor) for x in t):
             t = torch.cat(list(t))
@@ -134,6 +139,8 @@ class Term:
         self.carrier = aligner if aligner is not None and failing.name not in ("aligner", "text") else failing
         self.width = text_width(self.text.module) if self.text is not None else None
         self.token = placeholder_id(model, failing.name)
+        # an encoder-decoder (VisionEncoderDecoder, Pix2Struct): no placeholders, cross-attention
+        self.cross = bool(getattr(getattr(unwrapped(model), "config", None), "is_encoder_decoder", False))
         self.projection: nn.Linear | None = None
         self._opt: torch.optim.Optimizer | None = None
         self._initial: dict | None = None  # the projection's state as made
@@ -157,7 +164,7 @@ class Term:
         text_out = cap.outputs.get(self.text.mpu_id)
         if out is None or text_out is None:
             return None, "the failing MPU or the text MPU did not run this step"
-        student = student_of(out)
+        student = student_of(out, ("last_hidden_state",) if self.cross else ("pooler_output", "last_hidden_state"))
         teacher = teacher_of(cap.hidden if cap.hidden is not None else text_out, self.width)
         if student is None:
             return None, f"no floating-point tensor of 2 or more dimensions in the {self.carrier.name} MPU's output"
@@ -198,6 +205,11 @@ class Term:
                 pooled = torch.stack([r.mean(dim=0) for r in torch.split(rows, counts.tolist())])
             else:
                 pooled = rows.reshape(b, -1, rows.shape[-1]).mean(dim=1)
+        elif self.cross and student.dim() == 3 and student.shape[0] == b:
+            # an encoder-decoder: the student reaches the text decoder through its cross-attention
+            # only, so each sample's student is all of its own rows and every decoder position is text
+            text = torch.ones(teacher.shape[:2], dtype=torch.bool, device=teacher.device)
+            pooled = rows.reshape(b, -1, rows.shape[-1]).mean(dim=1)
         else:
             lead = cap.text_inputs[0] if cap.text_inputs else None
             out = cap.outputs.get(self.carrier.mpu_id)

@@ -276,3 +276,28 @@ def qwen2_audio(seed: int = 0):
         return {"input_ids": ids, "input_features": clips, "feature_attention_mask": mask, "labels": labels}
 
     return model, make_batch
+
+
+def vision_encoder_decoder(seed: int = 0):
+    """A VisionEncoderDecoder: a ViT encoder and a BERT decoder that reads it by cross-attention;
+    no image placeholders, the captions are the decoder's labels."""
+    encoder = T.ViTConfig(**{k: v for k, v in VISION.items()}, num_channels=3)
+    decoder = T.BertConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        is_decoder=True,
+        add_cross_attention=True,
+    )
+    cfg = T.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    cfg.decoder_start_token_id, cfg.pad_token_id = 1, 0
+    model = _built(lambda **c: cfg, T.VisionEncoderDecoderModel, seed)
+    patterns, captions = _patterns(seed, IMAGE), _captions(seed)
+
+    def make_batch(step: int, g: torch.Generator) -> dict:
+        cls, pixels = _images(patterns, g)
+        return {"pixel_values": pixels, "labels": captions[cls]}
+
+    return model, make_batch

@@ -276,7 +276,10 @@ def event(state: Distilling, d) -> tuple[str, dict[str, str]]:
         return "", {}
     t = dist.term
     via = f"through {t.carrier.name}" if t.carrier is not t.failing else "its own output"
-    where = "image-token positions" if t.token is not None else "leading positions of the text input"
+    if t.token is not None:
+        where = "image-token positions"
+    else:
+        where = "decoder positions (cross-attention)" if t.cross else "leading positions of the text input"
     lo, hi = state.band
     return f"contrastive to the text MPU's hidden states, student {via}, at the {where}; share {lo:g}-{hi:g}", {}
 
