@@ -172,8 +172,30 @@ def test_l3_in_an_encoder_decoder_pairs_each_image_with_its_own_decoder_states()
     cap.hidden = torch.randn(4, 7, 32)  # the decoder's final states (its LM head's input)
     cap.outputs["002"] = torch.randn(4, 7, 64)  # what the decoder returns: logits only
     loss, why = term.loss(cap)
-    assert why == "" and loss is not None and math.isfinite(float(loss))
+    assert why == "" and loss is not None and math.isfinite(float(loss.detach()))
     loss.backward()
     assert model.encoder.embeddings.patch_embeddings.projection.weight.grad is not None
     cap.hidden = torch.randn(3, 7, 32)  # a teacher whose batch does not match: no term, and why
     assert term.loss(cap)[0] is None
+
+
+@pytest.mark.parametrize("family", ["blip", "git", "vision_encoder_decoder"])
+def test_l3_without_placeholders_is_applied_and_adds_its_term(family: str) -> None:
+    """The layouts with no image placeholder: BLIP's decoder reads the tower by cross-attention
+    (`encoder_hidden_states`), GIT puts the projected image before the caption, an encoder-decoder
+    reads its encoder by cross-attention. L3 builds its term on each (it stopped at L2 saying the
+    student's positions were unknown), and the next step's loss carries it."""
+    from mscale.healing.engine import Decision
+
+    model, make_batch = getattr(tf, family)(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = mscale.attach(model, opt, job_id=family, snapshots=True, connect=False)
+    for step in range(2):
+        model(**make_batch(step, torch.Generator().manual_seed(step))).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    fuse, m = guard.fuse, guard.mpu("vision")
+    assert fuse.run(Decision("t", "l3_distill", "L3", fuse._target(m), m.fuse_level, "test", "", 1, 0.0)) == "applied"
+    out = model(**make_batch(2, torch.Generator().manual_seed(2)))
+    guard.detach()
+    assert "task_loss" in out and float(out.loss) > float(out["task_loss"])

@@ -19,10 +19,11 @@ rows after the MPU (LLaVA-NeXT's row-end newlines) and every sample holds as man
 each sample's rows are its equal share of the MPU's, in batch order. Its text positions are
 the others (attention mask honoured). A text MPU that takes the student itself as its leading
 input (the project's tiny model: `language_model(prefix, tokens)`) has it first and the text
-after. In an encoder-decoder (`config.is_encoder_decoder`: VisionEncoderDecoder, Pix2Struct)
-the student reaches the text decoder through cross-attention only: each sample's rows are all
-of its own, and every decoder position is text. Anything else: no term (`Term.why_not`,
-`Term.loss` say why).
+after; one whose leading input begins with the student's rows (GIT's image prefix) likewise.
+Where the student reaches the text model through cross-attention only (an encoder-decoder,
+`config.is_encoder_decoder`: VisionEncoderDecoder, Pix2Struct; or a text MPU that takes it as
+`encoder_hidden_states`: BLIP) each sample's rows are all of its own, and every text position is
+text. Anything else: no term (`Term.why_not`, `Term.loss` say why).
 
 Term: contrastive, per batch. Each sample's student is the mean of its rows, its teacher the
 mean of the text model's hidden states over its own text positions (what the text model makes
@@ -116,6 +117,17 @@ def student_of(output: Any, keys: tuple[str, ...] = ("pooler_output", "last_hidd
     return None
 
 
+def _leads(lead: Any, student: torch.Tensor, b: int) -> bool:
+    """The student is the text MPU's leading input (the tiny model) or its first rows (GIT
+    concatenates the projected image before the text embeddings: a prefix without placeholders)."""
+    if not (isinstance(lead, torch.Tensor) and lead.dim() == 3 and student.dim() == 3 and lead.shape[0] == b):
+        return False
+    n = student.shape[1]
+    if lead is student:
+        return True
+    return lead.shape[1] > n and lead.shape[2] == student.shape[2] and bool(torch.equal(lead[:, :n], student))
+
+
 @dataclass
 class Captured:
     """One step's tensors for the term."""
@@ -124,6 +136,7 @@ class Captured:
     attention_mask: torch.Tensor | None = None
     outputs: dict[str, Any] = field(default_factory=dict)  # mpu_id -> output
     text_inputs: tuple = ()
+    text_kwargs: dict[str, Any] = field(default_factory=dict)  # the text MPU's keyword inputs
     hidden: Any = None  # the text MPU's final hidden states, where it has an LM head (its input)
 
 
@@ -164,7 +177,7 @@ class Term:
         text_out = cap.outputs.get(self.text.mpu_id)
         if out is None or text_out is None:
             return None, "the failing MPU or the text MPU did not run this step"
-        student = student_of(out, ("last_hidden_state",) if self.cross else ("pooler_output", "last_hidden_state"))
+        student = self._student(cap, out)
         teacher = teacher_of(cap.hidden if cap.hidden is not None else text_out, self.width)
         if student is None:
             return None, f"no floating-point tensor of 2 or more dimensions in the {self.carrier.name} MPU's output"
@@ -182,6 +195,15 @@ class Term:
         # each image's student against every caption's teacher: its own caption is the class
         logits = F.normalize(s.float(), dim=-1) @ F.normalize(t.float(), dim=-1).T / TEMPERATURE
         return F.cross_entropy(logits, torch.arange(s.shape[0], device=logits.device)), ""
+
+    def _student(self, cap: Captured, out: Any) -> torch.Tensor | None:
+        """The carrier's output as the text model reads it: the tensor the text MPU takes as its
+        `encoder_hidden_states` (cross-attention: BLIP's decoder reads its tower's
+        `last_hidden_state`), an encoder-decoder's `last_hidden_state`, else `pooler_output` first."""
+        read = cap.text_kwargs.get("encoder_hidden_states")
+        if isinstance(read, torch.Tensor) and any(t is read for t in tensors(out)):
+            return read
+        return student_of(out, ("last_hidden_state",) if self.cross else ("pooler_output", "last_hidden_state"))
 
     def _pair(
         self, cap: Captured, student: torch.Tensor, rows: torch.Tensor, teacher: torch.Tensor
@@ -205,18 +227,24 @@ class Term:
                 pooled = torch.stack([r.mean(dim=0) for r in torch.split(rows, counts.tolist())])
             else:
                 pooled = rows.reshape(b, -1, rows.shape[-1]).mean(dim=1)
-        elif self.cross and student.dim() == 3 and student.shape[0] == b:
-            # an encoder-decoder: the student reaches the text decoder through its cross-attention
-            # only, so each sample's student is all of its own rows and every decoder position is text
+            self.layout = "image-token positions"
+        elif (
+            (self.cross or cap.text_kwargs.get("encoder_hidden_states") is student)
+            and student.dim() == 3
+            and student.shape[0] == b
+        ):
+            # cross-attention (an encoder-decoder, BLIP's decoder): the student reaches the text
+            # model only there, so each sample's student is all of its own rows and every text
+            # position is text
             text = torch.ones(teacher.shape[:2], dtype=torch.bool, device=teacher.device)
             pooled = rows.reshape(b, -1, rows.shape[-1]).mean(dim=1)
+            self.layout = "text positions (cross-attention)"
         else:
             lead = cap.text_inputs[0] if cap.text_inputs else None
-            out = cap.outputs.get(self.carrier.mpu_id)
-            carried = student_of(out) if out is not None else None
-            if not (isinstance(lead, torch.Tensor) and lead is carried and lead.dim() == 3 and lead.shape[0] == b):
+            if not _leads(lead, student, b):
                 return "the student's positions in the text sequence are not known (no image token id in the model's config)"
-            n = lead.shape[1]
+            n = student.shape[1]
+            self.layout = "leading positions of the text input"
             if teacher.shape[1] <= n:
                 return "no text positions after the student's"
             text = torch.zeros(teacher.shape[:2], dtype=torch.bool, device=teacher.device)
@@ -225,6 +253,8 @@ class Term:
         weights = text.to(teacher.dtype).unsqueeze(-1)
         target = (teacher * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
         return pooled, target
+
+    layout = ""  # where the student was placed at the last step (the event says it)
 
     def _project(self, student: torch.Tensor) -> torch.Tensor:
         if self.projection is None or self.projection.in_features != student.shape[-1]:

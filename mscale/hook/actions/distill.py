@@ -176,7 +176,7 @@ class Distilling:
 
     def _text_input(self, module: Any, args: tuple, kwargs: dict) -> None:
         if module.training and self._captured is not None:
-            self._captured.text_inputs = args
+            self._captured.text_inputs, self._captured.text_kwargs = args, kwargs
 
     def _text_hidden(self, module: Any, args: tuple) -> None:
         """The text MPU's LM head's input (its final hidden states): the teacher. A replay's
@@ -276,10 +276,7 @@ def event(state: Distilling, d) -> tuple[str, dict[str, str]]:
         return "", {}
     t = dist.term
     via = f"through {t.carrier.name}" if t.carrier is not t.failing else "its own output"
-    if t.token is not None:
-        where = "image-token positions"
-    else:
-        where = "decoder positions (cross-attention)" if t.cross else "leading positions of the text input"
+    where = t.layout or "image-token positions"
     lo, hi = state.band
     return f"contrastive to the text MPU's hidden states, student {via}, at the {where}; share {lo:g}-{hi:g}", {}
 
