@@ -1,40 +1,14 @@
-"""The L3 distillation term on any layout (used by mscale.hook.actions.distill).
+"""The L3 distillation term on any layout (used by mscale.hook.actions.distill); what it takes
+and where, in full: docs/healing.md#l2-and-l3-on-real-models.
 
-Teacher: the text MPU's final hidden states (`last_hidden_state`, or the first (B, S, H)
-tensor of its output whose width is the text hidden size H), detached. A text MPU with a head
-(Blip2's and InstructBLIP's `language_model` is an `OPTForCausalLM`, whose output holds only the
-logits) has them as its LM head's input (`lm_head_of`), captured there: the one place every
-causal LM passes them (OPT's forward calls its decoder directly, past its `base_model`). Student: the failing
-MPU's output as the text model receives it: the output of the MPU downstream of it (the
-projector, `aligner`) when there is one, else its own output (`pooler_output` first: Qwen2-VL's
-tower merges into the text width itself); when that is not H wide, a small linear projection
-made at L3 entry (trained by its own optimizer at each step's end, held in the snapshots with
-that optimizer's state: `state`/`restore`; removed on recovery).
-
-Positions, from the model's own inputs: the student's rows fill the image placeholders,
-`input_ids == config.image_token_id` (or `image_token_index`; an audio MPU's: `audio_token_id`
-or `audio_token_index`), in order (the models scatter
-the features into them the same way), so each sample's rows are known; where the model adds
-rows after the MPU (LLaVA-NeXT's row-end newlines) and every sample holds as many placeholders,
-each sample's rows are its equal share of the MPU's, in batch order. Its text positions are
-the others (attention mask honoured). A text MPU that takes the student itself as its leading
-input (the project's tiny model: `language_model(prefix, tokens)`) has it first and the text
-after; one whose leading input begins with the student's rows (GIT's image prefix) likewise.
-Where the student reaches the text model through cross-attention only (an encoder-decoder,
-`config.is_encoder_decoder`: VisionEncoderDecoder, Pix2Struct; or a text MPU that takes it as
-`encoder_hidden_states`: BLIP) each sample's rows are all of its own, and every text position is
-text. Anything else: no term (`Term.why_not`, `Term.loss` say why).
-
-Term: contrastive, per batch. Each sample's student is the mean of its rows, its teacher the
-mean of the text model's hidden states over its own text positions (what the text model makes
-of its caption); the term is the cross-entropy of each student's cosine similarities to every
-teacher of the batch (temperature 0.1), its own teacher the class. While the text model's
-states say nothing about the image (all teachers alike) the term's gradient on the students is
-zero, so it cannot collapse the images onto one target; once they differ per image it pulls
-each image toward its own caption. A plain distance to the teacher (cosine, or a KL over
-softmaxed hidden states) does collapse them: on the tiny LLaVA under a persistent vision fault
-it left the model at the loss of one that ignores its images long after recovery
-(benchmarks/fuse_real_models.py). Needs two samples in the batch.
+Teacher: the text MPU's final hidden states, detached (its output's, or its LM head's input where
+it has a head: `lm_head_of`). Student: the failing MPU's output as the text model receives it
+(through the aligner where there is one), projected to the text width at L3 entry where it is not
+(`state`/`restore` keep that projection in the snapshots). Placed per sample from the model's
+inputs (`Term._pair`): at its image (or audio) placeholders, as the text model's leading rows,
+or, by cross-attention, against all of the sample's text. The term is contrastive over the batch
+(each image's student against every caption's teacher, its own the class: a plain distance
+collapses the images onto one target, benchmarks/fuse_real_models.py); it needs two samples.
 """
 
 from __future__ import annotations
@@ -72,11 +46,9 @@ def unwrapped(model: nn.Module) -> nn.Module:
 
 
 def lm_head_of(text: nn.Module) -> nn.Module | None:
-    """The LM head inside a text MPU that has one (a `*ForCausalLM`: Hugging Face's
-    `get_output_embeddings()`), whose input is the text model's final hidden states; None for a
-    text MPU without a head (the base models most families hold)."""
-    get = getattr(text, "get_output_embeddings", None)
-    head = get() if callable(get) else None
+    """The LM head of a text MPU that has one (a `*ForCausalLM`'s `get_output_embeddings()`), whose
+    input is the final hidden states; None for a text MPU without one (most families' base models)."""
+    head = getattr(text, "get_output_embeddings", lambda: None)()
     return head if isinstance(head, nn.Module) and head is not text else None
 
 
@@ -197,9 +169,8 @@ class Term:
         return F.cross_entropy(logits, torch.arange(s.shape[0], device=logits.device)), ""
 
     def _student(self, cap: Captured, out: Any) -> torch.Tensor | None:
-        """The carrier's output as the text model reads it: the tensor the text MPU takes as its
-        `encoder_hidden_states` (cross-attention: BLIP's decoder reads its tower's
-        `last_hidden_state`), an encoder-decoder's `last_hidden_state`, else `pooler_output` first."""
+        """The carrier's output as the text model reads it: the tensor the text MPU takes as
+        `encoder_hidden_states` (BLIP), an encoder-decoder's `last_hidden_state`, else `pooler_output` first."""
         read = cap.text_kwargs.get("encoder_hidden_states")
         if isinstance(read, torch.Tensor) and any(t is read for t in tensors(out)):
             return read

@@ -16,43 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from mscale.families import KNOWN_CHILDREN, KNOWN_NAMES
 from mscale.healing.fsm import Level
 from mscale.link import MpuInfo
 
-# attribute name in the module tree -> MPU name. First match per MPU name wins (shallowest).
-KNOWN_NAMES: dict[str, str] = {
-    "vision_tower": "vision",
-    "visual": "vision",
-    "vision_model": "vision",
-    "image_tower": "vision",  # Video-LLaVA (its video_tower is not found: one vision MPU a model)
-    "vision_encoder": "vision",  # LightOnOCR
-    "audio_tower": "audio",
-    "qformer": "resampler",  # Blip2, InstructBlip: learned queries read the vision features
-    "multi_modal_projector": "aligner",
-    "mm_projector": "aligner",
-    "mlp1": "aligner",
-    "connector": "aligner",  # Idefics3, SmolVLM
-    "language_projection": "aligner",  # Blip2: the Q-Former's output into the text model's width
-    "vision_projection": "aligner",  # LightOnOCR
-    "language_model": "text",
-    "text_model": "text",  # Idefics3, SmolVLM
-    "text_decoder": "text",  # BLIP
-}
-# generic attribute names (`encoder`, `decoder`, `projector`) that name an MPU only under a parent
-# of one of these classes: parent class name -> {attribute: MPU name}. Checked before KNOWN_NAMES.
-KNOWN_CHILDREN: dict[str, dict[str, str]] = {
-    # encoder-decoders: the image reaches the text decoder through its cross-attention
-    "VisionEncoderDecoderModel": {"encoder": "vision", "decoder": "text"},
-    "Pix2StructForConditionalGeneration": {"encoder": "vision", "decoder": "text"},
-    "PPFormulaNetModel": {"encoder": "vision", "decoder": "text"},  # its projector sits in the encoder
-    # GIT: a vision tower, its projection, and a BERT-style decoder (`encoder`) over image + text tokens
-    "GitModel": {"image_encoder": "vision", "visual_projection": "aligner", "encoder": "text"},
-    # Granite-Speech: a CTC speech encoder, a Q-Former projector (the qformer and its linear)
-    "GraniteSpeechModel": {"encoder": "audio", "projector": "aligner"},
-    "GraniteSpeechPlusModel": {"encoder": "audio", "projector": "aligner"},
-    # Phi-4-multimodal: both towers inside the text model's embedding (no text MPU: it holds them)
-    "Phi4MultimodalFeatureEmbedding": {"image_embed": "vision", "audio_embed": "audio"},
-}
 # reporting and id order: encoders, then the resampler and the aligner, then the text model
 _ORDER = ("vision", "audio", "resampler", "aligner", "text")
 UNCOVERED_SHARE = 0.10  # trainable parameters outside every MPU above which discovery warns
@@ -256,16 +223,11 @@ def uncovered(model: nn.Module, modules: list[nn.Module], share: float = UNCOVER
     """The largest modules whose trainable parameters lie outside every MPU, when those are more
     than `share` of all trainable ones (else []): logged as a warning saying how to map them."""
     inside = {id(p) for m in modules for p in m.parameters()}
-    # (the LM head is the text model's output layer, outside its module in Hugging Face: a
-    # top-level `lm_head`, or whatever the model's get_output_embeddings() names, GIT's `output`)
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
+    # the LM head is the text model's output layer, outside its module in Hugging Face (GIT's `output`)
+    head = getattr(model, "get_output_embeddings", lambda: None)()
     skip = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
-    params = [
-        (n, p)
-        for n, p in model.named_parameters()
-        if p.requires_grad and not n.startswith("lm_head.") and id(p) not in skip
-    ]
+    skip |= {id(p) for n, p in model.named_parameters() if n.startswith("lm_head.")}
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in skip]
     total = sum(p.numel() for _, p in params)
     outside = [(n, p) for n, p in params if id(p) not in inside]
     left = sum(p.numel() for _, p in outside)

@@ -1,27 +1,20 @@
 """L3 cross-modal distillation: the MPU keeps failing even degraded.
 
-A distillation term (contrastive, see mscale.hook.distill) between the detached hidden states of the text MPU (the teacher) and the failing
-MPU's output as the text model receives it (the student), at the student's own positions in
-the text sequence, is added to the loss the model returns, until the MPU recovers; then it is
-removed (with the projection, where one was made). The term's layout comes from the model
-(mscale.hook.distill.Term: the projector where there is one, the image-token mask of the
-model's inputs), so it works on LLaVA-, Qwen2-VL-style and the project's tiny model. When no
-term can be built for a model (no text MPU, the text MPU itself failing, no way to place the
-student), L3 is not applied: its event says why and the MPU stays at L2.
+The term (mscale.hook.distill.Term: the failing MPU's output as the text model receives it,
+against the text MPU's detached hidden states) is added to the loss the model returns until
+the MPU recovers, then removed with any projection it made. No term for a model (no text MPU,
+the text MPU itself failing, no way to place the student): L3 is not applied, its event says
+why, and the MPU stays at L2.
 
-The weight: the term should be `healing.distill_weight_min`..`max` of the total loss. The
-weight used at a step is set from the task-loss / term ratio of the step before (the first L3
-step calibrates on its own values); the share the term actually took at each step is measured
-on that step's values (`shares`, and the Mpu's `distill_share`). A ratio that moves fast between steps shows as a share out of the
-band, not hidden by solving the weight on the step it is measured on.
+The weight aims at the middle of `healing.distill_weight_min`..`max` of the total loss, set from
+the task-loss / term ratio of the step before (the first L3 step calibrates on its own); the share
+each step took is measured on its own values (`shares`, the Mpu's `distill_share`), so a ratio
+that moves fast shows as a share out of the band.
 
-The term is added by a forward hook on the model, registered when the fuse attaches (after the
-guard's own model hook: the loss detector watches the task loss, backward gets the task loss
-plus the L3 term, a step up by design, not a spike). The model's output keeps its type
-(a ModelOutput or a dict has its `loss` replaced in place, and gets `task_loss`: the task loss
-alone, the one the guard's detectors watch). The step report carries both: `loss`, the loss
-the model returned (the term included, `mscale_job_loss`), and `task_loss`
-(`mscale_job_task_loss`); outside L3 they are equal.
+The term is added by a forward hook on the model, after the guard's own (the loss detector
+watches the task loss; backward gets the total). The output keeps its type: its `loss` replaced
+in place, `task_loss` beside it. The step report carries both (`mscale_job_loss`,
+`mscale_job_task_loss`); outside L3 they are equal.
 """
 
 from __future__ import annotations
