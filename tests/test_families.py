@@ -10,7 +10,8 @@ training goes on finite.
 Beyond those, every family the installed transformers maps as image-text-to-text or multimodal
 LM is built on the meta device from its default config and discovered
 (`test_every_installed_multimodal_family_is_discovered_or_says_why`); the ones whose MPUs are not
-found, or that do not build so, are listed in GAPS with the reason."""
+found, or that do not build so, are listed in support/family_scope.py's GAPS with the reason, and
+those with no vision or audio tower at all in its OUT_OF_SCOPE."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 import mscale
 from mscale.findings import Reason, Severity
 from support import tiny_families as tf
+from support.family_scope import GAPS, OUT_OF_SCOPE
 from support.tiny_families import blip2, idefics3
 from support.tiny_hf import tiny_llava, tiny_qwen2vl
 
@@ -42,15 +44,10 @@ FAMILIES = {
     "idefics2": (lambda: tf.idefics2(seed=0), ["vision", "aligner", "text"]),
     "qwen2_audio": (lambda: tf.qwen2_audio(seed=0), ["audio", "aligner", "text"]),
 }
-# Blip2: its fault is caught and healed through L1 and L2, but L3 fails ("no distillation term
-# for this model: no hidden-state tensor in the MPU outputs"), a fuse limit for its layout. Its
-# clean steps are quiet (the checksum false alarm it had: test_blip2_clean_steps_pass_abft).
-BLIP2_L3 = pytest.mark.xfail(strict=True, reason="L3 finds no hidden-state tensor in Blip2's MPU outputs")
-QFORMER = {"blip2", "instructblip"}  # InstructBLIP's layout is Blip2's: the same L3 limit
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [pytest.param(f, marks=BLIP2_L3) if f in QFORMER else f for f in sorted(FAMILIES)])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_is_discovered_trains_clean_and_a_vision_fault_is_healed(family: str) -> None:
     build, names = FAMILIES[family]
     model, make_batch = build()
@@ -125,43 +122,6 @@ def test_a_model_with_a_large_share_outside_every_mpu_is_warned_about_naming_the
     assert uncovered(model, [m.module for m in mpus]) == ["model.extra_head"]
 
 
-# Installed families whose MPUs the discovery does not find, or that do not build on the meta
-# device from their default config: each with why (transformers as installed here, 5.24).
-# Each may be mapped by hand (`mpus=`); none is in the tiny-model test above.
-GAPS = {
-    "apertus1p5": "discovery finds ['text']",  # its default config: text only
-    "aya_vision": "does not build from its default config: ValueError",  # built tiny above
-    "chameleon": "does not build from its default config: AttributeError",
-    "cohere_compass": "does not build from its default config: KeyError",
-    "deepseek_ocr2": "does not build from its default config: TypeError",
-    "diffusion_gemma": "does not build from its default config: TypeError",
-    "emu3": "does not build from its default config: AttributeError",
-    "evolla": "discovery finds []",  # protein and text, no vision or audio tower
-    "fast_vlm": "does not build from its default config: ImportError",  # timm is not installed
-    "fuyu": "discovery finds ['text']",  # image patches enter through one linear, vision_embed_tokens
-    "gemma3n": "does not build from its default config: ImportError",  # timm
-    "gemma4": "discovery finds ['text']",  # its default config: text only
-    "gemma4_unified": "discovery finds ['text']",
-    "git": "discovery finds ['vision']",  # the text model is `git.encoder`
-    "granite4_vision": "does not build from its default config: TypeError",
-    "granite_speech": "discovery finds ['resampler', 'text']",  # its speech encoder is `encoder`
-    "granite_speech_plus": "discovery finds ['resampler', 'text']",
-    "hunyuan_vl": "does not build from its default config: TypeError",
-    "idefics": "discovery finds ['vision']",  # v1: cross-attention layers inside the decoder
-    "kyutai_speech_to_text": "discovery finds []",  # audio enters as codec tokens
-    "mistral4": "discovery finds []",  # a causal LM (text only) in the multimodal mapping
-    "perception_lm": "does not build from its default config: ImportError",  # timm
-    "phi4_multimodal": "discovery finds []",  # its towers sit inside embed_tokens_extend
-    "pix2struct": "discovery finds []",  # encoder-decoder: `encoder`, `decoder`
-    "pp_formulanet": "discovery finds ['aligner']",
-    "qwen3_omni_moe": "does not build from its default config: AttributeError",
-    "qwen4_exp": "does not build from its default config: TypeError",
-    "udop": "discovery finds []",  # encoder-decoder
-    "vibevoice_asr": "discovery finds ['aligner', 'text']",  # audio through its acoustic tokenizers
-    "vision-encoder-decoder": "discovery finds []",  # encoder-decoder
-}
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # 116 default configs built on the meta device: minutes on a busy machine
 def test_every_installed_multimodal_family_is_discovered_or_says_why() -> None:
@@ -190,5 +150,52 @@ def test_every_installed_multimodal_family_is_discovered_or_says_why() -> None:
             found[family] = names
         else:
             missed[family] = f"discovery finds {sorted(names)}"
-    assert {f: missed[f] for f in sorted(missed)} == GAPS
+    assert {f: missed[f] for f in sorted(missed) if f not in OUT_OF_SCOPE} == GAPS
+    assert set(OUT_OF_SCOPE) <= set(missed)  # none of those is found with a tower and a text model
     assert {f for f, n in found.items() if "audio" in n} >= {"qwen2_audio", "qwen2_5_omni_thinker"}
+
+
+def test_l3_in_an_encoder_decoder_pairs_each_image_with_its_own_decoder_states() -> None:
+    """An encoder-decoder has no image placeholders: the term takes each sample's encoder rows
+    against the mean of its decoder states, and is built (it used to say the student's positions
+    were unknown)."""
+    from mscale.hook.distill import Captured, Term
+    from mscale.hook.mpu import discover
+
+    model, _ = tf.vision_encoder_decoder(seed=0)
+    mpus = discover(model)
+    assert [m.name for m in mpus] == ["vision", "text"]
+    term = Term(model, mpus, mpus[0])
+    assert term.why_not() == "" and term.cross and term.token is None
+    cap = Captured()
+    cap.outputs["001"] = model.encoder(pixel_values=torch.randn(4, 3, 16, 16))
+    cap.hidden = torch.randn(4, 7, 32)  # the decoder's final states (its LM head's input)
+    cap.outputs["002"] = torch.randn(4, 7, 64)  # what the decoder returns: logits only
+    loss, why = term.loss(cap)
+    assert why == "" and loss is not None and math.isfinite(float(loss.detach()))
+    loss.backward()
+    assert model.encoder.embeddings.patch_embeddings.projection.weight.grad is not None
+    cap.hidden = torch.randn(3, 7, 32)  # a teacher whose batch does not match: no term, and why
+    assert term.loss(cap)[0] is None
+
+
+@pytest.mark.parametrize("family", ["blip", "git", "vision_encoder_decoder"])
+def test_l3_without_placeholders_is_applied_and_adds_its_term(family: str) -> None:
+    """The layouts with no image placeholder: BLIP's decoder reads the tower by cross-attention
+    (`encoder_hidden_states`), GIT puts the projected image before the caption, an encoder-decoder
+    reads its encoder by cross-attention. L3 builds its term on each (it stopped at L2 saying the
+    student's positions were unknown), and the next step's loss carries it."""
+    from mscale.healing.engine import Decision
+
+    model, make_batch = getattr(tf, family)(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = mscale.attach(model, opt, job_id=family, snapshots=True, connect=False)
+    for step in range(2):
+        model(**make_batch(step, torch.Generator().manual_seed(step))).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    fuse, m = guard.fuse, guard.mpu("vision")
+    assert fuse.run(Decision("t", "l3_distill", "L3", fuse._target(m), m.fuse_level, "test", "", 1, 0.0)) == "applied"
+    out = model(**make_batch(2, torch.Generator().manual_seed(2)))
+    guard.detach()
+    assert "task_loss" in out and float(out.loss) > float(out["task_loss"])

@@ -4,7 +4,7 @@ client, and the integrations, each imported on its own: the Hugging Face callbac
 Accelerate (accelerate), Lightning (lightning).
 
 May import: findings, options (the config machinery), link, healing (the decision core), snapshot,
-contracts (torch-free). Never imports daemon. Importing this package imports torch; `import mscale` does not (it re-exports lazily).
+contracts, families (torch-free). Never imports daemon. Importing this package imports torch; `import mscale` does not (it re-exports lazily).
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
-"""The L3 distillation term on any layout (used by mscale.hook.actions.distill).
+"""The L3 distillation term on any layout (used by mscale.hook.actions.distill); what it takes
+and where, in full: docs/healing.md#l2-and-l3-on-real-models.
 
-Teacher: the text MPU's final hidden states (`last_hidden_state`, or the first (B, S, H)
-tensor of its output whose width is the text hidden size H), detached. Student: the failing
-MPU's output as the text model receives it: the output of the MPU downstream of it (the
-projector, `aligner`) when there is one, else its own output (`pooler_output` first: Qwen2-VL's
-tower merges into the text width itself); when that is not H wide, a small linear projection
-made at L3 entry (trained by its own optimizer at each step's end, held in the snapshots with
-that optimizer's state: `state`/`restore`; removed on recovery).
-
-Positions, from the model's own inputs: the student's rows fill the image placeholders,
-`input_ids == config.image_token_id` (or `image_token_index`; an audio MPU's: `audio_token_id`
-or `audio_token_index`), in order (the models scatter
-the features into them the same way), so each sample's rows are known; where the model adds
-rows after the MPU (LLaVA-NeXT's row-end newlines) and every sample holds as many placeholders,
-each sample's rows are its equal share of the MPU's, in batch order. Its text positions are
-the others (attention mask honoured). A text MPU that takes the student itself as its leading
-input (the project's tiny model: `language_model(prefix, tokens)`) has it first and the text
-after. Anything else: no term (`Term.why_not`, `Term.loss` say why).
-
-Term: contrastive, per batch. Each sample's student is the mean of its rows, its teacher the
-mean of the text model's hidden states over its own text positions (what the text model makes
-of its caption); the term is the cross-entropy of each student's cosine similarities to every
-teacher of the batch (temperature 0.1), its own teacher the class. While the text model's
-states say nothing about the image (all teachers alike) the term's gradient on the students is
-zero, so it cannot collapse the images onto one target; once they differ per image it pulls
-each image toward its own caption. A plain distance to the teacher (cosine, or a KL over
-softmaxed hidden states) does collapse them: on the tiny LLaVA under a persistent vision fault
-it left the model at the loss of one that ignores its images long after recovery
-(benchmarks/fuse_real_models.py). Needs two samples in the batch.
+Teacher: the text MPU's final hidden states, detached (its output's, or its LM head's input where
+it has a head: `lm_head_of`). Student: the failing MPU's output as the text model receives it
+(through the aligner where there is one), projected to the text width at L3 entry where it is not
+(`state`/`restore` keep that projection in the snapshots). Placed per sample from the model's
+inputs (`Term._pair`): at its image (or audio) placeholders, as the text model's leading rows,
+or, by cross-attention, against all of the sample's text. The term is contrastive over the batch
+(each image's student against every caption's teacher, its own the class: a plain distance
+collapses the images onto one target, benchmarks/fuse_real_models.py); it needs two samples.
 """
 
 from __future__ import annotations
@@ -64,6 +45,13 @@ def unwrapped(model: nn.Module) -> nn.Module:
     return model
 
 
+def lm_head_of(text: nn.Module) -> nn.Module | None:
+    """The LM head of a text MPU that has one (a `*ForCausalLM`'s `get_output_embeddings()`), whose
+    input is the final hidden states; None for a text MPU without one (most families' base models)."""
+    head = getattr(text, "get_output_embeddings", lambda: None)()
+    return head if isinstance(head, nn.Module) and head is not text else None
+
+
 def placeholder_id(model: nn.Module, modality: str = "vision") -> int | None:
     """The token id whose positions the `modality` MPU's features fill (the image's, or the audio
     clip's: Qwen2-Audio's `audio_token_index`)."""
@@ -86,8 +74,10 @@ def teacher_of(output: Any, width: int) -> torch.Tensor | None:
     return None
 
 
-def student_of(output: Any) -> torch.Tensor | None:
-    for key in ("pooler_output", "last_hidden_state"):
+def student_of(output: Any, keys: tuple[str, ...] = ("pooler_output", "last_hidden_state")) -> torch.Tensor | None:
+    """The student in an MPU's output: the first of `keys` there (a decoder's cross-attention
+    reads an encoder's `last_hidden_state`, not its pooled output), else its first tensor."""
+    for key in keys:
         t = getattr(output, key, None)
         if isinstance(t, (tuple, list)) and t and all(isinstance(x, torch.Tensor) for x in t):
             t = torch.cat(list(t))
@@ -99,6 +89,17 @@ def student_of(output: Any) -> torch.Tensor | None:
     return None
 
 
+def _leads(lead: Any, student: torch.Tensor, b: int) -> bool:
+    """The student is the text MPU's leading input (the tiny model) or its first rows (GIT
+    concatenates the projected image before the text embeddings: a prefix without placeholders)."""
+    if not (isinstance(lead, torch.Tensor) and lead.dim() == 3 and student.dim() == 3 and lead.shape[0] == b):
+        return False
+    n = student.shape[1]
+    if lead is student:
+        return True
+    return lead.shape[1] > n and lead.shape[2] == student.shape[2] and bool(torch.equal(lead[:, :n], student))
+
+
 @dataclass
 class Captured:
     """One step's tensors for the term."""
@@ -107,6 +108,8 @@ class Captured:
     attention_mask: torch.Tensor | None = None
     outputs: dict[str, Any] = field(default_factory=dict)  # mpu_id -> output
     text_inputs: tuple = ()
+    text_kwargs: dict[str, Any] = field(default_factory=dict)  # the text MPU's keyword inputs
+    hidden: Any = None  # the text MPU's final hidden states, where it has an LM head (its input)
 
 
 class Term:
@@ -121,6 +124,8 @@ class Term:
         self.carrier = aligner if aligner is not None and failing.name not in ("aligner", "text") else failing
         self.width = text_width(self.text.module) if self.text is not None else None
         self.token = placeholder_id(model, failing.name)
+        # an encoder-decoder (VisionEncoderDecoder, Pix2Struct): no placeholders, cross-attention
+        self.cross = bool(getattr(getattr(unwrapped(model), "config", None), "is_encoder_decoder", False))
         self.projection: nn.Linear | None = None
         self._opt: torch.optim.Optimizer | None = None
         self._initial: dict | None = None  # the projection's state as made
@@ -144,9 +149,12 @@ class Term:
         text_out = cap.outputs.get(self.text.mpu_id)
         if out is None or text_out is None:
             return None, "the failing MPU or the text MPU did not run this step"
-        student, teacher = student_of(out), teacher_of(text_out, self.width)
-        if student is None or teacher is None:
-            return None, "no hidden-state tensor in the MPU outputs"
+        student = self._student(cap, out)
+        teacher = teacher_of(cap.hidden if cap.hidden is not None else text_out, self.width)
+        if student is None:
+            return None, f"no floating-point tensor of 2 or more dimensions in the {self.carrier.name} MPU's output"
+        if teacher is None:
+            return None, f"no ({self.width} wide) hidden-state tensor in the text MPU's output"
         rows = student.reshape(-1, student.shape[-1])
         if rows.shape[-1] != self.width:
             rows = self._project(rows)
@@ -159,6 +167,14 @@ class Term:
         # each image's student against every caption's teacher: its own caption is the class
         logits = F.normalize(s.float(), dim=-1) @ F.normalize(t.float(), dim=-1).T / TEMPERATURE
         return F.cross_entropy(logits, torch.arange(s.shape[0], device=logits.device)), ""
+
+    def _student(self, cap: Captured, out: Any) -> torch.Tensor | None:
+        """The carrier's output as the text model reads it: the tensor the text MPU takes as
+        `encoder_hidden_states` (BLIP), an encoder-decoder's `last_hidden_state`, else `pooler_output` first."""
+        read = cap.text_kwargs.get("encoder_hidden_states")
+        if isinstance(read, torch.Tensor) and any(t is read for t in tensors(out)):
+            return read
+        return student_of(out, ("last_hidden_state",) if self.cross else ("pooler_output", "last_hidden_state"))
 
     def _pair(
         self, cap: Captured, student: torch.Tensor, rows: torch.Tensor, teacher: torch.Tensor
@@ -182,13 +198,24 @@ class Term:
                 pooled = torch.stack([r.mean(dim=0) for r in torch.split(rows, counts.tolist())])
             else:
                 pooled = rows.reshape(b, -1, rows.shape[-1]).mean(dim=1)
+            self.layout = "image-token positions"
+        elif (
+            (self.cross or cap.text_kwargs.get("encoder_hidden_states") is student)
+            and student.dim() == 3
+            and student.shape[0] == b
+        ):
+            # cross-attention (an encoder-decoder, BLIP's decoder): the student reaches the text
+            # model only there, so each sample's student is all of its own rows and every text
+            # position is text
+            text = torch.ones(teacher.shape[:2], dtype=torch.bool, device=teacher.device)
+            pooled = rows.reshape(b, -1, rows.shape[-1]).mean(dim=1)
+            self.layout = "text positions (cross-attention)"
         else:
             lead = cap.text_inputs[0] if cap.text_inputs else None
-            out = cap.outputs.get(self.carrier.mpu_id)
-            carried = student_of(out) if out is not None else None
-            if not (isinstance(lead, torch.Tensor) and lead is carried and lead.dim() == 3 and lead.shape[0] == b):
+            if not _leads(lead, student, b):
                 return "the student's positions in the text sequence are not known (no image token id in the model's config)"
-            n = lead.shape[1]
+            n = student.shape[1]
+            self.layout = "leading positions of the text input"
             if teacher.shape[1] <= n:
                 return "no text positions after the student's"
             text = torch.zeros(teacher.shape[:2], dtype=torch.bool, device=teacher.device)
@@ -197,6 +224,8 @@ class Term:
         weights = text.to(teacher.dtype).unsqueeze(-1)
         target = (teacher * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
         return pooled, target
+
+    layout = ""  # where the student was placed at the last step (the event says it)
 
     def _project(self, student: torch.Tensor) -> torch.Tensor:
         if self.projection is None or self.projection.in_features != student.shape[-1]:

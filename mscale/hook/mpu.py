@@ -16,28 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from mscale.families import KNOWN_CHILDREN, KNOWN_NAMES
 from mscale.healing.fsm import Level
 from mscale.link import MpuInfo
 
-# attribute name in the module tree -> MPU name. First match per MPU name wins (shallowest).
-KNOWN_NAMES: dict[str, str] = {
-    "vision_tower": "vision",
-    "visual": "vision",
-    "vision_model": "vision",
-    "image_tower": "vision",  # Video-LLaVA (its video_tower is not found: one vision MPU a model)
-    "vision_encoder": "vision",  # LightOnOCR
-    "audio_tower": "audio",
-    "qformer": "resampler",  # Blip2, InstructBlip: learned queries read the vision features
-    "multi_modal_projector": "aligner",
-    "mm_projector": "aligner",
-    "mlp1": "aligner",
-    "connector": "aligner",  # Idefics3, SmolVLM
-    "language_projection": "aligner",  # Blip2: the Q-Former's output into the text model's width
-    "vision_projection": "aligner",  # LightOnOCR
-    "language_model": "text",
-    "text_model": "text",  # Idefics3, SmolVLM
-    "text_decoder": "text",  # BLIP
-}
 # reporting and id order: encoders, then the resampler and the aligner, then the text model
 _ORDER = ("vision", "audio", "resampler", "aligner", "text")
 UNCOVERED_SHARE = 0.10  # trainable parameters outside every MPU above which discovery warns
@@ -158,10 +140,11 @@ class Mpu:
 def _find(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
     found: dict[str, tuple[str, nn.Module]] = {}
     # named_modules is breadth-unaware; prefer the shallowest match per MPU name
-    candidates = sorted(((path.count("."), path, m) for path, m in model.named_modules() if path), key=lambda t: t[0])
+    modules = dict(model.named_modules())
+    candidates = sorted(((path.count("."), path, m) for path, m in modules.items() if path), key=lambda t: t[0])
     for _, path, module in candidates:
-        attr = path.rsplit(".", 1)[-1]
-        name = KNOWN_NAMES.get(attr)
+        parent, _, attr = path.rpartition(".")
+        name = KNOWN_CHILDREN.get(type(modules[parent]).__name__, {}).get(attr) or KNOWN_NAMES.get(attr)
         if name is None or name in found:
             continue
         # a match nested inside an MPU already found is part of it, not another MPU
@@ -271,8 +254,11 @@ def uncovered(model: nn.Module, modules: list[nn.Module], share: float = UNCOVER
     """The largest modules whose trainable parameters lie outside every MPU, when those are more
     than `share` of all trainable ones (else []): logged as a warning saying how to map them."""
     inside = {id(p) for m in modules for p in m.parameters()}
-    # (a top-level lm_head is the text model's output layer, outside its module in Hugging Face)
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad and not n.startswith("lm_head.")]
+    # the LM head is the text model's output layer, outside its module in Hugging Face (GIT's `output`)
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    skip = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
+    skip |= {id(p) for n, p in model.named_parameters() if n.startswith("lm_head.")}
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in skip]
     total = sum(p.numel() for _, p in params)
     outside = [(n, p) for n, p in params if id(p) not in inside]
     left = sum(p.numel() for _, p in outside)

@@ -276,3 +276,72 @@ def qwen2_audio(seed: int = 0):
         return {"input_ids": ids, "input_features": clips, "feature_attention_mask": mask, "labels": labels}
 
     return model, make_batch
+
+
+def _caption_family(model, seed: int, ids: bool = True):
+    """Batches of images and their captions with no image placeholders: the captions are the
+    text model's input (`ids`) and its labels."""
+    patterns, captions = _patterns(seed, IMAGE), _captions(seed)
+
+    def make_batch(step: int, g: torch.Generator) -> dict:
+        cls, pixels = _images(patterns, g)
+        text = {"input_ids": captions[cls]} if ids else {}
+        return {"pixel_values": pixels, "labels": captions[cls], **text}
+
+    return model, make_batch
+
+
+def blip(seed: int = 0):
+    """BLIP: a ViT and a BERT decoder that reads the ViT's last_hidden_state by cross-attention."""
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB)
+    model = _built(
+        T.BlipConfig,
+        T.BlipForConditionalGeneration,
+        seed,
+        vision_config=dict(VISION),
+        text_config=dict(text, encoder_hidden_size=32),
+        projection_dim=32,
+    )
+    return _caption_family(model, seed)
+
+
+def git(seed: int = 0):
+    """GIT: a CLIP-style tower, its projection, and a BERT-style decoder over the projected image
+    (a prefix, no placeholders) and the caption."""
+    model = _built(
+        T.GitConfig,
+        T.GitForCausalLM,
+        seed,
+        vision_config=dict(VISION),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+    )
+    return _caption_family(model, seed)
+
+
+def vision_encoder_decoder(seed: int = 0):
+    """A VisionEncoderDecoder: a ViT encoder and a BERT decoder that reads it by cross-attention;
+    no image placeholders, the captions are the decoder's labels."""
+    encoder = T.ViTConfig(**{k: v for k, v in VISION.items()}, num_channels=3)
+    decoder = T.BertConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        is_decoder=True,
+        add_cross_attention=True,
+    )
+    cfg = T.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    cfg.decoder_start_token_id, cfg.pad_token_id = 1, 0
+    model = _built(lambda **c: cfg, T.VisionEncoderDecoderModel, seed)
+    patterns, captions = _patterns(seed, IMAGE), _captions(seed)
+
+    def make_batch(step: int, g: torch.Generator) -> dict:
+        cls, pixels = _images(patterns, g)
+        return {"pixel_values": pixels, "labels": captions[cls]}
+
+    return model, make_batch

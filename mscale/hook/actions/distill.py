@@ -1,27 +1,20 @@
 """L3 cross-modal distillation: the MPU keeps failing even degraded.
 
-A distillation term (contrastive, see mscale.hook.distill) between the detached hidden states of the text MPU (the teacher) and the failing
-MPU's output as the text model receives it (the student), at the student's own positions in
-the text sequence, is added to the loss the model returns, until the MPU recovers; then it is
-removed (with the projection, where one was made). The term's layout comes from the model
-(mscale.hook.distill.Term: the projector where there is one, the image-token mask of the
-model's inputs), so it works on LLaVA-, Qwen2-VL-style and the project's tiny model. When no
-term can be built for a model (no text MPU, the text MPU itself failing, no way to place the
-student), L3 is not applied: its event says why and the MPU stays at L2.
+The term (mscale.hook.distill.Term: the failing MPU's output as the text model receives it,
+against the text MPU's detached hidden states) is added to the loss the model returns until
+the MPU recovers, then removed with any projection it made. No term for a model (no text MPU,
+the text MPU itself failing, no way to place the student): L3 is not applied, its event says
+why, and the MPU stays at L2.
 
-The weight: the term should be `healing.distill_weight_min`..`max` of the total loss. The
-weight used at a step is set from the task-loss / term ratio of the step before (the first L3
-step calibrates on its own values); the share the term actually took at each step is measured
-on that step's values (`shares`, and the Mpu's `distill_share`). A ratio that moves fast between steps shows as a share out of the
-band, not hidden by solving the weight on the step it is measured on.
+The weight aims at the middle of `healing.distill_weight_min`..`max` of the total loss, set from
+the task-loss / term ratio of the step before (the first L3 step calibrates on its own); the share
+each step took is measured on its own values (`shares`, the Mpu's `distill_share`), so a ratio
+that moves fast shows as a share out of the band.
 
-The term is added by a forward hook on the model, registered when the fuse attaches (after the
-guard's own model hook: the loss detector watches the task loss, backward gets the task loss
-plus the L3 term, a step up by design, not a spike). The model's output keeps its type
-(a ModelOutput or a dict has its `loss` replaced in place, and gets `task_loss`: the task loss
-alone, the one the guard's detectors watch). The step report carries both: `loss`, the loss
-the model returned (the term included, `mscale_job_loss`), and `task_loss`
-(`mscale_job_task_loss`); outside L3 they are equal.
+The term is added by a forward hook on the model, after the guard's own (the loss detector
+watches the task loss; backward gets the total). The output keeps its type: its `loss` replaced
+in place, `task_loss` beside it. The step report carries both (`mscale_job_loss`,
+`mscale_job_task_loss`); outside L3 they are equal.
 """
 
 from __future__ import annotations
@@ -74,9 +67,10 @@ class Distilling:
         self._handles: list[Any] = []
         self._calibrating: set[str] = set()
         self._terms: list[float] = []  # this step's L3 term value per training forward (0: none added)
+        self._replaying: Any = lambda: False  # the guard's replay check is running (not the step's forward)
 
     def attach(self, fuse) -> None:
-        from mscale.hook.distill import Captured
+        from mscale.hook.distill import Captured, lm_head_of
 
         self._captured = Captured()
         extra = getattr(fuse.snapshot_engine, "extra", None)
@@ -93,6 +87,10 @@ class Distilling:
         self._handles.append(model.register_forward_hook(post))
         if text is not None:
             self._handles.append(text.module.register_forward_pre_hook(self._text_input, with_kwargs=True))
+            head = lm_head_of(text.module)
+            if head is not None:  # a text model with a head: its hidden states are the head's input
+                self._replaying = lambda: bool(getattr(fuse.guard.checksum, "replaying", False))
+                self._handles.append(head.register_forward_pre_hook(self._text_hidden))
 
     def detach(self, fuse) -> None:
         extra = getattr(fuse.snapshot_engine, "extra", None)
@@ -171,7 +169,15 @@ class Distilling:
 
     def _text_input(self, module: Any, args: tuple, kwargs: dict) -> None:
         if module.training and self._captured is not None:
-            self._captured.text_inputs = args
+            self._captured.text_inputs, self._captured.text_kwargs = args, kwargs
+
+    def _text_hidden(self, module: Any, args: tuple) -> None:
+        """The text MPU's LM head's input (its final hidden states): the teacher. A replay's
+        forward is the check's, not the step's; a re-run's replaces the discarded one."""
+        from mscale.hook.compiled import compiling
+
+        if module.training and args and self._captured is not None and not compiling() and not self._replaying():
+            self._captured.hidden = args[0]
 
     def _model_output(self, module: Any, args: tuple, output: Any) -> Any:
         """Add the term to the loss the model returns (before backward sees it). A hook on the
@@ -263,7 +269,7 @@ def event(state: Distilling, d) -> tuple[str, dict[str, str]]:
         return "", {}
     t = dist.term
     via = f"through {t.carrier.name}" if t.carrier is not t.failing else "its own output"
-    where = "image-token positions" if t.token is not None else "leading positions of the text input"
+    where = t.layout or "image-token positions"
     lo, hi = state.band
     return f"contrastive to the text MPU's hidden states, student {via}, at the {where}; share {lo:g}-{hi:g}", {}
 
