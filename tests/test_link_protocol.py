@@ -69,9 +69,7 @@ def test_every_message_reads_back_what_it_wrote():
     """from_wire(to_wire(m)) == m for every message the two sides exchange (a step report's
     findings come back as the agent's, source "hook:<detector>")."""
     f = Finding("checksum", Reason.CHECKSUM_FAILURE, Severity.WARNING, "x", {"mpu_id": "001"}, time=3.0)
-    figures = dict.fromkeys(
-        ("backward_s", "gvc", "clip_ratio", *protocol.CHECK_FIGURES), 0.25
-    )
+    figures = dict.fromkeys(("backward_s", "gvc", "clip_ratio", *protocol.CHECK_FIGURES), 0.25)
     mpu = protocol.MpuReport(
         forward_s=0.5, grad_norm=float("inf"), gpu=1, fuse_level="l1", memory_used_bytes=2.0, **figures
     )
