@@ -468,3 +468,26 @@ def test_guard_with_a_grad_scaler_rolls_back_a_nan_step_the_scaler_skipped(tmp_p
     guard.detach()
     assert "update" not in scaler.__dict__  # the scaler is as it was
     plugin.engine.close()
+
+
+def test_a_partial_copy_back_restores_only_the_wanted_tensors_and_their_optimizer_state():
+    """The one partial restore (an L1 swap's corrupted weights, a weight repair) copies back the
+    wanted parameters and their optimizer state, bitwise, and leaves every other tensor as it is."""
+    job = Job()
+    job.run(1, 10)
+    snap = job.engine.latest()
+    snap.wait_ready()
+    names = [n for n, _ in job.model.named_parameters()]
+    wanted, other = names[0], names[-1]
+    at10 = {n: p.detach().clone() for n, p in job.model.named_parameters()}
+    moment = {n: job.opt.state[p]["exp_avg"].clone() for n, p in job.model.named_parameters()}
+    job.run(11, 12)
+    after = {n: p.detach().clone() for n, p in job.model.named_parameters()}
+    n = snap.copy_back(job.model, job.opt, lambda _file, name: name == wanted)
+    live = dict(job.model.named_parameters())
+    assert n == 1
+    assert torch.equal(live[wanted], at10[wanted]) and not torch.equal(after[wanted], at10[wanted])
+    assert torch.equal(job.opt.state[live[wanted]]["exp_avg"], moment[wanted])
+    assert torch.equal(live[other], after[other]) and not torch.equal(live[other], at10[other])
+    assert not torch.equal(job.opt.state[live[other]]["exp_avg"], moment[other])
+    job.close()

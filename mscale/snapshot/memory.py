@@ -96,6 +96,34 @@ class MemorySnapshot:
         """Whether its copies have completed (never blocks, never touches a lost device)."""
         return self.ready.done()
 
+    def copy_back(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        wanted: Callable[[str, str], bool],
+    ) -> int:
+        """Copy part of this snapshot back into the live model in place: every model tensor
+        (parameter or buffer) and, with `optimizer`, every optimizer-state tensor of a parameter
+        for which `wanted(file name, tensor name)` holds. Returns how many model tensors were
+        copied. The one partial restore (an L1 swap's corrupted weights, a weight repair)."""
+        live = model.state_dict(keep_vars=True)
+        params = dict(model.named_parameters())
+        n = 0
+        with torch.no_grad():
+            for fname, tensors in self.tensors.items():
+                for key, saved in tensors.items():
+                    kind, _, rest = key.partition("/")
+                    if kind == "model" and rest in live and wanted(fname, rest):
+                        live[rest].copy_(saved)
+                        n += 1
+                    elif kind == "optim" and optimizer is not None:
+                        fqn, _, k = rest.rpartition("/")
+                        p = params.get(fqn)
+                        state = optimizer.state.get(p, {}) if p is not None else {}
+                        if wanted(fname, fqn) and isinstance(state.get(k), torch.Tensor):
+                            state[k].copy_(saved)
+        return n
+
 
 def to_host(obj: Any) -> Any:
     """A deep copy of obj with every tensor copied to the CPU."""

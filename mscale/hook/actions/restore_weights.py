@@ -51,24 +51,7 @@ class Watch:
 def _restore(guard: Any, snap: Any, names: set[str], *, optimizer: bool) -> int:
     """Copy the parameters `names` (and, with `optimizer`, their optimizer state) back from the
     in-memory snapshot `snap`; returns how many tensors were copied."""
-    import torch
-
-    params = dict(guard.model.named_parameters())
-    opt = guard.optimizer
-    n = 0
-    with torch.no_grad():
-        for tensors in snap.tensors.values():
-            for key, saved in tensors.items():
-                kind, _, rest = key.partition("/")
-                if kind == "model" and rest in names and rest in params:
-                    params[rest].copy_(saved)
-                    n += 1
-                elif kind == "optim" and optimizer and opt is not None:
-                    fqn, _, k = rest.rpartition("/")
-                    p = params.get(fqn)
-                    if fqn in names and p is not None and isinstance(opt.state.get(p, {}).get(k), torch.Tensor):
-                        opt.state[p][k].copy_(saved)
-    return n
+    return snap.copy_back(guard.model, guard.optimizer if optimizer else None, lambda _file, name: name in names)
 
 
 def apply(fuse: FuseContext, state: Watch, d: Decision) -> str:

@@ -98,8 +98,6 @@ def verify_weights(fuse, state: Swaps, m: Any) -> bool:
     """Check the MPU's weights against their fingerprint after the last optimizer step;
     on a mismatch (corrupted in place) restore them from the last in-memory snapshot.
     True when restored."""
-    import torch
-
     watch = getattr(fuse.states.get("restore_weights"), "watch", None)
     if watch is None or not watch.changed(m.mpu_id):
         return False
@@ -108,25 +106,8 @@ def verify_weights(fuse, state: Swaps, m: Any) -> bool:
     if snap is None:
         raise ActionFailed("weights fail their checksum and no in-memory snapshot can restore them")
     snap.wait_ready()
-    guard = fuse.guard
-    params = dict(guard.model.named_parameters())
-    model_state = guard.model.state_dict(keep_vars=True)
-    opt = guard.optimizer
-    n = 0
-    with torch.no_grad():
-        for fname, tensors in snap.tensors.items():
-            if not fname.startswith(f"mpu_{m.mpu_id}_"):
-                continue
-            for key, saved in tensors.items():
-                kind, _, rest = key.partition("/")
-                if kind == "model" and rest in model_state:
-                    model_state[rest].copy_(saved)
-                    n += 1
-                elif kind == "optim" and opt is not None:
-                    fqn, _, k = rest.rpartition("/")
-                    p = params.get(fqn)
-                    if p is not None and isinstance(opt.state.get(p, {}).get(k), torch.Tensor):
-                        opt.state[p][k].copy_(saved)
+    prefix = f"mpu_{m.mpu_id}_"
+    n = snap.copy_back(fuse.guard.model, fuse.guard.optimizer, lambda file, _name: file.startswith(prefix))
     if not n:
         raise ActionFailed(f"the in-memory snapshot of step {snap.step} holds no weights of MPU {m.mpu_id}")
     watch.settle(frozen=True)  # the restored weights are the reference again
