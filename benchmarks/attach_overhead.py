@@ -3,9 +3,12 @@
 in-memory snapshots and their rollback) against the plain loop with `clip_grad_norm_`.
 
 The model is a LLaVA built from its config (random weights, nothing downloaded): a CLIP vision
-tower and a Llama text model of hidden 256 and 4 layers each, FFN 1024, 64x64 images in 8x8
-patches (64 image tokens) and 32 caption tokens, vocabulary 1024, batch 8: 8.1M parameters,
-the shape on which the line was first measured at +9% to +20% of a 490 ms step.
+tower and a Llama text model of hidden 256 and 4 layers each, FFN 1024, 8x8 patches,
+vocabulary 1024, batch 8: 8.1M parameters, the model on which the line was first measured at
++9% to +20% of a 490 ms step. `--shape` sets the tokens a sample: `realistic` (the default)
+96x96 images (144 image tokens) and 64 caption tokens, as many tokens a sample as
+benchmarks/hook_overhead.py's realistic shape; `issue` 64x64 images (64 image tokens) and 32
+caption tokens, the shape of that first measurement.
 
 Arms, one model, optimizer (AdamW) and `mscale.ResumableLoader` each, all drawing the same
 batches, one step of each per batch, the order shifted by one arm each batch (every arm in

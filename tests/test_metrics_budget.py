@@ -12,32 +12,11 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from mscale.config import Config
 from mscale.daemon import scrape
-from mscale.daemon.app import new_state
-from mscale.daemon.jobs import JobState
 from mscale.daemon.settings import HttpSection
 from mscale.exporters import make_registry
-from mscale.link import Register
+from support.agent_state import MPUS, state_with
 from support.link_agent import Agent, RawLink, metric
-
-MPUS = [{"mpu_id": f"{m:03d}", "name": f"mpu{m}", "gpu": m % 8} for m in range(8)]
-
-
-def state_with(jobs: dict[str, int], ranks: int = 2):
-    """An agent state holding `jobs` (job id -> owner uid), each with `ranks` ranks of 8 MPUs."""
-    state = new_state(Config())
-    for job_id, uid in jobs.items():
-        job = JobState(job_id=job_id, uid=uid)
-        for r in range(ranks):
-            job.register(
-                Register.from_wire(
-                    {"job_id": job_id, "rank": r, "pid": 100 + r, "step": 0, "local_rank": r, "mpus": MPUS}
-                )
-            )
-            job.ranks[r] = 100 + r
-        state.jobs[job_id] = job
-    return state
 
 
 def page_of(state, **caps) -> tuple[str, dict[str, Counter], dict[str, float]]:

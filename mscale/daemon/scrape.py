@@ -28,26 +28,16 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from mscale.daemon import keys
+from mscale.daemon import exposition, keys
 
 CHUNK = 64 * 1024  # bytes written per drain
 RENDER_TIMEOUT_S = 30.0  # a scrape waits this long for its render, then is answered 503
 SAMPLE_OVERHEAD = 24  # bytes of a sample line besides its name and labels: value, braces, newline
 WHYS = ("job_series_limit", "uid_series_limit", "page_bytes_limit")
 GROUPED = frozenset({"histogram", "gaugehistogram", "summary"})  # families whose series span samples
-
-
-class _Families:
-    """A collected page as prometheus_client's `generate_latest` takes it."""
-
-    def __init__(self, families: Iterable[Metric]) -> None:
-        self.families = families
-
-    def collect(self) -> Iterable[Metric]:
-        return self.families
 
 
 class Budget:
@@ -120,7 +110,7 @@ class Budget:
 
 def render(families: list[Metric], budget: Budget) -> bytes:
     """The page: the families within the budget, then the budget's own figures."""
-    page = generate_latest(_Families(budget.apply(families)))
+    page = exposition.text(budget.apply(families))
     omitted = GaugeMetricFamily(
         "mscale_metrics_series_omitted",
         "series with a job_id left out of this page by the page budget (http.metrics_max_*), by cap",
@@ -130,7 +120,7 @@ def render(families: list[Metric], budget: Budget) -> bytes:
         omitted.add_metric([why], budget.omitted[why])
     size = GaugeMetricFamily("mscale_metrics_page_bytes", "bytes of this /metrics page above this family")
     size.add_metric([], len(page))
-    return page + generate_latest(_Families([omitted, size]))
+    return page + exposition.text([omitted, size])
 
 
 class MetricsPage:
