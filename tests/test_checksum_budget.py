@@ -225,6 +225,36 @@ def test_replays_are_paid_from_the_bank_alone_and_take_turns() -> None:
     assert s.mpus["001"].replay_cost_s == 3.0 and s.replay_gap(1.0) == 8
 
 
+def test_an_mpu_whose_forward_runs_collectives_is_never_replayed() -> None:
+    """An FSDP2-sharded tower all-gathers in its forward: replayed on one rank alone it would
+    be a collective the other ranks never join. It is never replayed, not even in an incident
+    or at the ceiling, while the other MPUs are; its replay gap says so (inf)."""
+    import math
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from mscale.hook.coverage import Schedule
+    from mscale.hook.replay import runs_collectives
+
+    sharded = torch.nn.Linear(2, 2)
+    sharded.__class__ = type("FSDPLinear", (FSDPModule, torch.nn.Linear), {})  # as fully_shard does
+    assert runs_collectives(torch.nn.Sequential(torch.nn.ReLU(), sharded))
+    assert not runs_collectives(torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(2, 2)))
+    s = Schedule(max_gap_steps=8, replay_share=0.5, replay_max_gap_steps=2, incident_steps=4)
+    s.add("001", [], replayable=False)
+    s.add("002", [])
+    for mid in ("001", "002"):
+        s.forward_took(mid, 1.0)
+        s.suspect(mid, 1, "test")
+    replayed = set()
+    for step in range(1, 9):
+        s.plan(step, 0.0, 1.0)
+        replayed |= s.replays
+    assert replayed == {"002"}
+    figures = s.figures(8, 1.0)
+    assert math.isinf(figures["001"]["replay_gap_steps"]) and figures["002"]["replay_gap_steps"] <= 2
+
+
 def test_replays_rotate_across_mpus_with_their_ceiling() -> None:
     guard, train, _ = job(ChecksumConfig(budget=0.0, replay_max_gap_steps=3))
     replayed: dict[str, list[int]] = {}

@@ -67,7 +67,7 @@ from mscale.hook.compiled import GraphChecks, compiling
 from mscale.hook.coverage import Schedule
 from mscale.hook.linears import LinearKind, kind_of
 from mscale.hook.outputs import output_tensors
-from mscale.hook.replay import compare, fresh_copies, rng_get, run_again
+from mscale.hook.replay import compare, fresh_copies, rng_get, run_again, runs_collectives
 from mscale.hook.weight_sums import WeightSums
 
 SOURCE = "checksum"
@@ -140,7 +140,8 @@ class ChecksumDetector:
         linears = [(n or "<self>", m, k) for n, m in mpu.module.named_modules() if (k := kind_of(m)) is not None]
         self._mpus[id(mpu)] = _MpuChecks({id(m): n for n, m, _ in linears})
         self._by_id[mpu.mpu_id] = mpu
-        self.schedule.add(mpu.mpu_id, [])  # layers join the rotation when first seen running
+        # layers join the rotation when first seen running
+        self.schedule.add(mpu.mpu_id, [], replayable=not runs_collectives(mpu.module))
         self.graph.attach(mpu, linears)
         if not self.config.abft:
             return

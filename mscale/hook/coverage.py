@@ -15,7 +15,9 @@ cost (measured; before its first replay, its forward time). The MPUs take turns,
 replayed once every sum(replay costs) / (replay_share x budget) steps: `replay_gap_steps`, the
 bound for a fault only a replay sees. With `replay_max_gap_steps` (0 by default: the bank
 alone) each MPU is also replayed at least that often, whatever the bank; an MPU in incident
-mode is replayed every step.
+mode is replayed every step. An MPU whose forward runs collectives (an FSDP2 `fully_shard`
+inside it: its forward all-gathers) is never replayed: a replay on one rank alone would be a
+collective the other ranks do not join (its `replay_gap_steps` is inf; ABFT still checks it).
 
 Incident mode (`suspect`): every layer of the MPU checked and its forward replayed, every step
 for `incident_steps` steps; a new suspicion extends the window.
@@ -47,6 +49,7 @@ class MpuRotation:
     last_replay: int = -1
     replay_cost_s: float = 0.0  # smoothed seconds per replay (before the first: the forward's)
     replayed: bool = False  # replay_cost_s was measured on a replay
+    replayable: bool = True  # False: its forward runs collectives (FSDP2), never replayed alone
 
     @property
     def floor(self) -> int:
@@ -107,8 +110,8 @@ class Schedule:
         self.replays: set[str] = set()  # MPUs replayed this step
         self.elements = 0  # elements planned this step
 
-    def add(self, mpu_id: str, layers: list[int]) -> None:
-        self.mpus[mpu_id] = MpuRotation(layers, self.max_gap)
+    def add(self, mpu_id: str, layers: list[int], *, replayable: bool = True) -> None:
+        self.mpus[mpu_id] = MpuRotation(layers, self.max_gap, replayable=replayable)
 
     def suspect(self, mpu_id: str, step: int, why: str) -> bool:
         """Incident mode for `mpu_id` from `step` on; True when it was not in one already."""
@@ -148,9 +151,9 @@ class Schedule:
         self._plan_replays(step, budget_s)
 
     def _plan_replays(self, step: int, budget_s: float) -> None:
-        self.replays = {mid for mid, r in self.mpus.items() if r.in_incident(step)}
+        ids = [mid for mid, r in self.mpus.items() if r.replayable]
+        self.replays = {mid for mid in ids if self.mpus[mid].in_incident(step)}
         self.bank_s = min(self.bank_s + self.replay_share * budget_s, 4 * self._max_replay_cost() + budget_s)
-        ids = list(self.mpus)
         if not ids:
             return
         if self.replay_max_gap:  # the ceiling: an MPU not replayed for that long goes now
@@ -172,7 +175,7 @@ class Schedule:
 
     def _first_due(self, mid: str) -> int:
         # stagger the MPUs' first forced replays over the ceiling
-        ids = list(self.mpus)
+        ids = [m for m, r in self.mpus.items() if r.replayable]
         return (ids.index(mid) + 1) * self.replay_max_gap // len(ids) - 1
 
     def _max_replay_cost(self) -> float:
@@ -194,7 +197,7 @@ class Schedule:
         """Steps between two replays of an MPU paid from the bank (each MPU's turn comes once
         the bank has paid for every MPU's replay); inf without a bank."""
         per_step = self.replay_share * budget_s
-        total = sum(r.replay_cost_s for r in self.mpus.values())
+        total = sum(r.replay_cost_s for r in self.mpus.values() if r.replayable)
         if per_step <= 0 or total <= 0:
             return math.inf
         return math.ceil(total / per_step)
@@ -227,7 +230,9 @@ class Schedule:
                 "max_gap_steps": float(r.gap(step)),
                 "incident": 1.0 if r.in_incident(step) else 0.0,
                 "replayed": 1.0 if mid in self.replays else 0.0,
-                "replay_gap_steps": float(max(gap, step - r.last_replay if r.last_replay >= 0 else 0)),
+                "replay_gap_steps": (
+                    float(max(gap, step - r.last_replay if r.last_replay >= 0 else 0)) if r.replayable else math.inf
+                ),
             }
             for mid, r in self.mpus.items()
         }

@@ -48,6 +48,12 @@ from mscale.hook.weights import charge, split_by_bytes
 SOURCE = "gradients"
 
 
+def _local(g: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded gradient (an FSDP2 DTensor, reduce-scattered by the time
+    its hook runs: the norm is of this rank's shard of the reduced gradient); a plain one as is."""
+    return g.to_local() if hasattr(g, "to_local") else g
+
+
 class GradCheck:
     """The guard plugin (see the module docstring). `groups`: parameters checked in turn (0:
     off); `factor`: a norm this many times its median is corrupted; `warmup`: checks of a
@@ -113,7 +119,7 @@ class GradCheck:
         mark = budget.enter(SOURCE) if budget is not None else None
         try:
             if p.grad is not None:
-                self.norms[i] = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
+                self.norms[i] = torch.linalg.vector_norm(_local(p.grad.detach()), dtype=torch.float32)
         finally:
             if budget is not None and mark is not None:
                 budget.leave(mark)
@@ -127,7 +133,7 @@ class GradCheck:
             by_device.setdefault(g.device, []).append((i, g))
         with torch.no_grad():
             for items in by_device.values():
-                norms = torch._foreach_norm([g.detach() for _, g in items], 2, dtype=torch.float32)
+                norms = torch._foreach_norm([_local(g.detach()) for _, g in items], 2, dtype=torch.float32)
                 self.norms.update(zip([i for i, _ in items], norms, strict=True))
 
     def on_commit(self, point: Any) -> None:

@@ -115,3 +115,14 @@ def compare(outs: list[torch.Tensor], again: list[torch.Tensor], rtol: float) ->
         if not (math.isfinite(diff) and diff <= tol):
             return f"replay output {i}: max difference {diff:.3g} > tolerance {tol:.3g}"
     return ""
+
+
+def runs_collectives(module: torch.nn.Module) -> bool:
+    """Whether the module's forward runs collectives of its own: an FSDP2 `fully_shard` (or an
+    FSDP1 wrapper) on it or inside it all-gathers its parameters in forward, so a replay on one
+    rank alone would wait on, or cross, the other ranks' collectives."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # a torch built without distributed
+        return False
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in module.modules())
