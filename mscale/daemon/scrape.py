@@ -2,7 +2,7 @@
 
 - The collectors run on the event loop: they read the agent's live state, which only the loop
   changes (about 0.1 s at the MPU-state caps). Formatting the text, the bulk of a render (about
-  0.5 s there), runs in a worker thread, so /healthz, the webhook and the hook socket are served
+  0.3 s there, by mscale.daemon.exposition; benchmarks/metrics_at_caps.py), runs in a worker thread, so /healthz, the webhook and the hook socket are served
   meanwhile.
 - One render in flight: a scrape that arrives while one runs is answered with that render's
   page, so many concurrent scrapes (64 slow readers asking for /metrics in a loop) cost one

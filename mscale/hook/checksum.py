@@ -113,6 +113,7 @@ class ChecksumDetector:
             replay_share=share,
             replay_max_gap_steps=gap,
             incident_steps=config.incident_steps,
+            unseen_cost=config.unseen_cost,
         )
         # the checks of MPU forwards traced by torch.compile (mscale.hook.compiled)
         self.graph = GraphChecks(stride=1 if config.full else config.max_gap_steps, rtol=config.tolerance)

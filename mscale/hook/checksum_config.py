@@ -40,6 +40,10 @@ class ChecksumConfig:
     budget: float = 0.01  # the share of step time the checks may take (mscale.hook.budget)
     max_gap_steps: int = 8  # every checked layer of every MPU at least once in this many steps
     full: bool = False  # every layer every step, whatever the budget (the pre-budget default)
+    # what a check costs the step beyond its own timed work, as a multiple of it: the cache it
+    # evicts and the memory traffic the step then repeats, which no timer around the check sees.
+    # Layers beyond the max_gap_steps floor are bought at (1 + unseen_cost) x their timed cost.
+    unseen_cost: float = 1.0
     # of the budget, for background replays: an MPU's forward run again, the one check that sees
     # a fault outside every linear layer (a norm, an activation, a tower's output); the steps
     # between two replays of an MPU are what its bound comes to (`mscale_checksum_replay_gap_steps`)
@@ -71,6 +75,8 @@ class ChecksumConfig:
             raise ValueError(f"budget: expected a share of step time in 0..1, got {self.budget}")
         if not 1 <= self.max_gap_steps <= 8:
             raise ValueError(f"max_gap_steps: expected 1..8, got {self.max_gap_steps}")
+        if not 0.0 <= self.unseen_cost <= 100.0:
+            raise ValueError(f"unseen_cost: expected a multiple of the timed cost in 0..100, got {self.unseen_cost}")
         if not 0.0 <= self.replay_share <= 1.0:
             raise ValueError(f"replay_share: expected 0..1, got {self.replay_share}")
         if self.replay_max_gap_steps < 0:

@@ -6,7 +6,9 @@ Each step checks at least `floor = ceil(L / max_gap_steps)` of an MPU's L layers
 layer is checked at least once every ceil(L / floor) <= max_gap_steps steps, whatever the
 budget. Beyond the floors, the checksum's allowance (seconds) buys more layers, one at a time
 across the MPUs in turn, at the measured cost per element (input + output + weight elements of
-a layer: ABFT reads each once). An MPU in incident mode has every layer checked.
+a layer: ABFT reads each once) times 1 + `unseen_cost` (what a check costs the step around it,
+cache and memory traffic, beyond its timed work). An MPU in incident mode has every layer
+checked.
 
 Replays. A replay re-runs one MPU's forward (about a third of that MPU's step), far more than
 a layer's check, so replays are paid from a bank: each step adds `replay_share` of the budget
@@ -97,9 +99,16 @@ class Schedule:
     """The plan of each step for all MPUs (keys are the MPUs' ids)."""
 
     def __init__(
-        self, *, max_gap_steps: int, replay_share: float, replay_max_gap_steps: int, incident_steps: int
+        self,
+        *,
+        max_gap_steps: int,
+        replay_share: float,
+        replay_max_gap_steps: int,
+        incident_steps: int,
+        unseen_cost: float = 0.0,
     ) -> None:
         self.max_gap = max_gap_steps
+        self.unseen_cost = unseen_cost  # a bought layer's price: (1 + unseen_cost) x its timed cost
         self.replay_share = replay_share
         self.replay_max_gap = replay_max_gap_steps
         self.incident_steps = incident_steps
@@ -139,7 +148,7 @@ class Schedule:
                     growing.remove(mid)
                     continue
                 nxt = r.layers[r.cursor]
-                extra = self._size(r, nxt) * self.s_per_element
+                extra = self._size(r, nxt) * self.s_per_element * (1.0 + self.unseen_cost)
                 if cost + extra > allowance_s:
                     growing.clear()
                     break
