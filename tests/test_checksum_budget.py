@@ -255,6 +255,23 @@ def test_an_mpu_whose_forward_runs_collectives_is_never_replayed() -> None:
     assert math.isinf(figures["001"]["replay_gap_steps"]) and figures["002"]["replay_gap_steps"] <= 2
 
 
+def test_layers_beyond_the_floor_are_bought_at_their_price_with_the_unseen_cost() -> None:
+    """The same allowance buys half as many layers beyond the floor when each is priced at
+    twice its timed cost (unseen_cost 1.0) as at its timed cost alone (0.0)."""
+    from mscale.hook.coverage import Schedule
+
+    bought = {}
+    for unseen in (0.0, 1.0):
+        s = Schedule(max_gap_steps=8, replay_share=0.0, replay_max_gap_steps=0, incident_steps=4, unseen_cost=unseen)
+        s.add("001", list(range(32)))
+        s.s_per_element = 1e-6
+        for layer in range(32):
+            s.mpus["001"].sizes[layer] = 1000  # 1 ms a layer, timed
+        s.plan(0, 0.0205, 1.0)  # 20.5 ms: the floor's 4 layers (4 ms), then 16.5 ms of bought layers
+        bought[unseen] = len(s.mpus["001"].planned) - s.mpus["001"].floor
+    assert bought == {0.0: 16, 1.0: 8}
+
+
 def test_replays_rotate_across_mpus_with_their_ceiling() -> None:
     guard, train, _ = job(ChecksumConfig(budget=0.0, replay_max_gap_steps=3))
     replayed: dict[str, list[int]] = {}
@@ -353,6 +370,8 @@ def test_budget_allowance_and_ratio() -> None:
         ({"budget": -0.1}, "budget"),
         ({"verdicts": "later"}, "verdicts"),
         ({"incident_steps": 0}, "incident_steps"),
+        ({"unseen_cost": -1.0}, "unseen_cost"),
+        ({"unseen_cost": float("nan")}, "unseen_cost"),
     ],
 )
 def test_config_is_range_checked(kw, match) -> None:
