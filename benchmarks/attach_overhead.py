@@ -29,25 +29,42 @@ every place equally often), one torch thread:
   `healing=HealingSection(weight_groups=1)`, every trained weight fingerprinted in every window
   between steps (the shipped default rotates over 8 groups).
 
-Each arm's steps are split into --repeats blocks; a block's figure is the ratio of the arm's
-median step to clip's; the verdict (at most +1%) is on the median of the blocks, "inconclusive"
-when the control strays from 1.00 by more than the overhead from the target. Wall time and the
-process's CPU time (time.process_time over the step: every thread of the process, the snapshot
-copier's included, so the copy's work is charged wherever it runs) are both measured; CPU time
-is the sound figure under load: another process on the core stretches wall time, not the work
-the step does. Run twice: with the machine otherwise idle, and with a second process spinning
-on one core (started and stopped here, by its pid).
+Repeats. The run is --repeats repeats; each builds every arm afresh (in an order rotated by one
+arm each repeat), runs --warmup untimed steps of each, then its share of --steps timed steps of
+each, interleaved. A repeat's figure is the ratio of the arm's median step to clip's; the
+verdict (at most +1%) is on the median of the repeats, "inconclusive" when the control strays
+from 1.00 by more than the overhead from the target. Wall time and the process's CPU time
+(time.process_time over the step: every thread of the process, the snapshot copier's included,
+so the copy's work is charged wherever it runs) are both measured; CPU time is the sound figure
+under load: another process on the core stretches wall time, not the work the step does. Run
+twice: with the machine otherwise idle, and with a second process spinning on one core
+(started and stopped here, by its pid).
 
 Why it can conclude on a shared 2-core machine: the arms are interleaved step by step with the
-order rotating, so a neighbour's burst lands on every arm alike; each block's figure is a ratio
-of medians (a step disturbed by a neighbour moves no median); the verdict is on the median of the
-blocks, against the control's spread; and CPU time leaves out the time the process waited for a
-core, the noise that dominates wall time under load (what it keeps, cache and memory
-contention, hits the control alike). The load average is printed with each run.
+order rotating, so a neighbour's burst lands on every arm alike; each repeat's figure is a ratio
+of medians (a step disturbed by a neighbour moves no median); and CPU time leaves out the time
+the process waited for a core, the noise that dominates wall time under load (what it keeps,
+cache and memory contention, hits the control alike). Fresh arms each repeat: two identical
+models built one after the other differ by a few percent of CPU time for as long as they live
+(where their tensors landed, how they share cache sets: the control against clip showed it,
+and the guard alone once measured above the whole line), a bias more steps never average out;
+rebuilt each repeat, in a rotated order, it varies between repeats, where the control's spread
+measures it and the median of the repeats sets it aside. The load average is printed with each
+run.
+
+Rare work. Some of what the line does happens one step in many: a replay of an MPU's forward
+(one step in about fifty, paid from the budget), an in-memory snapshot every 10 steps (its
+capture on the training thread, its copy on a background thread). A median step leaves such
+work out, so an arm's cost per repeat is the median of its steps with each step's rare work
+taken out, plus the mean of that rare work per step, timed where it runs: the replays by the
+guard (`checksum.replay_s`), the capture's waits by the snapshot engine (`stall_s`), the
+background copy's CPU time by a timer this script wraps around it. The copy's CPU is added to
+wall time too, as if it ran on the training thread (on an idle 2-core machine it runs beside
+it: conservative).
 Printed besides: each MPU's coverage (share of its layers checked in the last step), the largest
 gap between checks of any layer, and the guard's own measured overhead ratio and cost by part.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/attach_overhead.py [--steps 30] [--repeats 3]
+    PYTHONPATH=. .venv/bin/python benchmarks/attach_overhead.py [--steps 40] [--repeats 5]
         [--load idle,busy] [--full] [--no-incident]
 """
 
@@ -61,6 +78,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -69,7 +87,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _verdict import Report, add_json_arg  # noqa: E402
+from _verdict import Report, add_json_arg, cost  # noqa: E402
 
 import mscale  # noqa: E402
 from mscale.healing.settings import HealingSection  # noqa: E402
@@ -175,8 +193,16 @@ class Arm:
         self.batches = iter(self.loader)
         self.wall: list[float] = []
         self.cpu: list[float] = []
+        self.rare: list[float] = []  # seconds of rare work in each timed step (rare_s)
+
+    def snapshot_s(self) -> float:
+        """Snapshot seconds so far: the training thread's waits on captures (their foreground
+        part) and the CPU time of their background copies."""
+        engine = getattr(getattr(self.guard, "fuse", None), "snapshot_engine", None)
+        return 0.0 if engine is None else engine.stall_s + COPY_CPU.get(id(engine.copier), 0.0)
 
     def step(self, keep: bool) -> None:
+        s0 = self.snapshot_s()
         t, c = time.perf_counter(), time.process_time()
         batch = next(self.batches)
         self.model(**batch).loss.backward()
@@ -187,19 +213,36 @@ class Arm:
         if keep:
             self.wall.append(time.perf_counter() - t)
             self.cpu.append(time.process_time() - c)
+            replay = self.guard.checksum.replay_s if self.guard is not None else 0.0  # (reset each step)
+            self.rare.append(replay + self.snapshot_s() - s0)
 
     def close(self) -> None:
         if self.guard is not None:
             self.guard.detach()
 
+    def release(self) -> None:
+        """Keep the step times only (a repeat's models, optimizers and snapshots freed)."""
+        self.model = self.opt = self.loader = self.batches = self.guard = None  # type: ignore[assignment]
 
-def blocks(xs: list[float], base: list[float], n: int) -> list[float]:
-    """The ratio of the medians of xs and base, per block of n consecutive blocks."""
-    size = len(xs) // n
-    return [
-        statistics.median(xs[i * size : (i + 1) * size]) / statistics.median(base[i * size : (i + 1) * size])
-        for i in range(n)
-    ]
+
+COPY_CPU: dict[int, float] = {}  # id(HostCopier) -> CPU seconds of its background copies
+
+
+def time_background_copies() -> None:
+    """Wrap HostCopier._copy_late, for this run, with a timer of its thread's CPU time kept per
+    copier: the snapshot copy beside training is rare work off the training thread."""
+    from mscale.snapshot.memory import HostCopier
+
+    inner = HostCopier._copy_late
+
+    def timed(self: HostCopier, pairs: Any, done: Any) -> None:
+        t0 = time.thread_time()
+        try:
+            inner(self, pairs, done)
+        finally:
+            COPY_CPU[id(self)] = COPY_CPU.get(id(self), 0.0) + time.thread_time() - t0
+
+    HostCopier._copy_late = timed  # type: ignore[method-assign]
 
 
 def fmt_pct(xs: list[float]) -> str:
@@ -211,29 +254,58 @@ def spinner() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
-def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
-    arms = [Arm("clip", args, clip=True), Arm("control", args, clip=True)]
-    arms.append(Arm("attached", args, healing=HealingSection(), clip=False))
-    arms.append(Arm("guard-only", args, healing=HealingSection(), clip=False, snapshots=False))
+def build_arms(args: argparse.Namespace, rotate: int) -> list[Arm]:
+    """The arms, built in an order rotated by `rotate` (each model's memory lands elsewhere in
+    each repeat), returned in their fixed order (clip first)."""
+    makers = [
+        lambda: Arm("clip", args, clip=True),
+        lambda: Arm("control", args, clip=True),
+        lambda: Arm("attached", args, healing=HealingSection(), clip=False),
+        lambda: Arm("guard-only", args, healing=HealingSection(), clip=False, snapshots=False),
+    ]
     if args.incident:
         full = ChecksumConfig(full=True, replay_every=1)
-        arms.append(Arm("incident", args, healing=HealingSection(), clip=False, checksum=full))
+        makers.append(lambda: Arm("incident", args, healing=HealingSection(), clip=False, checksum=full))
     if args.full:
-        arms.append(Arm("every-weight", args, healing=HealingSection(weight_groups=1), clip=False))
-    load_before = os.getloadavg()
-    busy = spinner() if load == "busy" else None
+        makers.append(lambda: Arm("every-weight", args, healing=HealingSection(weight_groups=1), clip=False))
+    n = len(makers)
+    built = {k: makers[k]() for k in [(rotate + j) % n for j in range(n)]}
+    return [built[k] for k in range(n)]
+
+
+def run_repeat(args: argparse.Namespace, r: int, steps: int) -> list[Arm]:
+    """One repeat: fresh arms, warm-up steps, then `steps` timed steps of each arm interleaved,
+    the order shifted by one arm each batch. The arms are returned closed."""
+    arms = build_arms(args, r)
     try:
         n = len(arms)
         orders = [[(i + j) % n for j in range(n)] for i in range(n)]  # each arm in each place in turn
-        for i in range(args.warmup + args.steps):
-            for k in orders[i % n]:
+        for i in range(args.warmup + steps):
+            for k in orders[(i + r) % n]:
                 arms[k].step(keep=i >= args.warmup)
+    finally:
+        for a in arms:
+            a.close()
+    return arms
+
+
+def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
+    load_before = os.getloadavg()
+    busy = spinner() if load == "busy" else None
+    repeats: list[list[Arm]] = []
+    try:
+        per = args.steps // args.repeats
+        for r in range(args.repeats):
+            repeats.append(run_repeat(args, r, per))
+            if r < args.repeats - 1:
+                for a in repeats[-1]:
+                    a.release()
+            print(f"  ({load}: repeat {r + 1}/{args.repeats} done)", flush=True)
     finally:
         if busy is not None:
             busy.kill()
             busy.wait(timeout=30)
-        for a in arms:
-            a.close()
+    arms = repeats[-1]  # the last repeat's guards: coverage, gaps, the guard's own measure
     by = {a.name: a for a in arms}
     params = sum(p.numel() for p in arms[0].model.parameters())
     image, caption = SHAPES[args.shape]
@@ -242,7 +314,7 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
     print(
         f"\n== {load}: LLaVA {args.hidden}x{args.layers} + {args.hidden}x{args.layers}, {params / 1e6:.1f}M params, "
         f"batch {args.batch}, {args.shape} shape ({tokens} tokens a sample: {image_tokens} image + {caption}), "
-        f"{args.steps} timed steps per arm in {args.repeats} blocks"
+        f"{args.repeats} repeats of {args.steps // args.repeats} timed steps per arm, fresh arms each"
         + (", a second process spinning on one core" if busy is not None else ", nothing else of ours running"),
         flush=True,
     )
@@ -279,14 +351,23 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
             + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(b["cost_s"].items()))
         )
         rep.figure(f"{load}: guard's own overhead ratio", [b["overhead_ratio"]], unit="x", show=False)
-    for a in arms:
-        rep.figure(f"{load}: {a.name} step (wall)", a.wall, unit="s")
-        rep.figure(f"{load}: {a.name} step (cpu)", a.cpu, unit="s", show=False)
+    for k, a in enumerate(arms):
+        rep.figure(f"{load}: {a.name} step (wall)", [x for arm in repeats for x in arm[k].wall], unit="s")
+        rep.figure(f"{load}: {a.name} step (cpu)", [x for arm in repeats for x in arm[k].cpu], unit="s", show=False)
+
+    def ratios(k: int, kind: str) -> list[float]:
+        """Arm k against clip, one ratio of costs (see `cost`) per repeat."""
+        return [cost(getattr(rr[k], kind), rr[k].rare) / cost(getattr(rr[0], kind), rr[0].rare) for rr in repeats]
+
+    rare = [sum(rr[2].rare) / len(rr[2].rare) / statistics.median(rr[0].cpu) for rr in repeats]
+    print(
+        f"  attached: rare work (replays, snapshot captures and copies), mean per step: {fmt_pct(rare)} of clip's step"
+    )
+
     for kind in ("wall", "cpu"):
-        base = getattr(by["clip"], kind)
-        control = blocks(getattr(by["control"], kind), base, args.repeats)
-        for a in arms[2:]:
-            added = [r - 1 for r in blocks(getattr(a, kind), base, args.repeats)]
+        control = ratios(1, kind)
+        for k, a in enumerate(arms[2:], start=2):
+            added = [x - 1 for x in ratios(k, kind)]
             if a.name in ("attached", "guard-only"):  # the default: judged against the budget
                 rep.verdict(f"{load}: {a.name} vs clip ({kind} time)", added, 0.01, at_most=True, control=control)
             else:  # a reference (incident mode, every weight): its cost, no target
@@ -296,9 +377,14 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=40, help="timed steps per arm (split into --repeats blocks)")
-    ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=5, help="blocks; the verdict is on their median (>= 3)")
+    ap.add_argument("--steps", type=int, default=40, help="timed steps per arm (split over the --repeats)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per arm at the start of each repeat")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="repeats, each with freshly built arms; the verdict is on their median (>= 3)",
+    )
     ap.add_argument("--load", default="idle,busy", help="idle, busy (a second process spinning on one core), or both")
     ap.add_argument("--full", action="store_true", help="add the every-weight reference arm (weight_groups=1)")
     ap.add_argument(
@@ -320,6 +406,7 @@ def main() -> None:
         ap.error(f"--load: idle, busy or both, got {args.load!r}")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     torch.set_num_threads(1)
+    time_background_copies()
     rep = Report("attach_overhead", args.json)
     print("attach_overhead: the README's whole line on a Hugging Face LLaVA against the loop with clip_grad_norm_")
     for load in loads:

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from attach_overhead import Arm  # noqa: E402
+from attach_overhead import SHAPES, Arm  # noqa: E402
 
 from mscale.healing.settings import HealingSection  # noqa: E402
 
@@ -57,7 +57,7 @@ COMPONENTS: list[tuple[str, str, str]] = [
     ("mscale.hook.guard", "Guard", "_mpu_post"),
     ("mscale.hook.guard", "Guard", "_pre_step"),
     ("mscale.hook.guard", "Guard", "_commit_checks"),
-    ("mscale.hook.guard", "Guard", "_statistics"),
+    ("mscale.hook.stepstats", "StepStatistics", "_statistics"),
     ("mscale.hook.guard", "Guard", "_post_step"),
     ("mscale.hook.guard", "Guard", "_end_step"),
     ("mscale.hook.guard", "Guard", "_report"),
@@ -72,7 +72,8 @@ COMPONENTS: list[tuple[str, str, str]] = [
     ("mscale.hook.checksum", "ChecksumDetector", "_abft_sums"),
     ("mscale.hook.checksum", "ChecksumDetector", "after_forward"),
     ("mscale.hook.checksum", "ChecksumDetector", "_replay"),
-    ("mscale.hook.checksum", "ChecksumDetector", "commit"),
+    ("mscale.hook.checksum", "ChecksumDetector", "pack"),
+    ("mscale.hook.checksum", "ChecksumDetector", "judge"),
     ("mscale.hook.checksum", "ChecksumDetector", "end_step"),
     ("mscale.hook.checksum", "ChecksumDetector", "figures"),
     ("mscale.hook.cmsa", "GradStatistics", "measure"),
@@ -89,7 +90,7 @@ COMPONENTS: list[tuple[str, str, str]] = [
     ("mscale.hook.fuse", "FusePlugin", "on_step_end"),
     ("mscale.hook.weights", "WeightWatch", "check"),
     ("mscale.hook.weights", "WeightWatch", "settle"),
-    ("mscale.snapshot.engine", "SnapshotEngine", "step_end"),
+    ("mscale.snapshot.capture", "SnapshotCapture", "step_end"),
     ("torch.nn.utils", "", "clip_grad_norm_"),
 ]
 
@@ -244,6 +245,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument(
+        "--shape", choices=sorted(SHAPES), default="realistic", help="tokens a sample (attach_overhead.SHAPES)"
+    )
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     torch.set_num_threads(1)
