@@ -72,14 +72,16 @@ def judge_at_most(xs: list[float], limit: float, *, control: list[float] | None 
     return "met" if m < limit else "MISSED"
 
 
-def cost(steps: list[float], rare: list[float] | None = None) -> float:
+def cost(steps: list[float], rare: list[float] | None = None, charged: list[float] | None = None) -> float:
     """A contender's step cost: the median of its steps with each step's rare work (`rare`, its
     seconds, timed where it ran) taken out, the steady step, robust to a neighbour's bursts;
-    plus that rare work's mean per step, since a median alone would leave out work done one step
-    in ten or fifty (a replay, a snapshot)."""
+    plus the mean per step of what that rare work costs over a run (`charged`, default `rare`
+    itself), since a median alone would leave out work done one step in ten or a hundred (a
+    snapshot, a replay)."""
     if not rare:
         return statistics.median(steps)
-    return statistics.median(s - r for s, r in zip(steps, rare, strict=True)) + sum(rare) / len(rare)
+    extra = rare if charged is None else charged
+    return statistics.median(s - r for s, r in zip(steps, rare, strict=True)) + sum(extra) / len(extra)
 
 
 def fmt(xs: list[float], unit: str = "x", digits: int = 2) -> str:

@@ -33,9 +33,9 @@ Repeats. The run is --repeats repeats; each builds every arm afresh (in an order
 arm each repeat), runs --warmup untimed steps of each, then its share of --steps timed steps of
 each, interleaved. A repeat's figure is the ratio of the arm's median step to clip's; the
 verdict (at most +1%) is on the median of the repeats, "inconclusive" when the control strays
-from 1.00 by more than the overhead from the target. Wall time and the process's CPU time
-(time.process_time over the step: every thread of the process, the snapshot copier's included,
-so the copy's work is charged wherever it runs) are both measured; CPU time is the sound figure
+from 1.00 by more than the overhead from the target. Wall time and the training thread's CPU
+time (time.thread_time over the step; with one torch thread a CPU step's kernels all run on it;
+the snapshot copier's thread is timed on its own, see Rare work) are both measured; CPU time is the sound figure
 under load: another process on the core stretches wall time, not the work the step does. Run
 twice: with the machine otherwise idle, and with a second process spinning on one core
 (started and stopped here, by its pid).
@@ -53,14 +53,18 @@ measures it and the median of the repeats sets it aside. The load average is pri
 run.
 
 Rare work. Some of what the line does happens one step in many: a replay of an MPU's forward
-(one step in about fifty, paid from the budget), an in-memory snapshot every 10 steps (its
-capture on the training thread, its copy on a background thread). A median step leaves such
-work out, so an arm's cost per repeat is the median of its steps with each step's rare work
-taken out, plus the mean of that rare work per step, timed where it runs: the replays by the
-guard (`checksum.replay_s`), the capture's waits by the snapshot engine (`stall_s`), the
-background copy's CPU time by a timer this script wraps around it. The copy's CPU is added to
-wall time too, as if it ran on the training thread (on an idle 2-core machine it runs beside
-it: conservative).
+(one step in 50 to 150, paid from the budget's replay bank), an in-memory snapshot every 10
+steps (its capture on the training thread, its copy on a background thread). A median step
+leaves such work out, so an arm's cost per repeat is the median of its steps with each step's
+rare work taken out (timed where it runs: the replays by the guard, `checksum.replay_s`; the
+capture's waits by the snapshot engine, `stall_s`; the background copy's CPU time by a timer
+this script wraps around it), plus what that work costs a step over a run: the snapshot's
+timed seconds as they came, and the replays at the rate the bank pays for them, `replay_share`
+x budget x step time a step (every bank-paid replay is paid from those deposits, and a repeat
+is shorter than the gap between two replays, so the replays timed in it say little). The
+copy's CPU counts on both clocks, as if it ran on the training thread (on an idle 2-core
+machine it runs beside it: conservative). In incident mode every step replays: nothing rare.
+
 Printed besides: each MPU's coverage (share of its layers checked in the last step), the largest
 gap between checks of any layer, and the guard's own measured overhead ratio and cost by part.
 
@@ -193,7 +197,8 @@ class Arm:
         self.batches = iter(self.loader)
         self.wall: list[float] = []
         self.cpu: list[float] = []
-        self.rare: list[float] = []  # seconds of rare work in each timed step (rare_s)
+        self.rare: list[float] = []  # seconds of rare work timed in each timed step
+        self.charged: list[float] = []  # what it costs a step over a run (see the docstring)
 
     def snapshot_s(self) -> float:
         """Snapshot seconds so far: the training thread's waits on captures (their foreground
@@ -203,7 +208,7 @@ class Arm:
 
     def step(self, keep: bool) -> None:
         s0 = self.snapshot_s()
-        t, c = time.perf_counter(), time.process_time()
+        t, c = time.perf_counter(), time.thread_time()
         batch = next(self.batches)
         self.model(**batch).loss.backward()
         if self.clip:
@@ -212,9 +217,15 @@ class Arm:
         self.opt.zero_grad(set_to_none=True)
         if keep:
             self.wall.append(time.perf_counter() - t)
-            self.cpu.append(time.process_time() - c)
-            replay = self.guard.checksum.replay_s if self.guard is not None else 0.0  # (reset each step)
-            self.rare.append(replay + self.snapshot_s() - s0)
+            self.cpu.append(time.thread_time() - c)
+            snap, replay, deposit = self.snapshot_s() - s0, 0.0, 0.0
+            if self.guard is not None:
+                checks, budget = self.guard.checksum, self.guard.budget
+                if checks.schedule.replay_share > 0:  # replays paid from the bank: rare work
+                    replay = checks.replay_s  # (this step's: reset at each step's begin)
+                    deposit = checks.schedule.replay_share * budget.share * (budget.step_s or 0.0)
+            self.rare.append(snap + replay)
+            self.charged.append(snap + deposit)
 
     def close(self) -> None:
         if self.guard is not None:
@@ -357,9 +368,12 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
 
     def ratios(k: int, kind: str) -> list[float]:
         """Arm k against clip, one ratio of costs (see `cost`) per repeat."""
-        return [cost(getattr(rr[k], kind), rr[k].rare) / cost(getattr(rr[0], kind), rr[0].rare) for rr in repeats]
+        return [
+            cost(getattr(rr[k], kind), rr[k].rare, rr[k].charged) / cost(getattr(rr[0], kind), rr[0].rare)
+            for rr in repeats
+        ]
 
-    rare = [sum(rr[2].rare) / len(rr[2].rare) / statistics.median(rr[0].cpu) for rr in repeats]
+    rare = [sum(rr[2].charged) / len(rr[2].charged) / statistics.median(rr[0].cpu) for rr in repeats]
     print(
         f"  attached: rare work (replays, snapshot captures and copies), mean per step: {fmt_pct(rare)} of clip's step"
     )

@@ -35,9 +35,10 @@ split into --repeats blocks (default 5), each giving the ratio of the arms' cost
 verdict (target: at most +1% against plain + clip_grad_norm_ at the realistic shape) is on the
 median of the blocks' ratios, their range printed, "inconclusive" when the control strays
 further from 1.00 than the overhead from the target. An arm's cost in a block is its median
-step, except that a guarded arm's replays (one step in about fifty, paid from the budget, timed
-by the guard) are rare work a median would leave out: they are taken out of each step and
-added back as their mean per step (benchmarks/_verdict.cost).
+step, except that a guarded arm's replays (one step in 50 to 150, paid from the budget's replay
+bank, timed by the guard) are rare work a median would leave out: they are taken out of each
+step and charged at the rate the bank pays for them, `replay_share` x budget x step time a step
+(benchmarks/_verdict.cost; benchmarks/attach_overhead.py, Rare work).
 
 Prints, per shape, each arm's median and mean step time, each guarded arm's added time
 against both baselines, the guard's own time per step by part, and what the guard measured
@@ -186,6 +187,7 @@ def run_shape(name: str, args: argparse.Namespace, sock: str, rep: Report) -> di
     times: dict[str, list[float]] = {k: [] for k in arms}
     cpu: dict[str, list[float]] = {k: [] for k in arms}
     parts: dict[str, dict[str, list[float]]] = {arm: {} for arm in guarded}
+    deposits: dict[str, list[float]] = {arm: [] for arm in guarded}
     for i, b in enumerate(batches):
         order = orders[i % len(orders)] if orders else shuffle.sample(list(arms), len(arms))
         took = {k: arms[k](b) for k in order}  # rotate which arm runs first
@@ -197,6 +199,9 @@ def run_shape(name: str, args: argparse.Namespace, sock: str, rep: Report) -> di
         for arm, (_, _, guard) in guarded.items():
             for k, v in vars(guard.times).items():
                 parts[arm].setdefault(k, []).append(v)
+            # replays paid from the budget's bank cost, over a run, what the bank is paid a step
+            share, b = guard.checksum.schedule.replay_share, guard.budget
+            deposits[arm].append(share * b.share * (b.step_s or 0.0))
     med = {k: statistics.median(v) for k, v in times.items()}
     mean = {k: sum(v) / len(v) for k, v in times.items()}
     print(
@@ -215,11 +220,12 @@ def run_shape(name: str, args: argparse.Namespace, sock: str, rep: Report) -> di
     for clock, series in (("cpu", cpu), ("wall", times)):
 
         def block_ratios(arm: str, base: str, series=series) -> list[float]:
-            # a guarded arm's replays are rare work: taken out of its steps, added back as a mean
-            rare = parts[arm]["replay_s"] if arm in parts else None
-            return [
-                cost(series[arm][b], rare[b] if rare else None) / statistics.median(series[base][b]) for b in blocks
-            ]
+            # a guarded arm's bank-paid replays are rare work: taken out of its steps, charged
+            # at the bank's rate (benchmarks/_verdict.cost, attach_overhead.py's Rare work)
+            if arm not in parts or guarded[arm][2].checksum.schedule.replay_share <= 0:
+                return [statistics.median(series[arm][b]) / statistics.median(series[base][b]) for b in blocks]
+            rare, paid = parts[arm]["replay_s"], deposits[arm]
+            return [cost(series[arm][b], rare[b], paid[b]) / statistics.median(series[base][b]) for b in blocks]
 
         ctl = block_ratios("control", "clip")
         rep.figure(f"{name} [{clock}]: control / plain+clip (A/A)", ctl, unit="x", digits=4)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mscale.demo.nodes import node_config
 from mscale.rules import render
 from support import REPO, free_port, require_tool
 from support.e2e import Proc, http, poll
@@ -33,13 +34,8 @@ def agent(tmp: Path, node: str, gpus: int) -> tuple[Proc, int, Path]:
     d = tmp / node
     d.mkdir()
     port = free_port()
-    (d / "timeline.yaml").write_text(f"gpus: {gpus}\nevents: []\n")
-    (d / "agent.toml").write_text(
-        f'[agent]\nlisten = "127.0.0.1:{port}"\nsocket_path = "{d / "agent.sock"}"\nnode = "{node}"\n'
-        f'simulate = "{d / "timeline.yaml"}"\n[probes.ebpf]\nenabled = false\n'
-        f'[chaos]\ntoken = "{CHAOS["Authorization"].split()[1]}"\n'
-    )
-    return Proc(node, [sys.executable, "-m", "mscale", "agent", "--config", str(d / "agent.toml")], d).start(), port, d
+    config = node_config(d, node, port, gpus, CHAOS["Authorization"].split()[1])
+    return Proc(node, [sys.executable, "-m", "mscale", "agent", "--config", str(config)], d).start(), port, d
 
 
 @pytest.mark.slow

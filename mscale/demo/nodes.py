@@ -171,6 +171,19 @@ def main(*, nodes: int, ranks: int, out: str) -> int:
         _stop(children, agents)
 
 
+def node_config(d: Path, name: str, port: int, gpus: int, chaos_token: str) -> Path:
+    """A node's agent config in `d`: HTTP on 127.0.0.1:`port`, its socket in `d`, `gpus`
+    simulated GPUs with no scheduled events, eBPF off, the chaos API behind `chaos_token`.
+    Returns the config's path."""
+    (d / "timeline.yaml").write_text(f"gpus: {gpus}\nevents: []\n")
+    (d / "agent.toml").write_text(
+        f'[agent]\nlisten = "127.0.0.1:{port}"\nsocket_path = "{d / "agent.sock"}"\nnode = "{name}"\n'
+        f'simulate = "{d / "timeline.yaml"}"\n[probes.ebpf]\nenabled = false\n'
+        f'[chaos]\ntoken = "{chaos_token}"\n'
+    )
+    return d / "agent.toml"
+
+
 def _start_agents(tmp: Path, names: list[str], ranks: int, agents: Agents) -> None:
     """One `mscale agent` per node, each with its own port, socket and ranks + 1 simulated GPUs,
     added to `agents` as it starts (so the caller stops what did); back once every socket is up."""
@@ -178,15 +191,10 @@ def _start_agents(tmp: Path, names: list[str], ranks: int, agents: Agents) -> No
         d = tmp / name
         d.mkdir()
         port = _free_port()
-        (d / "timeline.yaml").write_text(f"gpus: {ranks + 1}\nevents: []\n")
-        (d / "agent.toml").write_text(
-            f'[agent]\nlisten = "127.0.0.1:{port}"\nsocket_path = "{d / "agent.sock"}"\nnode = "{name}"\n'
-            f'simulate = "{d / "timeline.yaml"}"\n[probes.ebpf]\nenabled = false\n'
-            f'[chaos]\ntoken = "{CHAOS_TOKEN}"\n'
-        )
+        config = node_config(d, name, port, ranks + 1, CHAOS_TOKEN)
         log = open(d / "agent.log", "w")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mscale", "agent", "--config", str(d / "agent.toml")], stdout=log, stderr=log
+            [sys.executable, "-m", "mscale", "agent", "--config", str(config)], stdout=log, stderr=log
         )
         agents.append((name, port, d, proc))
     for name, _, d, _ in agents:
