@@ -24,8 +24,9 @@ Which layers, which steps (mscale.hook.coverage, mscale.hook.budget): the guard 
 the checks cost against the step they ride on and checks, each step, as many layers of each MPU
 as `budget` (default 0.01, the share of step time) allows, never fewer than keep every layer
 checked at least once every `max_gap_steps` (default 8), in rotation. Replays rotate across the
-MPUs, paid from `replay_share` of the budget, each MPU at least once every
-`replay_max_gap_steps` (100). `full=True` checks every layer every step (the old default).
+MPUs, paid from `replay_share` (0.2) of the budget; `replay_max_gap_steps` (0 by default: the
+bank alone) forces each MPU's at least that often. `full=True` checks every layer every step
+(the old default).
 
 Escalation (`suspect`): a failed check, a loss or gradient anomaly, an agent's GPU finding on
 the MPU's GPU or a replica mismatch put the MPU in incident mode for `incident_steps` (16):
