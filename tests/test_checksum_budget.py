@@ -362,6 +362,23 @@ def test_budget_allowance_and_ratio() -> None:
         Budget(1.5)
 
 
+def test_the_plans_aim_below_the_budget_by_its_headroom() -> None:
+    """The allowance is the aim, (1 - headroom) x budget x step, less what the others spend: a
+    plan never spends the ceiling itself."""
+    b = Budget(0.02, headroom=0.25, smoothing=1.0)  # each step's figures as they are
+    b.charge("weights", 0.002)
+    b.end_step(1.0)
+    assert b.allowance_s("checksum") == pytest.approx(0.75 * 0.02 - 0.002)
+    assert b.figures()["aim"] == pytest.approx(0.015) and b.figures()["budget"] == 0.02
+    b.charge("weights", 0.02)  # the others alone above the aim: nothing left, never below zero
+    b.end_step(1.0)
+    assert b.allowance_s("checksum") == 0.0
+    assert Budget(0.02, headroom=0.0).allowance_s("checksum") == 0.0  # no step measured yet
+    for bad in (-0.1, 1.0, float("nan")):
+        with pytest.raises(ValueError, match="headroom"):
+            Budget(0.01, headroom=bad)
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
@@ -372,6 +389,8 @@ def test_budget_allowance_and_ratio() -> None:
         ({"incident_steps": 0}, "incident_steps"),
         ({"unseen_cost": -1.0}, "unseen_cost"),
         ({"unseen_cost": float("nan")}, "unseen_cost"),
+        ({"headroom": 1.0}, "headroom"),
+        ({"headroom": -0.5}, "headroom"),
     ],
 )
 def test_config_is_range_checked(kw, match) -> None:

@@ -25,8 +25,10 @@ the checks. (On a GPU the host time of a block timed with CUDA events is charged
 conservative double count of launches.)
 
 How it shares. Each detector's cost per step is smoothed (an exponential moving average,
-`smoothing`); the allowance of one detector is `share * step time` minus what the others spent
-on average, never below zero. A detector decides how much work to do from its allowance and
+`smoothing`); the allowance of one detector is the aim, `(1 - headroom) * share * step time`,
+minus what the others spent on average, never below zero. The budget is a ceiling, not a
+target: a plan that spent all of it would exceed it whenever the guard's measure of itself
+reads low (ChecksumConfig.headroom says by how much it was seen to stray). A detector decides how much work to do from its allowance and
 its own cost estimates (the checksum detector: how many linear layers to check, see
 mscale.hook.coverage). Work a detector must do whatever the budget (the checksum's floor that
 keeps every layer within `max_gap_steps`, an incident's full coverage) is charged all the
@@ -72,12 +74,15 @@ class StepTimes:
 class Budget:
     """The share of step time the guard's detectors may take (see the module docstring)."""
 
-    def __init__(self, share: float = 0.01, *, smoothing: float = SMOOTHING) -> None:
+    def __init__(self, share: float = 0.01, *, headroom: float = 0.0, smoothing: float = SMOOTHING) -> None:
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"budget share: expected 0 <= share <= 1, got {share}")
+        if not 0.0 <= headroom < 1.0:
+            raise ValueError(f"headroom: expected a share of the budget in 0..1 (1 excluded), got {headroom}")
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing: expected 0 < smoothing <= 1, got {smoothing}")
         self.share = share
+        self.headroom = headroom  # the share of the budget the plans leave unspent
         self.smoothing = smoothing
         self.step_s: float | None = None  # smoothed step wall time
         self.cost_s: dict[str, float] = {}  # smoothed seconds per step, by detector
@@ -150,12 +155,12 @@ class Budget:
             self.charge(who, time.perf_counter() - t0)
 
     def allowance_s(self, who: str) -> float:
-        """Seconds `who` may spend in the next step: the budget less what the others spend on
-        average. 0.0 until a step time has been measured."""
+        """Seconds `who` may spend in the next step: the aim (the budget less its headroom) less
+        what the others spend on average. 0.0 until a step time has been measured."""
         if self.step_s is None:
             return 0.0
         others = sum(c for w, c in self.cost_s.items() if w != who)
-        return max(0.0, self.share * self.step_s - others)
+        return max(0.0, (1.0 - self.headroom) * self.share * self.step_s - others)
 
     def cost_of(self, who: str) -> float:
         """`who`'s smoothed seconds per step (0.0 before its first step)."""
@@ -202,6 +207,7 @@ class Budget:
         """What the guard reports: the share, the measured ratios, the cost by detector."""
         return {
             "budget": self.share,
+            "aim": (1.0 - self.headroom) * self.share,
             "overhead_ratio": self.overhead_ratio,
             "last_overhead_ratio": self.last_ratio,
             "step_s": self.step_s or 0.0,

@@ -38,6 +38,14 @@ VERDICTS = ("auto", "in_step", "commit")
 class ChecksumConfig:
     abft: bool = True  # ABFT on the linear layers inside each MPU
     budget: float = 0.01  # the share of step time the checks may take (mscale.hook.budget)
+    # the share of the budget the plans leave unspent. The budget is a ceiling, and a plan is
+    # made from smoothed estimates (the seconds a checked element costs, what the other
+    # detectors spend, the step time) of figures that vary from step to step, with the cache
+    # traffic a check causes priced by a factor (unseen_cost), not timed: a plan that spent the
+    # whole budget would exceed it whenever they read low, about every other step. So layers
+    # beyond the floors are bought up to (1 - headroom) x budget; the floors, the replays'
+    # share and incidents are paid all the same. 0: plans spend the whole budget.
+    headroom: float = 0.3
     max_gap_steps: int = 8  # every checked layer of every MPU at least once in this many steps
     full: bool = False  # every layer every step, whatever the budget (the pre-budget default)
     # what a check costs the step beyond its own timed work, as a multiple of it: the cache it
@@ -73,6 +81,8 @@ class ChecksumConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.budget <= 1.0:
             raise ValueError(f"budget: expected a share of step time in 0..1, got {self.budget}")
+        if not 0.0 <= self.headroom < 1.0:
+            raise ValueError(f"headroom: expected a share of the budget in 0..1 (1 excluded), got {self.headroom}")
         if not 1 <= self.max_gap_steps <= 8:
             raise ValueError(f"max_gap_steps: expected 1..8, got {self.max_gap_steps}")
         if not 0.0 <= self.unseen_cost <= 100.0:
