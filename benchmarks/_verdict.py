@@ -84,6 +84,34 @@ def cost(steps: list[float], rare: list[float] | None = None, charged: list[floa
     return statistics.median(s - r for s, r in zip(steps, rare, strict=True)) + sum(extra) / len(extra)
 
 
+def paired(
+    steps: list[float],
+    base: list[float],
+    rare: list[float] | None = None,
+    charged: list[float] | None = None,
+    base_rare: list[float] | None = None,
+) -> float:
+    """A contender's cost over a baseline's, round by round: `steps[i]` and `base[i]` ran in the
+    same round of interleaved arms (back to back), so the median over the rounds of their ratio,
+    each step's rare work taken out (`rare`, `base_rare`: see `cost`), plus what that rare work
+    costs a step over a run (`charged`, default `rare`) against the baseline's median step.
+
+    Why rounds, not a ratio of medians: a slowdown of the machine longer than a round (a
+    neighbour's job, the VM's host) scales both steps of the rounds it covers alike and cancels
+    in their ratio; one that starts or ends inside a round moves that round's ratio alone, which
+    the median sets aside. A ratio of two medians lets a burst that covers more steps of one arm
+    than of the other (it began between them) move it by the burst's whole size."""
+    if len(steps) != len(base) or not steps:
+        raise ValueError(f"paired: expected two equal, non-empty series of rounds, got {len(steps)} and {len(base)}")
+    zeros = [0.0] * len(steps)
+    own, theirs = rare or zeros, base_rare or zeros
+    ratios = [(s - r) / (b - q) for s, r, b, q in zip(steps, own, base, theirs, strict=True)]
+    extra = charged if charged is not None else own
+    return statistics.median(ratios) + (sum(extra) / len(extra)) / statistics.median(
+        b - q for b, q in zip(base, theirs, strict=True)
+    )
+
+
 def fmt(xs: list[float], unit: str = "x", digits: int = 2) -> str:
     s = stats(xs)
     return f"{s['median']:.{digits}f}{unit} (range {s['min']:.{digits}f}-{s['max']:.{digits}f}, n={s['n']})"

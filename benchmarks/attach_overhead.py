@@ -31,7 +31,8 @@ every place equally often), one torch thread:
 
 Repeats. The run is --repeats repeats; each builds every arm afresh (in an order rotated by one
 arm each repeat), runs --warmup untimed steps of each, then its share of --steps timed steps of
-each, interleaved. A repeat's figure is the ratio of the arm's median step to clip's; the
+each, interleaved. A repeat's figure is taken round by round: the median over its rounds of the
+arm's step over clip's step of the same round (benchmarks/_verdict.paired); the
 verdict (at most +1%) is on the median of the repeats, "inconclusive" when the control strays
 from 1.00 by more than the overhead from the target. Wall time and the training thread's CPU
 time (time.thread_time over the step; with one torch thread a CPU step's kernels all run on it;
@@ -41,8 +42,11 @@ twice: with the machine otherwise idle, and with a second process spinning on on
 (started and stopped here, by its pid).
 
 Why it can conclude on a shared 2-core machine: the arms are interleaved step by step with the
-order rotating, so a neighbour's burst lands on every arm alike; each repeat's figure is a ratio
-of medians (a step disturbed by a neighbour moves no median); and CPU time leaves out the time
+order rotating, so a neighbour's burst lands on every arm alike; each repeat's figure is a median
+of the rounds' ratios (a slowdown longer than a round scales both steps of a round alike and
+cancels in their ratio; a shorter one moves one round's ratio, which no median follows; a ratio
+of two medians would move by a whole burst that covered more steps of one arm than of the
+other); and CPU time leaves out the time
 the process waited for a core, the noise that dominates wall time under load (what it keeps,
 cache and memory contention, hits the control alike). Fresh arms each repeat: two identical
 models built one after the other differ by a few percent of CPU time for as long as they live
@@ -91,7 +95,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _verdict import Report, add_json_arg, cost  # noqa: E402
+from _verdict import Report, add_json_arg, paired  # noqa: E402
 
 import mscale  # noqa: E402
 from mscale.healing.settings import HealingSection  # noqa: E402
@@ -367,10 +371,9 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
         rep.figure(f"{load}: {a.name} step (cpu)", [x for arm in repeats for x in arm[k].cpu], unit="s", show=False)
 
     def ratios(k: int, kind: str) -> list[float]:
-        """Arm k against clip, one ratio of costs (see `cost`) per repeat."""
+        """Arm k against clip, one ratio of costs per repeat, round by round (see `paired`)."""
         return [
-            cost(getattr(rr[k], kind), rr[k].rare, rr[k].charged) / cost(getattr(rr[0], kind), rr[0].rare)
-            for rr in repeats
+            paired(getattr(rr[k], kind), getattr(rr[0], kind), rr[k].rare, rr[k].charged, rr[0].rare) for rr in repeats
         ]
 
     rare = [sum(rr[2].charged) / len(rr[2].charged) / statistics.median(rr[0].cpu) for rr in repeats]

@@ -34,8 +34,11 @@ The arms run one step each per batch, interleaved, the order rotating; the timed
 split into --repeats blocks (default 5), each giving the ratio of the arms' costs; the
 verdict (target: at most +1% against plain + clip_grad_norm_ at the realistic shape) is on the
 median of the blocks' ratios, their range printed, "inconclusive" when the control strays
-further from 1.00 than the overhead from the target. An arm's cost in a block is its median
-step, except that a guarded arm's replays (one step in 50 to 150, paid from the budget's replay
+further from 1.00 than the overhead from the target. A block's ratio is taken round by round
+(benchmarks/_verdict.paired): the median over its rounds of the arm's step over the
+baseline's step of the same round, so a slowdown of the machine that covers more steps of one
+arm than of the other (bursts from outside the VM last tens of seconds here) cancels instead of
+moving a ratio of medians. A guarded arm's replays (one step in 50 to 150, paid from the budget's replay
 bank, timed by the guard) are rare work a median would leave out: they are taken out of each
 step and charged at the rate the bank pays for them, `replay_share` x budget x step time a step
 (benchmarks/_verdict.cost; benchmarks/attach_overhead.py, Rare work).
@@ -83,7 +86,7 @@ from mscale.hook.checksum import ChecksumConfig  # noqa: E402
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _verdict import Report, add_json_arg, cost  # noqa: E402
+from _verdict import Report, add_json_arg, paired  # noqa: E402
 
 
 def start_agent(tmp: str) -> tuple[subprocess.Popen, str]:
@@ -214,18 +217,22 @@ def run_shape(name: str, args: argparse.Namespace, sock: str, rep: Report) -> di
     print("thread CPU time, median: " + ", ".join(f"{label(k)} {statistics.median(cpu[k]) * 1e3:.2f} ms" for k in arms))
     if "plain" in med:
         print(f"  (clip_grad_norm_ itself: {(med['clip'] / med['plain'] - 1) * 100:+.2f}% on the plain median)")
+    for k in arms:  # every step, in rounds (the JSON keeps them: other estimators can be tried)
+        rep.figure(f"{name}: {label(k)} step (cpu)", cpu[k], unit="s", show=False)
+        rep.figure(f"{name}: {label(k)} step (wall)", times[k], unit="s", show=False)
     size = max(1, len(times["clip"]) // args.repeats)  # blocks of consecutive steps
     blocks = [slice(i * size, (i + 1) * size) for i in range(args.repeats)]
     out = {}
     for clock, series in (("cpu", cpu), ("wall", times)):
 
         def block_ratios(arm: str, base: str, series=series) -> list[float]:
-            # a guarded arm's bank-paid replays are rare work: taken out of its steps, charged
-            # at the bank's rate (benchmarks/_verdict.cost, attach_overhead.py's Rare work)
+            # round by round (benchmarks/_verdict.paired); a guarded arm's bank-paid replays are
+            # rare work: taken out of its steps, charged at the bank's rate (attach_overhead.py's
+            # Rare work)
             if arm not in parts or guarded[arm][2].checksum.schedule.replay_share <= 0:
-                return [statistics.median(series[arm][b]) / statistics.median(series[base][b]) for b in blocks]
+                return [paired(series[arm][b], series[base][b]) for b in blocks]
             rare, paid = parts[arm]["replay_s"], deposits[arm]
-            return [cost(series[arm][b], rare[b], paid[b]) / statistics.median(series[base][b]) for b in blocks]
+            return [paired(series[arm][b], series[base][b], rare[b], paid[b]) for b in blocks]
 
         ctl = block_ratios("control", "clip")
         rep.figure(f"{name} [{clock}]: control / plain+clip (A/A)", ctl, unit="x", digits=4)
