@@ -31,7 +31,10 @@ clock. What it leaves out: the guard's link thread (reports to the agent), a few
 step, counted in wall time. The verdict is given on both; the CPU-time one is the headline.
 
 The arms run one step each per batch, interleaved, the order rotating; the timed steps are
-split into --repeats blocks (default 5), each giving the ratio of the arms' costs; the
+split into --repeats repeats (default 5), each with every arm built afresh (in an order rotated
+by one arm each repeat) and --warmup untimed steps, each giving the ratio of the arms' costs
+(arms built once drifted: the clipped loop moved by about 1% against its control over
+minutes, the guarded arm and the control moving together against it); the
 verdict (target: at most +1% against plain + clip_grad_norm_ at the realistic shape) is on the
 median of the blocks' ratios, their range printed, "inconclusive" when the control strays
 further from 1.00 than the overhead from the target. A block's ratio is taken round by round
@@ -131,7 +134,8 @@ def run_shape(name: str, args: argparse.Namespace, sock: str, rep: Report) -> di
         **overrides,
     )
     data = SyntheticCaptions(cfg, size=100_000)
-    n = args.warmup + steps
+    per = max(1, steps // args.repeats)  # timed steps of each arm in a repeat
+    n = args.repeats * (args.warmup + per)
     batches = [
         torch.utils.data.default_collate([data[i * args.batch + j] for j in range(args.batch)]) for i in range(n)
     ]
@@ -141,27 +145,39 @@ def run_shape(name: str, args: argparse.Namespace, sock: str, rep: Report) -> di
         model = TinyMultimodal(cfg)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    plain, plain_opt = model_and_opt()
-    clipped, clipped_opt = model_and_opt()
-    control, control_opt = model_and_opt()
-    guarded = {}  # arm -> (model, optimizer, guard)
     configs = {"guarded": ChecksumConfig()}
     if args.full_arm:
         configs["guarded_full"] = ChecksumConfig(full=True, replay_every=1)
-    for arm, ccfg in configs.items():
-        model, opt = model_and_opt()
-        guard = attach(model, opt, job_id=f"bench-{name}-{arm}", socket_path=sock, checksum=ccfg)
-        guarded[arm] = (model, opt, guard)
-    deadline = time.monotonic() + 30
-    while not all(g.link.connected for _, _, g in guarded.values()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert all(g.link.connected for _, _, g in guarded.values()), "the hook did not connect to the agent"
-    params = sum(p.numel() for p in plain.parameters())
+    names = [*(["plain"] if args.plain_arm else []), "clip", "control", *configs]
+
+    def build(rotate: int) -> dict[str, tuple]:
+        """Every arm afresh, built in an order rotated by `rotate`: two identical models built
+        one after the other differ by a percent or so for as long as they live (one run's
+        clipped loop drifted by that much against its control over minutes), a bias rebuilt
+        arms turn into noise the control measures."""
+        made: dict[str, tuple] = {}
+        for j in range(len(names)):
+            arm = names[(rotate + j) % len(names)]
+            model, opt = model_and_opt()
+            guard = None
+            if arm in configs:
+                job = f"bench-{name}-{arm}-{rotate}"
+                guard = attach(model, opt, job_id=job, socket_path=sock, checksum=configs[arm])
+            made[arm] = (model, opt, guard)
+        guards = [g for _, _, g in made.values() if g is not None]
+        deadline = time.monotonic() + 30
+        while not all(g.link.connected for g in guards) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(g.link.connected for g in guards), "the hook did not connect to the agent"
+        return {arm: made[arm] for arm in names}
+
+    params = sum(p.numel() for p in TinyMultimodal(cfg).parameters())
     tokens = args.batch * (cfg.patches + cfg.seq_len - 1)
     print(
         f"\n== {name}: hidden {args.hidden}, FFN {cfg.ffn_mult}x, {args.layers}+{args.layers} layers, "
         f"{params / 1e6:.1f}M params, batch {args.batch}, {cfg.patches} patches + {cfg.seq_len} tokens "
-        f"({tokens} tokens a step), torch threads {args.threads}, {steps} timed steps",
+        f"({tokens} tokens a step), torch threads {args.threads}, {args.repeats} repeats of {per} timed steps, "
+        "fresh arms each",
         flush=True,
     )
 
@@ -174,37 +190,41 @@ def run_shape(name: str, args: argparse.Namespace, sock: str, rep: Report) -> di
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t, time.thread_time() - c
 
-    arms = {
-        "plain": lambda b: step(plain, plain_opt, b),
-        "clip": lambda b: step(clipped, clipped_opt, b, clip=True),
-        "control": lambda b: step(control, control_opt, b, clip=True),
-    }
-    if not args.plain_arm:
-        del arms["plain"]
-    for arm, (model, opt, _) in guarded.items():
-        arms[arm] = lambda b, model=model, opt=opt: step(model, opt, b)
     # every arm in every position equally often: all orders for four arms, a seeded shuffle of
     # them for more (5! orders would not come round in a run)
-    orders = list(itertools.permutations(arms)) if len(arms) <= 4 else None
+    orders = list(itertools.permutations(names)) if len(names) <= 4 else None
     shuffle = random.Random(0)
-    times: dict[str, list[float]] = {k: [] for k in arms}
-    cpu: dict[str, list[float]] = {k: [] for k in arms}
-    parts: dict[str, dict[str, list[float]]] = {arm: {} for arm in guarded}
-    deposits: dict[str, list[float]] = {arm: [] for arm in guarded}
-    for i, b in enumerate(batches):
-        order = orders[i % len(orders)] if orders else shuffle.sample(list(arms), len(arms))
-        took = {k: arms[k](b) for k in order}  # rotate which arm runs first
-        if i < args.warmup:
-            continue
-        for k, (wall, thread) in took.items():
-            times[k].append(wall)
-            cpu[k].append(thread)
-        for arm, (_, _, guard) in guarded.items():
-            for k, v in vars(guard.times).items():
-                parts[arm].setdefault(k, []).append(v)
-            # replays paid from the budget's bank cost, over a run, what the bank is paid a step
-            share, b = guard.checksum.schedule.replay_share, guard.budget
-            deposits[arm].append(share * b.share * (b.step_s or 0.0))
+    times: dict[str, list[float]] = {k: [] for k in names}
+    cpu: dict[str, list[float]] = {k: [] for k in names}
+    parts: dict[str, dict[str, list[float]]] = {arm: {} for arm in configs}
+    deposits: dict[str, list[float]] = {arm: [] for arm in configs}
+    guarded: dict[str, tuple] = {}  # arm -> (model, optimizer, guard), the last repeat's
+    rounds = 0
+    for r in range(args.repeats):
+        made = build(r)
+        guarded = {arm: made[arm] for arm in configs}
+        for i in range(args.warmup + per):
+            b = batches[r * (args.warmup + per) + i]
+            order = orders[rounds % len(orders)] if orders else shuffle.sample(names, len(names))
+            rounds += 1
+            # rotate which arm runs first
+            took = {k: step(made[k][0], made[k][1], b, clip=k in ("clip", "control")) for k in order}
+            if i < args.warmup:
+                continue
+            for k, (wall, thread) in took.items():
+                times[k].append(wall)
+                cpu[k].append(thread)
+            for arm, (_, _, guard) in guarded.items():
+                for k, v in vars(guard.times).items():
+                    parts[arm].setdefault(k, []).append(v)
+                # replays paid from the budget's bank cost, over a run, what the bank is paid a step
+                share, bud = guard.checksum.schedule.replay_share, guard.budget
+                deposits[arm].append(share * bud.share * (bud.step_s or 0.0))
+        if r < args.repeats - 1:
+            for _, _, guard in guarded.values():
+                guard.detach()
+        print(f"  ({name}: repeat {r + 1}/{args.repeats} done)", flush=True)
+    arms = names
     med = {k: statistics.median(v) for k, v in times.items()}
     mean = {k: sum(v) / len(v) for k, v in times.items()}
     print(
@@ -220,8 +240,7 @@ def run_shape(name: str, args: argparse.Namespace, sock: str, rep: Report) -> di
     for k in arms:  # every step, in rounds (the JSON keeps them: other estimators can be tried)
         rep.figure(f"{name}: {label(k)} step (cpu)", cpu[k], unit="s", show=False)
         rep.figure(f"{name}: {label(k)} step (wall)", times[k], unit="s", show=False)
-    size = max(1, len(times["clip"]) // args.repeats)  # blocks of consecutive steps
-    blocks = [slice(i * size, (i + 1) * size) for i in range(args.repeats)]
+    blocks = [slice(i * per, (i + 1) * per) for i in range(args.repeats)]  # one per repeat
     out = {}
     for clock, series in (("cpu", cpu), ("wall", times)):
 
@@ -283,8 +302,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=("both", *SHAPES), default="both")
     ap.add_argument("--steps", type=int, default=0, help="timed steps per shape (0: 60 original, 150 realistic)")
-    ap.add_argument("--repeats", type=int, default=5, help="blocks the timed steps are split into")
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="repeats, each with fresh arms and its own warm-up")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps of each arm at each repeat's start")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
