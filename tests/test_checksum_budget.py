@@ -506,3 +506,54 @@ def test_a_plugins_work_in_a_step_is_in_the_guards_measured_overhead(monkeypatch
     assert guard.budget.last_spent_s.get("guard", 0.0) >= 1.5
     assert guard.budget.spent_s.get("guard", 0.0) < 1.5
     assert guard.gradients._handles == []  # one rank: no per-parameter hooks in backward
+
+
+class _Samples(torch.utils.data.Dataset):
+    def __init__(self, make_batch) -> None:
+        self.make_batch = make_batch
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict:
+        return {k: v[0] for k, v in self.make_batch(1, torch.Generator().manual_seed(i)).items()}
+
+
+@pytest.mark.parametrize("headroom, bought", [(0.0, True), (0.9999, False)])
+def test_the_headroom_decides_what_is_bought_beyond_the_floors_on_a_hf_llava(headroom, bought) -> None:
+    """The README's line on a tiny Hugging Face LLaVA, 2 micro-batches a step under bf16
+    autocast, the whole step as budget: with no headroom the allowance buys every layer; with
+    the aim at 1e-4 of a step (less than the guard's own bookkeeping) it buys none, and each
+    step checks the floors, ceil(L / 8) of an MPU's L layers."""
+    import mscale
+    from support.tiny_hf import tiny_llava
+
+    model, make_batch = tiny_llava(seed=0)
+    loader = mscale.ResumableLoader(_Samples(make_batch), batch_size=2, shuffle=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = ChecksumConfig(budget=1.0, headroom=headroom, replay_every=0)
+    guard = mscale.attach(
+        model,
+        opt,
+        job_id="aim",
+        snapshots=mscale.SnapshotConfig(memory_every=5),
+        data=loader,
+        connect=False,
+        checksum=cfg,
+    )
+    batches, seen = iter(loader), []
+    for _ in range(6):
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(**next(batches)).loss / 2
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append({mid: f["coverage_ratio"] for mid, f in guard.checksum.figures().items()})
+    layers = {mid: len(r.layers) for mid, r in guard.checksum.schedule.mpus.items()}
+    guard.detach()
+    assert all(n > 0 for n in layers.values())
+    floors = {mid: -(-n // 8) / n for mid, n in layers.items()}
+    # step 0 checks every layer as it is first seen, step 1 plans before a cost is measured
+    for coverage in seen[2:]:
+        assert coverage == ({mid: 1.0 for mid in layers} if bought else floors)
