@@ -72,18 +72,6 @@ def judge_at_most(xs: list[float], limit: float, *, control: list[float] | None 
     return "met" if m < limit else "MISSED"
 
 
-def cost(steps: list[float], rare: list[float] | None = None, charged: list[float] | None = None) -> float:
-    """A contender's step cost: the median of its steps with each step's rare work (`rare`, its
-    seconds, timed where it ran) taken out, the steady step, robust to a neighbour's bursts;
-    plus the mean per step of what that rare work costs over a run (`charged`, default `rare`
-    itself), since a median alone would leave out work done one step in ten or a hundred (a
-    snapshot, a replay)."""
-    if not rare:
-        return statistics.median(steps)
-    extra = rare if charged is None else charged
-    return statistics.median(s - r for s, r in zip(steps, rare, strict=True)) + sum(extra) / len(extra)
-
-
 def paired(
     steps: list[float],
     base: list[float],
@@ -93,8 +81,10 @@ def paired(
 ) -> float:
     """A contender's cost over a baseline's, round by round: `steps[i]` and `base[i]` ran in the
     same round of interleaved arms (back to back), so the median over the rounds of their ratio,
-    each step's rare work taken out (`rare`, `base_rare`: see `cost`), plus what that rare work
-    costs a step over a run (`charged`, default `rare`) against the baseline's median step.
+    each step's rare work (`rare`, `base_rare`: its seconds, timed where it ran) taken out, plus
+    what that rare work costs a step over a run (`charged`, default `rare`) against the
+    baseline's median step: a median alone would leave out work done one step in ten or a
+    hundred (a snapshot, a replay).
 
     Why rounds, not a ratio of medians: a slowdown of the machine longer than a round (a
     neighbour's job, the VM's host) scales both steps of the rounds it covers alike and cancels

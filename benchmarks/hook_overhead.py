@@ -44,7 +44,7 @@ arm than of the other (bursts from outside the VM last tens of seconds here) can
 moving a ratio of medians. A guarded arm's replays (one step in 50 to 150, paid from the budget's replay
 bank, timed by the guard) are rare work a median would leave out: they are taken out of each
 step and charged at the rate the bank pays for them, `replay_share` x budget x step time a step
-(benchmarks/_verdict.cost; benchmarks/attach_overhead.py, Rare work).
+(benchmarks/_verdict.paired; benchmarks/attach_overhead.py, Rare work).
 
 Prints, per shape, each arm's median and mean step time, each guarded arm's added time
 against both baselines, the guard's own time per step by part, and what the guard measured

@@ -27,9 +27,9 @@ conservative double count of launches.)
 How it shares. Each detector's cost per step is smoothed (an exponential moving average,
 `smoothing`); the allowance of one detector is the aim, `(1 - headroom) * share * step time`,
 minus what the others spent on average, never below zero. The budget is a ceiling, not a
-target: a plan that spent all of it would exceed it whenever the guard's measure of itself
-reads low (ChecksumConfig.headroom says by how much it was seen to stray). A detector decides how much work to do from its allowance and
-its own cost estimates (the checksum detector: how many linear layers to check, see
+target: a plan that spent all of it would exceed it whenever its estimates read low
+(ChecksumConfig.headroom). A detector decides how much work to do from its allowance and its
+own cost estimates (the checksum detector: how many linear layers to check, see
 mscale.hook.coverage). Work a detector must do whatever the budget (the checksum's floor that
 keeps every layer within `max_gap_steps`, an incident's full coverage) is charged all the
 same, so the measured ratio is honest: `overhead_ratio` (smoothed) and `last_ratio` (the last

@@ -140,9 +140,8 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
             self.add_plugin(p)
 
     def _detectors(self, checksum: ChecksumConfig, loss: LossConfig, cmsa: CmsaConfig | None | bool) -> None:
-        self.budget = Budget(
-            checksum.budget, headroom=checksum.headroom
-        )  # the share of step time the detectors may take
+        # the share of step time the detectors may take
+        self.budget = Budget(checksum.budget, headroom=checksum.headroom)
         self.checksum = ChecksumDetector(checksum, emit=self.emit, step=lambda: self.current_step, budget=self.budget)
         self.loss_detector = LossDetector(loss)
         self.cmsa: Cmsa | None = Cmsa(self.mpus, cmsa) if isinstance(cmsa, CmsaConfig) else None
