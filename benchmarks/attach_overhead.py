@@ -21,7 +21,7 @@ every place equally often), one torch thread:
   link costs is benchmarks/hook_overhead.py's).
 - guard-only: `mscale.attach(model, opt, job_id=...)` without snapshots (the guard's own
   checks, statistics and the gradient check; no fuse): attached minus guard-only is what the
-  fuse and the snapshots add.
+  fuse and the snapshots add (--no-guard-only drops it).
 - incident (reference, on by default; --no-incident drops it): the README's line with every
   layer checked and every MPU replayed every step (`ChecksumConfig(full=True, replay_every=1)`):
   what an MPU under suspicion costs (incident mode), the cost of full coverage.
@@ -39,7 +39,9 @@ time (time.thread_time over the step; with one torch thread a CPU step's kernels
 the snapshot copier's thread is timed on its own, see Rare work) are both measured; CPU time is the sound figure
 under load: another process on the core stretches wall time, not the work the step does. Run
 twice: with the machine otherwise idle, and with a second process spinning on one core
-(started and stopped here, by its pid).
+(started and stopped here, by its pid; where the system can pin, the spinner on one core and
+this process on the other for the whole load, so that the busy core stays the same one and the
+training thread is not moved onto a cold cache mid-step).
 
 Why it can conclude on a shared 2-core machine: the arms are interleaved step by step with the
 order rotating, so a neighbour's burst lands on every arm alike; each repeat's figure is a median
@@ -54,7 +56,11 @@ models built one after the other differ by a few percent of CPU time for as long
 and the guard alone once measured above the whole line), a bias more steps never average out;
 rebuilt each repeat, in a rotated order, it varies between repeats, where the control's spread
 measures it and the median of the repeats sets it aside. The load average is printed with each
-run.
+run. What the verdict calls noise is the spread of the repeats' figures (and the control's),
+not the uncertainty of their median: more repeats do not shrink it, more rounds a repeat do
+(each repeat's figure is a median of its rounds). With a core busy a round's ratio scatters by
+about 4% on this machine, so a verdict within the target's 1% there takes tens of rounds a
+repeat: `--steps 450 --repeats 5 --no-guard-only --no-incident` gives 90.
 
 Rare work. Some of what the line does happens one step in many: a replay of an MPU's forward
 (one step in 50 to 150, paid from the budget's replay bank), an in-memory snapshot every 10
@@ -73,7 +79,7 @@ Printed besides: each MPU's coverage (share of its layers checked in the last st
 gap between checks of any layer, and the guard's own measured overhead ratio and cost by part.
 
     PYTHONPATH=. .venv/bin/python benchmarks/attach_overhead.py [--steps 40] [--repeats 5]
-        [--load idle,busy] [--full] [--no-incident]
+        [--load idle,busy] [--full] [--no-incident] [--no-guard-only]
 """
 
 from __future__ import annotations
@@ -269,6 +275,23 @@ def spinner() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
+def pin_apart(spin: subprocess.Popen) -> set[int] | None:
+    """The spinner on one core, this thread (and the threads it starts later: the snapshot
+    copier) on another, so the core the spinner keeps busy stays the same one all run: left to
+    the scheduler, the two swap cores now and then and the training thread starts again on a
+    cold cache, a noise of several percent a step that has nothing to do with the arms. Returns
+    the affinity to restore, None where this system cannot pin (then nothing changed)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    before = os.sched_getaffinity(0)
+    if len(before) < 2:
+        return None
+    ours, theirs = sorted(before)[:2]
+    os.sched_setaffinity(spin.pid, {theirs})
+    os.sched_setaffinity(0, {ours})
+    return before
+
+
 def build_arms(args: argparse.Namespace, rotate: int) -> list[Arm]:
     """The arms, built in an order rotated by `rotate` (each model's memory lands elsewhere in
     each repeat), returned in their fixed order (clip first)."""
@@ -276,8 +299,9 @@ def build_arms(args: argparse.Namespace, rotate: int) -> list[Arm]:
         lambda: Arm("clip", args, clip=True),
         lambda: Arm("control", args, clip=True),
         lambda: Arm("attached", args, healing=HealingSection(), clip=False),
-        lambda: Arm("guard-only", args, healing=HealingSection(), clip=False, snapshots=False),
     ]
+    if args.guard_only:
+        makers.append(lambda: Arm("guard-only", args, healing=HealingSection(), clip=False, snapshots=False))
     if args.incident:
         full = ChecksumConfig(full=True, replay_every=1)
         makers.append(lambda: Arm("incident", args, healing=HealingSection(), clip=False, checksum=full))
@@ -307,6 +331,7 @@ def run_repeat(args: argparse.Namespace, r: int, steps: int) -> list[Arm]:
 def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
     load_before = os.getloadavg()
     busy = spinner() if load == "busy" else None
+    pinned = pin_apart(busy) if busy is not None else None
     repeats: list[list[Arm]] = []
     try:
         per = args.steps // args.repeats
@@ -320,6 +345,8 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
         if busy is not None:
             busy.kill()
             busy.wait(timeout=30)
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned)
     arms = repeats[-1]  # the last repeat's guards: coverage, gaps, the guard's own measure
     by = {a.name: a for a in arms}
     params = sum(p.numel() for p in arms[0].model.parameters())
@@ -330,7 +357,8 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
         f"\n== {load}: LLaVA {args.hidden}x{args.layers} + {args.hidden}x{args.layers}, {params / 1e6:.1f}M params, "
         f"batch {args.batch}, {args.shape} shape ({tokens} tokens a sample: {image_tokens} image + {caption}), "
         f"{args.repeats} repeats of {args.steps // args.repeats} timed steps per arm, fresh arms each"
-        + (", a second process spinning on one core" if busy is not None else ", nothing else of ours running"),
+        + (", a second process spinning on one core" if busy is not None else ", nothing else of ours running")
+        + (" (pinned apart: it on one core, training on the other)" if pinned is not None else ""),
         flush=True,
     )
     after = os.getloadavg()
@@ -409,6 +437,12 @@ def main() -> None:
         dest="incident",
         action="store_false",
         help="drop the incident-mode reference arm (every layer checked, every MPU replayed, every step)",
+    )
+    ap.add_argument(
+        "--no-guard-only",
+        dest="guard_only",
+        action="store_false",
+        help="drop the guard-only arm (a third less time a round: more rounds for the whole line's verdict)",
     )
     ap.add_argument("--shape", choices=sorted(SHAPES), default="realistic", help="tokens a sample (SHAPES)")
     ap.add_argument("--hidden", type=int, default=256)
