@@ -331,9 +331,11 @@ def run_repeat(args: argparse.Namespace, r: int, steps: int) -> list[Arm]:
 def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
     load_before = os.getloadavg()
     busy = spinner() if load == "busy" else None
-    pinned = pin_apart(busy) if busy is not None else None
+    pinned: set[int] | None = None
     repeats: list[list[Arm]] = []
     try:
+        if busy is not None:  # inside the try: the spinner is stopped whatever happens
+            pinned = pin_apart(busy)
         per = args.steps // args.repeats
         for r in range(args.repeats):
             repeats.append(run_repeat(args, r, per))
@@ -442,7 +444,7 @@ def main() -> None:
         "--no-guard-only",
         dest="guard_only",
         action="store_false",
-        help="drop the guard-only arm (a third less time a round: more rounds for the whole line's verdict)",
+        help="drop the guard-only arm (one arm fewer a round: more rounds for the whole line's verdict)",
     )
     ap.add_argument("--shape", choices=sorted(SHAPES), default="realistic", help="tokens a sample (SHAPES)")
     ap.add_argument("--hidden", type=int, default=256)

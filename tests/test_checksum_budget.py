@@ -508,17 +508,6 @@ def test_a_plugins_work_in_a_step_is_in_the_guards_measured_overhead(monkeypatch
     assert guard.gradients._handles == []  # one rank: no per-parameter hooks in backward
 
 
-class _Samples(torch.utils.data.Dataset):
-    def __init__(self, make_batch) -> None:
-        self.make_batch = make_batch
-
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i: int) -> dict:
-        return {k: v[0] for k, v in self.make_batch(1, torch.Generator().manual_seed(i)).items()}
-
-
 @pytest.mark.parametrize("headroom, bought", [(0.0, True), (0.9999, False)])
 def test_the_headroom_decides_what_is_bought_beyond_the_floors_on_a_hf_llava(headroom, bought) -> None:
     """The README's line on a tiny Hugging Face LLaVA, 2 micro-batches a step under bf16
@@ -526,10 +515,10 @@ def test_the_headroom_decides_what_is_bought_beyond_the_floors_on_a_hf_llava(hea
     the aim at 1e-4 of a step (less than the guard's own bookkeeping) it buys none, and each
     step checks the floors, ceil(L / 8) of an MPU's L layers."""
     import mscale
-    from support.tiny_hf import tiny_llava
+    from support.tiny_hf import Samples, tiny_llava
 
     model, make_batch = tiny_llava(seed=0)
-    loader = mscale.ResumableLoader(_Samples(make_batch), batch_size=2, shuffle=False)
+    loader = mscale.ResumableLoader(Samples(make_batch, 64), batch_size=2, shuffle=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = ChecksumConfig(budget=1.0, headroom=headroom, replay_every=0)
     guard = mscale.attach(

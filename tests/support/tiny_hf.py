@@ -116,6 +116,20 @@ def tiny_llava(
     return model, make_batch
 
 
+class Samples(torch.utils.data.Dataset):
+    """A tiny model's batches as a dataset of `size` samples: sample i is the first of the
+    batch `make_batch` draws from a generator seeded with i (the same for every run)."""
+
+    def __init__(self, make_batch: MakeBatch, size: int) -> None:
+        self.make_batch, self.size = make_batch, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> Batch:
+        return {k: v[0] for k, v in self.make_batch(i, torch.Generator().manual_seed(i)).items()}
+
+
 def qwen2vl_patches(images: torch.Tensor, patch: int = QWEN_PATCH, merge: int = QWEN_MERGE) -> torch.Tensor:
     """Images (n, 3, H, W) as Qwen2-VL's flattened patches, in its image processor's order (one
     frame repeated over the temporal patch; patches grouped by merge window)."""

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from support.forked import fork_ranks  # noqa: E402
-from support.tiny_hf import tiny_llava  # noqa: E402
+from support.tiny_hf import Samples, tiny_llava  # noqa: E402
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -48,17 +48,6 @@ def optimizer_hash(opt: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
-class Samples(torch.utils.data.Dataset):
-    def __init__(self, make_batch) -> None:
-        self.make_batch = make_batch
-
-    def __len__(self) -> int:
-        return 256
-
-    def __getitem__(self, i: int) -> dict:
-        return {k: v[0] for k, v in self.make_batch(i, torch.Generator().manual_seed(i)).items()}
-
-
 class Hashes:
     def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
         self.model, self.opt, self.at, self.opt_at = model, opt, {}, {}
@@ -82,7 +71,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
     else:
         wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
-    loader = mscale.ResumableLoader(Samples(make_batch), batch_size=2, seed=0, rank=rank, world_size=args.world)
+    loader = mscale.ResumableLoader(Samples(make_batch, 256), batch_size=2, seed=0, rank=rank, world_size=args.world)
     cfg = mscale.SnapshotConfig(directory=args.dir, memory_every=args.every, disk_every=args.every, disk_keep=2)
     out: dict = {"rank": rank, "world": args.world}
     hashes = Hashes(model, opt)
