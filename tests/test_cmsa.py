@@ -23,13 +23,13 @@ def two_mpus():
     return model, discover(model)
 
 
-def guarded_tiny(cmsa: CmsaConfig):
+def guarded_tiny(cmsa: CmsaConfig, **attach_kw: object):
     """A guarded TinyMultimodal with `cmsa`, and a function that trains its step i."""
     torch.manual_seed(0)
     cfg = TinyConfig()
     model = TinyMultimodal(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = attach(model, opt, job_id="c", connect=False, cmsa=cmsa)
+    guard = attach(model, opt, job_id="c", connect=False, cmsa=cmsa, **attach_kw)
     data = SyntheticCaptions(cfg)
 
     def step(i: int) -> None:
@@ -72,6 +72,48 @@ def test_grad_stats_without_gvc_gives_the_same_norms() -> None:
     assert total_only == total
     assert {k: v[0] for k, v in norms_only.items()} == {k: v[0] for k, v in per.items()}
     assert all(v[1] is None for v in norms_only.values())
+
+
+def test_norms_offered_this_step_are_reused_only_while_their_gradient_is_unchanged() -> None:
+    """GradStatistics.offer: a norm the gradient check already took is not taken again, as long
+    as it is the same gradient tensor, unchanged; a gradient written in place since, or replaced,
+    is read again. (A planted wrong norm shows which one was used.)"""
+    torch.manual_seed(0)
+    model, mpus = two_mpus()
+    set_grads(model, torch.randn(20) + 0.3, torch.randn(20) * 5)
+    true = GradStatistics().measure(mpus, list(model.parameters()), step=0, scheduled=True)
+    w = model.vision_tower.weight
+    stats = GradStatistics()
+    stats.offer(w, torch.tensor(1000.0))
+    planted = stats.measure(mpus, list(model.parameters()), step=1, scheduled=True)
+    assert planted > 999.0 and mpus[0].grad_norm > 999.0  # used: the pass skipped that gradient
+    assert GradStatistics().measure(mpus, list(model.parameters()), step=1, scheduled=True) == true
+    assert stats.measure(mpus, list(model.parameters()), step=2, scheduled=True) == true  # used once
+    stats.offer(w, torch.tensor(1000.0))
+    w.grad.mul_(1.0)  # written in place: a new version
+    assert stats.measure(mpus, list(model.parameters()), step=3, scheduled=True) == true
+    stats.offer(w, torch.tensor(1000.0))
+    w.grad = w.grad.clone()  # replaced
+    assert stats.measure(mpus, list(model.parameters()), step=4, scheduled=True) == true
+
+
+def test_norms_reused_from_the_gradient_check_change_nothing_bitwise() -> None:
+    """A guarded run whose gradient check takes every norm (one group: the statistics reuse them
+    all) and one without the check (the statistics take every norm themselves): the same norms
+    at every step, the same weights at the end, bit for bit."""
+    from mscale.healing.settings import HealingSection
+
+    def run(groups: int) -> tuple[list[float], list[torch.Tensor]]:
+        guard, step = guarded_tiny(CmsaConfig(), healing=HealingSection(gradient_groups=groups))
+        norms = []
+        for i in range(12):
+            step(i)
+            norms += [m.grad_norm for m in guard.mpus]
+        return norms, [p.detach().clone() for p in guard.model.parameters()]
+
+    shared, fresh = run(1), run(0)
+    assert shared[0] == fresh[0] and all(math.isfinite(v) and v > 0 for v in shared[0])
+    assert all(torch.equal(a, b) for a, b in zip(shared[1], fresh[1], strict=True))
 
 
 def test_gvc_every_step_of_the_cold_start_then_one_step_in_gvc_every() -> None:

@@ -134,8 +134,35 @@ def _norm_and_gvc(row: list[float], n: int, gvc: bool) -> tuple[float, float | N
     return norm, (math.sqrt(var) / mean_abs if mean_abs > 0 else (0.0 if math.isfinite(mean_abs) else math.nan))
 
 
+def _norms(params: Sequence[torch.nn.Parameter], grads: list[torch.Tensor], known: dict | None) -> list[torch.Tensor]:
+    """The norms of `grads` (those of the `params` that have a gradient, in order), one
+    `_foreach_norm` over those not in `known`: a norm taken this step of the same gradient
+    tensor, unchanged since (same object, same version) and of the dtype this pass would give."""
+    if not known:
+        return list(torch._foreach_norm(grads, 2))
+    out: list[torch.Tensor | None] = []
+    missing: list[int] = []
+    with_grad = [p for p in params if p.grad is not None]
+    for p, g in zip(with_grad, grads, strict=True):
+        k = known.get(id(p))
+        if k is not None and k[0] is p.grad and k[1] == p.grad._version and k[2].dtype == g.dtype:
+            out.append(k[2])
+        else:
+            missing.append(len(out))
+            out.append(None)
+    if missing:
+        for i, n in zip(missing, torch._foreach_norm([grads[i] for i in missing], 2), strict=True):
+            out[i] = n
+    return out  # type: ignore[return-value]
+
+
 def grad_stats(
-    mpus: Sequence[Mpu], params: Iterable[torch.nn.Parameter], buffers: dict | None = None, *, gvc: bool = True
+    mpus: Sequence[Mpu],
+    params: Iterable[torch.nn.Parameter],
+    buffers: dict | None = None,
+    *,
+    gvc: bool = True,
+    known: dict | None = None,
 ) -> tuple[float, dict[str, tuple[float, float | None]]]:
     """(global gradient norm over `params`, {mpu_id: (grad norm, GVC)}) with one device sync;
     GVC None when `gvc` is False (the norms only: see GVC_EVERY).
@@ -145,7 +172,8 @@ def grad_stats(
     gradient matrix (vectors whole), gathered into one contiguous float32 buffer per MPU
     (strided reductions are several times slower on CPU) whose sum, sum of squares and sum
     of magnitudes are three passes over an eighth of the gradients. `buffers` (a dict the
-    caller keeps) reuses those buffers across steps."""
+    caller keeps) reuses those buffers across steps. `known`: norms already taken this step
+    ({id(parameter): (gradient, its version, norm)}, GradStatistics.offer), not taken again."""
     rows: list[torch.Tensor] = []
     counts: list[int] = []
     in_mpus: set[int] = set()
@@ -161,7 +189,7 @@ def grad_stats(
             rows.append(torch.zeros(4, dtype=torch.float64))
             continue
         with torch.no_grad():
-            l2sq = torch.stack(torch._foreach_norm(grads, 2)).to(torch.float64).square().sum()
+            l2sq = torch.stack(_norms(ps, grads, known)).to(torch.float64).square().sum()
         if not gvc:
             counts.append(0)
             rows.append(torch.cat((l2sq.reshape(1), l2sq.new_zeros(3))))
@@ -201,6 +229,15 @@ class GradStatistics:
     def __init__(self) -> None:
         self._buffers: dict[str, tuple] = {}  # grad_stats' sample buffers, reused
         self._estimates: dict[int, dict[str, float]] = {}  # step -> {mpu_id: GVC}
+        # norms another detector took this step (the gradient check at the commit point, one
+        # rank), reused by the next `measure` and cleared by it: a pass over those gradients saved
+        self._known: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def offer(self, p: torch.nn.Parameter, norm: torch.Tensor) -> None:
+        """The 2-norm of `p.grad` as it is now, for this step's `measure` (used only while that
+        gradient is the same tensor, unchanged)."""
+        if p.grad is not None:
+            self._known[id(p)] = (p.grad, p.grad._version, norm)
 
     def in_force(self, step: int, mpu_ids: Iterable[str]) -> dict[str, float] | None:
         earlier = [s for s in self._estimates if s <= step]
@@ -213,7 +250,8 @@ class GradStatistics:
     def measure(self, mpus: Sequence[Mpu], params: Iterable[torch.nn.Parameter], step: int, scheduled: bool) -> float:
         """Sets each MPU's grad_norm and gvc; returns the global gradient norm over `params`."""
         kept = None if scheduled else self.in_force(step, [m.mpu_id for m in mpus])
-        total, per_mpu = grad_stats(mpus, params, self._buffers, gvc=kept is None)
+        known, self._known = self._known, {}
+        total, per_mpu = grad_stats(mpus, params, self._buffers, gvc=kept is None, known=known)
         for m in mpus:
             m.grad_norm, gvc = per_mpu[m.mpu_id]
             m.gvc = kept[m.mpu_id] if kept is not None else (math.nan if gvc is None else gvc)

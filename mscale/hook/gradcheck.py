@@ -126,15 +126,20 @@ class GradCheck:
 
     def _norms_now(self) -> None:
         """One rank: the due group's norms from the gradients as accumulated, in one foreach
-        pass per device at the commit point (no Python hook per parameter inside backward)."""
+        pass per device at the commit point (no Python hook per parameter inside backward);
+        the gradient statistics that follow take them instead of reading those gradients again."""
         due = [(i, p.grad) for i in sorted(self.due) if (p := self.params[i][2]).grad is not None]
         by_device: dict[Any, list[tuple[int, torch.Tensor]]] = {}
         for i, g in due:
             by_device.setdefault(g.device, []).append((i, g))
+        stats = getattr(self.guard, "_grad_stats", None)  # the statistics that follow reuse them
         with torch.no_grad():
             for items in by_device.values():
                 norms = torch._foreach_norm([_local(g.detach()) for _, g in items], 2, dtype=torch.float32)
                 self.norms.update(zip([i for i, _ in items], norms, strict=True))
+                if stats is not None:
+                    for (i, _), n in zip(items, norms, strict=True):
+                        stats.offer(self.params[i][2], n)
 
     def on_commit(self, point: Any) -> None:
         """The step's norms go into the commit point's one read (mscale.hook.commit), with the
