@@ -368,6 +368,8 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
         f"  machine load (1-min average): {load_before[0]:.2f} before, {after[0]:.2f} after, on {os.cpu_count()} CPUs "
         "(ours: one process, one torch thread, plus the spinner when busy)"
     )
+    # the figures' names carry the model when it is not the default one
+    tag = load if (args.hidden, args.layers) == (256, 4) else f"{load}, LLaVA {args.hidden}x{args.layers}"
     attached = by["attached"].guard
     watch = attached.fuse.states["restore_weights"].watch if attached is not None else None
     grads = getattr(attached, "gradients", None)
@@ -395,10 +397,10 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
             f"{b['budget']:.0%}); by part: "
             + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(b["cost_s"].items()))
         )
-        rep.figure(f"{load}: guard's own overhead ratio", [b["overhead_ratio"]], unit="x", show=False)
+        rep.figure(f"{tag}: guard's own overhead ratio", [b["overhead_ratio"]], unit="x", show=False)
     for k, a in enumerate(arms):
-        rep.figure(f"{load}: {a.name} step (wall)", [x for arm in repeats for x in arm[k].wall], unit="s")
-        rep.figure(f"{load}: {a.name} step (cpu)", [x for arm in repeats for x in arm[k].cpu], unit="s", show=False)
+        rep.figure(f"{tag}: {a.name} step (wall)", [x for arm in repeats for x in arm[k].wall], unit="s")
+        rep.figure(f"{tag}: {a.name} step (cpu)", [x for arm in repeats for x in arm[k].cpu], unit="s", show=False)
 
     def ratios(k: int, kind: str) -> list[float]:
         """Arm k against clip, one ratio of costs per repeat, round by round (see `paired`)."""
@@ -416,10 +418,10 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
         for k, a in enumerate(arms[2:], start=2):
             added = [x - 1 for x in ratios(k, kind)]
             if a.name in ("attached", "guard-only"):  # the default: judged against the budget
-                rep.verdict(f"{load}: {a.name} vs clip ({kind} time)", added, 0.01, at_most=True, control=control)
+                rep.verdict(f"{tag}: {a.name} vs clip ({kind} time)", added, 0.01, at_most=True, control=control)
             else:  # a reference (incident mode, every weight): its cost, no target
-                rep.figure(f"{load}: {a.name} vs clip, added ({kind} time)", added, unit="x", show=False)
-                print(f"  {load + ': ' + a.name + ' vs clip (' + kind + ' time), reference':<52} {fmt_pct(added)}")
+                rep.figure(f"{tag}: {a.name} vs clip, added ({kind} time)", added, unit="x", show=False)
+                print(f"  {tag + ': ' + a.name + ' vs clip (' + kind + ' time), reference':<52} {fmt_pct(added)}")
 
 
 def main() -> None:
