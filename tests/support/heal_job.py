@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from support.forked import fork_ranks  # noqa: E402
-from support.tiny_hf import tiny_llava  # noqa: E402
-from support.world_job import Samples, weights_hash  # noqa: E402
+from support.tiny_hf import Samples, tiny_llava  # noqa: E402
+from support.world_job import weights_hash  # noqa: E402
 
 
 def rank_main(args: argparse.Namespace, rank: int) -> int:
@@ -31,7 +31,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
     state = {"step": 0}
     ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    loader = mscale.ResumableLoader(Samples(make_batch), batch_size=4, seed=0, rank=rank, world_size=2)
+    loader = mscale.ResumableLoader(Samples(make_batch, 256), batch_size=4, seed=0, rank=rank, world_size=2)
     # every layer every step (full=True): this job is about the fuse under DDP, caught from the
     # fault's first step; the budget's rotation and its bound are tests/test_checksum_budget.py's
     checks = mscale.ChecksumConfig(full=True)
