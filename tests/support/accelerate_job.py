@@ -15,7 +15,7 @@ in-memory and disk snapshots every 2 steps (disk under DIR/snap-CASE, one direct
 - ref: as clean, with CMSA off (the reference of the next two: CMSA's fitted state, its alpha
   and GVC estimates, is not in the snapshots, so a restarted run with CMSA clips afresh);
 - kill: as ref, but the process dies (os._exit) in the first micro-batch of step --kill-at,
-  with its disk snapshots in DIR/snap-kill;
+  once its queued disk writes are done, with its disk snapshots in DIR/snap-kill;
 - restart: as ref, a new launch on DIR/snap-kill, resuming from it, to the last step.
 
 Each rank writes DIR/CASE-rank_R.json: every finding (reason, labels), the guard's step ends
@@ -135,6 +135,9 @@ def run(accelerator: Accelerator, case: str, args: argparse.Namespace) -> dict:
         if guard.current_step >= args.steps:
             break
         if case == "kill" and guard.current_step == args.kill_at:
+            # the disk snapshots before it complete first (written in the background: on a loaded
+            # machine none had finished by step 5, and the restart rightly began at step 0)
+            guard.snapshots.flush(timeout=120)
             os._exit(17)  # killed mid-step: the next launch resumes from the newest disk snapshot
         with accelerator.accumulate(model):
             out = model(**batch)
