@@ -109,6 +109,7 @@ from mscale.hook.checksum import ChecksumConfig  # noqa: E402
 
 IMAGE_TOKEN = 1000
 PATCH, VOCAB = 8, 1024
+HIDDEN, LAYERS = 256, 4  # the default LLaVA: the 8.1M one the line was first measured on
 # (image side in pixels, caption tokens) per shape; the weights are the same (--hidden, --layers)
 SHAPES = {
     # the shape the line was first measured on: 64 image tokens (8x8 patches of 64x64) + 32
@@ -369,7 +370,7 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
         "(ours: one process, one torch thread, plus the spinner when busy)"
     )
     # the figures' names carry the model when it is not the default one
-    tag = load if (args.hidden, args.layers) == (256, 4) else f"{load}, LLaVA {args.hidden}x{args.layers}"
+    tag = load if (args.hidden, args.layers) == (HIDDEN, LAYERS) else f"{load}, LLaVA {args.hidden}x{args.layers}"
     attached = by["attached"].guard
     watch = attached.fuse.states["restore_weights"].watch if attached is not None else None
     grads = getattr(attached, "gradients", None)
@@ -449,8 +450,8 @@ def main() -> None:
         help="drop the guard-only arm (one arm fewer a round: more rounds for the whole line's verdict)",
     )
     ap.add_argument("--shape", choices=sorted(SHAPES), default="realistic", help="tokens a sample (SHAPES)")
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=HIDDEN)
+    ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--batch", type=int, default=8)
     add_json_arg(ap)
     args = ap.parse_args()

@@ -134,26 +134,25 @@ def _norm_and_gvc(row: list[float], n: int, gvc: bool) -> tuple[float, float | N
     return norm, (math.sqrt(var) / mean_abs if mean_abs > 0 else (0.0 if math.isfinite(mean_abs) else math.nan))
 
 
-def _norms(params: Sequence[torch.nn.Parameter], grads: list[torch.Tensor], known: dict | None) -> list[torch.Tensor]:
-    """The norms of `grads` (those of the `params` that have a gradient, in order), one
-    `_foreach_norm` over those not in `known`: a norm taken this step of the same gradient
-    tensor, unchanged since (same object, same version) and of the dtype this pass would give."""
+def _norms(
+    with_grad: Sequence[torch.nn.Parameter], grads: list[torch.Tensor], known: dict | None
+) -> list[torch.Tensor]:
+    """The norms of `grads` (those of `with_grad`, in order), one `_foreach_norm` over those not
+    in `known`: a norm taken this step of the same gradient tensor, unchanged since (same
+    object, same version) and of the dtype this pass would give."""
     if not known:
         return list(torch._foreach_norm(grads, 2))
-    out: list[torch.Tensor | None] = []
-    missing: list[int] = []
-    with_grad = [p for p in params if p.grad is not None]
-    for p, g in zip(with_grad, grads, strict=True):
-        k = known.get(id(p))
-        if k is not None and k[0] is p.grad and k[1] == p.grad._version and k[2].dtype == g.dtype:
-            out.append(k[2])
-        else:
-            missing.append(len(out))
-            out.append(None)
+    out: list[Any] = [
+        k[2]
+        if (k := known.get(id(p))) and k[0] is p.grad and k[1] == p.grad._version and k[2].dtype == g.dtype
+        else None
+        for p, g in zip(with_grad, grads, strict=True)
+    ]
+    missing = [i for i, n in enumerate(out) if n is None]
     if missing:
         for i, n in zip(missing, torch._foreach_norm([grads[i] for i in missing], 2), strict=True):
             out[i] = n
-    return out  # type: ignore[return-value]
+    return out
 
 
 def grad_stats(
@@ -183,13 +182,14 @@ def grad_stats(
         in_mpus.update(id(p) for p in ps)
         if mesh is None:
             mesh = next((p.device_mesh for p in ps if hasattr(p, "device_mesh")), None)
-        grads = [_local(p.grad) for p in ps if p.grad is not None]
+        with_grad = [p for p in ps if p.grad is not None]
+        grads = [_local(g) for p in with_grad if (g := p.grad) is not None]
         if not grads:
             counts.append(0)
             rows.append(torch.zeros(4, dtype=torch.float64))
             continue
         with torch.no_grad():
-            l2sq = torch.stack(_norms(ps, grads, known)).to(torch.float64).square().sum()
+            l2sq = torch.stack(_norms(with_grad, grads, known)).to(torch.float64).square().sum()
         if not gvc:
             counts.append(0)
             rows.append(torch.cat((l2sq.reshape(1), l2sq.new_zeros(3))))
