@@ -70,8 +70,9 @@ rare work taken out (timed where it runs: the replays by the guard, `checksum.re
 capture's waits by the snapshot engine, `stall_s`; the background copy's CPU time by a timer
 this script wraps around it), plus what that work costs a step over a run: the snapshot's
 timed seconds as they came, and the replays at the rate the bank pays for them, `replay_share`
-x budget x step time a step (every bank-paid replay is paid from those deposits, and a repeat
-is shorter than the gap between two replays, so the replays timed in it say little). The
+x budget x step time a step at most, paid only from what the budget leaves, or the ceiling's
+turns (each MPU once in `replay_max_gap_steps`) where they cost more: `Schedule.replay_rate_s`
+(a repeat is shorter than the gap between two replays, so the replays timed in it say little). The
 copy's CPU counts on both clocks, as if it ran on the training thread (on an idle 2-core
 machine it runs beside it: conservative). In incident mode every step replays: nothing rare.
 
@@ -231,10 +232,10 @@ class Arm:
             self.cpu.append(time.thread_time() - c)
             snap, replay, deposit = self.snapshot_s() - s0, 0.0, 0.0
             if self.guard is not None:
-                checks, budget = self.guard.checksum, self.guard.budget
-                if checks.schedule.replay_share > 0:  # replays paid from the bank: rare work
-                    replay = checks.replay_s  # (this step's: reset at each step's begin)
-                    deposit = checks.schedule.replay_share * budget.share * (budget.step_s or 0.0)
+                schedule = self.guard.checksum.schedule
+                if schedule.replay_share > 0:  # background replays: rare work
+                    replay = self.guard.checksum.replay_s  # (this step's: reset at each step's begin)
+                    deposit = schedule.replay_rate_s()
             self.rare.append(snap + replay)
             self.charged.append(snap + deposit)
 
@@ -428,7 +429,13 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40, help="timed steps per arm (split over the --repeats)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per arm at the start of each repeat")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=12,
+        help="untimed steps per arm at each repeat's start (default 12: past the guard's cold start, CMSA's 10 "
+        "steps of GVC every step, a one-off in a run of thousands)",
+    )
     ap.add_argument(
         "--repeats",
         type=int,

@@ -42,9 +42,10 @@ further from 1.00 than the overhead from the target. A block's ratio is taken ro
 baseline's step of the same round, so a slowdown of the machine that covers more steps of one
 arm than of the other (bursts from outside the VM last tens of seconds here) cancels instead of
 moving a ratio of medians. A guarded arm's replays (one step in 50 to 150, paid from the budget's replay
-bank, timed by the guard) are rare work a median would leave out: they are taken out of each
-step and charged at the rate the bank pays for them, `replay_share` x budget x step time a step
-(benchmarks/_verdict.paired; benchmarks/attach_overhead.py, Rare work).
+bank or forced by the ceiling, timed by the guard) are rare work a median would leave out: they
+are taken out of each step and charged at their rate over a run, the bank's deposit a step or
+the ceiling's turns, whichever costs more (`Schedule.replay_rate_s`; benchmarks/_verdict.paired;
+benchmarks/attach_overhead.py, Rare work).
 
 Prints, per shape, each arm's median and mean step time, each guarded arm's added time
 against both baselines, the guard's own time per step by part, and what the guard measured
@@ -217,9 +218,9 @@ def run_shape(name: str, args: argparse.Namespace, sock: str, rep: Report) -> di
             for arm, (_, _, guard) in guarded.items():
                 for k, v in vars(guard.times).items():
                     parts[arm].setdefault(k, []).append(v)
-                # replays paid from the budget's bank cost, over a run, what the bank is paid a step
-                share, bud = guard.checksum.schedule.replay_share, guard.budget
-                deposits[arm].append(share * bud.share * (bud.step_s or 0.0))
+                # background replays cost, over a run, what the bank is paid a step (or the
+                # ceiling's turns, where they cost more)
+                deposits[arm].append(guard.checksum.schedule.replay_rate_s())
         if r < args.repeats - 1:
             for _, _, guard in guarded.values():
                 guard.detach()
@@ -303,7 +304,13 @@ def main() -> int:
     ap.add_argument("--shape", choices=("both", *SHAPES), default="both")
     ap.add_argument("--steps", type=int, default=0, help="timed steps per shape (0: 60 original, 150 realistic)")
     ap.add_argument("--repeats", type=int, default=5, help="repeats, each with fresh arms and its own warm-up")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps of each arm at each repeat's start")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=12,
+        help="untimed steps per arm at each repeat's start (default 12: past the guard's cold start, CMSA's 10 "
+        "steps of GVC every step, a one-off in a run of thousands)",
+    )
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)

@@ -181,14 +181,14 @@ def test_a_fault_at_a_towers_output_reaches_l1_through_replay_within_its_bound()
 
 
 def test_at_the_defaults_a_fault_at_a_towers_output_is_caught_within_the_replay_gap_it_reports() -> None:
-    """No ceiling by default: replays are paid from the budget alone, each MPU's turn once the
-    bank holds every MPU's replay (its forward time before its first replay). The gap each
-    MPU reports is the bound: the fault is caught by the vision tower's next replay, then
-    every step replays (incident mode) and L1 follows two steps later."""
+    """At the defaults, replays are paid from what the budget leaves (each MPU's turn once the
+    bank holds every MPU's replay), with the ceiling, 400 steps, where it leaves too little.
+    The gap each MPU reports is the bound: the fault is caught by the vision tower's next
+    replay, then every step replays (incident mode) and L1 follows two steps later."""
     guard, train, rec = job()
     train(20)  # the budget has step times and the replay costs their forward times
     gap = guard.summary()["checksum"]["001"]["replay_gap_steps"]
-    assert 1 <= gap < 1000, gap  # a bound from the measured costs, not the old fixed 100
+    assert 1 <= gap <= ChecksumConfig().replay_max_gap_steps == 400, gap
     start = guard.current_step
     inject(guard, kind="noise", noise_scale=0.05, mpu="vision", site="output", steps=10_000, seed=4)
     for _ in range(int(gap) + 4):
@@ -213,7 +213,7 @@ def test_replays_are_paid_from_the_bank_alone_and_take_turns() -> None:
     assert s.replays == set()  # nothing priced yet: nothing replayed blind
     s.forward_took("001", 1.0)
     s.forward_took("002", 1.0)
-    assert s.replay_gap(1.0) == 4  # 2 s of replays at 0.5 s a step
+    assert s.replay_gap() == 4  # 2 s of replays at 0.5 s a step
     turns = []
     for step in range(1, 13):
         s.plan(step, 0.0, 1.0)
@@ -222,7 +222,37 @@ def test_replays_are_paid_from_the_bank_alone_and_take_turns() -> None:
     assert all(b - a == 2 for (a, _), (b, _) in zip(turns, turns[1:], strict=False))
     s.replayed("001", 3.0)  # measured: it now costs 3 s, its forward time no longer counts
     s.forward_took("001", 1.0)
-    assert s.mpus["001"].replay_cost_s == 3.0 and s.replay_gap(1.0) == 8
+    assert s.mpus["001"].replay_cost_s == 3.0 and s.replay_gap() == 8
+
+
+def test_the_bank_is_paid_only_from_what_the_budget_leaves_and_the_ceiling_still_replays() -> None:
+    """Where the rest of the guard spends the whole budget (spare 0) the bank gets nothing and
+    only the ceiling replays, each MPU once in its span; with half a replay's share spare, the
+    bank gets that half and the gap it reports doubles."""
+    from mscale.hook.coverage import Schedule
+
+    s = Schedule(max_gap_steps=8, replay_share=0.5, replay_max_gap_steps=10, incident_steps=4)
+    for mid in ("001", "002"):
+        s.add(mid, [])
+        s.forward_took(mid, 1.0)
+    replays = []
+    for step in range(30):
+        s.plan(step, 0.0, 1.0, spare_s=0.0)
+        replays += [(step, mid) for mid in sorted(s.replays)]
+    assert s.bank_s <= 0.0 and s.deposit_s == 0.0
+    assert [mid for _, mid in replays] == ["001", "002"] * 3  # the ceiling's turns alone
+    for mid in ("001", "002"):
+        steps = [st for st, m in replays if m == mid]
+        assert all(b - a == 10 for a, b in zip(steps, steps[1:], strict=False))
+    assert all(f["replay_gap_steps"] == 10 for f in s.figures(30).values())
+
+    half = Schedule(max_gap_steps=8, replay_share=0.5, replay_max_gap_steps=0, incident_steps=4)
+    for mid in ("001", "002"):
+        half.add(mid, [])
+        half.forward_took(mid, 1.0)
+    for step in range(40):
+        half.plan(step, 0.0, 1.0, spare_s=0.25)
+    assert half.deposit_s == pytest.approx(0.25) and half.replay_gap() == 8  # 2 s of replays at 0.25 s a step
 
 
 def test_an_mpu_whose_forward_runs_collectives_is_never_replayed() -> None:
@@ -251,7 +281,7 @@ def test_an_mpu_whose_forward_runs_collectives_is_never_replayed() -> None:
         s.plan(step, 0.0, 1.0)
         replayed |= s.replays
     assert replayed == {"002"}
-    figures = s.figures(8, 1.0)
+    figures = s.figures(8)
     assert math.isinf(figures["001"]["replay_gap_steps"]) and figures["002"]["replay_gap_steps"] <= 2
 
 

@@ -1,5 +1,5 @@
 """The batch's finite check (mscale.hook.inputs.finite): exact for every dtype it takes the
-float64-sum path for, large finite values included."""
+max-and-min path for, large finite values included."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ def test_the_largest_finite_values_are_finite_even_where_their_sum_overflows_the
     assert bool(finite(t))
     t[-1] = -big
     assert bool(finite(t))
+
+
+def test_an_empty_input_is_finite() -> None:
+    assert bool(finite(torch.empty(0, 3)))
 
 
 def test_a_strided_view_is_checked_over_its_own_elements_only() -> None:

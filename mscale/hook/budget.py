@@ -162,10 +162,6 @@ class Budget:
         others = sum(c for w, c in self.cost_s.items() if w != who)
         return max(0.0, (1.0 - self.headroom) * self.share * self.step_s - others)
 
-    def cost_of(self, who: str) -> float:
-        """`who`'s smoothed seconds per step (0.0 before its first step)."""
-        return self.cost_s.get(who, 0.0)
-
     # --- what the guard calls ----------------------------------------------------------
 
     def end_step(self, step_s: float) -> None:

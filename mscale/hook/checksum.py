@@ -23,10 +23,9 @@ from its own rounding instead (mscale.hook.rounding: +-1-weighted sums, `roundin
 Which layers, which steps (mscale.hook.coverage, mscale.hook.budget): the guard measures what
 the checks cost against the step they ride on and checks, each step, as many layers of each MPU
 as `budget` (default 0.01, the share of step time) allows, never fewer than keep every layer
-checked at least once every `max_gap_steps` (default 8), in rotation. Replays rotate across the
-MPUs, paid from `replay_share` (0.2) of the budget; `replay_max_gap_steps` (0 by default: the
-bank alone) forces each MPU's at least that often. `full=True` checks every layer every step
-(the old default).
+checked at least once every `max_gap_steps` (default 8), in rotation; replays rotate across the
+MPUs, paid from what the budget leaves, at least once in `replay_max_gap_steps` (400) each.
+`full=True` checks every layer every step (the old default).
 
 Escalation (`suspect`): a failed check, a loss or gradient anomaly, an agent's GPU finding on
 the MPU's GPU or a replica mismatch put the MPU in incident mode for `incident_steps` (16):
@@ -184,7 +183,7 @@ class ChecksumDetector:
     def begin_step(self) -> None:
         step = self._step()
         b = self.budget
-        self.schedule.plan(step, b.allowance_s(SOURCE), b.share * (b.step_s or 0.0))
+        self.schedule.plan(step, b.allowance_s(SOURCE), b.share * (b.step_s or 0.0), b.allowance_s("replay"))
         self._planned = step
         self._committed = self._judged = -1  # a step re-run after a rollback commits again
         for st in self._mpus.values():
@@ -415,8 +414,7 @@ class ChecksumDetector:
 
     def figures(self) -> dict[str, dict[str, float]]:
         """Per MPU id: coverage ratio, achieved max gap (steps), incident (0/1), replayed (0/1)."""
-        b = self.budget
-        figures = self.schedule.figures(self._step(), b.share * (b.step_s or 0.0))
+        figures = self.schedule.figures(self._step())
         for mid in self._graph_mpus & set(figures):  # compiled: every layer, a sample of its rows
             stride = self.graph.stride_of(mid)
             figures[mid].update(coverage_ratio=1.0 / stride, max_gap_steps=float(stride))

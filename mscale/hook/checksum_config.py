@@ -38,13 +38,10 @@ VERDICTS = ("auto", "in_step", "commit")
 class ChecksumConfig:
     abft: bool = True  # ABFT on the linear layers inside each MPU
     budget: float = 0.01  # the share of step time the checks may take (mscale.hook.budget)
-    # the share of the budget the plans leave unspent. The budget is a ceiling, and a plan is
-    # made from smoothed estimates (the seconds a checked element costs, what the other
-    # detectors spend, the step time) of figures that vary from step to step, with the cache
-    # traffic a check causes priced by a factor (unseen_cost), not timed: a plan that spent the
-    # whole budget would exceed it whenever they read low, about every other step. So layers
-    # beyond the floors are bought up to (1 - headroom) x budget; the floors, the replays'
-    # share and incidents are paid all the same. 0: plans spend the whole budget.
+    # the share of the budget the plans leave unspent: a plan is made from smoothed estimates of
+    # figures that vary from step to step (a checked element's seconds, the others' spend, the
+    # step time), so one that spent the whole budget would exceed it whenever they read low.
+    # Layers beyond the floors are bought up to (1 - headroom) x budget. 0: the whole budget.
     headroom: float = 0.3
     max_gap_steps: int = 8  # every checked layer of every MPU at least once in this many steps
     full: bool = False  # every layer every step, whatever the budget (the pre-budget default)
@@ -52,12 +49,14 @@ class ChecksumConfig:
     # evicts and the memory traffic the step then repeats, which no timer around the check sees.
     # Layers beyond the max_gap_steps floor are bought at (1 + unseen_cost) x their timed cost.
     unseen_cost: float = 1.0
-    # of the budget, for background replays: an MPU's forward run again, the one check that sees
-    # a fault outside every linear layer (a norm, an activation, a tower's output); the steps
-    # between two replays of an MPU are what its bound comes to (`mscale_checksum_replay_gap_steps`)
+    # of the budget (at most what the guard's other work leaves), for background replays: an MPU's
+    # forward run again, the one check that sees a fault outside every linear layer (a norm, an
+    # activation, a tower's output); the steps between two replays of an MPU are what its bound
+    # comes to (`mscale_checksum_replay_gap_steps`)
     replay_share: float = 0.2
-    # each MPU replayed at least once in this many steps, whatever the budget (0: the budget alone)
-    replay_max_gap_steps: int = 0
+    # each MPU replayed at least once in this many steps, whatever the budget (0: the budget
+    # alone); all MPUs' replays cost about a third of a step, so 400 costs about 0.08% of one
+    replay_max_gap_steps: int = 400
     # the pre-budget spelling, a special case: every MPU replayed every K steps, no budgeted
     # replays (0: no background replay at all; incident mode still replays)
     replay_every: int | None = None

@@ -10,16 +10,16 @@ a layer: ABFT reads each once) times 1 + `unseen_cost` (what a check costs the s
 cache and memory traffic, beyond its timed work). An MPU in incident mode has every layer
 checked.
 
-Replays. A replay re-runs one MPU's forward (about a third of that MPU's step), far more than
-a layer's check, so replays are paid from a bank: each step adds `replay_share` of the budget
-(share x step time), and the next MPU in rotation is replayed when the bank holds its replay
-cost (measured; before its first replay, its forward time). The MPUs take turns, so each is
-replayed once every sum(replay costs) / (replay_share x budget) steps: `replay_gap_steps`, the
-bound for a fault only a replay sees. With `replay_max_gap_steps` (0 by default: the bank
-alone) each MPU is also replayed at least that often, whatever the bank; an MPU in incident
-mode is replayed every step. An MPU whose forward runs collectives (an FSDP2 `fully_shard`
-inside it: its forward all-gathers) is never replayed: a replay on one rank alone would be a
-collective the other ranks do not join (its `replay_gap_steps` is inf; ABFT still checks it).
+Replays. A replay re-runs one MPU's forward, far more than a layer's check, so replays are
+paid from a bank: each step adds `replay_share` of the budget, at most what the budget leaves
+after the guard's other work (`spare_s`), and the next MPU in rotation is replayed when the bank
+holds its replay cost (measured; before its first replay, its forward time). Where the rest
+takes the whole budget the bank gets nothing: `replay_max_gap_steps` (400 by default) replays
+each MPU at least that often whatever the bank, at a cost outside the budget's control. The
+tighter of the two is each MPU's `replay_gap_steps`, the bound for a fault only a replay sees.
+An MPU in incident mode is replayed every step; one whose forward runs collectives (an FSDP2
+`fully_shard` inside it) never: a replay on one rank alone would be a collective the other
+ranks do not join (its `replay_gap_steps` is inf; ABFT still checks it).
 
 Incident mode (`suspect`): every layer of the MPU checked and its forward replayed, every step
 for `incident_steps` steps; a new suspicion extends the window.
@@ -115,6 +115,7 @@ class Schedule:
         self.mpus: dict[str, MpuRotation] = {}
         self.s_per_element = 0.0  # smoothed checksum seconds per element checked
         self.bank_s = 0.0
+        self.deposit_s: float | None = None  # smoothed seconds paid into the bank a step
         self.replay_cursor = 0
         self.replays: set[str] = set()  # MPUs replayed this step
         self.elements = 0  # elements planned this step
@@ -132,9 +133,10 @@ class Schedule:
         r.incident_why = why
         return new
 
-    def plan(self, step: int, allowance_s: float, budget_s: float) -> None:
+    def plan(self, step: int, allowance_s: float, budget_s: float, spare_s: float | None = None) -> None:
         """Choose this step's layers and replays. `allowance_s`: the checksum's allowance;
-        `budget_s`: the whole budget in seconds (share x step time), for the replay bank."""
+        `budget_s`: the budget in seconds, `replay_share` of which the replay bank is paid, at
+        most `spare_s` (what the guard's other work leaves; None: no limit)."""
         chosen: dict[str, list[int]] = {}
         for mid, r in self.mpus.items():
             chosen[mid] = list(r.layers) if r.in_incident(step) else r.take(r.floor)
@@ -157,12 +159,15 @@ class Schedule:
         for mid, r in self.mpus.items():
             r.planned = frozenset(chosen[mid])
         self.elements = sum(self._size(self.mpus[mid], x) for mid, ls in chosen.items() for x in ls)
-        self._plan_replays(step, budget_s)
+        self._plan_replays(step, budget_s, spare_s)
 
-    def _plan_replays(self, step: int, budget_s: float) -> None:
+    def _plan_replays(self, step: int, budget_s: float, spare_s: float | None) -> None:
         ids = [mid for mid, r in self.mpus.items() if r.replayable]
         self.replays = {mid for mid in ids if self.mpus[mid].in_incident(step)}
-        self.bank_s = min(self.bank_s + self.replay_share * budget_s, 4 * self._max_replay_cost() + budget_s)
+        deposit = self.replay_share * budget_s
+        deposit = deposit if spare_s is None else max(0.0, min(deposit, spare_s))
+        self.deposit_s = deposit if self.deposit_s is None else (1 - SMOOTHING) * self.deposit_s + SMOOTHING * deposit
+        self.bank_s = min(self.bank_s + deposit, 4 * self._max_replay_cost() + budget_s)
         if not ids:
             return
         if self.replay_max_gap:  # the ceiling: an MPU not replayed for that long goes now
@@ -202,14 +207,17 @@ class Schedule:
         if r is not None and not r.replayed and seconds > 0:
             r.replay_cost_s = seconds
 
-    def replay_gap(self, budget_s: float) -> float:
-        """Steps between two replays of an MPU paid from the bank (each MPU's turn comes once
-        the bank has paid for every MPU's replay); inf without a bank."""
-        per_step = self.replay_share * budget_s
+    def replay_gap(self) -> float:
+        """Steps between two replays of an MPU paid from the bank at its smoothed deposit (each
+        MPU's turn comes once the bank has paid for every MPU's replay); inf without a bank."""
+        per_step, total = self.deposit_s or 0.0, sum(r.replay_cost_s for r in self.mpus.values() if r.replayable)
+        return math.ceil(total / per_step) if per_step > 0 and total > 0 else math.inf
+
+    def replay_rate_s(self) -> float:
+        """Seconds of background replays a step over a run: the bank's smoothed deposit, or the
+        ceiling's turns (each MPU once in `replay_max_gap_steps`) where they cost more."""
         total = sum(r.replay_cost_s for r in self.mpus.values() if r.replayable)
-        if per_step <= 0 or total <= 0:
-            return math.inf
-        return math.ceil(total / per_step)
+        return max(self.deposit_s or 0.0, total / self.replay_max_gap if self.replay_max_gap else 0.0)
 
     def measured(self, seconds: float) -> None:
         """The checksum's seconds in the step that ended, for the elements it planned."""
@@ -226,11 +234,11 @@ class Schedule:
     def _cost(self, chosen: dict[str, list[int]]) -> float:
         return self.s_per_element * sum(self._size(self.mpus[m], x) for m, ls in chosen.items() for x in ls)
 
-    def figures(self, step: int, budget_s: float = 0.0) -> dict[str, dict[str, float]]:
+    def figures(self, step: int) -> dict[str, dict[str, float]]:
         """Per MPU: coverage ratio of the step, the achieved max gap, incident mode (0/1),
         replayed this step (0/1), and the steps between its replays (`replay_gap`, or the
         ceiling `replay_max_gap_steps` when tighter; at least the steps since its last one)."""
-        gap = self.replay_gap(budget_s)
+        gap = self.replay_gap()
         if self.replay_max_gap:
             gap = min(gap, self.replay_max_gap)
         return {

