@@ -255,6 +255,21 @@ def test_the_bank_is_paid_only_from_what_the_budget_leaves_and_the_ceiling_still
     assert half.deposit_s == pytest.approx(0.25) and half.replay_gap() == 8  # 2 s of replays at 0.25 s a step
 
 
+def test_replays_are_paid_before_layers_beyond_the_floors_and_only_from_what_the_rest_leaves() -> None:
+    """The bank's deposit at a step's plan, from the budget's figures (set here: a 1 s step, a
+    10% budget): the guard's other work spends 0.10 s, of which 0.05 s are layers the checks
+    bought beyond their floors. Those give way: the bank gets its whole share, 0.02 s. With
+    nothing bought, the same spend leaves the bank nothing (the ceiling's turns alone)."""
+    guard, train, _ = job(ChecksumConfig(budget=0.1, replay_share=0.2))
+    train(3)  # the layers seen, the costs measured
+    det, b, s = guard.checksum, guard.budget, guard.checksum.schedule
+    for bought, deposit in ((0.05, 0.02), (0.0, 0.0)):
+        b.step_s, b.cost_s = 1.0, {"checksum": 0.07, "guard": 0.03, "replay": 0.01}
+        s.bought_s, s.deposit_s = bought, None
+        det.begin_step()
+        assert s.deposit_s == pytest.approx(deposit), bought
+
+
 def test_an_mpu_whose_forward_runs_collectives_is_never_replayed() -> None:
     """An FSDP2-sharded tower all-gathers in its forward: replayed on one rank alone it would
     be a collective the other ranks never join. It is never replayed, not even in an incident

@@ -182,8 +182,10 @@ class ChecksumDetector:
 
     def begin_step(self) -> None:
         step = self._step()
-        b = self.budget
-        self.schedule.plan(step, b.allowance_s(SOURCE), b.share * (b.step_s or 0.0), b.allowance_s("replay"))
+        b, budget_s = self.budget, self.budget.share * (self.budget.step_s or 0.0)
+        # the replays' spare: the budget less the guard's other work (layers bought beyond the floors give way)
+        spare = budget_s - sum(c for w, c in b.cost_s.items() if w != "replay") + self.schedule.bought_s
+        self.schedule.plan(step, b.allowance_s(SOURCE), budget_s, spare)
         self._planned = step
         self._committed = self._judged = -1  # a step re-run after a rollback commits again
         for st in self._mpus.values():

@@ -6,23 +6,22 @@ Each step checks at least `floor = ceil(L / max_gap_steps)` of an MPU's L layers
 layer is checked at least once every ceil(L / floor) <= max_gap_steps steps, whatever the
 budget. Beyond the floors, the checksum's allowance (seconds) buys more layers, one at a time
 across the MPUs in turn, at the measured cost per element (input + output + weight elements of
-a layer: ABFT reads each once) times 1 + `unseen_cost` (what a check costs the step around it,
-cache and memory traffic, beyond its timed work). An MPU in incident mode has every layer
-checked.
+a layer: ABFT reads each once) times 1 + `unseen_cost` (the cache and memory traffic a check
+costs the step beyond its timed work). An MPU in incident mode has every layer checked.
 
 Replays. A replay re-runs one MPU's forward, far more than a layer's check, so replays are
-paid from a bank: each step adds `replay_share` of the budget, at most what the budget leaves
-after the guard's other work (`spare_s`), and the next MPU in rotation is replayed when the bank
-holds its replay cost (measured; before its first replay, its forward time). Where the rest
-takes the whole budget the bank gets nothing: `replay_max_gap_steps` (400 by default) replays
-each MPU at least that often whatever the bank, at a cost outside the budget's control. The
-tighter of the two is each MPU's `replay_gap_steps`, the bound for a fault only a replay sees.
+paid from a bank: each step adds `replay_share` of the budget, at most what the guard's other
+work leaves of it (`spare_s`; layers bought beyond the floors give way), and the next MPU in
+rotation is replayed when the bank holds its replay cost (measured; before its first replay,
+its forward time). Where the rest takes the whole budget the bank gets nothing:
+`replay_max_gap_steps` (400 by default) replays each MPU at least that often whatever the bank.
+The tighter of the two is each MPU's `replay_gap_steps`, the bound for a fault only a replay sees.
 An MPU in incident mode is replayed every step; one whose forward runs collectives (an FSDP2
 `fully_shard` inside it) never: a replay on one rank alone would be a collective the other
 ranks do not join (its `replay_gap_steps` is inf; ABFT still checks it).
 
-Incident mode (`suspect`): every layer of the MPU checked and its forward replayed, every step
-for `incident_steps` steps; a new suspicion extends the window.
+Incident mode (`suspect`): every layer checked and the forward replayed, every step for
+`incident_steps` steps; a new suspicion extends the window.
 """
 
 from __future__ import annotations
@@ -118,7 +117,7 @@ class Schedule:
         self.deposit_s: float | None = None  # smoothed seconds paid into the bank a step
         self.replay_cursor = 0
         self.replays: set[str] = set()  # MPUs replayed this step
-        self.elements = 0  # elements planned this step
+        self.elements, self.bought_s = 0, 0.0  # this step's: elements planned, the layers bought beyond the floors (s)
 
     def add(self, mpu_id: str, layers: list[int], *, replayable: bool = True) -> None:
         self.mpus[mpu_id] = MpuRotation(layers, self.max_gap, replayable=replayable)
@@ -140,7 +139,7 @@ class Schedule:
         chosen: dict[str, list[int]] = {}
         for mid, r in self.mpus.items():
             chosen[mid] = list(r.layers) if r.in_incident(step) else r.take(r.floor)
-        cost = self._cost(chosen)
+        cost = floors = self._cost(chosen)
         # more layers while the allowance lasts, one MPU after another
         growing = [mid for mid, r in self.mpus.items() if not r.in_incident(step)]
         while growing and self.s_per_element > 0:
@@ -156,6 +155,7 @@ class Schedule:
                     break
                 chosen[mid].extend(r.take(1))
                 cost += extra
+        self.bought_s = (cost - floors) / (1.0 + self.unseen_cost)  # their timed price
         for mid, r in self.mpus.items():
             r.planned = frozenset(chosen[mid])
         self.elements = sum(self._size(self.mpus[mid], x) for mid, ls in chosen.items() for x in ls)
