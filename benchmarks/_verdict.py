@@ -35,6 +35,16 @@ def add_json_arg(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def add_warmup_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=12,
+        help="untimed steps per arm at each repeat's start (default 12: past the guard's cold start, CMSA's 10 "
+        "steps of GVC every step, a one-off in a run of thousands)",
+    )
+
+
 def stats(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 

@@ -102,7 +102,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _verdict import Report, add_json_arg, paired  # noqa: E402
+from _verdict import Report, add_json_arg, add_warmup_arg, paired  # noqa: E402
 
 import mscale  # noqa: E402
 from mscale.healing.settings import HealingSection  # noqa: E402
@@ -429,13 +429,7 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40, help="timed steps per arm (split over the --repeats)")
-    ap.add_argument(
-        "--warmup",
-        type=int,
-        default=12,
-        help="untimed steps per arm at each repeat's start (default 12: past the guard's cold start, CMSA's 10 "
-        "steps of GVC every step, a one-off in a run of thousands)",
-    )
+    add_warmup_arg(ap)
     ap.add_argument(
         "--repeats",
         type=int,
@@ -474,7 +468,7 @@ def main() -> None:
     print("attach_overhead: the README's whole line on a Hugging Face LLaVA against the loop with clip_grad_norm_")
     for load in loads:
         run_load(load, args, rep)
-    rep.write()
+        rep.write()  # after each load: a run stopped in its second load keeps the first's figures
 
 
 if __name__ == "__main__":

@@ -18,9 +18,12 @@ measured so that a shared, noisy machine changes them little.
 - The baseline's own extra: `clip_grad_norm_`, which CMSA replaces, timed the same way in the
   clip arm: the guard's net cost is its components minus that.
 - Step CPU time of both arms, interleaved (one step of each per batch), without the wrappers:
-  the measured total the breakdown should explain.
+  the measured total the breakdown should explain; and the snapshot's background copy, its
+  thread's CPU time a step, apart (it runs beside the step, not in it).
+- `--load busy`: a second process spinning on one core, pinned apart as attach_overhead.py
+  does (the training thread and the copier on the other core): which parts grow under load.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/guard_breakdown.py [--steps 24] [--warmup 4]
+    PYTHONPATH=. .venv/bin/python benchmarks/guard_breakdown.py [--steps 24] [--warmup 4] [--load busy]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import argparse
 import functools
 import importlib
 import logging
+import os
 import statistics
 import sys
 import time
@@ -43,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from attach_overhead import SHAPES, Arm  # noqa: E402
+from attach_overhead import COPY_CPU, SHAPES, Arm, pin_apart, spinner, time_background_copies  # noqa: E402
 
 from mscale.healing.settings import HealingSection  # noqa: E402
 
@@ -248,14 +252,30 @@ def main() -> None:
     ap.add_argument(
         "--shape", choices=sorted(SHAPES), default="realistic", help="tokens a sample (attach_overhead.SHAPES)"
     )
+    ap.add_argument(
+        "--load",
+        choices=("idle", "busy"),
+        default="idle",
+        help="busy: a second process spinning on one core, pinned apart as in attach_overhead.py",
+    )
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     torch.set_num_threads(1)
+    time_background_copies()
     clock = Clock()
     undo = instrument(clock)  # before attach: the hooks bind the wrapped methods
+    busy = spinner() if args.load == "busy" else None
+    pinned = pin_apart(busy) if busy is not None else None
     clip = Arm("clip", args, clip=True)
     line = Arm("attached", args, healing=HealingSection(), clip=False)
     arms = [clip, line]
+    taken, inner = [0], line.step  # the line's steps, for the snapshot copy's CPU time a step
+
+    def counted(keep: bool) -> None:
+        taken[0] += 1
+        inner(keep)
+
+    line.step = counted  # type: ignore[method-assign]
     try:
         for i in range(args.warmup):
             for a in arms[i % 2 :] + arms[: i % 2]:
@@ -283,17 +303,24 @@ def main() -> None:
         counts = hook_counts(line.model)
         figures = line.guard.checksum.figures()
         budget = line.guard.budget.figures()
+        copy_s = sum(COPY_CPU.values())
     finally:
         for owner, attr, fn in undo:
             setattr(owner, attr, fn)
         for a in arms:
             a.close()
+        if busy is not None:
+            busy.kill()
+            busy.wait(timeout=30)
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned)
     fwd_price, bwd_price = price_of_hooks()
     n = args.steps
     base_cpu, line_cpu = statistics.median(clip.cpu), statistics.median(line.cpu)
     print(
         f"guard_breakdown: LLaVA {args.hidden}x{args.layers} + {args.hidden}x{args.layers}, batch {args.batch}, "
         f"{n} steps per arm and phase, one torch thread"
+        + (", a second process spinning on one core (pinned apart)" if busy is not None else "")
     )
     print(
         f"  step CPU time (median): clip {base_cpu * 1e3:.1f} ms, the line {line_cpu * 1e3:.1f} ms: "
@@ -334,6 +361,11 @@ def main() -> None:
     )
     net = total_us + dispatch_us - clip_us
     print(f"  {'net, explained':<40} {'':>10} {net:>9.0f} {net / (base_cpu * 1e4):>8.3f}%")
+    copy_us = copy_s / max(1, taken[0]) * 1e6
+    print(
+        f"  {'snapshot copy (background thread)':<40} {'':>10} {copy_us:>9.0f} {copy_us / (base_cpu * 1e4):>8.3f}% "
+        "(its CPU time, off the training thread: on its core when pinned busy)"
+    )
     print(
         f"  hooks on the model: {counts}; per step {hooked} of {calls} module calls hooked, {bwd_calls / n:.0f} "
         f"Python hooks from backward; one hooked module call costs {fwd_price * 1e6:.2f} us more, "

@@ -90,7 +90,7 @@ from mscale.hook.checksum import ChecksumConfig  # noqa: E402
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _verdict import Report, add_json_arg, paired  # noqa: E402
+from _verdict import Report, add_json_arg, add_warmup_arg, paired  # noqa: E402
 
 
 def start_agent(tmp: str) -> tuple[subprocess.Popen, str]:
@@ -304,13 +304,7 @@ def main() -> int:
     ap.add_argument("--shape", choices=("both", *SHAPES), default="both")
     ap.add_argument("--steps", type=int, default=0, help="timed steps per shape (0: 60 original, 150 realistic)")
     ap.add_argument("--repeats", type=int, default=5, help="repeats, each with fresh arms and its own warm-up")
-    ap.add_argument(
-        "--warmup",
-        type=int,
-        default=12,
-        help="untimed steps per arm at each repeat's start (default 12: past the guard's cold start, CMSA's 10 "
-        "steps of GVC every step, a one-off in a run of thousands)",
-    )
+    add_warmup_arg(ap)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
