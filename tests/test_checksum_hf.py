@@ -159,3 +159,47 @@ def test_a_corrupted_conv1d_output_in_a_tiny_gpt2_is_caught() -> None:
     assert {id(m) for m in checked} == {id(m) for m in conv}
     name = next(n for n, m in model.transformer.named_modules() if m is conv[3])  # h.0.mlp.c_proj
     assert failed[0].labels["method"] == "abft" and f"layer {name} " in failed[0].message
+
+
+def test_on_a_tiny_llava_the_replays_ceiling_catches_a_towers_output_fault_the_bank_cannot_pay() -> None:
+    """The guard's own work takes more than the 1% budget of a tiny LLaVA's step, so the replay
+    bank is paid nothing; the ceiling (6 steps here, 400 by default) still replays the vision
+    tower, and noise on its output after its last linear (the test's own forward hook, fresh
+    noise each call as a faulty GPU would draw) is caught by a replay within the ceiling, with
+    L1 two steps later."""
+    model, make_batch = tiny_llava(0)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = mscale.ChecksumConfig(replay_max_gap_steps=6)
+    guard = mscale.attach(model, opt, job_id="ceiling", connect=False, checksum=cfg)
+    tower = guard.mpu("vision").module
+    noise = torch.Generator().manual_seed(7)
+    faulty = {"on": False}
+
+    def corrupt(module, args, out):
+        if faulty["on"]:
+            h = out.last_hidden_state
+            h.add_(0.05 * h.detach().abs().mean() * torch.randn(h.shape, generator=noise))
+
+    tower.register_forward_hook(corrupt)
+
+    def step(s: int) -> None:
+        model(**make_batch(s, torch.Generator().manual_seed(s))).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    for s in range(4):
+        step(s)
+    assert guard.checksum.schedule.deposit_s == 0.0  # nothing left of the budget for the bank
+    assert not [f for f in guard.findings if f.reason in FAIL]
+    faulty["on"] = True
+    first: dict = {}  # reason -> the faulty step (from 1) it first came in
+    for k in range(1, 6 + 3 + 1):
+        step(3 + k)
+        for f in guard.findings:
+            if f.labels.get("mpu") == "vision":
+                first.setdefault(f.reason, k)
+    replays = [f for f in guard.findings if f.reason is Reason.CHECKSUM_FAILURE]
+    assert replays and all(f.labels["method"] == "replay" and f.labels["mpu"] == "vision" for f in replays)
+    assert first[Reason.CHECKSUM_FAILURE] <= 6, first
+    assert first[Reason.CHECKSUM_L1_TRIGGER] == first[Reason.CHECKSUM_FAILURE] + 2, first
