@@ -5,6 +5,7 @@ conftest or from each other."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -47,7 +48,39 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10) -> None:
         proc.wait()
 
 
+def _port_pool() -> range:
+    """This test process's ports: below the kernel's ephemeral range, which it hands to outgoing
+    connections and bind(0) (a job's rendezvous port, taken from that range, was once taken
+    again before its rank 0 bound it), and a slice of their own for each xdist worker."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    low = 10000
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    if ephemeral_low - low < 100 * workers:
+        return range(0)  # no room below the ephemeral range: let the kernel choose
+    width = (ephemeral_low - low) // workers
+    return range(low + worker * width, low + (worker + 1) * width)
+
+
+_POOL = _port_pool()
+_next_port = random.randrange(len(_POOL)) if _POOL else 0  # a fresh start each run: no TIME_WAIT
+
+
 def free_port() -> int:
+    """A port on 127.0.0.1 that nothing holds now, handed out once per test process."""
+    global _next_port
+    for _ in range(len(_POOL)):
+        port = _POOL[_next_port % len(_POOL)]
+        _next_port += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
