@@ -80,11 +80,12 @@ def test_a_contracted_run_pins_its_workers_and_the_agent_reports_compliance(tmp_
             opt.step()
             opt.zero_grad()
         seen["main_during"] = os.sched_getaffinity(0)
-        # while the workers live: the agent sees them pinned
+        # while the workers live: the agent sees both pinned (a check that ran while the second
+        # was still starting counts one, so wait for one that ran since)
         record = wait_for(
-            lambda: next((r for r in agent_records(agent) if r.compliant and r.msrp), None),
+            lambda: next((r for r in agent_records(agent) if r.compliant and r.msrp and loader_tasks(r) >= 2), None),
             60,
-            what="a compliant check and the MSRP",
+            what="a compliant check of both loader workers, and the MSRP",
         )
         seen["record"] = record
         # the density guard: the tiny MPUs' densities differ from one another by more than 2x,
@@ -145,6 +146,10 @@ def test_a_contracted_run_pins_its_workers_and_the_agent_reports_compliance(tmp_
             guard.detach()
         del loader
         agent.stop()
+
+
+def loader_tasks(record) -> int:
+    return sum(t.tasks for t in record.threads if t.name == "image_loader")
 
 
 def agent_records(agent: Agent) -> list:
