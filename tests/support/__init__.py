@@ -54,12 +54,12 @@ def _port_pool() -> range:
     again before its rank 0 bound it), and a slice of their own for each xdist worker."""
     try:
         ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
     except (OSError, ValueError, IndexError):
-        ephemeral_low = 32768
+        return range(0)
     low = 10000
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-    if ephemeral_low - low < 100 * workers:
+    if not 0 <= worker < workers or ephemeral_low - low < 100 * workers:
         return range(0)  # no room below the ephemeral range: let the kernel choose
     width = (ephemeral_low - low) // workers
     return range(low + worker * width, low + (worker + 1) * width)
@@ -70,7 +70,8 @@ _next_port = random.randrange(len(_POOL)) if _POOL else 0  # a fresh start each 
 
 
 def free_port() -> int:
-    """A port on 127.0.0.1 that nothing holds now, handed out once per test process."""
+    """A port on 127.0.0.1 that nothing holds now, each handed out once per test process (the
+    kernel's choice where the pool is empty: an unknown range or worker)."""
     global _next_port
     for _ in range(len(_POOL)):
         port = _POOL[_next_port % len(_POOL)]
