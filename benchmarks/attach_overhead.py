@@ -86,12 +86,14 @@ gap between checks of any layer, and the guard's own measured overhead ratio and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -294,6 +296,26 @@ def pin_apart(spin: subprocess.Popen) -> set[int] | None:
     return before
 
 
+@contextlib.contextmanager
+def busy_core(on: bool) -> Iterator[bool]:
+    """With `on`, the block runs beside a spinner pinned apart (pin_apart), stopped by its pid
+    afterwards, whatever happens, and this process's affinity restored; without, as it is.
+    Yields whether the two were pinned apart."""
+    if not on:
+        yield False
+        return
+    spin = spinner()
+    pinned: set[int] | None = None
+    try:
+        pinned = pin_apart(spin)
+        yield pinned is not None
+    finally:
+        spin.kill()
+        spin.wait(timeout=30)
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned)
+
+
 def build_arms(args: argparse.Namespace, rotate: int) -> list[Arm]:
     """The arms, built in an order rotated by `rotate` (each model's memory lands elsewhere in
     each repeat), returned in their fixed order (clip first)."""
@@ -332,12 +354,9 @@ def run_repeat(args: argparse.Namespace, r: int, steps: int) -> list[Arm]:
 
 def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
     load_before = os.getloadavg()
-    busy = spinner() if load == "busy" else None
-    pinned: set[int] | None = None
+    busy = load == "busy"
     repeats: list[list[Arm]] = []
-    try:
-        if busy is not None:  # inside the try: the spinner is stopped whatever happens
-            pinned = pin_apart(busy)
+    with busy_core(busy) as pinned:
         per = args.steps // args.repeats
         for r in range(args.repeats):
             repeats.append(run_repeat(args, r, per))
@@ -345,12 +364,6 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
                 for a in repeats[-1]:
                     a.release()
             print(f"  ({load}: repeat {r + 1}/{args.repeats} done)", flush=True)
-    finally:
-        if busy is not None:
-            busy.kill()
-            busy.wait(timeout=30)
-        if pinned is not None:
-            os.sched_setaffinity(0, pinned)
     arms = repeats[-1]  # the last repeat's guards: coverage, gaps, the guard's own measure
     by = {a.name: a for a in arms}
     params = sum(p.numel() for p in arms[0].model.parameters())
@@ -361,8 +374,8 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
         f"\n== {load}: LLaVA {args.hidden}x{args.layers} + {args.hidden}x{args.layers}, {params / 1e6:.1f}M params, "
         f"batch {args.batch}, {args.shape} shape ({tokens} tokens a sample: {image_tokens} image + {caption}), "
         f"{args.repeats} repeats of {args.steps // args.repeats} timed steps per arm, fresh arms each"
-        + (", a second process spinning on one core" if busy is not None else ", nothing else of ours running")
-        + (" (pinned apart: it on one core, training on the other)" if pinned is not None else ""),
+        + (", a second process spinning on one core" if busy else ", nothing else of ours running")
+        + (" (pinned apart: it on one core, training on the other)" if pinned else ""),
         flush=True,
     )
     after = os.getloadavg()

@@ -32,7 +32,6 @@ import argparse
 import functools
 import importlib
 import logging
-import os
 import statistics
 import sys
 import time
@@ -47,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from attach_overhead import COPY_CPU, SHAPES, Arm, pin_apart, spinner, time_background_copies  # noqa: E402
+from attach_overhead import COPY_CPU, SHAPES, Arm, busy_core, time_background_copies  # noqa: E402
 
 from mscale.healing.settings import HealingSection  # noqa: E402
 
@@ -264,63 +263,58 @@ def main() -> None:
     time_background_copies()
     clock = Clock()
     undo = instrument(clock)  # before attach: the hooks bind the wrapped methods
-    busy = spinner() if args.load == "busy" else None
-    pinned = pin_apart(busy) if busy is not None else None
-    clip = Arm("clip", args, clip=True)
-    line = Arm("attached", args, healing=HealingSection(), clip=False)
-    arms = [clip, line]
-    taken, inner = [0], line.step  # the line's steps, for the snapshot copy's CPU time a step
+    busy = args.load == "busy"
+    with busy_core(busy):  # stopped after the arms are closed
+        clip = Arm("clip", args, clip=True)
+        line = Arm("attached", args, healing=HealingSection(), clip=False)
+        arms = [clip, line]
+        taken, inner = [0], line.step  # the line's steps, for the snapshot copy's CPU time a step
 
-    def counted(keep: bool) -> None:
-        taken[0] += 1
-        inner(keep)
+        def counted(keep: bool) -> None:
+            taken[0] += 1
+            inner(keep)
 
-    line.step = counted  # type: ignore[method-assign]
-    try:
-        for i in range(args.warmup):
-            for a in arms[i % 2 :] + arms[: i % 2]:
-                a.step(keep=False)
-        # phase 1: uninstrumented, interleaved, order alternating: the measured total
-        for i in range(args.steps):
-            for a in arms[i % 2 :] + arms[: i % 2]:
-                a.step(keep=True)
-        # phase 2: the components, timed (the wrappers cost a little themselves)
-        clock.on = True
-        for i in range(args.steps):
-            for a in arms[i % 2 :] + arms[: i % 2]:
-                a.step(keep=False)
-        timed_ns, timed_calls = dict(clock.self_ns), dict(clock.calls)
-        # phase 3: aten ops and elements read per component, a few steps of each arm (slow)
-        clock.ops_steps = ops_steps = min(4, args.steps)
-        with clock.counting():
-            for _ in range(ops_steps):
-                line.step(keep=False)
-                clip.step(keep=False)
-        clock.on = False
-        clock.self_ns, clock.calls = defaultdict(int, timed_ns), defaultdict(int, timed_calls)
-        hooked, calls = hooked_module_calls(line.model, lambda: line.step(keep=False))
-        bwd_calls = clock.calls.get("Mpu._mark_backward_end", 0) + clock.calls.get("GradCheck._accumulated", 0)
-        counts = hook_counts(line.model)
-        figures = line.guard.checksum.figures()
-        budget = line.guard.budget.figures()
-        copy_s = sum(COPY_CPU.values())
-    finally:
-        for owner, attr, fn in undo:
-            setattr(owner, attr, fn)
-        for a in arms:
-            a.close()
-        if busy is not None:
-            busy.kill()
-            busy.wait(timeout=30)
-        if pinned is not None:
-            os.sched_setaffinity(0, pinned)
+        line.step = counted  # type: ignore[method-assign]
+        try:
+            for i in range(args.warmup):
+                for a in arms[i % 2 :] + arms[: i % 2]:
+                    a.step(keep=False)
+            # phase 1: uninstrumented, interleaved, order alternating: the measured total
+            for i in range(args.steps):
+                for a in arms[i % 2 :] + arms[: i % 2]:
+                    a.step(keep=True)
+            # phase 2: the components, timed (the wrappers cost a little themselves)
+            clock.on = True
+            for i in range(args.steps):
+                for a in arms[i % 2 :] + arms[: i % 2]:
+                    a.step(keep=False)
+            timed_ns, timed_calls = dict(clock.self_ns), dict(clock.calls)
+            # phase 3: aten ops and elements read per component, a few steps of each arm (slow)
+            clock.ops_steps = ops_steps = min(4, args.steps)
+            with clock.counting():
+                for _ in range(ops_steps):
+                    line.step(keep=False)
+                    clip.step(keep=False)
+            clock.on = False
+            clock.self_ns, clock.calls = defaultdict(int, timed_ns), defaultdict(int, timed_calls)
+            hooked, calls = hooked_module_calls(line.model, lambda: line.step(keep=False))
+            bwd_calls = clock.calls.get("Mpu._mark_backward_end", 0) + clock.calls.get("GradCheck._accumulated", 0)
+            counts = hook_counts(line.model)
+            figures = line.guard.checksum.figures()
+            budget = line.guard.budget.figures()
+            copy_s = sum(COPY_CPU.values())
+        finally:
+            for owner, attr, fn in undo:
+                setattr(owner, attr, fn)
+            for a in arms:
+                a.close()
     fwd_price, bwd_price = price_of_hooks()
     n = args.steps
     base_cpu, line_cpu = statistics.median(clip.cpu), statistics.median(line.cpu)
     print(
         f"guard_breakdown: LLaVA {args.hidden}x{args.layers} + {args.hidden}x{args.layers}, batch {args.batch}, "
         f"{n} steps per arm and phase, one torch thread"
-        + (", a second process spinning on one core (pinned apart)" if busy is not None else "")
+        + (", a second process spinning on one core (pinned apart)" if busy else "")
     )
     print(
         f"  step CPU time (median): clip {base_cpu * 1e3:.1f} ms, the line {line_cpu * 1e3:.1f} ms: "
