@@ -75,6 +75,7 @@ class Reason(str, Enum):
     SNAPSHOT_REFUSED = "snapshot_refused"  # on load: a file fails its manifest check, or does not fit
     SNAPSHOT_RESUMED = "snapshot_resumed"  # start-up restore from disk
     ROLLBACK = "rollback"
+    PROGRESS_BOUND = "progress_bound"  # a fault cost more than the progress bound: the job stopped itself
     # Resource contracts and the density guard (mscale.daemon.contract)
     CONTRACT_VIOLATED = "contract_violated"  # a plan thread runs outside its CPUs
     CONTRACT_COMPLIANT = "contract_compliant"  # every plan thread runs where its plan says (again)

@@ -75,6 +75,17 @@ log = structlog.get_logger("mscale.hook")
 _Row = abft.Row  # one check: (method, layer, dtype, value)
 
 
+def _distilling(mpu: Any) -> bool:
+    """At L3 the distillation trains through the MPU's failing output, as in-step verdicts do:
+    at the commit point only a non-finite output fails its step (mscale.healing.progress)."""
+    return getattr(mpu, "fuse_level", "") == "l3_distilling"
+
+
+def _fails_step(mpu: Any, row: _Row) -> bool:
+    """Whether a failed row fails the MPU's step at the commit point (see _distilling)."""
+    return row[0] == "nonfinite" or not _distilling(mpu)
+
+
 class _MpuChecks:
     """One MPU's checks in the step in progress."""
 
@@ -342,12 +353,22 @@ class ChecksumDetector:
                 for mpu in self._by_id.values():
                     st = self._mpus[id(mpu)]
                     mine = [r[3] for r in st.rows if isinstance(r[3], torch.Tensor)]
-                    flags.append(any(not abft.passes(*r[3]) for r in st.rows if not isinstance(r[3], torch.Tensor)))
+                    counts = [_fails_step(mpu, r) for r in st.rows if isinstance(r[3], torch.Tensor)]
+                    flags.append(
+                        any(
+                            not abft.passes(*r[3])
+                            for r in st.rows
+                            if not isinstance(r[3], torch.Tensor) and _fails_step(mpu, r)
+                        )
+                    )
                     self._packed.append(mpu)
                     if mine:
                         rows = torch.stack([t.to(mine[0].device, torch.float64) for t in mine])  # residual, tolerance
                         tensors.append(rows)
-                        flags[-1] = (~(torch.isfinite(rows[:, 0]) & (rows[:, 0].abs() <= rows[:, 1]))).any() | flags[-1]
+                        bad = ~(torch.isfinite(rows[:, 0]) & (rows[:, 0].abs() <= rows[:, 1]))
+                        if not all(counts):
+                            bad = bad & torch.tensor(counts, device=bad.device)
+                        flags[-1] = bad.any() | flags[-1]
                 dev = tensors[0].device if tensors else torch.device("cpu")
                 if tensors:
                     point.put("checksum", torch.cat([t.to(dev) for t in tensors]))
@@ -393,7 +414,8 @@ class ChecksumDetector:
                 st.rows = []
                 mpu.last_checksum_ok = not st.unresolved
                 self._record(mpu, st)
-                if st.unresolved and self.commit_mode(mpu):
+                nonfinite = any(r is Reason.NONFINITE_OUTPUT for r, _, _ in st.failures)
+                if st.unresolved and self.commit_mode(mpu) and (nonfinite or not _distilling(mpu)):
                     bad.append(mpu.mpu_id)
             return bad
         except Exception:  # a detector bug must not stop training
