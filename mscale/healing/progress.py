@@ -11,8 +11,8 @@ a rung:
 
 One fault event (a culprit's lost calls with fewer than `clean_calls` clean calls between
 them) rolls back at most once, and only when the rollback undoes at most `event_calls -
-rungs x rung_calls` calls; a later rollback of the same event is a skipped batch instead (never
-the same rollback twice, never a loop). So an event costs at most `event_calls` lost calls; the
+rungs x rung_calls` calls and goes to a step the culprit never rolled back to; any other
+rollback is a skipped batch instead (never the same rollback twice, never a loop). So an event costs at most `event_calls` lost calls; the
 run's lost calls stay within max(`event_calls`, `run_share` x calls). Past either: the clean
 stop (`ProgressBoundExceeded`, with a disk snapshot and a critical finding, by the fuse).
 
@@ -25,7 +25,7 @@ ledger, the culprit escalated past its bound, the clean stop.
 
     keeper = Keeper(fuse)              # the fuse makes it
     keeper.rerun(why)                  # a check failed at the commit point (the guard's request_rerun)
-    keeper.rollback_fits(cost)         # may this rollback run? (the rollback action asks)
+    keeper.rollback_fits(cost, target) # may this rollback run? (the rollback action asks)
     keeper.charge(calls, ...)          # calls lost to this step's fault
     keeper.step_end()                  # one optimizer call ended
 
@@ -47,6 +47,7 @@ raises it (mscale.ProgressBoundExceeded) from the optimizer step, and from every
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,7 @@ JOB = "job"  # the culprit of a fault no MPU is named for
 ROLLBACK = "rollback"  # the action (and its executor's state) a step's re-run goes through
 COMMIT_FAILURE = "commit_failure"  # its reason: a check failed at the commit point
 SNAPSHOT_TIMEOUT_S = 120.0  # the stop's disk snapshot: how long the stop waits for it
+TARGETS_KEPT = 64  # rollback targets remembered per culprit (never the same rollback twice)
 MPU_RUNGS = 4  # as it is, L1, L2, L3; then the stop
 JOB_RUNGS = 2  # as the policy says, skip the batch; then the stop
 
@@ -114,10 +116,12 @@ class Progress:
     rung_calls: int = 3
     event_calls: int = 24
     run_share: float = 0.25
-    clean_calls: int = 20
+    clean_calls: int = 5
     calls: int = 0  # optimizer calls of the run
     lost: int = 0  # lost calls of the run
     culprits: dict[str, Culprit] = field(default_factory=dict)
+    # per culprit, the steps it rolled back to (kept past its events): never the same rollback twice
+    targets: dict[str, deque[int]] = field(default_factory=dict)
 
     def culprit(self, key: str) -> Culprit:
         c = self.culprits.get(key)
@@ -125,13 +129,18 @@ class Progress:
             c = self.culprits[key] = Culprit(key, JOB_RUNGS if key == JOB else MPU_RUNGS)
         return c
 
-    def rollback_allowed(self, key: str, cost: int) -> bool:
-        """Whether a rollback undoing `cost` calls (the dropped one included) fits the culprit's
-        event: once per event, within what the ladder leaves of `event_calls`, and not past the
-        job culprit's first rung (there the batch is skipped instead)."""
+    def rollback_allowed(self, key: str, cost: int, target: int | None = None) -> bool:
+        """Whether a rollback to step `target` undoing `cost` calls (the dropped one included)
+        fits the culprit's event: once per event, within what the ladder leaves of
+        `event_calls`, at its first rung, and never to a step the culprit rolled back to before."""
         c = self.culprit(key)
         room = self.event_calls - c.rungs * self.rung_calls - c.lost
-        return not c.rolled_back and c.rung == 0 and 0 < cost <= room
+        again = target is not None and target in self.targets.get(key, ())
+        return not c.rolled_back and not again and c.rung == 0 and 0 < cost <= room
+
+    def rolled_back(self, key: str, target: int) -> None:
+        """The culprit's fault rolled back to step `target` (remembered: never again)."""
+        self.targets.setdefault(key, deque(maxlen=TARGETS_KEPT)).append(target)
 
     def charge(self, key: str, calls: int = 1, *, faulty: bool = True, rollback: bool = False) -> Charge:
         """`calls` lost to `key`'s fault: one faulty call (`faulty`: it counts on the rung), and a
@@ -300,10 +309,15 @@ class Keeper:
 
     # --- rollbacks -----------------------------------------------------------------------------
 
-    def rollback_fits(self, cost: int) -> bool:
-        """Whether a rollback undoing `cost` calls may run for this step's fault (once per fault
-        event, within its bound: mscale.healing.progress.Progress.rollback_allowed)."""
-        return self.ledger.rollback_allowed(self.culprit(), cost)
+    def rollback_fits(self, cost: int, target: int | None = None) -> bool:
+        """Whether a rollback to `target` undoing `cost` calls may run for this step's fault
+        (Progress.rollback_allowed); when it may, it is booked as done."""
+        key = self.culprit()
+        if not self.ledger.rollback_allowed(key, cost, target):
+            return False
+        if target is not None:
+            self.ledger.rolled_back(key, target)
+        return True
 
     # --- the stop --------------------------------------------------------------------------
 

@@ -78,7 +78,7 @@ class HealingSection:
         max=1.0,
     )
     progress_clean_calls: int = opt(
-        20, "clean optimizer calls in a row that end a culprit's fault event", min=1, max=1_000_000
+        5, "clean optimizer calls in a row that end a culprit's fault event", min=1, max=1_000_000
     )
     policy: str = opt("", "healing policy YAML (empty: the shipped default policy)")
     l2_precision_fallback: bool = opt(

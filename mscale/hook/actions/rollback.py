@@ -80,7 +80,7 @@ class Rollbacks:
             # the ledger is fed agreed values on every rank: every rank refuses alike
             held = engine.held_steps
             cost = step - held[-1] if held else 1
-            if not fuse.progress.rollback_fits(cost):
+            if not fuse.progress.rollback_fits(cost, held[-1] if held else None):
                 fuse.progress.charge(1)
                 self.skipped_steps.append(step)
                 self.rollbacks.append({"step": step, "to": None, "refused": cost})
@@ -128,7 +128,7 @@ class Rollbacks:
         held = [s for s in getattr(engine, "held_steps", []) if to_step is None or s == to_step]
         cost = step - held[-1] if held else 1
         forced = to_step is not None or d.reason in WEIGHTS_BAD  # the weights are bad: restore them
-        if not forced and not fuse.progress.rollback_fits(cost):
+        if not forced and not fuse.progress.rollback_fits(cost, held[-1] if held else None):
             # the fault's event rolled back once already, or this one would cost past its bound:
             # the step's update stays dropped and the loop goes on with the next batch
             fuse.progress.charge(1)
