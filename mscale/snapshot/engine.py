@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -39,6 +40,24 @@ from mscale.snapshot.inplace import load_newest_valid
 from mscale.snapshot.memory import MemorySnapshot, rng_state, set_rng_state, to_host
 
 __all__ = ["SnapshotEngine", "RollbackUnavailable"]
+
+
+_ATOMS = (int, float, str, bool, bytes, type(None))
+
+
+def _light(obj: Any) -> Any:
+    """A copy of a state dict for the step mark, paid every step: containers rebuilt, tensors
+    copied to the host, immutable leaves shared (a deep copy of each float costs more than the
+    rest of the mark together); anything else deep-copied."""
+    if isinstance(obj, _ATOMS):
+        return obj
+    if type(obj) is dict:
+        return {k: _light(v) for k, v in obj.items()}
+    if type(obj) is list:
+        return [_light(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_light(v) for v in obj)
+    return to_host(obj)
 
 
 class RollbackUnavailable(SnapshotError):
@@ -61,21 +80,22 @@ class SnapshotEngine(SnapshotCapture):
     def _take_mark(self) -> None:
         objects: dict = {"step": self.step, "rng": rng_state()}
         if self.data is not None and getattr(self.data, "rewinds", True):
-            objects["data"] = to_host(self.data.state_dict())
+            objects["data"] = _light(self.data.state_dict())
         if self.optimizer is not None:
             objects["groups"] = [
-                to_host({k: v for k, v in g.items() if k != "params"}) for g in self.optimizer.param_groups
+                _light({k: v for k, v in g.items() if k != "params"}) for g in self.optimizer.param_groups
             ]
         if self.scaler is not None:
-            objects["scaler"] = to_host(self.scaler.state_dict())
+            objects["scaler"] = _light(self.scaler.state_dict())
         if self.scheduler is not None:
-            objects["scheduler"] = to_host(self.scheduler.state_dict())
-        objects["extra"] = {name: to_host(obj.state_dict()) for name, obj in self.extra.items()}
+            objects["scheduler"] = _light(self.scheduler.state_dict())
+        objects["extra"] = {name: _light(obj.state_dict()) for name, obj in self.extra.items()}
         self._mark = objects
 
     def step_end(self, step: int) -> None:
         super().step_end(step)
-        self._take_mark()
+        if self.mark_step_held != step:  # (a snapshot of this step took it already)
+            self._take_mark()
 
     def snapshot(self, step: int | None = None) -> MemorySnapshot:
         snap = super().snapshot(step)
