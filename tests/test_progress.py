@@ -241,13 +241,14 @@ def test_a_compiled_model_with_a_persistent_nan_stops_cleanly_within_the_bound(t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("verdicts", ["in_step", "commit"])
-def test_two_ddp_ranks_a_persistent_nan_on_rank_1_stops_every_rank_at_the_same_step(tmp_path, verdicts) -> None:
-    """2 gloo ranks under DDP, NaN in rank 1's vision output on every forward from the 4th loop:
-    the ranks agree on every drop and on the culprit, so both charge the same calls and stop at
-    the same step (no collective left waiting), within the bound, each with its disk snapshot;
-    the replicas stay equal and finite (today: rollbacks to the same snapshot until the loop's
-    cap)."""
+@pytest.mark.parametrize(("wrap", "verdicts"), [("ddp", "in_step"), ("ddp", "commit"), ("fsdp", "commit")])
+def test_two_ranks_a_persistent_nan_on_rank_1_stops_every_rank_at_the_same_step(tmp_path, wrap, verdicts) -> None:
+    """2 gloo ranks under DDP (and FSDP2), NaN in rank 1's vision output on every forward from
+    the 4th loop: the ranks agree on every drop and on the culprit, so both charge the same calls
+    and stop at the same step (no collective left waiting), within the bound, each with its disk
+    snapshot; the DDP replicas stay equal, every rank finite (today: rollbacks to the same
+    snapshot until the loop's cap). (FSDP2 with in-step verdicts: an L1 swap on one rank
+    desynchronises the all-gathers, issue 36 item 1, not this test's.)"""
     from support.ddp_run import run_job
 
     snap = tmp_path / "snap"
@@ -260,6 +261,7 @@ def test_two_ddp_ranks_a_persistent_nan_on_rank_1_stops_every_rank_at_the_same_s
         fault_rank=1,
         fault_at=4,
         verdicts=verdicts,
+        wrap=wrap,
     )
     stops = [r["stopped"] for r in ranks]
     assert all(stops), [r["final_step"] for r in ranks]
@@ -267,5 +269,5 @@ def test_two_ddp_ranks_a_persistent_nan_on_rank_1_stops_every_rank_at_the_same_s
     assert {s["culprit"] for s in stops} == {"001"}  # rank 1's vision MPU, on both ranks
     assert stops[0]["loops"] - 4 <= BOUND
     assert all(s["snapshot"] and (tmp_path / s["snapshot"]).exists() for s in stops)
-    assert ranks[0]["hash"] == ranks[1]["hash"] and all(r["finite"] for r in ranks)
+    assert all(r["finite"] for r in ranks) and (wrap == "fsdp" or ranks[0]["hash"] == ranks[1]["hash"])
     assert ["fuse", "progress_bound"] in ranks[0]["findings"] and ["fuse", "progress_bound"] in ranks[1]["findings"]
