@@ -231,7 +231,7 @@ class Keeper:
         key = key or self.culprit()
         first = not self._step_charged  # this call's own loss, charged once
         extra = calls if first else calls - 1
-        if not first and extra <= 0:
+        if not first and extra <= 0 and not rollback:
             return key
         self._step_charged = True
         self._charged.add(key)
