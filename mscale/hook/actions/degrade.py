@@ -19,6 +19,11 @@ one applies (`run_degraded`):
   ("bf16"). The ABFT checks pick their tolerance from each Linear's output dtype, so bf16
   GEMMs are checked at bf16 tolerance (1e-2 against 2e-6 in fp32): corruption below that goes
   unseen while degraded, and L3 may never engage. Hence opt-in.
+- a sharded model (FSDP2 `fully_shard`): never the CPU (its shards stay on the process group's
+  device; the event says the CPU fallback was refused); bf16 autocast on the MPU's device with
+  `healing.l2_precision_fallback`. The reduction and bf16 leave every rank's all-gathers and
+  reduce-scatters as they were (the same parameters, in their own dtype), and the forward on the
+  reduced path is the step's re-run by every rank (mscale.hook.fuse), not a re-run on this rank.
 
 The forward is wrapped by an instance attribute (what nn.Module.__call__ calls), inside the
 guard's hooks: they see the MPU's inputs and outputs as the model does. Undone on recovery.
@@ -38,6 +43,7 @@ import structlog
 from mscale.healing import actions
 from mscale.healing.engine import Decision
 from mscale.healing.words import Result
+from mscale.hook import placement
 from mscale.hook.actions.base import Executor, FuseContext
 from mscale.hook.placement import device_of, map_tensors, place, tensors, wrap_forward
 
@@ -50,13 +56,17 @@ class Fallback:
     undo: Callable[[], None]
 
 
-def run_degraded(module: Any, optimizer: Any = None, *, precision: bool = False) -> Fallback | None:
+def run_degraded(
+    module: Any, optimizer: Any = None, *, precision: bool = False, sharded: bool = False
+) -> Fallback | None:
     """Put `module` on its fallback: the CPU when it runs on cuda; else bf16 autocast when
-    `precision` is set; else none (None: the MPU runs as it did)."""
+    `precision` is set; else none (None: the MPU runs as it did). `sharded` (the model is FSDP2's):
+    never the CPU, whose move would take the shards off the process group's device; bf16 autocast
+    where `precision` is set (the all-gathers and reduce-scatters stay in the parameters' dtype)."""
     import torch
 
     home = device_of(module)
-    if home.type == "cuda":
+    if home.type == "cuda" and not sharded:
         return cpu_fallback(module, optimizer)
     if precision:
         return bf16_fallback(module, dtype=torch.bfloat16)
@@ -68,10 +78,11 @@ def bf16_fallback(module: Any, dtype: Any = None) -> Fallback:
 
     dtype = dtype or torch.bfloat16
     default = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    kind = device_of(module).type  # the CPU's autocast, or cuda's for a sharded MPU kept there
 
     def forward(inner: Callable, args: tuple, kwargs: dict) -> Any:
         back = next((t.dtype for t in tensors((args, kwargs)) if t.is_floating_point()), default)
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(kind, dtype=dtype):
             out = inner(*args, **kwargs)
         return map_tensors(out, lambda t: t.to(back) if t.is_floating_point() and t.dtype != back else t)
 
@@ -96,6 +107,7 @@ class Degraded:
         self.precision: bool = fuse.l2_precision_fallback
         self.mpus: dict[str, tuple[Any, Fallback | None]] = {}  # mpu_id -> (Reduction or None, fallback)
         self.why_none: dict[str, str] = {}  # mpu_id -> why no reduction applies
+        self.why_no_fallback: dict[str, str] = {}  # mpu_id -> why the device's fallback was refused
         self.failed: list[tuple[int, str, str]] = []  # (step, mpu_id, error) of reduced forwards that raised
 
     @property
@@ -108,7 +120,12 @@ class Degraded:
             return
         from mscale.hook.degrade import reduction_for, why_none
 
-        fallback = run_degraded(m.module, guard.optimizer, precision=self.precision)
+        sharded = placement.sharded(guard.model)
+        fallback = run_degraded(m.module, guard.optimizer, precision=self.precision, sharded=sharded)
+        if sharded and m.device.type == "cuda":
+            self.why_no_fallback[m.mpu_id] = (
+                "no CPU fallback: a sharded MPU's shards stay on the process group's device"
+            )
         if fallback is not None:
             guard.checksum.forget(m)  # its cached weight sums (the weights may have moved)
         # installed after the fallback: the reduction runs on the fallback's side of the boundary
@@ -175,6 +192,9 @@ def event(state: Degraded, d) -> tuple[str, dict[str, str]]:
     reduction, fallback = state.mpus[d.target.mpu_id]
     kind = fallback.kind if fallback else None
     where = {"cpu": "moved to the CPU", "bf16": "forward in bf16"}.get(kind or "", "no fallback on this device")
+    refused = state.why_no_fallback.get(d.target.mpu_id, "")
+    if refused:
+        where = f"{where} ({refused})"
     what = (
         reduction.detail if reduction else f"no reduction ({state.why_none.get(d.target.mpu_id, '')}): fallback alone"
     )
