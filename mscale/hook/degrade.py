@@ -55,10 +55,15 @@ class Reduction:
 
 
 def _accepts(module: nn.Module, name: str) -> bool:
-    try:
-        return name in inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
+    """Whether the module's forward takes `name`: its class's forward, since an instance wrapper
+    (the L2 fallback's, installed first: bf16, or the CPU's device boundary) takes `*args, **kwargs`."""
+    for forward in (module.forward, type(module).forward):
+        try:
+            if name in inspect.signature(forward).parameters:
+                return True
+        except (TypeError, ValueError):
+            continue
+    return False
 
 
 def _config(module: nn.Module) -> Any:
