@@ -29,6 +29,7 @@ reduction and escalates): an error of the degradation never reaches the training
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,14 +56,9 @@ class Reduction:
 
 
 def _accepts(module: nn.Module, name: str) -> bool:
-    """Whether the module's forward takes `name`: its class's forward, since an instance wrapper
-    (the L2 fallback's, installed first: bf16, or the CPU's device boundary) takes `*args, **kwargs`."""
-    for forward in (module.forward, type(module).forward):
-        try:
-            if name in inspect.signature(forward).parameters:
-                return True
-        except (TypeError, ValueError):
-            continue
+    # the class's forward too: the L2 fallback's wrapper, installed first, takes *args, **kwargs
+    with contextlib.suppress(TypeError, ValueError):
+        return any(name in inspect.signature(f).parameters for f in (module.forward, type(module).forward))
     return False
 
 

@@ -23,9 +23,8 @@ guard's hooks on to the action states.
 
 An action applied inside a forward that moves the MPU (L1 swap, L2 degrade) discards the MPU's
 output and re-runs its forward for the same batch on the new placement (the guard's
-on_mpu_output hook), so the step completes correctly. Under a sharded model (FSDP2) that forward
-would all-gather on this rank alone: the step is re-run instead, by every rank alike, through the
-step agreement at the commit point (`guard.request_rerun`; docs/healing.md#under-fsdp2).
+on_mpu_output hook), so the step completes correctly. Sharded (FSDP2), that forward would all-gather
+on this rank alone: every rank re-runs the step instead (docs/healing.md#under-fsdp2).
 """
 
 from __future__ import annotations
@@ -50,9 +49,9 @@ from mscale.healing.policy import Policy, Rule
 from mscale.healing.settings import HealingSection
 from mscale.healing.words import Result, TargetKind
 from mscale.hook import actions as executors
-from mscale.hook import placement
 from mscale.hook.actions import rollback  # rerun_step goes through it, with a reason that keeps the batch
 from mscale.hook.actions.base import ActionFailed
+from mscale.snapshot.sharded import is_sharded
 
 log = structlog.get_logger("mscale.fuse")
 SOURCE = "fuse"
@@ -233,7 +232,7 @@ class FusePlugin:
         self.dispatch("mpu_output", mpu, output)
         if mpu.mpu_id not in self.pending_rerun:
             return None
-        if placement.sharded(self.guard.model):  # FSDP: a forward on this rank alone would all-gather alone
+        if is_sharded(self.guard.model):  # FSDP2: a forward on this rank alone would all-gather alone
             self.pending_rerun.discard(mpu.mpu_id)
             self.guard.request_rerun(f"{mpu.name} ({mpu.mpu_id}) moved in the step; sharded: step re-run by every rank")
             log.info("mpu_rerun_collective", mpu_id=mpu.mpu_id, step=self.guard.current_step)

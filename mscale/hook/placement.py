@@ -65,22 +65,6 @@ def device_of(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def sharded(model: nn.Module) -> bool:
-    """Whether `model` is sharded across ranks: an FSDP wrapper in it (FSDP2 `fully_shard`, FSDP1)
-    or a parameter that is a DTensor. Such a model's shards live on its process group's device and
-    each forward of a sharded part all-gathers on every rank: moving a part elsewhere, or running
-    its forward on one rank alone, would desynchronise the ranks' collectives. The fuse asks it of
-    the guard's whole model (during a forward FSDP2 swaps in unsharded plain parameters, so a
-    part's own parameters do not tell)."""
-    if any(hasattr(p, "device_mesh") for p in model.parameters()):
-        return True
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    except ImportError:  # a torch built without distributed
-        return False
-    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
-
-
 def move(module: nn.Module, optimizer: Any, device: torch.device | str) -> None:
     """Move `module` (parameters, gradients, buffers) and its parameters' optimizer state to
     `device`; see the module docstring for the scalar step counters."""

@@ -9,12 +9,8 @@ a correct output. No standby: ActionFailed("no healthy standby"), and the fuse e
 With a link to the agent the standby is the agent's answer from its node view (every rank's
 GPUs, their health, quarantines: mscale.hook.standby, mscale.daemon.standby); its "none"
 escalates the same way, and only without an answer in time does the job choose alone.
-
-A sharded model (FSDP2 `fully_shard`) keeps its shards on the process group's device, whatever
-the MPU's binding: its weights are verified (and restored) as above and its failure count starts
-afresh, but nothing moves off that device. On the CPU (simulated GPUs) the binding moves; on a
-GPU it stays with the shards. The fuse re-runs the step on every rank instead of the MPU's forward
-on this one (mscale.hook.fuse), and the event says so.
+A sharded model's (FSDP2) shards never leave the process group's device: weights verified as
+above, the binding moved on simulated GPUs only, the event says so (docs/healing.md#under-fsdp2).
 """
 
 from __future__ import annotations
@@ -26,8 +22,8 @@ import structlog
 from mscale.healing import actions
 from mscale.healing.engine import Decision
 from mscale.healing.words import Result
-from mscale.hook import placement
 from mscale.hook.actions.base import ActionFailed, Executor, FuseContext
+from mscale.snapshot.sharded import is_sharded
 
 log = structlog.get_logger("mscale.fuse")
 
@@ -41,9 +37,7 @@ class Swaps:
         self.gpu_count: int | None = fuse.gpu_count  # None: found on first use
         self.failed_on: dict[str, set[int]] = {}
         self.last: dict[str, tuple[int, int, bool]] = {}  # mpu_id -> (from gpu, to gpu, weights restored)
-        self.sharded: dict[
-            str, str
-        ] = {}  # mpu_id -> the device its shards stayed on at its last swap ("": not sharded)
+        self.kept_on: dict[str, str] = {}  # mpu_id -> the device its shards stayed on (FSDP2)
 
     def avoid_gpus(self, fuse) -> set[int]:
         return set().union(*self.failed_on.values())
@@ -54,8 +48,8 @@ def apply(fuse: FuseContext, state: Swaps, d: Decision) -> str:
     if d.target.gpu and d.target.gpu.isdigit() and int(d.target.gpu) != m.gpu:
         return Result.NOOP  # a command about a GPU this MPU has already left (another path moved it)
     old = m.gpu
-    sharded = placement.sharded(fuse.guard.model)
-    pinned = sharded and m.device.type != "cpu"  # a real device: the binding stays with the shards
+    sharded = is_sharded(fuse.guard.model)
+    pinned = sharded and m.device.type != "cpu"  # a real GPU: the binding stays with the shards
     standby = old if pinned else standby_for(fuse, state, m)
     if standby is None:
         raise ActionFailed("no healthy standby GPU")
@@ -64,7 +58,7 @@ def apply(fuse: FuseContext, state: Swaps, d: Decision) -> str:
     if not pinned:
         move_mpu(fuse.guard, m, standby, shards=sharded)
     state.last[m.mpu_id] = (old, standby, restored)
-    state.sharded[m.mpu_id] = str(m.device) if sharded else ""
+    state.kept_on[m.mpu_id] = str(m.device) if sharded else ""
     return Result.APPLIED
 
 
@@ -73,13 +67,8 @@ def event(state: Swaps, d) -> tuple[str, dict[str, str]]:
         return "", {}
     old, new, restored = state.last[d.target.mpu_id]
     what = f"gpu {old} -> {new}" + (", weights restored from the snapshot" if restored else "")
-    device = state.sharded.get(d.target.mpu_id, "")
-    if device:
-        what += (
-            f"; sharded (FSDP2): its shards stay on {device}, the process group's device"
-            + (" (the binding too)" if old == new else " (the binding moved)")
-            + ", and the step is re-run by every rank"
-        )
+    if device := state.kept_on.get(d.target.mpu_id, ""):
+        what += f"; sharded (FSDP2): its shards stay on {device}, the process group's device"
     return what, {"to_gpu": str(new)}
 
 
@@ -109,8 +98,7 @@ def move_mpu(guard: Any, m: Any, gpu: int, *, shards: bool = False) -> None:
     """Rebind `m` to GPU `gpu`: on a GPU node its parameters, gradients, buffers and optimizer
     state move to that device behind a device-boundary adapter (`Guard.rebind`, through
     mscale.hook.placement.place, the helper the L2 CPU fallback uses too), and it takes that
-    GPU's uuid; on CPU the simulated binding moves. `shards`: the model is sharded (FSDP2),
-    whose shards never leave the process group's device: only the binding moves."""
+    GPU's uuid; on CPU the simulated binding moves. `shards` (FSDP2): only the binding moves."""
     import torch
 
     device = torch.device("cuda", gpu) if m.device.type == "cuda" and not shards else None
@@ -119,8 +107,8 @@ def move_mpu(guard: Any, m: Any, gpu: int, *, shards: bool = False) -> None:
 
 def verify_weights(fuse, state: Swaps, m: Any) -> bool:
     """Check the MPU's weights against their fingerprint after the last optimizer step;
-    on a mismatch (corrupted in place) restore them from the last in-memory snapshot.
-    True when restored."""
+    on a mismatch (corrupted in place) restore them from the last in-memory snapshot, through
+    the engine's model (under FSDP2 its views of this rank's shards). True when restored."""
     watch = getattr(fuse.states.get("restore_weights"), "watch", None)
     if watch is None or not watch.changed(m.mpu_id):
         return False
@@ -130,8 +118,6 @@ def verify_weights(fuse, state: Swaps, m: Any) -> bool:
         raise ActionFailed("weights fail their checksum and no in-memory snapshot can restore them")
     snap.wait_ready()
     prefix = f"mpu_{m.mpu_id}_"
-    # the engine's model and optimizer: the guard's, or for a sharded model its views of this
-    # rank's shards (mscale.snapshot.sharded.LocalView), which the snapshot holds
     model, optimizer = getattr(engine, "model", fuse.guard.model), getattr(engine, "optimizer", fuse.guard.optimizer)
     n = snap.copy_back(model, optimizer, lambda file, _name: file.startswith(prefix))
     if not n:
