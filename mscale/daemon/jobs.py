@@ -27,6 +27,7 @@ carry `job_id`), and the snapshot engine's among them kept as the job's snapshot
 from __future__ import annotations
 
 import math
+import re
 import statistics
 import time
 from collections import Counter, deque
@@ -37,12 +38,15 @@ from typing import Any, Protocol
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing.fsm import Level
 from mscale.link import MpuReport, Register, StepReport
+from mscale.link.wire import MAX_GPU_INDEX
 
 BASELINE_SKIP = 3
 MAX_FINDING_SERIES = 128  # distinct (source, reason, severity) counted per job: bounds its series
 BASELINE_STEPS = 20
 RECENT = 5
+MAX_PLACEMENTS = 16  # GPUs remembered per MPU (registered, rebound, swapped to): the agent's view of where it ran
 PHASES = ("forward", "backward")
+_INDEX = re.compile(r"0|[1-9][0-9]{0,3}")
 # the step figures a rank and its job both show in their dicts (the job's are its ranks', aggregated)
 FIGURES = ("connected", "step", "loss", "task_loss", "grad_norm", "reports_total", "reports_dropped")
 
@@ -61,6 +65,14 @@ def _num(v: object) -> float:
         except (ValueError, OverflowError):  # not a number, or an integer past a float's range
             return math.nan
     return math.nan
+
+
+def gpu_index(v: object) -> str:
+    """`v` as a GPU index label ("0".."4095", no sign, no leading zero, ASCII digits only), or ""
+    when it is not one: "²".isdigit() is true, "007" is another string than "7"."""
+    if not isinstance(v, str) or not _INDEX.fullmatch(v):
+        return ""
+    return v if int(v) < MAX_GPU_INDEX else ""
 
 
 def sample_value(v: Any) -> float:
@@ -129,6 +141,22 @@ class MpuState:
     recent_failures: deque[int] = field(default_factory=lambda: deque(maxlen=100))
     memory_used_bytes: float = math.nan
     memory_total_bytes: float = math.nan
+    # the GPUs this MPU was registered, rebound or swapped to here, oldest first (MAX_PLACEMENTS):
+    # the only GPUs a finding of the MPU may name (mscale.daemon.link), so the only ones its job
+    # can have filed for remediation
+    placements: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.place(self.gpu)
+
+    def place(self, gpu: int) -> None:
+        """Record that the MPU runs on `gpu` now (the latest placement last)."""
+        if gpu < 0:
+            return
+        if gpu in self.placements:
+            self.placements.remove(gpu)
+        self.placements.append(gpu)
+        del self.placements[:-MAX_PLACEMENTS]
 
     def update(self, r: MpuReport) -> None:
         self.latency["forward"].add(r.forward_s)
@@ -147,6 +175,7 @@ class MpuState:
             if r.gpu != self.gpu:
                 self.gpu_uuid = ""  # rebound: the UUID comes from the agent's snapshot again
             self.gpu = r.gpu
+            self.place(r.gpu)
         if r.fuse_level is not None:
             self.fuse_level = r.fuse_level
         self.memory_used_bytes = math.nan if r.memory_used_bytes is None else r.memory_used_bytes
@@ -266,6 +295,7 @@ class RankState:
             if old is not None and old.gpu != d.gpu:
                 m.gpu_uuid = ""
             m.name, m.gpu = d.name, d.gpu
+            m.place(d.gpu)
             m.gpu_uuid = d.gpu_uuid or m.gpu_uuid
             m.device, m.path, m.params, m.fuse_level = d.device, d.path, d.params, d.fuse_level
             mpus[m.mpu_id] = m
@@ -288,8 +318,9 @@ class RankState:
     def refresh(self, gpus: Mapping[int, GpuSample]) -> None:
         for m in self.mpus.values():
             sample = gpus.get(m.gpu)
-            if sample is not None and not m.gpu_uuid:
-                m.gpu_uuid = str(getattr(sample, "uuid", "") or "")
+            uuid = str(getattr(sample, "uuid", "") or "") if sample is not None else ""
+            if uuid:  # the GPU probe's UUID of the GPU, over what the job registered
+                m.gpu_uuid = uuid
             m.score(sample)
 
     def to_dict(self) -> dict[str, Any]:
