@@ -410,23 +410,30 @@ class LinkServer:
                 if f.reason in PROOFS:
                     proofs += 1
                     if proofs > MAX_PROOFS_PER_MESSAGE:
-                        self._refuse(
-                            "proof_limit",
-                            f"{f.reason.value} past {MAX_PROOFS_PER_MESSAGE} in one message",
-                            job_id=job.job_id,
-                        )
-                        continue
-                finding = labelled(job, rank, f, gpus)
-                if finding is None:
-                    self._refuse(
-                        "unregistered_mpu",
-                        f"{f.reason.value} about MPU {f.labels.get('mpu_id', '')[:16]!r}, never registered by rank {rank}",
-                        job_id=job.job_id,
-                    )
-                elif not job.observe_finding(finding):
-                    self._refuse("finding_limit", f"finding {finding.source}/{finding.reason.value}", job_id=job.job_id)
-                else:
-                    self.state.events.emit(finding)
+                        continue  # refused below, counted each, logged once
+                self._finding(job, rank, f, gpus)
+        if proofs > MAX_PROOFS_PER_MESSAGE:
+            over = proofs - MAX_PROOFS_PER_MESSAGE
+            self.state.refused[("socket", "proof_limit")] += over - 1
+            self._refuse(
+                "proof_limit",
+                f"{over} heal_action/fuse_state findings past {MAX_PROOFS_PER_MESSAGE} in one message",
+                job_id=job.job_id,
+            )
+
+    def _finding(self, job: JobState, rank: int, f: Finding, gpus: Any) -> None:
+        finding = labelled(job, rank, f, gpus)
+        if finding is None:
+            mpu = f.labels.get("mpu_id", "")[:16]
+            self._refuse(
+                "unregistered_mpu",
+                f"{f.reason.value} about MPU {mpu!r}, not registered by rank {rank}",
+                job_id=job.job_id,
+            )
+        elif not job.observe_finding(finding):
+            self._refuse("finding_limit", f"finding {finding.source}/{finding.reason.value}", job_id=job.job_id)
+        else:
+            self.state.events.emit(finding)
 
 
 class Outgoing(Protocol):
