@@ -40,7 +40,7 @@ import structlog
 from aiohttp import web
 
 from mscale.daemon import keys
-from mscale.daemon.jobs import gpu_index
+from mscale.daemon.gpus import gpu_index
 from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing import policy as policymod

@@ -27,18 +27,18 @@ carry `job_id`), and the snapshot engine's among them kept as the job's snapshot
 from __future__ import annotations
 
 import math
-import re
 import statistics
 import time
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from mscale.daemon.gpus import GpuSample
+from mscale.daemon.gpus import gpus_by_index as gpus_by_index  # (where tests and plugins found it)
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing.fsm import Level
 from mscale.link import MpuReport, Register, StepReport
-from mscale.link.wire import MAX_GPU_INDEX
 
 BASELINE_SKIP = 3
 MAX_FINDING_SERIES = 128  # distinct (source, reason, severity) counted per job: bounds its series
@@ -46,7 +46,6 @@ BASELINE_STEPS = 20
 RECENT = 5
 MAX_PLACEMENTS = 16  # GPUs remembered per MPU (registered, rebound, swapped to): the agent's view of where it ran
 PHASES = ("forward", "backward")
-_INDEX = re.compile(r"0|[1-9][0-9]{0,3}")
 # the step figures a rank and its job both show in their dicts (the job's are its ranks', aggregated)
 FIGURES = ("connected", "step", "loss", "task_loss", "grad_norm", "reports_total", "reports_dropped")
 
@@ -65,14 +64,6 @@ def _num(v: object) -> float:
         except (ValueError, OverflowError):  # not a number, or an integer past a float's range
             return math.nan
     return math.nan
-
-
-def gpu_index(v: object) -> str:
-    """`v` as a GPU index label ("0".."4095", no sign, no leading zero, ASCII digits only), or ""
-    when it is not one: "²".isdigit() is true, "007" is another string than "7"."""
-    if not isinstance(v, str) or not _INDEX.fullmatch(v):
-        return ""
-    return v if int(v) < MAX_GPU_INDEX else ""
 
 
 def sample_value(v: Any) -> float:
@@ -488,30 +479,3 @@ class JobState:
 
 def _figures(state: RankState | JobState) -> dict[str, Any]:
     return {name: getattr(state, name) for name in FIGURES}
-
-
-class GpuSample(Protocol):
-    """What the health score reads of a GPU's sample (mscale.probes.gpu_sample.GpuSample; the
-    probe room imports the agent's state, so its type is named here by shape, not imported)."""
-
-    @property
-    def index(self) -> int: ...
-    @property
-    def uuid(self) -> str: ...
-    @property
-    def health(self) -> str: ...
-    @property
-    def memory_used_bytes(self) -> int | None: ...
-    @property
-    def memory_total_bytes(self) -> int | None: ...
-
-
-class _Published(Protocol):
-    @property
-    def snapshots(self) -> Mapping[str, object]: ...
-
-
-def gpus_by_index(state: _Published) -> dict[int, GpuSample]:
-    """The latest GPU samples by index, from the GPU probe's snapshot (empty without one)."""
-    snap = state.snapshots.get("gpu")
-    return {g.index: g for g in getattr(snap, "gpus", ())} if snap is not None else {}

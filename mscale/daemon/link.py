@@ -45,7 +45,8 @@ from aiohttp import WSMsgType, web
 
 from mscale import link as protocol
 from mscale.daemon import keys, socket_file
-from mscale.daemon.jobs import JobState, RankLimit, gpus_by_index
+from mscale.daemon.gpus import gpus_by_index
+from mscale.daemon.jobs import JobState, RankLimit
 from mscale.daemon.link_bounds import check_mpu_budget, make_room
 from mscale.daemon.link_gate import GatedSockSite, LinkLimits, peer_cred
 from mscale.daemon.link_labels import MAX_PROOFS_PER_MESSAGE, PROOFS, labelled

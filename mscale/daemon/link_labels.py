@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from mscale.daemon.jobs import GpuSample, JobState, gpu_index
+from mscale.daemon.gpus import GpuSample, gpu_index
+from mscale.daemon.jobs import JobState
 from mscale.findings import Finding, Reason
 
 PROOFS = frozenset({Reason.HEAL_ACTION, Reason.FUSE_STATE})

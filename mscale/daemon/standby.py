@@ -36,7 +36,7 @@ from aiohttp import web
 
 from mscale import link as protocol
 from mscale.daemon import keys
-from mscale.daemon.jobs import gpu_index
+from mscale.daemon.gpus import gpu_index
 from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing.words import Result
