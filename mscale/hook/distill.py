@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mscale.families import config_of, placeholders
 from mscale.hook.placement import tensors
 
 TEMPERATURE = 0.1  # of the contrastive term's cosine similarities (CLIP's learned value is about 0.01)
@@ -37,76 +38,11 @@ def text_width(text: nn.Module) -> int | None:
     return None
 
 
-# the config keys of the token ids whose positions a tower's features fill, per modality: those
-# of the installed transformers families (`image_token_id` or `_index`, Video-LLaVA's
-# `video_token_index`, Qwen2-VL's `video_token_id`, Qwen2-Audio's `audio_token_index`, ...)
-PLACEHOLDER_KEYS: dict[str, tuple[str, ...]] = {
-    "image": ("image_token_id", "image_token_index"),
-    "video": ("video_token_id", "video_token_index"),
-    "audio": ("audio_token_id", "audio_token_index"),
-}
-
-
-def unwrapped(model: nn.Module) -> nn.Module:
-    """The model a DDP (or DataParallel, or torch.compile) wrapper holds: the one with the config.
-    FSDP2's fully_shard keeps the model itself, config included."""
-    while getattr(model, "config", None) is None and isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module  # type: ignore[assignment]  # DistributedDataParallel, DataParallel
-    return model
-
-
-def _tokens_of(cfg: Any) -> dict[str, int]:
-    """modality -> the placeholder token id `cfg` gives for it."""
-    found: dict[str, int] = {}
-    for modality, keys in PLACEHOLDER_KEYS.items():
-        for key in keys:
-            v = getattr(cfg, key, None)
-            if isinstance(v, int) and not isinstance(v, bool):
-                found[modality] = v
-                break
-    return found
-
-
-def model_config(model: nn.Module, path: str = "") -> Any:
-    """The config of the model that holds the MPU at `path` (dotted, from `model`), whatever wraps
-    it: the first module on the way from `model` down to the MPU whose config names a placeholder
-    token (a LightningModule's `self.model`, DDP's and FSDP1's `module`, compile's `_orig_mod`,
-    Accelerate's DDP), else the first config on that way (an encoder-decoder's), else None."""
-    first = None
-    m: Any = model
-    parts = path.split(".") if path else []
-    for i in range(len(parts) + 1):
-        cfg = getattr(unwrapped(m), "config", None)
-        if cfg is not None:
-            if _tokens_of(cfg):
-                return cfg
-            first = cfg if first is None else first
-        if i < len(parts):
-            m = getattr(m, parts[i], None)
-            if not isinstance(m, nn.Module):
-                break
-    return first
-
-
-def modality_of(mpu: Any) -> str:
-    """The modality an MPU's name (or its attribute's name) says: "video", "audio", else "image"."""
-    words = f"{getattr(mpu, 'name', '')} {str(getattr(mpu, 'path', '')).rsplit('.', 1)[-1]}".lower()
-    return next((m for m in ("video", "audio") if m in words), "image")
-
-
 def lm_head_of(text: nn.Module) -> nn.Module | None:
     """The LM head of a text MPU that has one (a `*ForCausalLM`'s `get_output_embeddings()`), whose
     input is the final hidden states; None for a text MPU without one (most families' base models)."""
     head = getattr(text, "get_output_embeddings", lambda: None)()
     return head if isinstance(head, nn.Module) and head is not text else None
-
-
-def placeholders(cfg: Any, mpu: Any) -> list[tuple[str, int]]:
-    """(modality, token id) of every placeholder `cfg` names, the MPU's own modality first (its
-    name's: a `video_tower` mapped as an MPU fills the video tokens; a Qwen2-VL tower both)."""
-    found = _tokens_of(cfg)
-    own = modality_of(mpu)
-    return sorted(found.items(), key=lambda kv: kv[0] != own)
 
 
 def teacher_of(output: Any, width: int) -> torch.Tensor | None:
@@ -169,9 +105,9 @@ class Term:
         # the MPU whose output the text model receives: the projector, for the encoders upstream of it
         self.carrier = aligner if aligner is not None and failing.name not in ("aligner", "text") else failing
         self.width = text_width(self.text.module) if self.text is not None else None
-        cfg = model_config(model, str(getattr(failing, "path", "") or ""))
+        cfg = config_of(model, str(getattr(failing, "path", "") or ""))
         # the placeholder tokens the student may fill, its own modality's first (`_positions`)
-        self.tokens = placeholders(cfg, failing)
+        self.tokens = placeholders(cfg, failing.name, str(getattr(failing, "path", "") or ""))
         # an encoder-decoder (VisionEncoderDecoder, Pix2Struct): no placeholders, cross-attention
         self.cross = bool(getattr(cfg, "is_encoder_decoder", False))
         self.projection: nn.Linear | None = None
@@ -298,11 +234,9 @@ class Term:
     layout = ""  # where the student was placed at the last step (the event says it)
 
     def _positions(self, ids: torch.Tensor, rows: int, b: int) -> tuple[torch.Tensor, torch.Tensor, str] | str:
-        """(the student's positions, their count per sample, the modality) of the first placeholder
-        token whose positions hold the student's rows, else why none does. Rows the model adds after
-        the MPU (LLaVA-NeXT's row-end newlines) break the one row a position match; with one image
-        a sample (equal counts) each sample's rows are its equal share, in batch order, as the
-        towers emit them."""
+        """(positions, count per sample, modality) of the first placeholder holding the student's
+        rows, else why none does. Rows added after the MPU (LLaVA-NeXT's row-end newlines) break a
+        row a position: with equal counts each sample's rows are its equal share, in batch order."""
         seen = []
         for modality, token in self.tokens:
             at = ids == token

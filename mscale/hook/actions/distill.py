@@ -95,6 +95,7 @@ class Distilling:
             if head is not None:  # a text model with a head: its hidden states are the head's input
                 self._replaying = lambda: bool(getattr(fuse.guard.checksum, "replaying", False))
                 self._handles.append(head.register_forward_pre_hook(self._text_hidden))
+        self._checked = {m.mpu_id for m in fuse.guard.mpus if m.name == "text"}  # the teacher
         self._say_unavailable(fuse, None)  # what the layout alone rules out
 
     def detach(self, fuse) -> None:
@@ -135,10 +136,8 @@ class Distilling:
         self._last = self._captured
 
     def _say_unavailable(self, fuse, cap: Any) -> None:
-        """Say once per MPU that L3 cannot be applied to it, and why (the fuse would stop it at L2):
-        at attach what the layout rules out (no text MPU, no hidden size), at the end of the first
-        step it ran where its student cannot be placed (no placeholder token fits its rows, no
-        leading or cross-attention input). An MPU that has not run yet is checked when it does."""
+        """Say once per MPU that L3 cannot be applied to it, and why: at attach what the layout rules
+        out, at the end of the first step it ran what its placement does (docs/healing.md)."""
         import torch
 
         from mscale.hook.distill import Term
@@ -146,9 +145,6 @@ class Distilling:
         guard = fuse.guard
         for m in guard.mpus:
             if m.mpu_id in self._checked:
-                continue
-            if m.name == "text":
-                self._checked.add(m.mpu_id)
                 continue
             ran = cap is not None and any(mpu_id == m.mpu_id for mpu_id, _ in cap.calls)
             compiled = cap is not None and not cap.calls and guard.outer is not guard.model
