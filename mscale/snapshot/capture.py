@@ -38,6 +38,7 @@ from mscale.snapshot.format import (
     mpu_file,
     optim_file,
 )
+from mscale.snapshot.keys import bare
 from mscale.snapshot.memory import HostCopier, MemorySnapshot, rng_state, to_host
 from mscale.snapshot.optim import NamedOptimizer
 from mscale.snapshot.ownership import dir_refused
@@ -84,7 +85,9 @@ class SnapshotCapture:
     ) -> None:
         cfg = config if config is not None else SnapshotConfig()
         self.config = cfg
-        self.model, self.optimizer = model, optimizer
+        # the model inside DDP and torch.compile wrappers: snapshots carry its names (keys.py)
+        model = self.model = bare(model)
+        self.optimizer = optimizer
         self.scaler, self.scheduler, self.data = scaler, scheduler, data
         self.extra = dict(extra or {})
         self.memory_every, self.memory_keep = cfg.memory_every, cfg.memory_keep
