@@ -278,3 +278,23 @@ def test_l3_finds_the_model_inside_each_wrapper(kind: str, one_rank_group, accel
     assert float(out.loss) > float(out["task_loss"])
     assert fuse.states["l3_distill"].mpus[m.mpu_id].term.layout == "image-token positions"
     guard.detach()
+
+
+@pytest.mark.slow
+def test_l3_on_a_compiled_model_is_said_unavailable_once() -> None:
+    """torch.compile (the eager backend: dynamo's graph, no code generation): the MPUs' outputs
+    stay inside the graph, so no term can be read; said once per MPU at the first step's end."""
+    structlog.reset_defaults()  # warnings reach capture_logs (the quiet fixture drops them)
+    model, make_batch = tiny_llava(0)
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with capture_logs() as logs:
+        guard = mscale.attach(compiled, opt, job_id="compiled", snapshots=True, connect=False)
+        for s in range(3):
+            compiled(**make_batch(s, torch.Generator().manual_seed(s))).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    said = [(e["mpu"], e["why"]) for e in logs if e["event"] == "l3_unavailable"]
+    assert [mpu for mpu, _ in said] == ["vision", "aligner"]
+    assert all("the model is compiled" in why for _, why in said)
+    guard.detach()

@@ -30,6 +30,7 @@ def test_ddp_on_2_ranks_restarted_as_the_plain_model_on_1(tmp_path: Path) -> Non
     restart(tmp_path, (2, "ddp"), (1, "plain"))
 
 
+@pytest.mark.slow
 def test_the_plain_model_restarted_under_ddp_on_2_ranks(tmp_path: Path) -> None:
     restart(tmp_path, (1, "plain"), (2, "ddp"))
 

@@ -143,10 +143,11 @@ class Distilling:
         from mscale.hook.distill import Term
 
         guard = fuse.guard
+        texts = [m.mpu_id for m in guard.mpus if m.name == "text"]
         for m in guard.mpus:
             if m.mpu_id in self._checked:
                 continue
-            ran = cap is not None and any(mpu_id == m.mpu_id for mpu_id, _ in cap.calls)
+            ran = cap is not None and {m.mpu_id, *texts} <= {mpu_id for mpu_id, _ in cap.calls}  # and the teacher
             compiled = cap is not None and not cap.calls and guard.outer is not guard.model
             if cap is not None and not ran and not compiled:
                 continue
