@@ -23,7 +23,8 @@ guard's hooks on to the action states.
 
 An action applied inside a forward that moves the MPU (L1 swap, L2 degrade) discards the MPU's
 output and re-runs its forward for the same batch on the new placement (the guard's
-on_mpu_output hook), so the step completes correctly.
+on_mpu_output hook), so the step completes correctly. Sharded (FSDP2), that forward would all-gather
+on this rank alone: every rank re-runs the step instead (docs/healing.md#under-fsdp2).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from mscale.healing.settings import HealingSection
 from mscale.healing.words import Result, TargetKind
 from mscale.hook import actions as executors
 from mscale.hook.actions.base import ActionFailed
+from mscale.snapshot.sharded import is_sharded
 
 log = structlog.get_logger("mscale.fuse")
 SOURCE = "fuse"
@@ -203,6 +205,11 @@ class FusePlugin:
             return None
         self.dispatch("mpu_output", mpu, output)
         if mpu.mpu_id not in self.pending_rerun:
+            return None
+        if is_sharded(self.guard.model):  # FSDP2: a forward on this rank alone would all-gather alone
+            self.pending_rerun.discard(mpu.mpu_id)
+            self.guard.request_rerun(f"{mpu.name} ({mpu.mpu_id}) moved in the step; sharded: step re-run by every rank")
+            log.info("mpu_rerun_collective", mpu_id=mpu.mpu_id, step=self.guard.current_step)
             return None
         out = None
         for _ in range(MAX_RERUNS):
