@@ -380,7 +380,7 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
 
     def _mpu_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if compiling():  # traced: the output's non-finite check only, as tensor ops
-            self.checksum.graph.output(self._mpu_by_module[id(module)], output_tensors(output))
+            self.checksum.traced_output(self._mpu_by_module[id(module)], output_tensors(output))
             return None
         if self.checksum.replaying:
             return None
