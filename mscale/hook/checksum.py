@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from mscale.findings import Finding, Reason, Severity
-from mscale.hook import abft, rounding
+from mscale.hook import abft, outstats, rounding
 from mscale.hook.budget import Budget
 from mscale.hook.checksum_config import (  # noqa: F401  (re-exported: the config's public home)
     DEFAULT_RTOL,
@@ -67,7 +67,6 @@ from mscale.hook.compiled import GraphChecks, compiling
 from mscale.hook.coverage import Schedule
 from mscale.hook.linears import LinearKind, kind_of
 from mscale.hook.outputs import output_tensors
-from mscale.hook.outstats import OutputStats
 from mscale.hook.replay import compare, fresh_copies, rng_get, run_again, runs_collectives
 from mscale.hook.weight_sums import WeightSums
 
@@ -138,7 +137,9 @@ class ChecksumDetector:
         self.replay_s = 0.0
         self._idle_s = 0.0  # this step's time in the hooks of layers not checked (charged at its end)
         # each MPU output's scale against its own baseline: faults outside the linears (mscale.hook.outstats)
-        self.stats = OutputStats(emit=emit, suspect=self.suspect, labels=self._labels) if config.output_stats else None
+        self.stats = outstats.OutputStats(
+            emit=emit, suspect=self.suspect, labels=self._labels, enabled=config.output_stats
+        )
 
     def attach(self, mpu: Any) -> None:
         linears = [(n or "<self>", m, k) for n, m in mpu.module.named_modules() if (k := kind_of(m)) is not None]
@@ -146,8 +147,7 @@ class ChecksumDetector:
         self._by_id[mpu.mpu_id] = mpu
         # layers join the rotation when first seen running
         self.schedule.add(mpu.mpu_id, [], replayable=not runs_collectives(mpu.module))
-        if self.stats is not None:
-            self.stats.attach(mpu)
+        self.stats.attach(mpu)
         self.graph.attach(mpu, linears)
         if not self.config.abft:
             return
@@ -160,8 +160,7 @@ class ChecksumDetector:
     def traced_output(self, mpu: Any, outs: list[torch.Tensor]) -> None:
         """An MPU's output in a compiled graph: its non-finite check and its statistics, as tensor ops."""
         self.graph.output(mpu, outs)
-        if self.stats is not None:
-            self.stats.traced(mpu, outs)
+        self.stats.traced(mpu, outs)
 
     def detach(self) -> None:
         for h in self._handles:
@@ -173,8 +172,7 @@ class ChecksumDetector:
     def forget(self, mpu: Any) -> None:
         """Drop cached weight sums (the MPU moved device); its outputs' baselines start again."""
         self.wsums.clear()
-        if self.stats is not None:
-            self.stats.forget(mpu)
+        self.stats.forget(mpu)
 
     def commit_mode(self, mpu: Any) -> bool:
         v = self.config.verdicts
@@ -203,8 +201,7 @@ class ChecksumDetector:
         self._committed = self._judged = -1  # a step re-run after a rollback commits again
         for st in self._mpus.values():
             st.reset()
-        if self.stats is not None:
-            self.stats.begin_step()
+        self.stats.begin_step()
         self.graph.begin_step(step, {mid: r.in_incident(step) for mid, r in self.schedule.mpus.items()})
 
     def before_forward(self, mpu: Any, args: tuple, kwargs: dict) -> None:
@@ -283,8 +280,8 @@ class ChecksumDetector:
                 s = t.detach().sum(dtype=abft.acc_dtype(t.dtype)).to(torch.float64)
                 row = ("nonfinite", "<output>", t.dtype, torch.stack((s, torch.full_like(s, math.inf))))
                 (st.rows if commit else st.pending).append(row)
-            if self.stats is not None:
-                self.stats.observe(mpu, distinct)
+        with torch.no_grad(), self.budget.timer(outstats.SOURCE, mpu.device):  # its own cost, not ABFT's
+            self.stats.observe(mpu, distinct)
         t1 = time.perf_counter()
         self.abft_s += t1 - t0
         if st.replay is not None:
@@ -373,8 +370,8 @@ class ChecksumDetector:
                 if data_fault is not None:  # the batch was not finite (mscale.hook.inputs): no MPU to blame
                     failed = failed * (1.0 - on(data_fault, dev))
                 point.put("checksum/failed", failed)
-                if self.stats is not None:
-                    self.stats.pack(point, self._graph_mpus)
+            with self.budget.timer(outstats.SOURCE):
+                self.stats.pack(point, self._graph_mpus)
         except Exception:  # a detector bug must not stop training
             log.exception("checksum_error", where="commit")
             self._packed = []
@@ -391,8 +388,7 @@ class ChecksumDetector:
         self._judged = self._committed
         t0 = time.perf_counter()
         try:
-            if self.stats is not None:
-                self.stats.judge(point, self._committed, skip=data_fault)
+            self.stats.judge(point, self._committed, skip=data_fault)
             values = point.get("checksum") or []
             self.readbacks += 1 if values else 0
             off = 0

@@ -1,44 +1,16 @@
-"""Output statistics per MPU: a fault outside every linear layer (a norm, an activation, a
-residual add, a tower's output after its last linear) found within a few steps, at a cost of one
-reduction per output tensor per forward.
+"""Output statistics per MPU: faults outside every linear layer (a norm, an activation, a
+residual add, a tower's output after its last linear), which ABFT does not see and a background
+replay sees only once in up to `replay_max_gap_steps` steps, found within a few steps.
 
-ABFT sees only the linear layers, and a replay of an MPU's forward (the one check that sees the
-rest) comes once in up to `replay_max_gap_steps` steps at the default budget. Here, every forward
-of every MPU, the norm of each of its first `MAX_TENSORS` output tensors is taken on the device
-(one reduction each, no host read); at the commit point the step's norms go into the step's one
-read (mscale.hook.commit) and each output's log mean square, x = ln(sum(y^2) / numel(y)) over the
-step's forwards, is compared with its own baseline:
-
-- the baseline follows the value with a level and a trend (Holt's exponential smoothing: level
-  `LEVEL`, trend `TREND`), so the drift of training (the tower's output growing or shrinking as
-  it learns) is predicted, not flagged; the spread is a moving mean of the absolute one-step
-  prediction errors (`SPREAD`);
-- a step departs when |x - prediction| > max(`SIGMAS` x 1.25 x spread, `FLOOR`): 1.25 x the mean
-  absolute error is a standard deviation, `FLOOR` (0.25, the mean square x1.28 or /1.28) the
-  least change looked at, so an output that barely moves (a layer norm's) does not alarm on its
-  rounding;
-- `CONFIRM` (3) departing steps in a row, on the same side, are a shift: a warning
-  `output_shift` naming the MPU and the output, and a suspicion that puts the MPU in incident
-  mode (every layer checked, its forward replayed, every step for `incident_steps`). A departing
-  step is kept out of the baseline, so a persistent fault stays in view; a transient one (a loss
-  spike's single step) is forgotten. After a shift the baseline starts again from the new level.
-
-Noise of 1x the output's standard deviation doubles its mean square (x = ln 2 = 0.69 above the
-baseline when the output's mean is small against its spread), 3x multiplies it by 10: both are
-found on the third step after they start, once the baseline has `WARMUP` (8) steps. The baseline
-starts again (and so cannot find a fault for the next `WARMUP` steps) at the first step, after a
-rollback (a step number not after the last one judged), when the MPU's fuse level changes or it
-moves device (an L1 swap, an L2 fallback: its outputs may change for real). A fault present
-before the baseline's first `WARMUP` steps is its baseline: not found here.
-
-What follows is honest about what a statistic can say: a shift is a change of the output's
-scale, which a fault makes and so can training (a loss spike that does not recover within
-`CONFIRM` steps, a learning-rate jump, new data), so it is a suspicion, not a verdict: no update
-is dropped for it. The incident's replays decide: a fault that does not repeat on the same input
-(a device's) fails the replay, a checksum failure the fuse acts on (re-run, L1 after
-`failures_l1` in a row, escalating while it persists); one that does (the same in every run of
-the module: a software fault that follows it, which no device swap fixes) is reported, once per
-shift, and left to the operator.
+Every training forward of every MPU, the norm of each of its first `MAX_TENSORS` distinct output
+tensors is taken on the device (no host read); at the commit point they join the step's one read
+and each output's x = ln(mean square) over the step's forwards is compared with its own baseline
+(`Series`): Holt's smoothing of level and trend, so training's drift is predicted, and the mean
+absolute one-step error as spread. `CONFIRM` steps in a row departing on one side by more than
+max(`SIGMAS` sigmas, `FLOOR`) are a shift: a warning `output_shift` naming the MPU and a
+suspicion (incident mode: every layer checked, the forward replayed, for `incident_steps`), whose
+replays make the verdict the fuse acts on. Bounds, costs and limits: docs/hook.md, "Faults
+outside the linears".
 """
 
 from __future__ import annotations
@@ -87,8 +59,8 @@ class Series:
                 self.pending.append(r)
                 if len(self.pending) < CONFIRM:
                     return None
-                self.__init__()  # type: ignore[misc]  # the baseline starts again from the new level
-                self.level, self.n = x, 1
+                # the baseline starts again from the new level
+                self.level, self.trend, self.spread, self.n, self.pending = x, 0.0, 0.0, 1, []
                 return r, thr
         if self.pending:  # a transient: the baseline carries on past the steps it departed
             self.level += self.trend * len(self.pending)
@@ -117,9 +89,14 @@ class OutputStats:
     MPU forward, `pack` and `judge` at the commit point; `forget` starts an MPU's baselines again."""
 
     def __init__(
-        self, *, emit: Callable[[Finding], None], suspect: Callable[[str, str], None], labels: Callable[[Any], dict]
+        self,
+        *,
+        emit: Callable[[Finding], None],
+        suspect: Callable[[str, str], None],
+        labels: Callable[[Any], dict],
+        enabled: bool = True,
     ) -> None:
-        self._emit, self._suspect, self._labels = emit, suspect, labels
+        self._emit, self._suspect, self._labels, self.enabled = emit, suspect, labels, enabled
         self._mpus: dict[str, _Mpu] = {}
         self._by_id: dict[str, Any] = {}
         # this step's eager norms, by device (one stack each at the commit), and what each is:
@@ -130,7 +107,8 @@ class OutputStats:
         self._packed: list[tuple[str, list[tuple[str, int, int]]]] = []  # (key, what) in the read
 
     def attach(self, mpu: Any) -> None:
-        self._mpus[mpu.mpu_id] = _Mpu()
+        if self.enabled:  # (disabled: no MPU, every other call does nothing)
+            self._mpus[mpu.mpu_id] = _Mpu()
         self._by_id[mpu.mpu_id] = mpu
 
     def begin_step(self) -> None:
