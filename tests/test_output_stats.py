@@ -110,6 +110,33 @@ def test_noise_on_rank_1_of_2_ddp_ranks_is_found_on_rank_1_naming_the_vision_mpu
 
 
 @pytest.mark.slow
+def test_under_torch_compile_the_statistic_runs_in_the_graph_and_finds_the_noise() -> None:
+    """dynamo's "eager" backend (the graph as inductor would get it): the norms are written in place
+    by the graph, read at the commit point; no graph break of the statistic's own."""
+    torch._dynamo.reset()
+    try:
+        model, make_batch = tiny_llava(seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        guard = mscale.attach(model, opt, job_id="outputs-compiled", connect=False)
+        compiled = torch.compile(model, backend="eager")
+        active = {"on": False}
+        add_noise(model.model.vision_tower.encoder.layers[-1], 1.0, active, seed=7)
+        for step in range(FAULT_FROM + 6):
+            active["on"] = guard.current_step >= FAULT_FROM
+            compiled(**make_batch(step, torch.Generator().manual_seed(step))).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        vision = guard.mpu("vision").mpu_id
+        shifts = [f for f in guard.findings if f.reason is Reason.OUTPUT_SHIFT]
+        guard.detach()
+        assert vision in guard.checksum._graph_mpus  # its forward ran in the graph
+        assert shifts and shifts[0].labels["mpu_id"] == vision, [f.message for f in guard.findings]
+        assert FAULT_FROM <= int(shifts[0].labels["step"]) <= FAULT_FROM + 5
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_clean_runs_make_no_output_shift_warning(seed: int) -> None:
     findings, _ = train(seed, 300)
