@@ -28,7 +28,8 @@ MPUs, paid from what the budget leaves, at least once in `replay_max_gap_steps` 
 `full=True` checks every layer every step (the old default).
 
 Escalation (`suspect`): a failed check, a loss or gradient anomaly, an agent's GPU finding on
-the MPU's GPU or a replica mismatch put the MPU in incident mode for `incident_steps` (16):
+the MPU's GPU, a replica mismatch or a shift of its output's scale (mscale.hook.outstats, every
+step) put the MPU in incident mode for `incident_steps` (16):
 every layer checked and its forward replayed, every step. Since every failure opens an
 incident, the clean steps that follow a failure include a replay: a fault only replay sees (one
 outside any linear layer, at a tower's output) is not cleared by clean ABFT passes.
