@@ -53,6 +53,7 @@ class Reason(str, Enum):
     GRAD_NORM_JUMP = "grad_norm_jump"
     WEIGHT_CORRUPTION = "weight_corruption"  # a weight changed outside the optimizer (hook/weights)
     GRADIENT_CORRUPTION = "gradient_corruption"  # a weight gradient off its norm before the reduction (hook/gradcheck)
+    OUTPUT_SHIFT = "output_shift"  # an MPU output's scale left its baseline, held (hook/outstats)
     # several ranks (mscale.hook.agree)
     STEP_DROPPED_AGREED = "step_dropped_agreed"  # every rank drops a step another rank found bad
     MPU_GRADIENT_DROPPED_AGREED = "mpu_gradient_dropped_agreed"  # ... or only the MPU that failed its checksum

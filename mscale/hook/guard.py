@@ -379,8 +379,8 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
         self.checksum.before_forward(m, args, kwargs)
 
     def _mpu_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        if compiling():  # traced: the output's non-finite check only, as tensor ops
-            self.checksum.graph.output(self._mpu_by_module[id(module)], output_tensors(output))
+        if compiling():  # traced: the output's non-finite check and statistic, as tensor ops
+            self.checksum.traced_output(self._mpu_by_module[id(module)], output_tensors(output))
             return None
         if self.checksum.replaying:
             return None
