@@ -199,15 +199,30 @@ class WeightWatch:
         }
         self.prints["frozen"] = Fingerprint([p for _, p in frozen])
         self.ref: dict[str, tuple[tuple, torch.Tensor]] = {}
+        # every weight at once, for the snapshots' captures and the event checks (mscale.hook.weight_check)
+        named = [(n, _local(p)) for n, p in g.model.named_parameters()]
+        self.index = {n: i for i, (n, _) in enumerate(named)}
+        self.full = Fingerprint([p for _, p in named])
+        self.captured: dict[int, tuple[tuple, torch.Tensor]] = {}  # a snapshot's key -> every weight's print
+        self._mine: dict[str, Fingerprint] = {}  # mpu_id -> its weights' prints
         self.settle(frozen=True)
 
-    def settle(self, *, frozen: bool = False) -> None:
+    def settle(self, *, frozen: bool = False, capture: int | None = None) -> None:
         """The weights are what they should be (after an optimizer step, a restore): record the
-        next trained group's fingerprints (and the frozen ones' when `frozen`, or when new)."""
+        next trained group's fingerprints (and the frozen ones' when `frozen`, or when new).
+        capture: an in-memory snapshot of the weights as they are now is being copied; every
+        weight's fingerprint is recorded as its capture, under this key (the group's is read
+        from it: no second pass)."""
         t0 = time.perf_counter()
         key = self.trained_keys[self.turn % len(self.trained_keys)]
         self.turn = (self.turn + 1) % len(self.trained_keys)
-        self.ref[key] = (self.prints[key].layout(), self.prints[key].compute())
+        if capture is not None:
+            self.captured[capture] = (self.full.layout(), self.full.compute())
+            layout, every = self.captured[capture]
+            pick = [self.index[n] for n in self.names[key]]
+            self.ref[key] = (tuple(layout[i] for i in pick), every[pick])
+        else:
+            self.ref[key] = (self.prints[key].layout(), self.prints[key].compute())
         self.due = key
         if frozen or "frozen" not in self.ref:
             self.ref["frozen"] = (self.prints["frozen"].layout(), self.prints["frozen"].compute())
@@ -257,23 +272,40 @@ class WeightWatch:
                 return False
         return True
 
-    def changed(self, mpu_id: str) -> bool:
-        """Whether a tensor of MPU `mpu_id` now differs from its recorded fingerprint (an L1
-        swap asks before it moves the MPU: one pass, at the swap only). A group whose layout
-        changed since its record (moved) has no comparable record: unchanged."""
+    def mpu_names(self, mpu_id: str) -> list[str]:
+        """The names of MPU `mpu_id`'s weights (trained and frozen), in the model's order."""
+        return [n for n in self.index if (m := self.owner.get(n)) is not None and m.mpu_id == mpu_id]
+
+    def of_mpu(self, mpu_id: str) -> tuple[list[str], torch.Tensor]:
+        """MPU `mpu_id`'s weight names and their fingerprints now: one pass over that MPU."""
+        names = self.mpu_names(mpu_id)
+        fp = self._mine.get(mpu_id)
+        if fp is None:
+            fp = self._mine[mpu_id] = Fingerprint([self.full.tensors[self.index[n]] for n in names])
+        return names, fp.compute()
+
+    def recorded_now(self) -> dict[str, tuple[tuple, int]]:
+        """The fingerprints recorded of the weights as they are now, by name: the trained group
+        recorded at the last settle and the frozen weights ((shape, dtype, device), print)."""
+        out: dict[str, tuple[tuple, int]] = {}
         for key in self._current():
             layout, ref = self.ref[key]
-            fp = self.prints[key]
-            mine = [i for i, n in enumerate(self.names[key]) if self._where(n)[0] == mpu_id]
-            if mine and fp.layout() == layout and not torch.equal(fp.compute()[mine], ref[mine]):
-                return True
-        return False
+            out.update({n: (layout[i], int(ref[i])) for i, n in enumerate(self.names[key])})
+        return out
 
     def _where(self, name: str) -> tuple[str, str]:
         m = self.owner.get(name)
         return (m.mpu_id if m is not None else "", name)
 
-    def _report(self, kind: str, name: str, step: int) -> None:
+    def report(self, names: list[str], step: int, *, why: str) -> None:
+        """Weights found changed outside the optimizer by another check (mscale.hook.weight_check):
+        reported as `check` reports its own, `why` saying how they were found."""
+        self.corrupted = [self._where(name) for name in names]
+        for name in names:
+            kind = "frozen" if name in self.names["frozen"] else "trained"
+            self._report(kind, name, step, found=why)
+
+    def _report(self, kind: str, name: str, step: int, found: str = "") -> None:
         m = self.owner.get(name)
         labels = {"tensor": name, "weights": kind, "step": str(step)}
         if m is not None:
@@ -286,7 +318,8 @@ class WeightWatch:
                 SOURCE,
                 Reason.WEIGHT_CORRUPTION,
                 Severity.CRITICAL,
-                f"{kind} weight {name} of {where} changed outside the optimizer since the last step",
+                f"{kind} weight {name} of {where} changed outside the optimizer"
+                + (f" (found when {found})" if found else " since the last step"),
                 labels,
             )
         )

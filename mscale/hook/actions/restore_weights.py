@@ -28,11 +28,14 @@ from mscale.hook.actions.base import ActionFailed, Executor, FuseContext
 
 
 class Watch:
-    """Per job: the fingerprint watch and what each repair did."""
+    """Per job: the fingerprint watch, what each repair did, and the event checks of this step."""
 
     def __init__(self, fuse) -> None:
         self.watch: Any = None
         self.repairs: list[dict] = []  # {"step", "snapshot", "in_place", "tensors", "mpus"} per repair
+        self.source: Any = None  # the snapshot an event check chose for the repair it reports
+        self.checked: tuple[int, set[str]] = (-1, set())  # (fuse.seq, MPUs whose weights were checked)
+        self.repaired: tuple[int, set[str]] = (-1, set())  # (fuse.seq, MPUs repaired by an event check)
 
     def attach(self, fuse) -> None:
         from mscale.hook.weights import WeightWatch
@@ -44,8 +47,56 @@ class Watch:
             self.watch.check(fuse.guard.current_step)
 
     def weights_settled(self, fuse) -> None:
-        if self.watch is not None:
+        if self.watch is None:
+            return
+        engine = fuse.snapshot_engine
+        snap = engine.latest() if engine is not None and hasattr(engine, "latest") else None
+        if snap is None or snap.step != getattr(engine, "step", None) or id(snap) in self.watch.captured:
             self.watch.settle()
+            return
+        # a snapshot of this step is being copied: capture every weight as it is now (the
+        # event check verifies the copy against it), the captures of retired snapshots dropped
+        held = {id(s) for s in (engine.latest(t) for t in engine.memory_steps) if s is not None}
+        for key in [k for k in self.watch.captured if k not in held]:
+            del self.watch.captured[key]
+        self.watch.settle(capture=id(snap))
+
+    def mpu_failed(self, fuse, m: Any, f: Any) -> bool:
+        """MPU `m`'s output failed (the fuse asks before counting it): True when its weights were
+        the culprit (found corrupted and repaired now, or earlier in this step, and this is a
+        finding of the forward that ran on them: its re-run's findings count)."""
+        if self.watch is None:
+            return False
+        seq = fuse.seq
+        repaired = self.repaired[1] if self.repaired[0] == seq else set()
+        if m.mpu_id in repaired:
+            return getattr(fuse, "_rerunning", None) != m.mpu_id
+        return self.check(fuse, m)
+
+    def check(self, fuse, m: Any) -> bool:
+        """Check MPU `m`'s weights (mscale.hook.weight_check), once a step; on a corruption report
+        it (a weight_corruption finding per tensor: the policy runs the repair) and, inside the
+        forward, have the fuse re-run the MPU's forward on the repaired weights. True when repaired."""
+        from mscale.hook import weight_check
+
+        seq = fuse.seq
+        checked = self.checked[1] if self.checked[0] == seq else set()
+        if m.mpu_id in checked or fuse.snapshot_engine is None:
+            return False
+        self.checked = (seq, checked | {m.mpu_id})
+        verdict = weight_check.check_mpu(fuse, self.watch, m.mpu_id)
+        if not verdict.corrupted:
+            return False
+        done = len(self.repairs)
+        self.source = verdict.snapshot
+        self.watch.report(verdict.corrupted, fuse.guard.current_step, why="its output failed")
+        self.source = None
+        if len(self.repairs) == done:
+            return False  # not repaired (no snapshot, healing off): the fuse counts the failure
+        self.repaired = (seq, (self.repaired[1] if self.repaired[0] == seq else set()) | {m.mpu_id})
+        if fuse.guard._in_step and not fuse.guard.checksum.commit_mode(m):
+            fuse.pending_rerun.add(m.mpu_id)  # the output just computed ran on the corrupted weights
+        return True
 
 
 def _restore(guard: Any, snap: Any, names: set[str], *, optimizer: bool) -> int:
@@ -54,20 +105,31 @@ def _restore(guard: Any, snap: Any, names: set[str], *, optimizer: bool) -> int:
     return snap.copy_back(guard.model, guard.optimizer if optimizer else None, lambda _file, name: name in names)
 
 
+def _snapshot(fuse: FuseContext, state: Watch, names: set[str]) -> tuple[Any, bool]:
+    """The snapshot to restore `names` from (the newest verified: mscale.hook.weight_check) and
+    whether it is of the last completed step (restored in place)."""
+    from mscale.hook import weight_check
+
+    engine = fuse.snapshot_engine
+    if engine is None:
+        raise ActionFailed("no in-memory snapshot to restore the weights from")
+    snap = state.source or weight_check.newest_verified(engine, state.watch, sorted(names))
+    if snap is None:
+        raise ActionFailed("no in-memory snapshot to restore the weights from")
+    snap.wait_ready()
+    return snap, snap.step == engine.step
+
+
 def apply(fuse: FuseContext, state: Watch, d: Decision) -> str:
     watch = state.watch
     bad = list(watch.corrupted) if watch is not None else []
     if not bad:
         return Result.NOOP  # found and repaired already (another finding of the same step)
     engine = fuse.snapshot_engine
-    snap = engine.latest() if engine is not None else None
-    if snap is None:
-        raise ActionFailed("no in-memory snapshot to restore the weights from")
-    snap.wait_ready()
     mpus = {mpu_id for mpu_id, _ in bad if mpu_id}
     names = {name for mpu_id, name in bad if not mpu_id}
     names |= {name for name, m in watch.owner.items() if m is not None and m.mpu_id in mpus}
-    in_place = snap.step == engine.step  # the snapshot holds the state the fingerprints were taken of
+    snap, in_place = _snapshot(fuse, state, names)  # in place: it holds what the fingerprints were taken of
     n = _restore(fuse.guard, snap, names, optimizer=in_place)
     if not n:
         raise ActionFailed(f"the in-memory snapshot of step {snap.step} holds none of {sorted(names)[:3]}")
@@ -75,7 +137,8 @@ def apply(fuse: FuseContext, state: Watch, d: Decision) -> str:
     if in_place and not watch.matches():
         # The newest snapshot copies the weights beside the next step (mscale.snapshot.memory),
         # so a weight hit right after the optimizer step can be in its copy: that snapshot holds
-        # the corruption. Restore and roll back to the one before it instead.
+        # the corruption (one the fuse did not capture; a captured one is verified before). Restore
+        # and roll back to the one before it instead.
         in_place = False
         older = [s for s in engine.memory_steps if s < snap.step]
         prev = engine.latest(max(older)) if older else None

@@ -1,9 +1,10 @@
 """L1 MPU swap: move the MPU (parameters, gradients, optimizer state) to a standby GPU.
 
 The standby is a GPU of the node that no MPU of this job uses, that no action of the job
-avoids (quarantined, or failed on by one of its MPUs: an SDC there may hit any MPU). If the
-weights themselves fail their checksum (a fingerprint taken after every step) they are
-restored from the last verified in-memory snapshot first. Inside a forward the fuse then
+avoids (quarantined, or failed on by one of its MPUs: an SDC there may hit any MPU). It moves
+verified weights only: the MPU's weights are checked first against the newest verified in-memory
+snapshot (mscale.hook.weight_check) and, if corrupted, repaired (restore_weights). Inside a
+forward the fuse then
 re-runs the MPU's forward for the current batch on the standby, so the step completes with
 a correct output. No standby: ActionFailed("no healthy standby"), and the fuse escalates.
 With a link to the agent the standby is the agent's answer from its node view (every rank's
@@ -28,7 +29,8 @@ log = structlog.get_logger("mscale.fuse")
 class Swaps:
     """Per job: the GPUs each MPU failed on, each MPU's last swap. The weights' fingerprints
     are the fingerprint watch's (restore_weights' state): a second per-step pass of its own
-    over every MPU cost 5 ms of a 490 ms step on an 8M LLaVA."""
+    over every MPU cost 5 ms of a 490 ms step on an 8M LLaVA; the swap checks its MPU's weights
+    on the event only."""
 
     def __init__(self, fuse) -> None:
         self.gpu_count: int | None = fuse.gpu_count  # None: found on first use
@@ -95,24 +97,18 @@ def move_mpu(guard: Any, m: Any, gpu: int) -> None:
 
 
 def verify_weights(fuse, state: Swaps, m: Any) -> bool:
-    """Check the MPU's weights against their fingerprint after the last optimizer step;
-    on a mismatch (corrupted in place) restore them from the last in-memory snapshot.
-    True when restored."""
-    watch = getattr(fuse.states.get("restore_weights"), "watch", None)
-    if watch is None or not watch.changed(m.mpu_id):
+    """The weights moved are verified ones: the MPU's weights checked against the newest verified
+    in-memory snapshot (mscale.hook.weight_check, once a step: the fuse's failure count has
+    already run it when this swap follows failing outputs) and, when corrupted, repaired by
+    restore_weights (in place, or this step run on the snapshot's weights and the job rolled
+    back to it). True when repaired."""
+    weights = fuse.states.get("restore_weights")
+    if weights is None or getattr(weights, "watch", None) is None:
         return False
-    engine = fuse.snapshot_engine
-    snap = engine.latest() if engine is not None else None
-    if snap is None:
-        raise ActionFailed("weights fail their checksum and no in-memory snapshot can restore them")
-    snap.wait_ready()
-    prefix = f"mpu_{m.mpu_id}_"
-    n = snap.copy_back(fuse.guard.model, fuse.guard.optimizer, lambda file, _name: file.startswith(prefix))
-    if not n:
-        raise ActionFailed(f"the in-memory snapshot of step {snap.step} holds no weights of MPU {m.mpu_id}")
-    watch.settle(frozen=True)  # the restored weights are the reference again
-    log.warning("mpu_weights_restored", mpu_id=m.mpu_id, snapshot_step=snap.step, tensors=n)
-    return True
+    repaired = bool(weights.check(fuse, m))
+    if repaired:
+        log.warning("mpu_weights_restored", mpu_id=m.mpu_id, step=fuse.guard.current_step)
+    return repaired
 
 
 EXECUTOR = Executor(actions.get("l1_swap"), apply, state=Swaps, event=event)
