@@ -145,3 +145,46 @@ def test_a_flip_that_lands_in_the_snapshot_copy_rolls_back_to_the_snapshot_befor
     assert [f.labels["step"] for f in findings if f.reason.value == "rollback"] == ["10"]
     assert calls == STEPS + 11
     assert [name for name in clean if not torch.equal(clean[name], state[name])] == []
+
+
+def test_a_fault_of_the_device_is_still_the_devices(clean) -> None:
+    """The control: 1 added to one column of the vision tower's last fc2 output (a stuck lane) by
+    the test's own forward hook, in front of the guard's check, while the tower runs on its
+    first (simulated) GPU: its checksum fails once the layer is checked, the loss stays finite. The weights check on each failing output finds them intact, so the fuse counts the
+    failures and swaps the tower (L1), where the fault is gone; no weight_corruption, no rollback."""
+    model, make_batch = tiny_llava(seed=0)
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = mscale.ResumableLoader(Samples(make_batch, 400), batch_size=4, seed=0)
+    findings: list = []
+
+    class Keep:
+        def on_finding(self, f) -> None:
+            findings.append(f)
+
+    guard = mscale.attach(model, opt, job_id="device", connect=False, snapshots=True, data=loader, plugins=[Keep()])
+    vision = guard.mpu("vision")
+    bad_gpu = vision.gpu
+
+    def fault(_module, _inputs, output):
+        if guard.current_step >= 4 and vision.gpu == bad_gpu:
+            bump = torch.zeros(output.shape[-1], dtype=output.dtype)
+            bump[3] = 1.0
+            return output + bump
+        return None
+
+    fc2 = model.model.vision_tower.encoder.layers[1].mlp.fc2
+    handle = fc2.register_forward_hook(fault, prepend=True)
+    batches = iter(loader)
+    try:
+        while guard.current_step < 24:
+            model(**next(batches)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        handle.remove()
+        guard.detach()
+    assert [f for f in findings if f.reason.value == "checksum_failure" and f.labels.get("mpu") == "vision"]
+    assert not [f for f in findings if f.reason.value in ("weight_corruption", "rollback")]
+    states = [f.labels["state"] for f in findings if f.reason.value == "fuse_state" and f.labels["mpu_id"] == "001"]
+    assert "l1_swapped" in states and vision.gpu != bad_gpu

@@ -273,9 +273,9 @@ class FusePlugin:
                     )
         replaced = any(self.dispatch("settle", step))  # a rollback: the step's state is not kept
         if not replaced:
+            self.dispatch("weights_settled")
             if self.snapshot_engine is not None and self.drive_snapshots:
                 self.snapshot_engine.step_end(step)
-            self.dispatch("weights_settled")  # after the snapshot: its copy's fingerprints are captured
 
     def on_command(self, command: dict) -> dict | None:
         if command.get("type") != link.Command.HEAL:

@@ -199,30 +199,18 @@ class WeightWatch:
         }
         self.prints["frozen"] = Fingerprint([p for _, p in frozen])
         self.ref: dict[str, tuple[tuple, torch.Tensor]] = {}
-        # every weight at once, for the snapshots' captures and the event checks (mscale.hook.weight_check)
-        named = [(n, _local(p)) for n, p in g.model.named_parameters()]
-        self.index = {n: i for i, (n, _) in enumerate(named)}
-        self.full = Fingerprint([p for _, p in named])
-        self.captured: dict[int, tuple[tuple, torch.Tensor]] = {}  # a snapshot's key -> every weight's print
+        # by name, for the event check of one MPU's weights (mscale.hook.weight_check)
+        self.tensors = {n: _local(p) for n, p in g.model.named_parameters()}
         self._mine: dict[str, Fingerprint] = {}  # mpu_id -> its weights' prints
         self.settle(frozen=True)
 
-    def settle(self, *, frozen: bool = False, capture: int | None = None) -> None:
+    def settle(self, *, frozen: bool = False) -> None:
         """The weights are what they should be (after an optimizer step, a restore): record the
-        next trained group's fingerprints (and the frozen ones' when `frozen`, or when new).
-        capture: an in-memory snapshot of the weights as they are now is being copied; every
-        weight's fingerprint is recorded as its capture, under this key (the group's is read
-        from it: no second pass)."""
+        next trained group's fingerprints (and the frozen ones' when `frozen`, or when new)."""
         t0 = time.perf_counter()
         key = self.trained_keys[self.turn % len(self.trained_keys)]
         self.turn = (self.turn + 1) % len(self.trained_keys)
-        if capture is not None:
-            self.captured[capture] = (self.full.layout(), self.full.compute())
-            layout, every = self.captured[capture]
-            pick = [self.index[n] for n in self.names[key]]
-            self.ref[key] = (tuple(layout[i] for i in pick), every[pick])
-        else:
-            self.ref[key] = (self.prints[key].layout(), self.prints[key].compute())
+        self.ref[key] = (self.prints[key].layout(), self.prints[key].compute())
         self.due = key
         if frozen or "frozen" not in self.ref:
             self.ref["frozen"] = (self.prints["frozen"].layout(), self.prints["frozen"].compute())
@@ -274,14 +262,14 @@ class WeightWatch:
 
     def mpu_names(self, mpu_id: str) -> list[str]:
         """The names of MPU `mpu_id`'s weights (trained and frozen), in the model's order."""
-        return [n for n in self.index if (m := self.owner.get(n)) is not None and m.mpu_id == mpu_id]
+        return [n for n in self.tensors if (m := self.owner.get(n)) is not None and m.mpu_id == mpu_id]
 
     def of_mpu(self, mpu_id: str) -> tuple[list[str], torch.Tensor]:
         """MPU `mpu_id`'s weight names and their fingerprints now: one pass over that MPU."""
         names = self.mpu_names(mpu_id)
         fp = self._mine.get(mpu_id)
         if fp is None:
-            fp = self._mine[mpu_id] = Fingerprint([self.full.tensors[self.index[n]] for n in names])
+            fp = self._mine[mpu_id] = Fingerprint([self.tensors[n] for n in names])
         return names, fp.compute()
 
     def recorded_now(self) -> dict[str, tuple[tuple, int]]:

@@ -47,19 +47,8 @@ class Watch:
             self.watch.check(fuse.guard.current_step)
 
     def weights_settled(self, fuse) -> None:
-        if self.watch is None:
-            return
-        engine = fuse.snapshot_engine
-        snap = engine.latest() if engine is not None and hasattr(engine, "latest") else None
-        if snap is None or snap.step != getattr(engine, "step", None) or id(snap) in self.watch.captured:
+        if self.watch is not None:
             self.watch.settle()
-            return
-        # a snapshot of this step is being copied: capture every weight as it is now (the
-        # event check verifies the copy against it), the captures of retired snapshots dropped
-        held = {id(s) for s in (engine.latest(t) for t in engine.memory_steps) if s is not None}
-        for key in [k for k in self.watch.captured if k not in held]:
-            del self.watch.captured[key]
-        self.watch.settle(capture=id(snap))
 
     def mpu_failed(self, fuse, m: Any, f: Any) -> bool:
         """MPU `m`'s output failed (the fuse asks before counting it): True when its weights were
@@ -106,14 +95,14 @@ def _restore(guard: Any, snap: Any, names: set[str], *, optimizer: bool) -> int:
 
 
 def _snapshot(fuse: FuseContext, state: Watch, names: set[str]) -> tuple[Any, bool]:
-    """The snapshot to restore `names` from (the newest verified: mscale.hook.weight_check) and
-    whether it is of the last completed step (restored in place)."""
+    """The snapshot to restore `names` from (the one an event check chose, else the newest
+    trusted: mscale.hook.weight_check) and whether it is of the last completed step (in place)."""
     from mscale.hook import weight_check
 
     engine = fuse.snapshot_engine
     if engine is None:
         raise ActionFailed("no in-memory snapshot to restore the weights from")
-    snap = state.source or weight_check.newest_verified(engine, state.watch, sorted(names))
+    snap = state.source or weight_check.trusted(engine, sorted(names))
     if snap is None:
         raise ActionFailed("no in-memory snapshot to restore the weights from")
     snap.wait_ready()
@@ -137,8 +126,8 @@ def apply(fuse: FuseContext, state: Watch, d: Decision) -> str:
     if in_place and not watch.matches():
         # The newest snapshot copies the weights beside the next step (mscale.snapshot.memory),
         # so a weight hit right after the optimizer step can be in its copy: that snapshot holds
-        # the corruption (one the fuse did not capture; a captured one is verified before). Restore
-        # and roll back to the one before it instead.
+        # the corruption (a small change: a large one makes it untrusted before). Restore and
+        # roll back to the one before it instead.
         in_place = False
         older = [s for s in engine.memory_steps if s < snap.step]
         prev = engine.latest(max(older)) if older else None
