@@ -17,8 +17,9 @@ weights per window instead of two over all of them (the budget: docs/hook.md). T
 ones are fingerprinted once and checked every `frozen_every` steps. A mismatch is a
 WEIGHT_CORRUPTION finding per tensor, labelled with its MPU (none for a tensor outside every
 MPU), in the step that would first use it; a write in a window whose group is not checked goes
-unseen here (with one process nothing else holds a copy; under DDP the replica check of
-mscale.hook.replicas compares the ranks' copies within its bound). A change of a tensor's
+unseen here (under DDP the replica check of mscale.hook.replicas compares the ranks' copies
+within its bound; when the write breaks its MPU's output, mscale.hook.weight_check compares that
+MPU's weights with the in-memory snapshots before the fault is blamed on the device). A change of a tensor's
 shape, dtype or device (an L2 fallback, a swap on a GPU node) starts the fingerprints over:
 it is a move, not a corruption. The repair is the fuse's (mscale.hook.actions.restore_weights,
 whose per-job state this is).

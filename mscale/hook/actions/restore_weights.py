@@ -1,6 +1,6 @@
 """A weight changed outside the optimizer (WEIGHT_CORRUPTION, found by the fingerprints of
-mscale.hook.weights before the step's forward): put the weights back from the newest
-in-memory snapshot, exactly.
+mscale.hook.weights before the step's forward, or by mscale.hook.weight_check when its MPU's
+output failed): put the weights back from the newest trusted in-memory snapshot, exactly.
 
 - That snapshot is of the last completed step (the state the fingerprints were taken of,
   e.g. `memory_every=1`): the corrupted MPUs' parameters and optimizer state are restored
@@ -15,6 +15,9 @@ in-memory snapshot, exactly.
 
 The per-job state is the fingerprint watch itself (mscale.hook.weights.WeightWatch): made
 when the fuse attaches, checked at each step's begin, re-recorded whenever the weights settle.
+It also answers the fuse before it counts an MPU's failing output (`mpu_failed`): the MPU's
+weights are checked (mscale.hook.weight_check), and when corrupted they are reported and
+repaired here, the MPU's forward re-run on the repaired weights, and the failure not counted.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ class Watch:
         self.source: Any = None  # the snapshot an event check chose for the repair it reports
         self.checked: tuple[int, set[str]] = (-1, set())  # (fuse.seq, MPUs whose weights were checked)
         self.repaired: tuple[int, set[str]] = (-1, set())  # (fuse.seq, MPUs repaired by an event check)
+        # mpu_id -> (placement epoch, newest snapshot step) its weights were last found intact at:
+        # a fault that persists is not checked again each step until either changes
+        self.intact: dict[str, tuple[int, int | None]] = {}
 
     def attach(self, fuse) -> None:
         from mscale.hook.weights import WeightWatch
@@ -70,12 +76,19 @@ class Watch:
 
         seq = fuse.seq
         checked = self.checked[1] if self.checked[0] == seq else set()
-        if m.mpu_id in checked or fuse.snapshot_engine is None:
+        engine = fuse.snapshot_engine
+        if m.mpu_id in checked or engine is None:
             return False
         self.checked = (seq, checked | {m.mpu_id})
+        held = getattr(engine, "memory_steps", None) or []
+        where = (getattr(fuse.placement.get(m.mpu_id), "epoch", 0), max(held) if held else None)
+        if self.intact.get(m.mpu_id) == where:
+            return False
         verdict = weight_check.check_mpu(fuse, self.watch, m.mpu_id)
         if not verdict.corrupted:
+            self.intact[m.mpu_id] = where
             return False
+        self.intact.pop(m.mpu_id, None)
         done = len(self.repairs)
         self.source = verdict.snapshot
         self.watch.report(verdict.corrupted, fuse.guard.current_step, why="its output failed")
