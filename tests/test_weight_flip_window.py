@@ -39,7 +39,7 @@ def _quiet():
 
 
 def _run(
-    flip_at: int | None, before_flip=None, after_flip=None
+    flip_at: int | None, before_flip=None, after_flip=None, checksum=None
 ) -> tuple[dict[str, torch.Tensor], list, int, float | None]:
     """STEPS steps of the README's loop; with `flip_at` = K, FC2's element flipped once when the
     guard's step is K. before_flip(guard, step): called at each step before the flip would be;
@@ -54,7 +54,9 @@ def _run(
         def on_finding(self, f) -> None:
             findings.append(f)
 
-    guard = mscale.attach(model, opt, job_id="flip", connect=False, snapshots=True, data=loader, plugins=[Keep()])
+    guard = mscale.attach(
+        model, opt, job_id="flip", connect=False, snapshots=True, data=loader, plugins=[Keep()], checksum=checksum
+    )
     weight = dict(model.named_parameters())[FC2]
     calls, flipped = 0, None
     batches = iter(loader)
@@ -188,3 +190,15 @@ def test_a_fault_of_the_device_is_still_the_devices(clean) -> None:
     assert not [f for f in findings if f.reason.value in ("weight_corruption", "rollback")]
     states = [f.labels["state"] for f in findings if f.reason.value == "fuse_state" and f.labels["mpu_id"] == "001"]
     assert "l1_swapped" in states and vision.gpu != bad_gpu
+
+
+@pytest.mark.parametrize("k", [15, 22])
+def test_the_same_with_verdicts_read_at_the_commit_point(clean, k) -> None:
+    """`verdicts="commit"` (the default off a CPU): the non-finite output is read at the optimizer
+    step, where the weights check runs; the repair rolls back to the trusted snapshot (the step's
+    gradients came from the corrupted weights), and the run still ends bitwise as the fault-free one."""
+    state, findings, calls, _ = _run(k, checksum=mscale.ChecksumConfig(verdicts="commit"))
+    assert {f.labels["tensor"] for f in findings if f.reason.value == "weight_corruption"} == {FC2}
+    assert not [f for f in findings if f.reason.value == "fuse_state" and f.labels["state"].startswith("l")]
+    assert calls == STEPS + k - 10 * ((k - 1) // 10)
+    assert [name for name in clean if not torch.equal(clean[name], state[name])] == []

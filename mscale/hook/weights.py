@@ -9,20 +9,16 @@ Small tensors (biases, norms) are fingerprinted together in one fused pass per d
 word views concatenated, one cumulative sum, read at each tensor's end), larger ones, and those
 whose bytes are not whole aligned words, one by one; all of a device's sums are read back at once.
 
-`WeightWatch` keeps the fingerprints of a guard's model: the trained weights (those requiring
-a gradient) are split into `groups` groups of about equal bytes; each time the weights settle
-after a step (after the optimizer, after a rollback) the next group in turn is fingerprinted,
-and checked at the next step's begin, before its forward: one pass over 1/groups of the
-weights per window instead of two over all of them (the budget: docs/hook.md). The frozen
-ones are fingerprinted once and checked every `frozen_every` steps. A mismatch is a
-WEIGHT_CORRUPTION finding per tensor, labelled with its MPU (none for a tensor outside every
-MPU), in the step that would first use it; a write in a window whose group is not checked goes
-unseen here (under DDP the replica check of mscale.hook.replicas compares the ranks' copies
-within its bound; when the write breaks its MPU's output, mscale.hook.weight_check compares that
-MPU's weights with the in-memory snapshots before the fault is blamed on the device). A change of a tensor's
-shape, dtype or device (an L2 fallback, a swap on a GPU node) starts the fingerprints over:
-it is a move, not a corruption. The repair is the fuse's (mscale.hook.actions.restore_weights,
-whose per-job state this is).
+`WeightWatch` keeps the fingerprints of a guard's model: the trained weights are split into
+`groups` groups of about equal bytes; each time the weights settle (after the optimizer, a
+rollback) the next group is fingerprinted and checked before the next forward: one pass over
+1/groups of them a window instead of two over all (docs/hook.md). Frozen ones are fingerprinted
+once, checked every `frozen_every` steps. A mismatch is a WEIGHT_CORRUPTION finding per tensor
+with its MPU, in the step that would first use it. A write in an unchecked group's window goes
+unseen here (under DDP the replicas compare within their bound: mscale.hook.replicas; a write that
+makes its MPU's output non-finite is found then: actions/restore_weights.py). A new shape, dtype
+or device (an L2 fallback, a swap on a GPU) starts the fingerprints over: a move, not a
+corruption. The repair is the fuse's (actions/restore_weights.py, whose per-job state this is).
 """
 
 from __future__ import annotations
@@ -200,9 +196,7 @@ class WeightWatch:
         }
         self.prints["frozen"] = Fingerprint([p for _, p in frozen])
         self.ref: dict[str, tuple[tuple, torch.Tensor]] = {}
-        # by name, for the event check of one MPU's weights (mscale.hook.weight_check)
-        self.tensors = {n: _local(p) for n, p in g.model.named_parameters()}
-        self._mine: dict[str, Fingerprint] = {}  # mpu_id -> its weights' prints
+        self.tensors = {n: _local(p) for n, p in g.model.named_parameters()}  # by name: the event check's
         self.settle(frozen=True)
 
     def settle(self, *, frozen: bool = False) -> None:
@@ -261,38 +255,15 @@ class WeightWatch:
                 return False
         return True
 
-    def mpu_names(self, mpu_id: str) -> list[str]:
-        """The names of MPU `mpu_id`'s weights (trained and frozen), in the model's order."""
-        return [n for n in self.tensors if (m := self.owner.get(n)) is not None and m.mpu_id == mpu_id]
-
-    def of_mpu(self, mpu_id: str) -> tuple[list[str], torch.Tensor]:
-        """MPU `mpu_id`'s weight names and their fingerprints now: one pass over that MPU."""
-        names = self.mpu_names(mpu_id)
-        fp = self._mine.get(mpu_id)
-        if fp is None:
-            fp = self._mine[mpu_id] = Fingerprint([self.tensors[n] for n in names])
-        return names, fp.compute()
-
-    def recorded_now(self) -> dict[str, tuple[tuple, int]]:
-        """The fingerprints recorded of the weights as they are now, by name: the trained group
-        recorded at the last settle and the frozen weights ((shape, dtype, device), print)."""
-        out: dict[str, tuple[tuple, int]] = {}
-        for key in self._current():
-            layout, ref = self.ref[key]
-            out.update({n: (layout[i], int(ref[i])) for i, n in enumerate(self.names[key])})
-        return out
-
     def _where(self, name: str) -> tuple[str, str]:
         m = self.owner.get(name)
         return (m.mpu_id if m is not None else "", name)
 
     def report(self, names: list[str], step: int, *, why: str) -> None:
-        """Weights found changed outside the optimizer by another check (mscale.hook.weight_check):
-        reported as `check` reports its own, `why` saying how they were found."""
+        """Trained weights found changed by another check (restore_weights' on an MPU's failure)."""
         self.corrupted = [self._where(name) for name in names]
         for name in names:
-            kind = "frozen" if name in self.names["frozen"] else "trained"
-            self._report(kind, name, step, found=why)
+            self._report("trained", name, step, found=why)
 
     def _report(self, kind: str, name: str, step: int, found: str = "") -> None:
         m = self.owner.get(name)

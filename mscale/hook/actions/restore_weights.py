@@ -1,11 +1,10 @@
 """A weight changed outside the optimizer (WEIGHT_CORRUPTION, found by the fingerprints of
-mscale.hook.weights before the step's forward, or by mscale.hook.weight_check when its MPU's
-output failed): put the weights back from the newest trusted in-memory snapshot, exactly.
+mscale.hook.weights before the step's forward, or when its MPU's output went non-finite: below):
+put the weights back from the newest trusted in-memory snapshot (mscale.snapshot.trust), exactly.
 
-- That snapshot is of the last completed step (the state the fingerprints were taken of,
-  e.g. `memory_every=1`): the corrupted MPUs' parameters and optimizer state are restored
-  from it in place, checked against their fingerprints, and the step runs on the repaired
-  weights. No step is lost.
+- That snapshot is of the last completed step (e.g. `memory_every=1`): the corrupted MPUs'
+  parameters and optimizer state are restored from it in place, checked against their
+  fingerprints; the step runs on the repaired weights, no step lost.
 - It is older (step S): the corrupted MPUs' parameters are set to S's so this step's forward
   runs on sane weights, its update is dropped, and after it the job rolls back to S (the
   rollback action, which for this reason does not skip a batch: the data was not at fault).
@@ -15,15 +14,16 @@ output failed): put the weights back from the newest trusted in-memory snapshot,
 
 The per-job state is the fingerprint watch itself (mscale.hook.weights.WeightWatch): made
 when the fuse attaches, checked at each step's begin, re-recorded whenever the weights settle.
-It also answers the fuse before it counts an MPU's failing output (`mpu_failed`): the MPU's
-weights are checked (mscale.hook.weight_check), and when corrupted they are reported and
-repaired here, the MPU's forward re-run on the repaired weights, and the failure not counted.
+Before the fuse counts an MPU's non-finite output (`mpu_failed`) all the MPU's weights are
+checked against the newest trusted snapshot (mscale.snapshot.trust), on the event only; corrupted
+ones are repaired here, the MPU's forward re-run on them, the failure not counted.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from mscale.findings import Reason
 from mscale.healing import actions
 from mscale.healing.engine import Decision
 from mscale.healing.words import FuseLevel, Result
@@ -37,11 +37,8 @@ class Watch:
         self.watch: Any = None
         self.repairs: list[dict] = []  # {"step", "snapshot", "in_place", "tensors", "mpus"} per repair
         self.source: Any = None  # the snapshot an event check chose for the repair it reports
-        self.checked: tuple[int, set[str]] = (-1, set())  # (fuse.seq, MPUs whose weights were checked)
-        self.repaired: tuple[int, set[str]] = (-1, set())  # (fuse.seq, MPUs repaired by an event check)
-        # mpu_id -> (placement epoch, newest snapshot step) its weights were last found intact at:
-        # a fault that persists is not checked again each step until either changes
-        self.intact: dict[str, tuple[int, int | None]] = {}
+        self.seen: dict[str, tuple[int, bool]] = {}  # mpu_id -> (fuse.seq checked at, repaired)
+        self.intact: dict[str, tuple] = {}  # mpu_id -> (placement epoch, newest snapshot) found intact at
 
     def attach(self, fuse) -> None:
         from mscale.hook.weights import WeightWatch
@@ -57,45 +54,36 @@ class Watch:
             self.watch.settle()
 
     def mpu_failed(self, fuse, m: Any, f: Any) -> bool:
-        """MPU `m`'s output failed (the fuse asks before counting it): True when its weights were
-        the culprit (found corrupted and repaired now, or earlier in this step, and this is a
-        finding of the forward that ran on them: its re-run's findings count)."""
-        if self.watch is None:
-            return False
-        seq = fuse.seq
-        repaired = self.repaired[1] if self.repaired[0] == seq else set()
-        if m.mpu_id in repaired:
+        """MPU `m`'s output failed: True when its weights, not the device, are the culprit."""
+        if self.seen.get(m.mpu_id) == (fuse.seq, True):  # repaired: a finding of the discarded forward
             return getattr(fuse, "_rerunning", None) != m.mpu_id
-        return self.check(fuse, m)
+        return f.reason is Reason.NONFINITE_OUTPUT and self.check(fuse, m)
 
     def check(self, fuse, m: Any) -> bool:
-        """Check MPU `m`'s weights (mscale.hook.weight_check), once a step; on a corruption report
-        it (a weight_corruption finding per tensor: the policy runs the repair) and, inside the
-        forward, have the fuse re-run the MPU's forward on the repaired weights. True when repaired."""
-        from mscale.hook import weight_check
+        """Check MPU `m`'s weights (once a step, a placement and a snapshot while intact); report
+        corrupted ones (the policy runs `apply`), re-run the forward on them. True when repaired."""
+        from mscale.snapshot.trust import unexplained  # an incident's work: not the detection budget's
 
-        seq = fuse.seq
-        checked = self.checked[1] if self.checked[0] == seq else set()
-        engine = fuse.snapshot_engine
-        if m.mpu_id in checked or engine is None:
-            return False
-        self.checked = (seq, checked | {m.mpu_id})
-        held = getattr(engine, "memory_steps", None) or []
+        engine, watch, held = fuse.snapshot_engine, self.watch, getattr(fuse.snapshot_engine, "memory_steps", [])
         where = (getattr(fuse.placement.get(m.mpu_id), "epoch", 0), max(held) if held else None)
-        if self.intact.get(m.mpu_id) == where:
+        if (
+            engine is None
+            or watch is None
+            or fuse.seq == self.seen.get(m.mpu_id, (-1,))[0]
+            or self.intact.get(m.mpu_id) == where
+        ):
             return False
-        verdict = weight_check.check_mpu(fuse, self.watch, m.mpu_id)
-        if not verdict.corrupted:
-            self.intact[m.mpu_id] = where
-            return False
-        self.intact.pop(m.mpu_id, None)
-        done = len(self.repairs)
-        self.source = verdict.snapshot
-        self.watch.report(verdict.corrupted, fuse.guard.current_step, why="its output failed")
+        self.seen[m.mpu_id] = (fuse.seq, False)
+        live = {n: t for n, t in watch.tensors.items() if getattr(watch.owner.get(n), "mpu_id", None) == m.mpu_id}
+        bad, self.source = unexplained(live, set(watch.names["frozen"]), engine)
+        self.intact[m.mpu_id], done = where, len(self.repairs)
+        if bad:
+            del self.intact[m.mpu_id]
+            watch.report(bad, fuse.guard.current_step, why="its output went non-finite")
         self.source = None
         if len(self.repairs) == done:
-            return False  # not repaired (no snapshot, healing off): the fuse counts the failure
-        self.repaired = (seq, (self.repaired[1] if self.repaired[0] == seq else set()) | {m.mpu_id})
+            return False  # intact, or not repaired (no snapshot, healing off): the fuse counts it
+        self.seen[m.mpu_id] = (fuse.seq, True)
         if fuse.guard._in_step and not fuse.guard.checksum.commit_mode(m):
             fuse.pending_rerun.add(m.mpu_id)  # the output just computed ran on the corrupted weights
         return True
@@ -107,22 +95,9 @@ def _restore(guard: Any, snap: Any, names: set[str], *, optimizer: bool) -> int:
     return snap.copy_back(guard.model, guard.optimizer if optimizer else None, lambda _file, name: name in names)
 
 
-def _snapshot(fuse: FuseContext, state: Watch, names: set[str]) -> tuple[Any, bool]:
-    """The snapshot to restore `names` from (the one an event check chose, else the newest
-    trusted: mscale.hook.weight_check) and whether it is of the last completed step (in place)."""
-    from mscale.hook import weight_check
-
-    engine = fuse.snapshot_engine
-    if engine is None:
-        raise ActionFailed("no in-memory snapshot to restore the weights from")
-    snap = state.source or weight_check.trusted(engine, sorted(names))
-    if snap is None:
-        raise ActionFailed("no in-memory snapshot to restore the weights from")
-    snap.wait_ready()
-    return snap, snap.step == engine.step
-
-
 def apply(fuse: FuseContext, state: Watch, d: Decision) -> str:
+    from mscale.snapshot import trust
+
     watch = state.watch
     bad = list(watch.corrupted) if watch is not None else []
     if not bad:
@@ -131,7 +106,11 @@ def apply(fuse: FuseContext, state: Watch, d: Decision) -> str:
     mpus = {mpu_id for mpu_id, _ in bad if mpu_id}
     names = {name for mpu_id, name in bad if not mpu_id}
     names |= {name for name, m in watch.owner.items() if m is not None and m.mpu_id in mpus}
-    snap, in_place = _snapshot(fuse, state, names)  # in place: it holds what the fingerprints were taken of
+    snap = state.source or (trust.trusted(engine, sorted(names)) if engine is not None else None)
+    if snap is None:
+        raise ActionFailed("no in-memory snapshot to restore the weights from")
+    snap.wait_ready()
+    in_place = snap.step == engine.step  # the snapshot holds the state the fingerprints were taken of
     n = _restore(fuse.guard, snap, names, optimizer=in_place)
     if not n:
         raise ActionFailed(f"the in-memory snapshot of step {snap.step} holds none of {sorted(names)[:3]}")
@@ -139,8 +118,7 @@ def apply(fuse: FuseContext, state: Watch, d: Decision) -> str:
     if in_place and not watch.matches():
         # The newest snapshot copies the weights beside the next step (mscale.snapshot.memory),
         # so a weight hit right after the optimizer step can be in its copy: that snapshot holds
-        # the corruption (a small change: a large one makes it untrusted before). Restore and
-        # roll back to the one before it instead.
+        # the corruption (a small one: see trust.trusted). Roll back to the one before it instead.
         in_place = False
         older = [s for s in engine.memory_steps if s < snap.step]
         prev = engine.latest(max(older)) if older else None

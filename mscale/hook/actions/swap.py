@@ -2,9 +2,8 @@
 
 The standby is a GPU of the node that no MPU of this job uses, that no action of the job
 avoids (quarantined, or failed on by one of its MPUs: an SDC there may hit any MPU). It moves
-verified weights only: the MPU's weights are checked first against the newest verified in-memory
-snapshot (mscale.hook.weight_check) and, if corrupted, repaired (restore_weights). Inside a
-forward the fuse then
+verified weights only: the MPU's weights are checked first against the newest trusted in-memory
+snapshot and, if corrupted, repaired (restore_weights). Inside a forward the fuse then
 re-runs the MPU's forward for the current batch on the standby, so the step completes with
 a correct output. No standby: ActionFailed("no healthy standby"), and the fuse escalates.
 With a link to the agent the standby is the agent's answer from its node view (every rank's
@@ -29,8 +28,7 @@ log = structlog.get_logger("mscale.fuse")
 class Swaps:
     """Per job: the GPUs each MPU failed on, each MPU's last swap. The weights' fingerprints
     are the fingerprint watch's (restore_weights' state): a second per-step pass of its own
-    over every MPU cost 5 ms of a 490 ms step on an 8M LLaVA; the swap checks its MPU's weights
-    on the event only."""
+    over every MPU cost 5 ms of a 490 ms step on an 8M LLaVA."""
 
     def __init__(self, fuse) -> None:
         self.gpu_count: int | None = fuse.gpu_count  # None: found on first use
@@ -97,18 +95,10 @@ def move_mpu(guard: Any, m: Any, gpu: int) -> None:
 
 
 def verify_weights(fuse, state: Swaps, m: Any) -> bool:
-    """The weights moved are verified ones: the MPU's weights checked against the newest verified
-    in-memory snapshot (mscale.hook.weight_check, once a step: the fuse's failure count has
-    already run it when this swap follows failing outputs) and, when corrupted, repaired by
-    restore_weights (in place, or this step run on the snapshot's weights and the job rolled
-    back to it). True when repaired."""
+    """Check the MPU's weights against the newest trusted in-memory snapshot (restore_weights',
+    once a step) and repair them when corrupted: only verified weights move. True when repaired."""
     weights = fuse.states.get("restore_weights")
-    if weights is None or getattr(weights, "watch", None) is None:
-        return False
-    repaired = bool(weights.check(fuse, m))
-    if repaired:
-        log.warning("mpu_weights_restored", mpu_id=m.mpu_id, step=fuse.guard.current_step)
-    return repaired
+    return weights is not None and bool(weights.check(fuse, m))  # it logs its finding
 
 
 EXECUTOR = Executor(actions.get("l1_swap"), apply, state=Swaps, event=event)
