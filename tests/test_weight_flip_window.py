@@ -4,13 +4,15 @@ The README's line on a tiny Hugging Face LLaVA, `mscale.attach(model, opt, job_i
 snapshots=True, data=loader)` with a `mscale.ResumableLoader`, one process. The test's own code
 flips one high exponent bit of one vision weight (the last CLIP layer's fc2: the tower's output
 goes non-finite on every step, the loss stays finite) once, when the guard's step is K: after
-step K - 1's optimizer step, before step K's forward, without waiting for anything. The trained weights' fingerprints rotate over 8 groups, so
-for most K the flip lands in a window whose checked group does not hold the weight: before this
-was built the fuse took the non-finite output for the device's and went L1 -> L2 -> L3 with the
-weight left at ~1e37. For each K in a window of 9 consecutive steps that straddles an in-memory
-snapshot (taken every 10 steps: K = 21 flips while the snapshot of step 20 is copied beside
-step 21, and lands in that copy or not; the two tests after the window fix each case), the run ends bitwise equal to the fault-free run, with the flip found as a
-`weight_corruption` of the vision MPU, no fuse level taken, and the weight back in range."""
+step K - 1's optimizer step, before step K's forward, without waiting for anything. The trained
+weights' fingerprints rotate over 8 groups, so for most K the flip lands in a window whose
+checked group does not hold the weight: before this was built the fuse took the non-finite
+output for the device's and went L1 -> L2 -> L3 with the weight left at ~1e37. For each K in a
+window of 9 consecutive steps that straddles an in-memory snapshot (taken every 10 steps: K = 21
+flips while the snapshot of step 20 is copied beside step 21, and lands in that copy or not; two
+tests after the window fix each case, at K = 11), the run ends bitwise equal to the fault-free
+run, with the flip found as a `weight_corruption` of the vision MPU, no fuse level taken, and
+the weight back in range."""
 
 from __future__ import annotations
 
@@ -114,37 +116,58 @@ def _repairs(findings: list) -> list[tuple[str, str]]:
     ]
 
 
+def _unchecked(due: list[bool]):
+    """before_flip: notes at (the first) step 11 whether the group checked before its forward holds FC2."""
+
+    def note(guard, step: int) -> None:
+        if step == 11 and not due:
+            watch = guard.fuse.states["restore_weights"].watch
+            due.append(FC2 in watch.names[watch.due])
+
+    return note
+
+
 def test_a_flip_after_the_snapshot_copy_landed_is_repaired_in_place(clean) -> None:
-    """The copy of step 20's snapshot has landed when the weight flips before step 21: that
-    snapshot is of the last completed step and verified against its capture, so the MPU's
-    weights and optimizer state are put back in place and its forward re-run: no step lost."""
+    """The copy of step 10's snapshot has landed when the weight flips before step 11, in a window
+    whose checked group does not hold it: that snapshot is of the last completed step, so the
+    MPU's weights and optimizer state are put back in place from it when its output goes
+    non-finite, and its forward re-run: no step lost."""
+    due: list[bool] = []
+    note = _unchecked(due)
 
     def wait(guard, step: int) -> None:
-        if step == 21:
+        note(guard, step)
+        if step == 11:
             guard.snapshots.wait_copy()
 
-    state, findings, calls, _ = _run(21, wait)
-    assert _repairs(findings) == [("in_place", "21")]
+    state, findings, calls, _ = _run(11, wait)
+    assert due == [False]  # the rotation does not see it: the event check does
+    assert _repairs(findings) == [("in_place", "11")]
     assert calls == STEPS
     assert [name for name in clean if not torch.equal(clean[name], state[name])] == []
 
 
 def test_a_flip_that_lands_in_the_snapshot_copy_rolls_back_to_the_snapshot_before(clean) -> None:
-    """Step 20's snapshot copy is held back (a job queued before it on the copier's thread)
-    until the weight has flipped before step 21: the copy holds the flip, its capture does not,
-    so that snapshot is not trusted and the job rolls back to step 10's and re-runs 11-21."""
+    """Step 10's snapshot copy is held back (a job queued before it on the copier's thread) until
+    the weight has flipped before step 11: the copy holds the flip, so that snapshot is not
+    trusted (its copy is beyond the one of step 0), and the job rolls back to step 0's and
+    re-runs steps 1-11."""
     gate = threading.Event()
+    due: list[bool] = []
+    note = _unchecked(due)
 
     def hold(guard, step: int) -> None:
-        if step == 20:  # queued before the snapshot of step 20 is taken at this step's end
+        note(guard, step)
+        if step == 10:  # queued before the snapshot of step 10 is taken at this step's end
             guard.snapshots.copier._background.submit(gate.wait, 60)
 
     try:
-        state, findings, calls, _ = _run(21, hold, gate.set)
+        state, findings, calls, _ = _run(11, hold, gate.set)
     finally:
         gate.set()
-    assert _repairs(findings) == [("rollback", "21")]
-    assert [f.labels["step"] for f in findings if f.reason.value == "rollback"] == ["10"]
+    assert due == [False]
+    assert _repairs(findings) == [("rollback", "11")]
+    assert [f.labels["step"] for f in findings if f.reason.value == "rollback"] == ["0"]
     assert calls == STEPS + 11
     assert [name for name in clean if not torch.equal(clean[name], state[name])] == []
 
@@ -152,8 +175,10 @@ def test_a_flip_that_lands_in_the_snapshot_copy_rolls_back_to_the_snapshot_befor
 def test_a_fault_of_the_device_is_still_the_devices(clean) -> None:
     """The control: 1 added to one column of the vision tower's last fc2 output (a stuck lane) by
     the test's own forward hook, in front of the guard's check, while the tower runs on its
-    first (simulated) GPU: its checksum fails once the layer is checked, the loss stays finite. The weights check on each failing output finds them intact, so the fuse counts the
-    failures and swaps the tower (L1), where the fault is gone; no weight_corruption, no rollback."""
+    first (simulated) GPU: its checksum fails once the layer is checked, the loss stays finite.
+    Nothing points at the weights (the check starts on a non-finite output, and the swap's finds
+    them intact), so the fuse counts the failures and swaps the tower (L1), where the fault is
+    gone; no weight_corruption, no rollback."""
     model, make_batch = tiny_llava(seed=0)
     torch.manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
