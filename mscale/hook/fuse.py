@@ -380,6 +380,8 @@ class FusePlugin:
             m = self.guard.mpu(mpu_id)
         except KeyError:
             return
+        if any(self.dispatch("mpu_failed", m, f)):
+            return  # its weights were corrupted and are repaired (restore_weights): not the device
         self.failed_step.add(m.mpu_id)
         self._engine.mpu(self.guard.job_id, m.mpu_id).failed()
         p = self.placement.setdefault(m.mpu_id, Placement())
