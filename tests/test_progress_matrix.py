@@ -78,14 +78,18 @@ def run_progress(tmp: Path, setup: str, fault: str, *, bare: bool = False, **opt
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The fault-free run of each set-up, run once for the module (by set-up and seed)."""
+    """The fault-free run of each set-up by seed, run once for the module: CLEAN_STEPS steps (the
+    clean-run test's), measured when step TARGET begins (the fault cells' reference: its
+    weights' hash and held-out loss under "checkpoint", rank by rank)."""
     tmp = tmp_path_factory.mktemp("progress-ref")
     cache: dict[tuple, dict] = {}
 
     def get(setup: str, seed: int = 0) -> dict:
         if (setup, seed) not in cache:
-            cache[(setup, seed)] = run_progress(tmp, setup, "clean", seed=seed)
-            assert_ran(cache[(setup, seed)], TARGET)
+            result = run_progress(tmp, setup, "clean", seed=seed, steps=CLEAN_STEPS, checkpoint=TARGET)
+            assert_ran(result, CLEAN_STEPS)
+            assert all(r["checkpoint"]["step"] == TARGET for r in result["ranks"]), summary(result)
+            cache[(setup, seed)] = result
         return cache[(setup, seed)]
 
     return get
@@ -150,76 +154,61 @@ def assert_progress(result: dict, ref: dict, fault: str) -> None:
         assert clean_stop(result), f"a crash, not a clean stop\n{why}"
         return
     assert [r["steps"] for r in result["ranks"]] == [result["target"]] * len(result["ranks"]), why
-    loss, clean = max(r["held_out"] for r in result["ranks"]), max(r["held_out"] for r in ref["ranks"])
+    loss = max(r["held_out"] for r in result["ranks"])
+    clean = max(r["checkpoint"]["held_out"] for r in ref["ranks"])
     assert loss <= clean * (1 + LOSS_TOLERANCE), f"held-out {loss:.4f} vs {clean:.4f} fault-free\n{why}"
 
 
 # --- the cells ---------------------------------------------------------------------------
 
-# cell -> the symptom seen on today's code (issue 36); removed as the fixes land
-KNOWN: dict[tuple[str, str], str] = {}
+# the symptom each cell shows on today's code (issue 36), by its id; removed as the fixes land
+KNOWN: dict[str, str] = {}
 
 
-def cells(setups=SETUPS, faults=FAULTS):
-    for setup in setups:
-        for fault in faults:
-            symptom = KNOWN.get((setup, fault))
-            marks = [pytest.mark.slow] + (
-                [pytest.mark.xfail(strict=True, reason=f"issue 36: {symptom}")] if symptom else []
-            )
-            yield pytest.param(setup, fault, id=f"{setup}-{fault}", marks=marks)
+def cells(*axes: tuple) -> list:
+    """pytest params over the product of `axes`, each slow, and xfail(strict) where KNOWN says so."""
+    import itertools
+
+    out = []
+    for values in itertools.product(*axes):
+        cell = "-".join(map(str, values))
+        marks = [pytest.mark.slow]
+        if cell in KNOWN:
+            marks.append(pytest.mark.xfail(strict=True, reason=f"issue 36: {KNOWN[cell]}"))
+        out.append(pytest.param(*values, id=cell, marks=marks))
+    return out
 
 
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize(("setup", "fault"), list(cells()))
+@pytest.mark.parametrize(("setup", "fault"), cells(SETUPS, FAULTS))
 def test_a_fault_costs_at_most_its_bound_and_the_run_ends_as_a_fault_free_one(setup, fault, reference, tmp_path):
     ref = reference(setup)
     result = run_progress(tmp_path, setup, fault)
     assert_progress(result, ref, fault)
 
 
-KNOWN_FLIPS: dict[int, str] = {}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "k",
-    [
-        pytest.param(
-            k, marks=[pytest.mark.xfail(strict=True, reason=f"issue 36: {KNOWN_FLIPS[k]}")] if k in KNOWN_FLIPS else []
-        )
-        for k in FLIP_SWEEP
-    ],
-)
-def test_a_weight_bit_flipped_after_any_step_is_repaired_bitwise(k, reference, tmp_path):
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize(("setup", "fault", "k"), cells(("inproc",), ("flip",), FLIP_SWEEP))
+def test_a_weight_bit_flipped_after_any_step_is_repaired_bitwise(setup, fault, k, reference, tmp_path):
     """One process, in-step verdicts: the bit flipped once after step k; the run ends with the
     weights of the fault-free run, bit for bit."""
-    ref = reference("inproc")
-    result = run_progress(tmp_path, "inproc", "flip", flip_at=k)
+    ref = reference(setup)
+    result = run_progress(tmp_path, setup, fault, flip_at=k)
     why = summary(result)
     assert [r["fault"]["flipped"] for r in result["ranks"]] == [[k + 1]], why  # the fault happened
-    assert_progress(result, ref, "flip")
-    assert result["ranks"][0]["hash"] == ref["ranks"][0]["hash"], f"not bitwise the fault-free weights\n{why}"
+    assert_progress(result, ref, fault)
+    assert result["ranks"][0]["hash"] == ref["ranks"][0]["checkpoint"]["hash"], f"not bitwise the fault-free run\n{why}"
 
 
-KNOWN_CLEAN: dict[str, str] = {}
-
-
-@pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize(
-    "setup",
-    [
-        pytest.param(
-            s, marks=[pytest.mark.xfail(strict=True, reason=f"issue 36: {KNOWN_CLEAN[s]}")] if s in KNOWN_CLEAN else []
-        )
-        for s in SETUPS
-    ],
-)
-def test_clean_runs_warn_at_most_once_per_thousand_steps(setup, tmp_path):
-    runs = [run_progress(tmp_path, setup, "clean", seed=seed, steps=CLEAN_STEPS) for seed in CLEAN_SEEDS]
-    for result in runs:
-        assert_ran(result, CLEAN_STEPS)
+@pytest.mark.parametrize(("setup", "fault"), cells(SETUPS, ("clean",)))
+def test_clean_runs_warn_at_most_once_per_thousand_steps(setup, fault, reference, tmp_path):
+    """CLEAN_SEEDS runs of CLEAN_STEPS steps without a fault (seed 0 is the fault cells' reference):
+    at most one warning (or critical finding) per 1,000 steps of each rank."""
+    runs = [reference(setup, 0)]
+    for seed in CLEAN_SEEDS[1:]:
+        runs.append(run_progress(tmp_path, setup, fault, seed=seed, steps=CLEAN_STEPS))
+        assert_ran(runs[-1], CLEAN_STEPS)
     ranks = [r for result in runs for r in result["ranks"]]
     warned = sum(r["guard"]["severity"].get("warning", 0) + r["guard"]["severity"].get("critical", 0) for r in ranks)
     steps = CLEAN_STEPS * len(ranks)  # rank steps: each rank's guard warns on its own

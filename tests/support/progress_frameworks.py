@@ -114,4 +114,4 @@ def accelerate_run(run, args: argparse.Namespace) -> dict:
             run.calls += stepping
     except Exception as e:
         run.failed(e)
-    return run.finish(t0, accelerator.unwrap_model(model))
+    return run.finish(t0)

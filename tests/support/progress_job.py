@@ -110,6 +110,8 @@ class Run:
     def begin(self) -> bool:
         """Before a step's forward: False once the target is reached; Capped past --max-calls."""
         step = self.step()
+        if step == self.args.checkpoint and "checkpoint" not in self.out:
+            self.out["checkpoint"] = {"step": step, **self.measure()}
         if step >= self.args.steps:
             return False
         if self.calls >= self.args.max_calls:
@@ -128,20 +130,36 @@ class Run:
             opt.zero_grad()
             self.calls += 1
 
-    def finish(self, t0: float, held_out_model=None) -> dict:
+    def finish(self, t0: float) -> dict:
         out = self.out
         out.update(calls=self.calls, steps=self.step(), seconds=round(time.perf_counter() - t0, 2))
         if self.guard is not None:
             out["guard"] = guard_report(self.guard, self.record)
             self.guard.detach()
         out["fault"] = {"armed": self.fault.armed_steps, "flipped": self.fault.flipped} if self.fault else {}
-        out.update(weights_state(self.model))
+        if self.fault is not None:
+            self.fault.on.fill_(0.0)  # the held-out loss measures the weights, not the fault
+        out.update(self.measure())
+        return out
+
+    def measure(self) -> dict:
+        """The weights now: finite, their hash, the held-out loss of a plain copy of them."""
+        out = weights_state(self.model)
         try:
-            out["held_out"] = held_out_loss(held_out_model or self.model, self.make_batch)
+            out["held_out"] = held_out_loss(self.fresh_copy(), self.make_batch)
         except Exception as e:  # another rank gone: its collectives time out
             out["held_out"] = None
             out["held_out_error"] = f"{type(e).__name__}: {e}"[:500]
         return out
+
+    def fresh_copy(self) -> torch.nn.Module:
+        """A plain model holding the trained weights: no fault hook, no guard, nothing compiled
+        (shards gathered: a collective every rank makes at the same step)."""
+        with torch.random.fork_rng(devices=[]):  # the run's own random numbers untouched
+            fresh, _ = tiny_llava(seed=self.args.seed)
+        state = self.model.state_dict()
+        fresh.load_state_dict({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()})
+        return fresh
 
     def failed(self, e: BaseException) -> None:
         if isinstance(e, Capped):
@@ -192,7 +210,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         run.train(wrapped, opt, loader)
     except Exception as e:
         run.failed(e)
-    out = run.finish(t0)  # FSDP: the sharded model's held-out forwards gather on both ranks
+    out = run.finish(t0)
     Path(f"{args.out}.rank{rank}").write_text(json.dumps(out))
     dist.destroy_process_group()
     return 0
@@ -224,6 +242,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-calls", type=int, default=200)
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--checkpoint", type=int, default=-1, help="also measure the weights when this step begins")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.setup in RANKED:
