@@ -113,24 +113,27 @@ class Record:
 
 
 def weights_state(model: torch.nn.Module) -> dict:
-    """Whether every weight is finite, and a hash of this rank's weights (its shards)."""
+    """Whether every weight is finite, the largest magnitude among them (a flipped exponent bit
+    left in place is finite, and some 1e37), and a hash of this rank's weights (its shards)."""
     h = hashlib.sha256()
-    finite = True
+    finite, largest = True, 0.0
     for name, p in sorted(model.named_parameters()):
         t = local(p.detach()).contiguous()
         finite = finite and bool(torch.isfinite(t).all())
+        largest = max(largest, float(t.abs().max())) if t.numel() else largest
         h.update(name.encode() + t.view(-1).view(torch.uint8).numpy().tobytes())
-    return {"finite": finite, "hash": h.hexdigest()}
+    return {"finite": finite, "largest": largest, "hash": h.hexdigest()}
 
 
 def findings_report(findings: list) -> dict:
     """Counts by severity and reason, the first NOT_ABOVE of each (reason, mpu_id) with their
-    step, and the heal actions applied (step, mpu_id, action)."""
+    step, the heal actions applied and the first that failed (step, mpu_id, action, message)."""
     by_sev: dict[str, int] = {}
     by_reason: dict[str, int] = {}
     kept: list[dict] = []
     seen: dict[tuple, int] = {}
-    applied = []
+    applied: list[list] = []
+    failed: list[list] = []
     for f in findings:
         sev, reason = f.severity.value, f.reason.value
         by_sev[sev] = by_sev.get(sev, 0) + 1
@@ -140,9 +143,16 @@ def findings_report(findings: list) -> dict:
         if seen[key] <= NOT_ABOVE:
             kept.append({"reason": reason, "severity": sev, "mpu_id": key[1], "step": f.labels.get("step", "")})
             kept[-1]["message"] = f.message[:300]
-        if reason == "heal_action" and f.labels.get("result") == "applied":
-            applied.append([f.labels.get("step", ""), key[1], f.labels.get("action", "")])
-    return {"severity": by_sev, "reasons": by_reason, "findings": kept, "applied": applied}
+        if reason == "heal_action" and f.labels.get("result") in ("applied", "failed"):
+            done = applied if f.labels["result"] == "applied" else failed
+            done.append([f.labels.get("step", ""), key[1], f.labels.get("action", ""), f.message[:200]])
+    return {
+        "severity": by_sev,
+        "reasons": by_reason,
+        "findings": kept,
+        "applied": applied,
+        "failed": failed[:NOT_ABOVE],
+    }
 
 
 def guard_report(guard, record: Record) -> dict:
