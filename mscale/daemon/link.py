@@ -398,8 +398,9 @@ class LinkServer:
         rs = job.rank_state(rank)
         rs.reports_dropped = max(rs.reports_dropped, msg.dropped)
         proofs = 0
-        for r in msg.reports:
-            rs.apply_report(r, gpus)
+        last = len(msg.reports) - 1
+        for i, r in enumerate(msg.reports):
+            rs.apply_report(r, gpus, score=i == last)  # scored once a message: coalesced
             for observe in self.report_observers:
                 try:
                     observe(job, rank, r)
