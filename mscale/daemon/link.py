@@ -37,7 +37,6 @@ import os
 import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -56,7 +55,6 @@ from mscale.link import BadMessage, Error, Msg, Register, Registered, Report, St
 
 log = structlog.get_logger("mscale.link")
 
-OFF_LOOP_BYTES = 4096  # a message this long or longer is decoded and checked in the link's worker threads
 Handler = Callable[..., Awaitable[None] | None]  # (job, msg), or (job, msg, rank) with_rank
 ReportObserver = Callable[[JobState, int, StepReport], None]
 
@@ -82,9 +80,6 @@ class LinkServer:
         self.error = ""  # why the socket is not served, if it is not
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
-        # decodes and checks the larger messages (a report of several steps: 0.7 ms of Python for
-        # 5 steps x 16 MPUs), so that at the caps /healthz and the scrape get the loop between them
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mscale-link")
 
     # --- commands to jobs ----------------------------------------------------------------
 
@@ -174,7 +169,6 @@ class LinkServer:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # --- bounded state ---------------------------------------------------------------------
 
@@ -291,11 +285,7 @@ class LinkServer:
         )
 
     async def _message(self, conn: _Conn, data: str) -> None:
-        limit = self.config.socket.max_message_bytes
-        if len(data) >= OFF_LOOP_BYTES:  # a batch of steps: decoded and checked off the event loop
-            msg, report = await asyncio.get_running_loop().run_in_executor(self._pool, _read, data, limit)
-        else:
-            msg, report = _read(data, limit)
+        msg, report = _read(data, self.config.socket.max_message_bytes)
         kind = msg["type"]
         if kind == Msg.REGISTER:
             registered = self._register(conn, Register.from_wire(msg, self.config.socket.max_mpus_per_job))
