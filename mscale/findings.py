@@ -74,6 +74,7 @@ class Reason(str, Enum):
     SNAPSHOT_FAILED = "snapshot_failed"
     SNAPSHOT_REFUSED = "snapshot_refused"  # on load: a file fails its manifest check, or does not fit
     SNAPSHOT_RESUMED = "snapshot_resumed"  # start-up restore from disk
+    SNAPSHOT_TIER = "snapshot_tier"  # a snapshot tier on or off at start-up, and why (node_tier.py)
     ROLLBACK = "rollback"
     # Resource contracts and the density guard (mscale.daemon.contract)
     CONTRACT_VIOLATED = "contract_violated"  # a plan thread runs outside its CPUs

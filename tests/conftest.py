@@ -28,6 +28,21 @@ settings.register_profile(
 settings.load_profile("mscale")
 
 
+@pytest.fixture(autouse=True)
+def node_root(monkeypatch: pytest.MonkeyPatch):
+    """Every test's node snapshot tier (mscale.snapshot.node_tier) in a fresh directory under
+    /dev/shm (a temporary directory where there is none), removed after the test: no test
+    resumes another's, none leaves shared memory behind. Its subprocesses inherit it."""
+    import shutil
+    import tempfile
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    root = tempfile.mkdtemp(prefix="mscale-test-", dir=base)
+    monkeypatch.setenv("MSCALE_SNAPSHOT_NODE_ROOT", root)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture
 def python_exe() -> str:
     return sys.executable

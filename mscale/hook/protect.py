@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from mscale.contracts.msrp import msrp_binding
+from mscale.findings import Reason
 from mscale.snapshot.config import SnapshotConfig
 
 if TYPE_CHECKING:
@@ -110,12 +111,36 @@ def data_position(data: Any) -> Any:
     return LoopData(data)
 
 
+# Findings that put the state of the step in flight, and of the one before it (whose snapshot
+# may have been taken after the fault struck), in doubt: those snapshots are never restored from.
+_DOUBT = frozenset(
+    {
+        Reason.CHECKSUM_FAILURE,
+        Reason.CHECKSUM_L1_TRIGGER,
+        Reason.GRADIENT_CORRUPTION,
+        Reason.GRAD_NORM_NONFINITE,
+        Reason.WEIGHT_CORRUPTION,
+        Reason.REPLICA_DIVERGED,
+    }
+)
+
+
 class Protection:
     """The plugin that owns the snapshot engine attach made: closes it (finishing queued disk
-    writes) when the guard detaches."""
+    writes) when the guard detaches, and flags the snapshots a checksum, gradient or weight
+    finding puts in doubt (engine.flag_steps: never restored from, in any tier)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+
+    def on_finding(self, finding: Any) -> None:
+        if finding.reason not in _DOUBT:
+            return
+        try:
+            step = int(finding.labels.get("step", self.engine.step))
+        except ValueError:
+            step = self.engine.step
+        self.engine.flag_steps(step - 1, step, f"{finding.reason.value} at step {step}")
 
     def on_detach(self, guard: Any) -> None:
         self.engine.close()
@@ -248,6 +273,8 @@ def _resume(engine: SnapshotEngine, cfg: SnapshotConfig, *, data: Any, scheduler
     from mscale.snapshot.format import list_snapshots
 
     held = list_snapshots(cfg.directory) if cfg.directory is not None else []
+    if engine.node is not None:  # the node tier's alone (killed before the first disk write)
+        held += list_snapshots(engine.node.rank_dir)
     if held and not resume:
         raise ValueError(
             f"snapshots: {cfg.directory} already holds snapshots (newest step "

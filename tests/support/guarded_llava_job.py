@@ -46,17 +46,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--result", required=True)
     parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--every", type=int, default=4)  # in-memory and disk snapshots
+    parser.add_argument("--disk-every", type=int, default=None)  # (default: --every)
+    parser.add_argument("--node-every", type=int, default=None)  # the node tier's (None: the default)
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     model, make_batch = tiny_llava(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
-    snapshots = mscale.SnapshotConfig(directory=args.dir, memory_every=4, disk_every=4)
+    snapshots = mscale.SnapshotConfig(
+        directory=args.dir,
+        memory_every=args.every,
+        disk_every=args.disk_every or args.every,
+        node_every=args.node_every,
+    )
     guard = mscale.attach(model, opt, job_id="llava-cmsa", snapshots=snapshots, scheduler=sched, connect=False)
     result = Path(args.result)
     done = json.loads(result.read_text()) if result.exists() else {"lr": {}, "alpha": {}, "resumed": []}
     done["resumed"].append(guard.current_step - 1 if guard.current_step else None)
+    done.setdefault("tiers", []).append(sorted(guard.snapshots.recovery_seconds))  # the tier resumed from
     while guard.current_step < args.steps:
         step = guard.current_step
         if step == args.kill_at:
