@@ -18,7 +18,7 @@ from mscale.snapshot.format import list_snapshots
 from support import REPO, free_port
 from support.ddp_run import run_group
 
-pytestmark = pytest.mark.slow  # tiny-LLaVA processes killed and restarted: about 40 s
+pytestmark = pytest.mark.slow  # six job runs, three of them 2-rank groups: about 2.5 min on 2 busy cores
 
 LLAVA = Path(__file__).parent / "support" / "guarded_llava_job.py"
 STEPS, KILL_AT = 20, 13  # node-tier snapshots every 2 steps (10, 12 kept), disk ones every 8 (8)

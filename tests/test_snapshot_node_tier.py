@@ -6,6 +6,7 @@ flagged step or of another job is refused with a finding naming why, and the dis
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -187,3 +188,32 @@ def test_settings_are_checked():
     with pytest.raises(ValueError, match="node_root"):
         SnapshotConfig(node_root="")
     assert SnapshotConfig(node_root="/x").node_root_path == "/x"
+
+
+def test_snapshot_list_shows_the_node_tier_of_a_job(tmp_path, node_root, capsys):
+    from mscale.cli import main
+
+    directory, _, _ = trained(tmp_path)
+    capsys.readouterr()  # the training's log lines
+    assert main(["snapshot", "list", str(directory), "--job", JOB, "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["tier"], r["step"]) for r in rows] == [("disk", 4), ("node", 7)]
+    assert rows[1]["path"] == str(node_dir(directory, node_root) / "step_00000007") and rows[1]["complete"]
+    assert main(["snapshot", "list", str(directory)]) == 0  # without --job: the disk tier as before
+    out = capsys.readouterr().out
+    assert "TIER" not in out and "step_00000004" in out and "step_00000007" not in out
+
+
+def test_the_agent_keeps_each_tiers_newest_write_apart_from_the_disk_figures(tmp_path, node_root):
+    from mscale.daemon.jobs import SnapshotStats
+
+    model, opt, engine = job(tmp_path / "snaps", job_id=JOB, disk_every=4, memory_every=2, node_every=2)
+    train(model, opt, engine, 1, 6)
+    engine.close()
+    stats = SnapshotStats()
+    for f in engine.findings:
+        stats.observe(f)
+    disk = [f for f in engine.findings if f.reason is Reason.SNAPSHOT_WRITTEN and f.labels["tier"] == "disk"]
+    assert stats.writes == len(disk) == 1  # the disk's histogram counts the disk's writes only
+    assert stats.tiers["disk"][0] == 4 and stats.tiers["node"][0] == 6
+    assert stats.tiers["node"][2] == sum(i.nbytes for i in list_snapshots(node_dir(tmp_path / "snaps", node_root))[-1:])
