@@ -217,3 +217,37 @@ def test_the_agent_keeps_each_tiers_newest_write_apart_from_the_disk_figures(tmp
     assert stats.writes == len(disk) == 1  # the disk's histogram counts the disk's writes only
     assert stats.tiers["disk"][0] == 4 and stats.tiers["node"][0] == 6
     assert stats.tiers["node"][2] == sum(i.nbytes for i in list_snapshots(node_dir(tmp_path / "snaps", node_root))[-1:])
+
+
+def test_attach_says_the_node_tier_is_on_and_a_weight_written_outside_the_optimizer_flags_its_steps(
+    tmp_path, node_root
+):
+    import mscale
+    from mscale.snapshot.node_tier import Flags
+    from support.tiny_snapshot_job import Net
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = SnapshotConfig(directory=tmp_path / "snaps", memory_every=1, disk_every=100)
+    mpus = {"vision": model.vision, "text": model.text}
+    guard = mscale.attach(model, opt, job_id=JOB, snapshots=cfg, connect=False, mpus=mpus)
+    for _ in range(4):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    tier = [f.message for f in guard.findings if f.reason is Reason.SNAPSHOT_TIER]
+    assert len(tier) == 1 and tier[0].startswith("node snapshot tier on: every 1 steps"), tier
+    with torch.no_grad():
+        model.vision.weight[0, 0] += 1.0  # the test's own fault: a weight written outside the optimizer
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    found = [f for f in guard.findings if f.reason is Reason.WEIGHT_CORRUPTION]
+    assert found, [f.reason for f in guard.findings]
+    guard.detach()
+    step = int(found[0].labels["step"])
+    flags = Flags(node_dir(tmp_path / "snaps", node_root)).entries()
+    assert [(e["first"], e["last"]) for e in flags][:1] == [(step - 1, step)]
+    assert flags[0]["why"] == f"weight_corruption at step {step}"

@@ -202,12 +202,18 @@ def protect(
     from mscale.hook.fuse import FusePlugin
 
     fuse: Any = None
+    early: list[Any] = []  # the engine's findings before the fuse exists (its tiers, said at start-up)
 
     def emit(finding: Any) -> None:  # the writer thread's findings reach the guard through the fuse
-        fuse.snapshot_emit(finding)
+        if fuse is None:
+            early.append(finding)
+        else:
+            fuse.snapshot_emit(finding)
 
     engine = _engine(guard, cfg, data=data, scheduler=scheduler, scaler=scaler, emit=emit)
     fuse = FusePlugin(snapshot_engine=engine, config=healing)
+    for finding in early:
+        fuse.snapshot_emit(finding)
     if guard.link is not None:  # an L1 swap's standby from the agent's node view
         from mscale.hook.standby import AgentStandby
 
@@ -231,6 +237,7 @@ def protect(
         directory=str(cfg.directory) if cfg.directory else None,
         memory_every=cfg.memory_every,
         disk_every=cfg.disk_every,
+        node_every=engine.node.every if engine.node is not None else 0,
         resumed_step=step,
         data=type(data.loader if isinstance(data, LoopData) else data).__name__,
     )

@@ -2,11 +2,14 @@
 process: the kill-and-restart test of CMSA's fitted state and the scheduler's position.
 
     python guarded_llava_job.py --dir SNAPS --steps 24 --result R.json [--kill-at 17]
+        [--every 4] [--disk-every N] [--node-every N]
 
 Each step's batch is a function of the step (no loader to rewind). --kill-at K: once the disk
 snapshots of the steps before K are written the process SIGKILLs itself at the start of step K. A run on a
 directory holding snapshots resumes from the newest. R.json: the LR each step trained with, the
-alpha CMSA clipped with, and the final weights' and optimizer state's SHA-256.
+alpha CMSA clipped with, the step and tier (node, disk) each start resumed from, and the final
+weights' and optimizer state's SHA-256. --every: in-memory (and, by default, disk) snapshots;
+--node-every: the node tier's (mscale.snapshot.node_tier; left out: its default).
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 rank, the plain model with no process group) with the README's protection line and a snapshot
 directory, for restarts on another world size.
 
-Each rank writes out/rank_R.json: the step it started at (after attach's resume), hashes of the
+--kill-at K --kill-rank R: once every rank's snapshots before step K are written, rank R
+SIGKILLs itself at step K's start (the others then lose their peer). --node-every: the node
+tier's schedule (mscale.snapshot.node_tier). Each rank writes out/rank_R.json: the step it started at (after attach's resume), hashes of the
 weights and of the optimizer state (whole tensors, shards gathered) then and at each step end,
 or the error attach raised."""
 
