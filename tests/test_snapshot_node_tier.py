@@ -63,14 +63,14 @@ def node_dir(directory: Path, node_root: str) -> Path:
 
 
 def test_node_tier_is_on_by_default_private_keyed_and_keeps_the_newest(tmp_path, node_root):
-    model, opt, engine = job(tmp_path / "snaps", job_id=JOB, memory_every=2, disk_every=100, node_every=None)
-    train(model, opt, engine, 1, 7)
+    model, opt, engine = job(tmp_path / "snaps", job_id=JOB, memory_every=4, disk_every=100, node_every=None)
+    train(model, opt, engine, 1, 31)
     engine.close()
     on = reasons(engine, Reason.SNAPSHOT_TIER)
-    assert len(on) == 1 and "node snapshot tier on: every 2 steps, the newest 2 kept" in on[0]
+    assert len(on) == 1 and "node snapshot tier on: every 12 steps, the newest 2 kept" in on[0]
     rank_dir = node_dir(tmp_path / "snaps", node_root)
-    kept = [i.step for i in list_snapshots(rank_dir)]  # node_keep=2 of 2, 4, 6 (one behind a newer may be skipped)
-    assert kept[-1] == 6 and len(kept) <= 2 and set(kept) <= {2, 4, 6}
+    kept = [i.step for i in list_snapshots(rank_dir)]  # node_keep=2 of 12, 24 (every 12: memory_every=4)
+    assert kept[-1] == 24 and len(kept) <= 2 and set(kept) <= {12, 24}
     assert list_snapshots(tmp_path / "snaps") == []  # nothing due on disk yet
     for p in [rank_dir.parent.parent, rank_dir.parent, rank_dir, *rank_dir.rglob("*")]:
         mode = stat.S_IMODE(os.lstat(p).st_mode)
@@ -237,7 +237,7 @@ def test_attach_says_the_node_tier_is_on_and_a_weight_written_outside_the_optimi
         opt.step()
         opt.zero_grad()
     tier = [f.message for f in guard.findings if f.reason is Reason.SNAPSHOT_TIER]
-    assert len(tier) == 1 and tier[0].startswith("node snapshot tier on: every 1 steps"), tier
+    assert len(tier) == 1 and tier[0].startswith("node snapshot tier on: every 10 steps"), tier
     with torch.no_grad():
         model.vision.weight[0, 0] += 1.0  # the test's own fault: a weight written outside the optimizer
     for _ in range(2):

@@ -24,8 +24,8 @@ class SnapshotConfig:
     disk snapshot after every N-th step (0: only on demand and in emergencies); disk_keep: how
     many stay on disk.
     node_every: a snapshot in the node's shared memory (survives the process and a torchrun
-    restart) after every N-th step; None (the default): every `memory_every` steps where the
-    node root has room for two snapshots (checked at start-up, said in a finding either way),
+    restart) after every N-th step; None (the default): every 10 steps (the first multiple of
+    `memory_every` of at least 10: in-memory snapshots already taken) where the node root has room for two snapshots (checked at start-up, said in a finding either way),
     0: no node tier. It needs a directory (the node tier's snapshots are keyed by the job id
     and the directory). node_keep: how many stay there. node_root: the shared-memory file
     system it lives in (default: $MSCALE_SNAPSHOT_NODE_ROOT, else /dev/shm).

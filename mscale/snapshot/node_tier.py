@@ -11,7 +11,8 @@ the tier stays off. A snapshot there is the disk tier's format (writer.py, forma
 its own writer thread (another `DiskWriter`, its own `node_keep`), so every file is hashed at
 capture and checked against the manifest on read before any byte is applied (inplace.py).
 
-On by default (`node_every=None`: every `memory_every` steps) where the root has room for
+On by default (`node_every=None`: every 10 steps, or the first multiple of `memory_every` past
+it, so that each is an in-memory snapshot already taken) where the root has room for
 `node_keep + 1` snapshots of this rank and of each other rank on the node (`LOCAL_WORLD_SIZE`):
 a finding at start-up says which, and why not. The estimate of a snapshot's size is the model's
 state plus the optimizer's (twice the parameters where the optimizer holds no state yet: Adam's
@@ -40,6 +41,7 @@ __all__ = ["NodeTier", "Flags", "node_job_dir", "estimate_bytes"]
 
 FLAGS = "flagged.json"
 MAX_FLAGS = 64  # entries kept, newest last: a bounded file
+DEFAULT_EVERY = 10  # steps between node-tier snapshots by default, at least (default_every)
 
 
 def node_job_dir(root: str | os.PathLike, job_id: str, directory: str | os.PathLike) -> Path:
@@ -47,6 +49,12 @@ def node_job_dir(root: str | os.PathLike, job_id: str, directory: str | os.PathL
     safe = re.sub(r"[^A-Za-z0-9_.-]", "-", job_id)[:64] or "job"
     key = hashlib.sha256(os.fspath(Path(directory).absolute()).encode()).hexdigest()[:12]
     return Path(root) / f"mscale-{os.geteuid()}" / f"{safe}-{key}"
+
+
+def default_every(memory_every: int) -> int:
+    """The node tier's default schedule: the first multiple of `memory_every` of at least
+    DEFAULT_EVERY steps (its snapshots are in-memory ones already taken; 0: none)."""
+    return -(-DEFAULT_EVERY // memory_every) * memory_every if memory_every > 0 else 0
 
 
 def estimate_bytes(model: Any, optimizer: Any) -> int:
@@ -121,7 +129,7 @@ class NodeTier:
     def open(cls, engine: Any) -> NodeTier | None:
         """The tier for `engine` (a SnapshotCapture with a directory), or None: off, with the reason."""
         cfg = engine.config
-        every = cfg.memory_every if cfg.node_every is None else cfg.node_every
+        every = default_every(cfg.memory_every) if cfg.node_every is None else cfg.node_every
         root = Path(cfg.node_root_path)
         why = ""
         if cfg.node_every == 0:
