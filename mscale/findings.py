@@ -75,6 +75,7 @@ class Reason(str, Enum):
     SNAPSHOT_FAILED = "snapshot_failed"
     SNAPSHOT_REFUSED = "snapshot_refused"  # on load: a file fails its manifest check, or does not fit
     SNAPSHOT_RESUMED = "snapshot_resumed"  # start-up restore from disk
+    SNAPSHOT_TIER = "snapshot_tier"  # a snapshot tier on or off at start-up, and why (node_tier.py)
     ROLLBACK = "rollback"
     PROGRESS_BOUND = "progress_bound"  # a fault cost more than the progress bound: the job stopped itself
     # Resource contracts and the density guard (mscale.daemon.contract)

@@ -28,6 +28,41 @@ settings.register_profile(
 settings.load_profile("mscale")
 
 
+def _shm_dir(prefix: str) -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix=prefix, dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+
+# The node snapshot tier (mscale.snapshot.node_tier) of everything this session starts, fixtures
+# of a wider scope than a test's included, in one directory removed at the session's end; each
+# test gets its own inside it (node_root below).
+_SESSION_NODE_ROOT = _shm_dir("mscale-test-session-")
+os.environ["MSCALE_SNAPSHOT_NODE_ROOT"] = _SESSION_NODE_ROOT
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_node_root():
+    import shutil
+
+    yield _SESSION_NODE_ROOT
+    shutil.rmtree(_SESSION_NODE_ROOT, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def node_root(monkeypatch: pytest.MonkeyPatch):
+    """Every test's node snapshot tier in a fresh directory under /dev/shm (a temporary
+    directory where there is none), removed after the test: no test resumes another's, none
+    leaves shared memory behind. Its subprocesses inherit it."""
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="test-", dir=_SESSION_NODE_ROOT)
+    monkeypatch.setenv("MSCALE_SNAPSHOT_NODE_ROOT", root)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture
 def python_exe() -> str:
     return sys.executable

@@ -228,9 +228,19 @@ class SnapshotStats:
     writes: int = 0
     seconds_total: float = 0.0
     recovery_seconds: dict[str, float] = field(default_factory=dict)  # tag (memory, disk) -> last
+    tiers: dict[str, tuple[float, float, float]] = field(
+        default_factory=dict
+    )  # node, disk -> newest (step, time, bytes)
 
     def observe(self, f: Finding) -> None:
         labels = f.labels
+        tier = labels.get("tier", "disk")[:32]
+        if f.reason is Reason.SNAPSHOT_WRITTEN and (tier in self.tiers or len(self.tiers) < 8):
+            step, size = _num(labels.get("step")), _num(labels.get("bytes"))
+            if math.isfinite(step) and math.isfinite(size) and step >= self.tiers.get(tier, (-1.0, 0.0, 0.0))[0]:
+                self.tiers[tier] = (step, f.time, size)  # written and hashed: verified at capture
+        if f.reason is Reason.SNAPSHOT_WRITTEN and tier != "disk":
+            return  # the other tiers' writes: tiers only (the figures below are the disk's)
         if f.reason is Reason.SNAPSHOT_WRITTEN:
             self.last_success_time = f.time
             size, seconds = _num(labels.get("bytes")), _num(labels.get("seconds"))

@@ -5,7 +5,10 @@
     mscale_snapshot_last_success_timestamp_seconds{job_id}   after the job's first disk snapshot
     mscale_snapshot_duration_seconds{job_id}                 histogram of disk snapshot writes
     mscale_snapshot_size_bytes{job_id}                       bytes of the last disk snapshot
-    checkpoint_recovery_time_seconds{job_id,tag}             last restore, tag memory (rollback) or disk
+    checkpoint_recovery_time_seconds{job_id,tag}             last restore, tag memory (rollback), node or disk
+    mscale_snapshot_tier_step{job_id,tier}                   the newest step written to a tier (node, disk)
+    mscale_snapshot_tier_timestamp_seconds{job_id,tier}      ... when it was written (its age: time() - this)
+    mscale_snapshot_tier_size_bytes{job_id,tier}             ... its size
 """
 
 from __future__ import annotations
@@ -41,6 +44,19 @@ def collect(state: AgentState) -> Iterable[Metric]:
         "time the job's last restore took, by where the snapshot came from (memory: in-process rollback, disk: resume)",
         labels=["job_id", "tag"],
     )
+    tier_step = GaugeMetricFamily(
+        "mscale_snapshot_tier_step",
+        "the newest step the job wrote (hashed) to a snapshot tier (node: /dev/shm, disk)",
+        labels=["job_id", "tier"],
+    )
+    tier_time = GaugeMetricFamily(
+        "mscale_snapshot_tier_timestamp_seconds",
+        "Unix time the newest snapshot of the tier was written (its age: time() minus this)",
+        labels=["job_id", "tier"],
+    )
+    tier_size = GaugeMetricFamily(
+        "mscale_snapshot_tier_size_bytes", "size of the tier's newest snapshot", labels=["job_id", "tier"]
+    )
     for job_id, job in sorted(state.jobs.items()):
         s = job.snapshots
         # a counter from 0, so that increase() sees the first failure
@@ -56,4 +72,8 @@ def collect(state: AgentState) -> Iterable[Metric]:
             duration.add_metric([job_id], buckets, value(s.seconds_total))
         for tag, seconds in sorted(s.recovery_seconds.items()):
             recovery.add_metric([job_id, tag], value(seconds))
-    yield from (failures, last, duration, size, recovery)
+        for tier, (step, at, nbytes) in sorted(s.tiers.items()):
+            tier_step.add_metric([job_id, tier], value(step))
+            tier_time.add_metric([job_id, tier], value(at))
+            tier_size.add_metric([job_id, tier], value(nbytes))
+    yield from (failures, last, duration, size, recovery, tier_step, tier_time, tier_size)

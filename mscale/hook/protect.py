@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from mscale.contracts.msrp import msrp_binding
+from mscale.findings import Reason
 from mscale.snapshot.config import SnapshotConfig
 
 if TYPE_CHECKING:
@@ -112,12 +113,36 @@ def data_position(data: Any) -> Any:
     return LoopData(data)
 
 
+# Findings that put the state of the step in flight, and of the one before it (whose snapshot
+# may have been taken after the fault struck), in doubt: those snapshots are never restored from.
+_DOUBT = frozenset(
+    {
+        Reason.CHECKSUM_FAILURE,
+        Reason.CHECKSUM_L1_TRIGGER,
+        Reason.GRADIENT_CORRUPTION,
+        Reason.GRAD_NORM_NONFINITE,
+        Reason.WEIGHT_CORRUPTION,
+        Reason.REPLICA_DIVERGED,
+    }
+)
+
+
 class Protection:
     """The plugin that owns the snapshot engine attach made: closes it (finishing queued disk
-    writes) when the guard detaches."""
+    writes) when the guard detaches, and flags the snapshots a checksum, gradient or weight
+    finding puts in doubt (engine.flag_steps: never restored from, in any tier)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+
+    def on_finding(self, finding: Any) -> None:
+        if finding.reason not in _DOUBT:
+            return
+        try:
+            step = int(finding.labels.get("step", self.engine.step))
+        except ValueError:
+            step = self.engine.step
+        self.engine.flag_steps(step - 1, step, f"{finding.reason.value} at step {step}")
 
     def on_detach(self, guard: Any) -> None:
         self.engine.close()
@@ -179,12 +204,18 @@ def protect(
     from mscale.hook.fuse import FusePlugin
 
     fuse: Any = None
+    early: list[Any] = []  # the engine's findings before the fuse exists (its tiers, said at start-up)
 
     def emit(finding: Any) -> None:  # the writer thread's findings reach the guard through the fuse
-        fuse.snapshot_emit(finding)
+        if fuse is None:
+            early.append(finding)
+        else:
+            fuse.snapshot_emit(finding)
 
     engine = _engine(guard, cfg, data=data, scheduler=scheduler, scaler=scaler, emit=emit)
     fuse = FusePlugin(snapshot_engine=engine, config=healing)
+    for finding in early:
+        fuse.snapshot_emit(finding)
     if guard.link is not None:  # an L1 swap's standby from the agent's node view
         from mscale.hook.standby import AgentStandby
 
@@ -208,6 +239,7 @@ def protect(
         directory=str(cfg.directory) if cfg.directory else None,
         memory_every=cfg.memory_every,
         disk_every=cfg.disk_every,
+        node_every=engine.node.every if engine.node is not None else 0,
         resumed_step=step,
         data=type(data.loader if isinstance(data, LoopData) else data).__name__,
     )
@@ -250,6 +282,8 @@ def _resume(engine: SnapshotEngine, cfg: SnapshotConfig, *, data: Any, scheduler
     from mscale.snapshot.format import list_snapshots
 
     held = list_snapshots(cfg.directory) if cfg.directory is not None else []
+    if engine.node is not None:  # the node tier's alone (killed before the first disk write)
+        held += list_snapshots(engine.node.rank_dir)
     if held and not resume:
         raise ValueError(
             f"snapshots: {cfg.directory} already holds snapshots (newest step "

@@ -40,6 +40,7 @@ from mscale.snapshot.format import (
 )
 from mscale.snapshot.keys import bare
 from mscale.snapshot.memory import HostCopier, MemorySnapshot, rng_state, to_host
+from mscale.snapshot.node_tier import Flags, NodeTier
 from mscale.snapshot.optim import NamedOptimizer
 from mscale.snapshot.ownership import dir_refused
 from mscale.snapshot.writer import DiskWriter
@@ -118,8 +119,28 @@ class SnapshotCapture:
         self.directory = Path(cfg.directory) if cfg.directory is not None else None
         self.rank_dir: Path | None = None
         self._disk: DiskWriter | None = None
+        self.node: NodeTier | None = None  # the node tier (node_tier.py), when on
+        self._node_writer: DiskWriter | None = None
         if self.directory is not None:
             self._disk = self._open_directory(self.directory)
+        if self._disk is not None:
+            self._open_node_tier()
+
+    def _open_node_tier(self) -> None:
+        """The node tier and its own writer thread, where NodeTier.open says it is on."""
+        tier = NodeTier.open(self)
+        if tier is None or self._disk is None:
+            return
+        self.node = tier
+        self._node_writer = DiskWriter(
+            tier.rank_dir,
+            keep=self.config.node_keep,
+            identity=self._disk.identity,
+            emit=self.emit,
+            unpin=self._unpin,
+            tier="node",
+            private=True,
+        )
 
     def _open_directory(self, directory: Path) -> DiskWriter | None:
         """This rank's directory under `directory` (made), and the writer thread that fills it.
@@ -327,20 +348,37 @@ class SnapshotCapture:
         self.step = step
         self.mark_step()
         to_disk = self.directory is not None and self.disk_every and step % self.disk_every == 0
-        if (self.memory_every and step % self.memory_every == 0) or to_disk:
+        to_node = self.node is not None and step % self.node.every == 0
+        if (self.memory_every and step % self.memory_every == 0) or to_disk or to_node:
             snap = self.snapshot()
             if to_disk:
                 self._queue_write(snap, why="schedule")
+            if to_node:
+                self._queue_write(snap, why="schedule", writer=self._node_writer)
 
     # -- disk -------------------------------------------------------------------------
-    def _queue_write(self, snap: MemorySnapshot, *, why: str) -> Future:
-        if self._disk is None:
+    def _queue_write(self, snap: MemorySnapshot, *, why: str, writer: DiskWriter | None = None) -> Future:
+        writer = writer if writer is not None else self._disk
+        if writer is None:
             fut: Future = Future()
             fut.set_exception(SnapshotError("no snapshot directory configured"))
             return fut
         with self._lock:
             snap.pins += 1
-        return self._disk.write(snap, why)
+        return writer.write(snap, why)
+
+    def flag_steps(self, first: int, last: int, why: str) -> None:
+        """The snapshots of steps first..last taken so far are never to be restored from, in any
+        tier (a later finding puts their state in doubt: node_tier.Flags). The fuse, or the
+        findings protect.py passes on, call it."""
+        dirs = [w.rank_dir for w in (self._node_writer, self._disk) if w is not None]
+        for d in dirs:
+            try:
+                Flags(d).add(first, last, why)
+            except OSError as e:
+                log.error("could not flag snapshots", directory=str(d), error=str(e))
+        if dirs:
+            log.warning("snapshots flagged", first=first, last=last, why=why)
 
     def save(self, *, wait: bool = False, timeout: float | None = None) -> Future:
         """On demand: snapshot the current state and write it to disk in the background."""
@@ -398,12 +436,33 @@ class SnapshotCapture:
         )
 
     def flush(self, timeout: float | None = None) -> None:
-        """Waits until every disk write queued so far is finished (written or failed)."""
-        if self._disk is not None:
-            self._disk.flush(timeout)
+        """Waits until every disk and node-tier write queued so far is finished (written or failed)."""
+        for writer in (self._disk, self._node_writer):
+            if writer is not None:
+                writer.flush(timeout)
 
     def _mine(self, infos: list[SnapshotInfo]) -> list[SnapshotInfo]:
         return self._disk.own.mine(infos) if self._disk is not None else infos
+
+    def _mine_unflagged(self, infos: list[SnapshotInfo]) -> list[SnapshotInfo]:
+        """This run's disk snapshots, less those of flagged steps (each a finding)."""
+        if self.rank_dir is None:
+            return self._mine(infos)
+        flags, out = Flags(self.rank_dir), []
+        for info in self._mine(infos):
+            why = flags.why(info) if info.path.parent == self.rank_dir else ""
+            if why:
+                self.emit(
+                    Reason.SNAPSHOT_REFUSED,
+                    Severity.WARNING,
+                    f"{info.path} refused: step {info.step} was flagged after it was taken ({why}); never restored from",
+                    step=info.step,
+                    tier="disk",
+                    file=info.path.name,
+                )
+            else:
+                out.append(info)
+        return out
 
     def mark_step(self) -> None:  # a step ended (or was undone): the next batch opens the next one
         getattr(self.data, "mark_step", lambda: None)()
@@ -417,8 +476,9 @@ class SnapshotCapture:
             signum, prev = self._prev_handler
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signum, prev)
-        if self._disk is not None:
-            self._disk.close(timeout)
+        for writer in (self._disk, self._node_writer):
+            if writer is not None:
+                writer.close(timeout)
         if self._fence is not None:
             self._fence.remove()
         self.copier.close()

@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ls = sub.add_parser("list", help="snapshots under DIR: step, rank, size, complete or not")
     ls.add_argument("dir", metavar="DIR")
     ls.add_argument("--json", action="store_true", help="one JSON object per snapshot")
+    ls.add_argument(
+        "--job", default=None, help="the job id DIR's snapshots were taken by: its node tier (/dev/shm) is listed too"
+    )
+    ls.add_argument("--node-root", default=None, help="the node tier's file system (default: as the job's)")
     v = sub.add_parser("verify", help="check every file of every snapshot against its manifest")
     v.add_argument("dir", metavar="DIR")
     v.add_argument("--step", type=int, default=None, help="only the snapshot(s) of this step")
@@ -72,37 +76,49 @@ def _size(n: float) -> str:
     return f"{n} B"
 
 
+def _tiers(root: Path, args: argparse.Namespace) -> list[tuple[str, snap.SnapshotInfo]]:
+    """(tier, snapshot) under DIR (the disk tier), and with --job in the job's node tier."""
+    rows = [("disk", i) for i in snap.list_snapshots(root, include_incomplete=True)]
+    if args.job:
+        from mscale.snapshot.config import SnapshotConfig
+        from mscale.snapshot.node_tier import node_job_dir
+
+        node = node_job_dir(SnapshotConfig(node_root=args.node_root).node_root_path, args.job, root)
+        rows += [("node", i) for i in snap.list_snapshots(node, include_incomplete=True)] if node.is_dir() else []
+    return rows
+
+
 def _list(root: Path, args: argparse.Namespace) -> int:
-    infos = snap.list_snapshots(root, include_incomplete=True)
+    rows = _tiers(root, args)
+    infos = [i for _, i in rows]
     if not infos:
         print(f"mscale snapshot: no snapshots under {root}", file=sys.stderr)
         return 2
     if args.json:
-        for i in infos:
+        for tier, i in rows:
             m = i.manifest or {}
-            print(
-                json.dumps(
-                    {
-                        "path": str(i.path),
-                        "step": i.step,
-                        "rank": i.rank,
-                        "complete": i.complete,
-                        "bytes": i.nbytes,
-                        "created_unix": m.get("created_unix"),
-                        "files": len(m.get("files", {})),
-                        "problem": i.problem,
-                    }
-                )
-            )
+            entry = {
+                "path": str(i.path),
+                "step": i.step,
+                "rank": i.rank,
+                "complete": i.complete,
+                "bytes": i.nbytes,
+                "created_unix": m.get("created_unix"),
+                "files": len(m.get("files", {})),
+                "problem": i.problem,
+            }
+            print(json.dumps({**entry, "tier": tier} if args.job else entry))
         return 1 if any(i.problem for i in infos) else 0
-    print(f"{'RANK':>4}  {'STEP':>10}  {'STATUS':<10}  {'SIZE':>10}  {'CREATED (UTC)':<19}  {'FILES':>5}  PATH")
-    for i in infos:
+    tiers = f"{'TIER':<4}  " if args.job else ""
+    print(f"{tiers}{'RANK':>4}  {'STEP':>10}  {'STATUS':<10}  {'SIZE':>10}  {'CREATED (UTC)':<19}  {'FILES':>5}  PATH")
+    for tier, i in rows:
         m = i.manifest or {}
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m["created_unix"])) if "created_unix" in m else "-"
         status = "complete" if i.complete else "invalid" if i.problem else "incomplete"
         rank = "-" if i.rank is None else str(i.rank)
         print(
-            f"{rank:>4}  {i.step:>10}  {status:<10}  {_size(i.nbytes) if i.complete else '-':>10}  {created:<19}  {len(m.get('files', {})):>5}  {_clean(i.path)}"
+            f"{f'{tier:<4}  ' if args.job else ''}{rank:>4}  {i.step:>10}  {status:<10}  "
+            f"{_size(i.nbytes) if i.complete else '-':>10}  {created:<19}  {len(m.get('files', {})):>5}  {_clean(i.path)}"
         )
     for i in infos:
         if i.problem:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -225,8 +226,9 @@ class SnapshotEngine(SnapshotCapture):
             for s in [s for s in self._kept if s.step > target]:
                 self._kept.remove(s)
                 self._retire(s)
-        if self._disk is not None:
-            self._disk.prune_after(target)
+        for writer in (self._disk, self._node_writer):
+            if writer is not None:
+                writer.prune_after(target)
         seconds = time.perf_counter() - t0
         self.recovery_seconds[tag] = seconds
         self.stall_s += seconds
@@ -270,46 +272,62 @@ class SnapshotEngine(SnapshotCapture):
             raise RollbackUnavailable("no in-memory snapshot common to every rank")
         return self.rollback(target, skip_batch=skip_batch, micro_batches=micro_batches)
 
+    def _sources(self) -> tuple[list[tuple[int, Path, str]], dict[int, worlds.Candidate]]:
+        """What a resume tries, newest first, the node tier before the disk at the same step: the
+        steps every rank holds in each tier (collective with several ranks), and the disk plan."""
+        plan = worlds.plan(self, keep=self._mine_unflagged)  # this run's, any world it can take
+        node: dict[int, Path] = {}
+        if self.node is not None and self._node_writer is not None:
+            node = self.node.candidates(self._node_writer.own.mine)
+        common = mdist.common_steps(sorted(node), self.group) if self.world_size > 1 else sorted(node)
+        sources = [(s, node[s], "node") for s in common] + [(s, c.path, "disk") for s, c in plan.items()]
+        return sorted(sources, key=lambda x: (-x[0], x[2] != "node")), plan
+
     def resume(self) -> int | None:
-        """Start-up: restores the newest valid snapshot on disk (a corrupted or partial one is
-        refused with the file named, and the next older used; another world size's: worlds.py).
-        Returns its step (training goes on at step + 1), or None. Collective with several ranks."""
+        """Start-up: restores the newest valid snapshot of the node tier (node_tier.py) or the
+        disk, the node's first at the same step (a corrupted or partial one is refused with the
+        file named, and the next tried; another world size's: worlds.py, disk only). Returns its
+        step (training goes on at step + 1), or None. Collective with several ranks."""
         if self.rank_dir is None:
             return None
         t0 = time.perf_counter()
-        # this world's snapshots and other world sizes' it can take, this run's only (ownership.py)
-        plan = worlds.plan(self, keep=self._mine)
-        steps = sorted(plan, reverse=True)
+        sources, plan = self._sources()
         found = load_newest_valid(
-            self, steps, collective=self.world_size > 1, where=lambda s: plan[s].path, read=worlds.reader(self, plan)
+            self, [], collective=self.world_size > 1, read=worlds.reader(self, plan), sources=sources
         )
-        if found is not None:
-            step, path, tensors, objects = found
-            self._apply(tensors, worlds.fit(self, step, objects, plan), where=str(path), owned=True)
-            del found, tensors, objects  # the engine's copies are applied: let these go
-            if plan[step].world_size != self.world_size:  # a rollback must not go back to another world's
-                self.snapshot(step=step)
+        if found is None:
+            if sources:
+                self.emit(
+                    Reason.SNAPSHOT_REFUSED,
+                    Severity.CRITICAL,
+                    f"no valid snapshot in {self.rank_dir}{' or the node tier' if self.node else ''}: starting from scratch",
+                )
+            return None
+        step, path, tensors, objects = found
+        tier = "node" if self.node is not None and path.parent == self.node.rank_dir else "disk"
+        other_world = tier == "disk" and plan[step].world_size != self.world_size
+        self._apply(
+            tensors, worlds.fit(self, step, objects, plan) if tier == "disk" else objects, where=str(path), owned=True
+        )
+        del found, tensors, objects  # the engine's copies are applied: let these go
+        if tier == "node" or other_world:  # a rollback goes back to an in-memory copy of it
+            self.snapshot(step=step)
+        if tier == "disk":
             # Until the first in-memory snapshot, a rollback goes back to this one on disk:
             # copying 3x the parameter bytes again at start-up would double the restore time.
             self._resumed = (step, path)
-            seconds = time.perf_counter() - t0
-            self.recovery_seconds["disk"] = seconds
-            self.emit(
-                Reason.SNAPSHOT_RESUMED,
-                Severity.INFO,
-                f"resumed from {path} (step {step}{worlds.note(plan[step], self.world_size, 'sharding' in self.extra)}) "
-                f"in {seconds:.3f} s; "
-                f"training continues at step {step + 1}",
-                world_size_then=plan[step].world_size,
-                step=step,
-                tag="disk",
-                recovery_seconds=f"{seconds:.6f}",
-            )
-            return step
-        if steps:
-            self.emit(
-                Reason.SNAPSHOT_REFUSED,
-                Severity.CRITICAL,
-                f"no valid snapshot in {self.rank_dir}: starting from scratch",
-            )
-        return None
+        seconds = time.perf_counter() - t0
+        self.recovery_seconds[tier] = seconds
+        note = worlds.note(plan[step], self.world_size, "sharding" in self.extra) if tier == "disk" else ""
+        self.emit(
+            Reason.SNAPSHOT_RESUMED,
+            Severity.INFO,
+            f"resumed from {path} ({tier} tier, step {step}{note}) in {seconds:.3f} s; "
+            f"training continues at step {step + 1}",
+            world_size_then=plan[step].world_size if tier == "disk" else self.world_size,
+            step=step,
+            tag=tier,
+            tier=tier,
+            recovery_seconds=f"{seconds:.6f}",
+        )
+        return step

@@ -124,14 +124,19 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
 
 
 def write_file(
-    path: Path, parts: Iterable[memoryview | bytes], hasher_pool: ThreadPoolExecutor, *, fsync: bool = True
+    path: Path,
+    parts: Iterable[memoryview | bytes],
+    hasher_pool: ThreadPoolExecutor,
+    *,
+    fsync: bool = True,
+    mode: int = 0o644,
 ) -> tuple[int, dict]:
-    """Writes parts to a new file (and fsyncs it unless told not to); returns (size, digest
-    entry for the manifest). The hash of each chunk runs in a helper thread while the chunk
+    """Writes parts to a new file of `mode` (and fsyncs it unless told not to); returns (size,
+    digest entry for the manifest). The hash of each chunk runs in a helper thread while the chunk
     is written (both release the GIL)."""
     sha = TreeHasher()
     size = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
     try:
         for part in parts:
             view = memoryview(part).cast("B")

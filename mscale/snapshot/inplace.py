@@ -123,13 +123,19 @@ def load_newest_valid(
     collective: bool,
     where: Callable[[int], Path] | None = None,
     read: Callable[[int], tuple[dict, dict] | None] | None = None,
+    sources: list[tuple[int, Path, str]] | None = None,
 ) -> tuple[int, Path, Any, dict] | None:
     """(step, path, tensors, objects) of the newest of `steps` that verifies and fits, read
     into the live tensors where it fits them (or by `read(step)`, when it gives (tensors,
-    objects): another world's shards re-sharded); each refused one a finding; collective: a step
-    any rank refuses is skipped by all. Raises SnapshotError (on every rank, when collective)
-    when a refused snapshot had already landed in live tensors and no older one replaced it."""
+    objects): another world's shards re-sharded); each refused one a finding naming the next
+    tried; collective: a step any rank refuses is skipped by all. sources: (step, path, tier)
+    in the order to try, instead of `steps` (tiers: engine.py; `read` is the disk tier's only).
+    Raises SnapshotError (on every rank, when collective) when a refused snapshot had already
+    landed in live tensors and no older one replaced it."""
     assert engine.rank_dir is not None
+    rank_dir = engine.rank_dir
+    if sources is None:  # another rank's (worlds.py) where `where` says
+        sources = [(s, where(s) if where is not None else rank_dir / step_dir_name(s), "disk") for s in steps]
     overwritten: Path | None = None
     landed: list[bool] = []  # whether the snapshot being read goes into the live tensors
 
@@ -138,25 +144,26 @@ def load_newest_valid(
         landed.append(bool(plans))
         return plans
 
-    for step in steps:
-        path = where(step) if where is not None else engine.rank_dir / step_dir_name(step)  # another rank's: worlds.py
+    for i, (step, path, tier) in enumerate(sources):
         landed.clear()
         try:
-            got = read(step) if read is not None else None
+            got = read(step) if read is not None and tier == "disk" else None
             tensors, objects = got if got is not None else load_snapshot(path, pool=engine.copier.pool(), plan=plan)[:2]
             tensors, objects = renamed_for(engine, tensors, objects)  # written with a wrapper's names
             check_fits(engine, tensors, objects, str(path))
         except SnapshotError as e:  # SnapshotInvalid names the file at fault
             overwritten = path if any(landed) else overwritten
-            file, why = {"file": e.file} if isinstance(e, SnapshotInvalid) else {}, f"{e}; trying an older snapshot"
-            engine.emit(Reason.SNAPSHOT_REFUSED, Severity.WARNING, why, step=step, **file)
+            file = {"file": e.file} if isinstance(e, SnapshotInvalid) else {}
+            nxt = sources[i + 1] if i + 1 < len(sources) else None
+            then = f"trying the {nxt[2]} tier's step {nxt[0]}" if nxt else "no older snapshot to try"
+            engine.emit(Reason.SNAPSHOT_REFUSED, Severity.WARNING, f"{e}; {then}", step=step, tier=tier, **file)
             if collective:
                 mdist.any_flag(True, engine.group)
             continue
         if not collective or not mdist.any_flag(False, engine.group):
             return step, path, tensors, objects
         overwritten = path if any(landed) else overwritten  # landed here, refused by another rank
-    # every rank gets here together (one flag per step on each): all raise, or none
+    # every rank gets here together (one flag per source on each): all raise, or none
     if mdist.any_flag(overwritten is not None, engine.group) if collective else overwritten is not None:
         at = overwritten or "a snapshot on another rank"
         raise SnapshotError(

@@ -86,8 +86,12 @@ class DiskWriter:
         identity: dict[str, Any],
         emit: Callable[..., Any],
         unpin: Callable[[MemorySnapshot], None],
+        tier: str = "disk",
+        private: bool = False,
     ) -> None:
         self.rank_dir, self.keep, self.identity = rank_dir, keep, identity
+        # the node tier (node_tier.py): its findings say so; private: 0700 directories, 0600 files
+        self.tier, self._file_mode, self._dir_mode = tier, (0o600 if private else 0o644), (0o700 if private else 0o777)
         self._emit, self._unpin = emit, unpin
         self.own = Ownership(str(identity.get("job_id", "")), emit)  # only this run's snapshots
         self.last_write: dict = {}
@@ -177,7 +181,7 @@ class DiskWriter:
             snap = payload
             if why == "schedule" and any(j[0] == "write" for j in list(self._jobs)):
                 self._unpin(snap)
-                log.warning("scheduled disk snapshot superseded before it was written", step=snap.step)
+                log.warning("scheduled snapshot superseded before it was written", step=snap.step, tier=self.tier)
                 fut.set_result(None)
                 continue
             try:
@@ -197,7 +201,7 @@ class DiskWriter:
         try:
             snap.wait_ready()
             train_state = _train_state(snap)
-            tmp.mkdir()
+            tmp.mkdir(self._dir_mode)
             files = self._write_files(snap, tmp, train_state)
             self._write_manifest(snap, tmp, files, why)
             self._put_in_place(tmp, final, name)
@@ -215,6 +219,7 @@ class DiskWriter:
             f"snapshot of step {snap.step} written to {final} ({total} bytes, {seconds:.3f} s)",
             step=snap.step,
             why=why,
+            tier=self.tier,
             bytes=total,
             seconds=f"{seconds:.6f}",
         )  # the agent's snapshot metrics
@@ -233,7 +238,8 @@ class DiskWriter:
         def write(fname: str) -> tuple[str, tuple[int, dict]]:
             # fsync in the writer: the device flushes one file while the other writer
             # thread is still hashing and copying the next.
-            return fname, write_file(tmp / fname, safetensors_parts(snap.tensors[fname], meta), self._hasher)
+            parts = safetensors_parts(snap.tensors[fname], meta)
+            return fname, write_file(tmp / fname, parts, self._hasher, mode=self._file_mode)
 
         by_size = sorted(
             snap.tensors, key=lambda f: -sum(t.numel() * t.element_size() for t in snap.tensors[f].values())
@@ -242,10 +248,10 @@ class DiskWriter:
         wait_futures(futures)  # all of them, even when one failed: then the cleanup is whole
         for fname, (size, digest) in sorted(f.result() for f in futures):
             files[fname] = {"size": size, **digest}
-        size, digest = write_file(tmp / TRAIN_STATE, [train_state.getbuffer()], self._hasher)
+        size, digest = write_file(tmp / TRAIN_STATE, [train_state.getbuffer()], self._hasher, mode=self._file_mode)
         files[TRAIN_STATE] = {"size": size, **digest}
         raw = json.dumps(snap.binding, indent=2, sort_keys=True).encode()
-        size, digest = write_file(tmp / BINDING, [raw], self._hasher)
+        size, digest = write_file(tmp / BINDING, [raw], self._hasher, mode=self._file_mode)
         files[BINDING] = {"size": size, **digest}
         return files
 
@@ -262,7 +268,7 @@ class DiskWriter:
         raw_manifest = json.dumps(manifest, indent=2, sort_keys=True).encode()
         parse_manifest(raw_manifest, tmp)  # never a snapshot its own loader would refuse
         # Written last: a directory with a manifest had every other file fsynced first.
-        write_file(tmp / MANIFEST, [raw_manifest], self._hasher)
+        write_file(tmp / MANIFEST, [raw_manifest], self._hasher, mode=self._file_mode)
         fsync_dir(tmp)
 
     def _put_in_place(self, tmp: Path, final: Path, name: str) -> None:
@@ -281,7 +287,9 @@ class DiskWriter:
         if isinstance(e, OSError):
             code = errno.errorcode.get(e.errno or 0, str(e.errno))
             msg = f"snapshot of step {snap.step} not written to {self.rank_dir}: {e.strerror or e} ({code}); training continues, the in-memory snapshot is kept"
-            self._emit(Reason.SNAPSHOT_FAILED, Severity.CRITICAL, msg, step=snap.step, errno=code, why=why)
+            self._emit(
+                Reason.SNAPSHOT_FAILED, Severity.CRITICAL, msg, step=snap.step, errno=code, why=why, tier=self.tier
+            )
         else:
             self._emit(
                 Reason.SNAPSHOT_FAILED,
@@ -289,6 +297,7 @@ class DiskWriter:
                 f"snapshot of step {snap.step} not written: {e}",
                 step=snap.step,
                 why=why,
+                tier=self.tier,
             )
 
     # -- removing ---------------------------------------------------------------------

@@ -2,11 +2,14 @@
 process: the kill-and-restart test of CMSA's fitted state and the scheduler's position.
 
     python guarded_llava_job.py --dir SNAPS --steps 24 --result R.json [--kill-at 17]
+        [--every 4] [--disk-every N] [--node-every N]
 
 Each step's batch is a function of the step (no loader to rewind). --kill-at K: once the disk
 snapshots of the steps before K are written the process SIGKILLs itself at the start of step K. A run on a
 directory holding snapshots resumes from the newest. R.json: the LR each step trained with, the
-alpha CMSA clipped with, and the final weights' and optimizer state's SHA-256.
+alpha CMSA clipped with, the step and tier (node, disk) each start resumed from, and the final
+weights' and optimizer state's SHA-256. --every: in-memory (and, by default, disk) snapshots;
+--node-every: the node tier's (mscale.snapshot.node_tier; left out: its default).
 """
 
 from __future__ import annotations
@@ -46,17 +49,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--result", required=True)
     parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--every", type=int, default=4)  # in-memory and disk snapshots
+    parser.add_argument("--disk-every", type=int, default=None)  # (default: --every)
+    parser.add_argument("--node-every", type=int, default=None)  # the node tier's (None: the default)
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     model, make_batch = tiny_llava(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
-    snapshots = mscale.SnapshotConfig(directory=args.dir, memory_every=4, disk_every=4)
+    snapshots = mscale.SnapshotConfig(
+        directory=args.dir,
+        memory_every=args.every,
+        disk_every=args.disk_every or args.every,
+        node_every=args.node_every,
+    )
     guard = mscale.attach(model, opt, job_id="llava-cmsa", snapshots=snapshots, scheduler=sched, connect=False)
     result = Path(args.result)
     done = json.loads(result.read_text()) if result.exists() else {"lr": {}, "alpha": {}, "resumed": []}
     done["resumed"].append(guard.current_step - 1 if guard.current_step else None)
+    done.setdefault("tiers", []).append(sorted(guard.snapshots.recovery_seconds))  # the tier resumed from
     while guard.current_step < args.steps:
         step = guard.current_step
         if step == args.kill_at:

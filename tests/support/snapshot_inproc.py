@@ -22,7 +22,8 @@ class Job:
         self.engine = SnapshotEngine(
             self.model,
             self.opt,
-            config=SnapshotConfig(directory=directory, **settings),
+            # the disk tier's tests: the node tier (node_tier.py) only where a test asks for it
+            config=SnapshotConfig(directory=directory, **{"node_every": 0, **settings}),
             mpus=self.mpus,
             scaler=self.scaler,
             scheduler=self.sched,

@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-every", type=int, default=10)
     ap.add_argument("--disk-every", type=int, default=100)
     ap.add_argument("--disk-keep", type=int, default=3)
+    # the disk tier's tests: the node tier (mscale.snapshot.node_tier) only where one asks
+    ap.add_argument("--node-every", type=int, default=0)
     ap.add_argument("--fault-at", type=int, default=0)
     ap.add_argument("--fault-rank", type=int, default=-1)
     ap.add_argument("--durable-at", type=int, default=0)
@@ -168,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         scheduler=scheduler,
         data=loader,
         config=SnapshotConfig(
-            directory=args.dir, memory_every=args.memory_every, disk_every=args.disk_every, disk_keep=args.disk_keep
+            directory=args.dir,
+            memory_every=args.memory_every,
+            disk_every=args.disk_every,
+            disk_keep=args.disk_keep,
+            node_every=args.node_every,
         ),
         job_id="snapshot-test",
     )

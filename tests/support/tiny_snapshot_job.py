@@ -28,7 +28,8 @@ def job(directory: Path, dtype: torch.dtype = torch.float32, seed: int = 0, job_
     model = Net().to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mpus = {"vision": ("001", model.vision), "text": ("002", model.text)}
-    settings = {"memory_every": 0, "disk_every": 10, **settings}
+    # the node tier (node_tier.py) only where a test asks for it: node_every=None is its default
+    settings = {"memory_every": 0, "disk_every": 10, "node_every": 0, **settings}
     engine = SnapshotEngine(
         model, opt, config=SnapshotConfig(directory=directory, **settings), mpus=mpus, job_id=job_id
     )

@@ -2,7 +2,9 @@
 rank, the plain model with no process group) with the README's protection line and a snapshot
 directory, for restarts on another world size.
 
-Each rank writes out/rank_R.json: the step it started at (after attach's resume), hashes of the
+--kill-at K --kill-rank R: once every rank's snapshots before step K are written, rank R
+SIGKILLs itself at step K's start (the others then lose their peer). --node-every: the node
+tier's schedule (mscale.snapshot.node_tier). Each rank writes out/rank_R.json: the step it started at (after attach's resume), hashes of the
 weights and of the optimizer state (whole tensors, shards gathered) then and at each step end,
 or the error attach raised."""
 
@@ -13,6 +15,7 @@ import datetime
 import hashlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -76,7 +79,13 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     loader = mscale.ResumableLoader(Samples(make_batch, 256), batch_size=2, seed=0, rank=rank, world_size=args.world)
-    cfg = mscale.SnapshotConfig(directory=args.dir, memory_every=args.every, disk_every=args.every, disk_keep=2)
+    cfg = mscale.SnapshotConfig(
+        directory=args.dir,
+        memory_every=args.node_every or args.every,
+        disk_every=args.every,
+        disk_keep=2,
+        node_every=args.node_every,
+    )
     out: dict = {"rank": rank, "world": args.world}
     hashes = Hashes(model, opt)
     try:
@@ -93,11 +102,17 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
     out["start_optimizer_hash"] = optimizer_hash(opt)
     out["index"] = loader.index
     while guard.current_step < args.steps:
+        if guard.current_step == args.kill_at:  # every rank's snapshots before it are written
+            guard.snapshots.flush(timeout=120)
+            dist.barrier()
+            if rank == args.kill_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
         loss = wrapped(**loader.next_batch()).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
     out["resumed"] = [f.message for f in guard.findings if f.reason.value == "snapshot_resumed"]
+    out["refused"] = [f.message for f in guard.findings if f.reason.value == "snapshot_refused"]
     guard.detach()
     out["hashes"], out["optimizer_hashes"] = hashes.at, hashes.opt_at
     Path(args.out, f"rank_{rank}.json").write_text(json.dumps(out))
@@ -115,6 +130,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--wrap", choices=("ddp", "fsdp", "plain"), default="ddp")
+    ap.add_argument("--node-every", type=int, default=None)  # the node tier's schedule (None: the default)
+    ap.add_argument("--kill-at", type=int, default=None)  # --kill-rank SIGKILLs itself at this step's start
+    ap.add_argument("--kill-rank", type=int, default=0)
     args = ap.parse_args()
     if args.wrap == "plain" and args.world != 1:
         ap.error("--wrap plain runs on one rank (--world 1)")
