@@ -1,0 +1,105 @@
+"""A fault campaign with ground truth (issue 37): every fault of a campaign file run twice on a
+tiny Hugging Face model, left alone and under the README's line, and scored; the table per
+surface, magnitude, timing and MPU, and false alarms per 1,000 clean steps.
+
+    python benchmarks/fault_campaign.py benchmarks/campaigns/ci.json [--steps 40] [--json OUT]
+        [--markdown OUT.md] [--limit N] [--clean-runs 1] [--clean-steps 40]
+
+Set-up: one process (DDP and FSDP2 ranks are not run yet). The fault-free run, the guarded
+clean runs and each fault's left-alone run are shared by every fault of a model. Faults are
+injected by the campaign's own hooks (benchmarks/_campaign_inject.py), in lm-resiliency
+0.2.0's incident schema (benchmarks/_campaign_schema.py). Prints the markdown table; the JSON
+holds every fault's row, the aggregates and the seconds per fault.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks._campaign_run import run  # noqa: E402
+from benchmarks._campaign_schema import Fault, load  # noqa: E402
+from benchmarks._campaign_score import by, false_alarms, markdown, score, summarize  # noqa: E402
+
+MAX_CALLS_FACTOR = 3  # a run making 3x its target's optimizer calls is a loop (the progress bound)
+
+
+def baselines(model: str, steps: int, clean_runs: int, clean_steps: int) -> dict:
+    """The fault-free run (left alone) and the guarded clean runs of one model."""
+    clean = run(model, None, guarded=False, steps=steps, max_calls=steps)
+    guarded = [
+        run(model, None, guarded=True, steps=clean_steps, max_calls=clean_steps * MAX_CALLS_FACTOR, seed=s)
+        for s in range(clean_runs)
+    ]
+    return {"clean": clean, "clean_guarded": guarded}
+
+
+def campaign(faults: list[Fault], steps: int, clean_runs: int = 1, clean_steps: int | None = None, log=print) -> dict:
+    """Every fault scored; the baselines of each model it touches are run once."""
+    clean_steps = clean_steps or steps
+    base: dict[str, dict] = {}
+    rows, t_faults = [], 0.0
+    for i, f in enumerate(faults):
+        if f.start >= steps:
+            raise ValueError(f"fault {f.fault_id}: starts at step {f.start}, past the run's {steps} steps")
+        if f.model not in base:
+            base[f.model] = baselines(f.model, steps, clean_runs, clean_steps)
+        b = base[f.model]
+        t0 = time.perf_counter()
+        bare = run(f.model, f, guarded=False, steps=steps, max_calls=steps)
+        guarded = run(f.model, f, guarded=True, steps=steps, max_calls=steps * MAX_CALLS_FACTOR)
+        t_faults += time.perf_counter() - t0
+        row = score(f, bare, guarded, b["clean"], b["clean_guarded"][0])
+        rows.append(row)
+        log(
+            f"[{i + 1}/{len(faults)}] {f.fault_id}: mattered={row['mattered']} detected={row['detected']} "
+            f"healed={row['healed']} loop={row['loop']} crash={row['crash']} ({time.perf_counter() - t0:.1f} s)"
+        )
+    alarms = false_alarms([g for b in base.values() for g in b["clean_guarded"]])
+    return {
+        "steps": steps,
+        "faults": rows,
+        "all": summarize(rows),
+        "by": {k: by(rows, k) for k in ("surface", "magnitude", "timing", "mpu", "model", "op")},
+        "false_alarms": alarms,
+        "seconds_per_fault": round(t_faults / len(rows), 2) if rows else None,
+        "baselines": {m: {"clean_loss": b["clean"]["held_out"]} for m, b in base.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("campaign", help="a campaign file (benchmarks/campaigns/*.json)")
+    ap.add_argument("--steps", type=int, default=40, help="training steps per run (the target)")
+    ap.add_argument("--clean-runs", type=int, default=1, help="guarded clean runs per model (false alarms)")
+    ap.add_argument("--clean-steps", type=int, default=None, help="steps of each clean run (default: --steps)")
+    ap.add_argument("--limit", type=int, default=None, help="only the first N faults")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--markdown", type=Path, default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    head, faults = load(args.campaign)
+    faults = faults[: args.limit] if args.limit else faults
+    t0 = time.perf_counter()
+    res = campaign(faults, args.steps, args.clean_runs, args.clean_steps, log=lambda s: print(s, file=sys.stderr))
+    res.update(campaign=str(args.campaign), name=head.get("name"), wall_seconds=round(time.perf_counter() - t0, 1))
+    table = markdown(res["faults"], res["false_alarms"])
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1, default=str))
+    if args.markdown:
+        args.markdown.write_text(table)
+    print(table)
+    print(f"{len(faults)} faults in {res['wall_seconds']} s ({res['seconds_per_fault']} s a fault)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
