@@ -3,7 +3,7 @@ tiny Hugging Face model, left alone and under the README's line, and scored; the
 surface, magnitude, timing and MPU, and false alarms per 1,000 clean steps.
 
     python benchmarks/fault_campaign.py benchmarks/campaigns/ci.json [--steps 40] [--json OUT]
-        [--markdown OUT.md] [--limit N] [--clean-runs 1] [--clean-steps 40]
+        [--markdown OUT.md] [--limit N] [--every K] [--clean-runs 1] [--clean-steps 40]
 
 Set-up: one process (DDP and FSDP2 ranks are not run yet). The fault-free run, the guarded
 clean runs and each fault's left-alone run are shared by every fault of a model. Faults are
@@ -82,12 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clean-runs", type=int, default=1, help="guarded clean runs per model (false alarms)")
     ap.add_argument("--clean-steps", type=int, default=None, help="steps of each clean run (default: --steps)")
     ap.add_argument("--limit", type=int, default=None, help="only the first N faults")
+    ap.add_argument("--every", type=int, default=1, help="only every K-th fault (a sample across the file)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--markdown", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     head, faults = load(args.campaign)
-    faults = faults[: args.limit] if args.limit else faults
+    faults = faults[:: args.every][: args.limit] if args.limit else faults[:: args.every]
     t0 = time.perf_counter()
     res = campaign(faults, args.steps, args.clean_runs, args.clean_steps, log=lambda s: print(s, file=sys.stderr))
     res.update(campaign=str(args.campaign), name=head.get("name"), wall_seconds=round(time.perf_counter() - t0, 1))
