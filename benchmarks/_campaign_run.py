@@ -46,12 +46,27 @@ def _labels(f: Any) -> dict[str, str]:
     return {k: (v.value if hasattr(v, "value") else str(v)) for k, v in dict(f.labels).items()}
 
 
-def run(model_name: str, fault: Fault | None, *, guarded: bool, steps: int, max_calls: int, seed: int = 0) -> dict:
-    """One run; never raises for what the training does (its error is in the result)."""
+def run(
+    model_name: str,
+    fault: Fault | None,
+    *,
+    guarded: bool,
+    steps: int,
+    max_calls: int,
+    seed: int = 0,
+    rank: int = 0,
+    world: int = 1,
+) -> dict:
+    """One run (one rank's, in a process group of `world` gloo ranks under DDP: the fault only
+    on its target rank); never raises for what the training does (its error is in the result)."""
     torch.manual_seed(seed)
     model, make_batch = build(model_name, seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    loader = mscale.ResumableLoader(Samples(make_batch, SAMPLES), batch_size=4, seed=seed)
+    call = model if world == 1 else torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    opt = torch.optim.AdamW(call.parameters(), lr=LR)
+    batch = 4 // world
+    loader = mscale.ResumableLoader(
+        Samples(make_batch, SAMPLES), batch_size=batch, seed=seed, rank=rank, world_size=world
+    )
     findings: list[dict] = []
     out: dict[str, Any] = {"guarded": guarded, "error": None, "capped": False}
     guard: Any = None
@@ -61,17 +76,18 @@ def run(model_name: str, fault: Fault | None, *, guarded: bool, steps: int, max_
             at = f.labels.get("step")
             step = int(at) if str(at).isdigit() else guard.current_step
             sev = f.severity.value
-            findings.append({"step": step, "reason": f.reason.value, "severity": sev, "labels": _labels(f)})
+            labels = _labels(f)
+            findings.append({"step": step, "reason": f.reason.value, "severity": sev, "labels": labels, "rank": rank})
 
     t0, calls, inj = time.perf_counter(), 0, None
     try:
         if guarded:
             guard = mscale.attach(
-                model, opt, job_id="campaign", snapshots=True, data=loader, connect=False, plugins=[Keep()]
+                call, opt, job_id="campaign", snapshots=True, data=loader, connect=False, plugins=[Keep()]
             )
             out["mpus"] = {m.mpu_id: {"name": m.name, "path": m.path} for m in guard.mpus}
-        inj = Injector(fault, model, opt, seed) if fault is not None else None
-        calls = _train(model, opt, loader, guard, inj, steps, max_calls)
+        inj = Injector(fault, model, opt, seed) if fault is not None and fault.rank == rank else None
+        calls = _train(call, opt, loader, guard, inj, steps, max_calls)
         out["capped"] = calls >= max_calls and _step(guard, calls) < steps
     except Exception as e:  # what the run did is the result, whatever it is
         tb = traceback.extract_tb(e.__traceback__)

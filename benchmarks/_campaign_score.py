@@ -41,7 +41,7 @@ def fault_mpu(f: Fault, mpus: dict) -> str | None:
         return None
     best, length = None, -1
     for mid, m in mpus.items():
-        p = m["path"]
+        p = m["path"].removeprefix("module.")  # under DDP the guard sees the wrapper's paths
         if (p == "" or f.module_path == p or f.module_path.startswith(p + ".")) and len(p) > length:
             best, length = mid, len(p)
     return best
@@ -64,8 +64,8 @@ def _detections(f: Fault, guarded: dict, clean_guarded: dict) -> list[dict]:
     ]
 
 
-def score(f: Fault, bare: dict, guarded: dict, clean: dict, clean_guarded: dict) -> dict:
-    """One fault's ground truth and the guard's result."""
+def score(f: Fault, bare: dict, guarded: dict, clean: dict, clean_guarded: dict, ranked: bool = False) -> dict:
+    """One fault's ground truth and the guard's result (`ranked`: several ranks, blame one)."""
     hits = _detections(f, guarded, clean_guarded)
     first = min((x["step"] for x in hits), default=None)
     at_first = [x for x in hits if x["step"] == first]
@@ -88,6 +88,9 @@ def score(f: Fault, bare: dict, guarded: dict, clean: dict, clean_guarded: dict)
         "detected": first is not None,
         "steps_to_detection": None if first is None else first - f.start,
         "right_mpu": None if mpu is None or first is None else any(x["labels"].get("mpu_id") == mpu for x in at_first),
+        "right_rank": None
+        if not ranked or first is None
+        else any(str(x["labels"].get("rank", x.get("rank"))) == str(f.rank) for x in at_first),
         "right_layer": None
         if layer is None or first is None
         else any(x["labels"].get("tensor", "").startswith(layer) for x in hits),
@@ -115,6 +118,7 @@ def summarize(rows: list[dict]) -> dict:
     mattered = [r for r in rows if r["mattered"]]
     mpu_known = [r for r in det if r["right_mpu"] is not None]
     layer_known = [r for r in det if r["right_layer"] is not None]
+    rank_known = [r for r in det if r.get("right_rank") is not None]
     return {
         "faults": len(rows),
         "mattered": len(mattered),
@@ -125,6 +129,8 @@ def summarize(rows: list[dict]) -> dict:
         "max_steps": max(lat) if lat else None,
         "right_mpu": sum(bool(r["right_mpu"]) for r in mpu_known),
         "mpu_known": len(mpu_known),
+        "right_rank": sum(bool(r["right_rank"]) for r in rank_known),
+        "rank_known": len(rank_known),
         "right_layer": sum(bool(r["right_layer"]) for r in layer_known),
         "layer_known": len(layer_known),
         "healed": sum(r["healed"] for r in rows),
@@ -155,18 +161,21 @@ def false_alarms(clean_runs: list[dict]) -> dict:
     return out
 
 
-HEAD = "| {} | faults | mattered | detected (of mattered) | median / max steps | right MPU | right layer | healed | escaped | loops | crashes |"
+HEAD = (
+    "| {} | faults | mattered | detected (of mattered) | median / max steps | right rank | right MPU | right layer"
+    " | healed | escaped | loops | crashes |"
+)
 
 
 def markdown(rows: list[dict], alarms: dict) -> str:
     lines = []
     for key in ("surface", "magnitude", "timing", "mpu", "model"):
-        lines += ["", HEAD.format(key), "|" + "---|" * 11]
+        lines += ["", HEAD.format(key), "|" + "---|" * 12]
         for name, s in [*by(rows, key).items(), ("**all**", summarize(rows))]:
             steps = "-" if s["median_steps"] is None else f"{s['median_steps']:g} / {s['max_steps']}"
             lines.append(
                 f"| {name} | {s['faults']} | {s['mattered']} | {s['detected']} ({_frac(s['detected_of_mattered'], s['mattered'])})"
-                f" | {steps} | {_frac(s['right_mpu'], s['mpu_known'])} | {_frac(s['right_layer'], s['layer_known'])}"
+                f" | {steps} | {_frac(s['right_rank'], s['rank_known'])} | {_frac(s['right_mpu'], s['mpu_known'])} | {_frac(s['right_layer'], s['layer_known'])}"
                 f" | {s['healed']} | {s['escaped']} | {s['loops']} | {s['crashes']} |"
             )
     lines += [
