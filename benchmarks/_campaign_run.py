@@ -63,10 +63,7 @@ def run(
     model, make_batch = build(model_name, seed)
     call = model if world == 1 else torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     opt = torch.optim.AdamW(call.parameters(), lr=LR)
-    batch = 4 // world
-    loader = mscale.ResumableLoader(
-        Samples(make_batch, SAMPLES), batch_size=batch, seed=seed, rank=rank, world_size=world
-    )
+    loader = _loader(model_name, make_batch, seed, rank, world)
     findings: list[dict] = []
     out: dict[str, Any] = {"guarded": guarded, "error": None, "capped": False}
     guard: Any = None
@@ -102,6 +99,32 @@ def run(
     out.update(_weights(model, make_batch))
     out["seconds"] = round(time.perf_counter() - t0, 2)
     return out
+
+
+class Batches(torch.utils.data.Dataset):
+    """Whole batches as items: Qwen2-VL's pixels are one row per patch of the whole batch (and
+    its grid one row per image), which a per-sample collate cannot put back together."""
+
+    def __init__(self, make_batch: Any, size: int) -> None:
+        self.make_batch, self.size = make_batch, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> dict:
+        return self.make_batch(i, torch.Generator().manual_seed(i))
+
+
+def _first(items: list) -> Any:
+    return items[0]
+
+
+def _loader(model_name: str, make_batch: Any, seed: int, rank: int, world: int) -> mscale.ResumableLoader:
+    if model_name == "qwen2vl":
+        data = Batches(make_batch, SAMPLES // 4)
+        return mscale.ResumableLoader(data, batch_size=1, seed=seed, rank=rank, world_size=world, collate_fn=_first)
+    data = Samples(make_batch, SAMPLES)
+    return mscale.ResumableLoader(data, batch_size=4 // world, seed=seed, rank=rank, world_size=world)
 
 
 def _step(guard: Any, calls: int) -> int:

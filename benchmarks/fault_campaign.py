@@ -76,6 +76,8 @@ def runner(setup: str, campaign_file: str):
 def baselines(run, model: str, steps: int, clean_runs: int, clean_steps: int) -> dict:
     """The fault-free run (left alone) and the guarded clean runs of one model."""
     clean = run(model, None, guarded=False, steps=steps, max_calls=steps)
+    if clean["error"] or clean["held_out"] is None:  # every fault is scored against it
+        raise RuntimeError(f"{model}: the fault-free run failed: {clean['error'] or clean.get('held_out_error')}")
     guarded = [
         run(model, None, guarded=True, steps=clean_steps, max_calls=clean_steps * MAX_CALLS_FACTOR, seed=s)
         for s in range(clean_runs)
@@ -128,13 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clean-steps", type=int, default=None, help="steps of each clean run (default: --steps)")
     ap.add_argument("--limit", type=int, default=None, help="only the first N faults")
     ap.add_argument("--every", type=int, default=1, help="only every K-th fault (a sample across the file)")
+    ap.add_argument("--model", default=None, help="only the faults on this model (llava, qwen2vl)")
     ap.add_argument("--setup", choices=SETUPS, default="one", help="one process, or rank 1 of 2 DDP ranks")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--markdown", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     head, faults = load(args.campaign)
-    faults = faults[:: args.every][: args.limit] if args.limit else faults[:: args.every]
+    faults = [f for f in faults[:: args.every] if args.model in (None, f.model)][: args.limit]
     t0 = time.perf_counter()
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
     res = campaign(faults, args.steps, args.clean_runs, args.clean_steps, log, runner(args.setup, args.campaign))

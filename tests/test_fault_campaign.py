@@ -27,7 +27,7 @@ from benchmarks import _campaign_build  # noqa: E402
 from benchmarks._campaign_inject import Injector, corrupt_tensor, corrupted  # noqa: E402
 from benchmarks._campaign_run import build, run  # noqa: E402
 from benchmarks._campaign_schema import CampaignError, load  # noqa: E402
-from benchmarks.fault_campaign import campaign  # noqa: E402
+from benchmarks.fault_campaign import campaign, runner  # noqa: E402
 
 CAMPAIGNS = ROOT / "benchmarks" / "campaigns"
 STEPS = 40
@@ -111,6 +111,18 @@ def test_a_nan_fault_left_alone_ruins_the_run_and_the_same_run_without_it_does_n
     assert bare["armed"] == [nan.start] and not bare["finite"]
     clean = run("llava", None, guarded=False, steps=nan.start + 2, max_calls=nan.start + 2)
     assert clean["finite"] and math.isfinite(clean["held_out"])
+
+
+def test_both_models_train_in_the_runner_and_a_loss_fault_reaches_the_gradients() -> None:
+    """Qwen2-VL's batches go through the loader whole (its patches are rows of the whole batch);
+    a loss fault scales what is trained on, not only the number reported."""
+    for model in ("llava", "qwen2vl"):
+        r = run(model, None, guarded=False, steps=3, max_calls=3)
+        assert r["error"] is None and r["calls"] == 3 and r["finite"], (model, r["error"])
+    _, faults = load(CAMPAIGNS / "ci.json")
+    inf = next(f for f in faults if f.surface == "loss" and f.magnitude == "inf")
+    bare = run("llava", inf, guarded=False, steps=inf.start + 1, max_calls=inf.start + 1)
+    assert bare["armed"] == [inf.start] and not bare["finite"]
 
 
 # -- the CI campaign, once for every threshold below
@@ -197,3 +209,15 @@ def test_at_most_one_warning_and_no_critical_per_1000_clean_steps(ci: dict) -> N
     fa = ci["false_alarms"]
     assert fa["clean_steps"] >= STEPS
     assert fa["critical"] == 0 and fa["warning_per_1000"] <= 1.0, fa
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_ddp_a_nan_gemm_on_rank_1_is_detected_healed_and_blamed_on_rank_1_and_its_mpu() -> None:
+    """The DDP set-up: 2 gloo ranks, the fault on rank 1 (each run its own forked process group)."""
+    _, faults = load(CAMPAIGNS / "ci.json")
+    nan = [f for f in faults if f.magnitude == "nan" and f.surface == "compute"]
+    res = campaign(nan, nan[0].start + 4, log=lambda s: None, run=runner("ddp", str(CAMPAIGNS / "ci.json")))
+    row = res["faults"][0]
+    assert row["mattered"] and row["detected"] and row["steps_to_detection"] == 0, row
+    assert row["right_rank"] and row["right_mpu"] and row["healed"] and not row["loop"], row
