@@ -292,7 +292,10 @@ class RankState:
             mpus[m.mpu_id] = m
         self.mpus = mpus
 
-    def apply_report(self, r: StepReport, gpus: Mapping[int, GpuSample]) -> None:
+    def apply_report(self, r: StepReport, gpus: Mapping[int, GpuSample], *, score: bool = True) -> None:
+        """Apply one step's report; `score` False leaves the health scores to the message's last
+        step (mscale.daemon.link: nothing reads them in between, and scoring every step of a
+        batched message cost most of its handling)."""
         self.reports_total += 1
         self.last_report_at = time.time()
         self.step = max(self.step, r.step)
@@ -304,7 +307,8 @@ class RankState:
             m = self.mpus.get(mpu_id)
             if m is not None:
                 m.update(mr)
-        self.refresh(gpus)
+        if score:
+            self.refresh(gpus)
 
     def refresh(self, gpus: Mapping[int, GpuSample]) -> None:
         for m in self.mpus.values():

@@ -132,7 +132,7 @@ class LinkServer:
             if path.exists() or path.is_symlink():
                 if not stat.S_ISSOCK(path.lstat().st_mode):
                     raise OSError(f"{path} exists and is not a socket")
-                if await _in_use(str(path)):
+                if await socket_file.in_use(str(path)):
                     raise OSError(f"{path} is in use by another agent")
                 path.unlink()  # stale, from an agent that died
             link_app = web.Application()
@@ -285,7 +285,7 @@ class LinkServer:
         )
 
     async def _message(self, conn: _Conn, data: str) -> None:
-        msg = protocol.decode(data, self.config.socket.max_message_bytes)
+        msg, report = _read(data, self.config.socket.max_message_bytes)
         kind = msg["type"]
         if kind == Msg.REGISTER:
             registered = self._register(conn, Register.from_wire(msg, self.config.socket.max_mpus_per_job))
@@ -299,7 +299,10 @@ class LinkServer:
                 raise BadMessage(
                     "malformed", f"report: job_id {str(msg.get('job_id'))[:140]!r} is not this connection's job"
                 )
-            self._report(job, conn.rank, Report.from_wire(msg))
+            if isinstance(report, BadMessage):
+                raise report
+            assert report is not None
+            self._report(job, conn.rank, report)
         elif kind in self.handlers:
             try:
                 handler: Any = self.handlers[kind]
@@ -398,8 +401,9 @@ class LinkServer:
         rs = job.rank_state(rank)
         rs.reports_dropped = max(rs.reports_dropped, msg.dropped)
         proofs = 0
-        for r in msg.reports:
-            rs.apply_report(r, gpus)
+        last = len(msg.reports) - 1
+        for i, r in enumerate(msg.reports):
+            rs.apply_report(r, gpus, score=i == last)  # scored once a message: coalesced
             for observe in self.report_observers:
                 try:
                     observe(job, rank, r)
@@ -437,6 +441,18 @@ class LinkServer:
             self.state.events.emit(finding)
 
 
+def _read(data: str, limit: int) -> tuple[Wire, Report | BadMessage | None]:
+    """A frame as a message and, for a report, the report checked (or why not: raised once the
+    connection is known to be registered)."""
+    msg = protocol.decode(data, limit)
+    if msg["type"] != Msg.REPORT:
+        return msg, None
+    try:
+        return msg, Report.from_wire(msg)
+    except BadMessage as e:
+        return msg, e
+
+
 class Outgoing(Protocol):
     """A message the agent sends (mscale.link's command and answer classes)."""
 
@@ -452,16 +468,6 @@ class _Conn:
     uid: int
     job: JobState | None = None
     rank: int = -1
-
-
-async def _in_use(path: str) -> bool:
-    try:
-        async with asyncio.timeout(1.0):
-            _r, w = await asyncio.open_unix_connection(path)
-    except (TimeoutError, OSError):
-        return False
-    w.close()
-    return True
 
 
 def setup(app: web.Application) -> None:

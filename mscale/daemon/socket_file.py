@@ -14,6 +14,7 @@ a user could swap the socket for their own and the jobs would talk to them.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import stat
@@ -78,3 +79,14 @@ def _complete_mode(path: str, mode: int) -> None:
             os.chmod(f"/proc/self/fd/{fd}", mode)  # the node the descriptor holds, not a path
     finally:
         os.close(fd)
+
+
+async def in_use(path: str) -> bool:
+    """Whether a listener answers at the socket `path` (another agent), within 1 s."""
+    try:
+        async with asyncio.timeout(1.0):
+            _r, w = await asyncio.open_unix_connection(path)
+    except (TimeoutError, OSError):
+        return False
+    w.close()
+    return True

@@ -100,6 +100,7 @@ class Agreed:
     commit_failed: int = 0  # ranks whose checks failed at the commit point (commit verdicts)
     gradient: int = 0  # ranks with a corrupted weight gradient (mscale.hook.gradcheck)
     keep: int = 0  # ranks whose pending rollback re-runs its batch (not skipped)
+    failed_mpus: tuple[str, ...] = ()  # MPUs whose output failed on some rank (the fault's culprits)
 
     @property
     def drop(self) -> bool:  # an in-step checksum failure drops only that MPU's gradient (on_step_decide)
@@ -215,7 +216,8 @@ class Agreement:
             loss = loss_sum / loss_n
         else:
             loss = None
-        a = Agreed(step, skip, nonfinite, failed, rollback, swaps, loss, commit_failed, gradient, keep)
+        culprits = tuple(m.mpu_id for m, v in zip(g.mpus, per_mpu, strict=True) if v > 0.5)
+        a = Agreed(step, skip, nonfinite, failed, rollback, swaps, loss, commit_failed, gradient, keep, culprits)
         self.history.append(a)
         if loss is not None:
             g._losses[:] = [loss]  # every rank's detector judges the same loss

@@ -9,19 +9,16 @@ Small tensors (biases, norms) are fingerprinted together in one fused pass per d
 word views concatenated, one cumulative sum, read at each tensor's end), larger ones, and those
 whose bytes are not whole aligned words, one by one; all of a device's sums are read back at once.
 
-`WeightWatch` keeps the fingerprints of a guard's model: the trained weights (those requiring
-a gradient) are split into `groups` groups of about equal bytes; each time the weights settle
-after a step (after the optimizer, after a rollback) the next group in turn is fingerprinted,
-and checked at the next step's begin, before its forward: one pass over 1/groups of the
-weights per window instead of two over all of them (the budget: docs/hook.md). The frozen
-ones are fingerprinted once and checked every `frozen_every` steps. A mismatch is a
-WEIGHT_CORRUPTION finding per tensor, labelled with its MPU (none for a tensor outside every
-MPU), in the step that would first use it; a write in a window whose group is not checked goes
-unseen here (with one process nothing else holds a copy; under DDP the replica check of
-mscale.hook.replicas compares the ranks' copies within its bound). A change of a tensor's
-shape, dtype or device (an L2 fallback, a swap on a GPU node) starts the fingerprints over:
-it is a move, not a corruption. The repair is the fuse's (mscale.hook.actions.restore_weights,
-whose per-job state this is).
+`WeightWatch` keeps the fingerprints of a guard's model: the trained weights are split into
+`groups` groups of about equal bytes; each time the weights settle (after the optimizer, a
+rollback) the next group is fingerprinted and checked before the next forward: one pass over
+1/groups of them a window instead of two over all (docs/hook.md). Frozen ones are fingerprinted
+once, checked every `frozen_every` steps. A mismatch is a WEIGHT_CORRUPTION finding per tensor
+with its MPU, in the step that would first use it. A write in an unchecked group's window goes
+unseen here (under DDP the replicas compare within their bound: mscale.hook.replicas; a write that
+makes its MPU's output non-finite is found then: actions/restore_weights.py). A new shape, dtype
+or device (an L2 fallback, a swap on a GPU) starts the fingerprints over: a move, not a
+corruption. The repair is the fuse's (actions/restore_weights.py, whose per-job state this is).
 """
 
 from __future__ import annotations
@@ -199,6 +196,7 @@ class WeightWatch:
         }
         self.prints["frozen"] = Fingerprint([p for _, p in frozen])
         self.ref: dict[str, tuple[tuple, torch.Tensor]] = {}
+        self.tensors = {n: _local(p) for n, p in g.model.named_parameters()}  # by name: the event check's
         self.settle(frozen=True)
 
     def settle(self, *, frozen: bool = False) -> None:
@@ -257,23 +255,17 @@ class WeightWatch:
                 return False
         return True
 
-    def changed(self, mpu_id: str) -> bool:
-        """Whether a tensor of MPU `mpu_id` now differs from its recorded fingerprint (an L1
-        swap asks before it moves the MPU: one pass, at the swap only). A group whose layout
-        changed since its record (moved) has no comparable record: unchanged."""
-        for key in self._current():
-            layout, ref = self.ref[key]
-            fp = self.prints[key]
-            mine = [i for i, n in enumerate(self.names[key]) if self._where(n)[0] == mpu_id]
-            if mine and fp.layout() == layout and not torch.equal(fp.compute()[mine], ref[mine]):
-                return True
-        return False
-
     def _where(self, name: str) -> tuple[str, str]:
         m = self.owner.get(name)
         return (m.mpu_id if m is not None else "", name)
 
-    def _report(self, kind: str, name: str, step: int) -> None:
+    def report(self, names: list[str], step: int, *, why: str) -> None:
+        """Trained weights found changed by another check (restore_weights' on an MPU's failure)."""
+        self.corrupted = [self._where(name) for name in names]
+        for name in names:
+            self._report("trained", name, step, found=why)
+
+    def _report(self, kind: str, name: str, step: int, found: str = "") -> None:
         m = self.owner.get(name)
         labels = {"tensor": name, "weights": kind, "step": str(step)}
         if m is not None:
@@ -286,7 +278,8 @@ class WeightWatch:
                 SOURCE,
                 Reason.WEIGHT_CORRUPTION,
                 Severity.CRITICAL,
-                f"{kind} weight {name} of {where} changed outside the optimizer since the last step",
+                f"{kind} weight {name} of {where} changed outside the optimizer"
+                + (f" (found when {found})" if found else " since the last step"),
                 labels,
             )
         )

@@ -6,6 +6,7 @@
     train_state.py  `train_state.pt` read without torch (a restricted unpickler)
     tensors.py      the torch side of the format: tensors to safetensors, load_snapshot
     memory.py       snapshots in host memory and the copies that fill them; RNG states
+    trust.py        live weights against the in-memory copies: which to trust, what they explain
     optim.py        optimizer state keyed by parameter name
     writer.py       the background thread that writes snapshots to disk
     config.py       SnapshotConfig: the snapshots' settings, validated once

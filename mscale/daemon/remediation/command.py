@@ -8,6 +8,9 @@ The agent runs argv (no shell) with the facts appended as arguments,
 
     argv... EVENT NODE GPU_UUID GPU_INDEX KIND REASON ACTION
 
+Only values the agent knows reach it: its node name, the GPU probe's index and UUID of the GPU,
+the link's job, rank and MPU ids, a standby that is one of the node's GPU indexes; each is
+checked again before the run, and a fault carrying anything else is not run (FilingFailed).
 EVENT `file` or `clear`, KIND `sdc` or `xid`, REASON `GPUSilentDataCorruption` or
 `GPUXid<code>`, ACTION NVSentinel's RecommendedAction name (COMPONENT_RESET, RESTART_BM,
 CONTACT_SUPPORT), and in the environment, which holds nothing of the agent's own (no token

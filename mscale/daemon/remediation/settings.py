@@ -23,7 +23,11 @@ class _Common:
         3, "consecutive healthy checks of a reset GPU before its filings are undone", min=1, max=1000
     )
     max_filings_per_hour: int = opt(
-        6, "filings (not undos) one filer makes per hour at most; past it they wait, counted", min=1, max=10000
+        6,
+        "filings (not undos) one filer makes per hour at most, for each source: the jobs' proofs (sdc) "
+        "and the GPU probe's fatal Xids (xid) apart; past it they wait, counted",
+        min=1,
+        max=10000,
     )
     retry_interval_s: float = opt(60.0, "a failed file or undo is tried again after this", min=1, max=86400)
     state_file: str = opt(

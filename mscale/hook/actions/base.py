@@ -25,6 +25,7 @@ with itself first (`fuse.dispatch(hook, *args)`):
     settle(fuse, step) -> bool    after the clean-step count; True: the step's state was
                                   dropped or replaced (a rollback), so it is not snapshotted
     weights_settled(fuse)         the weights are final for this step (or restored)
+    mpu_failed(fuse, mpu, f) -> bool  before an MPU's failure counts; True: its weights' (repaired)
     report(fuse, report)          the step report is being built: add or change its fields
     in_force(fuse, mpu) -> bool   a measure of this action holds on the MPU
     undo(fuse, mpu)               undo that measure (the MPU came clean)
@@ -55,6 +56,7 @@ class FuseContext(Protocol):
     snapshot_engine: Any  # an mscale.snapshot.engine.SnapshotEngine, or None
     states: dict[str, Any]  # every action's per-job state, by action name
     seq: int  # steps run (never set back by a rollback)
+    progress: Any  # the forward-progress keeper (mscale.healing.progress.Keeper)
     gpu_count: int | None
     l2_resolution: float
     l2_clip_factor: float

@@ -1,9 +1,9 @@
 """L1 MPU swap: move the MPU (parameters, gradients, optimizer state) to a standby GPU.
 
 The standby is a GPU of the node that no MPU of this job uses, that no action of the job
-avoids (quarantined, or failed on by one of its MPUs: an SDC there may hit any MPU). If the
-weights themselves fail their checksum (a fingerprint taken after every step) they are
-restored from the last verified in-memory snapshot first. Inside a forward the fuse then
+avoids (quarantined, or failed on by one of its MPUs: an SDC there may hit any MPU). It moves
+verified weights only: the MPU's weights are checked first against the newest trusted in-memory
+snapshot and, if corrupted, repaired (restore_weights). Inside a forward the fuse then
 re-runs the MPU's forward for the current batch on the standby, so the step completes with
 a correct output. No standby: ActionFailed("no healthy standby"), and the fuse escalates.
 With a link to the agent the standby is the agent's answer from its node view (every rank's
@@ -106,25 +106,10 @@ def move_mpu(guard: Any, m: Any, gpu: int, *, shards: bool = False) -> None:
 
 
 def verify_weights(fuse, state: Swaps, m: Any) -> bool:
-    """Check the MPU's weights against their fingerprint after the last optimizer step;
-    on a mismatch (corrupted in place) restore them from the last in-memory snapshot, through
-    the engine's model (under FSDP2 its views of this rank's shards). True when restored."""
-    watch = getattr(fuse.states.get("restore_weights"), "watch", None)
-    if watch is None or not watch.changed(m.mpu_id):
-        return False
-    engine = fuse.snapshot_engine
-    snap = engine.latest() if engine is not None else None
-    if snap is None:
-        raise ActionFailed("weights fail their checksum and no in-memory snapshot can restore them")
-    snap.wait_ready()
-    prefix = f"mpu_{m.mpu_id}_"
-    model, optimizer = getattr(engine, "model", fuse.guard.model), getattr(engine, "optimizer", fuse.guard.optimizer)
-    n = snap.copy_back(model, optimizer, lambda file, _name: file.startswith(prefix))
-    if not n:
-        raise ActionFailed(f"the in-memory snapshot of step {snap.step} holds no weights of MPU {m.mpu_id}")
-    watch.settle(frozen=True)  # the restored weights are the reference again
-    log.warning("mpu_weights_restored", mpu_id=m.mpu_id, snapshot_step=snap.step, tensors=n)
-    return True
+    """Check the MPU's weights against the newest trusted in-memory snapshot (restore_weights',
+    once a step) and repair them when corrupted: only verified weights move. True when repaired."""
+    weights = fuse.states.get("restore_weights")
+    return weights is not None and bool(weights.check(fuse, m))  # it logs its finding
 
 
 EXECUTOR = Executor(actions.get("l1_swap"), apply, state=Swaps, event=event)
