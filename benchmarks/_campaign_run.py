@@ -76,7 +76,7 @@ def run(
             labels = _labels(f)
             findings.append({"step": step, "reason": f.reason.value, "severity": sev, "labels": labels, "rank": rank})
 
-    t0, calls, inj = time.perf_counter(), 0, None
+    t0, made, inj = time.perf_counter(), [0], None  # made: the optimizer calls, kept if the run raises
     try:
         if guarded:
             guard = mscale.attach(
@@ -84,8 +84,8 @@ def run(
             )
             out["mpus"] = {m.mpu_id: {"name": m.name, "path": m.path} for m in guard.mpus}
         inj = Injector(fault, model, opt, seed) if fault is not None and fault.rank == rank else None
-        calls = _train(call, opt, loader, guard, inj, steps, max_calls)
-        out["capped"] = calls >= max_calls and _step(guard, calls) < steps
+        _train(call, opt, loader, guard, inj, steps, max_calls, made)
+        out["capped"] = made[0] >= max_calls and _step(guard, made[0]) < steps
     except Exception as e:  # what the run did is the result, whatever it is
         tb = traceback.extract_tb(e.__traceback__)
         where = [f"{Path(x.filename).name}:{x.lineno}" for x in tb[-4:]]
@@ -93,7 +93,7 @@ def run(
     if inj is not None:
         out["armed"] = inj.armed
         inj.remove()
-    out.update(calls=calls, steps=_step(guard, calls), findings=findings)
+    out.update(calls=made[0], steps=_step(guard, made[0]), findings=findings)
     if guard is not None:
         guard.detach()
     out.update(_weights(model, make_batch))
@@ -131,21 +131,20 @@ def _step(guard: Any, calls: int) -> int:
     return int(guard.current_step) if guard is not None else calls
 
 
-def _train(model, opt, loader, guard, inj, steps: int, max_calls: int) -> int:
-    """The README's loop; returns the optimizer calls made."""
-    calls = 0
+def _train(model, opt, loader, guard, inj, steps: int, max_calls: int, made: list[int]) -> None:
+    """The README's loop; made[0] counts the optimizer calls."""
     while True:
         for batch in loader:
-            step = _step(guard, calls)
-            if step >= steps or calls >= max_calls:
-                return calls
+            step = _step(guard, made[0])
+            if step >= steps or made[0] >= max_calls:
+                return
             if inj is not None:
                 inj.begin(step)
                 batch = inj.batch(batch)
             model(**batch).loss.backward()
             opt.step()
             opt.zero_grad()
-            calls += 1
+            made[0] += 1
 
 
 def _weights(model: torch.nn.Module, make_batch: Any) -> dict:
