@@ -215,13 +215,7 @@ def grad_stats(
         row, n = _gvc_row(m.mpu_id, grads, l2sq, buffers)
         counts.append(n)
         rows.append(row)
-    # the rest of the model (outside every MPU) only adds to the global norm
-    rest = [p for p in params if p.grad is not None and id(p) not in in_mpus]
-    if rest:
-        l2sq = _split(rest, list(torch._foreach_norm([_local(g) for p in rest if (g := p.grad) is not None], 2)))
-        rows.append(torch.cat((l2sq, l2sq.new_zeros(ROW - 2))))
-    else:
-        rows.append(torch.zeros(ROW, dtype=torch.float64))
+    rows.append(_rest_row([p for p in params if p.grad is not None and id(p) not in in_mpus]))
     # every MPU's row and the rest read back with one sync, gathered on the device most rows
     # are on (rows of MPUs without gradients are CPU zeros; a no-op on CPU)
     devs = [r.device for r in rows]
@@ -235,6 +229,15 @@ def grad_stats(
     for i, m in enumerate(mpus):
         out[m.mpu_id] = _norm_and_gvc(values[ROW * i : ROW * (i + 1)], counts[i], gvc)
     return (math.sqrt(total) if total >= 0 else math.nan), out
+
+
+def _rest_row(rest: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The row of the rest of the model (the parameters outside every MPU, with a gradient):
+    its norms only, which add to the global norm."""
+    if not rest:
+        return torch.zeros(ROW, dtype=torch.float64)
+    l2sq = _split(rest, list(torch._foreach_norm([_local(g) for p in rest if (g := p.grad) is not None], 2)))
+    return torch.cat((l2sq, l2sq.new_zeros(ROW - 2)))
 
 
 def _split(with_grad: Sequence[torch.nn.Parameter], norms: list[torch.Tensor]) -> torch.Tensor:

@@ -1,40 +1,21 @@
 """Loss and gradient-norm statistics, in-process: NaN/Inf, spikes against a robust,
-trend-following baseline, and jumps against the previous value and the recent median.
+trend-following baseline, and jumps. docs/hook.md gives the calibration.
 
-Each series is watched on the log of its values: the loss, the global gradient norm, and each
-MPU's gradient norm relative to the rest of the model's (its norm over the norm of every other
-gradient, ||g_i|| / sqrt(||g||^2 - ||g_i||^2), from the same step, the same scope: the whole
-gradient on every rank, under DDP after the reduction, under FSDP2 over all shards,
-mscale.hook.cmsa.grad_stats). Clean training moves the whole gradient together (early training,
-warm-up, the steps where the model starts to use an input: every MPU's norm 4-6x at once for a
-few steps); that is the global norm's to watch, and it cancels out of an MPU's relative norm,
-which moves when that MPU's gradient moves alone, as a fault in it does. Losses and norms move
-by factors, and a factor is what a spike is. The baseline follows the trend: the location is
-the median of the last `baseline` (10) log values, and a value's residual is its distance above
-that. The scale is the spread of the recent residuals: the median absolute deviation of the
-last `window` (100) residuals around their median, times 1.4826 (a normal sigma), never below a
-floor: `scale_floor` (0.1, a 10% move) for the loss, `grad_scale_floor` (0.25) for an MPU's
-relative norm, `global_scale_floor` (0.4) for the global norm. A value's z = (residual - median
-residual) / scale; z >= `warn_sigma` (5) is a warning, z >= `action_sigma` (10) an action. Only
-upward moves count: a falling loss is training. A value more than `jump_ratio` (10) times both
-the previous one and the recent median is a jump, from the first steps on (the median too: a
-clean gradient norm can fall 5x for one step and come back); a gradient norm's jump is a
-warning unless it is an action as well. No spike test until `min_history` (20) residuals are in
-the window: the first ~30 steps are warm-up, watched by the NaN and jump tests only.
-
-Why these numbers: clean runs of a tiny LLaVA with image-dependent data (tests/test_clean_runs.py,
-tests/support/clean_job.py): one process, 10 seeds x 600 steps; 2 DDP ranks, 4 DDP ranks and 2
-FSDP2 ranks, 3 seeds x 300 steps each. The global norm's worst clean step was 4.4 sigma (a 6x
-rise when the 4-rank run began to use the images, which 0.25 made 7.1 sigma), an MPU's relative
-norm's 4.7 (its absolute norm, watched before, reached 7.5 sigma in the same steps, and 6.7 in
-one process: 15 warnings over these runs); 0 warnings in all. Faults the same series still catch, spliced into the recorded
-runs at every fifth step from 35 on: a 10x global gradient 97% of the steps, a 20x vision
-gradient 98% (50x: all), a 20x aligner or text gradient all of them; in the runs themselves, the
-job's own tensor hook scaling one MPU's gradient 50x is found in its step, named by that MPU
-(tests/test_clean_runs.py), and tests/test_loss_calibration.py's 25x loss spike, NaN loss and
-10x gradient in their step. Every finite positive value enters the windows, spikes included:
-the medians barely move for one outlier, so a spike neither blinds the detector to the next
-one nor makes a slow drift alarm. A value <= 0 (log undefined) is only checked for a jump.
+Series, on log values (a spike is a factor): the loss, the global gradient norm, and each MPU's
+gradient norm relative to the rest of the model's, ||g_i|| / sqrt(||g||^2 - ||g_i||^2), all of
+the whole gradient on every rank (mscale.hook.cmsa.grad_stats). Clean training moves the whole
+gradient together (4-6x for a few steps when a model starts to use an input): the global norm
+watches that, and it cancels out of an MPU's relative norm, which moves when that MPU's gradient
+moves alone, as a fault in it does. Location: the median of the last `baseline` (5) values; a
+value's residual is its distance above it. Scale: 1.4826 x the MAD of the last `window` (100)
+residuals, at least `scale_floor` (0.1) for the loss, `global_scale_floor` (0.3) for the global
+norm, `grad_scale_floor` (0.25) for an MPU's. z = (residual - median residual) / scale: >=
+`warn_sigma` (5) a warning, >= `action_sigma` (10) an action, upward only, once `min_history`
+(20) residuals are in (the first ~25 steps are warm-up). A jump: more than `jump_ratio` (10)
+times both the previous value and the recent median (a clean norm can fall 5x for one step),
+from the first step; a gradient norm's is a warning unless it is an action too. Every finite
+positive value enters the windows, spikes included (the medians barely move for one outlier);
+a value <= 0 is only checked for a jump.
 """
 
 from __future__ import annotations
