@@ -34,6 +34,7 @@ _LAZY: dict[str, str] = {
     "ResumableFileStream": "mscale.snapshot.data",
     "contract": "mscale.contracts.declare",
     "ContractRefused": "mscale.contracts.spec",
+    "ProgressBoundExceeded": "mscale.healing.progress",
     "Finding": "mscale.findings",
     "Reason": "mscale.findings",
     "Severity": "mscale.findings",

@@ -53,6 +53,7 @@ class Reason(str, Enum):
     GRAD_NORM_JUMP = "grad_norm_jump"
     WEIGHT_CORRUPTION = "weight_corruption"  # a weight changed outside the optimizer (hook/weights)
     GRADIENT_CORRUPTION = "gradient_corruption"  # a weight gradient off its norm before the reduction (hook/gradcheck)
+    OUTPUT_SHIFT = "output_shift"  # an MPU output's scale left its baseline, held (hook/outstats)
     # several ranks (mscale.hook.agree)
     STEP_DROPPED_AGREED = "step_dropped_agreed"  # every rank drops a step another rank found bad
     MPU_GRADIENT_DROPPED_AGREED = "mpu_gradient_dropped_agreed"  # ... or only the MPU that failed its checksum
@@ -75,6 +76,7 @@ class Reason(str, Enum):
     SNAPSHOT_REFUSED = "snapshot_refused"  # on load: a file fails its manifest check, or does not fit
     SNAPSHOT_RESUMED = "snapshot_resumed"  # start-up restore from disk
     ROLLBACK = "rollback"
+    PROGRESS_BOUND = "progress_bound"  # a fault cost more than the progress bound: the job stopped itself
     # Resource contracts and the density guard (mscale.daemon.contract)
     CONTRACT_VIOLATED = "contract_violated"  # a plan thread runs outside its CPUs
     CONTRACT_COMPLIANT = "contract_compliant"  # every plan thread runs where its plan says (again)

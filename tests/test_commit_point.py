@@ -45,9 +45,9 @@ def test_two_ranks_read_back_once_a_step_at_the_commit_point_with_the_agreement(
 
 def test_a_fault_found_at_the_commit_point_re_runs_the_step_on_the_same_batch_on_every_rank(commit_jobs) -> None:
     """Rank 1's vision GEMM output corrupted once at step 3: rank 1 finds it at the commit point,
-    both ranks drop the update, roll back one step keeping the batch and re-run step 3 on the
-    same samples; no step is skipped, the ranks stay bitwise equal to each other and to the
-    fault-free run."""
+    both ranks drop the update and run step 3 again from its start (the step mark: data and RNG
+    rewound, weights kept, no rollback) on the same samples; no step is skipped, the ranks stay
+    bitwise equal to each other and to the fault-free run."""
     clean, hit = commit_jobs
     assert hit[1]["output_hit"] == [FAULT_AT] and hit[0]["output_hit"] == []
     assert ["checksum", "checksum_failure"] in hit[1]["findings"]
@@ -58,7 +58,7 @@ def test_a_fault_found_at_the_commit_point_re_runs_the_step_on_the_same_batch_on
         assert steps == [0, 1, 2, 3, 3, 4, 5]  # step 3 run twice, none skipped
         assert [e["step"] for e in r["ends"] if e["skip"]] == [FAULT_AT]
         assert r["ends"][3]["hash"] == r["ends"][2]["hash"]  # the first run's update dropped
-        assert r["rollbacks"] == [{"step": FAULT_AT, "to": FAULT_AT - 1}]
+        assert r["rollbacks"] == [{"step": FAULT_AT, "to": FAULT_AT - 1, "rewind": True}]
         assert r["final_step"] == STEPS
         (first, again) = [ids for step, ids in r["consumed"] if step == FAULT_AT]
         assert first == again  # the batch re-consumed
@@ -78,33 +78,38 @@ def _quiet():
     structlog.reset_defaults()
 
 
-@pytest.mark.usefixtures("_quiet")
-def test_a_persistent_fault_at_the_commit_point_escalates_and_the_step_runs_on_the_standby() -> None:
-    """One process: the vision MPU's GPU corrupts every run of step 3 (an exponent flip in its
-    first GEMM). Each run fails at the commit point, its update dropped and the step re-run on
-    the same batch; the third failed run is the L1 trigger, the MPU moves to a standby GPU, and
-    the fourth run of step 3 passes there: the step is repeated, none is lost."""
+def _commit_job(job_id: str, plugins=()) -> tuple:
     torch.manual_seed(0)
     cfg = TinyConfig()
     model = TinyMultimodal(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = mscale.ResumableLoader(SyntheticCaptions(cfg, size=64, seed=0), batch_size=2, seed=0)
+    guard = mscale.attach(
+        model,
+        opt,
+        job_id=job_id,
+        connect=False,
+        plugins=list(plugins),
+        checksum=mscale.ChecksumConfig(full=True, verdicts="commit"),
+        snapshots=mscale.SnapshotConfig(memory_every=1),
+        data=loader,
+    )
+    return model, opt, loader, guard
+
+
+@pytest.mark.usefixtures("_quiet")
+def test_a_persistent_fault_at_the_commit_point_escalates_and_the_step_runs_on_the_standby() -> None:
+    """One process: the vision MPU's GPU corrupts every forward from step 3 on (an exponent flip
+    in its first GEMM). Each failed run is charged to the MPU: step 3 fails, runs again once on
+    its batch and fails again, so its batch is skipped; step 4's run is the third failure, the L1
+    trigger: the MPU moves to a standby GPU and step 4's second run passes there. No rollback."""
     ends: list[tuple[int, bool]] = []
 
     class Ends:
         def on_step_end(self, step: int, loss) -> None:
             ends.append((step, bool(guard._skip_reason)))
 
-    guard = mscale.attach(
-        model,
-        opt,
-        job_id="commit",
-        connect=False,
-        plugins=[Ends()],
-        checksum=mscale.ChecksumConfig(full=True, verdicts="commit"),
-        snapshots=mscale.SnapshotConfig(memory_every=1),
-        data=loader,
-    )
+    model, opt, loader, guard = _commit_job("commit", [Ends()])
     vision = guard.mpu("vision")
     gpu = vision.gpu
     consumed: list[tuple[int, list[int]]] = []
@@ -115,7 +120,7 @@ def test_a_persistent_fault_at_the_commit_point_escalates_and_the_step_runs_on_t
             if guard.current_step >= 6:
                 break
             if guard.current_step == FAULT_AT and injector is None:
-                injector = inject(guard, kind="exponent_flip", gpu=gpu, steps=1, element="max")
+                injector = inject(guard, kind="exponent_flip", gpu=gpu, steps=100, element="max")
             b = next(batches)
             consumed.append((guard.current_step, b["index"].tolist()))
             model(b["images"], b["tokens"])["loss"].backward()
@@ -123,46 +128,22 @@ def test_a_persistent_fault_at_the_commit_point_escalates_and_the_step_runs_on_t
             opt.zero_grad()
     finally:
         guard.detach()
-    assert ends == [
-        (0, False),
-        (1, False),
-        (2, False),
-        (3, True),
-        (3, True),
-        (3, True),
-        (3, False),
-        (4, False),
-        (5, False),
-    ]
-    runs = [ids for step, ids in consumed if step == FAULT_AT]
-    assert len(runs) == 4 and all(ids == runs[0] for ids in runs)
-    assert injector is not None and len({h.step for h in injector.hits}) == 1 and len(injector.hits) >= 3
+    assert ends == [(0, False), (1, False), (2, False), (3, True), (3, True), (4, True), (4, False), (5, False)]
+    for step in (FAULT_AT, FAULT_AT + 1):
+        runs = [ids for s, ids in consumed if s == step]
+        assert len(runs) == 2 and runs[0] == runs[1]  # run again on its own batch
+    assert consumed[5][1] != consumed[3][1]  # step 3's batch skipped: step 4 has the next one
     assert vision.gpu != gpu and vision.fuse_level == "l1_swapped"
     rolled = guard.fuse.states["rollback"].rollbacks
-    assert [(x["step"], x["to"]) for x in rolled] == [(FAULT_AT, FAULT_AT - 1)] * 3
+    assert [(x["step"], x["to"], x.get("rewind")) for x in rolled] == [(3, 2, True), (4, 3, True)]
+    assert guard.fuse.progress.reruns_skipped == [FAULT_AT]
 
 
 @pytest.mark.usefixtures("_quiet")
-def test_a_step_failing_at_the_commit_point_is_re_run_at_most_max_step_reruns_times() -> None:
-    """A fault that follows the vision MPU through every level, on every run of step 3: the
-    step is re-run MAX_STEP_RERUNS times (the fuse escalating meanwhile), then its update stays
-    dropped and training goes on with the next batch."""
-    from mscale.hook.fuse import MAX_STEP_RERUNS
-
-    torch.manual_seed(0)
-    cfg = TinyConfig()
-    model = TinyMultimodal(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = mscale.ResumableLoader(SyntheticCaptions(cfg, size=64, seed=0), batch_size=2, seed=0)
-    guard = mscale.attach(
-        model,
-        opt,
-        job_id="limit",
-        connect=False,
-        checksum=mscale.ChecksumConfig(full=True, verdicts="commit"),
-        snapshots=mscale.SnapshotConfig(memory_every=1),
-        data=loader,
-    )
+def test_a_step_failing_at_the_commit_point_is_re_run_once_then_its_batch_is_skipped() -> None:
+    """A fault on every run of step 3 only: the step is run again once (progress_step_reruns),
+    then its update stays dropped and training goes on with the next batch."""
+    model, opt, loader, guard = _commit_job("limit")
     consumed: list[tuple[int, list[int]]] = []
     batches = iter(loader)
     injector = None
@@ -180,7 +161,8 @@ def test_a_step_failing_at_the_commit_point_is_re_run_at_most_max_step_reruns_ti
     finally:
         guard.detach()
     runs = [ids for step, ids in consumed if step == FAULT_AT]
-    assert len(runs) == 1 + MAX_STEP_RERUNS and all(ids == runs[0] for ids in runs)
+    assert len(runs) == 2 and runs[0] == runs[1]
     after = [ids for step, ids in consumed if step == FAULT_AT + 1]
     assert len(after) == 1 and after[0] != runs[0]  # the next batch: training went on
-    assert [s for s, _ in consumed] == [0, 1, 2] + [FAULT_AT] * (1 + MAX_STEP_RERUNS) + [4]
+    assert [s for s, _ in consumed] == [0, 1, 2, FAULT_AT, FAULT_AT, 4]
+    assert guard.fuse.progress.ledger.lost == 2  # the two failed runs, nothing undone

@@ -1,6 +1,14 @@
 """dcgm-exporter input: fixture pages in dcgm-exporter's exposition format, served by a real
 aiohttp server on 127.0.0.1, read by the GPU probe (backend = "dcgm") into the same samples
-and health model as NVML."""
+and health model as NVML.
+
+page1/page2.prom are legacy pages (exporter 4.8.x and earlier: MHz, MiB, percent).
+page*_4.9.0.prom and page*_4.10.0.prom are the same GPUs and readings as exporter 4.9.0 and
+4.10.0 publish them, written from the published field lists cited in
+mscale/probes/dcgm_fields.csv: DCGM 4.7 names, clocks in hertz, memory in bytes (and
+DCGM_FI_DEV_FB_CAPACITY_BYTES), utilization as a 0-1 ratio, the DCGM_FI_SYSTEM_DRIVER_VERSION
+and hostname labels; 4.10.0 adds DCGM_FI_PROF_PCIE_{TX,RX}_BYTES_PER_SECOND.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +24,8 @@ from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason
 from mscale.probes import gpu as gpu_probe
 from mscale.probes.base import ProbeContext
-from mscale.probes.dcgm import DcgmError, DcgmReader
-from support import free_port
+from mscale.probes.dcgm import DcgmError, DcgmFieldsError, DcgmReader, parse_fields, parse_page, shipped_fields
+from support import REPO, free_port
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
 MiB = 1 << 20
@@ -180,3 +188,149 @@ def test_garbage_page_is_an_error(exporter) -> None:
     exporter.page = "this is { not prometheus\n"
     with pytest.raises(DcgmError, match="exposition"):
         DcgmReader(exporter.url).read()
+
+
+# ---- exporter releases: 4.8.x (legacy), 4.9.0 (DCGM 4.7 names and base units), 4.10.0 ----
+
+RELEASE_PAGES = {"legacy": "", "4.9.0": "_4.9.0", "4.10.0": "_4.10.0"}
+
+
+def page(n: int, release: str) -> str:
+    return (FIXTURES / f"page{n}{RELEASE_PAGES[release]}.prom").read_text()
+
+
+def sample_page(exporter: Exporter, *texts: str):
+    probe, found = make_probe(exporter.url)
+    try:
+        snaps = []
+        for text in texts:
+            exporter.page = text
+            snaps.append(probe.sample())
+    finally:
+        probe.close()
+    return snaps, found
+
+
+def test_fixture_pages_use_each_releases_names() -> None:
+    """The new-release fixtures really carry the renamed set (else the next test proves nothing)."""
+    legacy, new49, new410 = page(1, "legacy"), page(1, "4.9.0"), page(1, "4.10.0")
+    assert "DCGM_FI_DEV_SM_CLOCK{" in legacy and "DCGM_FI_DEV_SM_CLOCK{" not in new49 + new410
+    for text in (new49, new410):
+        assert "DCGM_FI_DEV_SM_CLOCK_HERTZ{" in text and "DCGM_FI_DEV_FB_USED_BYTES{" in text
+        assert "DCGM_FI_DEV_GPU_UTIL_RATIO{" in text and "DCGM_FI_DEV_FB_CAPACITY_BYTES{" in text
+        assert "DCGM_FI_DRIVER_VERSION=" not in text and "DCGM_FI_SYSTEM_DRIVER_VERSION=" in text
+    assert "DCGM_FI_PROF_PCIE_TX_BYTES{" in new49 and "DCGM_FI_PROF_PCIE_TX_BYTES_PER_SECOND{" in new410
+
+
+@pytest.mark.parametrize("release", ["4.9.0", "4.10.0"])
+def test_every_exporter_release_gives_the_same_samples(exporter, release) -> None:
+    (legacy,), found_legacy = sample_page(exporter, page(1, "legacy"))
+    (new,), found_new = sample_page(exporter, page(1, release))
+    assert new.gpus == legacy.gpus  # every field, health and reasons included
+    g0 = new.gpus[0]
+    assert g0.sm_clock_hz == 1980e6 and g0.utilization_gpu_ratio == 0.97
+    assert g0.memory_used_bytes == 70780 * MiB and g0.memory_total_bytes == (70780 + 10240 + 539) * MiB
+    assert g0.pcie_tx_bytes_per_second == 3276800000 and new.gpus[1].remapped_rows_uncorrectable == 1
+    assert [f.reason for f in found_new] == [f.reason for f in found_legacy] == [Reason.GPU_TEMPERATURE]
+
+
+@pytest.mark.parametrize("release", ["4.9.0", "4.10.0"])
+def test_xid_and_dbe_on_a_new_release_page(exporter, release) -> None:
+    (_, snap, again), found = sample_page(exporter, page(1, release), page(2, release), page(2, release))
+    g1 = snap.gpus[1]
+    assert g1.health == "failed" and g1.xid_errors == ((48, 1),) and g1.last_xid == 48
+    assert g1.remapped_rows_pending is True and g1.ecc_dbe_volatile == 1
+    assert again.gpus[1].xid_errors == ((48, 1),)
+    assert len([f for f in found if f.reason is Reason.GPU_XID]) == 1
+
+
+def _with_line(text: str, metric: str, value: str) -> str:
+    """text plus one more sample of `metric` for GPU 0, with GPU 0's labels."""
+    labels = next(line for line in text.splitlines() if line.startswith("DCGM_FI_DEV_GPU_TEMP")).split("{")[1]
+    labels = labels.split("}")[0]
+    return text + f"# TYPE {metric} gauge\n{metric}{{{labels}}} {value}\n"
+
+
+def test_a_mixed_page_reads_the_newest_releases_name(exporter) -> None:
+    """A 4.9+ exporter with a custom collector file can list a legacy name beside the new one:
+    the newest release's name wins for that field, and a field only present under a legacy
+    name is still read (in its legacy unit)."""
+    text = _with_line(page(1, "4.10.0"), "DCGM_FI_DEV_SM_CLOCK", "1000")  # legacy MHz, a different reading
+    text = _with_line(text, "DCGM_FI_PROF_PCIE_TX_BYTES", "7")  # the 4.9.0 name beside 4.10.0's
+    text = text.replace("DCGM_FI_DEV_MEMORY_UTIL_RATIO", "DCGM_FI_DEV_MEM_COPY_UTIL")  # now a legacy name ...
+    text = text.replace("} 0.61\n", "} 61\n")  # ... in its legacy unit
+    (snap,), _ = sample_page(exporter, text)
+    g0 = snap.gpus[0]
+    assert g0.sm_clock_hz == 1980e6 and g0.pcie_tx_bytes_per_second == 3276800000
+    assert g0.utilization_memory_ratio == 0.61
+
+
+@pytest.mark.parametrize("release", ["legacy", "4.9.0", "4.10.0"])
+def test_driver_version_from_either_label(release) -> None:
+    gpus = parse_page(page(1, release))
+    assert {g["driver_version"] for g in gpus.values()} == {"550.90.07"}
+
+
+def test_shipped_field_table_prefers_the_newest_name() -> None:
+    fields = shipped_fields()
+    assert [n.name for n in fields["pcie_tx_bytes_per_second"]] == [
+        "DCGM_FI_PROF_PCIE_TX_BYTES_PER_SECOND",
+        "DCGM_FI_PROF_PCIE_TX_BYTES",
+    ]
+    clock = fields["sm_clock_hz"]
+    assert [(n.name, n.num, n.den) for n in clock] == [
+        ("DCGM_FI_DEV_SM_CLOCK_HERTZ", 1, 1),
+        ("DCGM_FI_DEV_SM_CLOCK", 1_000_000, 1),
+    ]
+    assert [(n.num, n.den) for n in fields["utilization_gpu_ratio"]] == [(1, 1), (1, 100)]
+
+
+HEADER = "field,name,since,scale,source\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "no rows"),
+        ("name,field\n", "line 1: expected the header"),
+        (HEADER + "sm_clock,DCGM_FI_DEV_SM_CLOCK,legacy,1,x\n", "line 2: field: expected one of"),
+        (HEADER + "sm_clock_hz,dcgm_sm_clock,legacy,1,x\n", "line 2: name: expected a DCGM_FI_"),
+        (HEADER + "sm_clock_hz,DCGM_FI_DEV_SM_CLOCK,4.8,1,x\n", "line 2: since: expected one of"),
+        (HEADER + "sm_clock_hz,DCGM_FI_DEV_SM_CLOCK,legacy,0.000001,x\n", "line 2: scale: expected"),
+        (HEADER + "sm_clock_hz,DCGM_FI_DEV_SM_CLOCK,legacy,1/0,x\n", "line 2: scale: expected"),
+        (HEADER + "sm_clock_hz,DCGM_FI_DEV_SM_CLOCK,legacy,1,\n", "line 2: source: expected"),
+        (HEADER + "sm_clock_hz,DCGM_FI_DEV_SM_CLOCK,legacy,1\n", "line 2: expected 5 columns"),
+        (
+            HEADER
+            + "sm_clock_hz,DCGM_FI_DEV_SM_CLOCK,legacy,1,x\n# c\nmemory_clock_hz,DCGM_FI_DEV_SM_CLOCK,legacy,1,x\n",
+            "line 4: name DCGM_FI_DEV_SM_CLOCK is listed twice",
+        ),
+    ],
+)
+def test_malformed_field_table_names_the_line(text, message) -> None:
+    with pytest.raises(DcgmFieldsError, match=message):
+        parse_fields(text, "t.csv")
+
+
+# ---- the shipped rules and dashboards read the agent's metrics, never an exporter's ----
+
+SHIPPED = [
+    *sorted((REPO / "mscale" / "rules").glob("*.yml")),
+    *sorted((REPO / "mscale" / "rules").glob("*.yaml")),
+    *sorted((REPO / "mscale" / "dashboards" / "json").glob("*.json")),
+    *sorted(p for p in (REPO / "deploy").rglob("*") if p.is_file()),
+]
+
+
+def test_no_shipped_rule_or_dashboard_reads_an_exporter_name() -> None:
+    """Rules and dashboards query mscale_gpu_* (the agent normalises every exporter release
+    into one name and unit), so an exporter upgrade cannot blind them: no file reads a
+    DCGM_FI_* name, legacy or renamed."""
+    renamed = {n.name for names in shipped_fields().values() for n in names}
+    assert len(SHIPPED) > 10 and any(p.suffix == ".json" for p in SHIPPED)
+    for path in SHIPPED:
+        text = path.read_text(errors="replace")
+        assert "DCGM_FI_" not in text, f"{path.relative_to(REPO)} reads a dcgm-exporter metric"
+        assert not renamed & set(text.split()), path
+    rules = (REPO / "mscale" / "rules" / "mscale-alerts.yml").read_text()
+    assert "mscale_gpu_" in rules  # the names they do read

@@ -57,12 +57,12 @@ def swap(gpu: int, to: int, *, job="j1", rank="0", mpu="001", reason="checksum_l
         "rank": rank,
         "local_rank": rank,
     }
-    return Finding("fuse", Reason.HEAL_ACTION, Severity.CRITICAL, f"{action} applied", labels)
+    return Finding("hook:fuse", Reason.HEAL_ACTION, Severity.CRITICAL, f"{action} applied", labels)
 
 
 def clean_on_standby(*, job="j1", rank="0", mpu="001"):
     labels = {"job_id": job, "mpu_id": mpu, "before": "l1_swapped", "state": "recovered", "rank": rank}
-    return Finding("fuse", Reason.FUSE_STATE, Severity.INFO, "recovered", labels)
+    return Finding("hook:fuse", Reason.FUSE_STATE, Severity.INFO, "recovered", labels)
 
 
 def service(
@@ -119,7 +119,7 @@ async def test_sdc_verdict_runs_the_command_with_the_facts_once_and_undoes_it_af
     state.publish("gpu", gpus())
     svc = service(state, clock, command={"enabled": True, "argv": [hook.path, "--site", "dc1"]}, clear_healthy_checks=2)
 
-    await svc.observe(swap(2, 5))
+    await svc.observe(swap(2, 3))
     assert hook.calls() == [] and not findings(state, Reason.GPU_FAULT_VERDICT)  # a swap alone proves nothing
     await svc.observe(clean_on_standby())
     (verdict,) = findings(state, Reason.GPU_FAULT_VERDICT)
@@ -132,9 +132,9 @@ async def test_sdc_verdict_runs_the_command_with_the_facts_once_and_undoes_it_af
         "job_id": "j1",
         "rank": "0",
         "mpu_id": "001",
-        "standby_gpu": "5",
+        "standby_gpu": "3",
     }
-    assert "came clean on standby GPU 5" in verdict.message and verdict.severity is Severity.CRITICAL
+    assert "came clean on standby GPU 3" in verdict.message and verdict.severity is Severity.CRITICAL
     (call,) = hook.calls()
     assert call["argv"] == [
         "--site",
@@ -163,7 +163,7 @@ async def test_sdc_verdict_runs_the_command_with_the_facts_once_and_undoes_it_af
         "MSCALE_JOB_ID": "j1",
         "MSCALE_RANK": "0",
         "MSCALE_MPU_ID": "001",
-        "MSCALE_STANDBY_GPU": "5",
+        "MSCALE_STANDBY_GPU": "3",
     }
     assert env["MSCALE_MESSAGE"].startswith("GPU 2 (GPU-2) computes wrong: MPU 001 of job j1 rank 0")
     filed = findings(state, Reason.REMEDIATION_FILING)[-1]
@@ -289,9 +289,9 @@ async def test_the_node_conditions_sdc_reason_outlives_an_agent_restart(tmp_path
     assert state.snapshots[SNAPSHOT].filings.get(("nodecondition", "file", "filed"), 0) == 0  # not a new filing
 
 
-async def test_a_state_file_that_does_not_pass_is_set_aside(hook, tmp_path: Path) -> None:
+async def test_a_state_file_that_is_not_the_agents_is_set_aside(hook, tmp_path: Path) -> None:
     state_file = tmp_path / "remediation.json"
-    state_file.write_text(json.dumps({"version": 1, "faults": [{"kind": "sdc", "gpu": "two"}], "filed": {}}))
+    state_file.write_text(json.dumps({"version": 1, "faults": {"kind": "sdc", "gpu": "two"}, "filed": {}}))
     state = AgentState(node=NODE)
     svc = service(state, Clock(), command={"enabled": True, "argv": [hook.path]}, state_file=str(state_file))
     assert svc.book.faults() == () and not state_file.exists()
@@ -403,8 +403,8 @@ def test_a_gpu_shown_at_fault_is_never_granted_as_a_standby() -> None:
     req = StandbyRequest.from_wire({"type": "standby_request", "id": 1, "mpu_id": "001", "gpu": 0, "avoid": []})
     assert book.choose(state, "j2", 0, req, 0.0)[0] == 1
     book.reserved.clear()
-    svc.book.observe(swap(1, 3))
-    svc.book.observe(clean_on_standby())
+    svc.book.observe(swap(1, 3), state.snapshots["gpu"])
+    svc.book.observe(clean_on_standby(), state.snapshots["gpu"])
     gpu, _, why = book.choose(state, "j2", 0, req, 0.0)
     assert gpu == 2 and 1 in book.quarantined
 
@@ -429,7 +429,7 @@ async def test_external_fault_follows_nvsentinels_schema_field_by_field(api: Api
     clock, state = Clock(), AgentState(node=NODE)
     state.publish("gpu", gpus())
     svc = service(state, clock, externalfault={"enabled": True}, nodecondition={"enabled": False}, _kube=kube_cfg(api))
-    await svc.observe(swap(2, 5))
+    await svc.observe(swap(2, 3))
     await svc.observe(clean_on_standby())
     (post,) = [r for r in api.requests if r.method == "POST"]
     assert post.path == f"/apis/{GROUP}/{VERSION}/{PLURAL}"
@@ -469,7 +469,7 @@ async def test_external_fault_follows_nvsentinels_schema_field_by_field(api: Api
                     "jobId": "j1",
                     "rank": "0",
                     "mpuId": "001",
-                    "standbyGpu": "5",
+                    "standbyGpu": "3",
                 },
                 "generatedTimestamp": "2027-01-15T08:00:00Z",
                 "nodeName": NODE,

@@ -118,3 +118,55 @@ def test_a_planted_low_step_does_not_stop_pruning(other, shared_root: Path) -> N
         assert len(refused) == 1 and refused[0].labels["file"] == "step_00000001"  # once, not per prune
     finally:
         shutil.rmtree(theirs.parent, ignore_errors=True)
+
+
+def resumed_step(root: Path, **settings) -> tuple[int | None, list]:
+    _, _, engine = job(root, job_id=VICTIM, **settings)
+    try:
+        return engine.resume(), list(engine.findings)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("mode", ["0755", "0777"])
+@pytest.mark.parametrize("name", ["rank_00007", "rank_00000"])
+def test_another_users_rank_directory_is_never_written_listed_or_resumed(
+    other, shared_root: Path, name: str, mode: str
+) -> None:
+    """Issue 38 item 7: a rank directory planted by another user made a single rank resume
+    nothing (rank_00007), write its snapshots where that user could rename them (rank_00000,
+    0777) or fail every write (0755). It is not this run's layout: the run's own top-level
+    snapshots stay visible and new ones go beside them."""
+    model, opt, engine = job(shared_root, job_id=VICTIM)
+    train(model, opt, engine, 1, 20)
+    engine.close()
+    as_other(other, f'mkdir -m {mode} "$1/{name}"', str(shared_root))
+    model, opt, engine = job(shared_root, job_id=VICTIM)
+    try:
+        assert engine.resume() == 20
+        train(model, opt, engine, 21, 30)
+        assert list((shared_root / name).iterdir()) == []  # never written into
+        assert (shared_root / "step_00000030").stat().st_uid == os.geteuid()
+        assert not [f for f in engine.findings if f.reason is Reason.SNAPSHOT_FAILED]
+        refused = [f.message for f in engine.findings if f.reason is Reason.SNAPSHOT_REFUSED]
+        assert any(name in m and f"owned by uid {other[0]}" in m for m in refused), refused
+    finally:
+        engine.close()
+
+
+def test_another_users_snapshot_inside_their_rank_directory_is_refused(other, shared_root: Path) -> None:
+    """A step directory of this uid's run inside another user's rank directory (which its owner
+    could swap at will) is refused with a finding naming that directory, not resumed."""
+    as_other(other, 'mkdir -m 0777 "$1/rank_00000"', str(shared_root))
+    home = Path(tempfile.mkdtemp(prefix="mscale-own-"))
+    try:
+        model, opt, engine = job(home, job_id=VICTIM)
+        train(model, opt, engine, 1, 10)
+        engine.close()
+        shutil.copytree(home / "step_00000010", shared_root / "rank_00000" / "step_00000010")
+        step, findings = resumed_step(shared_root)
+        assert step is None
+        refused = [f for f in findings if f.reason is Reason.SNAPSHOT_REFUSED]
+        assert any("in rank directory rank_00000, which is owned by uid" in f.message for f in refused), refused
+    finally:
+        shutil.rmtree(home, ignore_errors=True)

@@ -133,3 +133,21 @@ def test_old_shards_land_bitwise_in_the_new_ranks_boxes_and_a_missing_one_is_nam
         at += new.shape[0]
     lost = Candidate(8, tmp_path / "rank_00000" / "step_00000008", 2, {0: tmp_path / "rank_00000" / "step_00000008"})
     assert unshardable(lost) == "only the shards of rank(s) [0] are in the directory"
+
+
+def test_a_layout_whose_boxes_overlap_or_leave_a_gap_is_refused() -> None:
+    """Issue 38 item 8: every box of rank 1 planted at rank 0's offset (the manifest re-hashed)
+    counted each of rank 0's elements twice and left rank 1's rows unwritten; the boxes must tile."""
+    from mscale.snapshot.reshard import tiling_error
+
+    shape = [10, 3]
+    assert tiling_error(shape, {0: ([0, 0], [5, 3]), 1: ([5, 0], [5, 3])}) == ""
+    assert tiling_error(shape, {0: ([0, 0], [5, 3]), 1: ([5, 0], [5, 3]), 2: ([10, 0], [0, 3])}) == ""  # an empty shard
+    # the issue's plant: rank 1's box at rank 0's offset (the volumes add up to the whole)
+    assert tiling_error(shape, {0: ([0, 0], [5, 3]), 1: ([0, 0], [5, 3])}) == "the boxes of ranks 0 and 1 overlap"
+    assert tiling_error(shape, {0: ([0, 0], [6, 3]), 1: ([4, 0], [4, 3])}) == "the boxes of ranks 0 and 1 overlap"
+    assert (
+        tiling_error(shape, {0: ([0, 0], [5, 3]), 1: ([6, 0], [4, 3])})
+        == "the boxes hold 27 elements, the [10, 3] tensor 30"
+    )
+    assert "outside" in tiling_error(shape, {0: ([0, 0], [5, 3]), 1: ([7, 0], [5, 3])})

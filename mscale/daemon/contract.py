@@ -27,7 +27,8 @@ from aiohttp import web
 from mscale import link as protocol
 from mscale.daemon import compliance, keys
 from mscale.daemon.density import DensityGuard
-from mscale.daemon.jobs import JobState, gpus_by_index
+from mscale.daemon.gpus import gpus_by_index
+from mscale.daemon.jobs import JobState
 from mscale.findings import Finding, Reason, Severity
 from mscale.link import BadMessage
 from mscale.tasks import cancel_and_wait

@@ -40,6 +40,7 @@ import structlog
 from aiohttp import web
 
 from mscale.daemon import keys
+from mscale.daemon.gpus import gpu_index
 from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing import policy as policymod
@@ -183,8 +184,11 @@ def _mirror(state: AgentState, f: Finding) -> None:
         return
     if "state" in f.labels and hasattr(mpu, "fuse_level"):
         mpu.fuse_level = f.labels["state"]
-    if f.labels.get("to_gpu", "").isdigit():  # the event of an action that moved the MPU
-        mpu.gpu = int(f.labels["to_gpu"])
+    to_gpu = f.labels.get("to_gpu", "")
+    if to_gpu and to_gpu == gpu_index(to_gpu):  # the event of an action that moved the MPU (the link checked it)
+        mpu.gpu = int(to_gpu)
+        if hasattr(mpu, "place"):
+            mpu.place(mpu.gpu)
 
 
 async def _consume(app: web.Application, queue: asyncio.Queue[Any]) -> None:

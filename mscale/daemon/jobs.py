@@ -32,8 +32,10 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from mscale.daemon.gpus import GpuSample
+from mscale.daemon.gpus import gpus_by_index as gpus_by_index  # (where tests and plugins found it)
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing.fsm import Level
 from mscale.link import MpuReport, Register, StepReport
@@ -42,6 +44,7 @@ BASELINE_SKIP = 3
 MAX_FINDING_SERIES = 128  # distinct (source, reason, severity) counted per job: bounds its series
 BASELINE_STEPS = 20
 RECENT = 5
+MAX_PLACEMENTS = 16  # GPUs remembered per MPU (registered, rebound, swapped to): the agent's view of where it ran
 PHASES = ("forward", "backward")
 # the step figures a rank and its job both show in their dicts (the job's are its ranks', aggregated)
 FIGURES = ("connected", "step", "loss", "task_loss", "grad_norm", "reports_total", "reports_dropped")
@@ -129,6 +132,22 @@ class MpuState:
     recent_failures: deque[int] = field(default_factory=lambda: deque(maxlen=100))
     memory_used_bytes: float = math.nan
     memory_total_bytes: float = math.nan
+    # the GPUs this MPU was registered, rebound or swapped to here, oldest first (MAX_PLACEMENTS):
+    # the only GPUs a finding of the MPU may name (mscale.daemon.link), so the only ones its job
+    # can have filed for remediation
+    placements: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.place(self.gpu)
+
+    def place(self, gpu: int) -> None:
+        """Record that the MPU runs on `gpu` now (the latest placement last)."""
+        if gpu < 0:
+            return
+        if gpu in self.placements:
+            self.placements.remove(gpu)
+        self.placements.append(gpu)
+        del self.placements[:-MAX_PLACEMENTS]
 
     def update(self, r: MpuReport) -> None:
         self.latency["forward"].add(r.forward_s)
@@ -147,6 +166,7 @@ class MpuState:
             if r.gpu != self.gpu:
                 self.gpu_uuid = ""  # rebound: the UUID comes from the agent's snapshot again
             self.gpu = r.gpu
+            self.place(r.gpu)
         if r.fuse_level is not None:
             self.fuse_level = r.fuse_level
         self.memory_used_bytes = math.nan if r.memory_used_bytes is None else r.memory_used_bytes
@@ -266,6 +286,7 @@ class RankState:
             if old is not None and old.gpu != d.gpu:
                 m.gpu_uuid = ""
             m.name, m.gpu = d.name, d.gpu
+            m.place(d.gpu)
             m.gpu_uuid = d.gpu_uuid or m.gpu_uuid
             m.device, m.path, m.params, m.fuse_level = d.device, d.path, d.params, d.fuse_level
             mpus[m.mpu_id] = m
@@ -288,8 +309,9 @@ class RankState:
     def refresh(self, gpus: Mapping[int, GpuSample]) -> None:
         for m in self.mpus.values():
             sample = gpus.get(m.gpu)
-            if sample is not None and not m.gpu_uuid:
-                m.gpu_uuid = str(getattr(sample, "uuid", "") or "")
+            uuid = str(getattr(sample, "uuid", "") or "") if sample is not None else ""
+            if uuid:  # the GPU probe's UUID of the GPU, over what the job registered
+                m.gpu_uuid = uuid
             m.score(sample)
 
     def to_dict(self) -> dict[str, Any]:
@@ -457,30 +479,3 @@ class JobState:
 
 def _figures(state: RankState | JobState) -> dict[str, Any]:
     return {name: getattr(state, name) for name in FIGURES}
-
-
-class GpuSample(Protocol):
-    """What the health score reads of a GPU's sample (mscale.probes.gpu_sample.GpuSample; the
-    probe room imports the agent's state, so its type is named here by shape, not imported)."""
-
-    @property
-    def index(self) -> int: ...
-    @property
-    def uuid(self) -> str: ...
-    @property
-    def health(self) -> str: ...
-    @property
-    def memory_used_bytes(self) -> int | None: ...
-    @property
-    def memory_total_bytes(self) -> int | None: ...
-
-
-class _Published(Protocol):
-    @property
-    def snapshots(self) -> Mapping[str, object]: ...
-
-
-def gpus_by_index(state: _Published) -> dict[int, GpuSample]:
-    """The latest GPU samples by index, from the GPU probe's snapshot (empty without one)."""
-    snap = state.snapshots.get("gpu")
-    return {g.index: g for g in getattr(snap, "gpus", ())} if snap is not None else {}

@@ -21,7 +21,9 @@ uid's, else uid_job_limit / job_limit),
 `socket.max_ranks_per_job` (rank_limit: live ranks, and the ranks whose state the job keeps,
 where a rank gone longest makes room for a new one), `socket.max_mpus_per_job` (mpu_limit).
 State is per (job, rank) (mscale.daemon.jobs.RankState); a finding carries the rank of the
-connection that reported it. A job whose last rank left is removed, series and all,
+connection that reported it, and the agent's own view of its GPU (mscale.daemon.link_labels:
+a proof about an MPU the rank never registered is refused, unregistered_mpu; past
+MAX_PROOFS_PER_MESSAGE in one message, proof_limit). A job whose last rank left is removed, series and all,
 `socket.job_expiry_s` later.
 The messages, their validators, the command vocabulary and the limits are `mscale.link`'s,
 which the job's client speaks too; this module only serves them.
@@ -43,9 +45,11 @@ from aiohttp import WSMsgType, web
 
 from mscale import link as protocol
 from mscale.daemon import keys, socket_file
-from mscale.daemon.jobs import JobState, RankLimit, gpus_by_index
+from mscale.daemon.gpus import gpus_by_index
+from mscale.daemon.jobs import JobState, RankLimit
 from mscale.daemon.link_bounds import check_mpu_budget, make_room
 from mscale.daemon.link_gate import GatedSockSite, LinkLimits, peer_cred
+from mscale.daemon.link_labels import MAX_PROOFS_PER_MESSAGE, PROOFS, labelled
 from mscale.findings import Finding, Reason, Severity
 from mscale.link import BadMessage, Error, Msg, Register, Registered, Report, StepReport, Wire
 
@@ -393,6 +397,7 @@ class LinkServer:
         gpus = gpus_by_index(self.state)
         rs = job.rank_state(rank)
         rs.reports_dropped = max(rs.reports_dropped, msg.dropped)
+        proofs = 0
         for r in msg.reports:
             rs.apply_report(r, gpus)
             for observe in self.report_observers:
@@ -403,24 +408,33 @@ class LinkServer:
             for bad in r.refused_findings:
                 self._refuse("bad_finding", f"finding not understood: {bad}", job_id=job.job_id)
             for f in r.findings:
-                finding = self._labelled(job, rank, f)
-                if not job.observe_finding(finding):
-                    self._refuse("finding_limit", f"finding {finding.source}/{finding.reason.value}", job_id=job.job_id)
-                else:
-                    self.state.events.emit(finding)
+                if f.reason in PROOFS:
+                    proofs += 1
+                    if proofs > MAX_PROOFS_PER_MESSAGE:
+                        continue  # refused below, counted each, logged once
+                self._finding(job, rank, f, gpus)
+        if proofs > MAX_PROOFS_PER_MESSAGE:
+            over = proofs - MAX_PROOFS_PER_MESSAGE
+            self.state.refused[("socket", "proof_limit")] += over - 1
+            self._refuse(
+                "proof_limit",
+                f"{over} heal_action/fuse_state findings past {MAX_PROOFS_PER_MESSAGE} in one message",
+                job_id=job.job_id,
+            )
 
-    def _labelled(self, job: JobState, rank: int, finding: Finding) -> Finding:
-        """A reported finding with the job's labels: its job_id, the rank that made it (its
-        connection's, whatever the finding says), and the GPU of the rank's MPU."""
-        labels = dict(finding.labels)
-        rs = job.rank_state(rank)
-        labels["job_id"], labels["rank"], labels["local_rank"] = job.job_id, str(rank), str(rs.local_rank)
-        m = rs.mpus.get(labels.get("mpu_id", ""))
-        if m is not None:
-            labels.setdefault("gpu", str(m.gpu))
-            if m.gpu_uuid:
-                labels.setdefault("gpu_uuid", m.gpu_uuid)
-        return dataclasses.replace(finding, labels=labels)
+    def _finding(self, job: JobState, rank: int, f: Finding, gpus: Any) -> None:
+        finding = labelled(job, rank, f, gpus)
+        if finding is None:
+            mpu = f.labels.get("mpu_id", "")[:16]
+            self._refuse(
+                "unregistered_mpu",
+                f"{f.reason.value} about MPU {mpu!r}, not registered by rank {rank}",
+                job_id=job.job_id,
+            )
+        elif not job.observe_finding(finding):
+            self._refuse("finding_limit", f"finding {finding.source}/{finding.reason.value}", job_id=job.job_id)
+        else:
+            self.state.events.emit(finding)
 
 
 class Outgoing(Protocol):

@@ -33,6 +33,8 @@ from mscale.daemon import httpserver, keys
 from mscale.daemon.app import create_app, new_state
 from mscale.daemon.chaos import enabled as chaos_enabled
 from mscale.daemon.notify import Notifier
+from mscale.daemon.remediation.ledger import StateFileRefused
+from mscale.daemon.remediation.ledger import check as check_state_file
 from mscale.link import DEFAULT_HOST, DEFAULT_LISTEN, DEFAULT_SOCKET, printable
 
 HELP = "run the node agent (the daemon systemd starts)"
@@ -289,6 +291,8 @@ def run(args: argparse.Namespace) -> int:
         from mscale.healing.policy import load as load_policy
 
         load_policy(cfg.healing.policy)  # so is the healing policy
+        if cfg.remediation.enabled and cfg.remediation.state_file:
+            check_state_file(cfg.remediation.state_file)  # a regular file or none: a FIFO would hang the start
         nvml = open_nvml(cfg, time.time)
     except ValueError as e:  # a malformed timeline (TimelineError) or Xid table names the line at fault
         print(f"mscale agent: {printable(e)}", file=sys.stderr)
@@ -296,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve(cfg, nvml))
         code = 0
-    except StartupError as e:
+    except (StartupError, StateFileRefused) as e:  # (the state file swapped since the check above)
         print(f"mscale agent: {printable(e)}", file=sys.stderr)
         code = 2
     _exit_now_if_samples_left(code)

@@ -8,9 +8,11 @@ its node view. A GPU qualifies when it is:
 
 - healthy in the GPU probe's latest snapshot (not degraded or failed: a fatal Xid, an ECC
   double-bit error, a lost GPU), and there is a snapshot at all;
-- not quarantined: a quarantine_gpu action was applied or sent for it on this node (the
-  healing events), or it was shown at fault (gpu_fault_verdict: an SDC the fuse proved, a
-  fatal Xid), until the agent restarts;
+- not quarantined: the agent's healing engine applied or sent a quarantine_gpu for it on this
+  node, or the agent showed it at fault (gpu_fault_verdict: an SDC the fuse proved, a fatal
+  Xid), until the agent restarts. Only the agent's own decisions quarantine: a job's reports
+  (source `hook:...`, a quarantine_gpu its fuse applied) never do, so one user's job cannot take
+  the standbys away from another's;
 - not in use by another rank of any job here, nor promised a moment ago to another rank (a
   grant is held RESERVE_S seconds, until the rank re-registers on it);
 - not one this MPU of this rank left before (its history here: it failed there), nor one the
@@ -34,6 +36,7 @@ from aiohttp import web
 
 from mscale import link as protocol
 from mscale.daemon import keys
+from mscale.daemon.gpus import gpu_index
 from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing.words import Result
@@ -56,14 +59,16 @@ class StandbyBook:
     left: dict[tuple[str, int, str], set[int]] = field(default_factory=dict)
 
     def observe(self, f: Finding) -> None:
-        """Quarantines from the healing events (the agent's own decisions and the jobs')."""
+        """Quarantines from the agent's own healing events and verdicts (never a job's report)."""
         lab = f.labels
+        if f.source.startswith("hook:"):
+            return
         if (
             f.reason is Reason.HEAL_ACTION
             and lab.get("action") == "quarantine_gpu"
-            and lab.get("gpu", "").isdigit()
+            and gpu_index(lab.get("gpu", ""))
             and lab.get("result") in (Result.APPLIED, Result.SENT)
-        ) or (f.reason is Reason.GPU_FAULT_VERDICT and lab.get("gpu", "").isdigit()):
+        ) or (f.reason is Reason.GPU_FAULT_VERDICT and gpu_index(lab.get("gpu", ""))):
             # a GPU the fuse proved computes wrong (mscale.daemon.remediation) is no standby either
             self.quarantined.add(int(lab["gpu"]))
 

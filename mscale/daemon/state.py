@@ -17,7 +17,8 @@ from typing import Any
 
 import structlog
 
-from mscale.daemon.jobs import JobState, gpus_by_index
+from mscale.daemon.gpus import gpus_by_index
+from mscale.daemon.jobs import JobState
 from mscale.findings import Finding, Severity
 
 log = structlog.get_logger("mscale.events")

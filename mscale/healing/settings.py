@@ -49,6 +49,37 @@ class HealingSection:
         min=0,
         max=1_000_000,
     )
+    progress_step_reruns: int = opt(
+        1,
+        "re-runs of a step whose checks failed at the commit point, on its batch from the step's "
+        "start (weights kept, data and RNG rewound); past them the batch is skipped",
+        min=0,
+        max=8,
+    )
+    progress_rung_calls: int = opt(
+        3,
+        "optimizer calls a fault's culprit (an MPU, or the job) may lose at one level before it "
+        "escalates: an MPU to its next fuse level, the job to skipped batches, past the last to the stop",
+        min=1,
+        max=1000,
+    )
+    progress_event_calls: int = opt(
+        24,
+        "the most optimizer calls one fault event may cost (dropped, re-run or undone by a "
+        "rollback); past it the job stops with mscale.ProgressBoundExceeded",
+        min=1,
+        max=1_000_000,
+    )
+    progress_run_share: float = opt(
+        0.25,
+        "the share of the run's optimizer calls all faults together may cost (at least "
+        "progress_event_calls); past it the job stops with mscale.ProgressBoundExceeded",
+        min=0.0,
+        max=1.0,
+    )
+    progress_clean_calls: int = opt(
+        5, "clean optimizer calls in a row that end a culprit's fault event", min=1, max=1_000_000
+    )
     policy: str = opt("", "healing policy YAML (empty: the shipped default policy)")
     l2_precision_fallback: bool = opt(
         False,
@@ -59,6 +90,13 @@ class HealingSection:
 
     def check(self, key: str) -> None:
         """Rules across fields, run when a config file is loaded (`key` is "healing")."""
+        from mscale.healing.progress import MPU_RUNGS
+
+        if self.progress_event_calls < MPU_RUNGS * self.progress_rung_calls:
+            raise ConfigError(
+                f"{key}.progress_event_calls: expected at least {MPU_RUNGS} x {key}.progress_rung_calls "
+                f"({MPU_RUNGS * self.progress_rung_calls}: every fuse level its calls), got {self.progress_event_calls}"
+            )
         if self.distill_weight_min > self.distill_weight_max:
             raise ConfigError(
                 f"{key}.distill_weight_min: expected at most {key}.distill_weight_max "

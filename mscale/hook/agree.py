@@ -18,7 +18,7 @@ several ranks) makes every rank take the same decision in the same step:
         rollback         a rollback is pending on the rank (the fuse's, e.g. an agent command)
         swaps            MPUs the rank moved to a standby in this step (L1)
         loss_sum, loss_n the rank's finite loss and 1 (or 0, 0)
-        commit_failed    a check of the rank failed at the commit point (commit verdicts)
+        commit_failed    a check of the rank failed at the commit point, or it asked for a re-run (FSDP2)
         gradient         a weight gradient of the rank is corrupted (mscale.hook.gradcheck)
         keep             the rank's pending rollback re-runs its batch (not skipped)
         multipliers      each MPU's CMSA clip-threshold multiplier (an L2 degrade raises it
@@ -100,6 +100,7 @@ class Agreed:
     commit_failed: int = 0  # ranks whose checks failed at the commit point (commit verdicts)
     gradient: int = 0  # ranks with a corrupted weight gradient (mscale.hook.gradcheck)
     keep: int = 0  # ranks whose pending rollback re-runs its batch (not skipped)
+    failed_mpus: tuple[str, ...] = ()  # MPUs whose output failed on some rank (the fault's culprits)
 
     @property
     def drop(self) -> bool:  # an in-step checksum failure drops only that MPU's gradient (on_step_decide)
@@ -159,10 +160,11 @@ class Agreement:
         # in-step verdicts are on the host already; commit ones on the device
         in_step = [0.0 if g.checksum.commit_mode(m) or m.last_checksum_ok else 1.0 for m in g.mpus]
         failed = on(torch.tensor(in_step, dtype=torch.float64), dev)
-        commit_failed = zero
+        # a re-run asked in the step (mscale.hook.fuse, under FSDP2): every rank re-runs it alike
+        commit_failed = on(torch.tensor(float(bool(g._rerun_reason))), dev).to(zero)
         if commit is not None and commit.numel() == len(g.mpus) and len(g.mpus):
             failed = torch.maximum(failed, on(commit, dev))
-            commit_failed = on(commit, dev).amax()
+            commit_failed = torch.maximum(commit_failed, on(commit, dev).amax().to(zero))
         gradient = on(grad, dev).reshape(()) if grad is not None else zero
         checksum_failed = failed.amax() if len(g.mpus) else zero
         faulty = torch.stack((skip, nonfinite, checksum_failed, commit_failed, gradient)).amax()
@@ -214,7 +216,8 @@ class Agreement:
             loss = loss_sum / loss_n
         else:
             loss = None
-        a = Agreed(step, skip, nonfinite, failed, rollback, swaps, loss, commit_failed, gradient, keep)
+        culprits = tuple(m.mpu_id for m, v in zip(g.mpus, per_mpu, strict=True) if v > 0.5)
+        a = Agreed(step, skip, nonfinite, failed, rollback, swaps, loss, commit_failed, gradient, keep, culprits)
         self.history.append(a)
         if loss is not None:
             inputs = getattr(g, "inputs", None)

@@ -28,7 +28,8 @@ MPUs, paid from what the budget leaves, at least once in `replay_max_gap_steps` 
 `full=True` checks every layer every step (the old default).
 
 Escalation (`suspect`): a failed check, a loss or gradient anomaly, an agent's GPU finding on
-the MPU's GPU or a replica mismatch put the MPU in incident mode for `incident_steps` (16):
+the MPU's GPU, a replica mismatch or a shift of its output's scale (mscale.hook.outstats, every
+step) put the MPU in incident mode for `incident_steps` (16):
 every layer checked and its forward replayed, every step. Since every failure opens an
 incident, the clean steps that follow a failure include a replay: a fault only replay sees (one
 outside any linear layer, at a tower's output) is not cleared by clean ABFT passes.
@@ -54,7 +55,7 @@ import torch
 from torch import nn
 
 from mscale.findings import Finding, Reason, Severity
-from mscale.hook import abft, rounding
+from mscale.hook import abft, outstats, rounding
 from mscale.hook.budget import Budget
 from mscale.hook.checksum_config import (  # noqa: F401  (re-exported: the config's public home)
     DEFAULT_RTOL,
@@ -73,6 +74,17 @@ from mscale.hook.weight_sums import WeightSums
 SOURCE = "checksum"
 log = structlog.get_logger("mscale.hook")
 _Row = abft.Row  # one check: (method, layer, dtype, value)
+
+
+def _distilling(mpu: Any) -> bool:
+    """At L3 the distillation trains through the MPU's failing output, as in-step verdicts do:
+    at the commit point only a non-finite output fails its step (mscale.healing.progress)."""
+    return getattr(mpu, "fuse_level", "") == "l3_distilling"
+
+
+def _fails_step(mpu: Any, row: _Row) -> bool:
+    """Whether a failed row fails the MPU's step at the commit point (see _distilling)."""
+    return row[0] == "nonfinite" or not _distilling(mpu)
 
 
 class _MpuChecks:
@@ -136,6 +148,10 @@ class ChecksumDetector:
         self.abft_s = 0.0
         self.replay_s = 0.0
         self._idle_s = 0.0  # this step's time in the hooks of layers not checked (charged at its end)
+        # each MPU output's scale against its own baseline: faults outside the linears (mscale.hook.outstats)
+        self.stats = outstats.OutputStats(
+            emit=emit, suspect=self.suspect, labels=self._labels, enabled=config.output_stats
+        )
 
     def attach(self, mpu: Any) -> None:
         linears = [(n or "<self>", m, k) for n, m in mpu.module.named_modules() if (k := kind_of(m)) is not None]
@@ -143,6 +159,7 @@ class ChecksumDetector:
         self._by_id[mpu.mpu_id] = mpu
         # layers join the rotation when first seen running
         self.schedule.add(mpu.mpu_id, [], replayable=not runs_collectives(mpu.module))
+        self.stats.attach(mpu)
         self.graph.attach(mpu, linears)
         if not self.config.abft:
             return
@@ -152,6 +169,11 @@ class ChecksumDetector:
         for _, m, kind in linears:
             self._handles.append(m.register_forward_hook(functools.partial(self._linear, mpu, kind), prepend=True))
 
+    def traced_output(self, mpu: Any, outs: list[torch.Tensor]) -> None:
+        """An MPU's output in a compiled graph: its non-finite check and its statistics, as tensor ops."""
+        self.graph.output(mpu, outs)
+        self.stats.traced(mpu, outs)
+
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
@@ -160,8 +182,9 @@ class ChecksumDetector:
         self.wsums.clear()
 
     def forget(self, mpu: Any) -> None:
-        """Drop cached weight sums (the MPU moved device)."""
+        """Drop cached weight sums (the MPU moved device); its outputs' baselines start again."""
         self.wsums.clear()
+        self.stats.forget(mpu)
 
     def commit_mode(self, mpu: Any) -> bool:
         v = self.config.verdicts
@@ -190,6 +213,7 @@ class ChecksumDetector:
         self._committed = self._judged = -1  # a step re-run after a rollback commits again
         for st in self._mpus.values():
             st.reset()
+        self.stats.begin_step()
         self.graph.begin_step(step, {mid: r.in_incident(step) for mid, r in self.schedule.mpus.items()})
 
     def before_forward(self, mpu: Any, args: tuple, kwargs: dict) -> None:
@@ -263,10 +287,13 @@ class ChecksumDetector:
         with torch.no_grad(), self.budget.timer(SOURCE, mpu.device):
             # the non-finite check of the MPU's output: every forward, every MPU; a tensor the
             # output holds twice (a tower's last hidden state among its hidden states) read once
-            for t in {(t.data_ptr(), t.dtype, t.shape, t.stride()): t for t in outs}.values():
+            distinct = list({(t.data_ptr(), t.dtype, t.shape, t.stride()): t for t in outs}.values())
+            for t in distinct:
                 s = t.detach().sum(dtype=abft.acc_dtype(t.dtype)).to(torch.float64)
                 row = ("nonfinite", "<output>", t.dtype, torch.stack((s, torch.full_like(s, math.inf))))
                 (st.rows if commit else st.pending).append(row)
+        with torch.no_grad(), self.budget.timer(outstats.SOURCE, mpu.device):  # its own cost, not ABFT's
+            self.stats.observe(mpu, distinct)
         t1 = time.perf_counter()
         self.abft_s += t1 - t0
         if st.replay is not None:
@@ -342,12 +369,22 @@ class ChecksumDetector:
                 for mpu in self._by_id.values():
                     st = self._mpus[id(mpu)]
                     mine = [r[3] for r in st.rows if isinstance(r[3], torch.Tensor)]
-                    flags.append(any(not abft.passes(*r[3]) for r in st.rows if not isinstance(r[3], torch.Tensor)))
+                    counts = [_fails_step(mpu, r) for r in st.rows if isinstance(r[3], torch.Tensor)]
+                    flags.append(
+                        any(
+                            not abft.passes(*r[3])
+                            for r in st.rows
+                            if not isinstance(r[3], torch.Tensor) and _fails_step(mpu, r)
+                        )
+                    )
                     self._packed.append(mpu)
                     if mine:
                         rows = torch.stack([t.to(mine[0].device, torch.float64) for t in mine])  # residual, tolerance
                         tensors.append(rows)
-                        flags[-1] = (~(torch.isfinite(rows[:, 0]) & (rows[:, 0].abs() <= rows[:, 1]))).any() | flags[-1]
+                        bad = ~(torch.isfinite(rows[:, 0]) & (rows[:, 0].abs() <= rows[:, 1]))
+                        if not all(counts):
+                            bad = bad & torch.tensor(counts, device=bad.device)
+                        flags[-1] = bad.any() | flags[-1]
                 dev = tensors[0].device if tensors else torch.device("cpu")
                 if tensors:
                     point.put("checksum", torch.cat([t.to(dev) for t in tensors]))
@@ -355,6 +392,8 @@ class ChecksumDetector:
                 if data_fault is not None:  # the batch was not finite (mscale.hook.inputs): no MPU to blame
                     failed = failed * (1.0 - on(data_fault, dev))
                 point.put("checksum/failed", failed)
+            with self.budget.timer(outstats.SOURCE):
+                self.stats.pack(point, self._graph_mpus)
         except Exception:  # a detector bug must not stop training
             log.exception("checksum_error", where="commit")
             self._packed = []
@@ -371,6 +410,7 @@ class ChecksumDetector:
         self._judged = self._committed
         t0 = time.perf_counter()
         try:
+            self.stats.judge(point, self._committed, skip=data_fault)
             values = point.get("checksum") or []
             self.readbacks += 1 if values else 0
             off = 0
@@ -393,7 +433,8 @@ class ChecksumDetector:
                 st.rows = []
                 mpu.last_checksum_ok = not st.unresolved
                 self._record(mpu, st)
-                if st.unresolved and self.commit_mode(mpu):
+                nonfinite = any(r is Reason.NONFINITE_OUTPUT for r, _, _ in st.failures)
+                if st.unresolved and self.commit_mode(mpu) and (nonfinite or not _distilling(mpu)):
                     bad.append(mpu.mpu_id)
             return bad
         except Exception:  # a detector bug must not stop training

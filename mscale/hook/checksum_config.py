@@ -61,6 +61,9 @@ class ChecksumConfig:
     # replays (0: no background replay at all; incident mode still replays)
     replay_every: int | None = None
     incident_steps: int = 16  # steps of full coverage and replay after a suspicion
+    # each MPU output's scale (ln mean square) against its own baseline, every step: a shift held
+    # 3 steps is a warning `output_shift` and a suspicion (mscale.hook.outstats); False: off
+    output_stats: bool = True
     failures_l1: int = 3  # consecutive failed checked optimizer steps that make an L1 trigger
     # where verdicts are read: "in_step" after each MPU forward (a fault re-run in the step),
     # "commit" once per step at the optimizer step (no host read inside forward or backward);

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mscale.families import config_of, placeholders
 from mscale.hook.placement import tensors
 
 TEMPERATURE = 0.1  # of the contrastive term's cosine similarities (CLIP's learned value is about 0.01)
@@ -37,31 +38,11 @@ def text_width(text: nn.Module) -> int | None:
     return None
 
 
-def unwrapped(model: nn.Module) -> nn.Module:
-    """The model a DDP (or DataParallel, or torch.compile) wrapper holds: the one with the config.
-    FSDP2's fully_shard keeps the model itself, config included."""
-    while getattr(model, "config", None) is None and isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module  # type: ignore[assignment]  # DistributedDataParallel, DataParallel
-    return model
-
-
 def lm_head_of(text: nn.Module) -> nn.Module | None:
     """The LM head of a text MPU that has one (a `*ForCausalLM`'s `get_output_embeddings()`), whose
     input is the final hidden states; None for a text MPU without one (most families' base models)."""
     head = getattr(text, "get_output_embeddings", lambda: None)()
     return head if isinstance(head, nn.Module) and head is not text else None
-
-
-def placeholder_id(model: nn.Module, modality: str = "vision") -> int | None:
-    """The token id whose positions the `modality` MPU's features fill (the image's, or the audio
-    clip's: Qwen2-Audio's `audio_token_index`)."""
-    cfg = getattr(unwrapped(model), "config", None)
-    keys = ("audio_token_id", "audio_token_index") if modality == "audio" else ("image_token_id", "image_token_index")
-    for key in keys:
-        v = getattr(cfg, key, None)
-        if isinstance(v, int):
-            return v
-    return None
 
 
 def teacher_of(output: Any, width: int) -> torch.Tensor | None:
@@ -107,6 +88,7 @@ class Captured:
     input_ids: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
     outputs: dict[str, Any] = field(default_factory=dict)  # mpu_id -> output
+    calls: list[tuple[str, Any]] = field(default_factory=list)  # (mpu_id, output) of this forward, in order
     text_inputs: tuple = ()
     text_kwargs: dict[str, Any] = field(default_factory=dict)  # the text MPU's keyword inputs
     hidden: Any = None  # the text MPU's final hidden states, where it has an LM head (its input)
@@ -123,13 +105,20 @@ class Term:
         # the MPU whose output the text model receives: the projector, for the encoders upstream of it
         self.carrier = aligner if aligner is not None and failing.name not in ("aligner", "text") else failing
         self.width = text_width(self.text.module) if self.text is not None else None
-        self.token = placeholder_id(model, failing.name)
+        cfg = config_of(model, str(getattr(failing, "path", "") or ""))
+        # the placeholder tokens the student may fill, its own modality's first (`_positions`)
+        self.tokens = placeholders(cfg, failing.name, str(getattr(failing, "path", "") or ""))
         # an encoder-decoder (VisionEncoderDecoder, Pix2Struct): no placeholders, cross-attention
-        self.cross = bool(getattr(getattr(unwrapped(model), "config", None), "is_encoder_decoder", False))
+        self.cross = bool(getattr(cfg, "is_encoder_decoder", False))
         self.projection: nn.Linear | None = None
         self._opt: torch.optim.Optimizer | None = None
         self._initial: dict | None = None  # the projection's state as made
         self.lr = optimizer_lr
+
+    @property
+    def token(self) -> int | None:
+        """The placeholder token id of the failing MPU's own modality first (None: no placeholders)."""
+        return self.tokens[0][1] if self.tokens else None
 
     def why_not(self) -> str:
         """Why no term can be built for this layout ("" when one can)."""
@@ -145,7 +134,7 @@ class Term:
         """(the term, "") or (None, why not) for this step's captured tensors."""
         if self.text is None or self.width is None:
             return None, self.why_not()
-        out = cap.outputs.get(self.carrier.mpu_id)
+        out = self._carried(cap)
         text_out = cap.outputs.get(self.text.mpu_id)
         if out is None or text_out is None:
             return None, "the failing MPU or the text MPU did not run this step"
@@ -168,6 +157,25 @@ class Term:
         logits = F.normalize(s.float(), dim=-1) @ F.normalize(t.float(), dim=-1).T / TEMPERATURE
         return F.cross_entropy(logits, torch.arange(s.shape[0], device=logits.device)), ""
 
+    def _carried(self, cap: Captured) -> Any:
+        """The carrier's output for the failing MPU: a projector shared by several towers
+        (Video-LLaVA's images and videos) runs once for each, so its call after the failing
+        MPU's last one (the last of a re-run's); None when the failing MPU did not run."""
+        if not cap.calls:
+            return cap.outputs.get(self.carrier.mpu_id)
+        ids = [mpu_id for mpu_id, _ in cap.calls]
+        if self.failing.mpu_id not in ids:
+            return None
+        if self.carrier is self.failing:
+            return cap.outputs.get(self.failing.mpu_id)
+        last = len(ids) - 1 - ids[::-1].index(self.failing.mpu_id)
+        at = next((i for i in range(last + 1, len(ids)) if ids[i] == self.carrier.mpu_id), None)
+        if at is None:
+            return cap.outputs.get(self.carrier.mpu_id)
+        while at + 1 < len(ids) and ids[at + 1] == self.carrier.mpu_id:
+            at += 1
+        return cap.calls[at][1]
+
     def _student(self, cap: Captured, out: Any) -> torch.Tensor | None:
         """The carrier's output as the text model reads it: the tensor the text MPU takes as
         `encoder_hidden_states` (BLIP), an encoder-decoder's `last_hidden_state`, else `pooler_output` first."""
@@ -182,23 +190,21 @@ class Term:
         """Per sample: (the mean of its student rows, the mean of the teacher over its text positions)."""
         ids = cap.input_ids
         b = teacher.shape[0]
-        if self.token is not None and isinstance(ids, torch.Tensor) and ids.shape == teacher.shape[:2]:
-            image = ids.to(teacher.device) == self.token
-            counts = image.sum(dim=1)
-            # rows the model adds after the MPU (LLaVA-NeXT's row-end newlines) break the one row a
-            # position match; with one image a sample (equal counts) each sample's rows are its
-            # equal share, in batch order, as the towers emit them
-            shares = bool((counts == counts[0]).all()) and rows.shape[0] % b == 0
-            if bool((counts == 0).any()) or (int(counts.sum()) != rows.shape[0] and not shares):
-                return f"{int(counts.sum())} image-token positions for {rows.shape[0]} student rows"
-            text = ~image
+        if self.tokens and isinstance(ids, torch.Tensor) and ids.shape == teacher.shape[:2]:
+            found = self._positions(ids.to(teacher.device), rows.shape[0], b)
+            if isinstance(found, str):
+                return found
+            _, counts, modality = found
+            text = torch.ones_like(ids, dtype=torch.bool, device=teacher.device)
+            for _, token in self.tokens:  # text: no placeholder of any modality
+                text &= ids.to(teacher.device) != token
             if cap.attention_mask is not None and cap.attention_mask.shape == text.shape:
                 text = text & cap.attention_mask.to(text.device).bool()
             if int(counts.sum()) == rows.shape[0]:
                 pooled = torch.stack([r.mean(dim=0) for r in torch.split(rows, counts.tolist())])
             else:
                 pooled = rows.reshape(b, -1, rows.shape[-1]).mean(dim=1)
-            self.layout = "image-token positions"
+            self.layout = f"{modality}-token positions"
         elif (
             (self.cross or cap.text_kwargs.get("encoder_hidden_states") is student)
             and student.dim() == 3
@@ -226,6 +232,20 @@ class Term:
         return pooled, target
 
     layout = ""  # where the student was placed at the last step (the event says it)
+
+    def _positions(self, ids: torch.Tensor, rows: int, b: int) -> tuple[torch.Tensor, torch.Tensor, str] | str:
+        """(positions, count per sample, modality) of the first placeholder holding the student's
+        rows, else why none does. Rows added after the MPU (LLaVA-NeXT's row-end newlines) break a
+        row a position: with equal counts each sample's rows are its equal share, in batch order."""
+        seen = []
+        for modality, token in self.tokens:
+            at = ids == token
+            counts = at.sum(dim=1)
+            shares = bool((counts == counts[0]).all()) and rows % b == 0
+            if not bool((counts == 0).any()) and (int(counts.sum()) == rows or shares):
+                return at, counts, modality
+            seen.append(f"{int(counts.sum())} {modality}-token positions")
+        return f"{', '.join(seen)} for {rows} student rows"
 
     def _project(self, student: torch.Tensor) -> torch.Tensor:
         if self.projection is None or self.projection.in_features != student.shape[-1]:

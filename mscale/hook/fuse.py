@@ -23,7 +23,8 @@ guard's hooks on to the action states.
 
 An action applied inside a forward that moves the MPU (L1 swap, L2 degrade) discards the MPU's
 output and re-runs its forward for the same batch on the new placement (the guard's
-on_mpu_output hook), so the step completes correctly.
+on_mpu_output hook), so the step completes correctly. Sharded (FSDP2), that forward would all-gather
+on this rank alone: every rank re-runs the step instead (docs/healing.md#under-fsdp2).
 """
 
 from __future__ import annotations
@@ -45,18 +46,18 @@ from mscale.healing.actions.base import ActionSpec
 from mscale.healing.engine import Condition, Decision, HealingEngine, HealingSnapshot, Target
 from mscale.healing.fsm import Level
 from mscale.healing.policy import Policy, Rule
+from mscale.healing.progress import Keeper
 from mscale.healing.settings import HealingSection
 from mscale.healing.words import Result, TargetKind
 from mscale.hook import actions as executors
-from mscale.hook.actions import rollback  # rerun_step goes through it, with a reason that keeps the batch
 from mscale.hook.actions.base import ActionFailed
+from mscale.snapshot.sharded import is_sharded
 
 log = structlog.get_logger("mscale.fuse")
 SOURCE = "fuse"
 _FAIL = (Reason.CHECKSUM_FAILURE, Reason.NONFINITE_OUTPUT)
 _OWN = (Reason.HEAL_ACTION, Reason.FUSE_STATE, Reason.CHECKSUM_L1_TRIGGER)  # the trigger: counted here
 MAX_RERUNS = 3  # forward re-runs of one MPU in one step (one per escalation)
-MAX_STEP_RERUNS = 8  # re-runs in a row of one step whose checks failed at the commit point
 
 
 @dataclass
@@ -107,7 +108,7 @@ class FusePlugin:
         self.step_dropped = False  # an action dropped this step's update
         self.reruns: list[tuple[int, str, int, float]] = []  # (step, mpu_id, gpu, when done) of each re-run
         self._rerunning: str | None = None
-        self._step_reruns: tuple[int, int] = (-1, 0)  # (step, re-runs in a row) of rerun_step
+        self.progress = Keeper(self)  # forward progress: lost calls per culprit, the bound (mscale.healing.progress)
         self._thread = threading.get_ident()
         self._foreign: deque[Finding] = deque()
 
@@ -123,40 +124,15 @@ class FusePlugin:
 
     def rerun_step(self, why: str) -> str:
         """A fault found at the commit point (the guard's `request_rerun`): the step's update is
-        dropped and the step re-run on the same batch, through the rollback action with a reason
-        that keeps the batch (mscale.hook.actions.rollback): the newest in-memory snapshot
-        restored after the step, the steps since re-run. A rollback already pending decides
-        alone. One step is re-run at most MAX_STEP_RERUNS times in a row; after that its update
-        stays dropped and training goes on with the next batch (logged: step_not_rerun)."""
-        state = self.states.get(rollback.EXECUTOR.name)
-        if state is None:
-            return Result.NOOP
-        step = self.guard.current_step
-        runs = self._step_reruns[1] + 1 if self._step_reruns[0] == step else 1
-        self._step_reruns = (step, runs)
-        if runs > MAX_STEP_RERUNS:
-            # every rank counts alike (it is called on every rank at every agreed fault), so every
-            # rank gives up together: a rollback another rule left pending is withdrawn too
-            state.pending = None
-            self.drop_step(why)
-            log.warning("step_not_rerun", step=step, reruns=MAX_STEP_RERUNS, why=why)
-            return Result.FAILED  # not re-run: the update stays dropped (logged above)
-        if state.pending is not None:
-            return Result.NOOP
-        spec = rollback.EXECUTOR.spec
-        level = self._engine.job(self.guard.job_id).level
-        d = Decision(
-            "commit_point",
-            spec.name,
-            spec.level,
-            Target(self.guard.job_id),
-            level,
-            rollback.COMMIT_FAILURE,
-            why,
-            step,
-            self.clock(),
-        )
-        return self.run(d)
+        dropped, the failed run charged to its culprit, and the step run again once on its batch
+        from its start (healing.progress_step_reruns; past it the batch is skipped): see
+        mscale.healing.progress."""
+        return self.progress.rerun(why)
+
+    @property
+    def stopping(self) -> Any:
+        """The mscale.ProgressBoundExceeded the guard raises (None: training goes on)."""
+        return self.progress.stopping
 
     def drop_step(self, why: str) -> None:
         """Drop this step's update (the guard skips the optimizer step)."""
@@ -230,6 +206,11 @@ class FusePlugin:
         self.dispatch("mpu_output", mpu, output)
         if mpu.mpu_id not in self.pending_rerun:
             return None
+        if is_sharded(self.guard.model):  # FSDP2: a forward on this rank alone would all-gather alone
+            self.pending_rerun.discard(mpu.mpu_id)
+            self.guard.request_rerun(f"{mpu.name} ({mpu.mpu_id}) moved in the step; sharded: step re-run by every rank")
+            log.info("mpu_rerun_collective", mpu_id=mpu.mpu_id, step=self.guard.current_step)
+            return None
         out = None
         for _ in range(MAX_RERUNS):
             if mpu.mpu_id not in self.pending_rerun:
@@ -272,6 +253,7 @@ class FusePlugin:
                         )
                     )
         replaced = any(self.dispatch("settle", step))  # a rollback: the step's state is not kept
+        self.progress.step_end()
         if not replaced:
             self.dispatch("weights_settled")
             if self.snapshot_engine is not None and self.drive_snapshots:

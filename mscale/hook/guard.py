@@ -379,8 +379,8 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
         self.checksum.before_forward(m, args, kwargs)
 
     def _mpu_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        if compiling():  # traced: the output's non-finite check only, as tensor ops
-            self.checksum.graph.output(self._mpu_by_module[id(module)], output_tensors(output))
+        if compiling():  # traced: the output's non-finite check and statistic, as tensor ops
+            self.checksum.traced_output(self._mpu_by_module[id(module)], output_tensors(output))
             return None
         if self.checksum.replaying:
             return None
@@ -418,6 +418,7 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
                 self.fuse.rerun_step(self._rerun_reason)
             except Exception as e:
                 self.log.exception("guard_error", where="rerun", error=str(e))
+        self._halt()
         try:
             self._statistics()
         except Exception as e:
@@ -469,6 +470,14 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
             self.current_step = step + 1
         self._step_set = False
         self.poll_commands()
+        self._halt()
+
+    def _halt(self) -> None:
+        """The fuse's clean stop (mscale.ProgressBoundExceeded, mscale.healing.progress): raised into
+        the loop from the optimizer step, the one exception the guard raises on purpose."""
+        stop = getattr(self.fuse, "stopping", None)
+        if stop is not None:
+            raise stop
 
     def _report(self) -> protocol.StepReport:
         return step_report(

@@ -73,6 +73,8 @@ class LoopData:
     it is loaded back at start-up only. A rollback leaves the loader alone: the loop has
     already drawn the faulty batch and goes on with the next one."""
 
+    rewinds = False  # the step mark (a step run again from its start) leaves it alone: its batch is lost
+
     def __init__(self, loader: Any = None) -> None:
         self.loader = loader
         self.restoring = False  # set around the start-up resume

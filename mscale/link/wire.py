@@ -216,14 +216,42 @@ def read_text(
 
 # --- findings ----------------------------------------------------------------------------------
 
-_REASONS = {r.value: r for r in Reason}
+# what only the agent sees or decides: the GPU probe's findings, its verdicts and filings, its
+# own books. A job that reports one is refused (the finding is not understood): a job's
+# "gpu_xid on GPU 3" must not make the agent quarantine GPU 3 and swap other users' MPUs off it
+AGENT_REASONS = frozenset(
+    {
+        Reason.GPU_XID,
+        Reason.GPU_ECC_DBE,
+        Reason.GPU_ECC_SBE_STORM,
+        Reason.GPU_TEMPERATURE,
+        Reason.GPU_NVLINK_DOWN,
+        Reason.GPU_PCIE_REPLAY,
+        Reason.GPU_LOST,
+        Reason.GPU_HEALTH_CHANGED,
+        Reason.GPU_RECOVERED,
+        Reason.GPU_RESET_REQUIRED,
+        Reason.NODE_DRAIN_REQUIRED,
+        Reason.GPU_FAULT_VERDICT,
+        Reason.GPU_FAULT_CLEARED,
+        Reason.REMEDIATION_FILING,
+        Reason.PROBE_DOWN,
+        Reason.PROBE_UP,
+        Reason.JOB_REGISTERED,
+        Reason.JOB_GONE,
+        Reason.ALERT_FIRING,
+        Reason.ALERT_RESOLVED,
+        Reason.CHAOS_INJECTED,
+    }
+)
+_REASONS = {r.value: r for r in Reason if r not in AGENT_REASONS}
 _SEVERITIES = {s.value: s for s in Severity}
 
 
 def finding(f: object) -> Finding | None:
     """A reported finding (the job sends `Finding.to_dict()`) read back, clamped to the sizes
-    above, its source prefixed "hook:"; None when its reason, severity, source (1-32 of
-    [a-z0-9_.-]) or labels are not understood. A time that is not a finite number >= 0 is
+    above, its source prefixed "hook:"; None when its reason (one of AGENT_REASONS among
+    them), severity, source (1-32 of [a-z0-9_.-]) or labels are not understood. A time that is not a finite number >= 0 is
     replaced by the agent's."""
     if not isinstance(f, dict):
         return None

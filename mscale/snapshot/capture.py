@@ -38,8 +38,10 @@ from mscale.snapshot.format import (
     mpu_file,
     optim_file,
 )
+from mscale.snapshot.keys import bare
 from mscale.snapshot.memory import HostCopier, MemorySnapshot, rng_state, to_host
 from mscale.snapshot.optim import NamedOptimizer
+from mscale.snapshot.ownership import dir_refused
 from mscale.snapshot.writer import DiskWriter
 
 __all__ = ["SnapshotCapture"]
@@ -83,7 +85,9 @@ class SnapshotCapture:
     ) -> None:
         cfg = config if config is not None else SnapshotConfig()
         self.config = cfg
-        self.model, self.optimizer = model, optimizer
+        # the model inside DDP and torch.compile wrappers: snapshots carry its names (keys.py)
+        model = self.model = bare(model)
+        self.optimizer = optimizer
         self.scaler, self.scheduler, self.data = scaler, scheduler, data
         self.extra = dict(extra or {})
         self.memory_every, self.memory_keep = cfg.memory_every, cfg.memory_keep
@@ -117,12 +121,31 @@ class SnapshotCapture:
         if self.directory is not None:
             self._disk = self._open_directory(self.directory)
 
-    def _open_directory(self, directory: Path) -> DiskWriter:
-        """This rank's directory under `directory` (made), and the writer thread that fills it."""
+    def _open_directory(self, directory: Path) -> DiskWriter | None:
+        """This rank's directory under `directory` (made), and the writer thread that fills it.
+        None (no disk tier, on every rank alike) where a rank's directory is another user's."""
         if self.world_size > 1 and self.rank == 0:
             worlds.adopt_single(directory)  # before any rank lists it: worlds.plan waits for this
-        self.rank_dir = worlds.rank_dir(directory, self.rank, self.world_size)
-        self.rank_dir.mkdir(parents=True, exist_ok=True)
+        rank_dir = worlds.rank_dir(directory, self.rank, self.world_size)
+        try:
+            rank_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # a rank directory must be this uid's; the root may be shared (sticky, like /tmp)
+            why = dir_refused(rank_dir) if rank_dir != directory else ""
+        except OSError as e:
+            why = f"not made ({e.strerror or e})"
+        # every rank alike: resume and rollback to disk are collective
+        if mdist.any_flag(bool(why), self.group):
+            message = (
+                f"{rank_dir} is {why}: never written to, listed or resumed from; this job keeps no disk "
+                f"snapshots (in-memory ones go on). Remove it or give a directory of your own"
+                if why
+                else f"another rank's snapshot directory under {directory} is refused: this job keeps no "
+                "disk snapshots, since every rank must resume the same step"
+            )
+            self.emit(Reason.SNAPSHOT_REFUSED, Severity.CRITICAL, message, file=rank_dir.name)
+            return None
+        self.rank_dir = rank_dir
+        self._report_foreign(directory)
         identity = {
             "rank": self.rank,
             "world_size": self.world_size,
@@ -134,6 +157,24 @@ class SnapshotCapture:
             },
         }
         return DiskWriter(self.rank_dir, keep=self.disk_keep, identity=identity, emit=self.emit, unpin=self._unpin)
+
+    def _report_foreign(self, directory: Path, most: int = 8) -> None:
+        """One finding naming the rank directories of `directory` that are not this uid's (at most
+        `most` named): ignored, never written to, listed or resumed from (ownership.py)."""
+        try:
+            names = sorted(p.name for p in directory.iterdir() if worlds.RANK_DIR.match(p.name))
+        except OSError:
+            return
+        foreign = [(n, why) for n in names if (why := dir_refused(directory / n))]
+        if foreign:
+            named = "; ".join(f"{n} is {why}" for n, why in foreign[:most])
+            more = f" (and {len(foreign) - most} more)" if len(foreign) > most else ""
+            self.emit(
+                Reason.SNAPSHOT_REFUSED,
+                Severity.WARNING,
+                f"{named}{more}: ignored, never written to, listed or resumed from by this run",
+                file=foreign[0][0],
+            )
 
     @property
     def last_write(self) -> dict:

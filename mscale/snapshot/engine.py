@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -36,9 +37,27 @@ from mscale.snapshot.data import describe_batches, step_batches
 from mscale.snapshot.fit import check_fits
 from mscale.snapshot.format import SnapshotError, list_snapshots
 from mscale.snapshot.inplace import load_newest_valid
-from mscale.snapshot.memory import set_rng_state
+from mscale.snapshot.memory import MemorySnapshot, rng_state, set_rng_state, to_host
 
 __all__ = ["SnapshotEngine", "RollbackUnavailable"]
+
+
+_ATOMS = (int, float, str, bool, bytes, type(None))
+
+
+def _light(obj: Any) -> Any:
+    """A copy of a state dict for the step mark, paid every step: containers rebuilt, tensors
+    copied to the host, immutable leaves shared (a deep copy of each float costs more than the
+    rest of the mark together); anything else deep-copied."""
+    if isinstance(obj, _ATOMS):
+        return obj
+    if type(obj) is dict:
+        return {k: _light(v) for k, v in obj.items()}
+    if type(obj) is list:
+        return [_light(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_light(v) for v in obj)
+    return to_host(obj)
 
 
 class RollbackUnavailable(SnapshotError):
@@ -48,7 +67,71 @@ class RollbackUnavailable(SnapshotError):
 class SnapshotEngine(SnapshotCapture):
     """Snapshots and restores a training job's state; see the module docstring. Taking them
     is SnapshotCapture's (mscale.snapshot.capture: the constructor's arguments are there);
-    this class restores them: `rollback`, `agree_rollback`, `resume`."""
+    this class restores them: `rollback`, `agree_rollback`, `resume`, `rewind`.
+
+    The step mark: at every step end (and after every restore) the engine keeps what a
+    snapshot holds besides the tensors (RNG states, data position, scheduler, grad scaler,
+    the optimizer's hyperparameters, the extras: a few kilobytes), so that a step whose update
+    was dropped can be run again from its start without a rollback (`rewind`): its weights and
+    optimizer state are what they were, the rest is put back."""
+
+    _mark: dict | None = None
+
+    def _take_mark(self) -> None:
+        objects: dict = {"step": self.step, "rng": rng_state()}
+        if self.data is not None and getattr(self.data, "rewinds", True):
+            objects["data"] = _light(self.data.state_dict())
+        if self.optimizer is not None:
+            objects["groups"] = [
+                _light({k: v for k, v in g.items() if k != "params"}) for g in self.optimizer.param_groups
+            ]
+        if self.scaler is not None:
+            objects["scaler"] = _light(self.scaler.state_dict())
+        if self.scheduler is not None:
+            objects["scheduler"] = _light(self.scheduler.state_dict())
+        objects["extra"] = {name: _light(obj.state_dict()) for name, obj in self.extra.items()}
+        self._mark = objects
+
+    def step_end(self, step: int) -> None:
+        super().step_end(step)
+        if self.mark_step_held != step:  # (a snapshot of this step took it already)
+            self._take_mark()
+
+    def snapshot(self, step: int | None = None) -> MemorySnapshot:
+        snap = super().snapshot(step)
+        self._take_mark()
+        return snap
+
+    @property
+    def mark_step_held(self) -> int | None:
+        """The step whose end the step mark holds (None: none yet)."""
+        return None if self._mark is None else int(self._mark["step"])
+
+    def rewind(self, step: int) -> int:
+        """Put back the step mark of `step` (the end of the step before the one to run again):
+        RNG, data position (a loader that cannot rewind goes on with its next batch),
+        scheduler, scaler, the optimizer's hyperparameters and the extras. Weights and
+        optimizer state are left as they are: the caller knows they did not change (the step's
+        update was dropped). Training continues at `step` + 1. RollbackUnavailable: no mark of
+        that step (a rollback is needed)."""
+        mark = self._mark
+        if mark is None or int(mark["step"]) != step:
+            raise RollbackUnavailable(f"no step mark of step {step} (held: {self.mark_step_held})")
+        if self.data is not None and "data" in mark:
+            self.data.load_state_dict(copy.deepcopy(mark["data"]))
+        if self.optimizer is not None and "groups" in mark:
+            for group, saved in zip(self.optimizer.param_groups, mark["groups"], strict=True):
+                group.update(copy.deepcopy(saved))
+        if self.scaler is not None:
+            self.scaler.load_state_dict(copy.deepcopy(mark["scaler"]))
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(copy.deepcopy(mark["scheduler"]))
+        for name, obj in self.extra.items():
+            obj.load_state_dict(copy.deepcopy(mark["extra"].get(name)))
+        set_rng_state(mark["rng"])
+        self.step = step
+        self.mark_step()
+        return step
 
     # -- restore ----------------------------------------------------------------------
     def _apply(
@@ -87,6 +170,7 @@ class SnapshotEngine(SnapshotCapture):
             obj.load_state_dict(copy.deepcopy(objects["extra"].get(name)))
         set_rng_state(objects["rng"])
         self.step = int(objects["step"])
+        self._take_mark()  # the restored step's end: a step after it can be run again from its start
 
     def rollback(self, step: int | None = None, *, skip_batch: bool = False, micro_batches: Sequence[int] = ()) -> int:
         """Restores the newest in-memory snapshot (or the one at `step`) into the live objects;

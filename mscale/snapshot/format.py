@@ -296,7 +296,7 @@ def list_snapshots(root: str | os.PathLike, *, include_incomplete: bool = False)
     ranks: list[tuple[Path, int | None]] = [
         (p, int(m.group(1))) for p in sorted(root.iterdir()) if p.is_dir() and (m := RANK_DIR.match(p.name))
     ]
-    for base, rank in ranks or [(root, None)]:
+    for base, rank in [(root, None), *ranks]:  # a single rank's step_* beside rank dirs stay listed
         for p in base.iterdir():
             if not p.is_dir():
                 continue

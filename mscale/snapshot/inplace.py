@@ -27,6 +27,7 @@ import mscale.snapshot.distributed as mdist
 from mscale.findings import Reason, Severity
 from mscale.snapshot.fit import check_fits
 from mscale.snapshot.format import SnapshotError, SnapshotInvalid, step_dir_name
+from mscale.snapshot.keys import renamed_for
 from mscale.snapshot.tensors import MAX_HEADER, Entry, load_snapshot, parse_header
 
 if TYPE_CHECKING:
@@ -143,6 +144,7 @@ def load_newest_valid(
         try:
             got = read(step) if read is not None else None
             tensors, objects = got if got is not None else load_snapshot(path, pool=engine.copier.pool(), plan=plan)[:2]
+            tensors, objects = renamed_for(engine, tensors, objects)  # written with a wrapper's names
             check_fits(engine, tensors, objects, str(path))
         except SnapshotError as e:  # SnapshotInvalid names the file at fault
             overwritten = path if any(landed) else overwritten

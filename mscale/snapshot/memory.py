@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from mscale.snapshot.keys import wrapper_prefix
+
 __all__ = ["MemorySnapshot", "HostCopier", "Completion", "to_host", "rng_state", "set_rng_state"]
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
@@ -105,14 +107,17 @@ class MemorySnapshot:
         """Copy part of this snapshot back into the live model in place: every model tensor
         (parameter or buffer) and, with `optimizer`, every optimizer-state tensor of a parameter
         for which `wanted(file name, tensor name)` holds. Returns how many model tensors were
-        copied. The one partial restore (an L1 swap's corrupted weights, a weight repair)."""
+        copied. The one partial restore (an L1 swap's corrupted weights, a weight repair).
+        Names are `model`'s own: a DDP-wrapped model's `module.` before the snapshot's (keys.py)."""
         live = model.state_dict(keep_vars=True)
         params = dict(model.named_parameters())
+        pre = wrapper_prefix(model)
         n = 0
         with torch.no_grad():
             for fname, tensors in self.tensors.items():
                 for key, saved in tensors.items():
                     kind, _, rest = key.partition("/")
+                    rest = pre + rest
                     if kind == "model" and rest in live and wanted(fname, rest):
                         live[rest].copy_(saved)
                         n += 1

@@ -7,7 +7,9 @@ verified in turn (one at a time: the memory held is this rank's new shards plus 
 snapshot), and the overlap of each old box with this rank's box is copied into a fresh tensor
 of this rank's local shape: the bytes are the saved ones, nothing is computed. Written
 elements are counted, so a layout that does not cover this rank's box is refused, never left
-uninitialised.
+uninitialised; and the old ranks' boxes of each tensor must tile it exactly (inside it, none
+overlapping another, their volumes adding up to the whole), or the step is refused: boxes that
+overlap would count elements twice and leave others unwritten.
 
 Which tensors are sharded: a parameter's (`model/<fqn>` where the layout names fqn), and an
 optimizer state tensor of that parameter with its local shape (Adam's moments; the rule
@@ -18,6 +20,7 @@ from old rank r % old_world (worlds.py).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,7 +32,27 @@ if TYPE_CHECKING:
     from mscale.snapshot.engine import SnapshotEngine
     from mscale.snapshot.worlds import Candidate
 
-__all__ = ["read"]
+__all__ = ["read", "tiling_error"]
+
+Box = tuple[list[int], list[int]]  # (global offset, local shape)
+
+
+def tiling_error(shape: list[int], boxes: dict[int, Box]) -> str:
+    """'' when the boxes (old rank -> box) tile a tensor of `shape` exactly, else why not."""
+    for rank, (at, local) in boxes.items():
+        if len(at) != len(shape) or len(local) != len(shape):
+            return f"rank {rank}'s box has {len(local)} dimensions, the tensor {len(shape)}"
+        if any(a < 0 or n < 0 or a + n > s for a, n, s in zip(at, local, shape, strict=True)):
+            return f"rank {rank}'s box {local} at {at} lies outside the {shape} tensor"
+    volume = sum(math.prod(local) for _, local in boxes.values())
+    if volume != math.prod(shape):
+        return f"the boxes hold {volume} elements, the {shape} tensor {math.prod(shape)}"
+    full = sorted((r, b) for r, b in boxes.items() if math.prod(b[1]) > 0)
+    for i, (r, (at, local)) in enumerate(full):
+        for q, (at2, local2) in full[i + 1 :]:
+            if all(max(a, b) < min(a + n, b + m) for a, n, b, m in zip(at, local, at2, local2, strict=True)):
+                return f"the boxes of ranks {r} and {q} overlap"
+    return ""
 
 
 def _param_of(key: str, t: torch.Tensor, layout: dict[str, dict]) -> str | None:
@@ -66,11 +89,15 @@ def read(engine: SnapshotEngine, found: Candidate) -> tuple[dict[str, dict[str, 
     source = engine.rank % found.world_size
     out: dict[str, dict[str, torch.Tensor]] = {}
     written: dict[str, int] = {}
+    boxes: dict[str, dict[int, Box]] = {}  # fqn -> old rank -> its box: they must tile the tensor
     objects: dict | None = None
     for rank in range(found.world_size):
         path = found.shards[rank]
         tensors, objs, _ = load_snapshot(path, pool=engine.copier.pool())
         theirs = ((objs.get("extra") or {}).get("sharding") or {}).get("layout") or {}
+        for fqn, box in theirs.items():
+            if isinstance(box, dict) and "shape" in box:
+                boxes.setdefault(fqn, {})[rank] = (list(box.get("offset") or []), list(box.get("local") or []))
         if rank == source:
             objects = objs
         for file, entries in tensors.items():
@@ -96,6 +123,10 @@ def read(engine: SnapshotEngine, found: Candidate) -> tuple[dict[str, dict[str, 
                     dst = out[file][key] = torch.empty(want["local"], dtype=t.dtype)
                 written[key] = written.get(key, 0) + _overlap(t, box["offset"], dst, want["offset"])
         del tensors
+    for fqn, theirs_boxes in boxes.items():
+        why = tiling_error(list(mine.get(fqn, {}).get("shape") or []), theirs_boxes)
+        if fqn in mine and why:
+            raise SnapshotError(f"the shards of step {found.step} do not tile {fqn}: {why}")
     short = [k for d in out.values() for k, t in d.items() if k in written and written[k] < t.numel()]
     if short:
         raise SnapshotError(

@@ -21,7 +21,15 @@ from torch import nn
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return any(hasattr(p, "device_mesh") for p in model.parameters())
+    """A parameter is a DTensor, or an FSDP2 `fully_shard` module is in `model` (during a forward
+    FSDP2 swaps in unsharded plain parameters: the fuse asks then too, mscale.hook.fuse)."""
+    if any(hasattr(p, "device_mesh") for p in model.parameters()):
+        return True
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _local(t: Any) -> Any:

@@ -49,6 +49,7 @@ from mscale.snapshot.format import (
     rank_dir_name,
     read_train_state,
 )
+from mscale.snapshot.ownership import dir_refused
 
 __all__ = ["Candidate", "WorldSizeChanged", "candidates", "per_rank", "rank_dir", "resplit"]
 
@@ -66,7 +67,9 @@ class Candidate:
 
 
 def per_rank(directory: Path) -> bool:
-    return directory.is_dir() and any(p.is_dir() and RANK_DIR.match(p.name) for p in directory.iterdir())
+    """Whether `directory` holds rank directories of this uid (another user's do not count:
+    ownership.py)."""
+    return directory.is_dir() and any(RANK_DIR.match(p.name) and not dir_refused(p) for p in directory.iterdir())
 
 
 def rank_dir(directory: Path, rank: int, world_size: int) -> Path:
@@ -84,7 +87,9 @@ def adopt_single(directory: Path) -> None:
     if not steps:
         return
     target = directory / rank_dir_name(0)
-    target.mkdir(exist_ok=True)
+    target.mkdir(mode=0o700, exist_ok=True)
+    if dir_refused(target):  # another user's: nothing moves into it (capture.py refuses the disk tier)
+        return
     for p in steps:
         if (target / p.name).exists():  # the same step from the other layout: keep the per-rank one
             shutil.rmtree(p, ignore_errors=True)

@@ -2,6 +2,7 @@
 
     python tests/support/ddp_job.py --world 2 --port P --out DIR --scenario nan|checksum|corrupt|plain
         [--socket S] [--snapshots] [--steps 8] [--fault-rank 1] [--fault-at 3] [--replica-every K]
+        [--verdicts in_step|commit]
         [--wrap ddp|fsdp] [--sockets A,B --snapdir D --hold-at N --go FILE]
 
 imports torch once, then forks one child per rank (no threads before the fork), each joining a
@@ -16,6 +17,9 @@ gradient: one element of GRAD_TENSOR's gradient on that rank raised by 1e6 times
 tensor hook, before the accumulation and the reduction), once, from --fault-at on, in the
 first step whose gradient check covers it (--grad-groups: healing.gradient_groups);
 rollback_cmd: a heal rollback command handed to that rank's fuse alone;
+nan_output: NaN written into the vision MPU's output on that rank by this script's own forward
+hook, on every training forward from the --fault-at-th loop on (it follows the MPU, so no fuse
+level cures it: the progress bound's clean stop, mscale.ProgressBoundExceeded, on every rank);
 commit: checksum verdicts read at the commit point (every layer checked), the batches drawn from a
 ResumableLoader given as `data=` (each step's sample ids recorded), and one element of the vision
 MPU's first GEMM output raised by 100 by this script's own forward hook, once, at --fault-at;
@@ -68,6 +72,9 @@ def param_hash(model: torch.nn.Module) -> str:
 def full_norm(m) -> float:
     """The MPU's gradient norm over the whole gradient (all shards gathered when sharded)."""
     grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in m.parameters()]
+    grads = [g for g in grads if g is not None]  # (a moved MPU's gradient, dropped)
+    if not grads:
+        return 0.0
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
 
@@ -159,6 +166,8 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         kw["healing"] = HealingSection(gradient_groups=args.grad_groups)
     if args.scenario == "checksum":  # a one-step fault in one layer: every layer checked every step
         kw["checksum"] = mscale.ChecksumConfig(full=True)
+    if args.verdicts:
+        kw["checksum"] = mscale.ChecksumConfig(verdicts=args.verdicts)
     reads = Reads()
     loader = None
     if args.scenario == "commit":
@@ -210,7 +219,15 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
     data = SyntheticCaptions(cfg, size=64, seed=rank)
     faulted = False
     norms: list[dict] = []
-    for _ in range(MAX_LOOPS):
+    loops = {"n": 0}
+    if args.scenario == "nan_output" and rank == args.fault_rank:
+
+        def nan_output(mod, inputs, out):
+            return out + torch.full_like(out, float("nan")) if loops["n"] >= args.fault_at else None
+
+        model.vision_tower.register_forward_hook(nan_output, prepend=True)
+    stopped: dict = {}
+    for loops["n"] in range(MAX_LOOPS):
         step = guard.current_step
         if step >= args.steps:
             break
@@ -245,7 +262,18 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         loss.backward()
         reads.phase = ""  # the next read this script's own
         norms.append({m.name: [None, full_norm(m)] for m in guard.mpus})
-        opt.step()
+        try:
+            opt.step()
+        except mscale.ProgressBoundExceeded as e:  # the clean stop: every rank at the same step
+            stopped = {
+                "step": e.step,
+                "culprit": e.culprit,
+                "lost": e.lost,
+                "snapshot": e.snapshot,
+                "loops": loops["n"],
+            }
+            reads.uninstall()
+            break
         reads.uninstall()
         for m in guard.mpus:
             norms[-1][m.name][0] = m.grad_norm
@@ -259,6 +287,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         "world": guard.world_size,
         "guard_rank": guard.rank,
         "final_step": guard.current_step,
+        "stopped": stopped,
         "ends": rec.ends,
         "rollbacks": fuse.states["rollback"].rollbacks if fuse is not None else [],
         "findings": [[f.source, f.reason.value] for f in guard.findings],
@@ -307,11 +336,12 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument(
         "--scenario",
-        choices=("nan", "checksum", "corrupt", "gradient", "rollback_cmd", "commit", "plain"),
+        choices=("nan", "checksum", "corrupt", "gradient", "rollback_cmd", "commit", "nan_output", "plain"),
         default="plain",
     )
     ap.add_argument("--grad-groups", type=int, default=-1, help="healing.gradient_groups (-1: the default)")
     ap.add_argument("--replica-every", type=int, default=100)
+    ap.add_argument("--verdicts", default="", help="ChecksumConfig.verdicts (empty: the scenario's)")
     ap.add_argument("--wrap", choices=("ddp", "fsdp"), default="ddp")
     ap.add_argument("--sockets", default="")
     ap.add_argument("--snapdir", default="")

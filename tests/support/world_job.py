@@ -1,5 +1,6 @@
-"""A job of --world gloo ranks (forked) training the tiny LLaVA under DDP or FSDP2 with the
-README's protection line and a snapshot directory, for restarts on another world size.
+"""A job of --world gloo ranks (forked) training the tiny LLaVA under DDP or FSDP2 (or, on one
+rank, the plain model with no process group) with the README's protection line and a snapshot
+directory, for restarts on another world size.
 
 Each rank writes out/rank_R.json: the step it started at (after attach's resume), hashes of the
 weights and of the optimizer state (whole tensors, shards gathered) then and at each step end,
@@ -62,9 +63,12 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=args.world, timeout=datetime.timedelta(seconds=60))
+    if args.wrap != "plain":
+        dist.init_process_group("gloo", rank=rank, world_size=args.world, timeout=datetime.timedelta(seconds=60))
     model, make_batch = tiny_llava(seed=0)
-    if args.wrap == "fsdp":
+    if args.wrap == "plain":
+        wrapped = model
+    elif args.wrap == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
         wrapped = fully_shard(model)
@@ -80,7 +84,8 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"
         Path(args.out, f"rank_{rank}.json").write_text(json.dumps(out))
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         return 0
     guard.add_plugin(hashes)
     out["start"] = guard.current_step
@@ -96,7 +101,8 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
     guard.detach()
     out["hashes"], out["optimizer_hashes"] = hashes.at, hashes.opt_at
     Path(args.out, f"rank_{rank}.json").write_text(json.dumps(out))
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 
@@ -108,8 +114,10 @@ def main() -> int:
     ap.add_argument("--dir", required=True)
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--every", type=int, default=4)
-    ap.add_argument("--wrap", choices=("ddp", "fsdp"), default="ddp")
+    ap.add_argument("--wrap", choices=("ddp", "fsdp", "plain"), default="ddp")
     args = ap.parse_args()
+    if args.wrap == "plain" and args.world != 1:
+        ap.error("--wrap plain runs on one rank (--world 1)")
     return fork_ranks(args.world, lambda rank: rank_main(args, rank))
 
 

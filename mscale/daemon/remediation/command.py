@@ -30,14 +30,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 from dataclasses import dataclass
 from typing import Any
 
 from mscale.daemon.remediation.base import CLEARED, FILED, FilerContext, FilerSpec, FilingFailed
-from mscale.daemon.remediation.verdicts import Fault
+from mscale.daemon.remediation.verdicts import FACT_KEYS, FACT_VALUE, GPU_UUID, MAX_MESSAGE, Fault
 from mscale.options import opt
 
+NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")  # a host or Kubernetes node name
+_WORD = re.compile(r"[A-Za-z0-9_]{1,64}")
 _FACT_ENV = {"job_id": "JOB_ID", "rank": "RANK", "mpu_id": "MPU_ID", "standby_gpu": "STANDBY_GPU", "xid": "XID"}
 
 
@@ -69,7 +72,10 @@ class CommandSection:
 
 
 def facts(event: str, node: str, fault: Fault) -> tuple[list[str], dict[str, str]]:
-    """The arguments appended to argv and the environment the command gets."""
+    """The arguments appended to argv and the environment the command gets: the agent's own
+    values only (its node name, the GPU probe's index and UUID, the link's job, rank and MPU
+    ids), each checked here once more; FilingFailed for a fault that carries anything else."""
+    _check(node, fault)
     args = [event, node, fault.gpu_uuid, str(fault.gpu), fault.kind, fault.reason, fault.action]
     env = {
         "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -89,6 +95,28 @@ def facts(event: str, node: str, fault: Fault) -> tuple[list[str], dict[str, str
         if fault.facts.get(k):
             env[f"MSCALE_{name}"] = fault.facts[k]
     return args, env
+
+
+def _check(node: str, fault: Fault) -> None:
+    bad = []
+    if not NODE.fullmatch(node):
+        bad.append("the node name")
+    if not GPU_UUID.fullmatch(fault.gpu_uuid):
+        bad.append("the GPU UUID")
+    if not 0 <= fault.gpu < 4096:
+        bad.append("the GPU index")
+    if not fault.message.isprintable() or len(fault.message) > MAX_MESSAGE:
+        bad.append("the message")
+    if fault.kind not in ("sdc", "xid") or not _WORD.fullmatch(fault.reason) or not _WORD.fullmatch(fault.action):
+        bad.append("the kind, reason or action")
+    for k, v in fault.facts.items():
+        if k not in FACT_KEYS or not FACT_VALUE.fullmatch(v):
+            bad.append(f"fact {k[:32]!r}")
+    if bad:
+        raise FilingFailed(
+            f"not run: {', '.join(bad)} of GPU {fault.gpu}'s fault is not what the agent knows",
+            labels={"exit_code": "none"},
+        )
 
 
 class CommandFiler:

@@ -1,14 +1,17 @@
 """The agent's remediation hand-off: the verdict book fed by the jobs' healing events and the GPU
 probe, and the enabled filers kept in step with it.
 
-Every turn (each healing event that opens a fault, and every `remediation.interval_s`) the
-service reconciles: each open fault not yet filed with a filer that takes its kind is filed,
-each filing whose fault was undone is cleared. Per filer and fault one filing (idempotent: the
-filers treat "already there" as filed); a failure is retried after `retry_interval_s`; at most
-`max_filings_per_hour` filings per filer (undos are not limited: they only give capacity back),
-the rest wait, counted. Each file and clear is a finding (remediation_filing) and counted in
+Every turn (each batch of healing events that opens a fault, and every `remediation.interval_s`)
+the service reconciles: each open fault not yet filed with a filer that takes its kind is filed,
+the probe's fatal Xids first, each filing whose fault was undone is cleared. Per filer and fault
+one filing (idempotent: the filers treat "already there" as filed); a failure is retried after
+`retry_interval_s`; at most `max_filings_per_hour` filings per filer and source, the jobs'
+proofs (`sdc`) apart from the GPU probe's fatal Xids (`xid`), so a fatal Xid never waits behind
+the jobs' proofs (undos are not limited: they only give capacity back); the rest wait, counted.
+Each file and clear is a finding (remediation_filing) and counted in
 `mscale_remediation_filings_total`; the open faults and filings are written to
-`remediation.state_file` after each change (mscale.daemon.remediation.ledger). A filer's calls are awaited on the agent's loop: the
+`remediation.state_file` once per turn that changed them (mscale.daemon.remediation.ledger): the
+events waiting when a turn begins (at most BATCH) are taken together, one write for all. A filer's calls are awaited on the agent's loop: the
 Kubernetes calls run in a thread under the request deadline, the command as a subprocess
 under its own; neither blocks the loop, nor can one stop the agent.
 """
@@ -29,7 +32,7 @@ from aiohttp import web
 from mscale.daemon import keys
 from mscale.daemon.remediation import REGISTRY, ledger, spec
 from mscale.daemon.remediation.base import FilerContext, FilingFailed
-from mscale.daemon.remediation.verdicts import Fault, VerdictBook, boot_id
+from mscale.daemon.remediation.verdicts import XID, Fault, VerdictBook, boot_id
 from mscale.findings import Finding, Reason, Severity
 from mscale.tasks import cancel_and_wait
 
@@ -38,6 +41,7 @@ SOURCE = "remediation"
 SNAPSHOT = "remediation"  # AgentState.snapshots key of the RemediationStatus
 _SERVICE = web.AppKey("remediation_service", object)
 _EVIDENCE = (Reason.HEAL_ACTION, Reason.FUSE_STATE)
+BATCH = 4096  # events taken into the book before one reconcile (and one state write)
 
 
 @dataclass(frozen=True)
@@ -67,10 +71,12 @@ class RemediationService:
             emit=state.events.emit,
             clock=clock,
             boot=boot_id() if boot is None else boot,
+            admit=ledger.storable,  # the writer writes only what the reader takes back
         )
         self.filed: dict[str, dict[tuple[str, str], Fault]] = {f.name: {} for f in filers}
         self.retry_at: dict[tuple[str, str, tuple[str, str]], float] = {}
-        self.file_times: dict[str, deque[float]] = {f.name: deque() for f in filers}
+        # (filer, kind) -> its filings in the last hour: a budget per source (jobs' sdc, the probe's xid)
+        self.file_times: dict[tuple[str, str], deque[float]] = {}
         self.counts: Counter[tuple[str, str, str]] = Counter()
         self.started: set[str] = set()
         self.deferred: dict[str, set[tuple[str, str]]] = {f.name: set() for f in filers}
@@ -87,10 +93,14 @@ class RemediationService:
 
     async def observe(self, f: Finding) -> None:
         """A finding: a job's healing event may open an SDC fault, filed at once."""
-        if f.reason not in _EVIDENCE:
-            return
-        if self.book.observe(f, self.state.snapshots.get("gpu")) is not None:
+        if self.take(f):
             await self.reconcile()
+
+    def take(self, f: Finding) -> bool:
+        """Into the book, no reconcile: whether it opened a fault."""
+        if f.reason not in _EVIDENCE:
+            return False
+        return self.book.observe(f, self.state.snapshots.get("gpu")) is not None
 
     async def turn(self) -> None:
         """A health check of the open faults (opens fatal-Xid ones, undoes reset-and-healthy ones), then reconcile."""
@@ -101,7 +111,8 @@ class RemediationService:
 
     async def reconcile(self) -> None:
         async with self._lock:
-            want = {f.key: f for f in self.book.faults()}
+            # the probe's fatal Xids first: a filer's slow run for a job's proof never holds one back
+            want = {f.key: f for f in sorted(self.book.faults(), key=lambda f: f.kind != XID)}
             for filer in self.filers:
                 if filer.name not in self.started and not await self._start(filer):
                     continue
@@ -117,15 +128,22 @@ class RemediationService:
             self.publish()
 
     def _restore(self, path: str) -> None:
+        """Read the state file back; StateFileRefused (not a regular file) stops the agent."""
         try:
-            faults, filed = ledger.load(path)
-        except ledger.LedgerError as e:  # set aside, start empty: never half-trusted
+            faults, filed, dropped = ledger.load(path)
+        except ledger.StateFileRefused:
+            raise
+        except ledger.LedgerError as e:  # not this agent's file at all: set aside, start empty
             log.error("remediation_state_unreadable", path=path, error=str(e)[:300])
             try:
                 os.replace(path, path + ".bad")
             except OSError:
                 pass
             return
+        for why in dropped[:16]:  # one bad record costs that record, not the others
+            log.error("remediation_state_record_dropped", path=path, error=why[:300])
+        if dropped:
+            self.counts[("state", "load", "dropped")] += len(dropped)
         for f in faults:
             self.book.adopt(f)
         for name, held in filed.items():
@@ -149,7 +167,7 @@ class RemediationService:
         try:
             async with asyncio.timeout(10):
                 await asyncio.to_thread(ledger.save, self.cfg.state_file, faults, filed)
-        except (OSError, TimeoutError) as e:  # kept in memory; tried again after the next change
+        except (OSError, TimeoutError, ledger.LedgerError) as e:  # kept in memory; tried again after the next change
             self.counts[("state", "save", "failed")] += 1
             log.error("remediation_state_save_failed", path=self.cfg.state_file, error=str(e)[:300])
             return
@@ -172,13 +190,14 @@ class RemediationService:
         now = self.clock()
         if self.retry_at.get((filer.name, "file", fault.key), 0.0) > now:
             return
-        times = self.file_times[filer.name]
+        times = self.file_times.setdefault((filer.name, fault.kind), deque())
         while times and now - times[0] >= 3600:
             times.popleft()
         if len(times) >= self.cfg.max_filings_per_hour:
             if fault.key not in self.deferred[filer.name]:  # counted once per fault it holds back
                 self.deferred[filer.name].add(fault.key)
-                self._record(filer.name, "file", "deferred", fault, "over remediation.max_filings_per_hour")
+                why = f"over remediation.max_filings_per_hour for {fault.kind} faults"
+                self._record(filer.name, "file", "deferred", fault, why)
             return
         times.append(now)
         await self._do(filer, "file", fault)
@@ -252,11 +271,20 @@ class RemediationService:
 
     async def _events(self, queue: asyncio.Queue[Finding]) -> None:
         while True:
-            f = await queue.get()
-            try:
-                await self.observe(f)
-            except Exception:  # one bad event must not stop the hand-off
-                log.exception("remediation_event_failed", reason=f.reason.value)
+            batch = [await queue.get()]
+            while len(batch) < BATCH and not queue.empty():
+                batch.append(queue.get_nowait())
+            opened = False
+            for f in batch:
+                try:
+                    opened = self.take(f) or opened
+                except Exception:  # one bad event must not stop the hand-off
+                    log.exception("remediation_event_failed", reason=f.reason.value)
+            if opened:
+                try:
+                    await self.reconcile()
+                except Exception:
+                    log.exception("remediation_turn_failed")
 
     async def _ticks(self) -> None:
         while True:

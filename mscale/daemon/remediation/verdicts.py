@@ -17,13 +17,23 @@ in a row: for `xid` the health model clears a fatal Xid only at a reset, so heal
 the proof; for `sdc` the probe never saw anything wrong, so the book needs a reset seen by the
 health model (`GpuSample.resets` went up) or a reboot of the node (a new boot id) first.
 
-Bounded: pending swaps (MAX_PENDING, a day at most) and open faults (MAX_FAULTS).
+Only the agent's own values go into a fault: the GPU's index and UUID from the GPU probe's
+snapshot (a GPU the probe does not know is never filed), the standby only as one of its GPU
+indexes, the job, rank and MPU as the link registered them. The link (mscale.daemon.link_labels)
+labels a job's proof with the GPU its MPU ran on, whatever the job said, and refuses a proof
+about an MPU the job never registered; the book takes proofs from a job's reports only (source
+`hook:...`).
+
+Bounded: pending swaps (MAX_PENDING, MAX_PENDING_PER_JOB, a day at most) and open faults
+(MAX_FAULTS, of which the jobs' `sdc` at most MAX_SDC_FAULTS: the probe's `xid` always has
+room). A fault the state file's reader would refuse (`admit`) is never opened.
 """
 
 from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -44,8 +54,16 @@ SAY = {
     "CONTACT_SUPPORT": "drain the node and contact the hardware vendor",
 }
 MAX_PENDING = 4096
+MAX_PENDING_PER_JOB = 256
 PENDING_TTL_S = 86400.0
 MAX_FAULTS = 1024
+MAX_SDC_FAULTS = MAX_FAULTS // 2  # the rest is the GPU probe's room
+MAX_MESSAGE = 1024  # characters of a fault's message (printable only)
+# a GPU UUID a fault may carry (NVML's GPU-... or MIG-...): never one that reads as an option
+GPU_UUID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,127}")
+# the facts a fault may carry, and their values: the link's job ids, ranks, MPU ids, indexes, Xids
+FACT_KEYS = frozenset({"job_id", "rank", "mpu_id", "standby_gpu", "xid"})
+FACT_VALUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,255}")
 
 
 def boot_id(path: str = "/proc/sys/kernel/random/boot_id") -> str:
@@ -114,12 +132,15 @@ class VerdictBook:
         emit: Callable[[Finding], Any] = lambda f: None,
         clock: Callable[[], float] = time.time,
         boot: str = "",
+        admit: Callable[[Fault], bool] = lambda f: True,
     ) -> None:
         self.clear_healthy_checks = clear_healthy_checks
-        self.emit, self.clock, self.boot = emit, clock, boot
+        self.emit, self.clock, self.boot, self.admit = emit, clock, boot, admit
         self.pending: dict[tuple[str, str, str], _Swap] = {}
+        self.pending_per_job: Counter[str] = Counter()
         self.open: dict[tuple[str, str], _Open] = {}
-        self.dropped = 0  # evidence or faults past the caps
+        self.sdc_open = 0
+        self.dropped = 0  # evidence or faults past the caps, or refused
 
     def faults(self) -> tuple[Fault, ...]:
         return tuple(o.fault for o in self.open.values())
@@ -127,34 +148,28 @@ class VerdictBook:
     # --- evidence from the jobs -----------------------------------------------------------
 
     def observe(self, f: Finding, gpus: Any = None) -> Fault | None:
-        """A job's heal_action / fuse_state; `gpus` the GPU probe's snapshot (UUIDs). The
-        fault this opened, if any."""
+        """A job's heal_action / fuse_state, as the link relayed it; `gpus` the GPU probe's
+        snapshot (the only source of a GPU's UUID). The fault this opened, if any."""
         lab = f.labels
         key = (lab.get("job_id", ""), lab.get("rank", ""), lab.get("mpu_id", ""))
-        if not all(key):  # only a job's own report names its rank (the link adds it)
+        if not f.source.startswith("hook:") or not all(key):  # only a job's own report, labelled by the link
             return None
         if f.reason is Reason.HEAL_ACTION and lab.get("result") == "applied":
             action = lab.get("action", "")
-            if action == "l1_swap" and lab.get("gpu", "").isdigit() and lab.get("reason", "") in SDC_TRIGGERS:
-                if self.pending.pop(key, None) is not None:
+            if action == "l1_swap" and lab.get("reason", "") in SDC_TRIGGERS:
+                if self._forget(key):
                     return None  # swapped again: the standby failed too, the fault followed the MPU
-                self._prune()
-                if len(self.pending) >= MAX_PENDING:
-                    self.dropped += 1
-                    return None
-                gpu = int(lab["gpu"])
-                # the agent's own view of GPU `gpu` first: the link labels a job's finding with its
-                # MPU's UUID at the time it arrives, which after the swap may be the standby's
-                uuid = _uuid_of(gpus, gpu) or lab.get("gpu_uuid", "")
-                self.pending[key] = _Swap(gpu, uuid, lab.get("to_gpu", ""), self.clock())
+                self._swapped(key, lab, gpus)
             elif action in ("l1_swap", "l2_degrade", "l3_distill"):
-                self.pending.pop(key, None)  # a swap for another cause, or it failed on the standby
+                self._forget(key)  # a swap for another cause, or it failed on the standby
             return None
         if f.reason is Reason.FUSE_STATE and lab.get("state") == "recovered" and lab.get("before") == "l1_swapped":
-            swap = self.pending.pop(key, None)
-            if swap is None or not swap.gpu_uuid:
+            swap = self.pending.get(key)
+            if swap is None:
                 return None
+            self._forget(key)
             job, rank, mpu = key
+            standby = f"standby GPU {swap.to_gpu}" if swap.to_gpu else "a standby GPU"
             return self._open(
                 Fault(
                     SDC,
@@ -163,19 +178,51 @@ class VerdictBook:
                     SDC_REASON,
                     SDC_ACTION,
                     f"GPU {swap.gpu} ({swap.gpu_uuid}) computes wrong: MPU {mpu} of job {job} rank {rank} "
-                    f"failed its checks there and came clean on standby GPU {swap.to_gpu}",
+                    f"failed its checks there and came clean on {standby}",
                     self.clock(),
                     self.boot,
                     _resets_of(gpus, swap.gpu_uuid),
-                    {"job_id": job, "rank": rank, "mpu_id": mpu, "standby_gpu": swap.to_gpu},
+                    {
+                        "job_id": job,
+                        "rank": rank,
+                        "mpu_id": mpu,
+                        **({"standby_gpu": swap.to_gpu} if swap.to_gpu else {}),
+                    },
                 )
             )
         return None
 
+    def _swapped(self, key: tuple[str, str, str], lab: Mapping[str, str], gpus: Any) -> None:
+        """An L1 swap for an SDC trigger off the GPU the link labelled: pending until the MPU
+        comes clean on the standby. The GPU's UUID is the probe's; a GPU it does not know
+        (or an index that is not one) is no evidence."""
+        gpu = lab.get("gpu", "")
+        uuid = _uuid_of(gpus, int(gpu)) if gpu.isascii() and gpu.isdigit() else ""
+        if not uuid:
+            self.dropped += 1
+            return
+        self._prune()
+        job = key[0]
+        if len(self.pending) >= MAX_PENDING or self.pending_per_job[job] >= MAX_PENDING_PER_JOB:
+            self.dropped += 1
+            return
+        to = lab.get("to_gpu", "")
+        to = to if to.isascii() and to.isdigit() and _uuid_of(gpus, int(to)) else ""  # one of the node's GPUs
+        self.pending[key] = _Swap(int(gpu), uuid, to, self.clock())
+        self.pending_per_job[job] += 1
+
+    def _forget(self, key: tuple[str, str, str]) -> bool:
+        if self.pending.pop(key, None) is None:
+            return False
+        self.pending_per_job[key[0]] -= 1
+        if self.pending_per_job[key[0]] <= 0:
+            del self.pending_per_job[key[0]]
+        return True
+
     def _prune(self) -> None:
         now = self.clock()
         for k in [k for k, s in self.pending.items() if now - s.time > PENDING_TTL_S]:
-            del self.pending[k]
+            self._forget(k)
 
     # --- the GPU probe's view --------------------------------------------------------------
 
@@ -218,6 +265,7 @@ class VerdictBook:
             o.healthy_checks += 1
             if o.healthy_checks >= self.clear_healthy_checks:
                 del self.open[key]
+                self.sdc_open -= o.fault.kind == SDC
                 closed.append(o.fault)
                 self.emit(
                     Finding(
@@ -234,16 +282,25 @@ class VerdictBook:
 
     def adopt(self, fault: Fault) -> None:
         """A fault remembered from before a restart (the GPU's reset count starts over)."""
-        if fault.key not in self.open and len(self.open) < MAX_FAULTS:
-            self.open[fault.key] = _Open(replace(fault, resets=0))
+        if fault.key not in self.open and self._room(fault):
+            self._add(_Open(replace(fault, resets=0)))
+
+    def _room(self, fault: Fault) -> bool:
+        return len(self.open) < MAX_FAULTS and (fault.kind != SDC or self.sdc_open < MAX_SDC_FAULTS)
+
+    def _add(self, o: _Open) -> None:
+        self.open[o.fault.key] = o
+        self.sdc_open += o.fault.kind == SDC
 
     def _open(self, fault: Fault) -> Fault | None:
         if fault.key in self.open:
             return None  # idempotent: the same GPU and kind is one fault
-        if len(self.open) >= MAX_FAULTS:
+        text = "".join(c if c.isprintable() else "?" for c in fault.message[:MAX_MESSAGE])
+        fault = replace(fault, message=text)
+        if not self._room(fault) or not self.admit(fault):
             self.dropped += 1
             return None
-        self.open[fault.key] = _Open(fault)
+        self._add(_Open(fault))
         self.emit(
             Finding(
                 "remediation",

@@ -55,6 +55,7 @@ class FuseContext(Protocol):
     snapshot_engine: Any  # an mscale.snapshot.engine.SnapshotEngine, or None
     states: dict[str, Any]  # every action's per-job state, by action name
     seq: int  # steps run (never set back by a rollback)
+    progress: Any  # the forward-progress keeper (mscale.healing.progress.Keeper)
     gpu_count: int | None
     l2_resolution: float
     l2_clip_factor: float

@@ -19,6 +19,8 @@ one applies (`run_degraded`):
   ("bf16"). The ABFT checks pick their tolerance from each Linear's output dtype, so bf16
   GEMMs are checked at bf16 tolerance (1e-2 against 2e-6 in fp32): corruption below that goes
   unseen while degraded, and L3 may never engage. Hence opt-in.
+- sharded (FSDP2): never the CPU (the shards stay on the process group's device; the event says
+  so), bf16 where asked; the collectives stay as they were (docs/healing.md#under-fsdp2).
 
 The forward is wrapped by an instance attribute (what nn.Module.__call__ calls), inside the
 guard's hooks: they see the MPU's inputs and outputs as the model does. Undone on recovery.
@@ -40,6 +42,7 @@ from mscale.healing.engine import Decision
 from mscale.healing.words import Result
 from mscale.hook.actions.base import Executor, FuseContext
 from mscale.hook.placement import device_of, map_tensors, place, tensors, wrap_forward
+from mscale.snapshot.sharded import is_sharded
 
 log = structlog.get_logger("mscale.fuse")
 
@@ -50,13 +53,13 @@ class Fallback:
     undo: Callable[[], None]
 
 
-def run_degraded(module: Any, optimizer: Any = None, *, precision: bool = False) -> Fallback | None:
-    """Put `module` on its fallback: the CPU when it runs on cuda; else bf16 autocast when
-    `precision` is set; else none (None: the MPU runs as it did)."""
+def run_degraded(module: Any, optimizer: Any = None, *, precision: bool = False, fsdp: bool = False) -> Fallback | None:
+    """Put `module` on its fallback: the CPU when it runs on cuda (not sharded: `fsdp`); else bf16
+    autocast when `precision` is set; else none (None: the MPU runs as it did)."""
     import torch
 
     home = device_of(module)
-    if home.type == "cuda":
+    if home.type == "cuda" and not fsdp:
         return cpu_fallback(module, optimizer)
     if precision:
         return bf16_fallback(module, dtype=torch.bfloat16)
@@ -68,10 +71,11 @@ def bf16_fallback(module: Any, dtype: Any = None) -> Fallback:
 
     dtype = dtype or torch.bfloat16
     default = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    kind = device_of(module).type  # cuda's autocast for a sharded MPU kept there
 
     def forward(inner: Callable, args: tuple, kwargs: dict) -> Any:
         back = next((t.dtype for t in tensors((args, kwargs)) if t.is_floating_point()), default)
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(kind, dtype=dtype):
             out = inner(*args, **kwargs)
         return map_tensors(out, lambda t: t.to(back) if t.is_floating_point() and t.dtype != back else t)
 
@@ -96,6 +100,7 @@ class Degraded:
         self.precision: bool = fuse.l2_precision_fallback
         self.mpus: dict[str, tuple[Any, Fallback | None]] = {}  # mpu_id -> (Reduction or None, fallback)
         self.why_none: dict[str, str] = {}  # mpu_id -> why no reduction applies
+        self.pinned: set[str] = set()  # sharded MPUs on a GPU: no CPU fallback
         self.failed: list[tuple[int, str, str]] = []  # (step, mpu_id, error) of reduced forwards that raised
 
     @property
@@ -108,7 +113,9 @@ class Degraded:
             return
         from mscale.hook.degrade import reduction_for, why_none
 
-        fallback = run_degraded(m.module, guard.optimizer, precision=self.precision)
+        sharded = is_sharded(guard.model)
+        fallback = run_degraded(m.module, guard.optimizer, precision=self.precision, fsdp=sharded)
+        self.pinned |= {m.mpu_id} if sharded and m.device.type == "cuda" else set()
         if fallback is not None:
             guard.checksum.forget(m)  # its cached weight sums (the weights may have moved)
         # installed after the fallback: the reduction runs on the fallback's side of the boundary
@@ -175,6 +182,8 @@ def event(state: Degraded, d) -> tuple[str, dict[str, str]]:
     reduction, fallback = state.mpus[d.target.mpu_id]
     kind = fallback.kind if fallback else None
     where = {"cpu": "moved to the CPU", "bf16": "forward in bf16"}.get(kind or "", "no fallback on this device")
+    if d.target.mpu_id in state.pinned:
+        where += " (no CPU fallback: a sharded MPU's shards stay on the process group's device)"
     what = (
         reduction.detail if reduction else f"no reduction ({state.why_none.get(d.target.mpu_id, '')}): fallback alone"
     )

@@ -20,6 +20,7 @@ in place, `task_loss` beside it. The step report carries both (`mscale_job_loss`
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,9 @@ class Distilling:
         self._calibrating: set[str] = set()
         self._terms: list[float] = []  # this step's L3 term value per training forward (0: none added)
         self._replaying: Any = lambda: False  # the guard's replay check is running (not the step's forward)
+        # MPUs L3 cannot be applied to, and why: said once each (`_say_unavailable`)
+        self.unavailable: dict[str, str] = {}
+        self._checked: set[str] = set()
 
     def attach(self, fuse) -> None:
         from mscale.hook.distill import Captured, lm_head_of
@@ -91,6 +95,8 @@ class Distilling:
             if head is not None:  # a text model with a head: its hidden states are the head's input
                 self._replaying = lambda: bool(getattr(fuse.guard.checksum, "replaying", False))
                 self._handles.append(head.register_forward_pre_hook(self._text_hidden))
+        self._checked = {m.mpu_id for m in fuse.guard.mpus if m.name == "text"}  # the teacher
+        self._say_unavailable(fuse, None)  # what the layout alone rules out
 
     def detach(self, fuse) -> None:
         extra = getattr(fuse.snapshot_engine, "extra", None)
@@ -123,9 +129,43 @@ class Distilling:
             m = fuse.guard.mpu(d.mpu_id)
             m.distill_share = d.share
         self._calibrating.clear()
+        if len(self._checked) < len(fuse.guard.mpus):
+            self._say_unavailable(fuse, self._captured)
         # an L3 entry builds its term on this step's tensors first (the MPU outputs, the text
         # model's hidden states among them, stay alive one step longer for it)
         self._last = self._captured
+
+    def _say_unavailable(self, fuse, cap: Any) -> None:
+        """Say once per MPU that L3 cannot be applied to it, and why: at attach what the layout rules
+        out, at the end of the first step it ran what its placement does (docs/healing.md)."""
+        import torch
+
+        from mscale.hook.distill import Term
+
+        guard = fuse.guard
+        texts = [m.mpu_id for m in guard.mpus if m.name == "text"]
+        for m in guard.mpus:
+            if m.mpu_id in self._checked:
+                continue
+            ran = cap is not None and {m.mpu_id, *texts} <= {mpu_id for mpu_id, _ in cap.calls}  # and the teacher
+            compiled = cap is not None and not cap.calls and guard.outer is not guard.model
+            if cap is not None and not ran and not compiled:
+                continue
+            term = Term(guard.model, guard.mpus, m)
+            try:
+                why = term.why_not()
+                if not why and compiled:
+                    why = "the model is compiled: the MPUs' outputs stay inside its graph, where the term cannot read them"
+                elif not why and ran:
+                    with torch.no_grad():
+                        why = term.loss(cap)[1]
+            finally:
+                term.close()
+            if why or cap is not None:
+                self._checked.add(m.mpu_id)
+            if why:
+                self.unavailable[m.mpu_id] = why
+                log.warning("l3_unavailable", mpu_id=m.mpu_id, mpu=m.name, why=why)
 
     def in_force(self, fuse, m: Any) -> bool:
         return m.mpu_id in self.mpus
@@ -157,11 +197,15 @@ class Distilling:
     def mpu_output(self, fuse, mpu: Any, output: Any) -> None:
         if self._captured is not None:
             self._captured.outputs[mpu.mpu_id] = output
+            self._captured.calls.append((mpu.mpu_id, output))
 
     def _model_input(self, module: Any, args: tuple, kwargs: dict) -> None:
         import torch
 
         if module.training and self._captured is not None:
+            self._captured.calls.clear()  # the MPU calls of this forward (accumulation: the last forward's)
+            if args and isinstance(args[0], Mapping) and "input_ids" not in kwargs:
+                kwargs = {**args[0], **kwargs}  # a wrapper called with the batch as one dict (`self(batch)`)
             ids = kwargs.get("input_ids", args[0] if args else None)
             self._captured.input_ids = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
             mask = kwargs.get("attention_mask")

@@ -15,16 +15,27 @@ from __future__ import annotations
 
 from typing import Any
 
+import structlog
+
 from mscale.healing import actions
 from mscale.healing.engine import Decision
+from mscale.healing.progress import COMMIT_FAILURE
 from mscale.healing.words import Result
 from mscale.hook.actions.base import Executor, FuseContext
 
+log = structlog.get_logger("mscale.fuse")
+_REFUSED = "no rollback (its fault rolled back once already, or past the progress bound: docs/healing.md)"
+
 # reasons whose batch is re-run, not skipped: the batch was not at fault (commit_failure: the
 # checks found a fault at the commit point, mscale.hook.fuse.FusePlugin.rerun_step)
-COMMIT_FAILURE = "commit_failure"
 KEEP_BATCH = ("weight_corruption", "gradient_corruption", COMMIT_FAILURE)
 LOSS_NONFINITE = "loss_nonfinite"
+# reasons whose weights are not at fault (the step's update was dropped, the weights are what
+# they were at its start): the step is run again from its start (the snapshot engine's step
+# mark: data, RNG, scheduler put back), not rolled back to an older snapshot
+REWIND = ("gradient_corruption", COMMIT_FAILURE)
+# reasons whose weights are known bad: the rollback runs whatever it costs (the cost is charged)
+WEIGHTS_BAD = ("weight_corruption",)
 
 
 class Rollbacks:
@@ -35,6 +46,7 @@ class Rollbacks:
         self.rollbacks: list[dict] = []  # {"step", "to" (restored step or None), ["error"]} per rollback
         self.skipped_steps: list[int] = []
         self.to_step: int | None = None  # the next rollback's target when an action chose one, else the newest
+        self.handled_seq = -1  # the fuse's step run whose fault was handled already (its batch skipped)
 
     def detach(self, fuse) -> None:
         if self.pending is not None:  # the step never ended: its one event says so
@@ -48,8 +60,9 @@ class Rollbacks:
         if self.pending is None:
             return False
         d, self.pending = self.pending, None
-        self._rollback(fuse, d, step)
-        return True  # the step's state was dropped or replaced: not snapshotted
+        if d.reason in REWIND and self.to_step is None and _rewind(fuse, d, step):
+            return True
+        return self._rollback(fuse, d, step)  # True: the step's state was replaced (not snapshotted)
 
     def _agree(self, fuse, engine, step: int) -> bool:
         """Several ranks: all ranks restore the same step or none does, whichever rank asked.
@@ -62,6 +75,22 @@ class Rollbacks:
         agreement = getattr(fuse.guard, "agreement", None)
         last = agreement.history[-1] if agreement is not None and agreement.history else None
         skip = True
+        agreed = last is not None and last.step == step and not last.rollback
+        if d is not None and d.reason in REWIND and agreed and _rewind(fuse, d, step):
+            # agreed (every rank re-runs the step alike, none had a rollback pending before it):
+            # each rank rewinds its own step mark, no collective
+            return True
+        if last is not None and last.step == step and (d is not None or last.rollback):
+            # the ledger is fed agreed values on every rank: every rank refuses alike
+            held = engine.held_steps
+            cost = step - held[-1] if held else 1
+            if not fuse.progress.rollback_fits(cost, held[-1] if held else None):
+                fuse.progress.charge(1)
+                self.skipped_steps.append(step)
+                self.rollbacks.append({"step": step, "to": None, "refused": cost})
+                if d is not None:
+                    fuse.record(d, Result.APPLIED, detail=f"{_dropped(step)}, its batch skipped: {_REFUSED}")
+                return False
         try:
             if last is not None and last.step == step:
                 # the batch is kept when every rollback asked for keeps it: those pending before
@@ -84,6 +113,7 @@ class Rollbacks:
         if skip:
             self.skipped_steps.append(step)
         self.rollbacks.append({"step": step, "to": int(to)})
+        fuse.progress.charge(step - int(to), rollback=True)
         fuse.dispatch("weights_settled")
         if d is not None:
             done = _skipped(engine, step) if skip else f"the batches of step {step} re-run with the steps since"
@@ -91,27 +121,70 @@ class Rollbacks:
         fuse.guard.set_step(int(to) + 1)
         return True
 
-    def _rollback(self, fuse, d, step: int) -> None:
+    def _rollback(self, fuse, d, step: int) -> bool:
         skip = d.reason not in KEEP_BATCH
-        if skip:
-            self.skipped_steps.append(step)
         engine = fuse.snapshot_engine
         if engine is None or not hasattr(engine, "rollback"):
+            self.skipped_steps.append(step)
             self.rollbacks.append({"step": step, "to": None})
             fuse.record(d, Result.NOOP, detail=f"{_dropped(step)}; no snapshot engine: nothing restored")
-            return
+            return True
+        to_step, self.to_step = self.to_step, None
+        held = [s for s in getattr(engine, "held_steps", []) if to_step is None or s == to_step]
+        cost = step - held[-1] if held else 1
+        forced = to_step is not None or d.reason in WEIGHTS_BAD  # the weights are bad: restore them
+        if not forced and not fuse.progress.rollback_fits(cost, held[-1] if held else None):
+            # the fault's event rolled back once already, or this one would cost past its bound:
+            # the step's update stays dropped and the loop goes on with the next batch
+            fuse.progress.charge(1)
+            self.skipped_steps.append(step)
+            self.rollbacks.append({"step": step, "to": None, "refused": cost})
+            fuse.record(d, Result.APPLIED, detail=f"{_dropped(step)}, its batch skipped: {_REFUSED} ({cost} steps)")
+            return False
+        fuse.progress.charge(cost, rollback=True)
+        if fuse.progress.stopping is not None:
+            return True
+        if skip:
+            self.skipped_steps.append(step)
         try:
-            to_step, self.to_step = self.to_step, None
             to = int(engine.rollback(to_step, skip_batch=skip, micro_batches=_bad(fuse) if skip else ()))
         except Exception as e:  # no snapshot yet, or a corrupt one: the step stays dropped
             self.rollbacks.append({"step": step, "to": None, "error": str(e)})
             fuse.record(d, Result.FAILED, detail=f"{_dropped(step)}; rollback: {e}")
-            return
+            return True
         self.rollbacks.append({"step": step, "to": to})
         fuse.dispatch("weights_settled")
         kept = _skipped(engine, step) if skip else f"the batches of step {step} re-run with the steps since"
         fuse.record(d, Result.APPLIED, detail=f"{_dropped(step)}, restored step {to}, {kept}")
         fuse.guard.set_step(to + 1)  # the restored state continues at its next step
+        return True
+
+
+def _rewind(fuse, d, step: int) -> bool:
+    """The step run again from its start on its batch (see REWIND); False: no step mark of the
+    step before (the caller rolls back instead). Its cost was charged when it was asked for."""
+    engine = fuse.snapshot_engine
+    if engine is None or not hasattr(engine, "rewind"):
+        return False
+    try:
+        engine.rewind(step - 1)
+    except Exception as e:  # no mark (a step after a restore the engine did not see): roll back
+        log.info("rewind_unavailable", step=step, error=str(e))
+        return False
+    state = fuse.states[EXECUTOR.name]
+    state.rollbacks.append({"step": step, "to": step - 1, "rewind": True})
+    rewound = (
+        "data position, RNG and scheduler"
+        if getattr(engine.data, "rewinds", True)
+        else "RNG and scheduler (the loader cannot rewind: the next batch)"
+    )
+    fuse.record(
+        d,
+        Result.APPLIED,
+        detail=f"{_dropped(step)}, step {step} re-run from its start ({rewound} rewound, weights kept)",
+    )
+    fuse.guard.set_step(step)
+    return True
 
 
 def _dropped(step: int) -> str:
@@ -162,6 +235,11 @@ def _to_newest_common(engine, skip: bool = True, micro_batches: list[int] | tupl
 
 def apply(fuse: FuseContext, state: Rollbacks, d: Decision) -> str:
     fuse.drop_step(f"{d.reason}: rollback")
+    if state.handled_seq == fuse.seq:
+        # the step failed at the commit point, ran again and failed again: its batch is skipped
+        # already (mscale.healing.progress); what follows from the same fault (a non-finite loss)
+        # does not roll back on top of it
+        return Result.NOOP
     first = state.pending
     if first is not None and first.reason == COMMIT_FAILURE and first.step == d.step and d.reason != COMMIT_FAILURE:
         # the step already re-runs on its batch for a fault the checks found at the commit point

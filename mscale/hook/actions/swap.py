@@ -9,6 +9,8 @@ a correct output. No standby: ActionFailed("no healthy standby"), and the fuse e
 With a link to the agent the standby is the agent's answer from its node view (every rank's
 GPUs, their health, quarantines: mscale.hook.standby, mscale.daemon.standby); its "none"
 escalates the same way, and only without an answer in time does the job choose alone.
+A sharded model's (FSDP2) shards never leave the process group's device: weights verified as
+above, the binding moved on simulated GPUs only, the event says so (docs/healing.md#under-fsdp2).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from mscale.healing import actions
 from mscale.healing.engine import Decision
 from mscale.healing.words import Result
 from mscale.hook.actions.base import ActionFailed, Executor, FuseContext
+from mscale.snapshot.sharded import is_sharded
 
 log = structlog.get_logger("mscale.fuse")
 
@@ -34,6 +37,7 @@ class Swaps:
         self.gpu_count: int | None = fuse.gpu_count  # None: found on first use
         self.failed_on: dict[str, set[int]] = {}
         self.last: dict[str, tuple[int, int, bool]] = {}  # mpu_id -> (from gpu, to gpu, weights restored)
+        self.kept_on: dict[str, str] = {}  # mpu_id -> the device its shards stayed on (FSDP2)
 
     def avoid_gpus(self, fuse) -> set[int]:
         return set().union(*self.failed_on.values())
@@ -44,13 +48,17 @@ def apply(fuse: FuseContext, state: Swaps, d: Decision) -> str:
     if d.target.gpu and d.target.gpu.isdigit() and int(d.target.gpu) != m.gpu:
         return Result.NOOP  # a command about a GPU this MPU has already left (another path moved it)
     old = m.gpu
-    standby = standby_for(fuse, state, m)
+    sharded = is_sharded(fuse.guard.model)
+    pinned = sharded and m.device.type != "cpu"  # a real GPU: the binding stays with the shards
+    standby = old if pinned else standby_for(fuse, state, m)
     if standby is None:
         raise ActionFailed("no healthy standby GPU")
     restored = verify_weights(fuse, state, m)  # restores from the in-memory snapshot on a mismatch
     state.failed_on.setdefault(m.mpu_id, set()).add(old)
-    move_mpu(fuse.guard, m, standby)
+    if not pinned:
+        move_mpu(fuse.guard, m, standby, shards=sharded)
     state.last[m.mpu_id] = (old, standby, restored)
+    state.kept_on[m.mpu_id] = str(m.device) if sharded else ""
     return Result.APPLIED
 
 
@@ -58,7 +66,10 @@ def event(state: Swaps, d) -> tuple[str, dict[str, str]]:
     if d.target.mpu_id not in state.last:
         return "", {}
     old, new, restored = state.last[d.target.mpu_id]
-    return (f"gpu {old} -> {new}" + (", weights restored from the snapshot" if restored else ""), {"to_gpu": str(new)})
+    what = f"gpu {old} -> {new}" + (", weights restored from the snapshot" if restored else "")
+    if device := state.kept_on.get(d.target.mpu_id, ""):
+        what += f"; sharded (FSDP2): its shards stay on {device}, the process group's device"
+    return what, {"to_gpu": str(new)}
 
 
 def standby_for(fuse, state: Swaps, m: Any) -> int | None:
@@ -83,21 +94,21 @@ def standby_for(fuse, state: Swaps, m: Any) -> int | None:
     return choose_standby(fuse.guard, m, candidates)  # the best measured profile (MSRP) first
 
 
-def move_mpu(guard: Any, m: Any, gpu: int) -> None:
+def move_mpu(guard: Any, m: Any, gpu: int, *, shards: bool = False) -> None:
     """Rebind `m` to GPU `gpu`: on a GPU node its parameters, gradients, buffers and optimizer
     state move to that device behind a device-boundary adapter (`Guard.rebind`, through
     mscale.hook.placement.place, the helper the L2 CPU fallback uses too), and it takes that
-    GPU's uuid; on CPU the simulated binding moves."""
+    GPU's uuid; on CPU the simulated binding moves. `shards` (FSDP2): only the binding moves."""
     import torch
 
-    device = torch.device("cuda", gpu) if m.device.type == "cuda" else None
+    device = torch.device("cuda", gpu) if m.device.type == "cuda" and not shards else None
     guard.rebind(m, gpu, device=device)
 
 
 def verify_weights(fuse, state: Swaps, m: Any) -> bool:
     """Check the MPU's weights against their fingerprint after the last optimizer step;
-    on a mismatch (corrupted in place) restore them from the last in-memory snapshot.
-    True when restored."""
+    on a mismatch (corrupted in place) restore them from the last in-memory snapshot, through
+    the engine's model (under FSDP2 its views of this rank's shards). True when restored."""
     watch = getattr(fuse.states.get("restore_weights"), "watch", None)
     if watch is None or not watch.changed(m.mpu_id):
         return False
@@ -107,7 +118,8 @@ def verify_weights(fuse, state: Swaps, m: Any) -> bool:
         raise ActionFailed("weights fail their checksum and no in-memory snapshot can restore them")
     snap.wait_ready()
     prefix = f"mpu_{m.mpu_id}_"
-    n = snap.copy_back(fuse.guard.model, fuse.guard.optimizer, lambda file, _name: file.startswith(prefix))
+    model, optimizer = getattr(engine, "model", fuse.guard.model), getattr(engine, "optimizer", fuse.guard.optimizer)
+    n = snap.copy_back(model, optimizer, lambda file, _name: file.startswith(prefix))
     if not n:
         raise ActionFailed(f"the in-memory snapshot of step {snap.step} holds no weights of MPU {m.mpu_id}")
     watch.settle(frozen=True)  # the restored weights are the reference again
