@@ -135,6 +135,21 @@ def test_nan_step_is_rolled_back(runs) -> None:
 
 
 @pytest.mark.timeout(900)
+def test_nan_step_steps_over_the_nan_micro_batch_alone(runs) -> None:
+    """Step 3's re-run draws again what its first run drew, less the micro-batch whose loss was
+    NaN (rank 0's second) and with the next one in its place; another rank's micro-batches,
+    every loss finite, re-run as they were."""
+    for rank, r in enumerate(runs["nan"]):
+        at3 = [tuple(sorted(p.items())) for step, p in r["drawn"] if step == 3]
+        first, again = at3[:ACCUM], at3[ACCUM : 2 * ACCUM]
+        assert len(at3) == 2 * ACCUM, r["drawn"]
+        if rank == 0:
+            assert again[0] == first[0] and again[1] not in first, (first, again)
+        else:
+            assert again == first, (first, again)
+
+
+@pytest.mark.timeout(900)
 def test_killed_run_restarts_from_its_disk_snapshot_bitwise(runs) -> None:
     for ref, restarted in zip(runs["ref"], runs["restart"], strict=True):
         resumed = found(restarted, "snapshot_resumed")

@@ -105,21 +105,63 @@ def test_slow_drift_does_not_alarm() -> None:
     assert run([1.0 + i * 1e-3 for i in range(1000)]) == []
 
 
+def norms(n: int, scale: dict[str, float] | None = None) -> list[tuple[float, dict[str, float]]]:
+    """A clean run's (global norm, {mpu_id: norm}) per step: two MPUs and the rest of the model,
+    each its own noisy curve; `scale`: {"step:mpu_id" or "step:*": factor} multiplies a norm."""
+    scale = scale or {}
+    a, b, rest = (curve(n, seed=s, start=1.0, end=0.5, noise=0.1) for s in (1, 2, 3))
+    out = []
+    for i in range(n):
+        common = scale.get(f"{i}:*", 1.0)  # the whole gradient (a loss scaled before backward)
+        mpus = {"001": a[i] * common * scale.get(f"{i}:001", 1.0), "002": b[i] * common * scale.get(f"{i}:002", 1.0)}
+        out.append((math.sqrt(sum(v * v for v in mpus.values()) + (rest[i] * common) ** 2), mpus))
+    return out
+
+
+def observe_norms(det: LossDetector, steps: list[tuple[float, dict[str, float]]]) -> list:
+    return [f for i, (g, mpus) in enumerate(steps) for f in det.observe(i, None, g, mpus)]
+
+
 def test_grad_norms_global_and_per_mpu() -> None:
-    values = curve(200, start=1.0, end=0.5, noise=0.05)
-    values[120] *= 25
-    values[150] = math.nan
-    findings = run(values, series="grad")
+    """One MPU's gradient 25x at step 120: a jump of that MPU's series (its norm against the rest
+    of the model's), more than 10 sigma too (an action: critical), and of the global norm (a
+    warning), not of the other MPU (whose share fell); a NaN in it: non-finite, that MPU's and
+    the global norm's."""
+    steps = norms(200, {"120:002": 25.0})
+    steps[150] = (math.nan, {"001": steps[150][1]["001"], "002": math.nan})
+    findings = observe_norms(LossDetector(), steps)
     at = [f for f in findings if f.labels["step"] == "120"]
-    assert {(f.reason, f.labels["series"], f.labels.get("mpu_id")) for f in at} == {
-        (Reason.GRAD_NORM_JUMP, "grad_norm", None),
-        (Reason.GRAD_NORM_JUMP, "mpu_grad_norm", "002"),
+    assert {(f.reason, f.severity, f.labels["series"], f.labels.get("mpu_id")) for f in at} == {
+        (Reason.GRAD_NORM_JUMP, Severity.WARNING, "grad_norm", None),
+        (Reason.GRAD_NORM_SPIKE, Severity.CRITICAL, "mpu_grad_norm", "002"),
     }
+    assert [f.labels["level"] for f in at] == ["jump", "action"]
     det = LossDetector(LossConfig(jump_ratio=1000))
-    at = [f for f in run(values, det, series="grad") if f.labels["step"] == "120"]
-    assert {f.reason for f in at} == {Reason.GRAD_NORM_SPIKE} and all(f.severity is Severity.CRITICAL for f in at)
+    at = [f for f in observe_norms(det, steps) if f.labels["step"] == "120"]
+    assert {(f.reason, f.labels.get("mpu_id")) for f in at} == {
+        (Reason.GRAD_NORM_SPIKE, None),
+        (Reason.GRAD_NORM_SPIKE, "002"),
+    }
+    # 25x of the MPU's own; the global norm moved less (the rest of the model did not move)
+    assert [f.severity for f in at if f.labels.get("mpu_id") == "002"] == [Severity.CRITICAL]
     nan = [f for f in findings if f.labels["step"] == "150"]
-    assert {f.reason for f in nan} == {Reason.GRAD_NORM_NONFINITE}
+    assert {(f.reason, f.labels.get("mpu_id")) for f in nan} == {
+        (Reason.GRAD_NORM_NONFINITE, None),
+        (Reason.GRAD_NORM_NONFINITE, "002"),
+    }
+    assert [f for f in findings if f.labels["step"] not in ("120", "150")] == []
+
+
+def test_a_whole_gradient_moving_together_is_the_global_series_not_an_mpus() -> None:
+    """Clean training moves every MPU's gradient norm together (4x for a few steps when the
+    model starts to use an input): each MPU's series, its norm against the rest of the model's,
+    stays quiet; the global norm follows its own baseline. The same 4x in one MPU alone is that
+    MPU's (2 steps in a row, the second not a jump)."""
+    burst = {f"{i}:*": 4.0 for i in range(100, 104)}
+    assert observe_norms(LossDetector(), norms(200, burst)) == []
+    alone = observe_norms(LossDetector(LossConfig(warn_sigma=3)), norms(200, {"100:001": 4.0, "101:001": 4.0}))
+    assert {(f.labels["step"], f.labels.get("mpu_id")) for f in alone} >= {("100", "001")}
+    assert all(f.labels.get("mpu_id") in ("001", None) for f in alone)
 
 
 def test_config_checked() -> None:

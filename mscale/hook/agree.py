@@ -220,6 +220,9 @@ class Agreement:
         a = Agreed(step, skip, nonfinite, failed, rollback, swaps, loss, commit_failed, gradient, keep, culprits)
         self.history.append(a)
         if loss is not None:
+            inputs = getattr(g, "inputs", None)
+            if inputs is not None:  # which micro-batch of this rank was not finite: what a rollback skips
+                inputs.keep_own()
             g._losses[:] = [loss]  # every rank's detector judges the same loss
         at_fault = ",".join(str(r) for r in faulty)
         if a.drop:

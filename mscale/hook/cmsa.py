@@ -65,6 +65,13 @@ GVC_ROWS = 8
 GVC_EVERY = 8
 
 
+# One row per MPU (and one for the rest of the model) in grad_stats' one read: the norm squared
+# of its sharded gradients (summed over the shards), of its unsharded ones (counted once), and
+# GVC's sums over the sampled elements (sum |g|, sum g^2, sum g).
+ROW = 5
+SHARDED, PLAIN = 0, 1
+
+
 def _sample(g: torch.Tensor) -> torch.Tensor:
     return g[::GVC_ROWS] if g.dim() >= 2 and g.shape[0] >= 8 * GVC_ROWS else g
 
@@ -74,25 +81,35 @@ def _local(g: torch.Tensor) -> torch.Tensor:
     return g.to_local() if hasattr(g, "to_local") else g
 
 
+def _shard_group(mesh: Any) -> Any:
+    """The process group a sharded parameter's shards are spread over: the mesh's last dimension
+    (FSDP2's 1-D mesh, or the shard dimension of HSDP's (replicate, shard) mesh)."""
+    return mesh.get_group(mesh.ndim - 1)
+
+
 def _over_shards(values: torch.Tensor, counts: list[int], mesh: Any) -> torch.Tensor:
     """Sums the per-shard sums (norms squared, GVC sums, sample counts appended) over the shard
-    group when the MPUs' parameters are sharded (FSDP2 on a 1-D mesh: `mesh`, their device
-    mesh), so that the norms and GVC are the whole gradient's on every rank; `values` unchanged
-    otherwise (mesh None)."""
+    group when the MPUs' parameters are sharded (FSDP2: `mesh`, their device mesh), so that the
+    norms and GVC are the whole gradient's on every rank; `values` unchanged otherwise (mesh
+    None). The parts of unsharded gradients (ROW's PLAIN slot) are the shard group's first
+    rank's alone: each rank holds the whole of those, counted once."""
     if mesh is None:
         return values
     import torch.distributed as dist
 
+    group = _shard_group(mesh)
     out = torch.cat([values, torch.tensor(counts, dtype=values.dtype, device=values.device)])
-    dist.all_reduce(out, group=mesh.get_group() if mesh.ndim == 1 else None)
+    if dist.get_rank(group) != 0:
+        out[PLAIN : len(values) : ROW] *= 0.0  # (a NaN or an Inf stays one: found on every rank)
+    dist.all_reduce(out, group=group)
     return out
 
 
 def _gvc_row(
     mpu_id: str, grads: list[torch.Tensor], l2sq: torch.Tensor, buffers: dict | None
 ) -> tuple[torch.Tensor, int]:
-    """One MPU's row for grad_stats' one read, on the device: (norm squared, sum |g|, sum g^2,
-    sum g) over every GVC_ROWS-th row of each gradient matrix (vectors whole), gathered in one
+    """One MPU's row for grad_stats' one read, on the device: (its norms squared, sharded and
+    not: `l2sq`, sum |g|, sum g^2, sum g) over every GVC_ROWS-th row of each gradient matrix (vectors whole), gathered in one
     float32 buffer per MPU (strided reductions are several times slower on CPU), kept in
     `buffers` while the shapes hold; and the count of sampled elements."""
     sample = [_sample(g) for g in grads]
@@ -117,13 +134,14 @@ def _gvc_row(
         s_l1 = flat.abs_().sum()
         stats = torch.stack((s_l1, s_l2, s_sum)).to(torch.float64)
         stats[1] = stats[1].square()
-        return torch.cat((l2sq.reshape(1), stats)), n  # stays on the device: one sync in grad_stats
+        return torch.cat((l2sq, stats)), n  # stays on the device: one sync in grad_stats
 
 
 def _norm_and_gvc(row: list[float], n: int, gvc: bool) -> tuple[float, float | None]:
     """An MPU's (gradient norm, GVC) from its row as read back (see _gvc_row); GVC None when
     not estimated this step, 0.0 when nothing was sampled."""
-    l2sq, s_l1, s_l2sq, s_sum = row
+    sharded, plain, s_l1, s_l2sq, s_sum = row
+    l2sq = sharded + plain
     norm = math.sqrt(l2sq) if l2sq >= 0 else math.nan
     if not gvc:
         return norm, None
@@ -187,35 +205,53 @@ def grad_stats(
         grads = [_local(g) for p in with_grad if (g := p.grad) is not None]
         if not grads:
             counts.append(0)
-            rows.append(torch.zeros(4, dtype=torch.float64))
+            rows.append(torch.zeros(ROW, dtype=torch.float64))
             continue
-        with torch.no_grad():
-            l2sq = torch.stack(_norms(with_grad, grads, known)).to(torch.float64).square().sum()
+        l2sq = _split(with_grad, _norms(with_grad, grads, known))
         if not gvc:
             counts.append(0)
-            rows.append(torch.cat((l2sq.reshape(1), l2sq.new_zeros(3))))
+            rows.append(torch.cat((l2sq, l2sq.new_zeros(ROW - 2))))
             continue
         row, n = _gvc_row(m.mpu_id, grads, l2sq, buffers)
         counts.append(n)
         rows.append(row)
-    # the rest of the model (outside every MPU) only adds to the global norm
-    rest = [_local(p.grad) for p in params if p.grad is not None and id(p) not in in_mpus]
-    if rest:
-        other = torch.stack(torch._foreach_norm(rest, 2)).to(torch.float64).square().sum()
-    else:
-        other = torch.zeros((), dtype=torch.float64)
+    rows.append(_rest_row([p for p in params if p.grad is not None and id(p) not in in_mpus]))
     # every MPU's row and the rest read back with one sync, gathered on the device most rows
     # are on (rows of MPUs without gradients are CPU zeros; a no-op on CPU)
-    devs = [r.device for r in rows] + [other.device]
+    devs = [r.device for r in rows]
     dev = max(set(devs), key=devs.count)
-    values = _over_shards(torch.cat([r.to(dev) for r in rows] + [other.reshape(1).to(dev)]), counts, mesh).tolist()
-    counts = [round(c) for c in values[len(rows) * 4 + 1 :]] or counts
+    values = _over_shards(torch.cat([r.to(dev) for r in rows]), counts, mesh).tolist()
+    counts = [round(c) for c in values[len(rows) * ROW :]] or counts
     out: dict[str, tuple[float, float | None]] = {}
-    total = values[-1]
+    total = 0.0
+    for i in range(len(rows)):
+        total += values[ROW * i + SHARDED] + values[ROW * i + PLAIN]
     for i, m in enumerate(mpus):
-        total += values[4 * i]
-        out[m.mpu_id] = _norm_and_gvc(values[4 * i : 4 * i + 4], counts[i], gvc)
+        out[m.mpu_id] = _norm_and_gvc(values[ROW * i : ROW * (i + 1)], counts[i], gvc)
     return (math.sqrt(total) if total >= 0 else math.nan), out
+
+
+def _rest_row(rest: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The row of the rest of the model (the parameters outside every MPU, with a gradient):
+    its norms only, which add to the global norm."""
+    if not rest:
+        return torch.zeros(ROW, dtype=torch.float64)
+    l2sq = _split(rest, list(torch._foreach_norm([_local(g) for p in rest if (g := p.grad) is not None], 2)))
+    return torch.cat((l2sq, l2sq.new_zeros(ROW - 2)))
+
+
+def _split(with_grad: Sequence[torch.nn.Parameter], norms: list[torch.Tensor]) -> torch.Tensor:
+    """(norm squared of the sharded gradients, of the others) from the gradients' norms, in the
+    order of `with_grad`, on their device in float64."""
+    with torch.no_grad():
+        sq = torch.stack(norms).to(torch.float64).square()
+        sharded = [hasattr(p.grad, "to_local") for p in with_grad]
+        if all(sharded):
+            return torch.stack((sq.sum(), sq.new_zeros(())))
+        if not any(sharded):
+            return torch.stack((sq.new_zeros(()), sq.sum()))
+        mask = torch.tensor(sharded, device=sq.device)
+        return torch.stack((sq[mask].sum(), sq[~mask].sum()))
 
 
 class GradStatistics:

@@ -66,10 +66,13 @@ class InputCheck:
         self._pending: list[tuple[int, list[str], torch.Tensor]] = []  # forwards whose flag is unread
         self.bad_forward: int | None = None  # the micro-batch of the last forward found bad
         self.findings = 0
+        self._own: list[int] | None = None  # this rank's non-finite micro-batches, once the losses are agreed
 
     def begin(self, args: tuple, kwargs: dict) -> None:
         micro_batch, named = len(self.losses), _tensors(args, kwargs)
         self.bad_forward = None
+        if micro_batch == 0:  # a step's first forward
+            self._own = None
         if not named:
             return
         with torch.no_grad():
@@ -132,6 +135,14 @@ class InputCheck:
             {"micro_batch": str(micro_batch), "input": bad[0]},
         )
 
+    def keep_own(self) -> None:
+        """The step's losses are about to be replaced by the one the ranks agreed on
+        (mscale.hook.agree): which of this rank's own were not finite is kept for the step."""
+        self._own = self.nonfinite_micro_batches()
+
     def nonfinite_micro_batches(self) -> list[int]:
-        """This step's forwards (from 0) whose loss was NaN or Inf: what a rollback steps over."""
+        """This step's forwards (from 0) whose loss was NaN or Inf on this rank: what a rollback
+        steps over (under gradient accumulation the others re-run)."""
+        if self._own is not None:
+            return list(self._own)
         return [i for i, v in enumerate(self.losses) if not math.isfinite(float(v))]

@@ -1,28 +1,21 @@
 """Loss and gradient-norm statistics, in-process: NaN/Inf, spikes against a robust,
-trend-following baseline, and jumps against the previous value.
+trend-following baseline, and jumps. docs/hook.md gives the calibration.
 
-Each series (the loss, the global gradient norm, each MPU's gradient norm) is watched on the
-log of its values: losses and norms move by factors, and a factor is what a spike is. A real
-training curve trends (early training falls fast, gradient norms rise and fall by several
-times over tens of steps, warm-up moves both), so the baseline follows it: the location is
-the median of the last `baseline` (10) log values, and a value's residual is its distance
-above that. The scale is the spread of the recent residuals: the median absolute deviation of
-the last `window` (100) residuals around their median, times 1.4826 (a normal sigma), never
-below a floor: `scale_floor` (0.1, a 10% move) for the loss, `grad_scale_floor` (0.25) for the
-gradient norms, which move 2-3x between clean steps of a quiet stretch. A value's z = (residual - median residual) / scale;
-z >= `warn_sigma` (5) is a warning, z >= `action_sigma` (10) an action. Only upward moves
-count: a falling loss is training. A value more than `jump_ratio` (10) times the previous one
-is a jump, from the first steps on. No spike test until `min_history` (20) residuals are in
-the window: the first ~30 steps are warm-up, watched by the NaN and jump tests only.
-
-Why these numbers: on a tiny LLaVA with image-dependent data and on the tiny multimodal model,
-3 seeds x 300 steps each (tests/test_loss_calibration.py), the per-MPU gradient norms of the
-LLaVA's vision tower move by a factor ~2 per sigma between steps; 5 sigma and these floors keep
-the clean runs at 0-1 warnings per 300 steps over all series, none critical, while a 10x jump
-of the global gradient norm (>= 5.3 sigma at every step from 40 on, in every run) and a 25x
-loss spike (a jump, and tens of sigma) are still caught in their step. Every finite positive value enters the windows, spikes included: the
-medians barely move for one outlier, so a spike neither blinds the detector to the next one
-nor makes a slow drift alarm. A value <= 0 (log undefined) is only checked for a jump.
+Series, on log values (a spike is a factor): the loss, the global gradient norm, and each MPU's
+gradient norm relative to the rest of the model's, ||g_i|| / sqrt(||g||^2 - ||g_i||^2), all of
+the whole gradient on every rank (mscale.hook.cmsa.grad_stats). Clean training moves the whole
+gradient together (4-6x for a few steps when a model starts to use an input): the global norm
+watches that, and it cancels out of an MPU's relative norm, which moves when that MPU's gradient
+moves alone, as a fault in it does. Location: the median of the last `baseline` (5) values; a
+value's residual is its distance above it. Scale: 1.4826 x the MAD of the last `window` (100)
+residuals, at least `scale_floor` (0.1) for the loss, `global_scale_floor` (0.3) for the global
+norm, `grad_scale_floor` (0.25) for an MPU's. z = (residual - median residual) / scale: >=
+`warn_sigma` (5) a warning, >= `action_sigma` (10) an action, upward only, once `min_history`
+(20) residuals are in (the first ~25 steps are warm-up). A jump: more than `jump_ratio` (10)
+times both the previous value and the recent median (a clean norm can fall 5x for one step),
+from the first step; a gradient norm's is a warning unless it is an action too. Every finite
+positive value enters the windows, spikes included (the medians barely move for one outlier);
+a value <= 0 is only checked for a jump.
 """
 
 from __future__ import annotations
@@ -46,9 +39,10 @@ class LossConfig:
     jump_ratio: float = 10.0
     min_history: int = 20  # residuals before the spike test starts (warm-up)
     grad_norms: bool = True  # also watch the global and per-MPU gradient norms
-    baseline: int = 10  # log values whose median is the location (follows the trend)
+    baseline: int = 5  # log values whose median is the location (follows the trend)
     scale_floor: float = 0.1  # smallest scale of the loss, in log units (a flat series still has one)
-    grad_scale_floor: float = 0.25  # of the gradient norms, which jump 2-3x between clean steps
+    grad_scale_floor: float = 0.25  # of each MPU's gradient norm relative to the rest of the model's
+    global_scale_floor: float = 0.3  # of the global gradient norm, which jumps 3-6x between clean steps
 
     def __post_init__(self) -> None:
         if self.window < 3:
@@ -63,10 +57,9 @@ class LossConfig:
             raise ValueError(f"min_history: expected between 2 and window ({self.window}), got {self.min_history}")
         if self.baseline < 1:
             raise ValueError(f"baseline: expected >= 1, got {self.baseline}")
-        if not (self.scale_floor > 0 and self.grad_scale_floor > 0):
-            raise ValueError(
-                f"scale_floor, grad_scale_floor: expected > 0, got {self.scale_floor}, {self.grad_scale_floor}"
-            )
+        floors = (self.scale_floor, self.grad_scale_floor, self.global_scale_floor)
+        if not all(f > 0 for f in floors):
+            raise ValueError(f"scale_floor, grad_scale_floor, global_scale_floor: expected > 0, got {floors}")
 
 
 def _median(sorted_values: list[float]) -> float:
@@ -116,6 +109,11 @@ class SeriesDetector:
         z = math.nan
         level = "ok"
         self.seen += 1
+        # a jump is over the previous value and the recent median both: not a value that follows
+        # one unusually small (clean gradient norms fall 5x for a step and come back)
+        ref = self.previous
+        if ref is not None and self.logs:
+            ref = max(ref, math.exp(_median(sorted(self.logs))))
         if value > 0:
             x = math.log(value)
             if len(self.logs) >= c.baseline:
@@ -128,8 +126,7 @@ class SeriesDetector:
                         level = "warn"
                 self.residuals.append(x - loc)
             self.logs.append(x)
-        prev = self.previous
-        if prev is not None and prev > 0 and value > c.jump_ratio * prev:
+        if ref is not None and ref > 0 and value > c.jump_ratio * ref:
             level = "jump"
         self.previous = value
         return Verdict(value, z, level)
@@ -150,7 +147,8 @@ _GRAD_REASONS = {
 
 
 class LossDetector:
-    """The loss, the global gradient norm and each MPU's gradient norm, each its own series."""
+    """The loss, the global gradient norm and each MPU's gradient norm relative to the rest of
+    the model's, each its own series (see the module docstring)."""
 
     def __init__(self, config: LossConfig | None = None) -> None:
         self.config = config or LossConfig()
@@ -160,8 +158,11 @@ class LossDetector:
     def _series(self, key: str) -> SeriesDetector:
         s = self.series.get(key)
         if s is None:
-            floor = self.config.scale_floor if key == "loss" else self.config.grad_scale_floor
-            s = self.series[key] = SeriesDetector(self.config, floor)
+            c = self.config
+            floor = (
+                c.scale_floor if key == "loss" else c.global_scale_floor if key == "grad_norm" else c.grad_scale_floor
+            )
+            s = self.series[key] = SeriesDetector(c, floor)
         return s
 
     def observe(
@@ -178,25 +179,45 @@ class LossDetector:
             if grad_norm is not None:
                 out += self._one("grad_norm", "grad_norm", float(grad_norm), step, _GRAD_REASONS, {})
             for mpu_id, v in sorted((mpu_grad_norms or {}).items()):
-                out += self._one(
-                    f"grad_norm/{mpu_id}", "mpu_grad_norm", float(v), step, _GRAD_REASONS, {"mpu_id": mpu_id}
-                )
+                value = relative(float(v), grad_norm)
+                if value is not None:
+                    what = f"mpu_grad_norm {float(v):.6g} ({value:.6g} times the rest of the model's)"
+                    labels = {"mpu_id": mpu_id}
+                    out += self._one(f"grad_norm/{mpu_id}", "mpu_grad_norm", value, step, _GRAD_REASONS, labels, what)
         return out
 
-    def _one(self, key: str, series: str, value: float, step: int, reasons: dict, labels: dict) -> Iterable[Finding]:
+    def _one(
+        self, key: str, series: str, value: float, step: int, reasons: dict, labels: dict, what: str = ""
+    ) -> Iterable[Finding]:
         verdict = self._series(key).check(value)
         self.last[key] = verdict
-        if verdict.level == "ok":
+        level = verdict.level
+        if level == "ok":
             return []
-        reason, severity = reasons[verdict.level]
-        if verdict.level in ("warn", "action"):
-            msg = f"{series} {value:.6g} is {verdict.z:.1f} sigma above its recent baseline"
-        elif verdict.level == "jump":
-            msg = f"{series} {value:.6g} is more than {self.config.jump_ratio:g}x the previous value"
+        if level == "jump" and reasons[level][1] is Severity.WARNING and verdict.z >= self.config.action_sigma:
+            level = "action"  # a gradient norm's jump is a warning, its action level is more
+        reason, severity = reasons[level]
+        what = what or f"{series} {value:.6g}"
+        if level in ("warn", "action"):
+            msg = f"{what} is {verdict.z:.1f} sigma above its recent baseline"
+        elif level == "jump":
+            msg = f"{what} is more than {self.config.jump_ratio:g}x the previous value and the recent median"
         else:
             msg = f"{series} is {value}"
-        return [
-            Finding(
-                SOURCE, reason, severity, msg, {**labels, "series": series, "level": verdict.level, "step": str(step)}
-            )
-        ]
+        return [Finding(SOURCE, reason, severity, msg, {**labels, "series": series, "level": level, "step": str(step)})]
+
+
+def relative(norm: float, global_norm: float | None) -> float | None:
+    """An MPU's gradient norm relative to the rest of the model's (the global norm without it):
+    what its series watches. The norm itself when there is no global norm to compare with, or
+    when it is not finite (found as such); None when the rest is not finite (another MPU's
+    fault, not this one's) or holds nothing (the MPU is the whole model: the global series
+    watches it)."""
+    if global_norm is None or not math.isfinite(norm):
+        return norm
+    if not math.isfinite(global_norm):
+        return None
+    rest_sq = global_norm * global_norm - norm * norm
+    if not rest_sq > 1e-12 * global_norm * global_norm:
+        return None
+    return norm / math.sqrt(rest_sq)

@@ -19,7 +19,8 @@ in-memory and disk snapshots every 2 steps (disk under DIR/snap-CASE, one direct
 - restart: as ref, a new launch on DIR/snap-kill, resuming from it, to the last step.
 
 Each rank writes DIR/CASE-rank_R.json: every finding (reason, labels), the guard's step ends
-(step, accelerator.sync_gradients then), micro-batch forwards, the MPUs' GPUs at the end, a
+(step, accelerator.sync_gradients then), micro-batch forwards, the loader's position of each
+micro-batch drawn with the guard's step then, the MPUs' GPUs at the end, a
 hash of the weights at the end and whether they are all finite.
 """
 
@@ -131,6 +132,7 @@ def run(accelerator: Accelerator, case: str, args: argparse.Namespace) -> dict:
         return None
 
     first_gemm.register_forward_hook(faulty_gpu, prepend=True)
+    drawn: list[list] = []  # [the guard's step, the loader's position] per micro-batch drawn
     for batch in loader:
         if guard.current_step >= args.steps:
             break
@@ -139,6 +141,7 @@ def run(accelerator: Accelerator, case: str, args: argparse.Namespace) -> dict:
             # machine none had finished by step 5, and the restart rightly began at step 0)
             guard.snapshots.flush(timeout=120)
             os._exit(17)  # killed mid-step: the next launch resumes from the newest disk snapshot
+        drawn.append([guard.current_step, dict(loader.last_batch_position)])
         with accelerator.accumulate(model):
             out = model(**batch)
             accelerator.backward(out.loss)
@@ -151,6 +154,7 @@ def run(accelerator: Accelerator, case: str, args: argparse.Namespace) -> dict:
         "findings": rec.findings,
         "ends": rec.ends,
         "forwards": len(forwards),
+        "drawn": drawn,
         "gpus": {m.name: m.gpu for m in guard.mpus},
         "start_gpu": start_gpu,
         "digest": digest(inner),

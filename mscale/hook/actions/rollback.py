@@ -4,9 +4,12 @@ offending batch (not for a weight corrupted between steps: the batch was not at 
 steps since the snapshot re-run on the same batches). Without a snapshot engine the step is
 still dropped, and the event says so. With several ranks the restore is the engine's
 collective `agree_rollback`, run at every step end on every rank (mscale.hook.agree): all ranks
-restore the same step, or none does, and every rank skips the batch unless every rollback
+restore the same step, or none does, and the batch is stepped over unless every rollback
 asked keeps it (the agreement counts those pending before it; the ones decided after it,
-on agreed values, are alike on every rank)."""
+on agreed values, are alike on every rank): on each rank, the micro-batches whose loss was
+not finite there (under gradient accumulation the clean ones of the step re-run), all of the
+step's where that rank asked for the rollback and no loss names one, none on a rank whose
+losses were all finite and that did not ask (its batch was not at fault)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ _REFUSED = "no rollback (its fault rolled back once already, or past the progres
 # reasons whose batch is re-run, not skipped: the batch was not at fault (commit_failure: the
 # checks found a fault at the commit point, mscale.hook.fuse.FusePlugin.rerun_step)
 KEEP_BATCH = ("weight_corruption", "gradient_corruption", COMMIT_FAILURE)
+LOSS_NONFINITE = "loss_nonfinite"
 # reasons whose weights are not at fault (the step's update was dropped, the weights are what
 # they were at its start): the step is run again from its start (the snapshot engine's step
 # mark: data, RNG, scheduler put back), not rolled back to an older snapshot
@@ -92,9 +96,10 @@ class Rollbacks:
                 # the batch is kept when every rollback asked for keeps it: those pending before
                 # the agreement are in its count, those decided after were decided alike everywhere
                 skip = (d is not None and d.reason not in KEEP_BATCH) or last.rollback > last.keep
-                to = _to_newest_common(engine, skip) if d is not None or last.rollback else None
+                to = _to_newest_common(engine, *_mine(fuse, d, skip)) if d is not None or last.rollback else None
             else:
-                to = engine.agree_rollback(d is not None, skip_batch=True, micro_batches=_bad(fuse))
+                skip_batch, micro_batches = _mine(fuse, d)
+                to = engine.agree_rollback(d is not None, skip_batch=skip_batch, micro_batches=micro_batches)
         except Exception as e:  # no snapshot common to every rank: the step stays dropped everywhere
             self.skipped_steps.append(step)
             self.rollbacks.append({"step": step, "to": None, "error": str(e)})
@@ -192,6 +197,21 @@ def _bad(fuse) -> list[int]:
     return inputs.nonfinite_micro_batches() if inputs is not None else []
 
 
+def _mine(fuse, d, skip: bool = True) -> tuple[bool, list[int]]:
+    """This rank's part of a rollback every rank makes (skip_batch, micro_batches): when the
+    batch is stepped over (`skip`), the micro-batches whose loss was not finite here; none when
+    every loss here was finite and another rank asked, or the agreed loss was not finite (then
+    another rank's was: this rank's batch was not at fault, its micro-batches re-run); every
+    micro-batch of the step otherwise (this rank asked, and no loss says which)."""
+    if not skip:
+        return False, []
+    bad = _bad(fuse)
+    if bad:
+        return True, bad
+    # a non-finite loss agreed while every loss here was finite: another rank's micro-batch
+    return (d is not None and d.reason != LOSS_NONFINITE), []
+
+
 def _skipped(engine, step: int) -> str:
     """What the rollback stepped over, for its event: the micro-batches of the step, by position."""
     skipped = list(getattr(engine, "last_skipped", None) or [])
@@ -201,15 +221,16 @@ def _skipped(engine, step: int) -> str:
     return f"{len(skipped)} micro-batch{'es' if len(skipped) > 1 else ''} of step {step} skipped ({where})"
 
 
-def _to_newest_common(engine, skip: bool = True) -> int:
+def _to_newest_common(engine, skip: bool = True, micro_batches: list[int] | tuple = ()) -> int:
     """Every rank, once the ranks agree there is a fault: restore the newest in-memory snapshot
-    every rank holds (one gather of the steps held), the faulty batch skipped (`skip`) or re-run."""
+    every rank holds (one gather of the steps held), the faulty batch skipped (`skip`: the
+    `micro_batches` of it, all when none is named) or re-run."""
     from mscale.snapshot import distributed as mdist  # torch: job side only
 
     target = mdist.newest_common(engine.held_steps, engine.group)
     if target is None:
         raise RuntimeError("no in-memory snapshot common to every rank: no rank rolls back")
-    return engine.rollback(target, skip_batch=skip)
+    return engine.rollback(target, skip_batch=skip, micro_batches=micro_batches)
 
 
 def apply(fuse: FuseContext, state: Rollbacks, d: Decision) -> str:
