@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test agent system venv benchmarks clean lint render gpu-check
+.PHONY: demo test matrix agent system venv benchmarks clean lint render gpu-check
 
 demo: $(STAMP)
 	$(PY) -m mscale demo $(ARGS)
@@ -15,7 +15,12 @@ demo: $(STAMP)
 # service) stay shared within their file. TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= 2
 test: system $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not matrix" $(PYTEST_ARGS)
+
+# The forward-progress matrix's cells beyond the ones `make test` runs (tests/test_progress_matrix.py:
+# compiled, every set-up's clean runs and faults, the weight flip at 9 steps): about an hour on 2 cores.
+matrix: system $(STAMP)
+	$(PY) -m pytest -n $(TEST_WORKERS) -m matrix tests/test_progress_matrix.py $(PYTEST_ARGS)
 
 # ruff over the project (mscale/, tests/, benchmarks/; .gitignore and extend-exclude respected),
 # mypy over the packages [tool.mypy] names. Fix formatting with `$(VENV)/bin/ruff format`.

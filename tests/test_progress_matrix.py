@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from mscale.healing.settings import HealingSection
 from support import free_port
 from support.ddp_run import run_group
 
@@ -50,15 +51,9 @@ NOT_DETECTIONS |= {"loss_spike_warn", "loss_jump", "loss_spike_action", "loss_no
 TIMEOUT_S = {"compiled": 1500, "fsdp": 600, "ddp": 600}
 
 
-def fault_steps(fault: str) -> int:
-    """N: the steps a fault event lasts (nan: to the end of the run, so its bound is from its start)."""
-    start, stop = WINDOWS.get(fault, (0, 1))
-    return min(stop, TARGET) - start
-
-
-# Optimizer calls beyond the target each fault may cost: 2N + 4, N its steps (fault_steps). A
-# placeholder for the bound docs/healing.md will state (issue 36); align it there.
-PROGRESS_BOUND_STEPS = {fault: 2 * fault_steps(fault) + 4 for fault in FAULTS}
+# Optimizer calls beyond the target a fault event may cost: the bound docs/healing.md states
+# ("Forward progress": healing.progress_event_calls lost calls a fault event, 24 by default).
+PROGRESS_BOUND_STEPS = {fault: HealingSection().progress_event_calls for fault in FAULTS}
 
 
 def run_progress(tmp: Path, setup: str, fault: str, *, bare: bool = False, **opts: object) -> dict:
@@ -82,19 +77,19 @@ def run_progress(tmp: Path, setup: str, fault: str, *, bare: bool = False, **opt
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The fault-free run of each set-up by seed, run once for the module: CLEAN_STEPS steps (the
-    clean-run test's), measured when step TARGET begins (the fault cells' reference: its
-    weights' hash and held-out loss under "checkpoint", rank by rank)."""
+    """The fault-free run of each set-up by seed and length, run once for the module, measured
+    when step TARGET begins (the fault cells' reference: its weights' hash and held-out loss
+    under "checkpoint", rank by rank); the clean-run test asks for CLEAN_STEPS steps."""
     tmp = tmp_path_factory.mktemp("progress-ref")
     cache: dict[tuple, dict] = {}
 
-    def get(setup: str, seed: int = 0) -> dict:
-        if (setup, seed) not in cache:
-            result = run_progress(tmp, setup, "clean", seed=seed, steps=CLEAN_STEPS, checkpoint=TARGET)
-            assert_ran(result, CLEAN_STEPS)
+    def get(setup: str, seed: int = 0, steps: int = TARGET) -> dict:
+        if (setup, seed, steps) not in cache:
+            result = run_progress(tmp, setup, "clean", seed=seed, steps=steps, checkpoint=TARGET)
+            assert_ran(result, steps)
             assert all(r["checkpoint"]["step"] == TARGET for r in result["ranks"]), summary(result)
-            cache[(setup, seed)] = result
-        return cache[(setup, seed)]
+            cache[(setup, seed, steps)] = result
+        return cache[(setup, seed, steps)]
 
     return get
 
@@ -169,34 +164,48 @@ def assert_progress(result: dict, ref: dict, fault: str) -> None:
 
 # --- the cells ---------------------------------------------------------------------------
 
-# the symptom each cell shows on today's code (issue 36), by its id; removed as the fixes land
-NAN_LOOP = "persistent NaN loops: 21 rollbacks, 224 calls (the cap) reach step 14 of 80, no clean stop"
-TOWER_UNSEEN = "1x-std noise at the tower's output for 52 steps: 0 findings"
-NOT_BITWISE = "non-finite loss: rolled back to the step-40 snapshot with the batch skipped, not bitwise"
+# The cells `make test` (and so CI) runs, fully asserted: every fault in one process, and the
+# faults that crashed or looped before (NaN, FSDP2's L1) in every other set-up. The rest carry the
+# `matrix` mark: `make matrix` runs them (about an hour on 2 cores, compiling included).
+CI_CELLS = {
+    *(f"inproc-{fault}" for fault in FAULTS),
+    "commit-nan",
+    "commit-tower",
+    "ddp-nan",
+    "fsdp-noise",
+    "fsdp-nan",
+    "lightning-nan",
+    "accelerate-nan",
+}
+# What each cell that fails shows, by its id. Measured on main after this wave's fixes (the
+# other non-compiled fault cells pass): a strict xfail, so a fix turns it into an XPASS.
 KNOWN: dict[str, str] = {
-    **{f"{setup}-nan": NAN_LOOP for setup in SETUPS},
-    **{f"{setup}-tower": TOWER_UNSEEN for setup in SETUPS},
-    **{f"{setup}-clean": "false warnings in 3 x 300 clean steps (grad_norm_spike, grad_norm_jump)" for setup in SETUPS},
-    "commit-noise": "commit verdicts roll back without end: 126 rollbacks, 164 calls (the cap) reach step 22",
-    "compiled-noise": "65 rollbacks, 164 calls (the cap) reach step 21; l3_distill fails",
-    "compiled-flip": "the flipped weight (1.4e37) goes unseen in the compiled graph: 0 findings, held-out loss NaN",
-    "fsdp-noise": "rank 1 aborts after l1_swap at step 22: gloo 'Received data size doesn't match expected size'",
-    "lightning-flip": "the flipped weight stays ~1e37: checksum path L1 -> L2, l3_distill fails (no image token id)",
-    **{f"inproc-flip-{k}": NOT_BITWISE for k in (40, 42, 43, 44, 45)},
-    **{f"inproc-flip-{k}": NOT_BITWISE + f", and {k + 1 - 40} calls lost" for k in (46, 47, 48)},
+    "commit-noise": "held-out loss 0.965 against 0.872 fault-free (+10.7%): the vision tower ends at L2/L3",
+}
+# Measured before this wave's fixes only (not re-measured since: `make matrix` tells): a mark that
+# does not fail the run when the cell passes.
+BEFORE_FIXES: dict[str, str] = {
+    **{f"compiled-{fault}": "before the fixes: rollback storms, the flip unseen, NaN loops" for fault in FAULTS},
+    **{f"{setup}-clean": "before the fixes: grad_norm_spike/jump false warnings" for setup in SETUPS},
+    **{f"inproc-flip-{k}": "before the fixes: not bitwise (rolled back, batch skipped)" for k in FLIP_SWEEP},
 }
 
 
 def cells(*axes: tuple) -> list:
-    """pytest params over the product of `axes`, each slow, and xfail(strict) where KNOWN says so."""
+    """pytest params over the product of `axes`, each slow; `matrix` outside CI_CELLS; xfail
+    (strict) where KNOWN says so, not strict where only BEFORE_FIXES does."""
     import itertools
 
     out = []
     for values in itertools.product(*axes):
         cell = "-".join(map(str, values))
         marks = [pytest.mark.slow]
+        if cell not in CI_CELLS:
+            marks.append(pytest.mark.matrix)
         if cell in KNOWN:
             marks.append(pytest.mark.xfail(strict=True, reason=f"issue 36: {KNOWN[cell]}"))
+        elif cell in BEFORE_FIXES:
+            marks.append(pytest.mark.xfail(strict=False, reason=f"issue 36: {BEFORE_FIXES[cell]}"))
         out.append(pytest.param(*values, id=cell, marks=marks))
     return out
 
@@ -227,7 +236,7 @@ def test_a_weight_bit_flipped_after_any_step_is_repaired_bitwise(setup, fault, k
 def test_clean_runs_warn_at_most_once_per_thousand_steps(setup, fault, reference, tmp_path):
     """CLEAN_SEEDS runs of CLEAN_STEPS steps without a fault (seed 0 is the fault cells' reference):
     at most one warning (or critical finding) per 1,000 steps of each rank."""
-    runs = [reference(setup, 0)]
+    runs = [reference(setup, 0, CLEAN_STEPS)]
     for seed in CLEAN_SEEDS[1:]:
         runs.append(run_progress(tmp_path, setup, fault, seed=seed, steps=CLEAN_STEPS))
         assert_ran(runs[-1], CLEAN_STEPS)
