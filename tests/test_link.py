@@ -279,7 +279,7 @@ def test_snapshot_and_loss_findings_become_per_job_metrics(sock: str, tmp_path: 
     loader = ResumableLoader(SyntheticCaptions(cfg, size=256, seed=0), batch_size=4, seed=0)
     snaps = tmp_path / "snaps"
     plugin = SnapshotPlugin(
-        config=SnapshotConfig(directory=snaps, memory_every=2, disk_every=4),
+        config=SnapshotConfig(directory=snaps, memory_every=2, disk_every=4, node_every=0),  # the disk tier's figures
         data=loader,
         rollback_on={Reason.LOSS_NONFINITE},
     )

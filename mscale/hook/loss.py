@@ -31,6 +31,9 @@ SOURCE = "loss"
 MAD_TO_SIGMA = 1.4826
 
 
+JUMP_AFTER = 3  # values seen before a jump is judged (see check)
+
+
 @dataclass(frozen=True)
 class LossConfig:
     window: int = 100  # residuals the scale is taken from
@@ -126,7 +129,9 @@ class SeriesDetector:
                         level = "warn"
                 self.residuals.append(x - loc)
             self.logs.append(x)
-        if ref is not None and ref > 0 and value > c.jump_ratio * ref:
+        # from the fourth value on: the first updates (Adam's bias-corrected first steps) move
+        # every norm by orders of magnitude in a clean run
+        if ref is not None and ref > 0 and len(self.logs) > JUMP_AFTER and value > c.jump_ratio * ref:
             level = "jump"
         self.previous = value
         return Verdict(value, z, level)

@@ -419,7 +419,9 @@ class SnapshotCapture:
             )
             raise SnapshotError("no in-memory snapshot to write")
         try:
-            if snap.disk_path is not None and (snap.disk_path / MANIFEST).exists():
+            # on disk: written by the disk tier (a node-tier copy does not survive the node)
+            written = snap.disk_path
+            if written is not None and written.parent == disk.rank_dir and (written / MANIFEST).exists():
                 log.info("emergency snapshot already on disk", step=snap.step, path=str(snap.disk_path))
                 return snap.disk_path
             return disk.write_now(snap, why)
