@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 
 from mscale.daemon import link_intake
 from mscale.daemon.link_intake import MAX_QUEUED, Inbox, Intake, sheddable
+from support.link_agent import Agent, RawLink, metric, wait_for
 
 
 def _report(step: int, findings: bool = False) -> str:
@@ -117,3 +119,36 @@ def test_a_reader_refused_room_for_too_long_is_counted(monkeypatch) -> None:
         return await intake.put(box, _report(99, findings=True)), intake.refused
 
     assert asyncio.run(main()) == (False, 1)
+
+
+# --- through a real agent's socket: the test holds the intake with its own plugin message ------
+
+
+def test_a_real_agent_behind_sheds_a_connections_oldest_reports_and_applies_the_rest_in_order(tmp_path) -> None:
+    agent = Agent(str(tmp_path / "run" / "agent.sock"))
+    gate = asyncio.Event()
+
+    async def hold(job, msg) -> None:  # the test's own handler: the intake waits here
+        await gate.wait()
+
+    agent.link.on_message("hold", hold)
+    link = RawLink(agent.socket_path)
+    try:
+        mpus = [{"mpu_id": "001", "name": "m0", "gpu": 0, "params": 10}]
+        reg = {"type": "register", "job_id": "job-1", "rank": 0, "pid": 1, "step": 0, "mpus": mpus}
+        assert json.loads(link.ask(json.dumps(reg)))["type"] == "registered"
+        link.send(json.dumps({"type": "hold"}))
+        for s in range(MAX_QUEUED + 4):
+            steps = [{"step": s, "mpus": {"001": {"forward_s": 0.01, "backward_s": 0.02}}}]
+            link.send(json.dumps({"type": "report", "job_id": "job-1", "dropped": 0, "reports": steps}))
+        # the agent is behind (its intake held): past 8 waiting frames the oldest reports go
+        wait_for(lambda: agent.state.reports_shed == 4, what="4 reports shed")
+        assert urllib.request.urlopen(f"http://127.0.0.1:{agent.port}/healthz", timeout=10).status == 200
+        agent.loop.call_soon_threadsafe(gate.set)
+        rs = agent.state.jobs["job-1"].rank_states[0]
+        wait_for(lambda: rs.step == MAX_QUEUED + 3, what="the last report")
+        assert rs.reports_total == MAX_QUEUED  # steps 4..11, in order (the last one applied is the newest)
+        assert metric(agent.metrics(), "mscale_link_reports_shed_total") == 4
+    finally:
+        link.close()
+        agent.stop()
