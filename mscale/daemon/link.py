@@ -261,8 +261,6 @@ class LinkServer:
         except BadMessage as e:
             self._refuse(e.why, str(e), job_id=conn.job.job_id if conn.job else "", uid=conn.uid)
             await _answer(ws, Error(str(e)).to_wire())
-        except (ConnectionError, RuntimeError):
-            pass  # the connection is gone; its reader ends it
         except Exception as e:  # a validator's gap: refused and counted, the connection goes on
             log.error("link_message_failed", error=f"{type(e).__name__}: {e}"[:300], uid=conn.uid)
             self._refuse("internal", f"{type(e).__name__}", job_id=conn.job.job_id if conn.job else "")
