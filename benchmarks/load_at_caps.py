@@ -147,17 +147,20 @@ def _agent(d: Path, states: int) -> tuple[subprocess.Popen, str, str]:
     return proc, url, sock
 
 
-def _reports_taken(url: str) -> float:
-    """The step reports the agent has taken from every job (mscale_job_reports_total, summed);
-    NaN when no page came within 60 s."""
+def _reports_taken(url: str) -> tuple[float, float]:
+    """The step reports the agent has taken from every job (mscale_job_reports_total, summed),
+    and the report messages it shed unread while behind (mscale_link_reports_shed_total; 0 on an
+    agent without it); NaN when no page came within 60 s."""
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
             page = r.read().decode()
     except OSError:
-        return float("nan")
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in page.splitlines() if line.startswith("mscale_job_reports_total{")
-    )
+        return float("nan"), float("nan")
+
+    def total(prefix: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines() if line.startswith(prefix))
+
+    return total("mscale_job_reports_total{"), total("mscale_link_reports_shed_total ")
 
 
 def _worst(xs: list[float | None]) -> float:
@@ -209,7 +212,7 @@ def main() -> int:
                 threading.Thread(target=_poll, args=(url + "/healthz", PROBE_EVERY_S, 5.0, stop, probes)),
                 threading.Thread(target=_poll, args=(url + "/metrics", SCRAPE_EVERY_S, 30.0, stop, scrapes)),
             ]
-            taken = _reports_taken(url)
+            taken, shed = _reports_taken(url)
             start = time.monotonic()
             for t in pollers:
                 t.start()
@@ -217,7 +220,9 @@ def main() -> int:
             stop.set()
             for t in pollers:
                 t.join(40)
-            rate = (_reports_taken(url) - taken) / (time.monotonic() - start)
+            taken_now, shed_now = _reports_taken(url)
+            rate = (taken_now - taken) / (time.monotonic() - start)
+            shed = shed_now - shed
         finally:
             for proc in (load, agent):
                 if proc is not None and proc.poll() is None:
@@ -228,7 +233,10 @@ def main() -> int:
                         proc.kill()
                         proc.wait(5)
     offered = args.jobs * args.ranks * args.rate * args.steps
-    print(f"step reports taken {rate:.0f}/s of {offered:.0f}/s offered (the rest wait in the jobs' bounded queues)")
+    print(
+        f"step reports taken {rate:.0f}/s of {offered:.0f}/s offered; report messages shed by the agent while behind: "
+        f"{shed:.0f} (the rest wait in the socket and the jobs' bounded queues)"
+    )
     return _report(args, states, probes, scrapes)
 
 

@@ -176,6 +176,23 @@ def test_a_step_is_compared_once_every_live_rank_reported_it_and_odd_figures_are
     assert watch.boards == {}  # an expired job's comparison goes with it
 
 
+def test_a_rank_whose_reports_come_in_a_burst_far_ahead_still_has_every_step_compared() -> None:
+    # one rank's 200 steps arrive before any other rank's (its client's batches reached the agent
+    # first): the steps are held by number, so each is compared once the others report it
+    state = AgentState(node="n")
+    job = _job(state, ranks=3)
+    watch = StragglerWatch(StragglerSection(window_steps=10, warmup_steps=0, evaluate_every_steps=1), state)
+    rep = {"mpus": {"001": {"forward_s": 0.010, "backward_s": 0.020}}}
+    for s in range(200):
+        watch.observe(job, 0, StepReport.from_wire({"step": s, **rep}))
+    assert watch.steps_compared == 0
+    for r in (1, 2):
+        for s in range(200):
+            watch.observe(job, r, StepReport.from_wire({"step": s, **rep}))
+    assert watch.steps_compared == 200
+    assert watch.boards["j"].pending == {}
+
+
 def test_the_section_refuses_a_ratio_that_cannot_mean_slow(tmp_path: Path) -> None:
     cfg = tmp_path / "agent.toml"
     cfg.write_text("[stragglers]\nwindow_steps = 30\n")

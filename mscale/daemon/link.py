@@ -24,8 +24,8 @@ State is per (job, rank) (mscale.daemon.jobs.RankState); a finding carries the r
 connection that reported it, and the agent's own view of its GPU (mscale.daemon.link_labels:
 a proof about an MPU the rank never registered is refused, unregistered_mpu; past
 MAX_PROOFS_PER_MESSAGE in one message, proof_limit). A job whose last rank left is removed, series and all,
-`socket.job_expiry_s` later.
-The messages, their validators, the command vocabulary and the limits are `mscale.link`'s,
+`socket.job_expiry_s` later. Frames are handled one per event-loop turn, report work shed when
+behind (mscale.daemon.link_intake). The messages, their validators, the command vocabulary and the limits are `mscale.link`'s,
 which the job's client speaks too; this module only serves them.
 """
 
@@ -49,12 +49,14 @@ from mscale.daemon.gpus import gpus_by_index
 from mscale.daemon.jobs import JobState, RankLimit
 from mscale.daemon.link_bounds import check_mpu_budget, make_room
 from mscale.daemon.link_gate import GatedSockSite, LinkLimits, peer_cred
+from mscale.daemon.link_intake import Inbox, Intake, read_frame
 from mscale.daemon.link_labels import MAX_PROOFS_PER_MESSAGE, PROOFS, labelled
 from mscale.findings import Finding, Reason, Severity
 from mscale.link import BadMessage, Error, Msg, Register, Registered, Report, StepReport, Wire
 
 log = structlog.get_logger("mscale.link")
 
+ANSWER_TIMEOUT_S = 1.0
 Handler = Callable[..., Awaitable[None] | None]  # (job, msg), or (job, msg, rank) with_rank
 ReportObserver = Callable[[JobState, int, StepReport], None]
 
@@ -80,6 +82,7 @@ class LinkServer:
         self.error = ""  # why the socket is not served, if it is not
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self.intake = Intake(self._frame, self._shed)  # every connection's frames, one per loop turn (link_intake)
 
     # --- commands to jobs ----------------------------------------------------------------
 
@@ -152,6 +155,7 @@ class LinkServer:
             return False
         log.info("link_listening", socket=str(path), mode=oct(self.config.socket.mode))
         self._sweeper = asyncio.ensure_future(self._sweep())
+        self.intake.start()
         return True
 
     async def stop(self) -> None:
@@ -159,6 +163,7 @@ class LinkServer:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
             self._sweeper = None
+        await self.intake.stop()
         for ranks in list(self.connections.values()):
             for ws in list(ranks.values()):
                 await ws.close()
@@ -202,6 +207,9 @@ class LinkServer:
 
     # --- messages ----------------------------------------------------------------------------
 
+    def _shed(self) -> None:
+        self.state.reports_shed += 1
+
     def _refuse(self, why: str, detail: str, **labels: Any) -> None:
         self.state.refused[("socket", why)] += 1
         log.warning("link_message_refused", why=why, detail=detail[:300], **labels)
@@ -222,20 +230,12 @@ class LinkServer:
         self.peer_uids[ws] = conn.uid
         timeout_s = self.config.socket.register_timeout_s
         unregistered = asyncio.get_running_loop().call_later(timeout_s, self._unregistered, conn, request)
+        inbox = Inbox(conn)
         try:
             async for msg in ws:
                 if msg.type == WSMsgType.TEXT:
-                    try:
-                        await self._message(conn, msg.data)
-                    except BadMessage as e:
-                        self._refuse(e.why, str(e), job_id=conn.job.job_id if conn.job else "", uid=conn.uid)
-                        await ws.send_str(protocol.encode(Error(str(e)).to_wire()))
-                    except (ConnectionError, RuntimeError, asyncio.CancelledError):
-                        raise
-                    except Exception as e:  # a validator's gap: refused and counted, the connection goes on
-                        log.error("link_message_failed", error=f"{type(e).__name__}: {e}"[:300], uid=conn.uid)
-                        self._refuse("internal", f"{type(e).__name__}", job_id=conn.job.job_id if conn.job else "")
-                        await ws.send_str(protocol.encode(Error(f"not understood ({type(e).__name__})").to_wire()))
+                    if not await self.intake.put(inbox, msg.data):  # handled in turn (link_intake)
+                        self._refuse("backlog", "no room for the frame", job_id=conn.job.job_id if conn.job else "")
                 elif msg.type == WSMsgType.BINARY:
                     self._refuse("malformed", "binary frame")
                     await ws.send_str(protocol.encode(Error("binary frames are not accepted").to_wire()))
@@ -246,11 +246,25 @@ class LinkServer:
                     )
                     self._refuse(why, str(exc), job_id=conn.job.job_id if conn.job else "")
                     break
+            await self.intake.drained(inbox)  # what it sent before it left still counts
         finally:
             unregistered.cancel()
             self.peer_uids.pop(ws, None)
             self._disconnected(conn)
         return ws
+
+    async def _frame(self, conn: _Conn, data: str) -> None:
+        """One text frame, in the intake's turn: a refusal is counted and answered."""
+        ws = conn.ws
+        try:
+            await self._message(conn, data)
+        except BadMessage as e:
+            self._refuse(e.why, str(e), job_id=conn.job.job_id if conn.job else "", uid=conn.uid)
+            await _answer(ws, Error(str(e)).to_wire())
+        except Exception as e:  # a validator's gap: refused and counted, the connection goes on
+            log.error("link_message_failed", error=f"{type(e).__name__}: {e}"[:300], uid=conn.uid)
+            self._refuse("internal", f"{type(e).__name__}", job_id=conn.job.job_id if conn.job else "")
+            await _answer(ws, Error(f"not understood ({type(e).__name__})").to_wire())
 
     def _unregistered(self, conn: _Conn, request: web.Request) -> None:
         """A connection that registered no job within socket.register_timeout_s (it sent
@@ -285,11 +299,11 @@ class LinkServer:
         )
 
     async def _message(self, conn: _Conn, data: str) -> None:
-        msg, report = _read(data, self.config.socket.max_message_bytes)
+        msg, report = read_frame(data, self.config.socket.max_message_bytes)
         kind = msg["type"]
         if kind == Msg.REGISTER:
             registered = self._register(conn, Register.from_wire(msg, self.config.socket.max_mpus_per_job))
-            await conn.ws.send_str(protocol.encode(Registered(registered.job_id, self.state.node).to_wire()))
+            await _answer(conn.ws, Registered(registered.job_id, self.state.node).to_wire())
             return
         job = conn.job
         if job is None or not self._current(job):  # never registered, or expired meanwhile
@@ -441,16 +455,13 @@ class LinkServer:
             self.state.events.emit(finding)
 
 
-def _read(data: str, limit: int) -> tuple[Wire, Report | BadMessage | None]:
-    """A frame as a message and, for a report, the report checked (or why not: raised once the
-    connection is known to be registered)."""
-    msg = protocol.decode(data, limit)
-    if msg["type"] != Msg.REPORT:
-        return msg, None
+async def _answer(ws: web.WebSocketResponse, wire: Wire) -> None:
+    """An answer from the intake's one task: a peer that does not read holds it this long at most."""
     try:
-        return msg, Report.from_wire(msg)
-    except BadMessage as e:
-        return msg, e
+        async with asyncio.timeout(ANSWER_TIMEOUT_S):
+            await ws.send_str(protocol.encode(wire))
+    except (TimeoutError, ConnectionError, RuntimeError) as e:
+        log.warning("link_answer_not_sent", error=f"{type(e).__name__}: {e}"[:200])
 
 
 class Outgoing(Protocol):

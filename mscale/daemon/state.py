@@ -160,6 +160,7 @@ class AgentState:
     # refused or dropped input, by (where, why): webhook, socket, chaos API
     refused: Counter[tuple[str, str]] = field(default_factory=Counter)
     jobs_expired: int = 0  # jobs removed after socket.job_expiry_s (or early, to stay under socket.max_jobs)
+    reports_shed: int = 0  # report frames the link dropped, superseded, while behind (mscale.daemon.link_intake)
 
     def publish(self, probe: str, snapshot: Any) -> None:
         self.snapshots[probe] = snapshot

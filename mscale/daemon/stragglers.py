@@ -35,8 +35,9 @@ Metrics: mscale.exporters.stragglers, over the immutable `StragglerView` that th
 in `state.snapshots["stragglers"]`, builds at scrape time. Across nodes Prometheus compares the
 per-rank series with recording rules (mscale/rules/recording.py), since it sees every node.
 
-Cost per report: one slot written per figure (no allocation, no sort); per step a set of the
-ranks that reported it; per verdict one sort of `window_steps` values per rank and figure and
+Cost per report: one slot written per figure (no allocation, no sort); per step a mask of the
+ranks that reported it (held by step number, so a rank whose reports come in a burst may run
+`MAX_PENDING` steps ahead of the slowest and its steps are still compared); per verdict one sort of `window_steps` values per rank and figure and
 one of the ranks' levels per figure, the median of the others read off the sorted levels of
 all (benchmarks/straggler_overhead.py: the added cost on the agent's report path, against the
 target of a tenth). Bounded: steps waiting for their last rank (`MAX_PENDING` per job), jobs
@@ -58,7 +59,11 @@ from mscale.link import StepReport
 SOURCE = "stragglers"
 COMPUTE = "compute"  # the rank-level figure's phase: its MPUs' forward + backward
 INF = math.inf
-MAX_PENDING = 64  # steps per job still waiting for a rank's report; older ones are dropped
+# steps per job still waiting for a rank's report, by step number: a rank whose reports come in
+# bursts (its client's batch, the link's queue) may run this far ahead of the slowest one and its
+# steps are still compared once that one reports them; the lowest are dropped past it
+MAX_PENDING = 4096
+MAX_SLOTS = 256  # ranks a job's masks tell apart; past it (ranks come and go) they start over
 
 
 @dataclass(frozen=True)
@@ -134,10 +139,35 @@ class _Row:
 
 @dataclass
 class _JobBoard:
-    pending: dict[int, set[int]] = field(default_factory=dict)  # step -> the ranks that reported it
+    pending: dict[int, int] = field(default_factory=dict)  # step -> the ranks that reported it, a bit per slot
+    slots: dict[int, int] = field(default_factory=dict)  # rank -> its bit in pending's masks
     rows: dict[int, _Row] = field(default_factory=dict)
     windows: dict[tuple[int, str, str], _Window] = field(default_factory=dict)  # the same, for the view
     compared: int = 0
+
+    def saw(self, rank: int, step: int) -> int:
+        """Mark the step reported by the rank; the ranks that have reported it now (a mask)."""
+        bit = self.slots.get(rank)
+        if bit is None:
+            if len(self.slots) >= MAX_SLOTS:  # ranks come and go: start the masks over
+                self.slots.clear()
+                self.pending.clear()
+            bit = self.slots[rank] = 1 << len(self.slots)
+        seen = self.pending[step] = self.pending.get(step, 0) | bit
+        if len(self.pending) > MAX_PENDING:
+            # the first held is the lowest step but where a rank went back (a restart): O(1)
+            del self.pending[next(iter(self.pending))]
+        return seen
+
+    def whole(self, step: int) -> None:
+        """The step is whole: it and the steps held before it (never whole: a rank that joined
+        late or dropped a report) go."""
+        self.pending.pop(step, None)
+        while self.pending:
+            first = next(iter(self.pending))
+            if first >= step:
+                break
+            del self.pending[first]
 
     def row(self, rank: int, size: int) -> _Row:
         row = self.rows[rank] = _Row(rank, size)
@@ -171,19 +201,17 @@ class StragglerWatch:
         board = self.boards.get(job.job_id) or self.boards.setdefault(job.job_id, _JobBoard())
         if board.compared >= cfg.warmup_steps:  # the job's first steps are left out
             self._take(board, rank, report)
-        seen = board.pending.get(step)
-        if seen is None:
-            seen = board.pending[step] = set()
-            if len(board.pending) > MAX_PENDING:
-                del board.pending[min(board.pending)]
-        seen.add(rank)
+        seen = board.saw(rank, step)
         live = job.ranks.keys() or {rank}
-        if len(seen) < len(live) or len(live) < cfg.min_ranks or not live <= seen:
+        want = 0
+        for r in live:
+            b = board.slots.get(r)
+            if b is None:
+                return  # a live rank that has reported nothing yet: no step is whole
+            want |= b
+        if len(live) < cfg.min_ranks or seen & want != want:
             return  # (a step still missing a rank that left is dropped with the next whole one)
-        del board.pending[step]
-        if board.pending:
-            for old in [p for p in board.pending if p < step]:  # a rank that joined late: never whole
-                del board.pending[old]
+        board.whole(step)
         self.steps_compared += 1
         board.compared += 1
         if board.compared > cfg.warmup_steps and board.compared % cfg.evaluate_every_steps == 0:

@@ -158,6 +158,12 @@ def collect(state: AgentState) -> Iterable[Metric]:
     )
     expired.add_metric([], state.jobs_expired)
     yield expired
+    shed = CounterMetricFamily(
+        "mscale_link_reports_shed",
+        "report messages the agent dropped unread while behind, each superseded by a newer one of its connection",
+    )
+    shed.add_metric([], state.reports_shed)
+    yield shed
     f: dict[str, Family] = {key: kind(name, doc, labels=labels) for key, kind, name, doc, labels in FAMILIES}
     for job_id, job in sorted(state.jobs.items()):
         _add_job(f, job_id, job)
