@@ -422,8 +422,8 @@ class SnapshotCapture:
             # on disk: written by the disk tier (a node-tier copy does not survive the node)
             written = snap.disk_path
             if written is not None and written.parent == disk.rank_dir and (written / MANIFEST).exists():
-                log.info("emergency snapshot already on disk", step=snap.step, path=str(snap.disk_path))
-                return snap.disk_path
+                log.info("emergency snapshot already on disk", step=snap.step, path=str(written))
+                return written
             return disk.write_now(snap, why)
         finally:
             self._unpin(snap)
