@@ -15,9 +15,7 @@ NVLink error totals but no per-link state, so NVLink-down is NVML-only.
 
 from __future__ import annotations
 
-import csv
 import functools
-import io
 import re
 import time
 import urllib.error
@@ -30,6 +28,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from mscale.probes import catalogue
 from mscale.probes.gpu_sample import GpuSample, Reading
 from mscale.probes.nvml_api import XidEvent, throttle_names
 
@@ -93,16 +92,7 @@ def parse_fields(text: str, source: str = "dcgm_fields.csv") -> dict[str, tuple[
     """field -> its names, the preferred (newest release's) first; file order breaks ties."""
     rows: list[FieldName] = []
     header_seen = False
-    for no, raw in enumerate(text.split("\n"), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        where = f"{source} line {no}"
-        try:
-            parsed = list(csv.reader(io.StringIO(line, newline=""), strict=True))
-        except csv.Error as e:
-            raise DcgmFieldsError(f"{where}: not a CSV row ({e})") from None
-        cells = [c.strip() for c in parsed[0]] if len(parsed) == 1 else []
+    for where, line, cells in catalogue.rows(text, source, DcgmFieldsError):
         if not header_seen:
             if cells != _HEADER:
                 raise DcgmFieldsError(f"{where}: expected the header {','.join(_HEADER)!r}, got {line[:80]!r}")

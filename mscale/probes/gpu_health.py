@@ -13,9 +13,7 @@ Readers (NVML, dcgm-exporter) feed the same model, so both backends judge alike.
 
 from __future__ import annotations
 
-import csv
 import functools
-import io
 import re
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,6 +23,7 @@ from typing import Any, ClassVar
 
 from mscale.findings import Reason
 from mscale.options import opt
+from mscale.probes import catalogue
 from mscale.textfile import read_text
 
 HEALTHY, DEGRADED, FAILED = "healthy", "degraded", "failed"
@@ -153,20 +152,7 @@ _XID_CODE = re.compile(r"[0-9]{1,5}")
 def parse_xid_table(text: str, source: str = "xid_table.csv") -> XidTable:
     entries: dict[int, XidInfo] = {}
     header_seen, header = False, _HEADER_V1
-    # Lines split on "\n" only, as an editor counts them (splitlines would also split on
-    # \x0b, \x1c, U+2028 ... and the line numbers in messages would drift).
-    for no, raw in enumerate(text.split("\n"), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        where = f"{source} line {no}"
-        try:
-            rows = list(csv.reader(io.StringIO(line, newline=""), strict=True))
-        except csv.Error as e:
-            raise XidTableError(f"{where}: not a CSV row ({e})") from None
-        if len(rows) != 1:  # a bare carriage return inside the line splits it
-            raise XidTableError(f"{where}: not one CSV row (a carriage return inside the line?)")
-        cells = [c.strip() for c in rows[0]]
+    for where, line, cells in catalogue.rows(text, source, XidTableError):
         if not header_seen:
             if cells not in (_HEADER_V1, _HEADER_V2):
                 raise XidTableError(
