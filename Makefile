@@ -58,7 +58,7 @@ render: $(STAMP)
 
 # Every benchmark at its quick default (under 20 minutes on 2 cores), each verdict on the median
 # of its repeats; every figure into one JSON file (BENCH_JSON), the table printed from it at the end.
-# README table: .venv/bin/python benchmarks/_table.py FILE --readme README.md (see docs in the script).
+# the table of docs/benchmarks.md: .venv/bin/python benchmarks/_table.py FILE --readme docs/benchmarks.md (see docs in the script).
 BENCH_JSON ?= benchmarks/results/latest.json
 benchmarks: $(STAMP)
 	rm -f $(BENCH_JSON)

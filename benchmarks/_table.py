@@ -1,10 +1,10 @@
-"""The README's benchmark table, generated from a `make benchmarks` JSON file.
+"""The benchmark table of docs/benchmarks.md, generated from a `make benchmarks` JSON file.
 
     .venv/bin/python benchmarks/_table.py benchmarks/results/latest.json            # print it
-    .venv/bin/python benchmarks/_table.py benchmarks/results/readme.json --readme README.md
+    .venv/bin/python benchmarks/_table.py benchmarks/results/readme.json --readme docs/benchmarks.md
 
 One row per verdict (median, range over the repeats, target, verdict) and, for a benchmark
-without verdicts, one per figure. With --readme, the table between the README's
+without verdicts, one per figure. With --readme, the table between the page's
 `<!-- benchmarks:start -->` and `<!-- benchmarks:end -->` lines is replaced, and the JSON it
 came from should be committed beside it as benchmarks/results/readme.json (a test checks the
 two agree).
@@ -69,7 +69,7 @@ def replace_in(readme: str, table: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("json", type=Path)
-    ap.add_argument("--readme", type=Path, help="rewrite the table in this README")
+    ap.add_argument("--readme", type=Path, help="rewrite the table in this page (docs/benchmarks.md)")
     args = ap.parse_args()
     table = render(json.loads(args.json.read_text()))
     if args.readme is None:

@@ -1,5 +1,5 @@
-"""The benchmarks' shared verdict logic (benchmarks/_verdict.py) and the README's benchmark
-table, which must be what benchmarks/_table.py makes of the committed results JSON."""
+"""The benchmarks' shared verdict logic (benchmarks/_verdict.py) and the benchmark table of
+docs/benchmarks.md, which must be what benchmarks/_table.py makes of the committed results JSON."""
 
 from __future__ import annotations
 
@@ -70,12 +70,12 @@ def test_a_report_merges_into_one_json_file_per_run(tmp_path, capsys):
     assert "25.00x (range 21.00-30.00, n=3)" in printed and "target >= 20: met" in printed
 
 
-def test_the_readme_table_is_generated_from_the_committed_results():
+def test_the_benchmark_table_is_generated_from_the_committed_results():
     results = json.loads((ROOT / "benchmarks" / "results" / "readme.json").read_text())
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index(START) + len(START) : readme.index(END)]
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    table = page[page.index(START) + len(START) : page.index(END)]
     assert table == "\n" + render(results), (
-        "README's benchmark table differs: .venv/bin/python benchmarks/_table.py "
-        "benchmarks/results/readme.json --readme README.md"
+        "docs/benchmarks.md's benchmark table differs: .venv/bin/python benchmarks/_table.py "
+        "benchmarks/results/readme.json --readme docs/benchmarks.md"
     )
     assert all(v["n"] >= 3 for b in results["benchmarks"].values() for v in b["verdicts"].values())
