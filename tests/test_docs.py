@@ -1,16 +1,22 @@
 """The README and docs/ hold together: relative links and their anchors resolve, docs/README.md
 lists every page, README examples use only public names, and the README's first code block
-after the quick start is the one-line protection that docs/protect.md's test runs."""
+after the quick start is the one-line protection that docs/protect.md's test runs. The README
+stays a short front page (under 250 lines) that still holds the two commands, the metric and
+alert lists (complete, checked against docs/metrics.md and the rules) and the main
+configuration keys (each a real key with its real default)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+from mscale.rules.alerts import ALERTS
 from mscale.rules.render import anchor
 from support import REPO
 
 DOCS = REPO / "docs"
+README = REPO / "README.md"
+README_MAX_LINES = 250
 PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -73,3 +79,93 @@ def test_first_block_after_quick_start_is_the_one_line_protection() -> None:
     assert lang == "python" and protect, "no python block"
     assert code == protect[0], "the README's first block after Quick start is not docs/protect.md's first block"
     assert "mscale.attach(" in code
+
+
+def section(text: str, begin: str, end: str) -> str:
+    """The text between the line starting with `begin` and the one starting with `end`."""
+    start = text.index(begin)
+    return text[text.index("\n", start) : text.index(end, start)]
+
+
+def test_readme_is_a_short_front_page() -> None:
+    lines = README.read_text().splitlines()
+    assert len(lines) < README_MAX_LINES, (
+        f"README.md has {len(lines)} lines: move detail to docs/ (< {README_MAX_LINES})"
+    )
+
+
+def test_readme_keeps_the_two_commands_and_its_sections() -> None:
+    readme = README.read_text()
+    quick = section(readme, "## Quick start", "\n## ")
+    lang, code = FENCE.search(quick).groups()
+    commands = [line.split("#")[0].strip() for line in code.splitlines()]
+    assert lang == "sh" and commands == ["make demo", "make test"], commands
+    assert "make test" in (REPO / ".ci" / "run").read_text()  # CI runs the README's test command
+    wanted = [
+        "Quick start",
+        "Protect your training loop",
+        "What it costs",
+        "What happens on each fault",
+        "The fuse",
+        "Configuration",
+        "Metrics",
+        "Alerts",
+        "The fault campaign",
+        "Where the docs are",
+    ]
+    have = set(re.findall(r"^#{2,3} (.+)$", FENCE.sub("", readme), re.M))
+    assert not [h for h in wanted if h not in have], f"README sections missing: {[h for h in wanted if h not in have]}"
+    fuse = section(readme, "### The fuse", "\n## ")
+    assert all(f"**{level}" in fuse for level in ("L1 swap", "L2 degrade", "L3 distil"))
+
+
+def test_readme_docs_links_resolve() -> None:
+    readme = FENCE.sub("", README.read_text())
+    links = [t for t in LINK.findall(readme) if t.startswith("docs/")]
+    assert links
+    broken = []
+    for target in links:
+        file, _, frag = target.partition("#")
+        dest = REPO / file
+        if not dest.is_file():
+            broken.append(f"{target} (no such file)")
+        elif frag and frag not in headings(dest):
+            broken.append(f"{target} (no such heading)")
+    assert not broken, "README links that do not resolve:\n" + "\n".join(broken)
+
+
+def documented_metrics() -> list[str]:
+    """The metric names of docs/metrics.md's table (tests/test_metrics_doc.py holds it to a live scrape)."""
+    body = section((DOCS / "metrics.md").read_text(), "<!-- metrics-table:begin", "<!-- metrics-table:end")
+    return [m for m in re.findall(r"^\|\s*`([a-zA-Z_:][a-zA-Z0-9_:]*)`\s*\|", body, re.M)]
+
+
+def test_readme_lists_every_metric_and_no_other() -> None:
+    listed = re.findall(
+        r"`([a-z_:][a-z0-9_:]*)`", section(README.read_text(), "<!-- metrics-list:begin", "<!-- metrics-list:end")
+    )
+    documented = documented_metrics()
+    assert len(documented) > 100 and len(set(listed)) == len(listed), "a metric listed twice in the README"
+    missing, extra = sorted(set(documented) - set(listed)), sorted(set(listed) - set(documented))
+    assert not missing and not extra, f"README metric list: missing {missing}, not in docs/metrics.md {extra}"
+
+
+def test_readme_lists_every_alert_and_no_other() -> None:
+    listed = re.findall(r"`(\w+)`", section(README.read_text(), "<!-- alerts-list:begin", "<!-- alerts-list:end"))
+    rules = [a.name for a in ALERTS]
+    assert rules and len(set(listed)) == len(listed), "an alert listed twice in the README"
+    missing, extra = sorted(set(rules) - set(listed)), sorted(set(listed) - set(rules))
+    assert not missing and not extra, f"README alert list: missing {missing}, not an alert {extra}"
+
+
+def test_readme_configuration_keys_are_real_with_their_defaults() -> None:
+    reference = dict(re.findall(r"^\| `([a-z_.]+)` \| `([^`]*)` \|", (DOCS / "configuration.md").read_text(), re.M))
+    table = section(README.read_text(), "## Configuration", "\n## ")
+    rows = re.findall(r"^\| `([a-z_.]+)` \| `([^`]*)` \|", table, re.M)
+    assert len(rows) >= 10 and len(reference) > 100
+    wrong = [
+        f"{k} = {d} (docs/configuration.md: {reference.get(k, 'no such key')})"
+        for k, d in rows
+        if reference.get(k) != d
+    ]
+    assert not wrong, "README configuration table disagrees with docs/configuration.md:\n" + "\n".join(wrong)
