@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Per-step cost of the step agreement (mscale.hook.agree) and of the replica fingerprint check
-(mscale.hook.replicas) against the step time, on 2 and 4 gloo ranks on this machine, the tiny
+"""Per-step cost of the step agreement (mscale.hook.core.agree) and of the replica fingerprint check
+(mscale.hook.checks.replicas) against the step time, on 2 and 4 gloo ranks on this machine, the tiny
 model at its realistic shape under DDP.
 
 Each rank trains TinyMultimodal (hidden 512, 2+2 layers, FFN 4x, 144 image patches + 64
@@ -74,9 +74,9 @@ def free_port() -> int:
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     from types import SimpleNamespace
 
-    from mscale.hook.agree import Agreement
-    from mscale.hook.mpu import discover
-    from mscale.hook.replicas import ReplicaCheck
+    from mscale.hook.checks.replicas import ReplicaCheck
+    from mscale.hook.core.agree import Agreement
+    from mscale.hook.core.mpu import discover
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

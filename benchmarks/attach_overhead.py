@@ -108,7 +108,7 @@ from _verdict import Report, add_json_arg, add_warmup_arg, paired  # noqa: E402
 
 import mscale  # noqa: E402
 from mscale.healing.settings import HealingSection  # noqa: E402
-from mscale.hook.checksum import ChecksumConfig  # noqa: E402
+from mscale.hook.checks.checksum import ChecksumConfig  # noqa: E402
 
 IMAGE_TOKEN = 1000
 PATCH, VOCAB = 8, 1024

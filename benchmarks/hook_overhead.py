@@ -85,8 +85,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mscale.hook.attach import attach  # noqa: E402
-from mscale.hook.checksum import ChecksumConfig  # noqa: E402
+from mscale.hook.checks.checksum import ChecksumConfig  # noqa: E402
+from mscale.hook.core.attach import attach  # noqa: E402
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -1,4 +1,4 @@
-"""The output statistic (mscale.hook.outstats): what it costs a step, how soon it finds noise at a
+"""The output statistic (mscale.hook.checks.outstats): what it costs a step, how soon it finds noise at a
 tower's output, and how often it cries wolf.
 
 Cost. The README's line (`attach(..., snapshots=True, data=loader)`) on the LLaVA of
@@ -44,8 +44,8 @@ from attach_overhead import HIDDEN, LAYERS, Arm  # noqa: E402
 
 import mscale  # noqa: E402
 from mscale.healing.settings import HealingSection  # noqa: E402
-from mscale.hook.checksum import ChecksumConfig  # noqa: E402
-from mscale.hook.outstats import SOURCE  # noqa: E402
+from mscale.hook.checks.checksum import ChecksumConfig  # noqa: E402
+from mscale.hook.checks.outstats import SOURCE  # noqa: E402
 
 BOUND = 50  # steps: the bound stated for a persistent 1x-std fault at a tower's output
 

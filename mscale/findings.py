@@ -44,17 +44,19 @@ class Reason(str, Enum):
     CHECKSUM_L1_TRIGGER = "checksum_l1_trigger"
     NONFINITE_OUTPUT = "nonfinite_output"
     LOSS_NONFINITE = "loss_nonfinite"
-    INPUT_NONFINITE = "input_nonfinite"  # NaN/Inf in the batch, before the first MPU (hook/inputs)
+    INPUT_NONFINITE = "input_nonfinite"  # NaN/Inf in the batch, before the first MPU (hook/checks/inputs)
     LOSS_SPIKE_WARN = "loss_spike_warn"
     LOSS_SPIKE_ACTION = "loss_spike_action"
     LOSS_JUMP = "loss_jump"
     GRAD_NORM_SPIKE = "grad_norm_spike"
     GRAD_NORM_NONFINITE = "grad_norm_nonfinite"
     GRAD_NORM_JUMP = "grad_norm_jump"
-    WEIGHT_CORRUPTION = "weight_corruption"  # a weight changed outside the optimizer (hook/weights)
-    GRADIENT_CORRUPTION = "gradient_corruption"  # a weight gradient off its norm before the reduction (hook/gradcheck)
-    OUTPUT_SHIFT = "output_shift"  # an MPU output's scale left its baseline, held (hook/outstats)
-    # several ranks (mscale.hook.agree)
+    WEIGHT_CORRUPTION = "weight_corruption"  # a weight changed outside the optimizer (hook/checks/weights)
+    GRADIENT_CORRUPTION = (
+        "gradient_corruption"  # a weight gradient off its norm before the reduction (hook/checks/gradcheck)
+    )
+    OUTPUT_SHIFT = "output_shift"  # an MPU output's scale left its baseline, held (hook/checks/outstats)
+    # several ranks (mscale.hook.core.agree)
     STEP_DROPPED_AGREED = "step_dropped_agreed"  # every rank drops a step another rank found bad
     MPU_GRADIENT_DROPPED_AGREED = "mpu_gradient_dropped_agreed"  # ... or only the MPU that failed its checksum
     REPLICA_DIVERGED = "replica_diverged"  # a rank's MPU weights differ from the other replicas'

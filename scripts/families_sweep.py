@@ -71,7 +71,7 @@ def _modality(family: str) -> str:
     import transformers as T
     from tiny_family import families
 
-    from mscale.hook.mpu import MpuLayoutError, discover
+    from mscale.hook.core.mpu import MpuLayoutError, discover
 
     try:
         with warnings.catch_warnings(), torch.device("meta"):

@@ -278,7 +278,7 @@ def guard_overhead(steps: int = 30) -> dict:
     import torch
 
     import mscale
-    from mscale.hook.checksum import ChecksumConfig
+    from mscale.hook.checks.checksum import ChecksumConfig
     from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
     cfg = TinyConfig(

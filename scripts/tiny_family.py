@@ -359,8 +359,8 @@ def _features(e: Exception) -> int | None:
 def _rows(model: torch.nn.Module, modality: str) -> tuple[list[int], Callable[[], None]]:
     """A hook on the module whose output fills the placeholders (the aligner, else the encoder MPU):
     the feature rows per sample it made at the last forward, read from its output's shape."""
-    from mscale.hook.mpu import MpuLayoutError, discover
-    from mscale.hook.outputs import output_tensors
+    from mscale.hook.core.mpu import MpuLayoutError, discover
+    from mscale.hook.core.outputs import output_tensors
 
     seen: list[int] = []
     try:

@@ -44,7 +44,7 @@ def test_the_finder_refuses_torch_and_the_hook_library(tmp_path: Path) -> None:
         "import importlib\n"
         "from mscale.healing import actions\n"
         "assert [s.name for s in actions.specs()] == list(actions.NAMES)\n"
-        "for m in ('torch', 'mscale.hook.actions'):\n"
+        "for m in ('torch', 'mscale.hook.fuse.actions'):\n"
         "    try:\n"
         "        importlib.import_module(m)\n"
         "    except ModuleNotFoundError:\n"
@@ -55,7 +55,7 @@ def test_the_finder_refuses_torch_and_the_hook_library(tmp_path: Path) -> None:
         [sys.executable, TORCHLESS, "-c", code], env=_env(refused), capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:2] == ["refused torch", "refused mscale.hook.actions"]
+    assert out.stdout.split("\n")[:2] == ["refused torch", "refused mscale.hook.fuse.actions"]
     assert "torch" in refused.read_text().split()
 
 

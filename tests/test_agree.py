@@ -1,4 +1,4 @@
-"""Agreed decisions across ranks (mscale.hook.agree) on real gloo process groups: the tiny model
+"""Agreed decisions across ranks (mscale.hook.core.agree) on real gloo process groups: the tiny model
 under DistributedDataParallel, each rank a real process (tests/support/ddp_job.py)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import mscale
-from mscale.hook.agree import Agreement
-from mscale.hook.ranks import identify
+from mscale.hook.core.agree import Agreement
+from mscale.hook.core.ranks import identify
 from mscale.sim.tinymm import TinyConfig, TinyMultimodal
 from support.ddp_run import run_job, skipped_steps
 from support.link_agent import Agent, wait_for

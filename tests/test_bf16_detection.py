@@ -1,5 +1,5 @@
 """ABFT under bf16 autocast (issue 22 item 7): the tolerance from the output's own rounding
-(mscale.hook.rounding) finds, in a tiny Hugging Face LLaVA's last vision fc2, noise of 1x the
+(mscale.hook.checks.rounding) finds, in a tiny Hugging Face LLaVA's last vision fc2, noise of 1x the
 output's std, one element x16 and the whole output x2, each in at least 18 of 20 faulty steps,
 with no false alarm on clean bf16 steps. The faults are put in by the test's own forward hook,
 ahead of the guard's."""
@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 
 import mscale  # noqa: E402
 from mscale.findings import Reason  # noqa: E402
-from mscale.hook import rounding  # noqa: E402
-from mscale.hook.checksum_config import BF16_ROUNDING  # noqa: E402
+from mscale.hook.checks import rounding  # noqa: E402
+from mscale.hook.checks.checksum_config import BF16_ROUNDING  # noqa: E402
 from support.tiny_hf import tiny_llava  # noqa: E402
 
 FAIL = (Reason.CHECKSUM_FAILURE, Reason.NONFINITE_OUTPUT)
@@ -39,7 +39,7 @@ def _faults(kind: str, g: torch.Generator):
 
 def _run(seed: int, steps: list[str | None]) -> tuple[list[bool], list]:
     """Train a tiny LLaVA under bf16 autocast for len(steps) steps, every layer checked every
-    step (the table is about what a check sees, not the rotation; mscale.hook.coverage), with
+    step (the table is about what a check sees, not the rotation; mscale.hook.checks.coverage), with
     `steps[i]` the fault in step i (None: clean). Returns, per step, whether ABFT failed on the
     faulty layer in it, and every failure finding."""
     model, make_batch = tiny_llava(seed=seed)

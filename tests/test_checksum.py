@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from mscale.findings import Reason
-from mscale.hook.attach import attach
-from mscale.hook.checksum import DEFAULT_RTOL, ChecksumConfig
+from mscale.hook.checks.checksum import DEFAULT_RTOL, ChecksumConfig
+from mscale.hook.core.attach import attach
 from mscale.sim.inject import corrupt, inject
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
@@ -131,7 +131,7 @@ def test_no_false_positive_over_1000_clean_fp32_steps() -> None:
 
 @pytest.mark.slow  # bf16 tolerance over many shapes: about 5 s
 def test_bf16_tolerance() -> None:
-    """bf16 (CPU autocast): the tolerance from the output's rounding (mscale.hook.rounding)
+    """bf16 (CPU autocast): the tolerance from the output's rounding (mscale.hook.checks.rounding)
     holds over clean steps; exponent flips, NaN and a top-mantissa flip of the largest element
     are caught by ABFT. Under the worst-case bound instead (rounding_sigmas=0: rtol 1e-2 x S) a
     mantissa flip sits inside the tolerance and is caught by replay, which recomputes exactly."""

@@ -1,4 +1,4 @@
-"""Checks within a budget (mscale.hook.budget, mscale.hook.coverage): rotation bounds, incident
+"""Checks within a budget (mscale.hook.checks.budget, mscale.hook.checks.coverage): rotation bounds, incident
 mode on suspicion, per-optimizer-step counting, checks done once under activation
 checkpointing, verdicts read once per step at the commit point. Tiny multimodal model on CPU,
 faults from the test's own forward hooks."""
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from mscale.findings import Finding, Reason, Severity
-from mscale.hook.attach import attach
-from mscale.hook.budget import Budget
-from mscale.hook.checksum import ChecksumConfig
-from mscale.hook.coverage import suspicions
+from mscale.hook.checks.budget import Budget
+from mscale.hook.checks.checksum import ChecksumConfig
+from mscale.hook.checks.coverage import suspicions
+from mscale.hook.core.attach import attach
 from mscale.sim.inject import inject
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
@@ -204,7 +204,7 @@ def test_at_the_defaults_a_fault_at_a_towers_output_is_caught_within_the_replay_
 def test_replays_are_paid_from_the_bank_alone_and_take_turns() -> None:
     """Replays from the bank with no ceiling: one MPU at a time, in turn, at the rate the bank
     pays for (replay_share of the budget a step), the first ones priced at the forward time."""
-    from mscale.hook.coverage import Schedule
+    from mscale.hook.checks.coverage import Schedule
 
     s = Schedule(max_gap_steps=8, replay_share=0.5, replay_max_gap_steps=0, incident_steps=4)
     for mid in ("001", "002"):
@@ -229,7 +229,7 @@ def test_the_bank_is_paid_only_from_what_the_budget_leaves_and_the_ceiling_still
     """Where the rest of the guard spends the whole budget (spare 0) the bank gets nothing and
     only the ceiling replays, each MPU once in its span; with half a replay's share spare, the
     bank gets that half and the gap it reports doubles."""
-    from mscale.hook.coverage import Schedule
+    from mscale.hook.checks.coverage import Schedule
 
     s = Schedule(max_gap_steps=8, replay_share=0.5, replay_max_gap_steps=10, incident_steps=4)
     for mid in ("001", "002"):
@@ -278,8 +278,8 @@ def test_an_mpu_whose_forward_runs_collectives_is_never_replayed() -> None:
 
     from torch.distributed.fsdp import FSDPModule
 
-    from mscale.hook.coverage import Schedule
-    from mscale.hook.replay import runs_collectives
+    from mscale.hook.checks.coverage import Schedule
+    from mscale.hook.checks.replay import runs_collectives
 
     sharded = torch.nn.Linear(2, 2)
     sharded.__class__ = type("FSDPLinear", (FSDPModule, torch.nn.Linear), {})  # as fully_shard does
@@ -303,7 +303,7 @@ def test_an_mpu_whose_forward_runs_collectives_is_never_replayed() -> None:
 def test_layers_beyond_the_floor_are_bought_at_their_price_with_the_unseen_cost() -> None:
     """The same allowance buys half as many layers beyond the floor when each is priced at
     twice its timed cost (unseen_cost 1.0) as at its timed cost alone (0.0)."""
-    from mscale.hook.coverage import Schedule
+    from mscale.hook.checks.coverage import Schedule
 
     bought = {}
     for unseen in (0.0, 1.0):
@@ -456,7 +456,7 @@ class _XW(torch.nn.Module):
 
 
 def test_a_registered_linear_type_is_checked_and_bad_registrations_are_refused() -> None:
-    from mscale.hook import linears
+    from mscale.hook.checks import linears
 
     with pytest.raises(TypeError, match="nn.Module subclass"):
         linears.register(int)
@@ -500,7 +500,7 @@ class FakeClock:
 
 
 def test_the_budget_step_runs_from_the_guards_first_forward_and_entries_are_charged_once(monkeypatch) -> None:
-    import mscale.hook.budget as budget_mod
+    import mscale.hook.checks.budget as budget_mod
 
     clock = FakeClock()
     monkeypatch.setattr(budget_mod, "time", clock)
@@ -534,7 +534,7 @@ def test_the_budget_step_runs_from_the_guards_first_forward_and_entries_are_char
 
 
 def test_a_plugins_work_in_a_step_is_in_the_guards_measured_overhead(monkeypatch) -> None:
-    import mscale.hook.budget as budget_mod
+    import mscale.hook.checks.budget as budget_mod
 
     clock = FakeClock()
     monkeypatch.setattr(budget_mod, "time", clock)

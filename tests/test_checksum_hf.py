@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("transformers")
 
 import mscale  # noqa: E402
-import mscale.hook.checksum as checksum_mod  # noqa: E402
+import mscale.hook.checks.checksum as checksum_mod  # noqa: E402
 from mscale.findings import Reason  # noqa: E402
 from support.tiny_hf import tiny_llava  # noqa: E402
 
@@ -120,7 +120,7 @@ def test_replay_with_a_dynamic_cache_is_quiet_on_clean_idefics3(monkeypatch) -> 
 
 def test_a_corrupted_conv1d_output_in_a_tiny_gpt2_is_caught() -> None:
     """GPT-2's linears are Hugging Face `Conv1D` (y = x W + b, W stored (in, out)): checked
-    through the registration (mscale.hook.linears), clean steps pass, a corrupted output fails."""
+    through the registration (mscale.hook.checks.linears), clean steps pass, a corrupted output fails."""
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.pytorch_utils import Conv1D
 

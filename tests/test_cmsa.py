@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from mscale.hook.attach import attach
-from mscale.hook.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics, grad_stats
-from mscale.hook.mpu import discover
-from mscale.hook.protect import SnapshotConfig
+from mscale.hook.checks.cmsa import GVC_EVERY, Cmsa, CmsaConfig, GradStatistics, grad_stats
+from mscale.hook.core.attach import attach
+from mscale.hook.core.mpu import discover
+from mscale.hook.core.protect import SnapshotConfig
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
 

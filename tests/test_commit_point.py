@@ -1,4 +1,4 @@
-"""The commit point (mscale.hook.commit): under commit verdicts every check's verdict is read back
+"""The commit point (mscale.hook.core.commit): under commit verdicts every check's verdict is read back
 once per step, at the optimizer step, in one read that carries the step agreement's all-reduce;
 a failure found there drops the step's update on every rank and re-runs the step on the same
 batch. Real gloo ranks (tests/support/ddp_job.py), the tiny model under DDP, the fault from the

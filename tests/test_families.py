@@ -104,7 +104,7 @@ def test_blip2_clean_steps_pass_abft() -> None:
 
 def test_blip2_and_idefics3_layouts_are_discovered_with_nothing_left_out() -> None:
     """Fast: the MPUs of the layouts added for issue 23, and no uncovered-parameter warning."""
-    from mscale.hook.mpu import discover, uncovered
+    from mscale.hook.core.mpu import discover, uncovered
 
     for build, names in (FAMILIES["idefics3"], FAMILIES["smolvlm"], FAMILIES["blip2"]):
         model, _ = build()
@@ -114,7 +114,7 @@ def test_blip2_and_idefics3_layouts_are_discovered_with_nothing_left_out() -> No
 
 
 def test_a_model_with_a_large_share_outside_every_mpu_is_warned_about_naming_the_modules() -> None:
-    from mscale.hook.mpu import discover, uncovered
+    from mscale.hook.core.mpu import discover, uncovered
 
     model, _ = tiny_llava(seed=0)
     model.model.extra_head = torch.nn.Linear(32, 512)  # 16k parameters no MPU covers
@@ -130,7 +130,7 @@ def test_every_installed_multimodal_family_is_discovered_or_says_why() -> None:
     import transformers as T
     from transformers.models.auto import modeling_auto as auto
 
-    from mscale.hook.mpu import MpuLayoutError, discover
+    from mscale.hook.core.mpu import MpuLayoutError, discover
 
     families = {**auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES, **auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
     found, missed = {}, {}
@@ -159,8 +159,8 @@ def test_l3_in_an_encoder_decoder_pairs_each_image_with_its_own_decoder_states()
     """An encoder-decoder has no image placeholders: the term takes each sample's encoder rows
     against the mean of its decoder states, and is built (it used to say the student's positions
     were unknown)."""
-    from mscale.hook.distill import Captured, Term
-    from mscale.hook.mpu import discover
+    from mscale.hook.core.mpu import discover
+    from mscale.hook.fuse.distill import Captured, Term
 
     model, _ = tf.vision_encoder_decoder(seed=0)
     mpus = discover(model)

@@ -66,8 +66,8 @@ def test_l2_finds_its_reduction_behind_the_fallback_it_installs_first() -> None:
     wrapper's `*args, **kwargs` must not hide the class's `interpolate_pos_encoding`."""
     import torch
 
-    from mscale.hook.actions.degrade import bf16_fallback
-    from mscale.hook.degrade import reduction_for
+    from mscale.hook.fuse.actions.degrade import bf16_fallback
+    from mscale.hook.fuse.degrade import reduction_for
     from support.tiny_hf import tiny_llava
 
     model, make_batch = tiny_llava(seed=0, image=32)

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 import mscale  # noqa: E402
 from mscale.findings import Reason  # noqa: E402
 from mscale.healing.engine import Decision  # noqa: E402
-from mscale.hook.degrade import family, reduction_for  # noqa: E402
+from mscale.hook.fuse.degrade import family, reduction_for  # noqa: E402
 from support.tiny_hf import tiny_llava, tiny_qwen2vl  # noqa: E402
 
 # the tiny LLaVA at 32x32 (an 8x8 patch grid): its 16x16 default (4x4) is below what L2 shrinks
@@ -290,8 +290,8 @@ def test_l3_projects_a_student_narrower_than_the_text_model_and_drops_it_on_clos
     """A failing MPU whose output reaches the text model without a projector and is not
     text-wide: the term makes a projection at L3 entry, trains it at each step's end, and
     close() (recovery) removes it."""
-    from mscale.hook.distill import Captured, Term
-    from mscale.hook.mpu import discover
+    from mscale.hook.core.mpu import discover
+    from mscale.hook.fuse.distill import Captured, Term
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:
@@ -348,7 +348,7 @@ def test_l2_never_shrinks_a_patch_grid_below_the_minimum():
     """The 16x16 tiny LLaVA's 4x4 grid at half size would be 2x2, too little of the image to learn
     from: no reduction, and why; an 8x8 grid halves to 4x4; a 12x12 one stops at 4x4 however small
     the scale; Qwen2-VL's 8x8 grid of 2x2 merge windows halves to 4x4."""
-    from mscale.hook.degrade import MIN_GRID, why_none
+    from mscale.hook.fuse.degrade import MIN_GRID, why_none
 
     assert MIN_GRID == 4
     small, _ = tiny_llava(0)

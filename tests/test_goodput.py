@@ -1,4 +1,4 @@
-"""Goodput and badput (mscale.hook.goodput): the tiny model with the demo's five faults, and a
+"""Goodput and badput (mscale.hook.core.goodput): the tiny model with the demo's five faults, and a
 hang; the causes add up to the run's wall time and each fault's cost is under its cause."""
 
 from __future__ import annotations

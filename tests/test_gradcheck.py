@@ -1,4 +1,4 @@
-"""The weight gradients checked before the reduction (mscale.hook.gradcheck): a gradient
+"""The weight gradients checked before the reduction (mscale.hook.checks.gradcheck): a gradient
 corrupted on one rank by the test's own tensor hook is caught in its step, before any rank's
 update, blamed on the rank, MPU and tensor; the job rolls back and re-runs the step, and both
 ranks end bitwise equal to the fault-free run. A clean run raises nothing."""
@@ -14,7 +14,7 @@ import torch
 
 import mscale
 from mscale.healing.settings import HealingSection
-from mscale.hook.gradcheck import GradCheck
+from mscale.hook.checks.gradcheck import GradCheck
 from support.ddp_run import run_job
 
 FC1 = "model.vision_tower.encoder.layers.0.mlp.fc1.weight"

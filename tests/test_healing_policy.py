@@ -310,7 +310,7 @@ def test_a_resolved_alert_ends_only_the_cooling_its_rule_started():
 def test_every_action_declares_a_consistent_spec():
     """The contract each action meets (what the engine and the fuse rely on): a spec in the
     torch-free catalogue and an executor on the job side, the same actions in the same order."""
-    from mscale.hook import actions as executors
+    from mscale.hook.fuse import actions as executors
 
     specs = actions.specs()
     assert [e.name for e in executors.executors()] == list(actions.NAMES)
@@ -332,7 +332,7 @@ def test_no_action_is_named_outside_its_module():
     """The engine, the fuse plugin, the agent's healing service and the webhook act on the
     actions' declarations, never on their names."""
     root = Path(__file__).resolve().parent.parent / "mscale"
-    for rel in ("healing/engine.py", "hook/fuse.py", "daemon/healing.py", "daemon/webhook.py"):
+    for rel in ("healing/engine.py", "hook/fuse/fuse.py", "daemon/healing.py", "daemon/webhook.py"):
         text = (root / rel).read_text()
         for name in actions.NAMES:
             assert f'"{name}"' not in text and f"'{name}'" not in text, f"{rel} names the action {name}"

@@ -70,7 +70,7 @@ def test_reference_run_learns_without_actions(reference):
 def test_an_mpu_no_fuse_holds_reports_healthy():
     from torch import nn
 
-    from mscale.hook.mpu import Mpu
+    from mscale.hook.core.mpu import Mpu
 
     # what a guard without the fuse plugin registers with the agent
     assert Mpu("001", "vision", nn.Linear(2, 2), "", 0).describe().fuse_level == "healthy"
@@ -202,7 +202,7 @@ def test_l2_precision_fallback_runs_the_degraded_mpu_in_bf16_until_recovery():
 def test_run_degraded_on_cpu_autocasts_only_when_asked_and_undo_restores_the_forward():
     from torch import nn
 
-    from mscale.hook.actions.degrade import run_degraded
+    from mscale.hook.fuse.actions.degrade import run_degraded
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))

@@ -20,7 +20,7 @@ from transformers import (  # noqa: E402
 import mscale  # noqa: E402
 from mscale.findings import Reason  # noqa: E402
 from mscale.healing.settings import HealingSection  # noqa: E402
-from mscale.hook.guard import Guard  # noqa: E402
+from mscale.hook.core.guard import Guard  # noqa: E402
 from mscale.sim.inject import inject  # noqa: E402
 
 IMAGE_TOKEN = 127

@@ -11,10 +11,10 @@ from torch import nn
 
 import mscale
 from mscale.findings import Finding, Reason, Severity
-from mscale.hook.attach import attach
-from mscale.hook.guard import ModelInputs
-from mscale.hook.mpu import MpuLayoutError, discover
-from mscale.hook.null import NullGuard
+from mscale.hook.core.attach import attach
+from mscale.hook.core.guard import ModelInputs
+from mscale.hook.core.mpu import MpuLayoutError, discover
+from mscale.hook.core.null import NullGuard
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
 CFG = TinyConfig()

@@ -1,4 +1,4 @@
-"""The batch's finite check (mscale.hook.inputs.finite): exact for every dtype it takes the
+"""The batch's finite check (mscale.hook.checks.inputs.finite): exact for every dtype it takes the
 max-and-min path for, large finite values included."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mscale.hook.inputs import finite
+from mscale.hook.checks.inputs import finite
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])

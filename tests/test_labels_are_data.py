@@ -106,7 +106,7 @@ def test_a_finding_with_labels_named_after_event_fields_is_taken(tmp_path: Path)
 def test_the_job_logs_a_finding_with_such_labels_too() -> None:
     import torch
 
-    from mscale.hook.attach import attach
+    from mscale.hook.core.attach import attach
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

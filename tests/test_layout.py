@@ -275,16 +275,16 @@ def test_the_layout_rules_see_what_they_look_for(tmp_path: Path) -> None:
     src = tmp_path / "probe.py"
     src.write_text(
         "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n    from mscale.hook import guard\n"
+        "if TYPE_CHECKING:\n    from mscale.hook.core import guard\n"
         "def f():\n    import mscale.healing.engine\n"
         "REG = {'x': 'mscale.daemon.settings:AgentSection', 'y': 'mscale.nope'}\n"
     )
     run, typing_only, strings = _scan(src)
-    assert "mscale.healing.engine" in run and "mscale.hook.guard" in typing_only
+    assert "mscale.healing.engine" in run and "mscale.hook.core.guard" in typing_only
     assert strings == {"mscale.daemon.settings"}
     assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
     assert _components({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
-    assert "torch" in _closure("mscale.hook.fuse")
+    assert "torch" in _closure("mscale.hook.fuse.fuse")
     assert may_import("healing") == ["findings", "options", "link", "textfile"]
     assert may_import("demo") is None
 
@@ -372,28 +372,35 @@ def test_no_function_over_60_lines_but_the_named() -> None:
     assert not stale, f"LONG_FUNCTIONS names functions within the limit now: drop them: {stale}"
 
 
-# A quarter, raised to 30% while the job side grows by this wave's forward-progress checks
-# (the output statistic, the weights' trust, the progress ledger): moving modules out of hook/
-# only to meet a share is what the house issue (split hook/ into checks, fuse, integrations and
-# core, with a rule those rooms meet) is to end, so the share waits for that split.
-ROOM_SHARE = 0.30
+# A room is the modules one folder holds itself (hook/ holds none: its rooms are core, checks, fuse
+# and integrations). The largest rooms (daemon/, snapshot/) hold about 15% of the package; 18% leaves
+# them room to grow, and a room that reaches it splits into sub-rooms by seam, as hook/ did, instead
+# of a whole tree being measured as one and modules moved out of it only to meet a share.
+ROOM_SHARE = 0.18
 
 
-def test_no_folder_holds_over_its_share_of_the_package() -> None:
+def room_lines() -> dict[str, int]:
+    """Folder (relative to mscale/, "" for the package's own modules) -> lines of the modules it
+    holds itself, its sub-folders not counted."""
     per_room: dict[str, int] = {}
     for p in _files():
-        rel = p.relative_to(PKG)
-        if len(rel.parts) > 1:
-            per_room[rel.parts[0]] = per_room.get(rel.parts[0], 0) + _lines(p)
-    total = sum(_lines(p) for p in _files())
+        folder = str(p.parent.relative_to(PKG)).replace(".", "")
+        per_room[folder] = per_room.get(folder, 0) + _lines(p)
+    return per_room
+
+
+def test_no_room_holds_over_its_share_of_the_package() -> None:
+    per_room = room_lines()
+    total = sum(per_room.values())
     over = {room: n for room, n in per_room.items() if n > total * ROOM_SHARE}
-    assert not over, f"folders over {ROOM_SHARE:.0%} of {total} lines: {over}"
+    assert not over, f"rooms over {ROOM_SHARE:.0%} of {total} lines: {over}"
+    assert per_room.get("hook", 0) < 100, "hook/ holds its four rooms, not modules of its own"
 
 
 def test_the_import_graph_sees_imports() -> None:
     """The rules above only mean something if the graph finds real edges, lazy ones included."""
     graph = _graph()
-    assert "mscale.healing.engine" in graph["mscale.hook.fuse"]
+    assert "mscale.healing.engine" in graph["mscale.hook.fuse.fuse"]
     assert "mscale.demo.run" in graph["mscale.demo.cli"]  # imported inside run()
     assert any(d.startswith("mscale.daemon") for d in graph["mscale.demo.embedded"])
 

@@ -17,7 +17,7 @@ import lightning as L  # noqa: E402
 
 import mscale  # noqa: E402
 from mscale.findings import Reason  # noqa: E402
-from mscale.hook.cmsa import CmsaConfig  # noqa: E402
+from mscale.hook.checks.cmsa import CmsaConfig  # noqa: E402
 from support.tiny_hf import tiny_llava  # noqa: E402
 
 STEPS, ACCUM = 6, 2

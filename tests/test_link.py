@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 import torch
 
-from mscale.hook.attach import attach
-from mscale.hook.checksum import ChecksumConfig
+from mscale.hook.checks.checksum import ChecksumConfig
+from mscale.hook.core.attach import attach
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 from support import require
 from support.link_agent import Agent, metric, wait_for

@@ -260,7 +260,7 @@ def test_one_http_client_of_the_agent_and_no_message_literals_in_the_link_ends()
     # dcgm.py reads dcgm-exporter, not the agent
     users = sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if _calls_urlopen(p))
     assert users == ["agent_client.py", "probes/dcgm.py"], users
-    for rel in ("daemon/link.py", "hook/link.py"):
+    for rel in ("daemon/link.py", "hook/core/link.py"):
         text = (PKG / rel).read_text()
         assert '"type":' not in text and "json." not in text, f"{rel} builds or parses messages itself"
 

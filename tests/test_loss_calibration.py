@@ -17,7 +17,7 @@ import torch
 
 import mscale
 from mscale.findings import Finding, Severity
-from mscale.hook.guard import Guard
+from mscale.hook.core.guard import Guard
 
 STEPS = 300
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from mscale.findings import Reason, Severity
-from mscale.hook.loss import LossConfig, LossDetector
+from mscale.hook.checks.loss import LossConfig, LossDetector
 
 
 def curve(n: int, seed: int = 0, start: float = 4.0, end: float = 2.0, noise: float = 0.02) -> list[float]:

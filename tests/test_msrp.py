@@ -13,8 +13,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mscale.contracts.msrp import choose_standby, rank_standby, score
-from mscale.hook.attach import attach
-from mscale.hook.msrp import MsrpPlugin, probe_device
+from mscale.hook.core.attach import attach
+from mscale.hook.core.msrp import MsrpPlugin, probe_device
 from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
 
@@ -68,7 +68,7 @@ def test_each_mpu_gets_its_counted_flops_and_achieved_rate(tmp_path: Path) -> No
 
 
 def test_every_snapshot_holds_the_msrp_beside_the_binding(tmp_path: Path) -> None:
-    from mscale.hook.protect import SnapshotConfig
+    from mscale.hook.core.protect import SnapshotConfig
 
     plugin = MsrpPlugin(interval_s=3600, report_s=3600)
     cfg = SnapshotConfig(directory=str(tmp_path), disk_every=1)
@@ -122,7 +122,7 @@ def test_an_l1_swap_goes_to_the_standby_with_the_best_profile() -> None:
 def test_a_forward_that_raises_leaves_no_counting_mode_behind() -> None:
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    from mscale.hook.msrp import _FlopCount
+    from mscale.hook.core.msrp import _FlopCount
 
     class Flaky(torch.nn.Module):
         def __init__(self) -> None:

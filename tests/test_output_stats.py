@@ -1,4 +1,4 @@
-"""Faults outside every linear layer (mscale.hook.outstats). Noise of 1x and 3x the output's
+"""Faults outside every linear layer (mscale.hook.checks.outstats). Noise of 1x and 3x the output's
 standard deviation at the tiny LLaVA's vision tower output (the test's own forward hook on the
 tower's last encoder layer: after its last linear, fc2, and the residual add, where no ABFT check
 looks; drawn from the hook's own generator, as a device's fault is not repeated by a replay) is
@@ -20,7 +20,7 @@ import torch
 
 import mscale
 from mscale.findings import Finding, Reason
-from mscale.hook.outstats import CONFIRM, FLOOR, WARMUP, Series
+from mscale.hook.checks.outstats import CONFIRM, FLOOR, WARMUP, Series
 from support import REPO, free_port
 from support.ddp_run import run_group
 from support.noise_job import add_noise

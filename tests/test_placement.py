@@ -1,4 +1,4 @@
-"""Moving an MPU between devices (mscale.hook.placement), rebind's uuid, the replay's BatchNorm
+"""Moving an MPU between devices (mscale.hook.fuse.placement), rebind's uuid, the replay's BatchNorm
 statistics and the TF32 tolerance, on the CPU.
 
 This machine has two devices, `cpu` and `meta` (shapes and devices, no data). Moves from cpu to
@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from mscale.hook.attach import attach
-from mscale.hook.checksum import DEFAULT_RTOL, TF32_RTOL, ChecksumConfig
-from mscale.hook.placement import adapt, boundary, map_tensors, move, place, tensors
+from mscale.hook.checks.checksum import DEFAULT_RTOL, TF32_RTOL, ChecksumConfig
+from mscale.hook.core.attach import attach
+from mscale.hook.fuse.placement import adapt, boundary, map_tensors, move, place, tensors
 
 META = torch.device("meta")
 CPU = torch.device("cpu")

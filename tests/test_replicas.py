@@ -1,4 +1,4 @@
-"""Replica repair (mscale.hook.replicas): per-MPU weight fingerprints compared across ranks,
+"""Replica repair (mscale.hook.checks.replicas): per-MPU weight fingerprints compared across ranks,
 a diverged rank's MPU copied back from a healthy rank in the job."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mscale.hook.replicas import ReplicaCheck, diverged, fingerprint
+from mscale.hook.checks.replicas import ReplicaCheck, diverged, fingerprint
 from support.ddp_run import run_job
 from support.link_agent import Agent, wait_for
 

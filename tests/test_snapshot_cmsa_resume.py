@@ -1,7 +1,7 @@
 """A guarded tiny LLaVA with CMSA on (the default) and a step-wise LR scheduler, SIGKILLed after
 CMSA's cold start and restarted from its disk snapshot, ends bitwise as the uninterrupted run:
 CMSA's fitted alpha, its cold-start progress and the kept GVC estimates come back with the
-snapshot (mscale.hook.cmsa.CmsaState), and the restart trains every step with the LR the
+snapshot (mscale.hook.checks.cmsa.CmsaState), and the restart trains every step with the LR the
 uninterrupted run used (the resume makes the loop's scheduler.step() of the snapshot's step)."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import torch
 from mscale import link as protocol
 from mscale.daemon import socket_file
 from mscale.findings import Reason
-from mscale.hook.attach import attach
+from mscale.hook.core.attach import attach
 from support import stop_process
 from support.link_agent import Agent, wait_for
 from support.users import second_uid

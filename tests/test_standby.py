@@ -127,7 +127,7 @@ def test_without_an_agent_answer_the_job_chooses_alone() -> None:
 
 
 def test_timeout_must_be_positive() -> None:
-    from mscale.hook.standby import AgentStandby
+    from mscale.hook.fuse.standby import AgentStandby
 
     with pytest.raises(ValueError, match="timeout_s"):
         AgentStandby(object(), timeout_s=0)

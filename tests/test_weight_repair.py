@@ -17,8 +17,8 @@ import mscale
 from mscale.demo.scenario import RunConfig, run
 from mscale.findings import Finding
 from mscale.healing.settings import HealingSection
-from mscale.hook.guard import Guard
-from mscale.hook.weights import Fingerprint
+from mscale.hook.checks.weights import Fingerprint
+from mscale.hook.core.guard import Guard
 
 K = 5  # the element multiplied by 1024
 EVERY_WEIGHT = HealingSection(weight_groups=1)  # these tests are of the repair, in the next step
@@ -140,7 +140,7 @@ def test_frozen_weight_corrupted_between_steps_is_found_and_restored() -> None:
     """A frozen tower (requires_grad off, no optimizer touches it) is fingerprinted once and
     checked every step; its corruption is restored from the snapshot."""
     torch.manual_seed(0)
-    from mscale.hook.fuse import FusePlugin
+    from mscale.hook.fuse.fuse import FusePlugin
     from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
     from mscale.snapshot.data import ResumableLoader
     from mscale.snapshot.engine import SnapshotEngine
@@ -376,7 +376,7 @@ def test_chaos_loss_spike_keeps_a_hugging_face_output_type() -> None:
 def test_frozen_weights_are_checked_every_k_steps_and_reported_once() -> None:
     """frozen_every=3: a frozen weight changed before step 4 is found at step 6 (the next
     check), once; the trained ones are checked at every step."""
-    from mscale.hook.weights import WeightWatch
+    from mscale.hook.checks.weights import WeightWatch
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
@@ -414,7 +414,7 @@ def test_fingerprint_passes_are_bounded_and_equal_to_per_tensor_sums(monkeypatch
     """Small tensors share fused passes of at most BATCH_MAX words (the pass's int64 copy
     stays bounded for a large model); the result is each tensor's own sum of 64-bit words
     (the documented definition, computed here from its bytes), whatever the split."""
-    import mscale.hook.weights as weights
+    import mscale.hook.checks.weights as weights
 
     monkeypatch.setattr(weights, "BATCH_MAX", 50)
     odd = torch.randn(41)[1:]  # not 8-byte aligned: fingerprinted from a copy

@@ -1,4 +1,4 @@
-"""Weight fingerprints within the budget (mscale.hook.weights, mscale.hook.replicas): the trained
+"""Weight fingerprints within the budget (mscale.hook.checks.weights, mscale.hook.checks.replicas): the trained
 weights rotate over `healing.weight_groups` groups of about equal bytes, one group checked per
 window between steps; under DDP the replicas compare every weight every
 `healing.replica_check_steps` steps, so a weight written on one rank is found within that bound,
@@ -14,7 +14,7 @@ import structlog
 import torch
 
 from mscale.healing.settings import HealingSection
-from mscale.hook.weights import split_by_bytes
+from mscale.hook.checks.weights import split_by_bytes
 from support.ddp_run import run_job
 
 FC1 = "model.vision_tower.encoder.layers.0.mlp.fc1.weight"
@@ -35,7 +35,7 @@ def test_groups_hold_every_tensor_once_with_about_equal_bytes() -> None:
     assert max(loads) == 1000 and min(loads) >= 600  # the largest alone, the rest spread
     assert split_by_bytes(ts[:2], 8) == [[0], [1]]  # no more groups than tensors
     with pytest.raises(ValueError, match="groups: expected an int >= 1"):
-        from mscale.hook.weights import WeightWatch
+        from mscale.hook.checks.weights import WeightWatch
 
         WeightWatch(object(), groups=0)
 

@@ -10,7 +10,7 @@
     applied.release()                         # (or `with mscale.contract(...) as applied:`)
 
 While applied, the plan is the process's active plan: `mscale.attach(...)` adds the contract
-plugin (mscale.hook.contract), which sends the plan to the agent. A contract the host cannot
+plugin (mscale.hook.core.contract), which sends the plan to the agent. A contract the host cannot
 honour raises ContractRefused before anything is pinned.
 """
 
@@ -178,7 +178,7 @@ def contract(
     called, or at `.apply()`. allow_hugepage_allocation and msrp_interval_s default to the
     [contract] table of the agent's config (`config`, else /etc/mscale/agent.toml when it
     exists, else the defaults: no allocation, 900 s). msrp: measure and report the job's MSRP
-    (mscale.hook.msrp) every msrp_interval_s, sending it to the agent every msrp_report_s."""
+    (mscale.hook.core.msrp) every msrp_interval_s, sending it to the agent every msrp_report_s."""
     if allow_hugepage_allocation is None or msrp_interval_s is None:
         section = section_from_file(config)
         if allow_hugepage_allocation is None:

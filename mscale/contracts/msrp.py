@@ -4,7 +4,7 @@ A device profile is what the job's micro-probes measured on one GPU (on CPU: the
     {"bandwidth_bytes_per_s": float, "matmul_flops": float, "dtype": str, "measured_at": float}
 and an MPU's profile what it achieves there:
     {"flops_per_step": float, "achieved_flops": float, "memory_bytes": float}
-(measured by mscale.hook.msrp). This module ranks devices by their profiles for the L1
+(measured by mscale.hook.core.msrp). This module ranks devices by their profiles for the L1
 standby choice, and finds the profiles a guard's plugins hold. Pure functions: no torch.
 """
 

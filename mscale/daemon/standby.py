@@ -2,7 +2,7 @@
 
 A rank of a job cannot see which GPUs the other ranks (of its job or of any other) use, nor
 which GPUs the node found faulty: its own choice would be blind. The rank asks over the link
-(`standby_request`: the MPU, the GPU it leaves, the GPUs the job avoids; mscale.hook.standby),
+(`standby_request`: the MPU, the GPU it leaves, the GPUs the job avoids; mscale.hook.fuse.standby),
 and the agent answers that rank only (`standby`: a GPU index and UUID, or null and why) from
 its node view. A GPU qualifies when it is:
 

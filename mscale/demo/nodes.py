@@ -80,7 +80,7 @@ def _rank(rank: int, world: int, ranks: int, port: int, socket: str, tmp: Path) 
     import torch.distributed as dist
 
     import mscale
-    from mscale.hook.protect import SnapshotConfig
+    from mscale.hook.core.protect import SnapshotConfig
     from mscale.sim.tinymm import SyntheticCaptions, TinyConfig, TinyMultimodal
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))  # the summary speaks

@@ -19,7 +19,7 @@ import torch
 from mscale.findings import Finding
 from mscale.healing.settings import HealingSection
 from mscale.healing.words import Result
-from mscale.hook.checksum import ChecksumConfig
+from mscale.hook.checks.checksum import ChecksumConfig
 
 if TYPE_CHECKING:
     from mscale.sim.tinymm import TinyConfig
@@ -130,9 +130,9 @@ class Run:
     """The objects of one run, built by `setup` (the demo and the benchmark poke at them)."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        from mscale.hook.fuse import FusePlugin
-        from mscale.hook.goodput import account
-        from mscale.hook.guard import Guard
+        from mscale.hook.core.goodput import account
+        from mscale.hook.core.guard import Guard
+        from mscale.hook.fuse.fuse import FusePlugin
         from mscale.sim.chaos_job import ChaosPlugin
         from mscale.sim.tinymm import TinyConfig, TinyMultimodal
         from mscale.snapshot.config import SnapshotConfig
@@ -175,7 +175,7 @@ class Run:
         g.add_plugin(self.fuse)
         g.add_plugin(self.chaos)
         self.snapshots.snapshot(step=-1)  # the initial state: a rollback target from the start
-        self.goodput = account(g)  # the wall time by cause from here (mscale.hook.goodput)
+        self.goodput = account(g)  # the wall time by cause from here (mscale.hook.core.goodput)
         self.fired: set[int] = set()
         self.losses: list[tuple[int, float]] = []
         self.health: list[tuple[int, dict]] = []

@@ -4,7 +4,7 @@
     mscale_job_badput_seconds_total{job_id,rank,local_rank,cause}    startup, snapshot, rerun,
                                                                      checks, degraded, data_wait, hang
 
-Their sum is the rank's wall time from attach to its last reported step (mscale.hook.goodput).
+Their sum is the rank's wall time from attach to its last reported step (mscale.hook.core.goodput).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Torch-free: the ledger only counts. With several ranks the fuse feeds it agreed 
 (the agreed failing MPUs, the agreed drops), so every rank takes the same decisions.
 
 The fuse's keeper (`Keeper`, in the training process; torch-free too, it sees the fuse plugin,
-mscale.hook.fuse, through its attributes): every lost call charged to its culprit in the
+mscale.hook.fuse.fuse, through its attributes): every lost call charged to its culprit in the
 ledger, the culprit escalated past its bound, the clean stop.
 
     keeper = Keeper(fuse)              # the fuse makes it
@@ -35,7 +35,7 @@ data position, RNG, scheduler, scaler put back from the step mark (SnapshotEngin
 through the rollback action with the COMMIT_FAILURE reason. Past that the batch is skipped.
 
 The culprit of a step's fault: with several ranks the first MPU (in the guard's order) the
-ranks agreed failed (mscale.hook.agree), else the first MPU that failed in the step on this rank
+ranks agreed failed (mscale.hook.core.agree), else the first MPU that failed in the step on this rank
 (a non-finite output makes every MPU after it non-finite too), else the job. Every rank feeds
 the ledger the same values, so every rank escalates, skips and stops alike; an MPU's fuse
 escalation runs on the ranks where it failed (as the fuse's own counting does).

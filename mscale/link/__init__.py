@@ -1,7 +1,7 @@
 """The link protocol: what the hook library and the node agent say to each other, in one place.
 
 SHARED: imported by the agent's socket server (mscale.daemon.link), the job's client
-(mscale.hook.link), the guard and the plugins that take commands, and by the CLIs for the
+(mscale.hook.core.link), the guard and the plugins that take commands, and by the CLIs for the
 agent's default address. Pure Python, no torch, no aiohttp. May import: findings.
 
 Its modules, each at a seam: `wire` (frames, sizes, the message types, the field readers),

@@ -46,7 +46,7 @@ class Ping:
 
 @dataclass(frozen=True, slots=True)
 class Heal:
-    """A healing decision for the fuse plugin (mscale.hook.fuse); `end`: end what the action
+    """A healing decision for the fuse plugin (mscale.hook.fuse.fuse); `end`: end what the action
     started (a cooling window whose alert resolved). Fields left None are not sent."""
 
     action: str
@@ -129,7 +129,7 @@ class Chaos:
         }
 
 
-# --- standby (mscale.daemon.standby, mscale.hook.standby) -----------------------------------------
+# --- standby (mscale.daemon.standby, mscale.hook.fuse.standby) -----------------------------------------
 # a standby GPU for an L1 swap, from the agent's node view: the job asks, the agent answers that rank
 
 STANDBY_REQUEST = "standby_request"  # job -> agent

@@ -56,7 +56,7 @@ STEP_FIELDS = frozenset(
     | {"guard_overhead_ratio"}
 )
 TIME_CAUSES = ("productive", "startup", "snapshot", "rerun", "checks", "degraded", "data_wait", "hang")  # hook.goodput
-# the budget's (mscale.hook.coverage)
+# the budget's (mscale.hook.checks.coverage)
 CHECK_FIGURES = ("checksum_coverage_ratio", "checksum_max_gap_steps", "checksum_replay_gap_steps")
 MPU_REPORT_FIELDS = frozenset(
     {"forward_s", "backward_s", "grad_norm", "gvc", "clip_ratio", "distill_share", "clipped", "checksum_ok"}
@@ -290,7 +290,7 @@ class MpuReport:
 @dataclass(slots=True)
 class StepReport:
     """One step as the job reports it. The guard builds it (plugins may set their fields, as
-    mscale.hook.goodput sets `seconds`); the agent reads it back with `from_wire`, where the
+    mscale.hook.core.goodput sets `seconds`); the agent reads it back with `from_wire`, where the
     findings become the agent's `Finding`s (source "hook:<detector>") and the ones it cannot
     read are kept apart in `refused_findings` (their start, for the refusal's log line): a bad
     finding is counted, the rest of the report stands."""

@@ -65,7 +65,7 @@ class Command(StrEnum):
     emergency snapshot or a rollback is a heal command (action emergency_snapshot, rollback)."""
 
     PING = "ping"  # the guard answers with a pong
-    HEAL = "heal"  # a healing decision for the fuse plugin (mscale.hook.fuse)
+    HEAL = "heal"  # a healing decision for the fuse plugin (mscale.hook.fuse.fuse)
     CHAOS = "chaos"  # a fault for the chaos plugin (mscale.sim.chaos_job)
 
 

@@ -56,7 +56,7 @@ RECORDS: tuple[Record, ...] = (
         " / on (job_id) group_left ()"
         " quantile by (job_id) (0.5, job_rank:mscale_job_rank_compute_seconds:median$straggler)",
     ),
-    # Goodput: the share of the jobs' wall time in productive steps (mscale.hook.goodput),
+    # Goodput: the share of the jobs' wall time in productive steps (mscale.hook.core.goodput),
     # per job and over the cluster; badput by cause for the stacked panel
     Record(
         "job:mscale_job_goodput:ratio_rate$rate",

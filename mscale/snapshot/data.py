@@ -339,7 +339,7 @@ def step_batches(data: Any, micro_batches: Sequence[int] = ()) -> list[dict] | N
     """The positions a rollback of the offending step steps over: every batch the step drew
     (`step_positions`), or only those at the indices `micro_batches` names when the step drew
     that many; a data object without `step_positions` has its last batch. None: the data cannot
-    say; [] for a loop's loader that already moved past them (mscale.hook.protect.LoopData)."""
+    say; [] for a loop's loader that already moved past them (mscale.hook.core.protect.LoopData)."""
     drawn = list(getattr(data, "step_positions", None) or [])
     if not drawn:
         last = getattr(data, "last_batch_position", None)

@@ -22,7 +22,7 @@ from torch import nn
 
 def is_sharded(model: nn.Module) -> bool:
     """A parameter is a DTensor, or an FSDP2 `fully_shard` module is in `model` (during a forward
-    FSDP2 swaps in unsharded plain parameters: the fuse asks then too, mscale.hook.fuse)."""
+    FSDP2 swaps in unsharded plain parameters: the fuse asks then too, mscale.hook.fuse.fuse)."""
     if any(hasattr(p, "device_mesh") for p in model.parameters()):
         return True
     try:

@@ -1,5 +1,5 @@
 """Live weights against the in-memory snapshots: which snapshot to trust, and which weights no
-optimizer step since it explains (the fuse's weights check: mscale.hook.actions.restore_weights).
+optimizer step since it explains (the fuse's weights check: mscale.hook.fuse.actions.restore_weights).
 
 Against a snapshot of the last completed step the weights must be bitwise its copy. Against an
 older one (step S) the optimizer has moved every trained weight since, and nothing short of

@@ -130,7 +130,7 @@ class Recorder:
 
 def rank_main(args: argparse.Namespace, rank: int) -> int:
     import mscale
-    from mscale.hook.protect import SnapshotConfig
+    from mscale.hook.core.protect import SnapshotConfig
     from mscale.sim.inject import inject
 
     torch.set_num_threads(1)

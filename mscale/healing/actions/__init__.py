@@ -1,6 +1,6 @@
 """Healing actions as the engine and the policy see them: one spec each, registered here (one
 entry per action, registry order). What an action does in the training job is its executor,
-mscale.hook.actions.<module> (registered in mscale.hook.actions), which this room never
+mscale.hook.fuse.actions.<module> (registered in mscale.hook.fuse.actions), which this room never
 imports: the agent loads every spec without torch."""
 
 from __future__ import annotations

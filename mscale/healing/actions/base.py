@@ -1,7 +1,7 @@
 """What the engine and the policy know of a healing action: its spec (name, fuse level, whom it
 acts on, what it escalates to, whether it cools the job, whether it is the recovery). The specs
 are listed in this package's __init__.py; what each action does to a model (its executor) runs
-in the training job only and lives in mscale.hook.actions, one module per action.
+in the training job only and lives in mscale.hook.fuse.actions, one module per action.
 
 The engine (in both processes) and the fuse plugin act on these declarations and never on an
 action's name."""

@@ -1,0 +1,90 @@
+"""What a healing action does in the training job: its executor. One action per module in this
+folder, registered in __init__.py; what the engine and the policy know of it (its spec) is in
+mscale.healing.actions, which the agent loads without torch.
+
+Each module declares `EXECUTOR = Executor(spec, apply, ...)`:
+
+    apply(fuse, state, decision) -> result label
+
+`fuse` is the FusePlugin seen through `FuseContext` (the guard, the healing engine, the snapshot
+engine, `dispatch` to the other actions' states), `state` this action's own per-job state, built
+once per job by `state(fuse)` when the plugin is made (None when the action keeps none). The
+result is "applied", "noop" or another word booked as is, or "deferred": the action books its
+one event itself, later (a rollback, after the step, its restore with the dropped update);
+ActionFailed says why it could not be done (a "failed" event). Executors import torch inside
+their functions: importing the fuse stays cheap.
+
+A state object may implement any of these; the fuse calls the ones it has, in registry order,
+with itself first (`fuse.dispatch(hook, *args)`):
+
+    attach(fuse)                  the plugin was added to a guard
+    detach(fuse)                  the guard detaches: undo what is in force
+    step_begin(fuse)              a step begins (fuse.seq already counts it)
+    mpu_output(fuse, mpu, out)    an MPU's forward returned `out` (inside the step)
+    step_end(fuse, step)          the optimizer stepped (before the clean-step count)
+    settle(fuse, step) -> bool    after the clean-step count; True: the step's state was
+                                  dropped or replaced (a rollback), so it is not snapshotted
+    weights_settled(fuse)         the weights are final for this step (or restored)
+    mpu_failed(fuse, mpu, f) -> bool  before an MPU's failure counts; True: its weights' (repaired)
+    report(fuse, report)          the step report is being built: add or change its fields
+    in_force(fuse, mpu) -> bool   a measure of this action holds on the MPU
+    undo(fuse, mpu)               undo that measure (the MPU came clean)
+    avoid_gpus(fuse) -> set[int]  GPUs no MPU of the job may move onto
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mscale.healing.actions.base import ActionSpec
+from mscale.healing.engine import Decision, HealingEngine
+from mscale.healing.settings import HealingSection
+
+
+class ActionFailed(RuntimeError):
+    """The action could not be carried out; the message says why (it becomes an event)."""
+
+
+class FuseContext(Protocol):
+    """What an executor may use of the fuse plugin (mscale.hook.fuse.fuse.FusePlugin)."""
+
+    guard: Any  # the mscale.hook.core.guard.Guard the plugin is attached to
+    cfg: HealingSection
+    engine: HealingEngine | None  # set when the plugin attaches
+    snapshot_engine: Any  # an mscale.snapshot.engine.SnapshotEngine, or None
+    states: dict[str, Any]  # every action's per-job state, by action name
+    seq: int  # steps run (never set back by a rollback)
+    progress: Any  # the forward-progress keeper (mscale.healing.progress.Keeper)
+    gpu_count: int | None
+    l2_resolution: float
+    l2_clip_factor: float
+    l2_precision_fallback: bool
+    clock: Callable[[], float]
+
+    def dispatch(self, hook: str, *args: Any) -> list[Any]: ...
+
+    def drop_step(self, why: str) -> None: ...
+
+    def run(self, d: Decision) -> str: ...
+
+    def record(self, d: Decision, result: str, *, detail: str = "") -> None: ...
+
+    def reduction_failed(self, m: Any, spec: ActionSpec, detail: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Executor:
+    spec: ActionSpec
+    apply: Callable[[FuseContext, Any, Decision], str]
+    # the per-job state, built by the fuse plugin (see the module docstring)
+    state: Callable[[FuseContext], Any] | None = None
+    # (detail text, extra labels) for the event of an applied result, from the action's state
+    event: Callable[[Any, Decision], tuple[str, Mapping[str, str]]] | None = None
+    # end what the action started (an end command from the agent): end(fuse, state, why)
+    end: Callable[[FuseContext, Any, str], None] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name

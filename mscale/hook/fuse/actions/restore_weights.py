@@ -1,0 +1,169 @@
+"""A weight changed outside the optimizer (WEIGHT_CORRUPTION, found by the fingerprints of
+mscale.hook.checks.weights before the step's forward, or when its MPU's output went non-finite: below):
+put the weights back from the newest trusted in-memory snapshot (mscale.snapshot.trust), exactly.
+
+- That snapshot is of the last completed step (e.g. `memory_every=1`): the corrupted MPUs'
+  parameters and optimizer state are restored from it in place, checked against their
+  fingerprints; the step runs on the repaired weights, no step lost.
+- It is older (step S): the corrupted MPUs' parameters are set to S's so this step's forward
+  runs on sane weights, its update is dropped, and after it the job rolls back to S (the
+  rollback action, which for this reason does not skip a batch: the data was not at fault).
+  With a loader that rewinds in place the steps since S re-run on the same batches and the
+  run continues bitwise as the fault-free run would have; with one that does not (the
+  Trainer's) those steps are undone, not re-run.
+
+The per-job state is the fingerprint watch itself (mscale.hook.checks.weights.WeightWatch): made
+when the fuse attaches, checked at each step's begin, re-recorded whenever the weights settle.
+Before the fuse counts an MPU's non-finite output (`mpu_failed`) all the MPU's weights are
+checked against the newest trusted snapshot (mscale.snapshot.trust), on the event only; corrupted
+ones are repaired here, the MPU's forward re-run on them, the failure not counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mscale.findings import Reason
+from mscale.healing import actions
+from mscale.healing.engine import Decision
+from mscale.healing.words import FuseLevel, Result
+from mscale.hook.fuse.actions.base import ActionFailed, Executor, FuseContext
+
+
+class Watch:
+    """Per job: the fingerprint watch, what each repair did, and the event checks of this step."""
+
+    def __init__(self, fuse) -> None:
+        self.watch: Any = None
+        self.repairs: list[dict] = []  # {"step", "snapshot", "in_place", "tensors", "mpus"} per repair
+        self.source: Any = None  # the snapshot an event check chose for the repair it reports
+        self.seen: dict[str, tuple[int, bool]] = {}  # mpu_id -> (fuse.seq checked at, repaired)
+        self.intact: dict[str, tuple] = {}  # mpu_id -> (placement epoch, newest snapshot) found intact at
+
+    def attach(self, fuse) -> None:
+        from mscale.hook.checks.weights import WeightWatch
+
+        self.watch = WeightWatch(fuse.guard, frozen_every=fuse.cfg.frozen_weights_every, groups=fuse.cfg.weight_groups)
+
+    def step_begin(self, fuse) -> None:
+        if self.watch is not None:
+            self.watch.check(fuse.guard.current_step)
+
+    def weights_settled(self, fuse) -> None:
+        if self.watch is not None:
+            self.watch.settle()
+
+    def mpu_failed(self, fuse, m: Any, f: Any) -> bool:
+        """MPU `m`'s output failed: True when its weights, not the device, are the culprit."""
+        if self.seen.get(m.mpu_id) == (fuse.seq, True):  # repaired: a finding of the discarded forward
+            return getattr(fuse, "_rerunning", None) != m.mpu_id
+        return f.reason is Reason.NONFINITE_OUTPUT and self.check(fuse, m)
+
+    def check(self, fuse, m: Any) -> bool:
+        """Check MPU `m`'s weights (once a step, a placement and a snapshot while intact); report
+        corrupted ones (the policy runs `apply`), re-run the forward on them. True when repaired."""
+        from mscale.snapshot.trust import unexplained  # an incident's work: not the detection budget's
+
+        engine, watch, held = fuse.snapshot_engine, self.watch, getattr(fuse.snapshot_engine, "memory_steps", [])
+        where = (getattr(fuse.placement.get(m.mpu_id), "epoch", 0), max(held) if held else None)
+        if (
+            engine is None
+            or watch is None
+            or fuse.seq == self.seen.get(m.mpu_id, (-1,))[0]
+            or self.intact.get(m.mpu_id) == where
+        ):
+            return False
+        self.seen[m.mpu_id] = (fuse.seq, False)
+        live = {n: t for n, t in watch.tensors.items() if getattr(watch.owner.get(n), "mpu_id", None) == m.mpu_id}
+        bad, self.source = unexplained(live, set(watch.names["frozen"]), engine)
+        self.intact[m.mpu_id], done = where, len(self.repairs)
+        if bad:
+            del self.intact[m.mpu_id]
+            watch.report(bad, fuse.guard.current_step, why="its output went non-finite")
+        self.source = None
+        if len(self.repairs) == done:
+            return False  # intact, or not repaired (no snapshot, healing off): the fuse counts it
+        self.seen[m.mpu_id] = (fuse.seq, True)
+        if fuse.guard._in_step and not fuse.guard.checksum.commit_mode(m):
+            fuse.pending_rerun.add(m.mpu_id)  # the output just computed ran on the corrupted weights
+        return True
+
+
+def _restore(fuse: FuseContext, snap: Any, names: set[str], *, optimizer: bool) -> int:
+    """Copy the parameters `names` (and, with `optimizer`, their optimizer state) back from the
+    in-memory snapshot `snap`; returns how many tensors were copied. Under FSDP2 into the
+    engine's model, whose tensors are this rank's shards (mscale/snapshot/sharded.py)."""
+    from mscale.snapshot.sharded import is_sharded
+
+    guard, engine = fuse.guard, fuse.snapshot_engine
+    model, opt = guard.model, guard.optimizer
+    if engine is not None and is_sharded(guard.model):
+        model, opt = getattr(engine, "model", model), getattr(engine, "optimizer", opt)
+    return snap.copy_back(model, opt if optimizer else None, lambda _file, name: name in names)
+
+
+def apply(fuse: FuseContext, state: Watch, d: Decision) -> str:
+    from mscale.snapshot import trust
+
+    watch = state.watch
+    bad = list(watch.corrupted) if watch is not None else []
+    if not bad:
+        return Result.NOOP  # found and repaired already (another finding of the same step)
+    engine = fuse.snapshot_engine
+    mpus = {mpu_id for mpu_id, _ in bad if mpu_id}
+    names = {name for mpu_id, name in bad if not mpu_id}
+    names |= {name for name, m in watch.owner.items() if m is not None and m.mpu_id in mpus}
+    snap = state.source or (trust.trusted(engine, sorted(names)) if engine is not None else None)
+    if snap is None:
+        raise ActionFailed("no in-memory snapshot to restore the weights from")
+    snap.wait_ready()
+    in_place = snap.step == engine.step  # the snapshot holds the state the fingerprints were taken of
+    n = _restore(fuse, snap, names, optimizer=in_place)
+    if not n:
+        raise ActionFailed(f"the in-memory snapshot of step {snap.step} holds none of {sorted(names)[:3]}")
+    step = fuse.guard.current_step
+    if in_place and not watch.matches():
+        # The newest snapshot copies the weights beside the next step (mscale.snapshot.memory),
+        # so a weight hit right after the optimizer step can be in its copy: that snapshot holds
+        # the corruption (a small one: see trust.trusted). Roll back to the one before it instead.
+        in_place = False
+        older = [s for s in engine.memory_steps if s < snap.step]
+        prev = engine.latest(max(older)) if older else None
+        if prev is None:
+            raise ActionFailed(f"the snapshot of step {snap.step} holds the corrupted weights and none is older")
+        prev.wait_ready()
+        snap = prev
+        _restore(fuse, snap, names, optimizer=False)
+    state.repairs.append(
+        {"step": step, "snapshot": snap.step, "in_place": in_place, "tensors": n, "mpus": sorted(mpus)}
+    )
+    watch.corrupted = []
+    if not in_place:
+        why = f"weights of step {snap.step} restored for this step's forward; roll the job back to it"
+        rollbacks = fuse.states.get("rollback")
+        if rollbacks is not None:
+            rollbacks.to_step = snap.step
+        result = fuse.run(
+            Decision(d.rule, "rollback", FuseLevel.NONE, d.target, d.before, d.reason, why, d.step, fuse.clock())
+        )
+        if result == Result.FAILED:
+            raise ActionFailed(f"the rollback to step {snap.step} failed")
+    return Result.APPLIED
+
+
+def event(state: Watch, d) -> tuple[str, dict[str, str]]:
+    if not state.repairs:
+        return "", {}
+    r = state.repairs[-1]
+    what = f"{r['tensors']} tensors of MPU(s) {', '.join(r['mpus']) or '-'}"
+    if r["in_place"]:
+        return f"{what} restored in place from the snapshot of step {r['snapshot']}: no step lost", {
+            "repair": "in_place"
+        }
+    return (
+        f"{what} set to the snapshot of step {r['snapshot']}; the step is dropped and the job rolls back to it",
+        {"repair": "rollback"},
+    )
+
+
+EXECUTOR = Executor(actions.get("restore_weights"), apply, state=Watch, event=event)
