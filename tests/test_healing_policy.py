@@ -182,7 +182,18 @@ def test_loss_spike_cools_then_a_persisting_spike_rolls_back():
     assert eng.job("j1").level == "cooling"
     (d,) = eng.decide(Condition("reason", "loss_spike_action", {}, occurrence=101), tgt)
     assert d.action == "rollback"
-    eng.record(Decision(d.rule, "lr_cool", "none", Target("j1"), "cooling", "cooling_end", "window over"), "ended")
+    eng.record(
+        Decision(
+            rule=d.rule,
+            action="lr_cool",
+            level="none",
+            target=Target("j1"),
+            before="cooling",
+            reason="cooling_end",
+            why="window over",
+        ),
+        "ended",
+    )
     assert eng.job("j1").level == "healthy"
     (d,) = eng.decide(Condition("reason", "loss_spike_action", {}, occurrence=102), tgt)
     assert d.action == "lr_cool"

@@ -139,7 +139,19 @@ class HealingEngine(HealingBooks):
                         continue
                     once.add(key)
                 reason = why or f"{cond.name} at {level}"
-                out.append(Decision(rule.name, spec.name, spec.level, target, level, cond.name, reason, cond.step, now))
+                out.append(
+                    Decision(
+                        rule=rule.name,
+                        action=spec.name,
+                        level=spec.level,
+                        target=target,
+                        before=level,
+                        reason=cond.name,
+                        why=reason,
+                        step=cond.step,
+                        time=now,
+                    )
+                )
                 made.append(ident)
         return out, made, acting
 
@@ -226,15 +238,15 @@ class HealingEngine(HealingBooks):
     def _record_duplicate(self, rule: Rule, target: Target, level: str, cond: Condition, now: float) -> None:
         spec = actions.get(rule.actions_at(level)[0])
         d = Decision(
-            rule.name,
-            spec.name,
-            spec.level,
-            target,
-            level,
-            cond.name,
-            f"same fault within {self.policy.dedup_window_s:g}s",
-            cond.step,
-            now,
+            rule=rule.name,
+            action=spec.name,
+            level=spec.level,
+            target=target,
+            before=level,
+            reason=cond.name,
+            why=f"same fault within {self.policy.dedup_window_s:g}s",
+            step=cond.step,
+            time=now,
         )
         self.record(d, Result.DUPLICATE)
 
@@ -247,10 +259,23 @@ class HealingEngine(HealingBooks):
         if not first:
             return
         lab = cond.labels
-        target = Target(lab.get("job_id", ""), lab.get("mpu_id", ""), lab.get("gpu", ""), lab.get("gpu_uuid", ""))
-        self.record(
-            Decision(rule.name, first, actions.get(first).level, target, "", cond.name, why, time=cond.time), result
+        target = Target(
+            job_id=lab.get("job_id", ""),
+            mpu_id=lab.get("mpu_id", ""),
+            gpu=lab.get("gpu", ""),
+            gpu_uuid=lab.get("gpu_uuid", ""),
         )
+        d = Decision(
+            rule=rule.name,
+            action=first,
+            level=actions.get(first).level,
+            target=target,
+            before="",
+            reason=cond.name,
+            why=why,
+            time=cond.time,
+        )
+        self.record(d, result)
 
     def resolve(
         self, cond: Condition, targets: Callable[[Rule, Condition], Iterable[Target]], rule: Rule | None = None
@@ -269,13 +294,13 @@ class HealingEngine(HealingBooks):
             if target.job_id and self.job(target.job_id).cooling:
                 out += [
                     Decision(
-                        rule.name,
-                        s.name,
-                        s.level,
-                        target,
-                        "cooling",
-                        cond.name,
-                        f"alert {cond.name} resolved",
+                        rule=rule.name,
+                        action=s.name,
+                        level=s.level,
+                        target=target,
+                        before="cooling",
+                        reason=cond.name,
+                        why=f"alert {cond.name} resolved",
                         time=self.clock(),
                     )
                     for s in cooling
