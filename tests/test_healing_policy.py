@@ -352,7 +352,7 @@ def test_no_action_is_named_outside_its_module():
 def test_not_escalated_is_healthy_everywhere():
     """One word for an MPU that no fuse level holds: the state machine's, the agent's view of a
     job's MPU (and so `mscale_mpu_info{fuse_level}` and the status API) before any report."""
-    from mscale.daemon.jobs import MpuState
+    from mscale.daemon.mpu_state import MpuState
 
     assert MpuState("001", "vision", 0).fuse_level == Level.HEALTHY.value == "healthy"
     assert Level.HEALTHY.number == 0 and Level.L3_DISTILLING.number == 3
