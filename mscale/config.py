@@ -14,8 +14,8 @@ imports them, above the rooms, and no room imports it: the machinery they use (`
   [contract]                  mscale.contracts.settings
   [stragglers]                mscale.daemon.settings (mscale.daemon.stragglers)
   [kubernetes]                mscale.kube.settings
-  [remediation]               mscale.daemon.remediation.settings, [remediation.<filer>] from
-                              each filer's module (mscale.daemon.remediation.REGISTRY)
+  [remediation]               mscale.kube.remediation.settings, [remediation.<filer>] from
+                              each filer's module (mscale.kube.remediation.REGISTRY)
 
 `from_dict`/`load` build a `Config` strictly, `reference_markdown()` renders
 docs/configuration.md's table. Every key has a default, a type and (where it matters) a range;
@@ -38,8 +38,6 @@ from typing import TYPE_CHECKING, Any
 
 from mscale import probes
 from mscale.contracts.settings import ContractSection
-from mscale.daemon.remediation.settings import RemediationSection
-from mscale.daemon.remediation.settings import section as remediation_section
 from mscale.daemon.settings import (
     AgentSection,
     ChaosSection,
@@ -49,6 +47,8 @@ from mscale.daemon.settings import (
     WebhookSection,
 )
 from mscale.healing.settings import HealingSection
+from mscale.kube.remediation.settings import RemediationSection
+from mscale.kube.remediation.settings import section as remediation_section
 from mscale.kube.settings import KubernetesSection
 from mscale.options import (
     DEFAULT_PATH,

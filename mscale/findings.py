@@ -86,7 +86,7 @@ class Reason(str, Enum):
     RANK_STRAGGLER = "rank_straggler"  # a rank computes slower than the job's other ranks, held
     MPU_STRAGGLER = "mpu_straggler"  # an MPU on a rank slower than on the job's other ranks, held
     STRAGGLER_CLEARED = "straggler_cleared"
-    # Node remediation hand-off (mscale.daemon.remediation)
+    # Node remediation hand-off (mscale.kube.remediation)
     GPU_FAULT_VERDICT = "gpu_fault_verdict"  # a GPU shown at fault (SDC proven by an L1 swap, a fatal Xid)
     GPU_FAULT_CLEARED = "gpu_fault_cleared"  # ... reset and healthy again: the filings are undone
     REMEDIATION_FILING = "remediation_filing"  # one filer's file or clear, with its result

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from mscale.config import ConfigError, from_dict
-from mscale.daemon.remediation.service import SNAPSHOT, RemediationService, build_filers
 from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason, Severity
+from mscale.kube.remediation.service import SNAPSHOT, RemediationService, build_filers
 from mscale.kube.service import KubeService
 from mscale.kube.settings import KubernetesSection
 from mscale.probes.gpu_sample import GpuSnapshot

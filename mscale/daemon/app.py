@@ -37,7 +37,7 @@ FEATURES: tuple[str, ...] = (
     "mscale.daemon.healing",
     "mscale.daemon.contract",
     "mscale.daemon.kube",
-    "mscale.daemon.remediation.service",
+    "mscale.daemon.remediation",
 )
 
 
