@@ -28,9 +28,9 @@ from _verdict import Report, add_json_arg  # noqa: E402
 from prometheus_client import generate_latest  # noqa: E402
 
 from mscale.config import from_dict  # noqa: E402
+from mscale.daemon.exporters import make_registry  # noqa: E402
 from mscale.daemon.jobs import JobState  # noqa: E402
 from mscale.daemon.state import AgentState  # noqa: E402
-from mscale.exporters import make_registry  # noqa: E402
 from mscale.kube.attribution import SNAPSHOT  # noqa: E402
 from mscale.kube.podresources import PodMap, PodRef  # noqa: E402
 from mscale.probes import spec  # noqa: E402

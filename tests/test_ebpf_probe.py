@@ -24,8 +24,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mscale.config import from_dict
+from mscale.daemon.exporters import make_registry
 from mscale.daemon.state import AgentState
-from mscale.exporters import make_registry
 from mscale.findings import Reason
 from mscale.probes import spec
 from mscale.probes.base import ProbeContext, ProbeUnavailable
@@ -167,7 +167,7 @@ def make_probe(bpf_ok):
 
 def scrape(state: AgentState) -> dict:
     """name -> list of samples, from the cuda exporter through prometheus_client."""
-    text = generate_latest(make_registry(state, ("mscale.exporters.cuda",))).decode()
+    text = generate_latest(make_registry(state, ("mscale.daemon.exporters.cuda",))).decode()
     return {m.name: m.samples for m in text_string_to_metric_families(text)}, text
 
 

@@ -23,7 +23,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "mscale"
 NO_DAEMON = ("hook", "snapshot", "healing", "probes", "sim", "rules", "dashboards", "contracts")
-NO_TORCH = ("daemon", "probes", "exporters", "healing", "contracts", "kube")
+NO_TORCH = ("daemon", "probes", "healing", "contracts", "kube")  # daemon/ holds its exporters/
 JOB_SIDE = ("hook", "snapshot")
 # what pulls torch in: torch itself and the frameworks built on it
 TORCH = ("torch", "torchvision", "transformers", "accelerate", "lightning", "pytorch_lightning")

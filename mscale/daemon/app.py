@@ -18,9 +18,9 @@ from aiohttp import web
 
 from mscale.config import Config
 from mscale.daemon import access, keys
+from mscale.daemon.exporters import make_registry
 from mscale.daemon.runner import ProbeRunner
 from mscale.daemon.state import AgentState, EventLog, ProbeStatus
-from mscale.exporters import make_registry
 from mscale.probes import REGISTRY as PROBE_REGISTRY
 from mscale.probes import spec
 from mscale.probes.base import ProbeContext, ProbeUnavailable
