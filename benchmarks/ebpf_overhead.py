@@ -256,7 +256,7 @@ def duty_cycled(
     """The agent's probe in its default duty-cycled mode on one process: per block, the
     loop's CPU time per launch over the whole cycle against its rate outside the windows.
     Returns (ratios per block, fraction of chunks inside windows, launches seen, made)."""
-    from mscale.config import from_dict
+    from mscale.daemon.config import from_dict
     from mscale.daemon.state import AgentState
     from mscale.probes import spec
     from mscale.probes.base import ProbeContext

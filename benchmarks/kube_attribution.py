@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _verdict import Report, add_json_arg  # noqa: E402
 from prometheus_client import generate_latest  # noqa: E402
 
-from mscale.config import from_dict  # noqa: E402
+from mscale.daemon.config import from_dict  # noqa: E402
 from mscale.daemon.exporters import make_registry  # noqa: E402
 from mscale.daemon.jobs import JobState  # noqa: E402
 from mscale.daemon.state import AgentState  # noqa: E402

@@ -78,7 +78,7 @@ class Reason(str, Enum):
     SNAPSHOT_TIER = "snapshot_tier"  # a snapshot tier on or off at start-up, and why (node_tier.py)
     ROLLBACK = "rollback"
     PROGRESS_BOUND = "progress_bound"  # a fault cost more than the progress bound: the job stopped itself
-    # Resource contracts and the density guard (mscale.daemon.contract)
+    # Resource contracts and the density guard (mscale.daemon.contract.service)
     CONTRACT_VIOLATED = "contract_violated"  # a plan thread runs outside its CPUs
     CONTRACT_COMPLIANT = "contract_compliant"  # every plan thread runs where its plan says (again)
     DENSITY_DEVIATION = "density_deviation"  # an MPU's compute density is off its profile, sustained

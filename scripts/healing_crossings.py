@@ -32,10 +32,10 @@ import structlog  # noqa: E402
 
 structlog.configure(logger_factory=structlog.ReturnLoggerFactory())  # the events, not their log lines
 
-from mscale.config import Config  # noqa: E402
 from mscale.daemon import healing as service  # noqa: E402
 from mscale.daemon import keys  # noqa: E402
 from mscale.daemon.app import create_app  # noqa: E402
+from mscale.daemon.config import Config  # noqa: E402
 from mscale.daemon.jobs import JobState  # noqa: E402
 from mscale.link import MpuInfo, Register  # noqa: E402
 

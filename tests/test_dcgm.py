@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from mscale.config import from_dict
+from mscale.daemon.config import from_dict
 from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason
 from mscale.probes import gpu as gpu_probe

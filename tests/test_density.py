@@ -7,7 +7,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 
 from mscale.contracts.settings import ContractSection
-from mscale.daemon.contract import ContractRecord, ContractSnapshot
+from mscale.daemon.contract.service import ContractRecord, ContractSnapshot
 from mscale.daemon.density import DensityGuard, nearest_profile
 from mscale.daemon.exporters import make_registry
 from mscale.daemon.mpu_state import MpuState

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mscale.config import from_dict
+from mscale.daemon.config import from_dict
 from mscale.daemon.exporters import make_registry
 from mscale.daemon.state import AgentState
 from mscale.findings import Reason
@@ -505,7 +505,7 @@ def test_a_bad_cmdline_pattern_is_reported_not_raised() -> None:
 
 UNPRIVILEGED = r"""
 import time
-from mscale.config import from_dict
+from mscale.daemon.config import from_dict
 from mscale.daemon.state import AgentState
 from mscale.probes import spec
 from mscale.probes.base import ProbeContext, ProbeUnavailable

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mscale.config import from_dict
+from mscale.daemon.config import from_dict
 from mscale.daemon.exporters import make_registry
 from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason, Severity

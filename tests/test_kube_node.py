@@ -255,8 +255,8 @@ async def test_end_to_end_fault_cordon_reset_uncordon_on_simulated_gpus(api: Api
 
     from aiohttp import web
 
-    from mscale.config import from_dict
     from mscale.daemon.app import build_probes, create_app, new_state
+    from mscale.daemon.config import from_dict
     from mscale.probes.base import ProbeContext
     from mscale.sim.nvml import SimNvml
     from mscale.sim.timeline import event_from_dict

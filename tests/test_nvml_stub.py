@@ -26,7 +26,7 @@ STUB_C = REPO / "tests" / "fixtures" / "libnvidia_ml_stub.c"
 PROBE_SCRIPT = textwrap.dedent(
     """
     import dataclasses, json, sys, time
-    from mscale.config import from_dict
+    from mscale.daemon.config import from_dict
     from mscale.daemon.app import UnavailableProbe, build_probes, new_state
     from mscale.probes.base import ProbeContext
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from mscale.config import from_dict
+from mscale.daemon.config import from_dict
 from mscale.findings import Reason
 from mscale.probes.gpu import GpuProbe, NvmlReader
 from mscale.probes.gpu_health import HealthModel
@@ -55,7 +55,7 @@ REAL_SERIES = textwrap.dedent(
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
     from support.nvml_timeline import SteppedClock, health_series, write_clock
-    from mscale.config import from_dict
+    from mscale.daemon.config import from_dict
     from mscale.findings import Reason
     from mscale.probes.gpu import GpuProbe, NvmlReader
     from mscale.probes.gpu_health import HealthModel
@@ -193,7 +193,7 @@ PROBE_STEPS = textwrap.dedent(
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
     from support.nvml_timeline import write_clock
-    from mscale.config import from_dict
+    from mscale.daemon.config import from_dict
     from mscale.daemon.app import UnavailableProbe, build_probes, new_state
     from mscale.probes.base import ProbeContext
 
@@ -283,7 +283,7 @@ ERROR_LOOP = textwrap.dedent(
     import json, os, sys, time
     from pathlib import Path
     import pynvml
-    from mscale.config import from_dict
+    from mscale.daemon.config import from_dict
     from mscale.daemon.app import UnavailableProbe, build_probes, new_state
     from mscale.probes.base import ProbeContext
 

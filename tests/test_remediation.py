@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mscale.config import ConfigError, from_dict
+from mscale.daemon.config import ConfigError, from_dict
 from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason, Severity
 from mscale.kube.remediation.service import SNAPSHOT, RemediationService, build_filers

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from mscale.config import from_dict
 from mscale.daemon.app import create_app, new_state
+from mscale.daemon.config import from_dict
 from mscale.daemon.link_labels import MAX_PROOFS_PER_MESSAGE
 from mscale.findings import Reason
 from mscale.kube.remediation import ledger

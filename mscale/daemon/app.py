@@ -16,8 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
-from mscale.config import Config
 from mscale.daemon import access, keys
+from mscale.daemon.config import Config
 from mscale.daemon.exporters import make_registry
 from mscale.daemon.runner import ProbeRunner
 from mscale.daemon.state import AgentState, EventLog, ProbeStatus
@@ -35,7 +35,7 @@ FEATURES: tuple[str, ...] = (
     "mscale.daemon.chaos",
     "mscale.daemon.status_api",
     "mscale.daemon.healing",
-    "mscale.daemon.contract",
+    "mscale.daemon.contract.service",
     "mscale.daemon.kube",
     "mscale.daemon.remediation",
 )

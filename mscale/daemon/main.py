@@ -27,8 +27,8 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from mscale import config as configmod
 from mscale import logs
+from mscale.daemon import config as configmod
 from mscale.daemon import httpserver, keys
 from mscale.daemon.app import create_app, new_state
 from mscale.daemon.chaos import enabled as chaos_enabled

@@ -24,7 +24,7 @@ class ProbeUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class ProbeContext:
-    config: Any  # the agent's mscale.config.Config (assembled above this room, so not named here)
+    config: Any  # the agent's mscale.daemon.config.Config (assembled above this room, so not named here)
     state: AgentState
     emit: Callable[[Finding], Any]
     clock: Callable[[], float]
@@ -45,7 +45,7 @@ class ProbeSpec:
 
     `section` is the probe's config table [probes.<name>], a frozen dataclass of `opt()`
     fields declared in the probe's module; it must have `interval_s` and `timeout_s` (the
-    runner's schedule and deadline) and leaves out `enabled`: mscale.config adds that key
+    runner's schedule and deadline) and leaves out `enabled`: mscale.daemon.config adds that key
     in front, defaulting to `default_enabled` and documented by `enabled_help`.
     """
 

@@ -138,7 +138,7 @@ def wait_duty_state(probe: Any, attached: bool) -> tuple[int, bool]:
 def ebpf_probes() -> Iterator[Callable[..., tuple]]:
     """build(**ebpf_keys) -> (probe, state): eBPF probes on a fresh agent state, duty cycle of
     one second unless the keys say otherwise; every probe built is closed on exit."""
-    from mscale.config import from_dict
+    from mscale.daemon.config import from_dict
     from mscale.daemon.state import AgentState
     from mscale.probes import spec
     from mscale.probes.base import ProbeContext
