@@ -265,7 +265,9 @@ def duty_cycled(
     d = EbpfProbeSection()
     cfg = from_dict({"probes": {"ebpf": {"attach_mode": attach_mode}}})
     state = AgentState(node="bench")
-    probe = spec("ebpf").factory(ProbeContext(config=cfg, state=state, emit=state.events.emit, clock=time.time))
+    probe = spec("ebpf").factory(
+        ProbeContext(config=cfg, emit=state.events.emit, clock=time.time, jobs=state.registered_jobs)
+    )
     c = pinned_caller(caller_path, work_ns)
     state.jobs["bench"] = types.SimpleNamespace(job_id="bench", pid=c.pid)
     stop = threading.Event()

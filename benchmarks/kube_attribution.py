@@ -42,7 +42,7 @@ def state_with_jobs(pods: bool) -> AgentState:
     config = from_dict({})
     state = AgentState(node="bench")
     sim = SimNvml(8)
-    ctx = ProbeContext(config=config, state=state, emit=state.events.emit, clock=time.time, nvml=sim)
+    ctx = ProbeContext(config=config, emit=state.events.emit, clock=time.time, jobs=state.registered_jobs, nvml=sim)
     probe = spec("gpu").factory(ctx)
     state.publish("gpu", probe.sample())
     probe.close()

@@ -500,7 +500,9 @@ def test_a_bad_cmdline_pattern_is_reported_not_raised() -> None:
     cfg = from_dict({"probes": {"ebpf": {"cmdline_pattern": "train(("}}})
     state = AgentState(node="test")
     with pytest.raises(ProbeUnavailable, match="cmdline_pattern is not a valid regular expression"):
-        spec("ebpf").factory(ProbeContext(config=cfg, state=state, emit=state.events.emit, clock=time.time))
+        spec("ebpf").factory(
+            ProbeContext(config=cfg, emit=state.events.emit, clock=time.time, jobs=state.registered_jobs)
+        )
 
 
 UNPRIVILEGED = r"""
@@ -512,7 +514,7 @@ from mscale.probes.base import ProbeContext, ProbeUnavailable
 from mscale.probes.ebpf import EbpfProbe
 cfg = from_dict({})
 st = AgentState(node="t")
-ctx = ProbeContext(config=cfg, state=st, emit=st.events.emit, clock=time.time)
+ctx = ProbeContext(config=cfg, emit=st.events.emit, clock=time.time, jobs=st.registered_jobs)
 try:
     spec("ebpf").factory(ctx)
     print("factory: ok")

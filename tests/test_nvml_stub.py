@@ -32,7 +32,7 @@ PROBE_SCRIPT = textwrap.dedent(
 
     cfg = from_dict({})
     found = []
-    ctx = ProbeContext(config=cfg, state=new_state(cfg), emit=found.append, clock=time.time)
+    ctx = ProbeContext(config=cfg, emit=found.append, clock=time.time)
     ((probe, _, _),) = build_probes(cfg, ctx, ("gpu",))
     if isinstance(probe, UnavailableProbe):
         print(json.dumps({"unavailable": probe.reason}))

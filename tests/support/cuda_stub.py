@@ -148,7 +148,9 @@ def ebpf_probes() -> Iterator[Callable[..., tuple]]:
     def build(**ebpf: Any) -> tuple:
         cfg = from_dict({"probes": {"ebpf": {"duty_window_s": 1.0, "duty_period_s": 1.0, **ebpf}}})
         state = AgentState(node="test")
-        probe = spec("ebpf").factory(ProbeContext(config=cfg, state=state, emit=state.events.emit, clock=time.time))
+        probe = spec("ebpf").factory(
+            ProbeContext(config=cfg, emit=state.events.emit, clock=time.time, jobs=state.registered_jobs)
+        )
         made.append(probe)
         return probe, state
 
