@@ -256,7 +256,7 @@ def duty_cycled(
     """The agent's probe in its default duty-cycled mode on one process: per block, the
     loop's CPU time per launch over the whole cycle against its rate outside the windows.
     Returns (ratios per block, fraction of chunks inside windows, launches seen, made)."""
-    from mscale.config import from_dict
+    from mscale.daemon.config import from_dict
     from mscale.daemon.state import AgentState
     from mscale.probes import spec
     from mscale.probes.base import ProbeContext
@@ -265,7 +265,9 @@ def duty_cycled(
     d = EbpfProbeSection()
     cfg = from_dict({"probes": {"ebpf": {"attach_mode": attach_mode}}})
     state = AgentState(node="bench")
-    probe = spec("ebpf").factory(ProbeContext(config=cfg, state=state, emit=state.events.emit, clock=time.time))
+    probe = spec("ebpf").factory(
+        ProbeContext(config=cfg, emit=state.events.emit, clock=time.time, jobs=state.registered_jobs)
+    )
     c = pinned_caller(caller_path, work_ns)
     state.jobs["bench"] = types.SimpleNamespace(job_id="bench", pid=c.pid)
     stop = threading.Event()

@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _verdict import Report, add_json_arg  # noqa: E402
 from prometheus_client import generate_latest  # noqa: E402
 
-from mscale.config import from_dict  # noqa: E402
+from mscale.daemon.config import from_dict  # noqa: E402
+from mscale.daemon.exporters import make_registry  # noqa: E402
 from mscale.daemon.jobs import JobState  # noqa: E402
 from mscale.daemon.state import AgentState  # noqa: E402
-from mscale.exporters import make_registry  # noqa: E402
 from mscale.kube.attribution import SNAPSHOT  # noqa: E402
 from mscale.kube.podresources import PodMap, PodRef  # noqa: E402
 from mscale.probes import spec  # noqa: E402
@@ -42,7 +42,7 @@ def state_with_jobs(pods: bool) -> AgentState:
     config = from_dict({})
     state = AgentState(node="bench")
     sim = SimNvml(8)
-    ctx = ProbeContext(config=config, state=state, emit=state.events.emit, clock=time.time, nvml=sim)
+    ctx = ProbeContext(config=config, emit=state.events.emit, clock=time.time, jobs=state.registered_jobs, nvml=sim)
     probe = spec("gpu").factory(ctx)
     state.publish("gpu", probe.sample())
     probe.close()

@@ -36,12 +36,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _verdict import Report, add_json_arg  # noqa: E402
 
-from mscale.config import Config  # noqa: E402
 from mscale.daemon import scrape  # noqa: E402
 from mscale.daemon.app import new_state  # noqa: E402
+from mscale.daemon.config import Config  # noqa: E402
+from mscale.daemon.exporters import make_registry  # noqa: E402
 from mscale.daemon.jobs import JobState  # noqa: E402
 from mscale.daemon.settings import HttpSection, SocketSection  # noqa: E402
-from mscale.exporters import make_registry  # noqa: E402
 from mscale.link import Register, StepReport  # noqa: E402
 
 TARGET_S = 1.0

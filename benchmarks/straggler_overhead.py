@@ -36,9 +36,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from _verdict import Report, add_json_arg  # noqa: E402
 
 from mscale import link as protocol  # noqa: E402
-from mscale.config import Config  # noqa: E402
 from mscale.daemon import keys  # noqa: E402
 from mscale.daemon.app import create_app  # noqa: E402
+from mscale.daemon.config import Config  # noqa: E402
 
 RANKS, MPUS = 8, ("001", "002", "003", "004")
 TARGET = 0.10  # the comparison may add at most a tenth of the agent's report path (set before the first run)

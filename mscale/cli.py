@@ -14,7 +14,7 @@ COMMANDS: dict[str, str] = {
     "rules": "mscale.rules.cli",
     "dashboards": "mscale.dashboards.cli",
     "snapshot": "mscale.snapshot.cli",
-    "contract": "mscale.contracts.cli",
+    "contract": "mscale.daemon.contract.cli",
 }
 
 

@@ -80,7 +80,7 @@ class Reason(str, Enum):
     SNAPSHOT_TIER = "snapshot_tier"  # a snapshot tier on or off at start-up, and why (node_tier.py)
     ROLLBACK = "rollback"
     PROGRESS_BOUND = "progress_bound"  # a fault cost more than the progress bound: the job stopped itself
-    # Resource contracts and the density guard (mscale.daemon.contract)
+    # Resource contracts and the density guard (mscale.daemon.contract.service)
     CONTRACT_VIOLATED = "contract_violated"  # a plan thread runs outside its CPUs
     CONTRACT_COMPLIANT = "contract_compliant"  # every plan thread runs where its plan says (again)
     DENSITY_DEVIATION = "density_deviation"  # an MPU's compute density is off its profile, sustained
@@ -88,7 +88,7 @@ class Reason(str, Enum):
     RANK_STRAGGLER = "rank_straggler"  # a rank computes slower than the job's other ranks, held
     MPU_STRAGGLER = "mpu_straggler"  # an MPU on a rank slower than on the job's other ranks, held
     STRAGGLER_CLEARED = "straggler_cleared"
-    # Node remediation hand-off (mscale.daemon.remediation)
+    # Node remediation hand-off (mscale.kube.remediation)
     GPU_FAULT_VERDICT = "gpu_fault_verdict"  # a GPU shown at fault (SDC proven by an L1 swap, a fatal Xid)
     GPU_FAULT_CLEARED = "gpu_fault_cleared"  # ... reset and healthy again: the filings are undone
     REMEDIATION_FILING = "remediation_filing"  # one filer's file or clear, with its result

@@ -2,7 +2,7 @@
 a key, `ConfigError` says which key is wrong and where, `parse_bool` is the one boolean parser
 (environment variables, CLI flags; the training job's too), and `build` makes a section from
 its TOML table strictly. The agent's whole config is assembled from the rooms' sections in
-mscale.config, above them; a room imports only this module.
+mscale.daemon.config, above them; a room imports only this module.
 
 A section is a frozen dataclass of `opt()` fields declaring its own table's help as
 `HELP: ClassVar[str]`; it may define `check(self, key)` for rules across its fields.

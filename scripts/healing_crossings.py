@@ -32,10 +32,10 @@ import structlog  # noqa: E402
 
 structlog.configure(logger_factory=structlog.ReturnLoggerFactory())  # the events, not their log lines
 
-from mscale.config import Config  # noqa: E402
 from mscale.daemon import healing as service  # noqa: E402
 from mscale.daemon import keys  # noqa: E402
 from mscale.daemon.app import create_app  # noqa: E402
+from mscale.daemon.config import Config  # noqa: E402
 from mscale.daemon.jobs import JobState  # noqa: E402
 from mscale.link import MpuInfo, Register  # noqa: E402
 
@@ -67,13 +67,20 @@ class Crossings:
 SINKS = ("EventLog.emit", "setup.<locals>.<lambda>")  # the engine's emit and publish, as the service wires them
 
 
-def alert(name: str, status: str, labels: dict[str, str], fingerprint: str) -> dict[str, Any]:
-    return {
+def alert(name: str, status: str, labels: dict[str, str], fingerprint: str) -> Any:
+    """The alert as the webhook hands it over (an `Alert` where the agent has the type, the
+    parsed dict on commits before it)."""
+    entry = {
         "status": status,
         "labels": {"alertname": name, **labels},
         "startsAt": "2026-01-01T00:00:00Z",
         "fingerprint": fingerprint,
     }
+    try:
+        from mscale.daemon.alert import Alert
+    except ImportError:
+        return entry
+    return Alert.from_payload(entry, "alert")
 
 
 async def main() -> None:

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mscale import config as configmod
 from mscale import options
-from mscale.config import ConfigError, from_dict, load, parse_bool, reference_markdown
+from mscale.daemon import config as configmod
+from mscale.daemon.config import ConfigError, from_dict, load, parse_bool, reference_markdown
 from support import REPO
 
 
@@ -118,7 +118,7 @@ def test_docs_config_table_is_generated() -> None:
     assert m, "docs/configuration.md lacks the config-table markers"
     assert m.group(1).strip() == reference_markdown().strip(), (
         "docs/configuration.md config table is stale: paste the output of "
-        "`python -c 'import mscale.config as c; print(c.reference_markdown())'` between its markers"
+        "`python -c 'import mscale.daemon.config as c; print(c.reference_markdown())'` between its markers"
     )
 
 

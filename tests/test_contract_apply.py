@@ -17,7 +17,7 @@ from mscale.daemon import compliance
 from support import require
 from support.link_agent import Agent, RawLink, wait_for
 
-FEATURES = ("mscale.daemon.api", "mscale.daemon.link", "mscale.daemon.contract")
+FEATURES = ("mscale.daemon.api", "mscale.daemon.link", "mscale.daemon.contract.service")
 
 
 def two_cpus() -> tuple[int, int]:

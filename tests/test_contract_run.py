@@ -24,7 +24,7 @@ from support.link_agent import Agent, metric, wait_for
 
 pytestmark = pytest.mark.slow  # an agent, a training run and two loader workers: about 6 s
 
-FEATURES = ("mscale.daemon.api", "mscale.daemon.link", "mscale.daemon.status_api", "mscale.daemon.contract")
+FEATURES = ("mscale.daemon.api", "mscale.daemon.link", "mscale.daemon.status_api", "mscale.daemon.contract.service")
 
 
 class PidCaptions(SyntheticCaptions):

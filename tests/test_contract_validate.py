@@ -308,7 +308,7 @@ def test_cli_check_prints_the_plan_or_every_problem(smt: Path, tmp_path: Path) -
 
 def test_the_job_takes_the_allocation_switch_from_the_agents_config(short: Path, tmp_path: Path) -> None:
     import mscale
-    from mscale.config import ConfigError
+    from mscale.daemon.config import ConfigError
 
     nr = short / "sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages"
     topo = {"p": {"memory_pool": "hugepage_2MB", "hugepages": 8}}

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from mscale.config import from_dict
+from mscale.daemon.config import from_dict
 from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason
 from mscale.probes import gpu as gpu_probe
@@ -94,7 +94,9 @@ def make_probe(url: str) -> tuple[gpu_probe.GpuProbe, list[Finding]]:
     cfg = from_dict({"probes": {"gpu": {"backend": "dcgm", "dcgm_url": url}}})
     found: list[Finding] = []
     state = AgentState(node="n")
-    probe = gpu_probe.SPEC.factory(ProbeContext(config=cfg, state=state, emit=found.append, clock=lambda: 1000.0))
+    probe = gpu_probe.SPEC.factory(
+        ProbeContext(config=cfg, emit=found.append, clock=lambda: 1000.0, jobs=state.registered_jobs)
+    )
     return probe, found
 
 

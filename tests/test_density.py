@@ -7,11 +7,11 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 
 from mscale.contracts.settings import ContractSection
-from mscale.daemon.contract import ContractRecord, ContractSnapshot
+from mscale.daemon.contract.service import ContractRecord, ContractSnapshot
 from mscale.daemon.density import DensityGuard, nearest_profile
-from mscale.daemon.jobs import MpuState
+from mscale.daemon.exporters import make_registry
+from mscale.daemon.mpu_state import MpuState
 from mscale.daemon.state import AgentState, EventLog
-from mscale.exporters import make_registry
 from mscale.findings import Reason
 from mscale.probes.gpu_sample import GpuSample
 from mscale.sim.nvml import SimNvml

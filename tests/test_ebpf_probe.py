@@ -23,9 +23,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mscale.config import from_dict
+from mscale.daemon.config import from_dict
+from mscale.daemon.exporters import make_registry
 from mscale.daemon.state import AgentState
-from mscale.exporters import make_registry
 from mscale.findings import Reason
 from mscale.probes import spec
 from mscale.probes.base import ProbeContext, ProbeUnavailable
@@ -167,7 +167,7 @@ def make_probe(bpf_ok):
 
 def scrape(state: AgentState) -> dict:
     """name -> list of samples, from the cuda exporter through prometheus_client."""
-    text = generate_latest(make_registry(state, ("mscale.exporters.cuda",))).decode()
+    text = generate_latest(make_registry(state, ("mscale.daemon.exporters.cuda",))).decode()
     return {m.name: m.samples for m in text_string_to_metric_families(text)}, text
 
 
@@ -500,19 +500,21 @@ def test_a_bad_cmdline_pattern_is_reported_not_raised() -> None:
     cfg = from_dict({"probes": {"ebpf": {"cmdline_pattern": "train(("}}})
     state = AgentState(node="test")
     with pytest.raises(ProbeUnavailable, match="cmdline_pattern is not a valid regular expression"):
-        spec("ebpf").factory(ProbeContext(config=cfg, state=state, emit=state.events.emit, clock=time.time))
+        spec("ebpf").factory(
+            ProbeContext(config=cfg, emit=state.events.emit, clock=time.time, jobs=state.registered_jobs)
+        )
 
 
 UNPRIVILEGED = r"""
 import time
-from mscale.config import from_dict
+from mscale.daemon.config import from_dict
 from mscale.daemon.state import AgentState
 from mscale.probes import spec
 from mscale.probes.base import ProbeContext, ProbeUnavailable
 from mscale.probes.ebpf import EbpfProbe
 cfg = from_dict({})
 st = AgentState(node="t")
-ctx = ProbeContext(config=cfg, state=st, emit=st.events.emit, clock=time.time)
+ctx = ProbeContext(config=cfg, emit=st.events.emit, clock=time.time, jobs=st.registered_jobs)
 try:
     spec("ebpf").factory(ctx)
     print("factory: ok")

@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.parser import text_string_to_metric_families
 
 from mscale.daemon import exposition
-from mscale.exporters import make_registry
+from mscale.daemon.exporters import make_registry
 from support.agent_state import state_with
 
 

@@ -195,7 +195,22 @@ def test_l3_without_placeholders_is_applied_and_adds_its_term(family: str) -> No
         opt.step()
         opt.zero_grad()
     fuse, m = guard.fuse, guard.mpu("vision")
-    assert fuse.run(Decision("t", "l3_distill", "L3", fuse._target(m), m.fuse_level, "test", "", 1, 0.0)) == "applied"
+    assert (
+        fuse.run(
+            Decision(
+                rule="t",
+                action="l3_distill",
+                level="L3",
+                target=fuse._target(m),
+                before=m.fuse_level,
+                reason="test",
+                why="",
+                step=1,
+                time=0.0,
+            )
+        )
+        == "applied"
+    )
     out = model(**make_batch(2, torch.Generator().manual_seed(2)))
     guard.detach()
     assert "task_loss" in out and float(out.loss) > float(out["task_loss"])

@@ -15,9 +15,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mscale.config import from_dict
+from mscale.daemon.config import from_dict
+from mscale.daemon.exporters import make_registry
 from mscale.daemon.state import AgentState
-from mscale.exporters import make_registry
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing import policy as policymod
 from mscale.healing.engine import Condition, HealingEngine, Target
@@ -518,7 +518,7 @@ def test_docs_document_the_xid_table() -> None:
 
 
 def scrape(state: AgentState) -> dict:
-    text = generate_latest(make_registry(state, modules=("mscale.exporters.gpu",))).decode()
+    text = generate_latest(make_registry(state, modules=("mscale.daemon.exporters.gpu",))).decode()
     out: dict = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:

@@ -182,7 +182,18 @@ def test_loss_spike_cools_then_a_persisting_spike_rolls_back():
     assert eng.job("j1").level == "cooling"
     (d,) = eng.decide(Condition("reason", "loss_spike_action", {}, occurrence=101), tgt)
     assert d.action == "rollback"
-    eng.record(Decision(d.rule, "lr_cool", "none", Target("j1"), "cooling", "cooling_end", "window over"), "ended")
+    eng.record(
+        Decision(
+            rule=d.rule,
+            action="lr_cool",
+            level="none",
+            target=Target("j1"),
+            before="cooling",
+            reason="cooling_end",
+            why="window over",
+        ),
+        "ended",
+    )
     assert eng.job("j1").level == "healthy"
     (d,) = eng.decide(Condition("reason", "loss_spike_action", {}, occurrence=102), tgt)
     assert d.action == "lr_cool"
@@ -341,7 +352,7 @@ def test_no_action_is_named_outside_its_module():
 def test_not_escalated_is_healthy_everywhere():
     """One word for an MPU that no fuse level holds: the state machine's, the agent's view of a
     job's MPU (and so `mscale_mpu_info{fuse_level}` and the status API) before any report."""
-    from mscale.daemon.jobs import MpuState
+    from mscale.daemon.mpu_state import MpuState
 
     assert MpuState("001", "vision", 0).fuse_level == Level.HEALTHY.value == "healthy"
     assert Level.HEALTHY.number == 0 and Level.L3_DISTILLING.number == 3

@@ -14,8 +14,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
+from mscale.daemon.exporters.healing import families
 from mscale.demo.scenario import Fault, RunConfig, relative_gap, run
-from mscale.exporters.healing import families
 
 STEPS = 100
 

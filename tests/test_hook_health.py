@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mscale.daemon.jobs import BASELINE_SKIP, BASELINE_STEPS, JobState, gpus_by_index
+from mscale.daemon.jobs import JobState, gpus_by_index
+from mscale.daemon.mpu_state import BASELINE_SKIP, BASELINE_STEPS
 from mscale.daemon.state import AgentState
 from mscale.link import MpuInfo, Register, StepReport
 from mscale.probes.gpu import GpuSample, GpuSnapshot

@@ -14,8 +14,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mscale.daemon.exporters import make_registry
 from mscale.daemon.state import AgentState
-from mscale.exporters import make_registry
 from mscale.probes.host import HostProbe, HostSnapshot, whole_disks
 
 PROC = Path(__file__).parent / "fixtures" / "host" / "proc"
@@ -115,7 +115,7 @@ def test_registered_training_process(tmp_path) -> None:
         assert p.threads >= 1
         assert snap.processes_gone == ("job-gone",)
         state.publish("host", snap)
-        text = generate_latest(make_registry(state, modules=("mscale.exporters.host",))).decode()
+        text = generate_latest(make_registry(state, modules=("mscale.daemon.exporters.host",))).decode()
         series = {
             (s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text)

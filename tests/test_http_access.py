@@ -17,8 +17,8 @@ import structlog
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mscale import config as configmod
 from mscale.daemon import access, chaos
+from mscale.daemon import config as configmod
 from mscale.demo.embedded import EmbeddedAgent
 from mscale.link import CHAOS_FIELDS, CHAOS_KINDS
 from mscale.sim.nvml import SimNvml

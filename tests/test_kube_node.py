@@ -255,8 +255,8 @@ async def test_end_to_end_fault_cordon_reset_uncordon_on_simulated_gpus(api: Api
 
     from aiohttp import web
 
-    from mscale.config import from_dict
     from mscale.daemon.app import build_probes, create_app, new_state
+    from mscale.daemon.config import from_dict
     from mscale.probes.base import ProbeContext
     from mscale.sim.nvml import SimNvml
     from mscale.sim.timeline import event_from_dict
@@ -278,9 +278,13 @@ async def test_end_to_end_fault_cordon_reset_uncordon_on_simulated_gpus(api: Api
     )
     sim = SimNvml(4)
     state = new_state(config)
-    ctx = ProbeContext(config=config, state=state, emit=state.events.emit, clock=time.time, nvml=sim)
+    ctx = ProbeContext(config=config, emit=state.events.emit, clock=time.time, jobs=state.registered_jobs, nvml=sim)
     app = create_app(
-        config, state=state, probes=build_probes(config, ctx, ("gpu",)), nvml=sim, features=("mscale.daemon.kube",)
+        config,
+        state=state,
+        probes=build_probes(config, ctx, ("gpu",), status=state.probe_status),
+        nvml=sim,
+        features=("mscale.daemon.kube",),
     )
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

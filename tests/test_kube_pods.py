@@ -12,9 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mscale import link as protocol
-from mscale.config import Config
 from mscale.daemon import keys
 from mscale.daemon.app import create_app
+from mscale.daemon.config import Config
 from mscale.daemon.settings import AgentSection
 from mscale.kube.attribution import SNAPSHOT
 from mscale.kube.podresources import PodResourcesError, list_pods

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mscale.config import from_dict
+from mscale.daemon.config import from_dict
 from mscale.rules import params as paramsmod
 from mscale.rules import render
 from mscale.rules.alerts import ALERTS

@@ -272,7 +272,17 @@ def test_l3_finds_the_model_inside_each_wrapper(kind: str, one_rank_group, accel
         opt.step()
         opt.zero_grad()
     fuse, m = guard.fuse, guard.mpu("vision")
-    decision = Decision("t", "l3_distill", "L3", fuse._target(m), m.fuse_level, "test", "", 1, 0.0)
+    decision = Decision(
+        rule="t",
+        action="l3_distill",
+        level="L3",
+        target=fuse._target(m),
+        before=m.fuse_level,
+        reason="test",
+        why="",
+        step=1,
+        time=0.0,
+    )
     assert fuse.run(decision) == "applied", [f.message for f in guard.findings][-3:]
     out = outer(**make_batch(2, torch.Generator().manual_seed(2)))
     assert float(out.loss) > float(out["task_loss"])

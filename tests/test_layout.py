@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import ast
+import builtins
 import re
 from functools import cache
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "mscale"
 NO_DAEMON = ("hook", "snapshot", "healing", "probes", "sim", "rules", "dashboards", "contracts")
-NO_TORCH = ("daemon", "probes", "exporters", "healing", "contracts", "kube")
+NO_TORCH = ("daemon", "probes", "healing", "contracts", "kube")  # daemon/ holds its exporters/
 JOB_SIDE = ("hook", "snapshot")
 # what pulls torch in: torch itself and the frameworks built on it
 TORCH = ("torch", "torchvision", "transformers", "accelerate", "lightning", "pytorch_lightning")
@@ -421,3 +422,83 @@ def test_version_is_written_once_and_the_license_file_matches_the_declared_licen
     assert project["license"] == "Apache-2.0"
     head = (PKG.parent / "LICENSE").read_text()[:400]
     assert "Apache License" in head and "Version 2.0" in head
+
+
+# --- parts owned, not mixed in -------------------------------------------------------------------
+
+# A class is built from parts it holds and calls, not from bases in other files of the package: a
+# mixin in another file has to declare its host's attributes and stub its methods to type-check,
+# and spreads one object over several files. Protocols, abstract bases and exceptions are
+# interfaces and kinds, not parts, and may be inherited. "module:Class" -> why it still inherits.
+MIXED_IN: dict[str, str] = {
+    "mscale.hook.core.guard:Guard": "its scaler, statistics and plugin parts become owned (issue 40, hook/ step)",
+    "mscale.snapshot.engine:SnapshotEngine": "its capture part becomes owned (issue 40, snapshot/ step)",
+}
+_INTERFACES = {"Protocol", "ABC", "Generic", "NamedTuple", "TypedDict", "Enum", "StrEnum", "IntEnum"}
+
+
+def _module_file(module: str) -> Path:
+    path = PKG.parent / Path(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _classes(module: str) -> dict[str, ast.ClassDef]:
+    """The classes a module defines, by name."""
+    path = _module_file(module)
+    if not path.exists():
+        return {}
+    return {n.name: n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)}
+
+
+def _resolve(module: str, name: str, depth: int = 0) -> tuple[str, ast.ClassDef] | None:
+    """Where class `name` of `module` is defined (through re-exports), or None if it is not one."""
+    classes = _classes(module)
+    if name in classes:
+        return module, classes[name]
+    path = _module_file(module)
+    if depth > 3 or not path.exists():
+        return None
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mscale"):
+            for a in node.names:
+                if (a.asname or a.name) == name:
+                    return _resolve(node.module, a.name, depth + 1)
+    return None
+
+
+def _is_interface(module: str, cls: ast.ClassDef, depth: int = 0) -> bool:
+    """A Protocol, an abstract base or an exception (by its own bases, followed in the package)."""
+    if any(k.arg == "metaclass" for k in cls.keywords):
+        return True
+    for b in cls.bases:
+        name = ast.unparse(b).split("[")[0].split(".")[-1]
+        builtin = getattr(builtins, name, None)
+        if name in _INTERFACES or (isinstance(builtin, type) and issubclass(builtin, BaseException)):
+            return True
+        found = _resolve(module, name) if depth < 5 else None
+        if found is not None and _is_interface(found[0], found[1], depth + 1):
+            return True
+    return False
+
+
+def mixed_in() -> dict[str, list[str]]:
+    """ "module:Class" -> its bases that are classes of other files of the package (not interfaces)."""
+    out: dict[str, list[str]] = {}
+    for p in _files():
+        module = _module_name(p)
+        own = _classes(module)
+        for name, cls in own.items():
+            for b in cls.bases:
+                base = ast.unparse(b).split("[")[0].split(".")[-1]
+                found = _resolve(module, base) if base not in own else None
+                if found is not None and found[0] != module and not _is_interface(*found):
+                    out.setdefault(f"{module}:{name}", []).append(f"{found[0]}:{base}")
+    return out
+
+
+def test_no_class_inherits_a_part_from_another_file_but_the_named() -> None:
+    found = mixed_in()
+    mixed = {k: v for k, v in found.items() if k not in MIXED_IN}
+    assert not mixed, f"classes with bases from other files (hold the part and call it instead): {mixed}"
+    stale = [k for k in MIXED_IN if k not in found]
+    assert not stale, f"MIXED_IN names classes that own their parts now: drop them: {stale}"

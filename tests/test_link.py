@@ -350,9 +350,9 @@ def test_lr_cooling_is_exported_for_every_registered_job() -> None:
     """0 for a job not cooled (absence would read as "no data"), 1 while cooled."""
     from prometheus_client import generate_latest
 
+    from mscale.daemon.exporters import make_registry
     from mscale.daemon.jobs import JobState
     from mscale.daemon.state import AgentState
-    from mscale.exporters import make_registry
     from mscale.healing.engine import HealingSnapshot
 
     state = AgentState(node="n")

@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mscale import link as protocol
-from mscale.config import ConfigError, load
+from mscale.daemon.config import ConfigError, load
 from mscale.daemon.state import EventLog, finding_bytes
 from mscale.findings import Finding, Reason, Severity
 from mscale.link import BadMessage

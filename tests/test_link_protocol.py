@@ -107,7 +107,14 @@ def test_the_engines_heal_command_is_the_protocols():
     from mscale.healing.engine import Decision, Target
 
     d = Decision(
-        "xid_fatal", "l1_swap", "L1", Target("job", "001", "3", "GPU-x"), "healthy", "gpu_xid", "Xid 79", time=12.5
+        rule="xid_fatal",
+        action="l1_swap",
+        level="L1",
+        target=Target("job", "001", "3", "GPU-x"),
+        before="healthy",
+        reason="gpu_xid",
+        why="Xid 79",
+        time=12.5,
     )
     for cmd in (d.command(), d.command(end=True)):
         wire = cmd.to_wire()
@@ -227,7 +234,8 @@ def test_socket_path_precedence(monkeypatch):
 
 
 def test_defaults_everywhere_are_the_protocols():
-    from mscale import cli, config
+    from mscale import cli
+    from mscale.daemon import config
 
     assert protocol.DEFAULT_LISTEN == "127.0.0.1:9477" and protocol.DEFAULT_URL == "http://127.0.0.1:9477"
     cfg = config.from_dict({})

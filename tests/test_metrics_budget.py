@@ -13,8 +13,8 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from mscale.daemon import scrape
+from mscale.daemon.exporters import make_registry
 from mscale.daemon.settings import HttpSection
-from mscale.exporters import make_registry
 from support.agent_state import MPUS, state_with
 from support.link_agent import Agent, RawLink, metric
 

@@ -26,13 +26,13 @@ STUB_C = REPO / "tests" / "fixtures" / "libnvidia_ml_stub.c"
 PROBE_SCRIPT = textwrap.dedent(
     """
     import dataclasses, json, sys, time
-    from mscale.config import from_dict
+    from mscale.daemon.config import from_dict
     from mscale.daemon.app import UnavailableProbe, build_probes, new_state
     from mscale.probes.base import ProbeContext
 
     cfg = from_dict({})
     found = []
-    ctx = ProbeContext(config=cfg, state=new_state(cfg), emit=found.append, clock=time.time)
+    ctx = ProbeContext(config=cfg, emit=found.append, clock=time.time)
     ((probe, _, _),) = build_probes(cfg, ctx, ("gpu",))
     if isinstance(probe, UnavailableProbe):
         print(json.dumps({"unavailable": probe.reason}))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from mscale.config import from_dict
+from mscale.daemon.config import from_dict
 from mscale.findings import Reason
 from mscale.probes.gpu import GpuProbe, NvmlReader
 from mscale.probes.gpu_health import HealthModel
@@ -55,7 +55,7 @@ REAL_SERIES = textwrap.dedent(
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
     from support.nvml_timeline import SteppedClock, health_series, write_clock
-    from mscale.config import from_dict
+    from mscale.daemon.config import from_dict
     from mscale.findings import Reason
     from mscale.probes.gpu import GpuProbe, NvmlReader
     from mscale.probes.gpu_health import HealthModel
@@ -193,7 +193,7 @@ PROBE_STEPS = textwrap.dedent(
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
     from support.nvml_timeline import write_clock
-    from mscale.config import from_dict
+    from mscale.daemon.config import from_dict
     from mscale.daemon.app import UnavailableProbe, build_probes, new_state
     from mscale.probes.base import ProbeContext
 
@@ -201,7 +201,7 @@ PROBE_STEPS = textwrap.dedent(
     clock_file, steps = Path(sys.argv[2]), json.loads(sys.argv[3])
     write_clock(clock_file, 0.0)
     found = []
-    ctx = ProbeContext(config=cfg, state=new_state(cfg), emit=found.append, clock=time.time)
+    ctx = ProbeContext(config=cfg, emit=found.append, clock=time.time)
     ((probe, _, _),) = build_probes(cfg, ctx, ("gpu",))
     samples = []
     for t, want_xids in steps:
@@ -283,7 +283,7 @@ ERROR_LOOP = textwrap.dedent(
     import json, os, sys, time
     from pathlib import Path
     import pynvml
-    from mscale.config import from_dict
+    from mscale.daemon.config import from_dict
     from mscale.daemon.app import UnavailableProbe, build_probes, new_state
     from mscale.probes.base import ProbeContext
 
@@ -295,7 +295,7 @@ ERROR_LOOP = textwrap.dedent(
                 "event_set_create": f"event_set_create_error {code}"}.get(where, f"gpu 1 error {call} {code}")
         conf.write_text("gpus 2\\ngpu 0 temperature 50\\ngpu 1 temperature 60\\ngpu 0 nvlinks 1\\n"
                         "gpu 1 nvlinks 1\\nxid 1 13\\n" + line + "\\n")
-        ctx = ProbeContext(config=cfg, state=new_state(cfg), emit=lambda f: None, clock=time.time)
+        ctx = ProbeContext(config=cfg, emit=lambda f: None, clock=time.time)
         ((probe, _, _),) = build_probes(cfg, ctx, ("gpu",))
         if isinstance(probe, UnavailableProbe):
             results.append({"unavailable": probe.reason})

@@ -2,7 +2,7 @@
 throwaway_probe.py, on by default) and a dormant one (tests/support/dormant_probe.py, off by
 default), each registered by one REGISTRY entry, get their [probes.<name>] keys checked like
 the shipped probes', `enabled` defaulting to the spec's `default_enabled`, rows in the config
-reference, and are run by the agent. The machinery (mscale.options) is a leaf; mscale.config
+reference, and are run by the agent. The machinery (mscale.options) is a leaf; mscale.daemon.config
 assembles the rooms' sections."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from mscale.config import ConfigError, from_dict, load, reference_markdown
 from mscale.daemon import keys
 from mscale.daemon.app import create_app
+from mscale.daemon.config import ConfigError, from_dict, load, reference_markdown
 from mscale.probes import REGISTRY
 from mscale.probes.base import ProbeSpec
 from support import throwaway_probe
@@ -185,13 +185,13 @@ def test_spec_refuses_a_section_the_agent_cannot_run(section, error) -> None:
 
 def test_the_machinery_is_a_leaf_and_config_is_assembled_above_the_rooms() -> None:
     """Rooms import mscale.options (opt, ConfigError, parse_bool), which imports no room;
-    mscale.config imports each room's section, and no room imports mscale.config."""
+    mscale.daemon.config imports each room's section, and no room imports mscale.daemon.config."""
     code = (
         "import sys, mscale\n"
         "before = set(sys.modules)\n"
         "import mscale.options\n"
         "print(sorted(m for m in set(sys.modules) - before if m.startswith('mscale')))\n"
-        "import mscale.config as c\n"
+        "import mscale.daemon.config as c\n"
         "c.from_dict({})\n"
         "print(sorted(m for m in set(sys.modules) - before if m.startswith('mscale')))\n"
     )
@@ -207,17 +207,17 @@ def test_the_machinery_is_a_leaf_and_config_is_assembled_above_the_rooms() -> No
     ):
         assert repr(room) in out[1]  # and assembling does reach each room's section
     pkg = Path(__file__).resolve().parent.parent / "mscale"
-    config = (pkg / "config.py").read_text()
+    config = (pkg / "daemon" / "config.py").read_text()
     assert "import_module" not in config and '"mscale.' not in config  # no string names a room
     importers = sorted(
         str(p.relative_to(pkg))
         for p in pkg.rglob("*.py")
-        if "from mscale.config import" in p.read_text() or "from mscale import config" in p.read_text()
+        if "from mscale.daemon.config import" in p.read_text() or "from mscale.daemon import config" in p.read_text()
     )
     # only the agent's assembly and entry points (and a CLI that reads the agent's file) use it
     assert importers == [
-        "contracts/cli.py",
         "daemon/app.py",
+        "daemon/contract/cli.py",
         "daemon/keys.py",
         "daemon/main.py",
         "demo/embedded.py",

@@ -15,7 +15,7 @@ import structlog
 import torch
 
 import mscale
-from mscale.config import ConfigError
+from mscale.daemon.config import ConfigError
 from mscale.findings import Reason
 from mscale.healing.progress import JOB, MPU_RUNGS, Progress
 from mscale.healing.settings import HealingSection

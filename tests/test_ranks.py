@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 
 from mscale.agent_client import AgentClient
+from mscale.daemon.exporters import jobs as jobs_exporter
 from mscale.daemon.jobs import JobState, RankLimit
 from mscale.daemon.state import AgentState
 from mscale.daemon.status_cli import render
-from mscale.exporters import jobs as jobs_exporter
 from mscale.link import MpuInfo, Register, StepReport
 from support import REPO
 from support.link_agent import Agent, metric, wait_for

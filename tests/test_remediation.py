@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from mscale.config import ConfigError, from_dict
-from mscale.daemon.remediation.service import SNAPSHOT, RemediationService, build_filers
+from mscale.daemon.config import ConfigError, from_dict
 from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason, Severity
+from mscale.kube.remediation.service import SNAPSHOT, RemediationService, build_filers
 from mscale.kube.service import KubeService
 from mscale.kube.settings import KubernetesSection
 from mscale.probes.gpu_sample import GpuSnapshot
@@ -203,13 +203,13 @@ async def test_every_remediation_series_is_documented_with_its_labels(hook) -> N
     from prometheus_client import generate_latest
     from test_metrics_doc import documented, exposed
 
-    from mscale.exporters import make_registry
+    from mscale.daemon.exporters import make_registry
 
     clock, state = Clock(), AgentState(node=NODE)
     state.publish("gpu", gpus(failed=(1,)))
     svc = service(state, clock, command={"enabled": True, "argv": [hook.path]})
     await svc.turn()
-    page = generate_latest(make_registry(state, ("mscale.exporters.remediation",))).decode()
+    page = generate_latest(make_registry(state, ("mscale.daemon.exporters.remediation",))).decode()
     got, docs = exposed(page), documented()
     assert set(got) == {
         "mscale_remediation_gpu_fault",

@@ -25,13 +25,13 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from mscale.config import from_dict
 from mscale.daemon.app import create_app, new_state
+from mscale.daemon.config import from_dict
 from mscale.daemon.link_labels import MAX_PROOFS_PER_MESSAGE
-from mscale.daemon.remediation import ledger
-from mscale.daemon.remediation.service import SNAPSHOT
-from mscale.daemon.remediation.verdicts import MAX_FAULTS, Fault
 from mscale.findings import Reason
+from mscale.kube.remediation import ledger
+from mscale.kube.remediation.service import SNAPSHOT
+from mscale.kube.remediation.verdicts import MAX_FAULTS, Fault
 from mscale.sim.nvml import SimNvml
 from mscale.sim.timeline import event_from_dict
 from support import free_port, require
@@ -46,7 +46,7 @@ FEATURES = (
     "mscale.daemon.link",
     "mscale.daemon.standby",
     "mscale.daemon.healing",
-    "mscale.daemon.remediation.service",
+    "mscale.daemon.remediation",
 )
 
 
@@ -443,8 +443,8 @@ def test_a_state_file_that_is_not_a_regular_file_stops_the_agent_untouched(tmp_p
 
 
 def test_the_service_refuses_a_fifo_without_waiting_for_a_writer(tmp_path: Path) -> None:
-    from mscale.daemon.remediation.service import RemediationService
     from mscale.daemon.state import AgentState
+    from mscale.kube.remediation.service import RemediationService
 
     path = tmp_path / "remediation.json"
     os.mkfifo(path)

@@ -15,9 +15,9 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from mscale import logs
-from mscale.config import from_dict
 from mscale.daemon import keys
 from mscale.daemon.app import create_app
+from mscale.daemon.config import from_dict
 from mscale.daemon.state import AgentState
 from mscale.findings import Reason
 from mscale.probes import nvml_api

@@ -12,7 +12,7 @@ import torch
 
 import mscale
 from mscale import link as protocol
-from mscale.config import from_dict
+from mscale.daemon.config import from_dict
 from mscale.findings import Finding, Reason, Severity
 from mscale.probes.gpu import GpuProbe, NvmlReader
 from mscale.probes.gpu_health import HealthModel

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mscale.config import ConfigError, load
+from mscale.daemon.config import ConfigError, load
 from mscale.daemon.jobs import JobState
 from mscale.daemon.state import AgentState
 from mscale.daemon.stragglers import SOURCE, StragglerSection, StragglerWatch

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mscale.config import ConfigError
-from mscale.config import load as load_config
+from mscale.daemon.config import ConfigError
+from mscale.daemon.config import load as load_config
 from mscale.healing import policy
 from mscale.probes.gpu_health import XidTableError, load_xid_table
 from mscale.sim.timeline import TimelineError, load_timeline

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mscale.config import from_dict
+from mscale.daemon.config import from_dict
 from mscale.probes.gpu_health import XID_CLASSES, HealthModel, XidTableError, load_xid_table, parse_xid_table
 from mscale.probes.gpu_sample import GpuSample
 

@@ -3,12 +3,13 @@ first step and turned into an execution plan (CPU masks per named I/O thread, GP
 hugepage pools, RDMA ports, NVMe namespaces, recovery point).
 
 Run by three processes: the TRAINING JOB (`mscale.contract(...)`: hardware view, validation,
-pinning its own threads and data-loader workers), the CLI (`mscale contract check|status`)
-and the AGENT (the plan's types, read back from the link, and the profile catalogue).
+pinning its own threads and data-loader workers), the CLI (`mscale contract check|status`,
+mscale.daemon.contract.cli: it reads the agent's [contract] section) and the AGENT (the plan's
+types, read back from the link, and the profile catalogue; its side is mscale.daemon.contract).
 
-May import: options (the config machinery), textfile, link, agent_client (the CLI asks the agent),
-config (the CLI reads the agent's [contract] section). Outside the package: the standard library
-and PyYAML. Never imports torch, daemon or hook, so the agent and the CLI load it in milliseconds.
+May import: options (the config machinery), textfile, link. Outside the package: the standard
+library and PyYAML. Never imports torch, daemon or hook, so the agent and the CLI load it in
+milliseconds.
 
   hardware  the host from /sys and /proc behind injectable roots (HostView)
   spec      the contract's fields, its stable error codes (Code), the profile catalogue
@@ -17,7 +18,6 @@ and PyYAML. Never imports torch, daemon or hook, so the agent and the CLI load i
   pin       CPU affinity and task names inside the job
   declare   mscale.contract(...): decorator and call form
   settings  the [contract] config section
-  cli       `mscale contract ...`
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The execution plan a valid contract becomes: CPU masks per named I/O thread, GPU binding,
 hugepage pools, RDMA ports, NVMe namespaces, the recovery point. Plain data: the job applies
 it (mscale.contracts.pin), the link carries it (`to_dict`, mscale.link.Contract), the
-agent checks the process against it (mscale.daemon.contract)."""
+agent checks the process against it (mscale.daemon.contract.service)."""
 
 from __future__ import annotations
 

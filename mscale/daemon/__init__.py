@@ -1,8 +1,8 @@
 """AGENT process (`mscale agent`): service loop, HTTP API, webhook, Unix-socket link server,
-job state, the agent's healing service, systemd notify.
+job state, the agent's healing service, its Prometheus collectors (exporters/), systemd notify.
 
-May import: findings, config (the agent's, assembled from the rooms' sections), options, logs,
-link, agent_client, healing (the decision core), probes, exporters, kube, sim (the simulated
-node of `--simulate`), contracts (torch-free), tasks. Never imports torch, and nothing job-side (hook,
+May import: findings, options, logs,
+link, agent_client, healing (the decision core), probes, kube, sim (the simulated
+node of `--simulate`), contracts (torch-free), tasks, textfile. Never imports torch, and nothing job-side (hook,
 snapshot) imports this package.
 """

@@ -16,11 +16,11 @@ from typing import Any
 
 from aiohttp import web
 
-from mscale.config import Config
 from mscale.daemon import access, keys
+from mscale.daemon.config import Config
+from mscale.daemon.exporters import make_registry
 from mscale.daemon.runner import ProbeRunner
 from mscale.daemon.state import AgentState, EventLog, ProbeStatus
-from mscale.exporters import make_registry
 from mscale.probes import REGISTRY as PROBE_REGISTRY
 from mscale.probes import spec
 from mscale.probes.base import ProbeContext, ProbeUnavailable
@@ -35,9 +35,9 @@ FEATURES: tuple[str, ...] = (
     "mscale.daemon.chaos",
     "mscale.daemon.status_api",
     "mscale.daemon.healing",
-    "mscale.daemon.contract",
+    "mscale.daemon.contract.service",
     "mscale.daemon.kube",
-    "mscale.daemon.remediation.service",
+    "mscale.daemon.remediation",
 )
 
 
@@ -55,12 +55,19 @@ class UnavailableProbe:
 
 
 def build_probes(
-    config: Config, ctx: ProbeContext, names: tuple[str, ...] | None = None
+    config: Config,
+    ctx: ProbeContext,
+    names: tuple[str, ...] | None = None,
+    *,
+    status: dict[str, ProbeStatus] | None = None,
 ) -> list[tuple[Any, float, float]]:
+    """The probes named (every registered one by default), each enabled one built from `ctx`;
+    `status` (the agent's state.probe_status) gets each probe's entry."""
     probes = []
+    status = {} if status is None else status
     for name in names or tuple(PROBE_REGISTRY):
         section = getattr(config.probes, name)
-        ctx.state.probe_status[name] = ProbeStatus(name, enabled=section.enabled)
+        status[name] = ProbeStatus(name, enabled=section.enabled)
         if not section.enabled:
             continue
         try:
@@ -98,8 +105,8 @@ def create_app(
     app[keys.CLOCK] = clock
     app[keys.NVML] = nvml
     if probes is None:
-        ctx = ProbeContext(config=config, state=state, emit=state.events.emit, clock=clock, nvml=nvml)
-        probes = build_probes(config, ctx)
+        ctx = ProbeContext(config=config, emit=state.events.emit, clock=clock, jobs=state.registered_jobs, nvml=nvml)
+        probes = build_probes(config, ctx, status=state.probe_status)
     app[keys.PROBES] = probes
     app[keys.REGISTRY] = make_registry(state)
     app.cleanup_ctx.append(_probe_runner)

@@ -1,6 +1,6 @@
 """Goodput and badput per job and rank: the seconds each rank's step reports carry by cause
 (mscale.hook.core.goodput measures them; mscale.link TIME_CAUSES), summed here since the rank
-registered, for mscale.exporters.goodput. A job the agent no longer holds goes with it."""
+registered, for mscale.daemon.exporters.goodput. A job the agent no longer holds goes with it."""
 
 from __future__ import annotations
 

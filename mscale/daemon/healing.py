@@ -30,9 +30,8 @@ or the socket (the webhook decodes and checks it in a worker thread).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +39,7 @@ import structlog
 from aiohttp import web
 
 from mscale.daemon import keys
+from mscale.daemon.alert import Alert
 from mscale.daemon.gpus import gpu_index
 from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason, Severity
@@ -114,9 +114,7 @@ class AlertOutcome:
     rate_limited: int = 0
 
 
-async def alerts(
-    app: web.Application, items: Iterable[Mapping[str, Any]], *, source: str
-) -> AsyncIterator[AlertOutcome]:
+async def alerts(app: web.Application, items: Iterable[Alert], *, source: str) -> AsyncIterator[AlertOutcome]:
     """A body's alerts, in order, in slices of SLICE alerts or SLICE_S seconds with the event
     loop served between them; the engine publishes its books once a slice. Each outcome is
     yielded as it is known, not kept: 10^5 of them held to the end made the collector's full
@@ -136,25 +134,24 @@ async def alerts(
                     break
 
 
-async def alert(app: web.Application, a: Mapping[str, Any], *, source: str) -> AlertOutcome:
-    """One Alertmanager alert, as the webhook parsed it (status, labels with alertname,
-    startsAt, fingerprint): an event, then the policy's decision, booked."""
+async def alert(app: web.Application, a: Alert, *, source: str) -> AlertOutcome:
+    """One Alertmanager alert, as the webhook read it: an event, then the policy's decision,
+    booked."""
     engine: HealingEngine = app[keys.ENGINE]
     state, now = app[keys.STATE], app[keys.CLOCK]()
-    labels, name, firing = a["labels"], a["labels"]["alertname"], a["status"] == "firing"
-    cond = Condition("alert", name, labels, source=source, severity=labels.get("severity", ""), time=now)
+    labels, name, firing = a.labels, a.name, a.firing
+    cond = Condition("alert", name, labels, source=source, severity=a.severity, time=now)
     state.events.emit(
         Finding(
             source,
             Reason.ALERT_FIRING if firing else Reason.ALERT_RESOLVED,
             Severity.INFO,
-            f"alert {name} {a['status']}",
-            labels,
+            f"alert {name} {a.status}",
+            dict(labels),
             now,
         )
     )
-    ident = (a.get("fingerprint") or json.dumps(labels, sort_keys=True), a.get("startsAt", ""))
-    plan = engine.plan(cond, node_view(state), alert=ident, resolved=not firing, budget=app[_BUDGET])
+    plan = engine.plan(cond, node_view(state), alert=a.identity, resolved=not firing, budget=app[_BUDGET])
     if not firing:
         return AlertOutcome(False, "resolved", cooling_ended=await _end(app, plan.ends))
     if plan.result in (Result.DUPLICATE, Result.RATE_LIMITED):

@@ -3,21 +3,7 @@
 It takes the link's messages as `mscale.link` read them (`Register`, `StepReport`, `MpuReport`:
 checked and typed once, on arrival), so nothing here reads a field by name or coerces it again.
 
-Health score (0-100, per MPU and phase, forward or backward), recomputed on every report
-and every scrape:
-
-    score = max(0, 100 - latency - checksum - memory - gpu)
-
-    latency  = 40 * clamp((r - 1.1) / (3 - 1.1), 0, 1)   r = median of the last 5 latencies of
-               the phase / the MPU's own baseline (median of its first 20 measured steps after
-               the first 3, warm-up excluded); 0 until the baseline exists
-    checksum = min(60, 20 * consecutive failures) + min(20, 2 * failures in the last 100 reports)
-    memory   = 15 * clamp((used/total - 0.85) / 0.15, 0, 1), of the GPU the MPU is bound to
-               (the agent's GPU snapshot, else the job's own report)
-    gpu      = 0 healthy, 25 degraded, 100 failed (the bound GPU's health in state.snapshots["gpu"])
-
-So one checksum failure costs 22 points, the three in a row that trigger an L1 swap 66
-(score 34, below the 60 that means "act"), a 3x slowdown 40, a failed GPU all 100.
+Each MPU's state and health score: mscale.daemon.mpu_state.
 
 The findings in a job's reports are counted per job (`JobState.findings`, so alerts on them
 carry `job_id`), and the snapshot engine's among them kept as the job's snapshot figures
@@ -27,43 +13,21 @@ carry `job_id`), and the snapshot engine's among them kept as the job's snapshot
 from __future__ import annotations
 
 import math
-import statistics
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from mscale.daemon.gpus import GpuSample
 from mscale.daemon.gpus import gpus_by_index as gpus_by_index  # (where tests and plugins found it)
+from mscale.daemon.mpu_state import MpuState, label_number
 from mscale.findings import Finding, Reason, Severity
-from mscale.healing.fsm import Level
-from mscale.link import MpuReport, Register, StepReport
+from mscale.link import Register, StepReport
 
-BASELINE_SKIP = 3
 MAX_FINDING_SERIES = 128  # distinct (source, reason, severity) counted per job: bounds its series
-BASELINE_STEPS = 20
-RECENT = 5
-MAX_PLACEMENTS = 16  # GPUs remembered per MPU (registered, rebound, swapped to): the agent's view of where it ran
-PHASES = ("forward", "backward")
 # the step figures a rank and its job both show in their dicts (the job's are its ranks', aggregated)
 FIGURES = ("connected", "step", "loss", "task_loss", "grad_norm", "reports_total", "reports_dropped")
-
-
-def _clamp01(v: float) -> float:
-    return 0.0 if v < 0 else 1.0 if v > 1 else v
-
-
-def _num(v: object) -> float:
-    """A number in a finding's label: a float, NaN for anything else."""
-    if isinstance(v, bool) or v is None:
-        return math.nan
-    if isinstance(v, (int, float, str)):
-        try:
-            return float(v)
-        except (ValueError, OverflowError):  # not a number, or an integer past a float's range
-            return math.nan
-    return math.nan
 
 
 def sample_value(v: Any) -> float:
@@ -73,144 +37,6 @@ def sample_value(v: Any) -> float:
         return float(v)
     except (TypeError, ValueError, OverflowError):
         return math.nan
-
-
-@dataclass
-class Latency:
-    """One phase's latency history: the MPU's own baseline and its recent samples."""
-
-    seen: int = 0
-    baseline_samples: list[float] = field(default_factory=list)
-    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
-    last_s: float = 0.0
-
-    def add(self, seconds: float) -> None:
-        if not (seconds > 0 and math.isfinite(seconds)):
-            return
-        self.seen += 1
-        self.last_s = seconds
-        self.recent.append(seconds)
-        if self.seen > BASELINE_SKIP and len(self.baseline_samples) < BASELINE_STEPS:
-            self.baseline_samples.append(seconds)
-
-    @property
-    def baseline_s(self) -> float | None:
-        if len(self.baseline_samples) < BASELINE_STEPS:
-            return None
-        return statistics.median(self.baseline_samples)
-
-    def ratio(self) -> float | None:
-        base = self.baseline_s
-        if base is None or not self.recent or base <= 0:
-            return None
-        return statistics.median(self.recent) / base
-
-
-@dataclass
-class MpuState:
-    mpu_id: str
-    name: str
-    gpu: int
-    gpu_uuid: str = ""
-    device: str = ""
-    path: str = ""
-    params: int = 0
-    fuse_level: str = Level.HEALTHY.value  # as the job reports it (mscale.healing.fsm.Level)
-    health_score: float = 100.0  # the lower of the two phases
-    health: dict[str, float] = field(default_factory=lambda: {p: 100.0 for p in PHASES})
-    latency: dict[str, Latency] = field(default_factory=lambda: {p: Latency() for p in PHASES})
-    grad_norm: float = math.nan
-    gvc: float = math.nan
-    clip_ratio: float = 0.0
-    distill_share: float = 0.0  # the L3 distillation term's share of the job's loss
-    checksum_ok: bool = True
-    checksum_consecutive_failures: int = 0
-    checksum_failures_total: int = 0
-    checksum_coverage_ratio: float = math.nan  # share of its checked layers the last step checked
-    checksum_max_gap_steps: float = math.nan  # the largest gap between checks of any layer, steps
-    checksum_replay_gap_steps: float = math.nan  # steps between replays of its forward (inf: none)
-    recent_failures: deque[int] = field(default_factory=lambda: deque(maxlen=100))
-    memory_used_bytes: float = math.nan
-    memory_total_bytes: float = math.nan
-    # the GPUs this MPU was registered, rebound or swapped to here, oldest first (MAX_PLACEMENTS):
-    # the only GPUs a finding of the MPU may name (mscale.daemon.link), so the only ones its job
-    # can have filed for remediation
-    placements: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.place(self.gpu)
-
-    def place(self, gpu: int) -> None:
-        """Record that the MPU runs on `gpu` now (the latest placement last)."""
-        if gpu < 0:
-            return
-        if gpu in self.placements:
-            self.placements.remove(gpu)
-        self.placements.append(gpu)
-        del self.placements[:-MAX_PLACEMENTS]
-
-    def update(self, r: MpuReport) -> None:
-        self.latency["forward"].add(r.forward_s)
-        self.latency["backward"].add(r.backward_s)
-        self.grad_norm, self.gvc = r.grad_norm, r.gvc
-        self.clip_ratio = r.clip_ratio if math.isfinite(r.clip_ratio) else self.clip_ratio
-        self.distill_share = r.distill_share if math.isfinite(r.distill_share) else 0.0
-        self.checksum_ok = r.checksum_ok
-        self.checksum_coverage_ratio, self.checksum_max_gap_steps = r.checksum_coverage_ratio, r.checksum_max_gap_steps
-        self.checksum_replay_gap_steps = r.checksum_replay_gap_steps
-        self.checksum_consecutive_failures = r.checksum_consecutive_failures
-        total = self.checksum_failures_total if r.checksum_failures_total is None else r.checksum_failures_total
-        self.recent_failures.append(max(0, total - self.checksum_failures_total))
-        self.checksum_failures_total = max(total, self.checksum_failures_total)
-        if r.gpu is not None:
-            if r.gpu != self.gpu:
-                self.gpu_uuid = ""  # rebound: the UUID comes from the agent's snapshot again
-            self.gpu = r.gpu
-            self.place(r.gpu)
-        if r.fuse_level is not None:
-            self.fuse_level = r.fuse_level
-        self.memory_used_bytes = math.nan if r.memory_used_bytes is None else r.memory_used_bytes
-        self.memory_total_bytes = math.nan if r.memory_total_bytes is None else r.memory_total_bytes
-
-    def score(self, gpu_sample: GpuSample | None = None) -> dict[str, float]:
-        """Recompute the health per phase (see the module docstring) and return it."""
-        checksum = min(60.0, 20.0 * self.checksum_consecutive_failures) + min(20.0, 2.0 * sum(self.recent_failures))
-        used, total = self.memory_used_bytes, self.memory_total_bytes
-        if gpu_sample is not None:
-            g_used = _num(getattr(gpu_sample, "memory_used_bytes", None))
-            g_total = _num(getattr(gpu_sample, "memory_total_bytes", None))
-            if math.isfinite(g_used) and math.isfinite(g_total):
-                used, total = g_used, g_total
-        memory = 15.0 * _clamp01((used / total - 0.85) / 0.15) if math.isfinite(used) and total and total > 0 else 0.0
-        health = getattr(gpu_sample, "health", "healthy") if gpu_sample is not None else "healthy"
-        gpu = {"healthy": 0.0, "degraded": 25.0, "failed": 100.0}.get(health, 0.0)
-        for phase in PHASES:
-            ratio = self.latency[phase].ratio()
-            latency = 40.0 * _clamp01((ratio - 1.1) / (3.0 - 1.1)) if ratio is not None else 0.0
-            self.health[phase] = max(0.0, 100.0 - latency - checksum - memory - gpu)
-        self.health_score = min(self.health.values())
-        return dict(self.health)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "mpu_id": self.mpu_id,
-            "name": self.name,
-            "gpu": self.gpu,
-            "gpu_uuid": self.gpu_uuid,
-            "device": self.device,
-            "fuse_level": self.fuse_level,
-            "health_score": self.health_score,
-            "health": dict(self.health),
-            "forward_s": self.latency["forward"].last_s,
-            "backward_s": self.latency["backward"].last_s,
-            "forward_baseline_s": self.latency["forward"].baseline_s,
-            "backward_baseline_s": self.latency["backward"].baseline_s,
-            "grad_norm": self.grad_norm,
-            "clip_ratio": self.clip_ratio,
-            "distill_share": self.distill_share,
-            "checksum_consecutive_failures": self.checksum_consecutive_failures,
-            "checksum_failures_total": self.checksum_failures_total,
-        }
 
 
 # Disk snapshot write durations: from a tiny model's milliseconds to a large one's minutes.
@@ -236,14 +62,14 @@ class SnapshotStats:
         labels = f.labels
         tier = labels.get("tier", "disk")[:32]
         if f.reason is Reason.SNAPSHOT_WRITTEN and (tier in self.tiers or len(self.tiers) < 8):
-            step, size = _num(labels.get("step")), _num(labels.get("bytes"))
+            step, size = label_number(labels.get("step")), label_number(labels.get("bytes"))
             if math.isfinite(step) and math.isfinite(size) and step >= self.tiers.get(tier, (-1.0, 0.0, 0.0))[0]:
                 self.tiers[tier] = (step, f.time, size)  # written and hashed: verified at capture
         if f.reason is Reason.SNAPSHOT_WRITTEN and tier != "disk":
             return  # the other tiers' writes: tiers only (the figures below are the disk's)
         if f.reason is Reason.SNAPSHOT_WRITTEN:
             self.last_success_time = f.time
-            size, seconds = _num(labels.get("bytes")), _num(labels.get("seconds"))
+            size, seconds = label_number(labels.get("bytes")), label_number(labels.get("seconds"))
             if math.isfinite(size):
                 self.last_size_bytes = size
             if math.isfinite(seconds) and seconds >= 0:
@@ -258,7 +84,7 @@ class SnapshotStats:
             # (a CRITICAL refusal only sums up the refused ones before it: "none valid")
             self.failures += 1
         elif f.reason in (Reason.ROLLBACK, Reason.SNAPSHOT_RESUMED):
-            seconds, tag = _num(labels.get("recovery_seconds")), labels.get("tag", "")
+            seconds, tag = label_number(labels.get("recovery_seconds")), labels.get("tag", "")
             # a failed rollback carries neither; tags are few (memory, disk): bound them anyway
             if tag and math.isfinite(seconds) and (tag[:32] in self.recovery_seconds or len(self.recovery_seconds) < 8):
                 self.recovery_seconds[tag[:32]] = seconds

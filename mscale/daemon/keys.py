@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from mscale.config import Config
+from mscale.daemon.config import Config
 from mscale.daemon.state import AgentState
 
 if TYPE_CHECKING:

@@ -27,14 +27,14 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from mscale import config as configmod
 from mscale import logs
+from mscale.daemon import config as configmod
 from mscale.daemon import httpserver, keys
 from mscale.daemon.app import create_app, new_state
 from mscale.daemon.chaos import enabled as chaos_enabled
 from mscale.daemon.notify import Notifier
-from mscale.daemon.remediation.ledger import StateFileRefused
-from mscale.daemon.remediation.ledger import check as check_state_file
+from mscale.kube.remediation.ledger import StateFileRefused
+from mscale.kube.remediation.ledger import check as check_state_file
 from mscale.link import DEFAULT_HOST, DEFAULT_LISTEN, DEFAULT_SOCKET, printable
 
 HELP = "run the node agent (the daemon systemd starts)"

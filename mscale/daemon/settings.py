@@ -1,5 +1,5 @@
 """The agent's own config sections: [agent], [socket] (the hook library's link) and
-[webhook] (Alertmanager), [stragglers] (slow ranks and MPUs). Assembled into `mscale.config.Config` with the other rooms'."""
+[webhook] (Alertmanager), [stragglers] (slow ranks and MPUs). Assembled into `mscale.daemon.config.Config` with the other rooms'."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ class StandbyBook:
             and gpu_index(lab.get("gpu", ""))
             and lab.get("result") in (Result.APPLIED, Result.SENT)
         ) or (f.reason is Reason.GPU_FAULT_VERDICT and gpu_index(lab.get("gpu", ""))):
-            # a GPU the fuse proved computes wrong (mscale.daemon.remediation) is no standby either
+            # a GPU the fuse proved computes wrong (mscale.kube.remediation) is no standby either
             self.quarantined.add(int(lab["gpu"]))
 
     def choose(

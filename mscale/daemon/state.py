@@ -168,3 +168,14 @@ class AgentState:
             gpus = gpus_by_index(self)
             for job in self.jobs.values():
                 job.refresh(gpus)
+
+    def registered_jobs(self) -> list[JobState]:
+        """The jobs now, copied from a probe's worker thread (what the probes that follow the
+        training processes read, mscale.probes.base.ProbeContext.jobs): the event loop may add
+        a job while it is copied, so the copy is tried again; [] after three tries."""
+        for _ in range(3):
+            try:
+                return list(self.jobs.values())
+            except RuntimeError:
+                continue
+        return []

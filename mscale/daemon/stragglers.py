@@ -31,7 +31,7 @@ A new straggler is a finding (warning, source `stragglers`), `mpu_straggler` or 
 GPU index and UUID and node; its end a `straggler_cleared` (info). The healing policy records
 them (mscale/healing/policy.yaml, rule `mpu_straggler`); an operator's policy may map a slow MPU
 to an L1 swap (docs/healing.md).
-Metrics: mscale.exporters.stragglers, over the immutable `StragglerView` that the watch, kept
+Metrics: mscale.daemon.exporters.stragglers, over the immutable `StragglerView` that the watch, kept
 in `state.snapshots["stragglers"]`, builds at scrape time. Across nodes Prometheus compares the
 per-rank series with recording rules (mscale/rules/recording.py), since it sees every node.
 

@@ -1,6 +1,7 @@
 """POST /api/v1/alerts: Alertmanager's webhook (payload version 4) into the healing service.
 
-This module authenticates, parses and validates; the healing service (mscale.daemon.healing)
+This module authenticates, parses and validates (each alert read once into an `Alert`,
+mscale.daemon.alert); the healing service (mscale.daemon.healing)
 matches each alert to the policy and books what it did. The rules of every state-changing
 endpoint apply (mscale.daemon.access: Host/Origin naming this agent, the bearer token from
 `webhook.token` or MSCALE_WEBHOOK_TOKEN compared in constant time, an empty token refusing
@@ -27,6 +28,7 @@ from aiohttp import web
 
 from mscale.daemon import access, keys
 from mscale.daemon import healing as service
+from mscale.daemon.alert import Alert, PayloadError, parse
 from mscale.healing.words import Result
 
 WHERE = "webhook"
@@ -67,53 +69,8 @@ class _Collector:
 _COLLECTOR = web.AppKey("webhook_collector", _Collector)
 
 
-class PayloadError(ValueError):
-    pass
-
-
-def _str_map(value: Any, what: str) -> dict[str, str]:
-    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        raise PayloadError(f"{what}: expected an object of strings")
-    return value
-
-
-def parse(body: Any) -> list[dict[str, Any]]:
-    """Validate an Alertmanager v4 payload; returns its alerts. PayloadError says why not."""
-    if not isinstance(body, dict):
-        raise PayloadError("body: expected a JSON object")
-    if body.get("version") != "4":
-        raise PayloadError(f'version: expected "4" (Alertmanager webhook payload), got {body.get("version")!r}')
-    if body.get("status") not in ("firing", "resolved"):
-        raise PayloadError(f"status: expected firing or resolved, got {body.get('status')!r}")
-    alerts = body.get("alerts")
-    if not isinstance(alerts, list):
-        raise PayloadError("alerts: expected a list")
-    out = []
-    for i, a in enumerate(alerts):
-        if not isinstance(a, dict):
-            raise PayloadError(f"alerts[{i}]: expected an object")
-        if a.get("status") not in ("firing", "resolved"):
-            raise PayloadError(f"alerts[{i}].status: expected firing or resolved, got {a.get('status')!r}")
-        labels = _str_map(a.get("labels"), f"alerts[{i}].labels")
-        if not labels.get("alertname"):
-            raise PayloadError(f"alerts[{i}].labels.alertname: missing")
-        _str_map(a.get("annotations", {}), f"alerts[{i}].annotations")
-        for ts in ("startsAt", "endsAt"):
-            if ts in a and not isinstance(a[ts], str):
-                raise PayloadError(f"alerts[{i}].{ts}: expected an RFC 3339 time string")
-        out.append(
-            {
-                "status": a["status"],
-                "labels": labels,
-                "startsAt": a.get("startsAt", ""),
-                "fingerprint": str(a.get("fingerprint", "")),
-            }
-        )
-    return out
-
-
-def decode(raw: bytes) -> list[dict[str, Any]]:
-    """The body's alerts, validated (access.parse_json, then `parse`); run in a worker thread:
+def decode(raw: bytes) -> list[Alert]:
+    """The body's alerts, validated (access.parse_json, then `alert.parse`: each alert an `Alert`); run in a worker thread:
     a body at the size limit takes seconds to decode and check, and the loop serves /healthz,
     the scrape and the socket meanwhile. The decoded body is dropped on return, so only the
     alerts stay in memory (fewer objects for the collector to walk while they are handled)."""
@@ -143,7 +100,7 @@ async def alerts(request: web.Request) -> web.Response:
     return web.json_response(summary)
 
 
-async def _handle(request: web.Request, items: list[dict[str, Any]]) -> dict[str, Any]:
+async def _handle(request: web.Request, items: list[Alert]) -> dict[str, Any]:
     """The alerts through the healing service; the reply's summary."""
     summary: dict[str, Any] = {
         "firing": 0,

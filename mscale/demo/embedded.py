@@ -19,8 +19,8 @@ from typing import Any
 
 from aiohttp import web
 
-from mscale import config as configmod
 from mscale.agent_client import AgentClient
+from mscale.daemon import config as configmod
 from mscale.link import DEFAULT_HOST
 
 LOOPBACK_ANY_PORT = f"{DEFAULT_HOST}:0"

@@ -3,7 +3,7 @@ was done (counters for `mscale_heal_actions_total` and `mpu_drift_count_total`, 
 decisions), the dedup ledgers, and the immutable `HealingSnapshot` published on every change.
 `record` books a decision's outcome (counters, state machine, an event); `observe` keeps the
 books in step with what a job reports it did itself. The deciding is the engine's
-(mscale.healing.engine), built on these books.
+(mscale.healing.engine), which owns one HealingBooks and calls it.
 
 The books stay bounded whatever arrives (mscale.healing.ledger): the one dedup ledger holds
 the faults acted on (a duplicate for `dedup_window_s`) and the alerts acted on (their
@@ -65,7 +65,7 @@ class HealingSnapshot:
 
 
 class HealingBooks:
-    """The books one HealingEngine keeps (see the module docstring); the engine's base."""
+    """The books one HealingEngine keeps and calls (see the module docstring)."""
 
     def __init__(
         self,
@@ -158,7 +158,7 @@ class HealingBooks:
 
     # --- recording -----------------------------------------------------------------------
 
-    def _count(self, level: str, action: str, mpu_id: str, result: str) -> None:
+    def count(self, level: str, action: str, mpu_id: str, result: str) -> None:
         self.actions[(level, action, mpu_id, result)] += 1
 
     def _book_job(self, spec: ActionSpec, job_id: str, result: str) -> None:
@@ -183,7 +183,7 @@ class HealingBooks:
         t = d.target
         extra = labels
         spec = actions.get(d.action)
-        self._count(d.level, d.action, t.mpu_id, result)
+        self.count(d.level, d.action, t.mpu_id, result)
         self._book_job(spec, t.job_id, result)
         state = ""
         if result == Result.APPLIED and t.mpu_id:  # "sent": the job reports its own move
@@ -290,7 +290,7 @@ class HealingBooks:
         if action not in actions.REGISTRY:
             return
         spec = actions.get(action)
-        self._count(lab.get("level", FuseLevel.NONE), action, mpu_id, result)
+        self.count(lab.get("level", FuseLevel.NONE), action, mpu_id, result)
         self._book_job(spec, job_id, result)
         if result in DONE:
             try:

@@ -28,7 +28,16 @@ class Condition:
 
     @classmethod
     def of(cls, f: Finding, step: int | None = None, occurrence: Hashable | None = None) -> Condition:
-        return cls("reason", f.reason.value, dict(f.labels), f.source, f.severity.value, f.time, step, occurrence)
+        return cls(
+            kind="reason",
+            name=f.reason.value,
+            labels=dict(f.labels),
+            source=f.source,
+            severity=f.severity.value,
+            time=f.time,
+            step=step,
+            occurrence=occurrence,
+        )
 
 
 @dataclass(frozen=True)
@@ -73,7 +82,7 @@ class Decision:
             rule="command" if cmd.rule is None else cmd.rule,
             action=cmd.action,
             level=spec.level,
-            target=Target(job_id, cmd.mpu_id or "", cmd.gpu or "", cmd.gpu_uuid or ""),
+            target=Target(job_id=job_id, mpu_id=cmd.mpu_id or "", gpu=cmd.gpu or "", gpu_uuid=cmd.gpu_uuid or ""),
             before="",
             reason="command" if cmd.reason is None else cmd.reason,
             why=cmd.why or "",

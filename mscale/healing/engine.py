@@ -22,21 +22,31 @@ In-process conditions carry an `occurrence` instead (the fuse's step count, or a
 stretch of an MPU at one placement): a trigger in a later occurrence is new evidence that the
 last action did not cure the fault, so it escalates instead of being dropped.
 
-The books (fuse states, counters, ledgers, the published snapshot, `record`, `observe`) are
-mscale.healing.books, this engine's base class; they stay bounded whatever arrives. A caller
-with an action budget passes it to `decide_within`: the budget counts actions, not conditions.
+The books (fuse states, counters, ledgers, the published snapshot, `record`, `observe`) are a
+part the engine owns (`books`, mscale.healing.books.HealingBooks) and calls; they stay bounded
+whatever arrives. The engine hands the callers that book outcomes (the fuse, the agent's
+service) the books' own calls (`record`, `observe`, `mpu`, `job`, ...), each one line here. A
+caller with an action budget passes it to `decide_within`: the budget counts actions, not
+conditions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+import contextlib
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from typing import Any
 
+from mscale.findings import Finding
 from mscale.healing import actions
 from mscale.healing.actions.base import ActionSpec
 from mscale.healing.books import ACTED_CAP, ALERT_TTL_S, RANK, HealingBooks, HealingSnapshot
 from mscale.healing.decision import Condition, Decision, Plan, Step
-from mscale.healing.ledger import Budget
-from mscale.healing.policy import Rule
+from mscale.healing.fsm import JobLossState, Level, MpuFuseState, Transition
+from mscale.healing.ledger import Budget, Ledger
+from mscale.healing.policy import Policy, Rule
+from mscale.healing.settings import HealingSection
 from mscale.healing.target import Target
 from mscale.healing.view import NodeView
 from mscale.healing.words import Result, TargetKind
@@ -54,8 +64,93 @@ __all__ = [
 ]
 
 
-class HealingEngine(HealingBooks):
-    """Conditions in, decisions out (see the module docstring); the books are its base's."""
+class HealingEngine:
+    """Conditions in, decisions out (see the module docstring); it owns its books."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        cfg: HealingSection | None = None,
+        *,
+        source: str = "healing",
+        clock: Callable[[], float] = time.time,
+        emit: Callable[[Finding], Any] | None = None,
+        publish: Callable[[HealingSnapshot], Any] | None = None,
+    ) -> None:
+        self.books = HealingBooks(policy, cfg, source=source, clock=clock, emit=emit, publish=publish)
+        self.policy, self.cfg, self.clock = policy, self.books.cfg, clock
+
+    # --- the books, as the callers that book outcomes reach them ------------------------------
+
+    def record(
+        self,
+        d: Decision,
+        result: str,
+        *,
+        detail: str = "",
+        step: int | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> Finding:
+        """Book a decision's outcome (HealingBooks.record)."""
+        return self.books.record(d, result, detail=detail, step=step, labels=labels)
+
+    def observe(self, f: Finding) -> None:
+        """A job's own HEAL_ACTION or FUSE_STATE into the books (HealingBooks.observe)."""
+        self.books.observe(f)
+
+    def mpu(self, job_id: str, mpu_id: str) -> MpuFuseState:
+        return self.books.mpu(job_id, mpu_id)
+
+    def job(self, job_id: str) -> JobLossState:
+        return self.books.job(job_id)
+
+    def move(
+        self, job_id: str, mpu_id: str, level: Level, *, step: int | None = None, why: str = ""
+    ) -> Transition | None:
+        return self.books.move(job_id, mpu_id, level, step=step, why=why)
+
+    def clean_step(self, job_id: str, mpu_id: str, step: int) -> Transition | None:
+        return self.books.clean_step(job_id, mpu_id, step)
+
+    def snapshot(self) -> HealingSnapshot:
+        return self.books.snapshot()
+
+    def publish(self) -> None:
+        self.books.publish()
+
+    def emit(self, finding: Finding) -> None:
+        self.books.emit(finding)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Book many conditions, publish once (HealingBooks.batch)."""
+        with self.books.batch():
+            yield
+
+    @property
+    def acted(self) -> Ledger:
+        """The dedup ledger: faults and alerts acted on."""
+        return self.books.acted
+
+    @property
+    def mpus(self) -> dict[tuple[str, str], MpuFuseState]:
+        return self.books.mpus
+
+    @property
+    def jobs(self) -> dict[str, JobLossState]:
+        return self.books.jobs
+
+    @property
+    def actions(self) -> Counter[tuple[str, str, str, str]]:
+        return self.books.actions
+
+    @property
+    def drift(self) -> Counter[tuple[str, str]]:
+        return self.books.drift
+
+    @property
+    def recent(self) -> deque[dict[str, Any]]:
+        return self.books.recent
 
     # --- deciding ------------------------------------------------------------------------
 
@@ -121,7 +216,7 @@ class HealingEngine(HealingBooks):
         acting: set[tuple[Hashable, ...]] = set()  # faults this condition acts on (every MPU on a GPU, say)
         for target in targets:
             ident = (rule.name,) + target.key(rule.target)
-            level = self.level_of(rule, target)
+            level = self.books.level_of(rule, target)
             if not rule.actions_at(level):
                 continue  # nothing to do at this level (e.g. already suspect): not a decision
             if ident not in acting and self._duplicate(ident, cond, now):
@@ -139,7 +234,19 @@ class HealingEngine(HealingBooks):
                         continue
                     once.add(key)
                 reason = why or f"{cond.name} at {level}"
-                out.append(Decision(rule.name, spec.name, spec.level, target, level, cond.name, reason, cond.step, now))
+                out.append(
+                    Decision(
+                        rule=rule.name,
+                        action=spec.name,
+                        level=spec.level,
+                        target=target,
+                        before=level,
+                        reason=cond.name,
+                        why=reason,
+                        step=cond.step,
+                        time=now,
+                    )
+                )
                 made.append(ident)
         return out, made, acting
 
@@ -166,11 +273,11 @@ class HealingEngine(HealingBooks):
             return view.targets(r.target, c.labels)
 
         if resolved:
-            acted_on = key is not None and self.acted.pop(key) is not None  # its firing acted here
+            acted_on = key is not None and self.books.acted.pop(key) is not None  # its firing acted here
             ends = self.resolve(cond, targets, rule) if rule is not None else []
             # it ends only what its own firing started: a resolution never seen firing ends nothing
             return Plan("resolved", ends=tuple(Step(d, d.command(end=True)) for d in ends if acted_on))
-        if key is not None and self.acted.fresh(key, now):  # Alertmanager's repeat of an alert acted on
+        if key is not None and self.books.acted.fresh(key, now):  # Alertmanager's repeat of an alert acted on
             self.refuse(rule, cond, Result.DUPLICATE, "Alertmanager repeated an alert already acted on")
             return Plan(Result.DUPLICATE)
         if key is None and (rule is None or rule.decide == "in_process"):
@@ -184,7 +291,7 @@ class HealingEngine(HealingBooks):
         if over and not run:
             return Plan(Result.RATE_LIMITED, rate_limited=len(over))
         if key is not None:
-            self.acted.mark(key, now)
+            self.books.acted.mark(key, now)
         steps = tuple(Step(d, d.command(), view.ranks(d.target)) for d in run)
         return Plan("acted", steps, rate_limited=len(over))
 
@@ -197,24 +304,24 @@ class HealingEngine(HealingBooks):
     def _mark(self, acting: set[tuple[Hashable, ...]], cond: Condition, now: float) -> None:
         for ident in sorted(acting, key=repr):  # a set's order is not the ledger's to keep
             if cond.occurrence is not None:
-                self.occurrences.mark(ident + (cond.occurrence,), now)
-            self.acted.mark(ident, now)
+                self.books.occurrences.mark(ident + (cond.occurrence,), now)
+            self.books.acted.mark(ident, now)
 
     def _duplicate(self, ident: tuple[Hashable, ...], cond: Condition, now: float) -> bool:
         if cond.occurrence is not None:
             # in-process: once per occurrence; a later one is new evidence
-            return ident + (cond.occurrence,) in self.occurrences
-        return self.acted.fresh(ident, now, self.policy.dedup_window_s)
+            return ident + (cond.occurrence,) in self.books.occurrences
+        return self.books.acted.fresh(ident, now, self.policy.dedup_window_s)
 
     def _rate_limited(self, spec: ActionSpec, target: Target, now: float) -> tuple[ActionSpec, str]:
         """A drift past healing.max_swaps_per_hour: the escalation instead, past the level the
         MPU already holds (an MPU at L2 goes to L3)."""
         if not spec.drift or not target.mpu_id:
             return spec, ""
-        state = self.mpus.get((target.job_id, target.mpu_id))
+        state = self.books.mpus.get((target.job_id, target.mpu_id))
         if state is None or state.swaps_since(now - 3600.0) < self.cfg.max_swaps_per_hour:
             return spec, ""
-        self._count(spec.level, spec.name, target.mpu_id, Result.RATE_LIMITED)
+        self.books.count(spec.level, spec.name, target.mpu_id, Result.RATE_LIMITED)
         why = f"{self.cfg.max_swaps_per_hour} swaps in the last hour: escalate"
         nxt = spec
         while nxt.escalates_to and (
@@ -226,15 +333,15 @@ class HealingEngine(HealingBooks):
     def _record_duplicate(self, rule: Rule, target: Target, level: str, cond: Condition, now: float) -> None:
         spec = actions.get(rule.actions_at(level)[0])
         d = Decision(
-            rule.name,
-            spec.name,
-            spec.level,
-            target,
-            level,
-            cond.name,
-            f"same fault within {self.policy.dedup_window_s:g}s",
-            cond.step,
-            now,
+            rule=rule.name,
+            action=spec.name,
+            level=spec.level,
+            target=target,
+            before=level,
+            reason=cond.name,
+            why=f"same fault within {self.policy.dedup_window_s:g}s",
+            step=cond.step,
+            time=now,
         )
         self.record(d, Result.DUPLICATE)
 
@@ -247,10 +354,23 @@ class HealingEngine(HealingBooks):
         if not first:
             return
         lab = cond.labels
-        target = Target(lab.get("job_id", ""), lab.get("mpu_id", ""), lab.get("gpu", ""), lab.get("gpu_uuid", ""))
-        self.record(
-            Decision(rule.name, first, actions.get(first).level, target, "", cond.name, why, time=cond.time), result
+        target = Target(
+            job_id=lab.get("job_id", ""),
+            mpu_id=lab.get("mpu_id", ""),
+            gpu=lab.get("gpu", ""),
+            gpu_uuid=lab.get("gpu_uuid", ""),
         )
+        d = Decision(
+            rule=rule.name,
+            action=first,
+            level=actions.get(first).level,
+            target=target,
+            before="",
+            reason=cond.name,
+            why=why,
+            time=cond.time,
+        )
+        self.record(d, result)
 
     def resolve(
         self, cond: Condition, targets: Callable[[Rule, Condition], Iterable[Target]], rule: Rule | None = None
@@ -265,17 +385,17 @@ class HealingEngine(HealingBooks):
         cooling = [s for s in cooling if s.cools_job]
         out = []
         for target in targets(rule, cond):
-            self.acted.pop((rule.name,) + target.key(rule.target))
-            if target.job_id and self.job(target.job_id).cooling:
+            self.books.acted.pop((rule.name,) + target.key(rule.target))
+            if target.job_id and self.books.job(target.job_id).cooling:
                 out += [
                     Decision(
-                        rule.name,
-                        s.name,
-                        s.level,
-                        target,
-                        "cooling",
-                        cond.name,
-                        f"alert {cond.name} resolved",
+                        rule=rule.name,
+                        action=s.name,
+                        level=s.level,
+                        target=target,
+                        before="cooling",
+                        reason=cond.name,
+                        why=f"alert {cond.name} resolved",
                         time=self.clock(),
                     )
                     for s in cooling

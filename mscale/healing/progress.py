@@ -295,15 +295,15 @@ class Keeper:
         spec = actions.get(ROLLBACK)
         level = fuse._engine.job(fuse.guard.job_id).level
         d = Decision(
-            "commit_point",
-            spec.name,
-            spec.level,
-            Target(fuse.guard.job_id),
-            level,
-            COMMIT_FAILURE,
-            why,
-            step,
-            fuse.clock(),
+            rule="commit_point",
+            action=spec.name,
+            level=spec.level,
+            target=Target(fuse.guard.job_id),
+            before=level,
+            reason=COMMIT_FAILURE,
+            why=why,
+            step=step,
+            time=fuse.clock(),
         )
         return fuse.run(d)
 

@@ -1,5 +1,5 @@
 """[healing]: the healing engine's config section, read by the engine in both processes
-(the agent's healing service and the in-process fuse). Assembled into `mscale.config.Config`."""
+(the agent's healing service and the in-process fuse). Assembled into `mscale.daemon.config.Config`."""
 
 from __future__ import annotations
 

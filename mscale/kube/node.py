@@ -37,7 +37,7 @@ ACTIONS = {
 }
 LOST_ACTION = "drain the node and reboot it; if the GPU stays lost, reseat or replace it"
 DEFAULT_ACTION = "drain the node's GPU workloads and reset the GPU, or reboot the node"
-SDC_REASON = "GPUSilentDataCorruption"  # a GPU the fuse proved computes wrong (mscale.daemon.remediation)
+SDC_REASON = "GPUSilentDataCorruption"  # a GPU the fuse proved computes wrong (mscale.kube.remediation)
 SDC_SNAPSHOT = "remediation_sdc"  # AgentState.snapshots key of the open SDC verdicts the condition carries
 
 
@@ -61,7 +61,7 @@ class Condition:
 
 def condition_of(snapshot: Any, sdc: Iterable[Any] = ()) -> Condition:
     """The node condition the GPU snapshot calls for. `sdc`: the open silent-data-corruption
-    verdicts (mscale.daemon.remediation: a GPU the fuse proved at fault, `gpu`, `gpu_uuid`,
+    verdicts (mscale.kube.remediation: a GPU the fuse proved at fault, `gpu`, `gpu_uuid`,
     `message`, `recommended`); the probe sees nothing wrong with such a GPU, so it counts as
     failed here and not as healthy until the verdict is undone."""
     gpus = getattr(snapshot, "gpus", ())

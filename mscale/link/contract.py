@@ -1,4 +1,4 @@
-"""Resource contracts and MSRP on the link (job -> agent, taken by mscale.daemon.contract):
+"""Resource contracts and MSRP on the link (job -> agent, taken by mscale.daemon.contract.service):
 
     {"type": "contract", job_id, rank, plan: Plan.to_dict()}  when a contract's plan is in force
     {"type": "msrp", job_id, rank, gpus: {index: {bandwidth_bytes_per_s, matmul_flops, dtype,

@@ -12,7 +12,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mscale.findings import Finding
@@ -47,22 +47,11 @@ from mscale.link.wire import (
     read_text,
 )
 
-# the fields each message may carry (the job's client sends exactly these)
-REGISTER_FIELDS = frozenset({"type", "job_id", "rank", "pid", "step", "mpus", "local_rank", "world_size", "pod"})
-MPU_FIELDS = frozenset({"mpu_id", "name", "path", "device", "gpu", "gpu_uuid", "fuse_level", "params"})
-REPORT_FIELDS = frozenset({"type", "job_id", "dropped", "reports"})
-STEP_FIELDS = frozenset(
-    {"step", "time", "loss", "task_loss", "grad_norm", "skipped", "mpus", "findings", "seconds"}
-    | {"guard_overhead_ratio"}
-)
 TIME_CAUSES = ("productive", "startup", "snapshot", "rerun", "checks", "degraded", "data_wait", "hang")  # hook.goodput
 # the budget's (mscale.hook.checks.coverage)
 CHECK_FIGURES = ("checksum_coverage_ratio", "checksum_max_gap_steps", "checksum_replay_gap_steps")
-MPU_REPORT_FIELDS = frozenset(
-    {"forward_s", "backward_s", "grad_norm", "gvc", "clip_ratio", "distill_share", "clipped", "checksum_ok"}
-    | {"checksum_consecutive_failures", "checksum_failures_total", "gpu", "fuse_level"}
-    | {"memory_used_bytes", "memory_total_bytes", *CHECK_FIGURES}
-)
+# the fields each message may carry (the job's client sends exactly these): its dataclass's
+# fields, named once there (REGISTER_FIELDS and the others are derived after the classes)
 
 # Kubernetes: a training pod's downward API sets these (deploy/kubernetes/examples/training-pod.yaml)
 POD_NAME_ENV, POD_NAMESPACE_ENV = "POD_NAME", "POD_NAMESPACE"
@@ -120,7 +109,7 @@ class MpuInfo:
     fuse_level: str = "healthy"
     params: int = 0
 
-    def to_wire(self) -> Wire:
+    def to_wire(self) -> Wire:  # in this order on the wire (the fields' order puts gpu, which has no default, first)
         return {
             "mpu_id": self.mpu_id,
             "name": self.name,
@@ -218,44 +207,32 @@ class Register:
 class MpuReport:
     """One MPU's figures in a step report. None: the job did not say (the agent keeps what it had)."""
 
+    # in the order they go on the wire
     forward_s: float = math.nan
     backward_s: float = math.nan
     grad_norm: float = math.nan
     gvc: float = math.nan
-    clip_ratio: float = math.nan
-    distill_share: float = 0.0  # the fuse's L3 term's share of the loss (0 when none)
-    clipped: bool = False
     checksum_ok: bool = True
     checksum_consecutive_failures: int = 0
     checksum_failures_total: int | None = None
     checksum_coverage_ratio: float = math.nan  # share of its checked layers the step checked
     checksum_max_gap_steps: float = math.nan  # the largest gap between checks of any layer
     checksum_replay_gap_steps: float = math.nan  # steps between replays of its forward (inf: none)
+    clip_ratio: float = math.nan
+    distill_share: float = 0.0  # the fuse's L3 term's share of the loss (0 when none)
+    clipped: bool = False
     gpu: int | None = None
     fuse_level: str | None = None
     memory_used_bytes: float | None = None  # None off CUDA
     memory_total_bytes: float | None = None
 
     def to_wire(self) -> Wire:
+        """Every field the report has (None: not sent); the figures as numbers (NaN and the
+        infinities spelled out)."""
         return _drop_none(
             {
-                "forward_s": number(self.forward_s),
-                "backward_s": number(self.backward_s),
-                "grad_norm": number(self.grad_norm),
-                "gvc": number(self.gvc),
-                "checksum_ok": self.checksum_ok,
-                "checksum_consecutive_failures": self.checksum_consecutive_failures,
-                "checksum_failures_total": self.checksum_failures_total,
-                "checksum_coverage_ratio": number(self.checksum_coverage_ratio),
-                "checksum_max_gap_steps": number(self.checksum_max_gap_steps),
-                "checksum_replay_gap_steps": number(self.checksum_replay_gap_steps),
-                "clip_ratio": number(self.clip_ratio),
-                "distill_share": number(self.distill_share),
-                "clipped": self.clipped,
-                "gpu": self.gpu,
-                "fuse_level": self.fuse_level,
-                "memory_used_bytes": number(self.memory_used_bytes),
-                "memory_total_bytes": number(self.memory_total_bytes),
+                f.name: number(getattr(self, f.name)) if f.name in _FIGURES else getattr(self, f.name)
+                for f in fields(self)
             }
         )
 
@@ -399,6 +376,16 @@ class Report:
         job_id = msg.get("job_id")
         reports = tuple(StepReport.from_wire(r, f"report: reports[{i}]") for i, r in enumerate(raw))
         return cls(job_id if isinstance(job_id, str) else "", dropped, reports)
+
+
+# what each message may carry, from its dataclass (a type field too where it is a message of its
+# own; a step report's refused findings are the agent's note, never sent)
+REGISTER_FIELDS = frozenset({"type", *(f.name for f in fields(Register))})
+MPU_FIELDS = frozenset(f.name for f in fields(MpuInfo))
+REPORT_FIELDS = frozenset({"type", *(f.name for f in fields(Report))})
+STEP_FIELDS = frozenset(f.name for f in fields(StepReport)) - {"refused_findings"}
+MPU_REPORT_FIELDS = frozenset(f.name for f in fields(MpuReport))
+_FIGURES = frozenset(f.name for f in fields(MpuReport) if str(f.type).startswith("float"))  # sent as numbers
 
 
 # --- the agent's answers, the job's small ones ---------------------------------------------------

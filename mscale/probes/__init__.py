@@ -1,6 +1,6 @@
 """AGENT: the probes (GPU over NVML or dcgm-exporter, eBPF on the CUDA driver, host), one
 module each, registered below, one line per probe. A probe's module declares its config
-section and default on/off in its `SPEC` (mscale.probes.base.ProbeSpec); mscale.config
+section and default on/off in its `SPEC` (mscale.probes.base.ProbeSpec); mscale.daemon.config
 imports every registered module to assemble [probes.<name>], so a module imports optional
 dependencies (BCC, a driver) only inside its factory, which runs only when it is enabled.
 

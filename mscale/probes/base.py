@@ -9,12 +9,11 @@ time. Probes report faults as findings through `ctx.emit`, never by raising.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from mscale.daemon.state import AgentState
     from mscale.findings import Finding
 
 
@@ -22,12 +21,31 @@ class ProbeUnavailable(RuntimeError):
     """The probe cannot run here (no BCC, no permission, no driver): 'not there', not a crash."""
 
 
+class RegisteredJob(Protocol):
+    """A job as a probe reads it: its id, and the processes of its live ranks on this node
+    (the agent's mscale.daemon.jobs.JobState is one)."""
+
+    @property
+    def job_id(self) -> str: ...
+
+    @property
+    def pids(self) -> list[int]: ...
+
+
+def no_jobs() -> Sequence[RegisteredJob]:
+    return []
+
+
 @dataclass(frozen=True)
 class ProbeContext:
-    config: Any  # the agent's mscale.config.Config (assembled above this room, so not named here)
-    state: AgentState
+    """What a probe is built with: the agent's config, where its findings go, the clock, the
+    jobs registered now (a call, read when the probe needs it: the probes that follow the
+    training processes read nothing else of the agent), and the GPU library."""
+
+    config: Any  # the agent's mscale.daemon.config.Config (the agent's room, so not named here)
     emit: Callable[[Finding], Any]
     clock: Callable[[], float]
+    jobs: Callable[[], Sequence[RegisteredJob]] = no_jobs  # the agent: AgentState.registered_jobs
     nvml: Any = None  # an mscale.probes.nvml_api.Nvml (real or simulated) for GPU probes
 
 
@@ -45,7 +63,7 @@ class ProbeSpec:
 
     `section` is the probe's config table [probes.<name>], a frozen dataclass of `opt()`
     fields declared in the probe's module; it must have `interval_s` and `timeout_s` (the
-    runner's schedule and deadline) and leaves out `enabled`: mscale.config adds that key
+    runner's schedule and deadline) and leaves out `enabled`: mscale.daemon.config adds that key
     in front, defaulting to `default_enabled` and documented by `enabled_help`.
     """
 

@@ -1,7 +1,7 @@
 """eBPF probe: uprobes on the CUDA driver and runtime of every training process, no change
 to the job.
 
-Which processes: the jobs registered through the hook library (`state.jobs[*].pid`) plus
+Which processes: the jobs registered through the hook library (`ctx.jobs()`, their pids) plus
 any whose command line matches `cmdline_pattern`. Each is attached through its own
 libcuda (found in /proc/PID/maps, or `libcuda_path`) with a pid filter, and through the
 libcudart it maps once it does (PyTorch's, usually): each launch, copy and synchronise
@@ -185,7 +185,7 @@ class EbpfProbe:
     # targets ---------------------------------------------------------------------------
     def _targets(self) -> dict[int, str]:
         out: dict[int, str] = {}
-        for job in list(self.ctx.state.jobs.values()):
+        for job in self.ctx.jobs():
             for pid in getattr(job, "pids", None) or [getattr(job, "pid", None)]:  # every live rank
                 if isinstance(pid, int) and pid > 0:
                     out[pid] = str(getattr(job, "job_id", ""))

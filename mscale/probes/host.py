@@ -1,5 +1,5 @@
 """Host probe (psutil): CPU, memory, disk I/O per device, network per interface, and the
-CPU, RSS and I/O of each registered training process (state.jobs[*].pid).
+CPU, RSS and I/O of each registered training process (`ctx.jobs()`, their pids).
 
 `probes.host.proc_root` points psutil at another procfs tree (tests use a fixture). psutil
 reads that path from a module global, so a non-default root is set only for the duration
@@ -12,7 +12,7 @@ import contextlib
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,7 +106,11 @@ class HostProbe:
     name = "host"
 
     def __init__(
-        self, *, jobs: Callable[[], list[Any]] = list, proc_root: str = "/proc", clock: Callable[[], float] = time.time
+        self,
+        *,
+        jobs: Callable[[], Sequence[Any]] = list,
+        proc_root: str = "/proc",
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.jobs, self.proc_root, self.clock = jobs, proc_root, clock
         self._procs: dict[int, psutil.Process] = {}  # kept, so cpu_times stay per process instance
@@ -199,18 +203,6 @@ class HostProbe:
         self._procs.clear()
 
 
-def _jobs_of(state: Any) -> Callable[[], list[Any]]:
-    def jobs() -> list[Any]:
-        for _ in range(3):  # the event loop may add a job while we copy
-            try:
-                return list(state.jobs.values())
-            except RuntimeError:
-                continue
-        return []
-
-    return jobs
-
-
 @dataclass(frozen=True)
 class HostProbeSection:
     """[probes.host]"""
@@ -221,7 +213,7 @@ class HostProbeSection:
 
 
 def _factory(ctx: ProbeContext) -> HostProbe:
-    return HostProbe(jobs=_jobs_of(ctx.state), proc_root=ctx.config.probes.host.proc_root, clock=ctx.clock)
+    return HostProbe(jobs=ctx.jobs, proc_root=ctx.config.probes.host.proc_root, clock=ctx.clock)
 
 
 # Needs procfs (read through psutil).

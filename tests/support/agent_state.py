@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from mscale.config import Config
 from mscale.daemon.app import new_state
+from mscale.daemon.config import Config
 from mscale.daemon.jobs import JobState
 from mscale.link import Register
 

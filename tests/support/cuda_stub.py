@@ -138,7 +138,7 @@ def wait_duty_state(probe: Any, attached: bool) -> tuple[int, bool]:
 def ebpf_probes() -> Iterator[Callable[..., tuple]]:
     """build(**ebpf_keys) -> (probe, state): eBPF probes on a fresh agent state, duty cycle of
     one second unless the keys say otherwise; every probe built is closed on exit."""
-    from mscale.config import from_dict
+    from mscale.daemon.config import from_dict
     from mscale.daemon.state import AgentState
     from mscale.probes import spec
     from mscale.probes.base import ProbeContext
@@ -148,7 +148,9 @@ def ebpf_probes() -> Iterator[Callable[..., tuple]]:
     def build(**ebpf: Any) -> tuple:
         cfg = from_dict({"probes": {"ebpf": {"duty_window_s": 1.0, "duty_period_s": 1.0, **ebpf}}})
         state = AgentState(node="test")
-        probe = spec("ebpf").factory(ProbeContext(config=cfg, state=state, emit=state.events.emit, clock=time.time))
+        probe = spec("ebpf").factory(
+            ProbeContext(config=cfg, emit=state.events.emit, clock=time.time, jobs=state.registered_jobs)
+        )
         made.append(probe)
         return probe, state
 

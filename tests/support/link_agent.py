@@ -11,9 +11,9 @@ import urllib.request
 import aiohttp
 from aiohttp import web
 
-from mscale.config import Config
 from mscale.daemon import keys
 from mscale.daemon.app import create_app
+from mscale.daemon.config import Config
 from mscale.daemon.settings import AgentSection, SocketSection
 from support import free_port
 

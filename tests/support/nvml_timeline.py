@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mscale.config import from_dict
 from mscale.daemon.app import new_state
-from mscale.exporters.gpu import collect
+from mscale.daemon.config import from_dict
+from mscale.daemon.exporters.gpu import collect
 from mscale.probes.gpu import GpuProbe
 from mscale.probes.nvml_api import NVMLError, is_gpu_lost
 from mscale.sim.nvml import SimNvml

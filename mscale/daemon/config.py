@@ -2,8 +2,8 @@
 
 `Config` is assembled here from the sections the rooms declare (each a frozen dataclass of
 `opt()` keys in the room's own settings module, with its table's help as `HELP`); this module
-imports them, above the rooms, and no room imports it: the machinery they use (`opt`,
-`ConfigError`, `parse_bool`, the strict builder) is the leaf mscale.options.
+of the agent's room imports them, and no other room imports it: the machinery they use
+(`opt`, `ConfigError`, `parse_bool`, the strict builder) is the leaf mscale.options.
 
   [agent] [socket] [webhook] [http] [chaos]  mscale.daemon.settings
   [probes.<name>]             the probe's own module, carried by its `SPEC` (one line in
@@ -14,8 +14,8 @@ imports them, above the rooms, and no room imports it: the machinery they use (`
   [contract]                  mscale.contracts.settings
   [stragglers]                mscale.daemon.settings (mscale.daemon.stragglers)
   [kubernetes]                mscale.kube.settings
-  [remediation]               mscale.daemon.remediation.settings, [remediation.<filer>] from
-                              each filer's module (mscale.daemon.remediation.REGISTRY)
+  [remediation]               mscale.kube.remediation.settings, [remediation.<filer>] from
+                              each filer's module (mscale.kube.remediation.REGISTRY)
 
 `from_dict`/`load` build a `Config` strictly, `reference_markdown()` renders
 docs/configuration.md's table. Every key has a default, a type and (where it matters) a range;
@@ -38,8 +38,6 @@ from typing import TYPE_CHECKING, Any
 
 from mscale import probes
 from mscale.contracts.settings import ContractSection
-from mscale.daemon.remediation.settings import RemediationSection
-from mscale.daemon.remediation.settings import section as remediation_section
 from mscale.daemon.settings import (
     AgentSection,
     ChaosSection,
@@ -49,6 +47,8 @@ from mscale.daemon.settings import (
     WebhookSection,
 )
 from mscale.healing.settings import HealingSection
+from mscale.kube.remediation.settings import RemediationSection
+from mscale.kube.remediation.settings import section as remediation_section
 from mscale.kube.settings import KubernetesSection
 from mscale.options import (
     DEFAULT_PATH,
@@ -146,7 +146,7 @@ class Config:
 # --- loading -----------------------------------------------------------------------------
 
 
-def locate(path: str | os.PathLike, dotted: str) -> str:
+def locate(path: str | os.PathLike[str], dotted: str) -> str:
     """'FILE: KEY (line N)' for a key read from the config at `path` (for errors found after
     loading, e.g. the listen address); just the key when the file cannot be read again."""
     try:
@@ -156,7 +156,7 @@ def locate(path: str | os.PathLike, dotted: str) -> str:
     return f"{path}: {dotted}{line_of(text, dotted)}"
 
 
-def from_dict(data: dict, *, text: str | None = None) -> Config:
+def from_dict(data: dict[str, Any], *, text: str | None = None) -> Config:
     cfg = build(Config, data, "", text)
     try:
         check_all(cfg, "")
@@ -177,7 +177,7 @@ def _apply_env(cfg: Config) -> Config:
     return cfg
 
 
-def load(path: str | os.PathLike | None) -> Config:
+def load(path: str | os.PathLike[str] | None) -> Config:
     """Load the file at `path`; None means the default path if it exists, else defaults."""
     if path is None:
         if not DEFAULT_PATH.exists():

@@ -1,9 +1,9 @@
 """AGENT: node remediation hand-off. When the fuse has shown a GPU at fault (an MPU's outputs
 fail on it and come clean on the standby) or the GPU probe sees a fatal Xid, the agent files it
 where the cluster's remediation reads it, and undoes the filing once the GPU was reset and is
-healthy again (mscale.daemon.remediation.verdicts decides; .service files).
+healthy again (mscale.kube.remediation.verdicts decides; .service files).
 
-Filers, one module each exporting `SPEC` (mscale.daemon.remediation.base.FilerSpec), registered
+Filers, one module each exporting `SPEC` (mscale.kube.remediation.base.FilerSpec), registered
 below, one line per filer; each declares its config table [remediation.<name>] and whether it
 is on by default. Adding one: a module, a line, a test.
 """
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import importlib
 
-from mscale.daemon.remediation.base import FilerSpec
+from mscale.kube.remediation.base import FilerSpec
 
 # name -> module exporting SPEC, in filing order
 REGISTRY: dict[str, str] = {
-    "nodecondition": "mscale.daemon.remediation.nodecondition",
-    "externalfault": "mscale.daemon.remediation.externalfault",
-    "command": "mscale.daemon.remediation.command",
+    "nodecondition": "mscale.kube.remediation.nodecondition",
+    "externalfault": "mscale.kube.remediation.externalfault",
+    "command": "mscale.kube.remediation.command",
 }
 
 

@@ -10,7 +10,7 @@ proofs (`sdc`) apart from the GPU probe's fatal Xids (`xid`), so a fatal Xid nev
 the jobs' proofs (undos are not limited: they only give capacity back); the rest wait, counted.
 Each file and clear is a finding (remediation_filing) and counted in
 `mscale_remediation_filings_total`; the open faults and filings are written to
-`remediation.state_file` once per turn that changed them (mscale.daemon.remediation.ledger): the
+`remediation.state_file` once per turn that changed them (mscale.kube.remediation.ledger): the
 events waiting when a turn begins (at most BATCH) are taken together, one write for all. A filer's calls are awaited on the agent's loop: the
 Kubernetes calls run in a thread under the request deadline, the command as a subprocess
 under its own; neither blocks the loop, nor can one stop the agent.
@@ -22,24 +22,21 @@ import asyncio
 import os
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
-from aiohttp import web
 
-from mscale.daemon import keys
-from mscale.daemon.remediation import REGISTRY, ledger, spec
-from mscale.daemon.remediation.base import FilerContext, FilingFailed
-from mscale.daemon.remediation.verdicts import XID, Fault, VerdictBook, boot_id
 from mscale.findings import Finding, Reason, Severity
+from mscale.kube.remediation import REGISTRY, ledger, spec
+from mscale.kube.remediation.base import FilerContext, FilingFailed
+from mscale.kube.remediation.verdicts import XID, Fault, VerdictBook, boot_id
 from mscale.tasks import cancel_and_wait
 
 log = structlog.get_logger("mscale.remediation")
 SOURCE = "remediation"
 SNAPSHOT = "remediation"  # AgentState.snapshots key of the RemediationStatus
-_SERVICE = web.AppKey("remediation_service", object)
 _EVIDENCE = (Reason.HEAL_ACTION, Reason.FUSE_STATE)
 BATCH = 4096  # events taken into the book before one reconcile (and one state write)
 
@@ -323,20 +320,3 @@ def build_filers(config: Any, state: Any, clock: Callable[[], float]) -> list[An
             if filer is not None:
                 out.append(filer)
     return out
-
-
-def setup(app: web.Application) -> None:
-    config = app[keys.CONFIG]
-    if not config.remediation.enabled:
-        return
-    state = app[keys.STATE]
-    filers = build_filers(config, state, app[keys.CLOCK])
-    app[_SERVICE] = RemediationService(state, config.remediation, filers, clock=app[keys.CLOCK])
-    app.cleanup_ctx.append(_run)
-
-
-async def _run(app: web.Application) -> AsyncIterator[None]:
-    service: RemediationService = app[_SERVICE]  # type: ignore[assignment]
-    await service.start()
-    yield
-    await service.stop()

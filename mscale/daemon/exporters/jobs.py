@@ -18,8 +18,9 @@ from collections.abc import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from mscale.daemon.jobs import PHASES, JobState
+from mscale.daemon.jobs import JobState
 from mscale.daemon.jobs import sample_value as value
+from mscale.daemon.mpu_state import PHASES
 from mscale.daemon.state import AgentState
 
 Family = GaugeMetricFamily | CounterMetricFamily

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mscale.daemon.remediation.base import CLEARED, EXISTS, FILED, GONE, FilerContext, FilerSpec
-from mscale.daemon.remediation.verdicts import SDC, Fault
 from mscale.kube.node import SDC_SNAPSHOT as SNAPSHOT  # tuple[Fault, ...]: what the condition carries
+from mscale.kube.remediation.base import CLEARED, EXISTS, FILED, GONE, FilerContext, FilerSpec
+from mscale.kube.remediation.verdicts import SDC, Fault
 
 
 @dataclass(frozen=True)

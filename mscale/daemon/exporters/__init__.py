@@ -1,9 +1,7 @@
-"""AGENT: Prometheus collectors over the agent's state. Registry: one line per collector
-module; each exports `collect(state)` yielding prometheus_client metric families built from
-the agent's latest snapshots (a scrape never touches hardware).
-
-May import: daemon (the agent's state and books it reads), probes, healing, kube, link. Never
-imports torch.
+"""The agent's Prometheus collectors over its state, a part of the agent's room (what the
+room's docstring allows, mscale.daemon). Registry: one line per collector module; each exports
+`collect(state)` yielding prometheus_client metric families built from the agent's latest
+snapshots (a scrape never touches hardware).
 """
 
 from __future__ import annotations
@@ -18,20 +16,20 @@ from mscale.daemon.state import AgentState
 from mscale.kube.attribution import add_pod_labels
 
 MODULES: tuple[str, ...] = (
-    "mscale.exporters.agent",
-    "mscale.exporters.gpu",
-    "mscale.exporters.host",
-    "mscale.exporters.cuda",
-    "mscale.exporters.jobs",
-    "mscale.exporters.stragglers",
-    "mscale.exporters.goodput",
-    "mscale.exporters.snapshots",
-    "mscale.exporters.healing",
-    "mscale.exporters.contract",
-    "mscale.exporters.msrp",
-    "mscale.exporters.density",
-    "mscale.exporters.kube",
-    "mscale.exporters.remediation",
+    "mscale.daemon.exporters.agent",
+    "mscale.daemon.exporters.gpu",
+    "mscale.daemon.exporters.host",
+    "mscale.daemon.exporters.cuda",
+    "mscale.daemon.exporters.jobs",
+    "mscale.daemon.exporters.stragglers",
+    "mscale.daemon.exporters.goodput",
+    "mscale.daemon.exporters.snapshots",
+    "mscale.daemon.exporters.healing",
+    "mscale.daemon.contract.exporter",
+    "mscale.daemon.contract.msrp_exporter",
+    "mscale.daemon.exporters.density",
+    "mscale.daemon.exporters.kube",
+    "mscale.daemon.exporters.remediation",
 )
 
 

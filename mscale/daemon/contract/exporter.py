@@ -1,5 +1,5 @@
 """Resource-contract compliance per job, from the agent's contract checks
-(state.snapshots["contract"], mscale.daemon.contract).
+(state.snapshots["contract"], mscale.daemon.contract.service).
 
     mscale_contract_compliant{job_id,rank,contract_id}        1 every plan thread runs on its CPUs, 0 one
                                                               does not; absent until all are seen

@@ -1,5 +1,5 @@
 """[remediation]: GPU verdicts handed to the cluster's remediation, one table per filer
-([remediation.<name>], from mscale.daemon.remediation.REGISTRY, `enabled` first with the
+([remediation.<name>], from mscale.kube.remediation.REGISTRY, `enabled` first with the
 filer's default)."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class RemediationSection(_Common):
 
 @functools.cache
 def _filer_table(name: str) -> type:
-    from mscale.daemon.remediation import spec
+    from mscale.kube.remediation import spec
 
     s = spec(name)
     enabled = dataclasses.make_dataclass(
@@ -81,6 +81,6 @@ def _section(names: tuple[str, ...]) -> type:
 
 def section() -> type:
     """The [remediation] class for the filers registered now."""
-    from mscale.daemon.remediation import REGISTRY
+    from mscale.kube.remediation import REGISTRY
 
     return _section(tuple(REGISTRY))

@@ -42,8 +42,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from mscale.daemon.remediation.base import CLEARED, EXISTS, FILED, GONE, FilerContext, FilerSpec, FilingFailed
-from mscale.daemon.remediation.verdicts import SDC, Fault
+from mscale.kube.remediation.base import CLEARED, EXISTS, FILED, GONE, FilerContext, FilerSpec, FilingFailed
+from mscale.kube.remediation.verdicts import SDC, Fault
 from mscale.options import opt
 
 AGENT = "mscale-agent"

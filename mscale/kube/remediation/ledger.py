@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from mscale.daemon.remediation.verdicts import (
+from mscale.kube.remediation.verdicts import (
     FACT_KEYS,
     FACT_VALUE,
     GPU_UUID,

@@ -1,7 +1,7 @@
 """What a filer is: one module per place the cluster's remediation reads (an ExternalFault
 object, the node condition, a command), each exporting `SPEC`.
 
-A filer files a fault and clears it; the service (mscale.daemon.remediation.service) decides
+A filer files a fault and clears it; the service (mscale.kube.remediation.service) decides
 when, keeps the books (what is filed, retries, the rate limit) and calls it off nothing but its
 own awaitables: a filer's blocking call runs in a thread under its deadline.
 """
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mscale.daemon.remediation.verdicts import KINDS, Fault
+from mscale.kube.remediation.verdicts import KINDS, Fault
 
 FILED, EXISTS, CLEARED, GONE = "filed", "exists", "cleared", "gone"
 

@@ -38,8 +38,8 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
-from mscale.daemon.remediation.base import CLEARED, FILED, FilerContext, FilerSpec, FilingFailed
-from mscale.daemon.remediation.verdicts import FACT_KEYS, FACT_VALUE, GPU_UUID, MAX_MESSAGE, Fault
+from mscale.kube.remediation.base import CLEARED, FILED, FilerContext, FilerSpec, FilingFailed
+from mscale.kube.remediation.verdicts import FACT_KEYS, FACT_VALUE, GPU_UUID, MAX_MESSAGE, Fault
 from mscale.options import opt
 
 NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")  # a host or Kubernetes node name

@@ -17,7 +17,7 @@ import os
 import sys
 from dataclasses import asdict
 
-from mscale.contracts.hardware import format_cpulist, nvml_pci, read_host
+from mscale.contracts.hardware import HostView, format_cpulist, nvml_pci, read_host
 from mscale.contracts.spec import ContractRefused, load_file
 from mscale.contracts.validate import validate
 from mscale.link import DEFAULT_URL, printable
@@ -46,13 +46,13 @@ def run(args: argparse.Namespace) -> int:
     return {"check": _check, "status": _status, "host": _host}[args.action](args)
 
 
-def _host_view(args: argparse.Namespace):
+def _host_view(args: argparse.Namespace) -> HostView:
     pci = nvml_pci() if args.sys_root == "/sys" else None  # NVML answers for this host only
     return read_host(args.sys_root, args.proc_root, pci)
 
 
 def _check(args: argparse.Namespace) -> int:
-    from mscale import config as configmod
+    from mscale.daemon import config as configmod
 
     try:
         section = configmod.load(args.config).contract
@@ -150,8 +150,8 @@ def _host(args: argparse.Namespace) -> int:
         print(f"hugepages {size}kB: {pool.free} free of {pool.total}")
     for g in host.gpus:
         print(f"GPU {g.index}: {g.bdf} NUMA node {g.numa_node} ({host.gpu_source})")
-    for name, d in sorted(host.nvme.items()):
-        print(f"NVMe {name}: {d.kind}" + (f" of {d.parent}" if d.parent else ""))
+    for name, dev in sorted(host.nvme.items()):
+        print(f"NVMe {name}: {dev.kind}" + (f" of {dev.parent}" if dev.parent else ""))
     for name, r in sorted(host.rdma.items()):
         print(f"RDMA {name}: ports " + ", ".join(f"{p} {s}" for p, s in sorted(r.ports.items())))
     for note in host.notes:

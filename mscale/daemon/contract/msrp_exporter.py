@@ -13,6 +13,7 @@ achieves there (state.snapshots["contract"], fed by the job's {"type": "msrp"} m
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
@@ -20,7 +21,7 @@ from mscale.daemon.jobs import sample_value as value
 from mscale.daemon.state import AgentState
 
 
-def density(mpu: dict) -> float | None:
+def density(mpu: dict[str, Any]) -> float | None:
     """Achieved TFLOP/s per GB of the MPU's memory (the profile catalogue's unit)."""
     flops, memory = value(mpu.get("achieved_flops")), value(mpu.get("memory_bytes"))
     if not (flops >= 0 and memory > 0):

@@ -15,18 +15,19 @@ from collections.abc import Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from mscale.daemon.state import AgentState
+from mscale.healing.books import HealingSnapshot
 from mscale.healing.fsm import Level
 
 
-def families(snap, jobs: Iterable[str] = ()) -> Iterable[Metric]:
+def families(snap: HealingSnapshot, jobs: Iterable[str] = ()) -> Iterable[Metric]:
     acts = CounterMetricFamily(
         "mscale_heal_actions",
         "healing decisions by fuse level, action, MPU and result "
         "(applied, sent, noop, duplicate, rate_limited, disabled, failed, ended)",
         labels=["level", "action", "mpu_id", "result"],
     )
-    for (level, action, mpu_id, result), n in snap.actions:
-        acts.add_metric([level, action, mpu_id, result], n)
+    for (fuse, action, mpu_id, result), n in snap.actions:
+        acts.add_metric([fuse, action, mpu_id, result], n)
     yield acts
     drift = CounterMetricFamily(
         "mpu_drift_count", "moves of an MPU to a standby device (L1 swaps)", labels=["job_id", "mpu_id"]

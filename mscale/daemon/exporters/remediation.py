@@ -1,4 +1,4 @@
-"""Remediation hand-off metrics (mscale.daemon.remediation): the GPUs shown at fault, what each
+"""Remediation hand-off metrics (mscale.kube.remediation): the GPUs shown at fault, what each
 filer holds filed, every file and undo by result, the command hook's last exit status."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from collections.abc import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from mscale.daemon.remediation.service import SNAPSHOT
 from mscale.daemon.state import AgentState
+from mscale.kube.remediation.service import SNAPSHOT
 
 
 def collect(state: AgentState) -> Iterable[Metric]:
