@@ -140,9 +140,10 @@ def test_a_persistent_fault_at_the_commit_point_escalates_and_the_step_runs_on_t
 
 
 @pytest.mark.usefixtures("_quiet")
-def test_a_step_failing_at_the_commit_point_is_re_run_once_then_its_batch_is_skipped() -> None:
-    """A fault on every run of step 3 only: the step is run again once (progress_step_reruns),
-    then its update stays dropped and training goes on with the next batch."""
+def test_a_step_failing_at_the_commit_point_is_re_run_once_then_kept_without_the_mpus_gradient() -> None:
+    """A finite fault on every run of step 3 only: the step is run again once
+    (progress_step_reruns), then its update is kept but the vision MPU's gradient (the failed run
+    again is not lost: tests/test_commit_rerun_kept.py) and training goes on with the next batch."""
     model, opt, loader, guard = _commit_job("limit")
     consumed: list[tuple[int, list[int]]] = []
     batches = iter(loader)
@@ -165,4 +166,5 @@ def test_a_step_failing_at_the_commit_point_is_re_run_once_then_its_batch_is_ski
     after = [ids for step, ids in consumed if step == FAULT_AT + 1]
     assert len(after) == 1 and after[0] != runs[0]  # the next batch: training went on
     assert [s for s, _ in consumed] == [0, 1, 2, FAULT_AT, FAULT_AT, 4]
-    assert guard.fuse.progress.ledger.lost == 2  # the two failed runs, nothing undone
+    assert guard.fuse.progress.ledger.lost == 1  # the first failed run, nothing undone
+    assert guard.fuse.progress.reruns_kept == [FAULT_AT]

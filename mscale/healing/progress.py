@@ -207,6 +207,7 @@ class Keeper:
         self._step_charged = False  # this call's own loss is charged
         self._reruns: tuple[int, int] = (-1, 0)  # (step, runs failed at the commit point)
         self.reruns_skipped: list[int] = []  # steps whose re-run failed too: their batch skipped
+        self.reruns_kept: list[int] = []  # steps whose re-run failed too: kept, the failing MPUs' gradients dropped
 
     # --- the culprit -----------------------------------------------------------------------
 
@@ -279,13 +280,23 @@ class Keeper:
         step = fuse.guard.current_step
         runs = self._reruns[1] + 1 if self._reruns[0] == step else 1
         self._reruns = (step, runs)
-        key = self.charge(1)
+        key = self.culprit()
+        again = runs > fuse.cfg.progress_step_reruns or (key == JOB and self.rung(key) >= 1)
+        # the run again failed too, on an MPU, with nothing else wrong: its update is kept but
+        # that MPU's gradient (as in-step verdicts keep a failed forward's): faulty, not lost
+        through = again and key != JOB and fuse.may_keep_update()
+        self.charge(0 if through else 1, key=key)
         if self.stopping is not None:
             return Result.FAILED
-        if runs > fuse.cfg.progress_step_reruns or (key == JOB and self.rung(key) >= 1):
+        if again:
             # every rank counts alike (it is called on every rank at every agreed fault), so every
-            # rank skips together: a rollback another rule left pending is withdrawn too
+            # rank decides together: a rollback another rule left pending is withdrawn too
             state.pending, state.handled_seq = None, fuse.seq
+            if through:
+                fuse.keep_update(why)
+                self.reruns_kept.append(step)
+                log.warning("step_kept_without_mpu_gradient", step=step, runs=runs, culprit=key, why=why)
+                return Result.NOOP
             fuse.drop_step(why)
             self.reruns_skipped.append(step)
             log.warning("step_not_rerun", step=step, runs=runs, culprit=key, why=why)

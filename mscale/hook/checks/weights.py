@@ -15,8 +15,11 @@ rollback) the next group is fingerprinted and checked before the next forward: o
 1/groups of them a window instead of two over all (docs/hook.md). Frozen ones are fingerprinted
 once, checked every `frozen_every` steps. A mismatch is a WEIGHT_CORRUPTION finding per tensor
 with its MPU, in the step that would first use it. A write in an unchecked group's window goes
-unseen here (under DDP the replicas compare within their bound: mscale.hook.checks.replicas; a write that
-makes its MPU's output non-finite is found then: actions/restore_weights.py). A new shape, dtype
+unseen by the fingerprints (under DDP the replicas compare within their bound:
+mscale.hook.checks.replicas; a write that makes its MPU's output non-finite is found then:
+actions/restore_weights.py); one that makes a tensor's largest magnitude grow beyond any
+optimizer step (an exponent bit) is found when its group is next recorded, at most `groups`
+settles later: each record also takes the group's largest magnitudes (`implausible`). A new shape, dtype
 or device (an L2 fallback, a swap on a GPU) starts the fingerprints over: a move, not a
 corruption. The repair is the fuse's (actions/restore_weights.py, whose per-job state this is).
 """
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 
 from mscale.findings import Finding, Reason, Severity
+from mscale.snapshot.trust import PLAUSIBLE
 
 SOURCE = "weights"
 # 64-bit words of one fused pass (its int64 copy: 8 MiB)
@@ -196,6 +200,8 @@ class WeightWatch:
         }
         self.prints["frozen"] = Fingerprint([p for _, p in frozen])
         self.ref: dict[str, tuple[tuple, torch.Tensor]] = {}
+        self.peaks: dict[str, tuple[tuple, torch.Tensor]] = {}  # each trained group's largest magnitudes
+        self.implausible: list[str] = []  # trained tensors whose largest magnitude jumped (see `_peaks`)
         self.tensors = {n: _local(p) for n, p in g.model.named_parameters()}  # by name: the event check's
         self.settle(frozen=True)
 
@@ -207,9 +213,35 @@ class WeightWatch:
         self.turn = (self.turn + 1) % len(self.trained_keys)
         self.ref[key] = (self.prints[key].layout(), self.prints[key].compute())
         self.due = key
+        self._peaks(key)
         if frozen or "frozen" not in self.ref:
             self.ref["frozen"] = (self.prints["frozen"].layout(), self.prints["frozen"].compute())
         charge(self.guard, SOURCE, t0)
+
+    def _peaks(self, key: str) -> None:
+        """The group's largest magnitudes against its record of a rotation before: a tensor whose
+        largest magnitude went non-finite or grew past PLAUSIBLE times the larger of 1 and its
+        last one is no optimizer's work (mscale.snapshot.trust), though its fingerprint, taken
+        now, holds it: a write in another group's window. Its name joins `implausible` (the
+        fuse checks its MPU's weights against the snapshots: actions/restore_weights.py)."""
+        fp = self.prints[key]
+        if not fp.tensors:
+            return
+        now = torch.zeros(len(fp.tensors))
+        by_device: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(fp.tensors):
+            if t.numel():  # an FSDP2 shard may be empty
+                by_device.setdefault(t.device, []).append(i)
+        with torch.no_grad():  # aminmax: one pass, no copy (a third of the fingerprint's time)
+            for idx in by_device.values():
+                ends = torch.stack([torch.stack(torch.aminmax(fp.tensors[i].detach())).float() for i in idx])
+                now[idx] = ends.cpu().abs().amax(dim=1)
+        layout, was = fp.layout(), self.peaks.get(key)
+        self.peaks[key] = (layout, now)
+        if was is None or was[0] != layout:
+            return
+        bad = ~torch.isfinite(now) | (now > PLAUSIBLE * was[1].clamp(min=1.0))
+        self.implausible += [self.names[key][i] for i in bad.nonzero().flatten().tolist()]
 
     def _current(self) -> list[str]:
         """The groups whose records are of the weights as they are now: the trained group

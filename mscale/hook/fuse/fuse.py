@@ -29,6 +29,7 @@ on this rank alone: every rank re-runs the step instead (docs/healing.md#under-f
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -58,6 +59,13 @@ SOURCE = "fuse"
 _FAIL = (Reason.CHECKSUM_FAILURE, Reason.NONFINITE_OUTPUT)
 _OWN = (Reason.HEAL_ACTION, Reason.FUSE_STATE, Reason.CHECKSUM_L1_TRIGGER)  # the trigger: counted here
 MAX_RERUNS = 3  # forward re-runs of one MPU in one step (one per escalation)
+
+
+def _finite(v: Any) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
 
 
 @dataclass
@@ -128,6 +136,33 @@ class FusePlugin:
         from its start (healing.progress_step_reruns; past it the batch is skipped): see
         mscale.healing.progress."""
         return self.progress.rerun(why)
+
+    def may_keep_update(self) -> bool:
+        """Whether a step whose run again failed at the commit point may keep its update (the
+        failing MPUs' gradients dropped): nothing but the checks asked to drop it, and its loss
+        is finite. With several ranks from the agreed figures only, so every rank decides alike."""
+        g = self.guard
+        agreement = getattr(g, "agreement", None)
+        last = agreement.history[-1] if agreement is not None and agreement.history else None
+        if last is not None and last.step == g.current_step:
+            return not (last.skip or last.nonfinite or last.gradient)
+        if g._skip_reason != g._rerun_reason or not all(_finite(v) for v in g._losses):
+            return False
+        return not any(f.reason is Reason.NONFINITE_OUTPUT for f in g._step_findings)
+
+    def keep_update(self, why: str) -> None:
+        """The step's update kept but the gradients of the MPUs that failed in it (on any rank:
+        the agreed culprits), whose parameters stay as they were; see `may_keep_update`."""
+        g = self.guard
+        agreement = getattr(g, "agreement", None)
+        last = agreement.history[-1] if agreement is not None and agreement.history else None
+        failed = set(last.failed_mpus) if last is not None and last.step == g.current_step else self.failed_step
+        for m in g.mpus:
+            if m.mpu_id in failed:
+                for p in m.parameters():
+                    p.grad = None
+        g._skip_reason = ""
+        log.info("step_kept", step=g.current_step, dropped=sorted(failed), why=why)
 
     @property
     def stopping(self) -> Any:

@@ -46,8 +46,13 @@ class Watch:
         self.watch = WeightWatch(fuse.guard, frozen_every=fuse.cfg.frozen_weights_every, groups=fuse.cfg.weight_groups)
 
     def step_begin(self, fuse) -> None:
-        if self.watch is not None:
-            self.watch.check(fuse.guard.current_step)
+        if self.watch is None:
+            return
+        self.watch.check(fuse.guard.current_step)
+        names, self.watch.implausible = self.watch.implausible, []
+        for m in fuse.guard.mpus:  # a weight grown beyond any optimizer step: checked as on a failure
+            if any(getattr(self.watch.owner.get(n), "mpu_id", None) == m.mpu_id for n in names):
+                self.check(fuse, m, why="its largest magnitude grew beyond any optimizer step", rerun=False)
 
     def weights_settled(self, fuse) -> None:
         if self.watch is not None:
@@ -59,9 +64,10 @@ class Watch:
             return getattr(fuse, "_rerunning", None) != m.mpu_id
         return f.reason is Reason.NONFINITE_OUTPUT and self.check(fuse, m)
 
-    def check(self, fuse, m: Any) -> bool:
+    def check(self, fuse, m: Any, *, why: str = "its output went non-finite", rerun: bool = True) -> bool:
         """Check MPU `m`'s weights (once a step, a placement and a snapshot while intact); report
-        corrupted ones (the policy runs `apply`), re-run the forward on them. True when repaired."""
+        corrupted ones (the policy runs `apply`), re-run the forward on them (`rerun`: one ran on
+        them already). True when repaired."""
         from mscale.snapshot.trust import unexplained  # an incident's work: not the detection budget's
 
         engine, watch, held = fuse.snapshot_engine, self.watch, getattr(fuse.snapshot_engine, "memory_steps", [])
@@ -79,12 +85,12 @@ class Watch:
         self.intact[m.mpu_id], done = where, len(self.repairs)
         if bad:
             del self.intact[m.mpu_id]
-            watch.report(bad, fuse.guard.current_step, why="its output went non-finite")
+            watch.report(bad, fuse.guard.current_step, why=why)
         self.source = None
         if len(self.repairs) == done:
             return False  # intact, or not repaired (no snapshot, healing off): the fuse counts it
         self.seen[m.mpu_id] = (fuse.seq, True)
-        if fuse.guard._in_step and not fuse.guard.checksum.commit_mode(m):
+        if rerun and fuse.guard._in_step and not fuse.guard.checksum.commit_mode(m):
             fuse.pending_rerun.add(m.mpu_id)  # the output just computed ran on the corrupted weights
         return True
 
