@@ -41,9 +41,9 @@ from mscale.snapshot.format import (
 from mscale.snapshot.keys import bare
 from mscale.snapshot.memory import HostCopier, MemorySnapshot, rng_state, to_host
 from mscale.snapshot.node_tier import Flags, NodeTier
-from mscale.snapshot.peer_tier import PeerTier
 from mscale.snapshot.optim import NamedOptimizer
 from mscale.snapshot.ownership import dir_refused
+from mscale.snapshot.peer_tier import PeerTier
 from mscale.snapshot.writer import DiskWriter
 
 __all__ = ["SnapshotCapture"]
