@@ -443,13 +443,10 @@ class SnapshotCapture:
         )
 
     def flush(self, timeout: float | None = None) -> None:
-        """Waits until every disk and node-tier write and every peer replication queued so far
-        is finished (written, sent or failed)."""
-        for writer in (self._disk, self._node_writer):
+        """Waits until every write and peer replication queued so far is done (or failed)."""
+        for writer in (self._disk, self._node_writer, self.peer):
             if writer is not None:
                 writer.flush(timeout)
-        if self.peer is not None:
-            self.peer.flush(timeout)
 
     def _mine(self, infos: list[SnapshotInfo]) -> list[SnapshotInfo]:
         return self._disk.own.mine(infos) if self._disk is not None else infos
@@ -486,11 +483,9 @@ class SnapshotCapture:
             signum, prev = self._prev_handler
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signum, prev)
-        for writer in (self._disk, self._node_writer):
+        for writer in (self._disk, self._node_writer, self.peer):
             if writer is not None:
                 writer.close(timeout)
-        if self.peer is not None:
-            self.peer.close(timeout)
         if self._fence is not None:
             self._fence.remove()
         self.copier.close()

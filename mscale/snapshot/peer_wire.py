@@ -49,14 +49,20 @@ class Outgoing:
         names = sorted(manifest["files"])
         self.files = [(n, (path / n).stat().st_size) for n in names]  # as they are now, not as listed
         self.step = int(manifest["step"])
-        index = {"job_id": job_id, "source_rank": rank, "step": self.step, "manifest": raw.decode(), "files": self.files}
+        index = {
+            "job_id": job_id,
+            "source_rank": rank,
+            "step": self.step,
+            "manifest": raw.decode(),
+            "files": self.files,
+        }
         self.index = json.dumps(index).encode()
         self.total = sum(size for _, size in self.files)
 
     def chunks(self) -> Iterator[torch.Tensor]:
         """The files' bytes, back to back, in chunks of CHUNK bytes (one buffer, reused)."""
-        buf = torch.empty(CHUNK, dtype=torch.uint8)
-        view = memoryview(buf.numpy())
+        raw = bytearray(CHUNK)
+        buf, view = torch.frombuffer(raw, dtype=torch.uint8), memoryview(raw)
         fill = 0
         for name, size in self.files:
             with open(self.path / name, "rb", buffering=0) as f:
@@ -218,7 +224,8 @@ def exchange(
     landing = land(index.numpy().tobytes()) if comes else None
     sends = outgoing.chunks() if outgoing is not None else iter(())
     left = total if comes else 0
-    inbox = torch.empty(min(CHUNK, max(left, 1)), dtype=torch.uint8)
+    raw = bytearray(min(CHUNK, max(left, 1)))
+    inbox, inview = torch.frombuffer(raw, dtype=torch.uint8), memoryview(raw)
     while True:
         works, out = [], next(sends, None)
         if out is not None:
@@ -230,7 +237,7 @@ def exchange(
             break
         _wait(works, timeout, what)
         if n and landing is not None:
-            landing.take(memoryview(inbox.numpy())[:n])
+            landing.take(inview[:n])
         left -= n
     if landing is not None:
         landing.finish()
