@@ -1,6 +1,6 @@
 """The node tier: snapshots in the node's shared memory (`/dev/shm`), which outlive the process
 (a segfault, an OOM kill, kill -9) and a torchrun restart of the worker group, and are read
-back at memory speed. Not a node's loss: the peer tier (issue 39's next part) is for that.
+back at memory speed. Not a node's loss: the peer tier (peer_tier.py) is for that.
 
 Layout: `<root>/mscale-<uid>/<job>-<dir>/rank_NNNNN/step_*`, where `<job>` is the job id (made
 safe for a file name) and `<dir>` the first 12 hex digits of the SHA-256 of the disk snapshot
