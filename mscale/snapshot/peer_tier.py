@@ -173,7 +173,11 @@ class PeerTier:
     def _replicate(self, step: int, path: Path | None) -> None:
         t0 = time.perf_counter()
         eng = self.engine
-        out = Outgoing(path, eng.job_id, eng.rank) if path is not None else None
+        try:
+            out = Outgoing(path, eng.job_id, eng.rank) if path is not None else None
+        except (OSError, ValueError, KeyError) as e:  # pruned meanwhile: nothing to send this time
+            log.warning("node-tier snapshot not replicated", step=step, error=str(e))
+            out = None
 
         def land(index: bytes) -> Landing:
             return Landing(self.dir, index, job_id=eng.job_id, source=self.source, room=self.room(), keep=self.keep)

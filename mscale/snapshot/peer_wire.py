@@ -60,21 +60,30 @@ class Outgoing:
         self.total = sum(size for _, size in self.files)
 
     def chunks(self) -> Iterator[torch.Tensor]:
-        """The files' bytes, back to back, in chunks of CHUNK bytes (one buffer, reused)."""
+        """The files' bytes, back to back, in chunks of CHUNK bytes (one buffer, reused). A file
+        that cannot be read to its size (removed or cut meanwhile) is sent as zeros from there:
+        the peer's digest check refuses it, and the exchange stays in step."""
         raw = bytearray(CHUNK)
         buf, view = torch.frombuffer(raw, dtype=torch.uint8), memoryview(raw)
         fill = 0
         for name, size in self.files:
-            with open(self.path / name, "rb", buffering=0) as f:
-                left = size
-                while left:
-                    n = f.readinto(view[fill : fill + min(left, CHUNK - fill)])
-                    if not n:
-                        raise OSError(f"{self.path / name} ended {left} bytes early while it was sent")
-                    fill, left = fill + n, left - n
-                    if fill == CHUNK:
-                        yield buf
-                        fill = 0
+            left = size
+            try:
+                f = open(self.path / name, "rb", buffering=0)  # noqa: SIM115 (closed below, read lazily)
+            except OSError:
+                f = None
+            while left:
+                want = view[fill : fill + min(left, CHUNK - fill)]
+                n = f.readinto(want) if f is not None else 0
+                if not n:  # gone or cut short: zeros, refused by the peer
+                    want[:] = bytes(len(want))
+                    n = len(want)
+                fill, left = fill + n, left - n
+                if fill == CHUNK:
+                    yield buf
+                    fill = 0
+            if f is not None:
+                f.close()
         if fill:
             yield buf[:fill]
 
