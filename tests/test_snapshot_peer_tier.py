@@ -5,7 +5,8 @@ removed, an empty one in its place, as a fresh node's): the restarted group resu
 the replica rank 0 holds and rank 0 from its own node tier, both at step 10, bitwise the
 uninterrupted run's. A replica with a flipped bit, a truncated one, one of another job and one
 of a step flagged later are each refused with a finding naming why, and every rank goes to the
-next tier together (the disk's step 8: rank 1 has nothing newer left)."""
+next tier together (the disk's step 8: rank 1 has nothing newer left). And a 4-rank FSDP2 group
+of two nodes loses its second: both its ranks resume from their replicas."""
 
 from __future__ import annotations
 
@@ -22,17 +23,17 @@ from mscale.snapshot.node_tier import node_job_dir
 from support import REPO, free_port
 from support.ddp_run import run_group
 
-pytestmark = pytest.mark.slow  # seven 2-rank group runs: about 3 min on 2 busy cores
+pytestmark = pytest.mark.slow  # eight 2-rank and three 4-rank group runs: about 7 min on 2 busy cores
 
 # node-tier snapshots and replicas every 2 steps (node tier: 8 and 10 kept, replicas: 10),
 # disk ones every 8 (8); rank 1 killed at step 11
 ARGS = ["--steps", "12", "--every", "8", "--node-every", "2", "--peer-every", "2", "--nodes", "2"]
 
 
-def world(out: Path, directory: Path, base: Path, *extra: str) -> tuple[int, list[dict], str]:
+def world(out: Path, directory: Path, base: Path, *extra: str, ranks: int = 2) -> tuple[int, list[dict], str]:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    argv = [sys.executable, "tests/support/world_job.py", "--world", "2", "--port", str(free_port())]
+    argv = [sys.executable, "tests/support/world_job.py", "--world", str(ranks), "--port", str(free_port())]
     argv += ["--out", str(out), "--dir", str(directory), "--node-base", str(base), *ARGS, *extra]
     log = out.with_suffix(".log")
     code = run_group(argv, log, env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
@@ -45,13 +46,14 @@ class Run:
     starts from again: `reset()` puts the state the kill left back in place, at the same paths
     (the node tier is keyed by the snapshot directory's path)."""
 
-    def __init__(self, tmp: Path, *extra: str) -> None:
-        self.tmp = tmp
+    def __init__(self, tmp: Path, *extra: str, ranks: int = 2, wrap: str = "ddp") -> None:
+        self.tmp, self.ranks, self.wrap = tmp, ranks, ["--wrap", wrap]
         self.base = Path(tempfile.mkdtemp(prefix="peers-", dir=os.environ["MSCALE_SNAPSHOT_NODE_ROOT"]))
         self.snaps = tmp / "snaps"
         for n in ("node0", "node1"):
             (self.base / n).mkdir()
-        code, _, log = world(tmp / "killed", self.snaps, self.base, "--kill-at", "11", "--kill-rank", "1", *extra)
+        kill = ["--kill-at", "11", "--kill-rank", str(ranks - 1)]
+        code, _, log = world(tmp / "killed", self.snaps, self.base, *kill, *self.wrap, *extra, ranks=ranks)
         assert code != 0, log[-3000:]  # rank 1 SIGKILLed itself, rank 0 lost its peer
         self.saved = tmp / "saved"
         shutil.copytree(self.snaps, self.saved / "snaps", symlinks=True)
@@ -72,8 +74,8 @@ class Run:
         return job / "peer" / "rank_00001" / "step_00000010"
 
     def restart(self, name: str) -> dict[int, dict]:
-        code, again, log = world(self.tmp / name, self.snaps, self.base)
-        assert code == 0 and len(again) == 2, log[-3000:]
+        code, again, log = world(self.tmp / name, self.snaps, self.base, *self.wrap, ranks=self.ranks)
+        assert code == 0 and len(again) == self.ranks, log[-3000:]
         return {r["rank"]: r for r in again}
 
     def cleanup(self) -> None:
@@ -165,3 +167,24 @@ def test_a_replica_of_a_step_flagged_later_is_never_restored_from(tmp_path, plai
     assert any("replica of step 10 refused: the step was flagged after it was taken" in m for m in refused), refused
     for r in by_rank.values():
         resumed_at(r, "disk", 8, plain)
+
+
+def test_a_lost_node_of_a_4_rank_fsdp2_group_resumes_both_its_ranks_from_replicas(tmp_path) -> None:
+    """Two nodes of two ranks each, FSDP2 shards: node 1 (ranks 2 and 3) is lost, and its ranks
+    take their shards back from ranks 0 and 1, which held them (replicate_to = rank + 2 mod 4)."""
+    base = Path(tempfile.mkdtemp(prefix="plain4-", dir=os.environ["MSCALE_SNAPSHOT_NODE_ROOT"]))
+    for n in ("node0", "node1"):
+        (base / n).mkdir()
+    code, ref, log = world(tmp_path / "plain", tmp_path / "plain-snaps", base, "--wrap", "fsdp", ranks=4)
+    shutil.rmtree(base, ignore_errors=True)
+    assert code == 0 and len(ref) == 4, log[-3000:]
+    run = Run(tmp_path, ranks=4, wrap="fsdp")
+    try:
+        held = node_job_dir(run.base / "node0", "world-job", run.snaps) / "peer"
+        assert sorted(p.name for p in held.iterdir()) == ["rank_00002", "rank_00003"]
+        run.lose_node_1()
+        by_rank = run.restart("lost4")
+    finally:
+        run.cleanup()
+    for rank, r in by_rank.items():
+        resumed_at(r, "node" if rank < 2 else "peer", 10, ref)
