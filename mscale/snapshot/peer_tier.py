@@ -88,17 +88,17 @@ class PeerTier:
             return None
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         world = engine.world_size
-        why = ""
+        why, one_node = "", per_node >= world
         if node is None:
             why = "the node tier is off on this rank"
         elif not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world:
             why = "the snapshot group is not the whole world"
-        elif per_node >= world or world % per_node:
+        elif one_node or world % per_node:
             why = f"{world} ranks, {per_node} a node (LOCAL_WORLD_SIZE): no rank on another node to hold a replica"
         if mdist.any_flag(bool(why), engine.group):
-            engine.emit(
+            engine.emit(  # one node is no fault: nothing on another node to hold a replica
                 Reason.SNAPSHOT_TIER,
-                Severity.WARNING,
+                Severity.INFO if one_node and node is not None else Severity.WARNING,
                 f"peer snapshot tier off: {why or 'off on another rank'}",
                 tier="peer",
             )
