@@ -259,7 +259,7 @@ def cost_rank(args: argparse.Namespace, rank: int, arm: str, snaps: Path, shm: P
     os.environ.update(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", MSCALE_SNAPSHOT_NODE_ROOT=str(shm / f"node{rank}"))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
     model, loss = build(args)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=args.model == "llava")
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
     node_every, peer_every = ARMS[arm]
     cfg = SnapshotConfig(directory=snaps, memory_every=10, disk_every=100, node_every=node_every, peer_every=peer_every)
