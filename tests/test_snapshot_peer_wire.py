@@ -126,3 +126,14 @@ def test_peer_settings_are_checked():
         SnapshotConfig(peer_timeout_s=0)
     with pytest.raises(ValueError, match="node_cap_bytes"):
         SnapshotConfig(node_cap_bytes=0)
+
+
+def test_a_replica_of_an_older_step_replaces_the_newer_ones_of_an_abandoned_timeline(tmp_path, node_root):
+    model, opt, engine = job(tmp_path / "snaps", job_id=JOB, memory_every=1, node_every=2, node_keep=2)
+    train(model, opt, engine, 1, 4)
+    engine.close()
+    rank_dir = node_job_dir(node_root, JOB, tmp_path / "snaps") / "rank_00000"
+    held = tmp_path / "peer" / "rank_00000"
+    assert send(rank_dir / "step_00000004", held).path is not None
+    assert send(rank_dir / "step_00000002", held).path is not None  # sent after a rollback to step 2
+    assert [p.name for p in held.iterdir()] == ["step_00000002"]

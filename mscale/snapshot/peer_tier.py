@@ -227,7 +227,12 @@ class PeerTier:
         need = [usable - set(nodes[r]) for r in range(world)]  # what rank r takes from its replica
         for step in sorted(set().union(*need), reverse=True):
             # this rank sends its source's replica back to it, and takes its own from its holder
-            out = Outgoing(mine[step], self.engine.job_id, self.source) if step in need[self.source] else None
+            out = None
+            if step in need[self.source]:
+                try:
+                    out = Outgoing(mine[step], self.engine.job_id, self.source)
+                except (OSError, ValueError, KeyError) as e:  # its manifest unreadable now: sent as nothing
+                    log.warning("replica not sent back", step=step, rank=self.source, error=str(e))
             self._fetch_one(step, out)
         landed = self._unflagged(self._held(self.fetched))
         common = mdist.common_steps(sorted(set(node) | set(landed)), self.group)

@@ -39,6 +39,14 @@ CHUNK = 8 << 20  # bytes per message of a file stream
 MAX_INDEX = 1 << 22  # an index is a manifest and a file list: a few KiB; more is refused
 
 
+def _size(path: Path) -> int:
+    """A file's size now (0 when it is gone: the peer refuses it on the size)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
 class Outgoing:
     """A complete snapshot directory to send: its manifest (as the primary wrote it) and files."""
 
@@ -47,7 +55,7 @@ class Outgoing:
         raw = (path / MANIFEST).read_bytes()
         manifest = json.loads(raw)
         names = sorted(manifest["files"])
-        self.files = [(n, (path / n).stat().st_size) for n in names]  # as they are now, not as listed
+        self.files = [(n, _size(path / n)) for n in names]  # as they are now, not as listed
         self.step = int(manifest["step"])
         index = {
             "job_id": job_id,
@@ -173,7 +181,8 @@ class Landing:
 
     def finish(self) -> Path | None:
         """Keeps the replica (the manifest last, then renamed into place; the oldest beyond `keep`
-        removed); None, and nothing left behind, when it was refused."""
+        removed, and any of a newer step: a rollback abandoned it); None, and nothing left
+        behind, when it was refused."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -191,7 +200,8 @@ class Landing:
         os.rename(self._tmp, final)
         fsync_dir(self.target)
         steps = sorted(p for p in self.target.iterdir() if p.name.startswith("step_"))
-        for old in steps[: -self.keep]:
+        newer = [p for p in steps if p.name > final.name]  # an abandoned timeline's (a rollback since)
+        for old in [*newer, *[p for p in steps if p not in newer][: -self.keep]]:
             shutil.rmtree(old, ignore_errors=True)
         self.path = final
         return final
