@@ -18,8 +18,8 @@ into the model (inplace.py). A replica of a step flagged later (Flags in the ran
 directory) is never restored from.
 
 Resume (`fetch`, collective over the peer group): every rank says which node-tier steps it holds
-and which replicas it holds for its source; the steps every rank can take from its node tier or
-from its replica are the candidates, the replicas a rank needs come back to it (into
+and which replicas it holds for its source; the steps every rank can take from its node tier, or
+where that holds none (its node was lost) from its replica, are the candidates, the replicas a rank needs come back to it (into
 `<node job dir>/fetched/rank_<r>/`), and what was refused on the way drops out of the candidates
 on every rank alike. The engine then loads the newest candidate (each rank from its own node
 tier where it has the step, else from its replica), falling back together to older ones and to
@@ -222,7 +222,9 @@ class PeerTier:
         nodes = mdist.gather_steps(sorted(node), self.group)
         mine = self._held(self.dir)
         held = mdist.gather_steps(sorted(mine), self.group)  # held[h]: h's replicas of its source
-        able = [set(nodes[r]) | set(held[replicate_to(r, world, per)]) for r in range(world)]
+        # a rank whose node tier holds snapshots takes its steps from there alone: a replica of a
+        # step its node tier lacks is older than its keep, or of a timeline a rollback abandoned
+        able = [set(nodes[r]) or set(held[replicate_to(r, world, per)]) for r in range(world)]
         usable = set.intersection(*able)
         need = [usable - set(nodes[r]) for r in range(world)]  # what rank r takes from its replica
         for step in sorted(set().union(*need), reverse=True):
