@@ -19,11 +19,11 @@ directory) is never restored from.
 
 Resume (`fetch`, collective over the peer group): every rank says which node-tier steps it holds
 and which replicas it holds for its source; the steps every rank can take from its node tier, or
-where that holds none (its node was lost) from its replica, are the candidates, the replicas a rank needs come back to it (into
-`<node job dir>/fetched/rank_<r>/`), and what was refused on the way drops out of the candidates
-on every rank alike. The engine then loads the newest candidate (each rank from its own node
-tier where it has the step, else from its replica), falling back together to older ones and to
-the disk.
+where that holds none (its node was lost) from its replica, are the candidates; the replicas a
+rank needs come back to it (into `<node job dir>/fetched/rank_<r>/`), and what was refused on the
+way drops out of the candidates on every rank alike. The engine then loads the newest candidate
+(each rank from its own node tier or from its replica), falling back together to older ones and
+to the disk.
 """
 
 from __future__ import annotations
