@@ -33,11 +33,13 @@ def primary(tmp_path, node_root) -> Path:
     return node_job_dir(node_root, JOB, tmp_path / "snaps") / "rank_00000" / "step_00000004"
 
 
-def send(primary: Path, target: Path, *, job_id: str = JOB, source: int = 0, room: int = 1 << 40) -> Landing:
+def send(
+    primary: Path, target: Path, *, job_id: str = JOB, source: int = 0, room: int = 1 << 40, world: int = 1
+) -> Landing:
     """What the receiving side of an exchange does with `primary` as sent (peer_wire.exchange)."""
     out = Outgoing(primary, JOB, 0)
     target.mkdir(parents=True, exist_ok=True)
-    landing = Landing(target, out.index, job_id=job_id, source=source, room=room, keep=1)
+    landing = Landing(target, out.index, job_id=job_id, source=source, room=room, keep=1, world=world)
     for chunk in out.chunks():
         landing.take(memoryview(chunk.numpy()).cast("B"))
     landing.finish()
@@ -84,9 +86,11 @@ def test_a_bad_replica_is_refused_naming_why_and_nothing_is_kept(primary, tmp_pa
     assert list((tmp_path / "peer").iterdir()) == []
 
 
-def test_another_ranks_replica_or_one_past_the_cap_is_refused(primary, tmp_path):
+def test_another_ranks_or_worlds_replica_or_one_past_the_cap_is_refused(primary, tmp_path):
     got = send(primary, tmp_path / "a", source=3)
     assert got.path is None and got.why == "it is rank 0's, not rank 3's"
+    got = send(primary, tmp_path / "w", world=2)  # an older run's, on another number of ranks
+    assert got.path is None and got.why == "it is of a world of 1 ranks, not 2"
     size = sum(p.stat().st_size for p in primary.iterdir() if p.name != "manifest.json")
     got = send(primary, tmp_path / "b", room=size - 1)
     assert got.path is None and f"{size} bytes would take the node tier past node_cap_bytes" in got.why

@@ -68,7 +68,7 @@ class PeerTier:
         cfg = engine.config
         self.keep, self.timeout = cfg.peer_keep, timedelta(seconds=cfg.peer_timeout_s)
         world, rank = engine.world_size, engine.rank
-        self.per_node = per_node
+        self.per_node, self.world = per_node, world
         self.dest = replicate_to(rank, world, per_node)  # holds this rank's replicas
         self.source = (rank - per_node) % world  # whose replicas this rank holds
         self.dir = node.job_dir / "peer" / rank_dir_name(self.source)
@@ -180,7 +180,15 @@ class PeerTier:
             out = None
 
         def land(index: bytes) -> Landing:
-            return Landing(self.dir, index, job_id=eng.job_id, source=self.source, room=self.room(), keep=self.keep)
+            return Landing(
+                self.dir,
+                index,
+                job_id=eng.job_id,
+                source=self.source,
+                room=self.room(),
+                keep=self.keep,
+                world=self.world,
+            )
 
         got = exchange(self.group, step, self.dest, out, self.source, land, self.timeout)
         self.last = {"step": step, "seconds": time.perf_counter() - t0, "bytes": out.total if out else 0}
@@ -244,7 +252,15 @@ class PeerTier:
         eng = self.engine
 
         def land(index: bytes) -> Landing:
-            return Landing(self.fetched, index, job_id=eng.job_id, source=eng.rank, room=self.room(), keep=self.keep)
+            return Landing(
+                self.fetched,
+                index,
+                job_id=eng.job_id,
+                source=eng.rank,
+                room=self.room(),
+                keep=self.keep,
+                world=self.world,
+            )
 
         holder = self.dest
         got = exchange(self.group, step, self.source, out, holder, land, self.timeout)

@@ -100,7 +100,9 @@ class Landing:
     """Takes one incoming snapshot into `target` (a rank directory of replicas), checked as it
     lands (see the module docstring). `why` is '' while it is good."""
 
-    def __init__(self, target: Path, index: bytes, *, job_id: str, source: int, room: int, keep: int) -> None:
+    def __init__(
+        self, target: Path, index: bytes, *, job_id: str, source: int, room: int, keep: int, world: int | None = None
+    ) -> None:
         self.target, self.keep, self.why = target, keep, ""
         self.path: Path | None = None  # where it was kept
         self._fd, self._left, self._hasher = -1, 0, TreeHasher()
@@ -122,6 +124,8 @@ class Landing:
             self.why = f"its index is unreadable ({e})"
             return
         self.why = self._refusal(head, job_id, source, room)
+        if not self.why and world is not None and self.manifest["world_size"] != world:
+            self.why = f"it is of a world of {self.manifest['world_size']} ranks, not {world}"
         if not self.why:
             self._tmp.mkdir(mode=0o700)
             self._queue = list(self._files)
