@@ -43,6 +43,7 @@ from mscale.snapshot.memory import HostCopier, MemorySnapshot, rng_state, to_hos
 from mscale.snapshot.node_tier import Flags, NodeTier
 from mscale.snapshot.optim import NamedOptimizer
 from mscale.snapshot.ownership import dir_refused
+from mscale.snapshot.peer_tier import PeerTier
 from mscale.snapshot.writer import DiskWriter
 
 __all__ = ["SnapshotCapture"]
@@ -121,10 +122,12 @@ class SnapshotCapture:
         self._disk: DiskWriter | None = None
         self.node: NodeTier | None = None  # the node tier (node_tier.py), when on
         self._node_writer: DiskWriter | None = None
+        self.peer: PeerTier | None = None  # the peer tier (peer_tier.py), when on
         if self.directory is not None:
             self._disk = self._open_directory(self.directory)
-        if self._disk is not None:
+        if self._disk is not None:  # (on every rank alike: the peer tier's start is collective)
             self._open_node_tier()
+            self.peer = PeerTier.open(self, self.node)
 
     def _open_node_tier(self) -> None:
         """The node tier and its own writer thread, where NodeTier.open says it is on."""
@@ -353,8 +356,10 @@ class SnapshotCapture:
             snap = self.snapshot()
             if to_disk:
                 self._queue_write(snap, why="schedule")
-            if to_node:
-                self._queue_write(snap, why="schedule", writer=self._node_writer)
+            if to_node and self.node is not None and not self.node.past_cap(self.peer, self._node_writer):
+                written = self._queue_write(snap, why="schedule", writer=self._node_writer)
+                if self.peer is not None and step % self.peer.every == 0:
+                    self.peer.replicate(step, written)  # sent by its thread once written
 
     # -- disk -------------------------------------------------------------------------
     def _queue_write(self, snap: MemorySnapshot, *, why: str, writer: DiskWriter | None = None) -> Future:
@@ -438,8 +443,8 @@ class SnapshotCapture:
         )
 
     def flush(self, timeout: float | None = None) -> None:
-        """Waits until every disk and node-tier write queued so far is finished (written or failed)."""
-        for writer in (self._disk, self._node_writer):
+        """Waits until every write and peer replication queued so far is done (or failed)."""
+        for writer in (self._disk, self._node_writer, self.peer):
             if writer is not None:
                 writer.flush(timeout)
 
@@ -478,7 +483,7 @@ class SnapshotCapture:
             signum, prev = self._prev_handler
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signum, prev)
-        for writer in (self._disk, self._node_writer):
+        for writer in (self._disk, self._node_writer, self.peer):
             if writer is not None:
                 writer.close(timeout)
         if self._fence is not None:

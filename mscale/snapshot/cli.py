@@ -77,7 +77,8 @@ def _size(n: float) -> str:
 
 
 def _tiers(root: Path, args: argparse.Namespace) -> list[tuple[str, snap.SnapshotInfo]]:
-    """(tier, snapshot) under DIR (the disk tier), and with --job in the job's node tier."""
+    """(tier, snapshot) under DIR (the disk tier), and with --job in the job's node tier on this
+    host: this node's ranks' own (node) and the replicas of other nodes' ranks it holds (peer)."""
     rows = [("disk", i) for i in snap.list_snapshots(root, include_incomplete=True)]
     if args.job:
         from mscale.snapshot.config import SnapshotConfig
@@ -85,6 +86,8 @@ def _tiers(root: Path, args: argparse.Namespace) -> list[tuple[str, snap.Snapsho
 
         node = node_job_dir(SnapshotConfig(node_root=args.node_root).node_root_path, args.job, root)
         rows += [("node", i) for i in snap.list_snapshots(node, include_incomplete=True)] if node.is_dir() else []
+        peer = node / "peer"
+        rows += [("peer", i) for i in snap.list_snapshots(peer, include_incomplete=True)] if peer.is_dir() else []
     return rows
 
 

@@ -29,6 +29,13 @@ class SnapshotConfig:
     0: no node tier. It needs a directory (the node tier's snapshots are keyed by the job id
     and the directory). node_keep: how many stay there. node_root: the shared-memory file
     system it lives in (default: $MSCALE_SNAPSHOT_NODE_ROOT, else /dev/shm).
+    peer_every: a replica of the node-tier snapshot every N steps (rounded up to a multiple of
+    the node tier's schedule) sent to the rank (rank + LOCAL_WORLD_SIZE) % world, on another node,
+    which keeps it in its own node tier (survives the loss of this node; peer_tier.py); 0: none.
+    peer_keep: how many replicas of its source a rank holds. peer_timeout_s: the longest any
+    wait of the replication takes (a peer that does not answer stops it, with a finding).
+    node_cap_bytes: the most bytes a rank's node-tier snapshots and the replicas it holds may
+    take in the node root; a write past it is refused with a finding (None: no cap but the room).
     """
 
     directory: str | os.PathLike | None = None
@@ -39,6 +46,10 @@ class SnapshotConfig:
     node_every: int | None = None
     node_keep: int = 2
     node_root: str | os.PathLike | None = None
+    peer_every: int = 50
+    peer_keep: int = 1
+    peer_timeout_s: float = 120.0
+    node_cap_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.directory is not None and not os.fspath(self.directory):
@@ -54,6 +65,13 @@ class SnapshotConfig:
             raise ValueError(
                 f"memory_keep, disk_keep, node_keep: expected >= 1, got {self.memory_keep}, {self.disk_keep}, {self.node_keep}"
             )
+
+        if self.peer_every < 0 or self.peer_keep < 1:
+            raise ValueError(f"peer_every: expected >= 0, peer_keep >= 1, got {self.peer_every}, {self.peer_keep}")
+        if not self.peer_timeout_s > 0:
+            raise ValueError(f"peer_timeout_s: expected seconds > 0, got {self.peer_timeout_s}")
+        if self.node_cap_bytes is not None and self.node_cap_bytes < 1:
+            raise ValueError(f"node_cap_bytes: expected bytes >= 1 or None, got {self.node_cap_bytes}")
 
     @property
     def node_root_path(self) -> str:

@@ -23,6 +23,7 @@ The layout of a snapshot directory is in `format.py`.
 from __future__ import annotations
 
 import copy
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -273,15 +274,20 @@ class SnapshotEngine(SnapshotCapture):
         return self.rollback(target, skip_batch=skip_batch, micro_batches=micro_batches)
 
     def _sources(self) -> tuple[list[tuple[int, Path, str]], dict[int, worlds.Candidate]]:
-        """What a resume tries, newest first, the node tier before the disk at the same step: the
-        steps every rank holds in each tier (collective with several ranks), and the disk plan."""
+        """What a resume tries, newest first, the node tier (or, for a rank whose node copy is
+        gone, its peer's replica: peer_tier.py) before the disk at the same step: the steps every
+        rank holds in each tier (collective with several ranks), and the disk plan."""
         plan = worlds.plan(self, keep=self._mine_unflagged)  # this run's, any world it can take
         node: dict[int, Path] = {}
         if self.node is not None and self._node_writer is not None:
             node = self.node.candidates(self._node_writer.own.mine)
-        common = mdist.common_steps(sorted(node), self.group) if self.world_size > 1 else sorted(node)
-        sources = [(s, node[s], "node") for s in common] + [(s, c.path, "disk") for s, c in plan.items()]
-        return sorted(sources, key=lambda x: (-x[0], x[2] != "node")), plan
+        if self.peer is not None:
+            near = [(s, p, tier) for s, (p, tier) in self.peer.fetch(node).items()]
+        else:
+            common = mdist.common_steps(sorted(node), self.group) if self.world_size > 1 else sorted(node)
+            near = [(s, node[s], "node") for s in common]
+        sources = near + [(s, c.path, "disk") for s, c in plan.items()]
+        return sorted(sources, key=lambda x: (-x[0], x[2] == "disk")), plan
 
     def resume(self) -> int | None:
         """Start-up: restores the newest valid snapshot of the node tier (node_tier.py) or the
@@ -304,13 +310,15 @@ class SnapshotEngine(SnapshotCapture):
                 )
             return None
         step, path, tensors, objects = found
-        tier = "node" if self.node is not None and path.parent == self.node.rank_dir else "disk"
+        tier = next(t for s, p, t in sources if (s, p) == (step, path))
         other_world = tier == "disk" and plan[step].world_size != self.world_size
         self._apply(
             tensors, worlds.fit(self, step, objects, plan) if tier == "disk" else objects, where=str(path), owned=True
         )
         del found, tensors, objects  # the engine's copies are applied: let these go
-        if tier == "node" or other_world:  # a rollback goes back to an in-memory copy of it
+        if self.peer is not None:  # the replicas fetched back are in the live state now
+            shutil.rmtree(self.peer.fetched, ignore_errors=True)
+        if tier != "disk" or other_world:  # a rollback goes back to an in-memory copy of it
             self.snapshot(step=step)
         if tier == "disk":
             # Until the first in-memory snapshot, a rollback goes back to this one on disk:

@@ -1,6 +1,6 @@
 """The node tier: snapshots in the node's shared memory (`/dev/shm`), which outlive the process
 (a segfault, an OOM kill, kill -9) and a torchrun restart of the worker group, and are read
-back at memory speed. Not a node's loss: the peer tier (issue 39's next part) is for that.
+back at memory speed. Not a node's loss: the peer tier (peer_tier.py) is for that.
 
 Layout: `<root>/mscale-<uid>/<job>-<dir>/rank_NNNNN/step_*`, where `<job>` is the job id (made
 safe for a file name) and `<dir>` the first 12 hex digits of the SHA-256 of the disk snapshot
@@ -37,7 +37,7 @@ from mscale.findings import Reason, Severity
 from mscale.snapshot.format import SnapshotInfo, list_snapshots, rank_dir_name
 from mscale.snapshot.ownership import dir_refused
 
-__all__ = ["NodeTier", "Flags", "node_job_dir", "estimate_bytes"]
+__all__ = ["NodeTier", "Flags", "node_job_dir", "estimate_bytes", "make_private", "tier_bytes"]
 
 FLAGS = "flagged.json"
 MAX_FLAGS = 64  # entries kept, newest last: a bounded file
@@ -73,6 +73,18 @@ def estimate_bytes(model: Any, optimizer: Any) -> int:
     return total + (held if held else 2 * params)
 
 
+def tier_bytes(directory: Path) -> int:
+    """The bytes of the files under `directory` (0 when it is missing)."""
+    total = 0
+    for top, _, names in os.walk(directory):
+        for n in names:
+            try:
+                total += os.lstat(os.path.join(top, n)).st_size
+            except OSError:
+                pass  # removed while counted
+    return total
+
+
 class Flags:
     """The steps of a rank directory never to be restored from (see the module docstring)."""
 
@@ -106,7 +118,7 @@ class Flags:
         return ""
 
 
-def _make_private(path: Path) -> str:
+def make_private(path: Path) -> str:
     """Makes `path` (0700) if missing; '' when it is a real directory of this uid, else why not."""
     try:
         path.mkdir(mode=0o700, exist_ok=True)
@@ -153,7 +165,7 @@ class NodeTier:
     def _prepare(self) -> str:
         """Makes the tier's directories and checks the room; why not ('' when on)."""
         for path in (self.job_dir.parent, self.job_dir, self.rank_dir):
-            if why := _make_private(path):
+            if why := make_private(path):
                 return f"{path} is {why}"
         need, free = self.room()
         cfg, where = self.engine.config, f"{self.root} ({free / 2**20:.1f} MiB free)"
@@ -178,6 +190,27 @@ class NodeTier:
         st = os.statvfs(self.root)
         held = sum(i.nbytes for i in list_snapshots(self.rank_dir))
         return (self.engine.config.node_keep + 1) * size * max(local, 1), st.f_bavail * st.f_frsize + held
+
+    def past_cap(self, peer: Any, writer: Any) -> bool:
+        """Whether the next snapshot would take this rank's node-tier bytes (its snapshots and the
+        replicas it holds: `peer`) past node_cap_bytes; a finding says so each time it is refused."""
+        cap = self.engine.config.node_cap_bytes
+        if cap is None:
+            return False
+        held = sum(tier_bytes(d) for d in (self.rank_dir, *((peer.dir, peer.fetched) if peer is not None else ())))
+        size = int(writer.last_write.get("bytes") or 0) if writer is not None else 0
+        size = size or estimate_bytes(self.engine.model, self.engine.optimizer)
+        if held + size <= cap:
+            return False
+        self.engine.emit(
+            Reason.SNAPSHOT_FAILED,
+            Severity.WARNING,
+            f"node-tier snapshot of step {self.engine.step} not written: {size} bytes more would take this rank's "
+            f"node tier past node_cap_bytes ({held} of {cap} bytes held)",
+            step=self.engine.step,
+            tier="node",
+        )
+        return True
 
     def candidates(self, keep: Any) -> dict[int, Path]:
         """step -> path of this rank's node-tier snapshots a resume may try: this run's (`keep`:

@@ -3,8 +3,11 @@ rank, the plain model with no process group) with the README's protection line a
 directory, for restarts on another world size.
 
 --kill-at K --kill-rank R: once every rank's snapshots before step K are written, rank R
-SIGKILLs itself at step K's start (the others then lose their peer). --node-every: the node
-tier's schedule (mscale.snapshot.node_tier). Each rank writes out/rank_R.json: the step it started at (after attach's resume), hashes of the
+SIGKILLs itself at step K's start (the others then lose their peer); --flag-rank R flags the
+step before K on that rank first (as a later checksum finding would). --node-every: the node
+tier's schedule (mscale.snapshot.node_tier); --peer-every: the peer tier's (peer_tier.py);
+--nodes N: the ranks are N "nodes" of world/N ranks (LOCAL_WORLD_SIZE), node n's tier under
+--node-base/node<n>. Each rank writes out/rank_R.json: the step it started at (after attach's resume), hashes of the
 weights and of the optimizer state (whole tensors, shards gathered) then and at each step end,
 or the error attach raised."""
 
@@ -66,6 +69,10 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), LOCAL_RANK=str(rank))
+    if args.nodes:
+        per_node = args.world // args.nodes
+        os.environ.update(LOCAL_WORLD_SIZE=str(per_node), LOCAL_RANK=str(rank % per_node))
+        os.environ["MSCALE_SNAPSHOT_NODE_ROOT"] = str(Path(args.node_base, f"node{rank // per_node}"))
     if args.wrap != "plain":
         dist.init_process_group("gloo", rank=rank, world_size=args.world, timeout=datetime.timedelta(seconds=60))
     model, make_batch = tiny_llava(seed=0)
@@ -85,6 +92,8 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         disk_every=args.every,
         disk_keep=2,
         node_every=args.node_every,
+        peer_every=args.peer_every,
+        peer_timeout_s=60,
     )
     out: dict = {"rank": rank, "world": args.world}
     hashes = Hashes(model, opt)
@@ -105,6 +114,8 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         if guard.current_step == args.kill_at:  # every rank's snapshots before it are written
             guard.snapshots.flush(timeout=120)
             dist.barrier()
+            if rank == args.flag_rank:  # a finding about the step before, after its snapshots were taken
+                guard.snapshots.flag_steps(args.kill_at - 1, args.kill_at - 1, "a checksum finding (test)")
             if rank == args.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
         loss = wrapped(**loader.next_batch()).loss
@@ -113,6 +124,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         opt.zero_grad()
     out["resumed"] = [f.message for f in guard.findings if f.reason.value == "snapshot_resumed"]
     out["refused"] = [f.message for f in guard.findings if f.reason.value == "snapshot_refused"]
+    out["tiers"] = [f.message for f in guard.findings if f.reason.value == "snapshot_tier"]
     guard.detach()
     out["hashes"], out["optimizer_hashes"] = hashes.at, hashes.opt_at
     Path(args.out, f"rank_{rank}.json").write_text(json.dumps(out))
@@ -133,7 +145,13 @@ def main() -> int:
     ap.add_argument("--node-every", type=int, default=None)  # the node tier's schedule (None: the default)
     ap.add_argument("--kill-at", type=int, default=None)  # --kill-rank SIGKILLs itself at this step's start
     ap.add_argument("--kill-rank", type=int, default=0)
+    ap.add_argument("--flag-rank", type=int, default=None)  # flags step kill-at - 1 before the kill
+    ap.add_argument("--peer-every", type=int, default=50)
+    ap.add_argument("--nodes", type=int, default=0)  # 0: LOCAL_WORLD_SIZE unset, one node root
+    ap.add_argument("--node-base", default="")
     args = ap.parse_args()
+    if args.nodes and (args.world % args.nodes or not args.node_base):
+        ap.error("--nodes must divide --world, and needs --node-base")
     if args.wrap == "plain" and args.world != 1:
         ap.error("--wrap plain runs on one rank (--world 1)")
     return fork_ranks(args.world, lambda rank: rank_main(args, rank))

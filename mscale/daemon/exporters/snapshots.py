@@ -5,8 +5,8 @@
     mscale_snapshot_last_success_timestamp_seconds{job_id}   after the job's first disk snapshot
     mscale_snapshot_duration_seconds{job_id}                 histogram of disk snapshot writes
     mscale_snapshot_size_bytes{job_id}                       bytes of the last disk snapshot
-    checkpoint_recovery_time_seconds{job_id,tag}             last restore, tag memory (rollback), node or disk
-    mscale_snapshot_tier_step{job_id,tier}                   the newest step written to a tier (node, disk)
+    checkpoint_recovery_time_seconds{job_id,tag}             last restore, tag memory (rollback), node, peer or disk
+    mscale_snapshot_tier_step{job_id,tier}                   the newest step written to a tier (node, peer, disk)
     mscale_snapshot_tier_timestamp_seconds{job_id,tier}      ... when it was written (its age: time() - this)
     mscale_snapshot_tier_size_bytes{job_id,tier}             ... its size
 """
@@ -46,7 +46,7 @@ def collect(state: AgentState) -> Iterable[Metric]:
     )
     tier_step = GaugeMetricFamily(
         "mscale_snapshot_tier_step",
-        "the newest step the job wrote (hashed) to a snapshot tier (node: /dev/shm, disk)",
+        "the newest step the job wrote (hashed) to a snapshot tier (node: /dev/shm, peer: a replica landed, verified, on another node, disk)",
         labels=["job_id", "tier"],
     )
     tier_time = GaugeMetricFamily(
