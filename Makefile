@@ -18,7 +18,7 @@ test: system $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not matrix" $(PYTEST_ARGS)
 
 # The forward-progress matrix's cells beyond the ones `make test` runs (tests/test_progress_matrix.py:
-# compiled, every set-up's clean runs and faults, the weight flip at 9 steps): about an hour on 2 cores.
+# the fault cells of the set-ups other than one process's, NaN's and FSDP2's noise; its doc gives the costs).
 matrix: system $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) -m matrix tests/test_progress_matrix.py $(PYTEST_ARGS)
 
