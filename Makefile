@@ -18,7 +18,7 @@ test: system $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not matrix" $(PYTEST_ARGS)
 
 # The forward-progress matrix's cells beyond the ones `make test` runs (tests/test_progress_matrix.py:
-# the fault cells of the set-ups other than one process's, NaN's and FSDP2's noise; its doc gives the costs).
+# the compiled set-up's fault cells; its doc gives what each cell costs).
 matrix: system $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) -m matrix tests/test_progress_matrix.py $(PYTEST_ARGS)
 
