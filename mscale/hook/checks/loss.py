@@ -13,9 +13,15 @@ norm, `grad_scale_floor` (0.25) for an MPU's. z = (residual - median residual) /
 `warn_sigma` (5) a warning, >= `action_sigma` (10) an action, upward only, once `min_history`
 (20) residuals are in (the first ~25 steps are warm-up). A jump: more than `jump_ratio` (10)
 times both the previous value and the recent median (a clean norm can fall 5x for one step),
-from the first step; a gradient norm's is a warning unless it is an action too. Every finite
-positive value enters the windows, spikes included (the medians barely move for one outlier);
-a value <= 0 is only checked for a jump.
+from the first step; a gradient norm's is a warning unless it is an action too. A run of
+warning-level values (a spike between warn and action, a gradient norm's jump) shorter than
+`warn_run` (3) steps in a row is info: a finding of the same reason, which still puts its MPU
+under suspicion (incident mode); the `warn_run`th in a row is the warning. Clean runs that
+learn their data (tiny batches, the loss towards 0.02) show 5-7 sigma steps and 10-60x
+whole-gradient jumps about once per 100 steps, one step alone or two in a row (docs/hook.md);
+a fault that lasts is warned of from its third step, and a step at action level, a loss jump
+or a NaN is critical in its step. Every finite positive value enters the windows, spikes
+included (the medians barely move for one outlier); a value <= 0 is only checked for a jump.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class LossConfig:
     scale_floor: float = 0.1  # smallest scale of the loss, in log units (a flat series still has one)
     grad_scale_floor: float = 0.25  # of each MPU's gradient norm relative to the rest of the model's
     global_scale_floor: float = 0.3  # of the global gradient norm, which jumps 3-6x between clean steps
+    warn_run: int = 3  # warning-level values in a row before they are a warning (fewer: info)
 
     def __post_init__(self) -> None:
         if self.window < 3:
@@ -58,6 +65,8 @@ class LossConfig:
             raise ValueError(f"jump_ratio: expected > 1, got {self.jump_ratio}")
         if not 2 <= self.min_history <= self.window:
             raise ValueError(f"min_history: expected between 2 and window ({self.window}), got {self.min_history}")
+        if self.warn_run < 1:
+            raise ValueError(f"warn_run: expected >= 1, got {self.warn_run}")
         if self.baseline < 1:
             raise ValueError(f"baseline: expected >= 1, got {self.baseline}")
         floors = (self.scale_floor, self.grad_scale_floor, self.global_scale_floor)
@@ -76,6 +85,7 @@ class Verdict:
     value: float
     z: float  # NaN when there is not enough history
     level: str  # "ok", "nonfinite", "jump", "action", "warn"
+    run: int = 1  # values in a row at "warn", "jump" or "action", this one included (0 when "ok")
 
 
 class SeriesDetector:
@@ -88,6 +98,7 @@ class SeriesDetector:
         self.residuals: deque[float] = deque(maxlen=config.window)
         self.previous: float | None = None
         self.seen = 0  # finite values checked
+        self.run = 0  # finite values in a row at warning level or above, up to the last one
 
     def ready(self) -> bool:
         return len(self.logs) >= self.config.baseline and len(self.residuals) >= self.config.min_history
@@ -134,7 +145,8 @@ class SeriesDetector:
         if ref is not None and ref > 0 and len(self.logs) > JUMP_AFTER and value > c.jump_ratio * ref:
             level = "jump"
         self.previous = value
-        return Verdict(value, z, level)
+        self.run = self.run + 1 if level != "ok" else 0
+        return Verdict(value, z, level, self.run)
 
 
 _LOSS_REASONS = {
@@ -202,6 +214,8 @@ class LossDetector:
         if level == "jump" and reasons[level][1] is Severity.WARNING and verdict.z >= self.config.action_sigma:
             level = "action"  # a gradient norm's jump is a warning, its action level is more
         reason, severity = reasons[level]
+        if severity is Severity.WARNING and verdict.run < self.config.warn_run:
+            severity = Severity.INFO  # not yet a run: a clean run's heavy tail (see the module doc)
         what = what or f"{series} {value:.6g}"
         if level in ("warn", "action"):
             msg = f"{what} is {verdict.z:.1f} sigma above its recent baseline"
