@@ -42,11 +42,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+from mscale.hook.integrations.compiled import compiling
+
+T = TypeVar("T")
 
 SMOOTHING = 0.2  # weight of the newest step in the moving averages
 MAX_OPEN = 64  # entries open at once (nesting depth, a bound: a mark left open is dropped at 64)
@@ -110,6 +114,22 @@ class Budget:
         if len(self._open) < MAX_OPEN:
             self._open.append(mark)
         return mark
+
+    def entry(self, fn: Callable[..., T]) -> Callable[..., T]:
+        """`fn` as an entry point torch calls: its whole host time is charged ("guard", less what
+        was charged inside it), so the measured overhead is everything the guard and its plugins
+        do, not only the checks. Traced (an MPU's hooks under torch.compile): no host timer."""
+
+        def entry(*args: Any, **kwargs: Any) -> T:
+            if compiling():
+                return fn(*args, **kwargs)
+            mark = self.enter("guard")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.leave(mark)
+
+        return entry
 
     def leave(self, mark: list) -> None:
         """Charge the mark's `who` the host time since `enter` (or since the last step end, for

@@ -373,7 +373,7 @@ class FusePlugin:
     def _in_forward(self) -> bool:
         # between the step's first forward and the optimizer step (not at a step boundary),
         # in a step whose update is kept
-        return self.guard._in_step and not self.step_dropped
+        return self.guard.step_state.in_step and not self.step_dropped
 
     def _mpu_failed(self, mpu_id: str, f: Finding) -> None:
         try:

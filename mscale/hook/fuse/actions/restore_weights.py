@@ -84,7 +84,7 @@ class Watch:
         if len(self.repairs) == done:
             return False  # intact, or not repaired (no snapshot, healing off): the fuse counts it
         self.seen[m.mpu_id] = (fuse.seq, True)
-        if fuse.guard._in_step and not fuse.guard.checksum.commit_mode(m):
+        if fuse.guard.step_state.in_step and not fuse.guard.checksum.commit_mode(m):
             fuse.pending_rerun.add(m.mpu_id)  # the output just computed ran on the corrupted weights
         return True
 
