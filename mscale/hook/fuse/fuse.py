@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -52,6 +52,10 @@ from mscale.healing.words import Result, TargetKind
 from mscale.hook.fuse import actions as executors
 from mscale.hook.fuse.actions.base import ActionFailed
 from mscale.snapshot.sharded import is_sharded
+
+if TYPE_CHECKING:
+    from mscale.hook.core.guard import Guard
+    from mscale.snapshot.engine import SnapshotEngine
 
 log = structlog.get_logger("mscale.fuse")
 SOURCE = "fuse"
@@ -76,7 +80,7 @@ class FusePlugin:
         *,
         config: HealingSection | None = None,
         policy: Policy | str | None = None,
-        snapshot_engine: Any = None,
+        snapshot_engine: SnapshotEngine | None = None,
         gpu_count: int | None = None,
         l2_resolution: float = 0.5,
         l2_clip_factor: float = 2.0,
@@ -86,7 +90,7 @@ class FusePlugin:
     ) -> None:
         self.cfg = config or HealingSection()
         self.policy = policy if isinstance(policy, Policy) else policymod.load(policy or self.cfg.policy)
-        self.snapshot_engine = snapshot_engine  # an mscale.snapshot.engine.SnapshotEngine (or None)
+        self.snapshot_engine = snapshot_engine
         self.drive_snapshots = drive_snapshots  # call snapshot_engine.step_end after each good step
         self.gpu_count = gpu_count  # GPUs of the node (None: CUDA's count, or 8 simulated)
         self.l2_resolution = l2_resolution
@@ -96,7 +100,7 @@ class FusePlugin:
             self.cfg.l2_precision_fallback if l2_precision_fallback is None else l2_precision_fallback
         )
         self.clock = clock
-        self.guard: Any = None
+        self._guard: Guard | None = None  # from on_attach on (`guard`)
         self.engine: HealingEngine | None = None
         self.books: HealingSnapshot | None = None  # the engine's latest published books (the exporter reads them)
         self.seq = 0  # steps run (unlike the training step, it never goes back on a rollback)
@@ -140,6 +144,13 @@ class FusePlugin:
         self.step_dropped = True
 
     @property
+    def guard(self) -> Guard:
+        """The guard the plugin is attached to, from `on_attach` on."""
+        if self._guard is None:
+            raise RuntimeError("the fuse plugin is not attached to a guard")
+        return self._guard
+
+    @property
     def _engine(self) -> HealingEngine:
         """The engine, which exists from `on_attach` on."""
         if self.engine is None:
@@ -153,8 +164,8 @@ class FusePlugin:
 
     # --- plugin hooks --------------------------------------------------------------------
 
-    def on_attach(self, guard: Any) -> None:
-        self.guard = guard
+    def on_attach(self, guard: Guard) -> None:
+        self._guard = guard
         self._thread = threading.get_ident()
         self.engine = HealingEngine(
             self.policy, self.cfg, source=SOURCE, clock=self.clock, emit=guard.emit, publish=self._published
@@ -165,13 +176,13 @@ class FusePlugin:
         self.engine.publish()
         self.dispatch("attach")
 
-    def on_detach(self, guard: Any) -> None:
+    def on_detach(self, guard: Guard) -> None:
         self.dispatch("detach")
 
     def snapshot_emit(self, f: Finding) -> None:
         """`emit` for the snapshot engine: its writer thread's findings reach the guard in the
         training thread, at the next hook call, as the guard expects."""
-        if self.guard is not None and threading.get_ident() == self._thread:
+        if self._guard is not None and threading.get_ident() == self._thread:
             self.guard.emit(f)
         else:
             self._foreign.append(f)

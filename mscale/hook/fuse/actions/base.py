@@ -36,11 +36,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mscale.healing.actions.base import ActionSpec
 from mscale.healing.engine import Decision, HealingEngine
 from mscale.healing.settings import HealingSection
+
+if TYPE_CHECKING:
+    from mscale.hook.core.guard import Guard
+    from mscale.snapshot.engine import SnapshotEngine
 
 
 class ActionFailed(RuntimeError):
@@ -50,10 +54,12 @@ class ActionFailed(RuntimeError):
 class FuseContext(Protocol):
     """What an executor may use of the fuse plugin (mscale.hook.fuse.fuse.FusePlugin)."""
 
-    guard: Any  # the mscale.hook.core.guard.Guard the plugin is attached to
+    @property
+    def guard(self) -> Guard: ...  # the guard the plugin is attached to
+
     cfg: HealingSection
     engine: HealingEngine | None  # set when the plugin attaches
-    snapshot_engine: Any  # an mscale.snapshot.engine.SnapshotEngine, or None
+    snapshot_engine: SnapshotEngine | None
     states: dict[str, Any]  # every action's per-job state, by action name
     seq: int  # steps run (never set back by a rollback)
     progress: Any  # the forward-progress keeper (mscale.healing.progress.Keeper)

@@ -114,7 +114,7 @@ def apply(fuse: FuseContext, state: Watch, d: Decision) -> str:
     names = {name for mpu_id, name in bad if not mpu_id}
     names |= {name for name, m in watch.owner.items() if m is not None and m.mpu_id in mpus}
     snap = state.source or (trust.trusted(engine, sorted(names)) if engine is not None else None)
-    if snap is None:
+    if snap is None or engine is None:
         raise ActionFailed("no in-memory snapshot to restore the weights from")
     snap.wait_ready()
     in_place = snap.step == engine.step  # the snapshot holds the state the fingerprints were taken of
