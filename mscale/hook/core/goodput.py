@@ -69,7 +69,7 @@ class GoodputAccountant:
             self.totals[cause] += seconds
             self.pending[cause] = self.pending.get(cause, 0.0) + seconds
 
-    def _hang_part(self, seconds: float, recent: deque) -> float:
+    def _hang_part(self, seconds: float, recent: deque[float]) -> float:
         if len(recent) < 5:
             return 0.0
         median = statistics.median(recent)

@@ -111,7 +111,7 @@ class Guard:
         self.times = StepTimes()
         self._detectors(checksum or ChecksumConfig(), loss or LossConfig(), CmsaConfig() if cmsa is True else cmsa)
         self._handles: list[Any] = []
-        self._commands: collections.deque[dict] = collections.deque(maxlen=1024)
+        self._commands: collections.deque[protocol.Wire] = collections.deque(maxlen=1024)
         self.inputs = InputCheck(self.emit, self.step_state.losses)  # the batch checked before the first MPU
         self.commit_point: CommitPoint | None = None  # the last step's (mscale.hook.core.commit)
         self.figures: StepFigures | None = None  # the last step's (summary())
@@ -241,7 +241,7 @@ class Guard:
             self.link.update_registration()
         return m
 
-    def send_to_agent(self, message: dict) -> bool:
+    def send_to_agent(self, message: protocol.Wire) -> bool:
         """Queue a message (a dict with "type") for the agent; False without a link."""
         if self.link is None:
             return False
@@ -308,7 +308,7 @@ class Guard:
             self.link.stop()
             self.link = None
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """The last step's figures (what the report carries)."""
         return self.figures.summary() if self.figures is not None else {}
 
@@ -339,13 +339,13 @@ class Guard:
             self._handles.append(self.optimizer.register_step_pre_hook(entry(lambda opt, a, k: self._pre_step())))
             self._handles.append(self.optimizer.register_step_post_hook(entry(lambda opt, a, k: self._post_step())))
 
-    def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _model_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.model.training and not self.checksum.replaying:  # (the model the wrapper compiles)
             if not self.step_state.in_step:
                 self._begin_step(ModelInputs(args, kwargs))
             self.inputs.begin(args, kwargs)
 
-    def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _model_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self.checksum.replaying or not self.model.training:
             return
         loss = loss_of(output)
@@ -363,7 +363,7 @@ class Guard:
         self.checksum.begin_step()  # this step's checks, within the budget
         self.hooks.dispatch("on_step_begin", self.current_step, batch)
 
-    def _mpu_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _mpu_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if compiling():
             return  # traced: no timers, no replay (mscale.hook.integrations.compiled)
         if self.checksum.replaying:
@@ -372,7 +372,7 @@ class Guard:
         m._fwd_start = time.perf_counter()
         self.checksum.before_forward(m, args, kwargs)
 
-    def _mpu_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    def _mpu_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         if compiling():  # traced: the output's non-finite check and statistic, as tensor ops
             self.checksum.traced_output(self._mpu_by_module[id(module)], output_tensors(output))
             return None

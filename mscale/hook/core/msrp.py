@@ -133,7 +133,7 @@ class MsrpPlugin:
         self.devices: dict[int, dict[str, Any]] = {}  # GPU index -> device profile
         self.mpus: dict[str, dict[str, float]] = {}  # mpu_id -> MPU profile
         self._counts: dict[str, _FlopCount] = {}
-        self._achieved: dict[str, deque] = {}
+        self._achieved: dict[str, deque[float]] = {}
         self._probed_at = -float("inf")
         self._reported_at = -float("inf")
 
@@ -190,5 +190,5 @@ class MsrpPlugin:
                 ).to_wire()
             )
 
-    def msrp_profiles(self) -> tuple[dict[int, dict], dict[str, dict]]:
+    def msrp_profiles(self) -> tuple[dict[int, dict[str, Any]], dict[str, dict[str, float]]]:
         return dict(self.devices), dict(self.mpus)

@@ -13,8 +13,8 @@ import torch
 class ModelInputs(NamedTuple):
     """What a module was called with: the batch, as the model (or an MPU) saw it."""
 
-    args: tuple
-    kwargs: dict
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:

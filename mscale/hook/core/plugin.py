@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from mscale.hook.core.guard import Guard, ModelInputs
     from mscale.hook.core.mpu import Mpu
     from mscale.link import StepReport
+    from mscale.link.wire import Wire
 
 HOOKS: tuple[str, ...] = (
     "on_attach",
@@ -92,7 +93,7 @@ class Plugin(Protocol):
 
     def on_report(self, report: StepReport) -> None: ...
 
-    def on_command(self, command: dict) -> dict | None: ...
+    def on_command(self, command: Wire) -> Wire | None: ...
 
     def on_detach(self, guard: Guard) -> None: ...
 

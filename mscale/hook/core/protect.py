@@ -79,12 +79,12 @@ class LoopData:
     def __init__(self, loader: Any = None) -> None:
         self.loader = loader
         self.restoring = False  # set around the start-up resume
-        self.last_batch_position: dict = {}  # a rollback's "skip the faulty batch": the loop already did
+        self.last_batch_position: dict[str, Any] = {}  # a rollback's "skip the faulty batch": the loop already did
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return self.loader.state_dict() if self.loader is not None else {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.restoring and self.loader is not None:
             self.loader.load_state_dict(state)
         elif not self.restoring:
@@ -94,7 +94,7 @@ class LoopData:
                 why="the loop's iterator cannot be rewound: it goes on with the batch after the faulty one",
             )
 
-    def skip_batch_at(self, position: dict) -> None:
+    def skip_batch_at(self, position: dict[str, Any]) -> None:
         pass
 
 
