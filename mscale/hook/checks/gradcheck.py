@@ -37,13 +37,16 @@ import collections
 import math
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mscale.findings import Finding, Reason, Severity
 from mscale.hook.checks.weights import charge, split_by_bytes
 from mscale.hook.core.commit import on
+
+if TYPE_CHECKING:
+    from mscale.hook.core.guard import Guard
 
 SOURCE = "gradients"
 
@@ -80,7 +83,7 @@ class GradCheck:
         self._order: list[int] = []  # the indices of the norms put in the commit point, in order
         self._point: Any = None
 
-    def on_attach(self, guard: Any) -> None:
+    def on_attach(self, guard: Guard) -> None:
         self.guard = guard
         if not self.groups:
             return
@@ -90,7 +93,7 @@ class GradCheck:
                 self.params.append((names.get(id(p), ""), m, p))
         self.split = split_by_bytes([p for _, _, p in self.params], self.groups) if self.params else []
 
-    def on_detach(self, guard: Any) -> None:
+    def on_detach(self, guard: Guard) -> None:
         self._unhook()
 
     def _unhook(self) -> None:

@@ -60,7 +60,7 @@ import collections
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,9 @@ from mscale.findings import Finding, Reason, Severity
 from mscale.hook.core.commit import on
 from mscale.hook.fuse.actions.rollback import KEEP_BATCH
 from mscale.snapshot.distributed import _device, rank_and_size
+
+if TYPE_CHECKING:
+    from mscale.hook.core.guard import Guard
 
 SOURCE = "agree"
 FIELDS = (
@@ -127,7 +130,7 @@ class Agreement:
         self._own: dict[str, float] | None = None  # this rank's CMSA multipliers, while agreed ones apply
         self._point: Any = None  # this step's commit point (mscale.hook.core.commit)
 
-    def on_attach(self, guard: Any) -> None:
+    def on_attach(self, guard: Guard) -> None:
         self.guard = guard
         self.rank, self.world_size = rank_and_size(self.group)
 

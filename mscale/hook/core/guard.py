@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -53,6 +53,10 @@ from mscale.hook.core.scaler import ScalerWatch
 from mscale.hook.core.stepstate import StepFigures, StepState
 from mscale.hook.integrations.compiled import compiling, unwrap
 
+if TYPE_CHECKING:
+    from mscale.hook.fuse.fuse import FusePlugin
+    from mscale.snapshot.engine import SnapshotEngine
+
 log = structlog.get_logger("mscale.hook")
 
 
@@ -73,8 +77,8 @@ class Guard:
     """
 
     enabled = True
-    fuse: Any = None
-    snapshots: Any = None
+    fuse: FusePlugin | None = None
+    snapshots: SnapshotEngine | None = None
 
     def __init__(
         self,
@@ -168,8 +172,7 @@ class Guard:
         return self._outer
 
     @property
-    def plugin_errors(self) -> int:
-        """Plugin calls that raised (logged, counted, never passed on to the loop)."""
+    def plugin_errors(self) -> int:  # plugin calls that raised (logged, counted, never passed on)
         return self.hooks.errors
 
     def add_plugin(self, plugin: Any) -> None:
@@ -428,8 +431,7 @@ class Guard:
             self.scaler_watch.opt_stepped = True  # the step ends at scaler.update(), after the scale is updated
 
     def _scaler_update(self, stepped: bool) -> None:
-        """The watched scaler's update() ran: the step ends here (the scaler skipped its
-        optimizer step unless `stepped`)."""
+        """The watched scaler's update() ran: the step ends (skipped by it unless `stepped`)."""
         if not self.step_state.in_step:
             return
         if not stepped:

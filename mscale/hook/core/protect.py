@@ -42,6 +42,7 @@ from mscale.findings import Reason
 from mscale.snapshot.config import SnapshotConfig
 
 if TYPE_CHECKING:
+    from mscale.findings import Finding
     from mscale.hook.core.guard import Guard
     from mscale.snapshot.engine import SnapshotEngine
 
@@ -203,10 +204,10 @@ def protect(
     the fuse's mscale.healing.settings.HealingSection (None: the defaults)."""
     from mscale.hook.fuse.fuse import FusePlugin
 
-    fuse: Any = None
-    early: list[Any] = []  # the engine's findings before the fuse exists (its tiers, said at start-up)
+    fuse: FusePlugin | None = None
+    early: list[Finding] = []  # the engine's findings before the fuse exists (its tiers, said at start-up)
 
-    def emit(finding: Any) -> None:  # the writer thread's findings reach the guard through the fuse
+    def emit(finding: Finding) -> None:  # the writer thread's findings reach the guard through the fuse
         if fuse is None:
             early.append(finding)
         else:

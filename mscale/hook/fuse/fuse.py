@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +55,7 @@ from mscale.snapshot.sharded import is_sharded
 
 if TYPE_CHECKING:
     from mscale.hook.core.guard import Guard
+    from mscale.hook.core.mpu import Mpu
     from mscale.snapshot.engine import SnapshotEngine
 
 log = structlog.get_logger("mscale.fuse")
@@ -112,6 +113,7 @@ class FusePlugin:
         self.step_dropped = False  # an action dropped this step's update
         self.reruns: list[tuple[int, str, int, float]] = []  # (step, mpu_id, gpu, when done) of each re-run
         self._rerunning: str | None = None
+        self.ask_standby: Callable[[Mpu, Iterable[int]], int | None] | None = None  # the agent's choice (protect.py)
         self.progress = Keeper(self)  # forward progress: lost calls per culprit, the bound (mscale.healing.progress)
         self._thread = threading.get_ident()
         self._foreign: deque[Finding] = deque()

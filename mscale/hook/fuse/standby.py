@@ -15,18 +15,22 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from mscale import link as protocol
+
+if TYPE_CHECKING:
+    from mscale.hook.core.guard import Guard
+    from mscale.hook.core.mpu import Mpu
 
 log = structlog.get_logger("mscale.hook")
 MAX_PENDING = 64  # answers held for requests (late ones are dropped past it)
 
 
 class AgentStandby:
-    def __init__(self, guard: Any, timeout_s: float = 2.0) -> None:
+    def __init__(self, guard: Guard, timeout_s: float = 2.0) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: expected seconds > 0, got {timeout_s!r}")
         self.guard, self.timeout_s = guard, timeout_s
@@ -50,7 +54,7 @@ class AgentStandby:
 
             link.on_command = route
 
-    def __call__(self, m: Any, avoid: Iterable[int]) -> int | None:
+    def __call__(self, m: Mpu, avoid: Iterable[int]) -> int | None:
         link = self.guard.link
         if link is None or not link.connected:
             return None

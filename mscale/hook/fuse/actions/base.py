@@ -44,6 +44,8 @@ from mscale.healing.settings import HealingSection
 
 if TYPE_CHECKING:
     from mscale.hook.core.guard import Guard
+    from mscale.hook.core.mpu import Mpu
+    from mscale.hook.fuse.fuse import Placement
     from mscale.snapshot.engine import SnapshotEngine
 
 
@@ -61,6 +63,8 @@ class FuseContext(Protocol):
     engine: HealingEngine | None  # set when the plugin attaches
     snapshot_engine: SnapshotEngine | None
     states: dict[str, Any]  # every action's per-job state, by action name
+    placement: dict[str, Placement]  # mpu_id -> its placement's failure count
+    pending_rerun: set[str]  # MPUs whose forward is re-run on their new placement
     seq: int  # steps run (never set back by a rollback)
     progress: Any  # the forward-progress keeper (mscale.healing.progress.Keeper)
     gpu_count: int | None
@@ -77,7 +81,7 @@ class FuseContext(Protocol):
 
     def record(self, d: Decision, result: str, *, detail: str = "") -> None: ...
 
-    def reduction_failed(self, m: Any, spec: ActionSpec, detail: str) -> None: ...
+    def reduction_failed(self, m: Mpu, spec: ActionSpec, detail: str) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -43,6 +43,10 @@ from mscale.healing.words import Result
 from mscale.hook.fuse.actions.base import Executor, FuseContext
 from mscale.hook.fuse.placement import device_of, map_tensors, place, tensors, wrap_forward
 from mscale.snapshot.sharded import is_sharded
+
+if TYPE_CHECKING:
+    from mscale.hook.core.guard import Guard
+    from mscale.hook.core.mpu import Mpu
 
 log = structlog.get_logger("mscale.fuse")
 
@@ -108,7 +112,7 @@ class Degraded:
         """The fallback each degraded MPU runs on: mpu_id -> "cpu" or "bf16"."""
         return {k: fb.kind for k, (_, fb) in self.mpus.items() if fb is not None}
 
-    def degrade(self, guard: Any, m: Any) -> None:
+    def degrade(self, guard: Guard, m: Mpu) -> None:
         if m.mpu_id in self.mpus:
             return
         from mscale.hook.fuse.degrade import reduction_for, why_none
@@ -133,10 +137,10 @@ class Degraded:
         if guard.cmsa is not None:
             guard.cmsa.raise_threshold(m, self.clip_factor)
 
-    def in_force(self, fuse, m: Any) -> bool:
+    def in_force(self, fuse: FuseContext, m: Mpu) -> bool:
         return m.mpu_id in self.mpus
 
-    def mpu_output(self, fuse, m: Any, output: Any) -> None:
+    def mpu_output(self, fuse: FuseContext, m: Mpu, output: Any) -> None:
         """A reduced forward of `m` raised (its own forward ran instead): undo the reduction,
         book the failure, escalate to L3."""
         reduction = self.mpus.get(m.mpu_id, (None, None))[0]
@@ -150,7 +154,7 @@ class Degraded:
         log.error("mpu_reduction_failed", mpu_id=m.mpu_id, error=error, step=step)
         fuse.reduction_failed(m, EXECUTOR.spec, f"reduced forward raised ({error}); undone, this forward ran unreduced")
 
-    def undo(self, fuse, m: Any) -> None:
+    def undo(self, fuse: FuseContext, m: Mpu) -> None:
         if m.mpu_id not in self.mpus:
             return
         reduction, fallback = self.mpus.pop(m.mpu_id)

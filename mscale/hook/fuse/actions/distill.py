@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -31,6 +31,9 @@ from mscale.healing.engine import Decision
 from mscale.healing.words import Result
 from mscale.hook.fuse.actions.base import ActionFailed, Executor, FuseContext
 from mscale.link import StepReport
+
+if TYPE_CHECKING:
+    from mscale.hook.core.mpu import Mpu
 
 log = structlog.get_logger("mscale.fuse")
 
@@ -167,7 +170,7 @@ class Distilling:
                 self.unavailable[m.mpu_id] = why
                 log.warning("l3_unavailable", mpu_id=m.mpu_id, mpu=m.name, why=why)
 
-    def in_force(self, fuse, m: Any) -> bool:
+    def in_force(self, fuse: FuseContext, m: Mpu) -> bool:
         return m.mpu_id in self.mpus
 
     def state_dict(self) -> dict:
@@ -188,13 +191,13 @@ class Distilling:
             d.term.restore(held["projection"] if held else None)
             d.weight, d.next_weight = (held["weight"], held["next_weight"]) if held else (None, None)
 
-    def undo(self, fuse, m: Any) -> None:
+    def undo(self, fuse: FuseContext, m: Mpu) -> None:
         d = self.mpus.pop(m.mpu_id, None)
         if d is not None:
             d.term.close()
         m.distill_share = 0.0
 
-    def mpu_output(self, fuse, mpu: Any, output: Any) -> None:
+    def mpu_output(self, fuse: FuseContext, mpu: Mpu, output: Any) -> None:
         if self._captured is not None:
             self._captured.outputs[mpu.mpu_id] = output
             self._captured.calls.append((mpu.mpu_id, output))

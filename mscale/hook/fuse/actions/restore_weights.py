@@ -21,13 +21,16 @@ ones are repaired here, the MPU's forward re-run on them, the failure not counte
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mscale.findings import Reason
 from mscale.healing import actions
 from mscale.healing.engine import Decision
 from mscale.healing.words import FuseLevel, Result
 from mscale.hook.fuse.actions.base import ActionFailed, Executor, FuseContext
+
+if TYPE_CHECKING:
+    from mscale.hook.core.mpu import Mpu
 
 
 class Watch:
@@ -53,13 +56,13 @@ class Watch:
         if self.watch is not None:
             self.watch.settle()
 
-    def mpu_failed(self, fuse, m: Any, f: Any) -> bool:
+    def mpu_failed(self, fuse: FuseContext, m: Mpu, f: Any) -> bool:
         """MPU `m`'s output failed: True when its weights, not the device, are the culprit."""
         if self.seen.get(m.mpu_id) == (fuse.seq, True):  # repaired: a finding of the discarded forward
             return getattr(fuse, "_rerunning", None) != m.mpu_id
         return f.reason is Reason.NONFINITE_OUTPUT and self.check(fuse, m)
 
-    def check(self, fuse, m: Any) -> bool:
+    def check(self, fuse: FuseContext, m: Mpu) -> bool:
         """Check MPU `m`'s weights (once a step, a placement and a snapshot while intact); report
         corrupted ones (the policy runs `apply`), re-run the forward on them. True when repaired."""
         from mscale.snapshot.trust import unexplained  # an incident's work: not the detection budget's

@@ -15,7 +15,7 @@ above, the binding moved on simulated GPUs only, the event says so (docs/healing
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -24,6 +24,10 @@ from mscale.healing.engine import Decision
 from mscale.healing.words import Result
 from mscale.hook.fuse.actions.base import ActionFailed, Executor, FuseContext
 from mscale.snapshot.sharded import is_sharded
+
+if TYPE_CHECKING:
+    from mscale.hook.core.guard import Guard
+    from mscale.hook.core.mpu import Mpu
 
 log = structlog.get_logger("mscale.fuse")
 
@@ -72,7 +76,7 @@ def event(state: Swaps, d) -> tuple[str, dict[str, str]]:
     return what, {"to_gpu": str(new)}
 
 
-def standby_for(fuse, state: Swaps, m: Any) -> int | None:
+def standby_for(fuse, state: Swaps, m: Mpu) -> int | None:
     """A healthy GPU for `m`: none the job avoids, not its own, preferably unused; among
     those, the one with the best measured profile (mscale.contracts.msrp)."""
     import torch
@@ -94,7 +98,7 @@ def standby_for(fuse, state: Swaps, m: Any) -> int | None:
     return choose_standby(fuse.guard, m, candidates)  # the best measured profile (MSRP) first
 
 
-def move_mpu(guard: Any, m: Any, gpu: int, *, shards: bool = False) -> None:
+def move_mpu(guard: Guard, m: Mpu, gpu: int, *, shards: bool = False) -> None:
     """Rebind `m` to GPU `gpu`: on a GPU node its parameters, gradients, buffers and optimizer
     state move to that device behind a device-boundary adapter (`Guard.rebind`, through
     mscale.hook.fuse.placement.place, the helper the L2 CPU fallback uses too), and it takes that
@@ -105,7 +109,7 @@ def move_mpu(guard: Any, m: Any, gpu: int, *, shards: bool = False) -> None:
     guard.rebind(m, gpu, device=device)
 
 
-def verify_weights(fuse, state: Swaps, m: Any) -> bool:
+def verify_weights(fuse, state: Swaps, m: Mpu) -> bool:
     """Check the MPU's weights against the newest trusted in-memory snapshot (restore_weights',
     once a step) and repair them when corrupted: only verified weights move. True when repaired."""
     weights = fuse.states.get("restore_weights")
