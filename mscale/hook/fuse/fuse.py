@@ -272,7 +272,7 @@ class FusePlugin:
             if self.snapshot_engine is not None and self.drive_snapshots:
                 self.snapshot_engine.step_end(step)
 
-    def on_command(self, command: dict) -> dict | None:
+    def on_command(self, command: link.Wire) -> link.Wire | None:
         if command.get("type") != link.Command.HEAL:
             return None
         try:

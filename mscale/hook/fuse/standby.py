@@ -24,6 +24,7 @@ from mscale import link as protocol
 if TYPE_CHECKING:
     from mscale.hook.core.guard import Guard
     from mscale.hook.core.mpu import Mpu
+    from mscale.link.wire import Wire
 
 log = structlog.get_logger("mscale.hook")
 MAX_PENDING = 64  # answers held for requests (late ones are dropped past it)
@@ -34,15 +35,15 @@ class AgentStandby:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: expected seconds > 0, got {timeout_s!r}")
         self.guard, self.timeout_s = guard, timeout_s
-        self.answers: list[dict] = []  # every answer received, in order (bounded)
+        self.answers: list[Wire] = []  # every answer received, in order (bounded)
         self._ids = itertools.count(1)
-        self._pending: dict[int, dict] = {}
+        self._pending: dict[int, Wire] = {}
         self._cond = threading.Condition()
         link = guard.link
         if link is not None:
             inner = link.on_command
 
-            def route(command: dict) -> Any:
+            def route(command: Wire) -> Any:
                 if command.get("type") != protocol.STANDBY:
                     return inner(command)
                 with self._cond:

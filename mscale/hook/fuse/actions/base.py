@@ -34,7 +34,7 @@ with itself first (`fuse.dispatch(hook, *args)`):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -65,6 +65,7 @@ class FuseContext(Protocol):
     states: dict[str, Any]  # every action's per-job state, by action name
     placement: dict[str, Placement]  # mpu_id -> its placement's failure count
     pending_rerun: set[str]  # MPUs whose forward is re-run on their new placement
+    ask_standby: Callable[[Mpu, Iterable[int]], int | None] | None  # the agent's choice of standby
     seq: int  # steps run (never set back by a rollback)
     progress: Any  # the forward-progress keeper (mscale.healing.progress.Keeper)
     gpu_count: int | None

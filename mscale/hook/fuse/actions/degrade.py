@@ -77,7 +77,7 @@ def bf16_fallback(module: Any, dtype: Any = None) -> Fallback:
     default = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
     kind = device_of(module).type  # cuda's autocast for a sharded MPU kept there
 
-    def forward(inner: Callable, args: tuple, kwargs: dict) -> Any:
+    def forward(inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         back = next((t.dtype for t in tensors((args, kwargs)) if t.is_floating_point()), default)
         with torch.autocast(kind, dtype=dtype):
             out = inner(*args, **kwargs)
@@ -98,7 +98,7 @@ class Degraded:
     """Per job: the MPUs running degraded, each with its shape-preserving reduction (None when
     none applies to the model: mscale.hook.fuse.degrade) and its fallback."""
 
-    def __init__(self, fuse) -> None:
+    def __init__(self, fuse: FuseContext) -> None:
         self.resolution: float = fuse.l2_resolution
         self.clip_factor: float = fuse.l2_clip_factor
         self.precision: bool = fuse.l2_precision_fallback
@@ -166,7 +166,7 @@ class Degraded:
         if fuse.guard.cmsa is not None:
             fuse.guard.cmsa.reset_threshold(m)
 
-    def detach(self, fuse) -> None:
+    def detach(self, fuse: FuseContext) -> None:
         for reduction, fallback in self.mpus.values():
             if reduction is not None:
                 reduction.undo()
@@ -180,7 +180,7 @@ def apply(fuse: FuseContext, state: Degraded, d: Decision) -> str:
     return Result.APPLIED
 
 
-def event(state: Degraded, d) -> tuple[str, dict[str, str]]:
+def event(state: Degraded, d: Decision) -> tuple[str, dict[str, str]]:
     if d.target.mpu_id not in state.mpus:
         return "", {}
     reduction, fallback = state.mpus[d.target.mpu_id]

@@ -36,23 +36,25 @@ if TYPE_CHECKING:
 class Watch:
     """Per job: the fingerprint watch, what each repair did, and the event checks of this step."""
 
-    def __init__(self, fuse) -> None:
+    def __init__(self, fuse: FuseContext) -> None:
         self.watch: Any = None
-        self.repairs: list[dict] = []  # {"step", "snapshot", "in_place", "tensors", "mpus"} per repair
+        self.repairs: list[dict[str, Any]] = []  # {"step", "snapshot", "in_place", "tensors", "mpus"} per repair
         self.source: Any = None  # the snapshot an event check chose for the repair it reports
         self.seen: dict[str, tuple[int, bool]] = {}  # mpu_id -> (fuse.seq checked at, repaired)
-        self.intact: dict[str, tuple] = {}  # mpu_id -> (placement epoch, newest snapshot) found intact at
+        self.intact: dict[
+            str, tuple[int, int | None]
+        ] = {}  # mpu_id -> (placement epoch, newest snapshot) found intact at
 
-    def attach(self, fuse) -> None:
+    def attach(self, fuse: FuseContext) -> None:
         from mscale.hook.checks.weights import WeightWatch
 
         self.watch = WeightWatch(fuse.guard, frozen_every=fuse.cfg.frozen_weights_every, groups=fuse.cfg.weight_groups)
 
-    def step_begin(self, fuse) -> None:
+    def step_begin(self, fuse: FuseContext) -> None:
         if self.watch is not None:
             self.watch.check(fuse.guard.current_step)
 
-    def weights_settled(self, fuse) -> None:
+    def weights_settled(self, fuse: FuseContext) -> None:
         if self.watch is not None:
             self.watch.settle()
 
@@ -154,7 +156,7 @@ def apply(fuse: FuseContext, state: Watch, d: Decision) -> str:
     return Result.APPLIED
 
 
-def event(state: Watch, d) -> tuple[str, dict[str, str]]:
+def event(state: Watch, d: Decision) -> tuple[str, dict[str, str]]:
     if not state.repairs:
         return "", {}
     r = state.repairs[-1]
