@@ -98,7 +98,7 @@ class Budget:
         self._ended_at: float | None = None  # host time of the last step end (step_ended)
         self._began_at: float | None = None  # host time of this step's begin (step_began)
         self._charged = 0.0  # every host charge so far (monotonic): enter/leave subtract it
-        self._open: list[list] = []  # the entries open now ([who, start, charged at start]), outermost first
+        self._open: list[list[Any]] = []  # the entries open now ([who, start, charged at start]), outermost first
 
     # --- what detectors call -----------------------------------------------------------
 
@@ -108,7 +108,7 @@ class Budget:
         self.spent_s[who] = self.spent_s.get(who, 0.0) + seconds
         self._charged += seconds
 
-    def enter(self, who: str = "guard") -> list:
+    def enter(self, who: str = "guard") -> list[Any]:
         """A mark at an entry point's start, for `leave`: the entry's time goes to `who`."""
         mark = [who, time.perf_counter(), self._charged]
         if len(self._open) < MAX_OPEN:
@@ -131,7 +131,7 @@ class Budget:
 
         return entry
 
-    def leave(self, mark: list) -> None:
+    def leave(self, mark: list[Any]) -> None:
         """Charge the mark's `who` the host time since `enter` (or since the last step end, for
         an entry open across it), less what was charged since (nested entries and detectors'
         own charges are not counted twice)."""

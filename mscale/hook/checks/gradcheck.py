@@ -74,9 +74,9 @@ class GradCheck:
         self.turn = 0
         self.due: set[int] = set()  # indices into params checked this step
         self.norms: dict[int, torch.Tensor] = {}  # this step's norms, on the gradients' devices
-        self.seen: dict[int, collections.deque] = {}
-        self.found: list[dict] = []  # {"step", "rank", "mpu_id", "tensor", "norm", "median"} per finding
-        self.flagged: collections.deque = collections.deque(maxlen=64)  # steps found corrupted
+        self.seen: dict[int, collections.deque[float]] = {}
+        self.found: list[dict[str, Any]] = []  # {"step", "rank", "mpu_id", "tensor", "norm", "median"} per finding
+        self.flagged: collections.deque[int] = collections.deque(maxlen=64)  # steps found corrupted
         self.reproduced: list[int] = []  # flagged steps whose re-run gave the same outlier: let through
         self.checks = 0
         self._handles: list[Any] = []

@@ -76,7 +76,7 @@ class ReplicaCheck:
         self.every, self.group = every, group
         self.rank, self.world_size = rank_and_size(group)
         self.guard: Any = None
-        self.repairs: list[dict] = []
+        self.repairs: list[dict[str, Any]] = []
         self.checks = 0
         self.seconds = 0.0
         self._prints: dict[str, Fingerprint] = {}  # per MPU, its trained parameters' fingerprints
@@ -90,7 +90,7 @@ class ReplicaCheck:
             return
         self.check(step)
 
-    def check(self, step: int) -> list[dict]:
+    def check(self, step: int) -> list[dict[str, Any]]:
         """Compare and repair now (a collective: every rank calls it at the same step)."""
         t0 = time.perf_counter()
         mpus = list(self.guard.mpus)
@@ -101,7 +101,7 @@ class ReplicaCheck:
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         n = len(mpus)
         self.checks += 1
-        done: list[dict] = []
+        done: list[dict[str, Any]] = []
         if not torch.equal(both[:n], -both[n:]):
             rows = [torch.empty(n, dtype=torch.int64, device=dev) for _ in range(self.world_size)]
             dist.all_gather(rows, mine, group=self.group)
@@ -133,7 +133,7 @@ class ReplicaCheck:
         differ = (rows[self.rank].cpu() != rows[src].cpu()).nonzero().flatten().tolist()
         return [names.get(id(params[i]), str(i)) for i in differ]
 
-    def _repair(self, m: Mpu, bad: list[int], src: int, step: int, tensors: list[str] | None = None) -> dict:
+    def _repair(self, m: Mpu, bad: list[int], src: int, step: int, tensors: list[str] | None = None) -> dict[str, Any]:
         opt = self.guard.optimizer
         with torch.no_grad():
             for p in m.parameters():
