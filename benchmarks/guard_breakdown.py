@@ -60,7 +60,7 @@ COMPONENTS: list[tuple[str, str, str]] = [
     ("mscale.hook.core.guard", "Guard", "_mpu_post"),
     ("mscale.hook.core.guard", "Guard", "_pre_step"),
     ("mscale.hook.core.guard", "Guard", "_commit_checks"),
-    ("mscale.hook.checks.stepstats", "StepStatistics", "_statistics"),
+    ("mscale.hook.checks.stepstats", "StepStatistics", "measure"),
     ("mscale.hook.core.guard", "Guard", "_post_step"),
     ("mscale.hook.core.guard", "Guard", "_end_step"),
     ("mscale.hook.core.guard", "Guard", "_report"),

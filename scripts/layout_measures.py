@@ -35,10 +35,13 @@ def main() -> None:
     print(f"largest file: {sizes[0][1]} ({sizes[0][0]} lines); over {layout.MAX_FILE_LINES} lines: {len(over)}")
     for n, f in over:
         print(f"  {n:4d}  {f}  ({layout.LONG_FILES.get(str(Path(f).relative_to('mscale')), 'NOT NAMED')})")
-    mixed = layout.mixed_in()
-    print(f"classes with bases from other files of the package (not protocols, ABCs, exceptions): {len(mixed)}")
-    for cls, bases in sorted(mixed.items()):
-        print(f"  {cls}({', '.join(bases)})  ({layout.MIXED_IN.get(cls, 'NOT NAMED')})")
+    bases = layout.cross_file_bases()
+    print(f"classes with a base from another file of the package (not a Protocol, ABC, exception, Enum): {len(bases)}")
+    for cls, theirs in sorted(bases.items()):
+        print(f"  mscale/{cls}({', '.join(theirs)})  ({layout.CROSS_FILE_BASES.get(cls, 'NOT NAMED')})")
+    anys = layout.any_names()
+    rooms = ", ".join(f"{room}/ {anys.get(room, 0)}" for room in ("hook", "snapshot", "healing", "daemon", "link"))
+    print(f"Any (names used, imports not counted): {sum(anys.values())} in the package; {rooms}")
     long = layout.long_functions()
     print(f"functions over {layout.MAX_FUNCTION_LINES} lines: {len(long)}")
     for where, n in sorted(long.items(), key=lambda kv: (-kv[1], kv[0])):

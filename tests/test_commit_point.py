@@ -107,7 +107,7 @@ def test_a_persistent_fault_at_the_commit_point_escalates_and_the_step_runs_on_t
 
     class Ends:
         def on_step_end(self, step: int, loss) -> None:
-            ends.append((step, bool(guard._skip_reason)))
+            ends.append((step, bool(guard.step_state.skip_reason)))
 
     model, opt, loader, guard = _commit_job("commit", [Ends()])
     vision = guard.mpu("vision")

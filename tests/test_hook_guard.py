@@ -141,7 +141,7 @@ class Recorder:
         self.calls.append(("end", step, round(loss, 4)))
 
     def on_command(self, command):
-        self.calls.append(("command", command["type"], self.guard._in_step))
+        self.calls.append(("command", command["type"], self.guard.step_state.in_step))
 
     def on_detach(self, guard) -> None:
         self.calls.append(("detach",))

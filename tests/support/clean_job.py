@@ -113,10 +113,10 @@ def train(args: argparse.Namespace, seed: int, rank: int, world: int) -> dict:
             whole = full_norm(model) if step in CHECKED else None
             opt.step()
             calls += 1
-            last = guard._last
+            last = guard.summary()
             series.append([step, last["loss"], last["grad_norm"], {m.mpu_id: m.grad_norm for m in guard.mpus}])
             if whole is not None:
-                norms.append([step, guard._last["grad_norm"], whole])
+                norms.append([step, last["grad_norm"], whole])
     finally:
         guard.detach()
     return {

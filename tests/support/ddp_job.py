@@ -125,7 +125,7 @@ class Recorder:
         self.guard = guard
 
     def on_step_end(self, step: int, loss) -> None:
-        self.ends.append({"step": step, "skip": self.guard._skip_reason, "hash": param_hash(self.model)})
+        self.ends.append({"step": step, "skip": self.guard.step_state.skip_reason, "hash": param_hash(self.model)})
 
 
 def rank_main(args: argparse.Namespace, rank: int) -> int:

@@ -36,7 +36,7 @@ class LayerCheck:
     """The settings a layer's check needs from its detector: the weight sums' cache, the bf16
     check's signs and settings, the tolerance by dtype and device (ChecksumConfig.tolerance)."""
 
-    def __init__(self, wsums: WeightSums, signs: rounding.Signs, rounding_cfg: dict, tolerance: Any) -> None:
+    def __init__(self, wsums: WeightSums, signs: rounding.Signs, rounding_cfg: dict[str, Any], tolerance: Any) -> None:
         self.wsums, self.signs, self.rounding, self.tolerance = wsums, signs, rounding_cfg, tolerance
 
     def row(

@@ -42,11 +42,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+from mscale.hook.integrations.compiled import compiling
+
+T = TypeVar("T")
 
 SMOOTHING = 0.2  # weight of the newest step in the moving averages
 MAX_OPEN = 64  # entries open at once (nesting depth, a bound: a mark left open is dropped at 64)
@@ -94,7 +98,7 @@ class Budget:
         self._ended_at: float | None = None  # host time of the last step end (step_ended)
         self._began_at: float | None = None  # host time of this step's begin (step_began)
         self._charged = 0.0  # every host charge so far (monotonic): enter/leave subtract it
-        self._open: list[list] = []  # the entries open now ([who, start, charged at start]), outermost first
+        self._open: list[list[Any]] = []  # the entries open now ([who, start, charged at start]), outermost first
 
     # --- what detectors call -----------------------------------------------------------
 
@@ -104,14 +108,30 @@ class Budget:
         self.spent_s[who] = self.spent_s.get(who, 0.0) + seconds
         self._charged += seconds
 
-    def enter(self, who: str = "guard") -> list:
+    def enter(self, who: str = "guard") -> list[Any]:
         """A mark at an entry point's start, for `leave`: the entry's time goes to `who`."""
         mark = [who, time.perf_counter(), self._charged]
         if len(self._open) < MAX_OPEN:
             self._open.append(mark)
         return mark
 
-    def leave(self, mark: list) -> None:
+    def entry(self, fn: Callable[..., T]) -> Callable[..., T]:
+        """`fn` as an entry point torch calls: its whole host time is charged ("guard", less what
+        was charged inside it), so the measured overhead is everything the guard and its plugins
+        do, not only the checks. Traced (an MPU's hooks under torch.compile): no host timer."""
+
+        def entry(*args: Any, **kwargs: Any) -> T:
+            if compiling():
+                return fn(*args, **kwargs)
+            mark = self.enter("guard")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.leave(mark)
+
+        return entry
+
+    def leave(self, mark: list[Any]) -> None:
         """Charge the mark's `who` the host time since `enter` (or since the last step end, for
         an entry open across it), less what was charged since (nested entries and detectors'
         own charges are not counted twice)."""

@@ -65,7 +65,7 @@ from mscale.hook.checks.checksum_config import (  # noqa: F401  (re-exported: th
 )
 from mscale.hook.checks.coverage import Schedule
 from mscale.hook.checks.linears import LinearKind, kind_of
-from mscale.hook.checks.replay import compare, fresh_copies, rng_get, run_again, runs_collectives
+from mscale.hook.checks.replay import Copies, Rng, compare, fresh_copies, rng_get, run_again, runs_collectives
 from mscale.hook.checks.weight_sums import WeightSums
 from mscale.hook.core.commit import on
 from mscale.hook.core.outputs import output_tensors
@@ -100,7 +100,7 @@ class _MpuChecks:
         self.failures: list[tuple[Reason, str, str]] = []  # (reason, method, detail) this step
         self.ran: set[str] = set()  # the methods run this step
         self.unresolved = False  # a forward failed and was not re-run clean since
-        self.replay: tuple | None = None  # (rng state, fresh cache copies) for this step's replay
+        self.replay: tuple[Rng, Copies] | None = None  # (rng state, fresh cache copies) for this step's replay
 
     def reset(self) -> None:
         self.forwards, self.pending, self.rows, self.failures = 0, [], [], []
@@ -216,7 +216,7 @@ class ChecksumDetector:
         self.stats.begin_step()
         self.graph.begin_step(step, {mid: r.in_incident(step) for mid, r in self.schedule.mpus.items()})
 
-    def before_forward(self, mpu: Any, args: tuple, kwargs: dict) -> None:
+    def before_forward(self, mpu: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         st = self._mpus[id(mpu)]
         if self._planned != self._step():
             self.begin_step()  # a forward outside the guard's steps (no optimizer, eval loops)
@@ -225,7 +225,7 @@ class ChecksumDetector:
         if st.forwards == 1 and mpu.mpu_id in self.schedule.replays:
             st.replay = (rng_get(mpu.device), fresh_copies(args, kwargs))
 
-    def _linear(self, mpu: Any, kind: LinearKind, module: nn.Module, args: tuple, out: Any) -> None:
+    def _linear(self, mpu: Any, kind: LinearKind, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         if compiling():  # a compiled forward: the in-graph check (mscale.hook.integrations.compiled)
             self.graph.linear(mpu.mpu_id, kind, module, args, out)
             return
@@ -321,7 +321,7 @@ class ChecksumDetector:
         return not failures
 
     def _replay(
-        self, mpu: Any, st: _MpuChecks, rng: tuple, copies: dict, inputs: Any, outs: list, commit: bool
+        self, mpu: Any, st: _MpuChecks, rng: Rng, copies: Copies, inputs: Any, outs: list[Any], commit: bool
     ) -> None:
         self.replaying = True
         try:

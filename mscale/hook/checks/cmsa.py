@@ -106,7 +106,7 @@ def _over_shards(values: torch.Tensor, counts: list[int], mesh: Any) -> torch.Te
 
 
 def _gvc_row(
-    mpu_id: str, grads: list[torch.Tensor], l2sq: torch.Tensor, buffers: dict | None
+    mpu_id: str, grads: list[torch.Tensor], l2sq: torch.Tensor, buffers: dict[str, Any] | None
 ) -> tuple[torch.Tensor, int]:
     """One MPU's row for grad_stats' one read, on the device: (its norms squared, sharded and
     not: `l2sq`, sum |g|, sum g^2, sum g) over every GVC_ROWS-th row of each gradient matrix (vectors whole), gathered in one
@@ -154,7 +154,9 @@ def _norm_and_gvc(row: list[float], n: int, gvc: bool) -> tuple[float, float | N
 
 
 def _norms(
-    with_grad: Sequence[torch.nn.Parameter], grads: list[torch.Tensor], known: dict | None
+    with_grad: Sequence[torch.nn.Parameter],
+    grads: list[torch.Tensor],
+    known: dict[int, tuple[torch.Tensor, int, torch.Tensor]] | None,
 ) -> list[torch.Tensor]:
     """The norms of `grads` (those of `with_grad`, in order), one `_foreach_norm` over those not
     in `known`: a norm taken this step of the same gradient tensor, unchanged since (same
@@ -177,10 +179,10 @@ def _norms(
 def grad_stats(
     mpus: Sequence[Mpu],
     params: Iterable[torch.nn.Parameter],
-    buffers: dict | None = None,
+    buffers: dict[str, Any] | None = None,
     *,
     gvc: bool = True,
-    known: dict | None = None,
+    known: dict[int, tuple[torch.Tensor, int, torch.Tensor]] | None = None,
 ) -> tuple[float, dict[str, tuple[float, float | None]]]:
     """(global gradient norm over `params`, {mpu_id: (grad norm, GVC)}) with one device sync;
     GVC None when `gvc` is False (the norms only: see GVC_EVERY).
@@ -264,7 +266,7 @@ class GradStatistics:
     KEPT_ESTIMATES = 64
 
     def __init__(self) -> None:
-        self._buffers: dict[str, tuple] = {}  # grad_stats' sample buffers, reused
+        self._buffers: dict[str, tuple[Any, ...]] = {}  # grad_stats' sample buffers, reused
         self._estimates: dict[int, dict[str, float]] = {}  # step -> {mpu_id: GVC}
         # norms another detector took this step (the gradient check at the commit point, one
         # rank), reused by the next `measure` and cleared by it: a pass over those gradients saved
@@ -298,10 +300,10 @@ class GradStatistics:
                 del self._estimates[min(self._estimates)]
         return total
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"estimates": {s: dict(e) for s, e in self._estimates.items()}}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self._estimates = {int(s): dict(e) for s, e in state["estimates"].items()}
 
 
@@ -386,7 +388,7 @@ class Cmsa:
 
     # --- snapshotted (CmsaState): the fit and its progress, not the fuse's multipliers -----
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "alpha": self.alpha,
             "rho": self.rho,
@@ -397,7 +399,7 @@ class Cmsa:
             "warm": {s: tuple(v) for s, v in self._warm.items()},
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         unknown = set(state["clipped"]) - set(self.clipped)
         if unknown:
             raise ValueError(f"CMSA state: MPUs {sorted(unknown)} are not this guard's {sorted(self.clipped)}")
@@ -433,13 +435,13 @@ class CmsaState:
     def __init__(self, cmsa: Cmsa | None, grad_stats: GradStatistics) -> None:
         self.cmsa, self.grad_stats = cmsa, grad_stats
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "cmsa": self.cmsa.state_dict() if self.cmsa is not None else None,
             "gvc": self.grad_stats.state_dict(),
         }
 
-    def load_state_dict(self, state: dict | None) -> None:
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
         if state is None:  # an older snapshot: nothing of CMSA in it
             return
         if self.cmsa is not None and state["cmsa"] is not None:

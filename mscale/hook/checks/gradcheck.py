@@ -37,13 +37,16 @@ import collections
 import math
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mscale.findings import Finding, Reason, Severity
 from mscale.hook.checks.weights import charge, split_by_bytes
 from mscale.hook.core.commit import on
+
+if TYPE_CHECKING:
+    from mscale.hook.core.guard import Guard
 
 SOURCE = "gradients"
 
@@ -71,16 +74,16 @@ class GradCheck:
         self.turn = 0
         self.due: set[int] = set()  # indices into params checked this step
         self.norms: dict[int, torch.Tensor] = {}  # this step's norms, on the gradients' devices
-        self.seen: dict[int, collections.deque] = {}
-        self.found: list[dict] = []  # {"step", "rank", "mpu_id", "tensor", "norm", "median"} per finding
-        self.flagged: collections.deque = collections.deque(maxlen=64)  # steps found corrupted
+        self.seen: dict[int, collections.deque[float]] = {}
+        self.found: list[dict[str, Any]] = []  # {"step", "rank", "mpu_id", "tensor", "norm", "median"} per finding
+        self.flagged: collections.deque[int] = collections.deque(maxlen=64)  # steps found corrupted
         self.reproduced: list[int] = []  # flagged steps whose re-run gave the same outlier: let through
         self.checks = 0
         self._handles: list[Any] = []
         self._order: list[int] = []  # the indices of the norms put in the commit point, in order
         self._point: Any = None
 
-    def on_attach(self, guard: Any) -> None:
+    def on_attach(self, guard: Guard) -> None:
         self.guard = guard
         if not self.groups:
             return
@@ -90,7 +93,7 @@ class GradCheck:
                 self.params.append((names.get(id(p), ""), m, p))
         self.split = split_by_bytes([p for _, _, p in self.params], self.groups) if self.params else []
 
-    def on_detach(self, guard: Any) -> None:
+    def on_detach(self, guard: Guard) -> None:
         self._unhook()
 
     def _unhook(self) -> None:

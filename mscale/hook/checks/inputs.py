@@ -27,7 +27,7 @@ from mscale.findings import Finding, Reason, Severity
 SOURCE = "guard"
 
 
-def _tensors(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     out: list[tuple[str, torch.Tensor]] = []
 
     def add(name: str, v: Any, depth: int) -> None:
@@ -61,14 +61,14 @@ def finite(t: torch.Tensor) -> torch.Tensor:
 class InputCheck:
     """One flag per training forward; `bad()` reads it (once) and emits which input failed."""
 
-    def __init__(self, emit: Callable[[Finding], None], losses: list) -> None:
+    def __init__(self, emit: Callable[[Finding], None], losses: list[torch.Tensor | float]) -> None:
         self.emit, self.losses = emit, losses  # the guard's: the step's losses, one per forward so far
         self._pending: list[tuple[int, list[str], torch.Tensor]] = []  # forwards whose flag is unread
         self.bad_forward: int | None = None  # the micro-batch of the last forward found bad
         self.findings = 0
         self._own: list[int] | None = None  # this rank's non-finite micro-batches, once the losses are agreed
 
-    def begin(self, args: tuple, kwargs: dict) -> None:
+    def begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         micro_batch, named = len(self.losses), _tensors(args, kwargs)
         self.bad_forward = None
         if micro_batch == 0:  # a step's first forward
@@ -113,7 +113,7 @@ class InputCheck:
             self._flagged(pending, [v > 0.5 for v in values])
         return self.bad_forward is not None
 
-    def _flagged(self, pending: list, ok: list) -> None:
+    def _flagged(self, pending: list[Any], ok: list[Any]) -> None:
         off = 0
         for micro_batch, names, _ in pending:
             mine = ok[off : off + len(names)]

@@ -204,7 +204,14 @@ class LossDetector:
         return out
 
     def _one(
-        self, key: str, series: str, value: float, step: int, reasons: dict, labels: dict, what: str = ""
+        self,
+        key: str,
+        series: str,
+        value: float,
+        step: int,
+        reasons: dict[str, tuple[Reason, Severity]],
+        labels: dict[str, str],
+        what: str = "",
     ) -> Iterable[Finding]:
         verdict = self._series(key).check(value)
         self.last[key] = verdict

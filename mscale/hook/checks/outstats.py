@@ -93,7 +93,7 @@ class OutputStats:
         *,
         emit: Callable[[Finding], None],
         suspect: Callable[[str, str], None],
-        labels: Callable[[Any], dict],
+        labels: Callable[[Any], dict[str, str]],
         enabled: bool = True,
     ) -> None:
         self._emit, self._suspect, self._labels, self.enabled = emit, suspect, labels, enabled
@@ -169,7 +169,7 @@ class OutputStats:
 
     def _sums(self, point: Any) -> dict[str, list[tuple[float, int]]]:
         """Per MPU id, per output slot: (sum(y^2), elements) over the step's forwards."""
-        sums: dict[str, dict[int, list]] = {}
+        sums: dict[str, dict[int, list[Any]]] = {}
         for key, what in self._packed:
             values = point.get(key) or []
             if not what:  # the in-graph sums: (sum(y^2) x MAX_TENSORS, numel x MAX_TENSORS)

@@ -25,13 +25,16 @@ from typing import Any
 import torch
 from torch import nn
 
+Rng = tuple[Any, ...]  # a device's RNG state, as rng_get takes it
+Copies = dict[tuple[str, Any], Any]  # fresh copies of a forward's cache inputs (fresh_copies)
 
-def rng_get(device: torch.device) -> tuple:
+
+def rng_get(device: torch.device) -> Rng:
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), cuda
 
 
-def rng_set(device: torch.device, state: tuple) -> None:
+def rng_set(device: torch.device, state: Rng) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
@@ -42,7 +45,7 @@ def _is_cache(v: Any) -> bool:
     return any(c.__name__ == "Cache" and "transformers" in c.__module__ for c in type(v).__mro__)
 
 
-def fresh_copies(args: tuple, kwargs: dict) -> dict[tuple[str, Any], Any]:
+def fresh_copies(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Copies:
     """Deep copies of the cache arguments of a forward, keyed by ("arg", i) or ("kw", name),
     taken before the forward fills them."""
     out: dict[tuple[str, Any], Any] = {}
@@ -55,7 +58,9 @@ def fresh_copies(args: tuple, kwargs: dict) -> dict[tuple[str, Any], Any]:
     return out
 
 
-def _with_copies(args: tuple, kwargs: dict, copies: dict) -> tuple[tuple, dict]:
+def _with_copies(
+    args: tuple[Any, ...], kwargs: dict[str, Any], copies: dict[tuple[str, Any], Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if not copies:
         return args, kwargs
     a = list(args)
@@ -86,7 +91,9 @@ def stand_in_stats(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor
     return out
 
 
-def run_again(module: nn.Module, device: torch.device, rng: tuple, inputs: Any, copies: dict) -> Any:
+def run_again(
+    module: nn.Module, device: torch.device, rng: tuple[Any, ...], inputs: Any, copies: dict[tuple[str, Any], Any]
+) -> Any:
     """The module's forward again on `inputs` with the RNG state `rng`, under no_grad."""
     saved = rng_get(device)
     rng_set(device, rng)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,10 @@ import torch.distributed as dist
 from mscale.findings import Finding, Reason, Severity
 from mscale.hook.checks.weights import Fingerprint, word_sum
 from mscale.snapshot.distributed import _device, rank_and_size
+
+if TYPE_CHECKING:
+    from mscale.hook.core.guard import Guard
+    from mscale.hook.core.mpu import Mpu
 
 SOURCE = "replicas"
 
@@ -72,12 +76,12 @@ class ReplicaCheck:
         self.every, self.group = every, group
         self.rank, self.world_size = rank_and_size(group)
         self.guard: Any = None
-        self.repairs: list[dict] = []
+        self.repairs: list[dict[str, Any]] = []
         self.checks = 0
         self.seconds = 0.0
         self._prints: dict[str, Fingerprint] = {}  # per MPU, its trained parameters' fingerprints
 
-    def on_attach(self, guard: Any) -> None:
+    def on_attach(self, guard: Guard) -> None:
         self.guard = guard
         self.rank, self.world_size = rank_and_size(self.group)
 
@@ -86,7 +90,7 @@ class ReplicaCheck:
             return
         self.check(step)
 
-    def check(self, step: int) -> list[dict]:
+    def check(self, step: int) -> list[dict[str, Any]]:
         """Compare and repair now (a collective: every rank calls it at the same step)."""
         t0 = time.perf_counter()
         mpus = list(self.guard.mpus)
@@ -97,7 +101,7 @@ class ReplicaCheck:
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         n = len(mpus)
         self.checks += 1
-        done: list[dict] = []
+        done: list[dict[str, Any]] = []
         if not torch.equal(both[:n], -both[n:]):
             rows = [torch.empty(n, dtype=torch.int64, device=dev) for _ in range(self.world_size)]
             dist.all_gather(rows, mine, group=self.group)
@@ -106,7 +110,7 @@ class ReplicaCheck:
         self.seconds += time.perf_counter() - t0
         return done
 
-    def _tensors(self, m: Any) -> torch.Tensor:
+    def _tensors(self, m: Mpu) -> torch.Tensor:
         """The per-tensor fingerprints of the MPU's trained parameters (one pass, one read-back)."""
         params = list(m.parameters())
         held = self._prints.get(m.mpu_id)
@@ -118,7 +122,7 @@ class ReplicaCheck:
             held = self._prints[m.mpu_id] = Fingerprint(params)
         return held.compute()
 
-    def _which(self, m: Any, per: torch.Tensor, src: int) -> list[str]:
+    def _which(self, m: Mpu, per: torch.Tensor, src: int) -> list[str]:
         """The names of the MPU's tensors that differ from rank `src`'s (a collective: an
         all_gather of the MPU's per-tensor fingerprints, run only on a divergence)."""
         dev = _device(self.group)
@@ -129,7 +133,7 @@ class ReplicaCheck:
         differ = (rows[self.rank].cpu() != rows[src].cpu()).nonzero().flatten().tolist()
         return [names.get(id(params[i]), str(i)) for i in differ]
 
-    def _repair(self, m: Any, bad: list[int], src: int, step: int, tensors: list[str] | None = None) -> dict:
+    def _repair(self, m: Mpu, bad: list[int], src: int, step: int, tensors: list[str] | None = None) -> dict[str, Any]:
         opt = self.guard.optimizer
         with torch.no_grad():
             for p in m.parameters():

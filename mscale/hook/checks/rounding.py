@@ -69,7 +69,14 @@ def weighted_colsums(wd: torch.Tensor, r: torch.Tensor, transposed: bool) -> tor
 
 
 def residual_and_tolerance(
-    x2: torch.Tensor, y2: torch.Tensor, sums: tuple, signs: Signs, *, sigmas: float, rtol32: float, host: bool = False
+    x2: torch.Tensor,
+    y2: torch.Tensor,
+    sums: tuple[Any, ...],
+    signs: Signs,
+    *,
+    sigmas: float,
+    rtol32: float,
+    host: bool = False,
 ) -> Any:
     """(residual, tolerance) of a bf16 layer's check, s^T Y r against (x^T s) . (W^T r) +
     (sum s)(r . b): x2 (N, K) the input as the GEMM saw it, y2 (N, M) its output, sums (W^T r,

@@ -1,42 +1,51 @@
 """The step's gradient and loss statistics at the guard's commit (the optimizer step pre-hook):
 gradient norms and CMSA's GVC (mscale.hook.checks.cmsa), the step's mean loss, the non-finite check that
-keeps a NaN from the weights, the loss detector and CMSA's clipping. A part of
-mscale.hook.core.guard.Guard (a base class, as mscale.hook.core.scaler is), kept apart because it is one
-thing the step does at one point: read the gradients and the loss once and act on them."""
+keeps a NaN from the weights, the loss detector and CMSA's clipping. A part the guard
+(mscale.hook.core.guard.Guard) holds and calls, kept apart because it is one thing the step does
+at one point: read the gradients and the loss once and act on them."""
 
 from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
 
+import structlog
 import torch
+from torch import nn
 
-from mscale.hook.checks.cmsa import GVC_EVERY
+from mscale.findings import Finding
+from mscale.hook.checks.budget import StepTimes
+from mscale.hook.checks.cmsa import GVC_EVERY, Cmsa, GradStatistics
+from mscale.hook.checks.loss import LossDetector
+from mscale.hook.core.mpu import Mpu
+from mscale.hook.core.stepstate import StepFigures, StepState
 
 
 class StepStatistics:
-    """Mixed into Guard: uses its step state (`mpus`, `optimizer`, `model`, `cmsa`, `_losses`,
-    `_skip_reason`, `times`, `loss_detector`, `_grad_stats`, `_last`, ...)."""
+    """Measures the guard's step: `measure` at the optimizer step, `scaler_skipped` for a step
+    whose optimizer step a GradScaler skipped. Each returns the step's figures; a non-finite
+    loss or gradient norm sets the step state's skip reason (the update is dropped)."""
 
-    mpus: Any
-    optimizer: Any
-    model: Any
-    cmsa: Any
-    loss_detector: Any
-    times: Any
-    log: Any
-    current_step: int
-    _losses: list
-    _skip_reason: str
-    _grad_stats: Any
-    _last: dict
+    def __init__(
+        self,
+        *,
+        mpus: Sequence[Mpu],
+        optimizer: torch.optim.Optimizer | None,
+        model: nn.Module,
+        cmsa: Cmsa | None,
+        loss_detector: LossDetector,
+        grad_stats: GradStatistics,
+        times: StepTimes,
+        state: StepState,
+        emit: Callable[[Finding], None],
+        log: structlog.typing.FilteringBoundLogger,
+    ) -> None:
+        self.mpus, self.optimizer, self.model, self.cmsa = mpus, optimizer, model, cmsa
+        self.loss_detector, self.grad_stats, self.times = loss_detector, grad_stats, times
+        self.state, self.emit, self.log = state, emit, log
 
-    if TYPE_CHECKING:
-
-        def emit(self, finding: Any) -> None: ...
-
-    def _statistics(self) -> None:
+    def measure(self, step: int) -> StepFigures:
         for m in self.mpus:
             if m._bwd_start and m._bwd_end >= m._bwd_start:
                 m.backward_s = m._bwd_end - m._bwd_start
@@ -46,53 +55,64 @@ class StepStatistics:
             if self.optimizer
             else [p for p in self.model.parameters()]
         )
-        step = self.current_step
         scheduled = self.cmsa.wants_gvc(step) if self.cmsa is not None else step % GVC_EVERY == 0
-        global_norm = self._grad_stats.measure(self.mpus, params, step, scheduled)
-        loss = self._step_loss()
-        if self.optimizer is not None and not self._skip_reason:
+        global_norm = self.grad_stats.measure(self.mpus, params, step, scheduled)
+        loss = step_loss(self.state.losses)
+        if self.optimizer is not None and not self.state.skip_reason:
             bad = [
                 what
                 for what, v in (("loss", loss), ("gradient norm", global_norm))
                 if v is not None and not math.isfinite(v)
             ]
             if bad:  # never let it reach the weights, with or without a plugin that reacts
-                self._skip_reason = f"non-finite {' and '.join(bad)}"
+                self.state.skip_reason = f"non-finite {' and '.join(bad)}"
         t1 = time.perf_counter()
         self.times.grad_stats_s += t1 - t0
-        for f in self.loss_detector.observe(
-            self.current_step, loss, global_norm, {m.mpu_id: m.grad_norm for m in self.mpus}
-        ):
+        for f in self.loss_detector.observe(step, loss, global_norm, {m.mpu_id: m.grad_norm for m in self.mpus}):
             self.emit(f)
         t2 = time.perf_counter()
         self.times.loss_s += t2 - t1
         clipped: dict[str, bool] = {}
-        if self.cmsa is not None and not self._skip_reason:
-            clipped = self.cmsa.apply(self.current_step, loss)
+        if self.cmsa is not None and not self.state.skip_reason:
+            clipped = self.cmsa.apply(step, loss)
         self.times.cmsa_s += time.perf_counter() - t2
-        self._last = {
-            "step": self.current_step,
-            "time": time.time(),
-            "loss": loss,
-            "grad_norm": global_norm,
-            "clipped": clipped,
-        }
+        return StepFigures(step=step, time=time.time(), loss=loss, grad_norm=global_norm, clipped=clipped)
 
-    def _statistics_safe(self) -> None:
+    def measure_safe(self, step: int, where: str) -> StepFigures | None:
+        """`measure`, or None (logged) when it raised: a detector bug must not stop training."""
         try:
-            self._statistics()
+            return self.measure(step)
         except Exception as e:
-            self.log.exception("guard_error", where="end_step", error=str(e))
-
-    def _step_loss(self) -> float | None:
-        if not self._losses:
+            self.log.exception("guard_error", where=where, error=str(e))
             return None
-        if len(self._losses) == 1:
-            return float(self._losses[0])
-        if all(isinstance(v, float) for v in self._losses):  # read at the commit point
-            return math.fsum(self._losses) / len(self._losses)
-        # several forwards (gradient accumulation): one read-back for all their losses
-        vals = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in self._losses]
-        if len({v.device for v in vals}) == 1:
-            return torch.stack([v.reshape(()).to(torch.float64) for v in vals]).mean().item()
-        return sum(float(v) for v in vals) / len(vals)
+
+    def scaler_skipped(self, step: int) -> StepFigures:
+        """The scaler found inf/NaN gradients and skipped optimizer.step(). Only the loss goes
+        to the detector: inf gradients with a finite loss are the scaler's ordinary overflow
+        (it lowers the scale), not a fault to roll back; a NaN loss is one."""
+        state = self.state
+        state.skip_reason = state.skip_reason or "grad scaler: inf/NaN gradients, optimizer step skipped"
+        for m in self.mpus:
+            m.grad_norm = m.gvc = math.nan
+        loss = step_loss(state.losses)
+        try:
+            for f in self.loss_detector.observe(step, loss):
+                self.emit(f)
+        except Exception as e:
+            self.log.exception("guard_error", where="scaler_skip", error=str(e))
+        return StepFigures(step=step, time=time.time(), loss=loss, grad_norm=math.nan, clipped={})
+
+
+def step_loss(losses: Sequence[torch.Tensor | float]) -> float | None:
+    """The step's mean loss over its forwards (None: none seen)."""
+    if not losses:
+        return None
+    if len(losses) == 1:
+        return float(losses[0])
+    if all(isinstance(v, float) for v in losses):  # read at the commit point
+        return math.fsum(float(v) for v in losses) / len(losses)
+    # several forwards (gradient accumulation): one read-back for all their losses
+    vals = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in losses]
+    if len({v.device for v in vals}) == 1:
+        return torch.stack([v.reshape(()).to(torch.float64) for v in vals]).mean().item()
+    return sum(float(v) for v in vals) / len(vals)

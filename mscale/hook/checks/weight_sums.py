@@ -5,6 +5,8 @@ not on the forward being checked."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -16,9 +18,9 @@ ABS_REFRESH = 16  # steps between refreshes of the |W| column sums (tolerance sc
 
 class WeightSums:
     def __init__(self) -> None:
-        self.cache: dict[int, tuple] = {}
-        self.zeros: dict[tuple, torch.Tensor] = {}  # a 0-d zero per (dtype, device): no allocation a check
-        self._ones_cache: dict[tuple, torch.Tensor] = {}
+        self.cache: dict[int, tuple[Any, ...]] = {}
+        self.zeros: dict[tuple[Any, ...], torch.Tensor] = {}  # a 0-d zero per (dtype, device): no allocation a check
+        self._ones_cache: dict[tuple[Any, ...], torch.Tensor] = {}
         # the CPU's in-step check adds the bias terms as Python floats, read once per refresh
         self.bias_floats: dict[int, tuple[float, float]] = {}
 
@@ -34,7 +36,7 @@ class WeightSums:
         cast: torch.dtype | None,
         floats: bool,
         signs: torch.Tensor | None = None,
-    ) -> tuple:
+    ) -> tuple[Any, ...]:
         """(c(W), c(|W|), sum(b), sum|b|) of the weight as the GEMM saw it, cached; with `signs`
         (r, bf16 layers: mscale.hook.checks.rounding) the weighted W^T r and r . b for the first and third.
 

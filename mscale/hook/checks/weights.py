@@ -74,10 +74,10 @@ class Fingerprint:
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.tensors = list(tensors)
-        self._ptrs: tuple = ()
+        self._ptrs: tuple[Any, ...] = ()
         self._plan: list[tuple[list[int], list[torch.Tensor], torch.Tensor | None]] = []
 
-    def layout(self) -> tuple:
+    def layout(self) -> tuple[Any, ...]:
         return tuple((tuple(t.shape), t.dtype, t.device) for t in self.tensors)
 
     def _build(self) -> None:
@@ -199,8 +199,8 @@ class WeightWatch:
             key: Fingerprint([trained[i][1] for i in idx]) for key, idx in zip(self.trained_keys, split, strict=True)
         }
         self.prints["frozen"] = Fingerprint([p for _, p in frozen])
-        self.ref: dict[str, tuple[tuple, torch.Tensor]] = {}
-        self.peaks: dict[str, tuple[tuple, torch.Tensor]] = {}  # each trained group's largest magnitudes
+        self.ref: dict[str, tuple[tuple[Any, ...], torch.Tensor]] = {}
+        self.peaks: dict[str, tuple[tuple[Any, ...], torch.Tensor]] = {}  # each trained group's largest magnitudes
         self.implausible: list[str] = []  # trained tensors whose largest magnitude jumped (see `_peaks`)
         self.tensors = {n: _local(p) for n, p in g.model.named_parameters()}  # by name: the event check's
         self.settle(frozen=True)

@@ -60,7 +60,7 @@ import collections
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,9 @@ from mscale.findings import Finding, Reason, Severity
 from mscale.hook.core.commit import on
 from mscale.hook.fuse.actions.rollback import KEEP_BATCH
 from mscale.snapshot.distributed import _device, rank_and_size
+
+if TYPE_CHECKING:
+    from mscale.hook.core.guard import Guard
 
 SOURCE = "agree"
 FIELDS = (
@@ -127,7 +130,7 @@ class Agreement:
         self._own: dict[str, float] | None = None  # this rank's CMSA multipliers, while agreed ones apply
         self._point: Any = None  # this step's commit point (mscale.hook.core.commit)
 
-    def on_attach(self, guard: Any) -> None:
+    def on_attach(self, guard: Guard) -> None:
         self.guard = guard
         self.rank, self.world_size = rank_and_size(self.group)
 
@@ -149,7 +152,9 @@ class Agreement:
         fuse = getattr(g, "fuse", None)
         pending = getattr(getattr(fuse, "states", {}).get("rollback"), "pending", None)
         swaps = len(fuse.reruns) - self._reruns_at_begin if fuse is not None else 0
-        skip, rollback = (on(torch.tensor(float(v)), dev) for v in (bool(g._skip_reason), pending is not None))
+        skip, rollback = (
+            on(torch.tensor(float(v)), dev) for v in (bool(g.step_state.skip_reason), pending is not None)
+        )
         keep = on(torch.tensor(float(pending is not None and pending.reason in KEEP_BATCH)), dev)
         if losses is not None and losses.numel():
             mean = on(losses, dev).mean()
@@ -161,7 +166,7 @@ class Agreement:
         in_step = [0.0 if g.checksum.commit_mode(m) or m.last_checksum_ok else 1.0 for m in g.mpus]
         failed = on(torch.tensor(in_step, dtype=torch.float64), dev)
         # a re-run asked in the step (mscale.hook.fuse.fuse, under FSDP2): every rank re-runs it alike
-        commit_failed = on(torch.tensor(float(bool(g._rerun_reason))), dev).to(zero)
+        commit_failed = on(torch.tensor(float(bool(g.step_state.rerun_reason))), dev).to(zero)
         if commit is not None and commit.numel() == len(g.mpus) and len(g.mpus):
             failed = torch.maximum(failed, on(commit, dev))
             commit_failed = torch.maximum(commit_failed, on(commit, dev).amax().to(zero))
@@ -223,7 +228,7 @@ class Agreement:
             inputs = getattr(g, "inputs", None)
             if inputs is not None:  # which micro-batch of this rank was not finite: what a rollback skips
                 inputs.keep_own()
-            g._losses[:] = [loss]  # every rank's detector judges the same loss
+            g.step_state.losses[:] = [loss]  # every rank's detector judges the same loss
         at_fault = ",".join(str(r) for r in faulty)
         if a.drop:
             why = ", ".join(
@@ -238,7 +243,7 @@ class Agreement:
             )
             if a.rerun:  # re-run on the same batch on every rank (the fuse's rollback that keeps it)
                 g.request_rerun(f"agreed across {self.world_size} ranks: {why}")
-            if not g._skip_reason:
+            if not g.step_state.skip_reason:
                 g.request_skip(f"agreed across {self.world_size} ranks: {why}")
             if ranks[self.rank] < 0.5:
                 g.emit(
@@ -250,7 +255,7 @@ class Agreement:
                         {"rank": str(self.rank), "step": str(step), "ranks_at_fault": at_fault},
                     )
                 )
-        elif failed and not g._skip_reason:
+        elif failed and not g.step_state.skip_reason:
             self._drop_mpu_gradients(step, [m for m, v in zip(g.mpus, per_mpu, strict=True) if v > 0.5], at_fault)
 
     def _drop_mpu_gradients(self, step: int, mpus: list[Any], at_fault: str) -> None:

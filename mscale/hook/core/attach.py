@@ -24,7 +24,7 @@ def attach(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     job_id: str,
-    snapshots: str | os.PathLike | bool | SnapshotConfig | None = None,
+    snapshots: str | os.PathLike[str] | bool | SnapshotConfig | None = None,
     data: Any = None,
     scheduler: Any = None,
     resume: bool = True,

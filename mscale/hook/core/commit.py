@@ -109,15 +109,15 @@ def commit(guard: Any, *, plugins: bool) -> CommitPoint:
     try:
         data_fault = guard.inputs.pack(point)
         guard.checksum.pack(point, data_fault)
-        losses = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in guard._losses]
+        losses = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in guard.step_state.losses]
         if losses and len({v.device for v in losses}) == 1:
             point.put("losses", torch.stack([v.detach().reshape(()).to(torch.float64) for v in losses]))
         if plugins:
-            guard._dispatch("on_commit", point)
+            guard.hooks.dispatch("on_commit", point)
         point.read()
         got = point.get("losses")
         if got is not None:
-            guard._losses[:] = got  # floats from now on: nothing more to read for the loss
+            guard.step_state.losses[:] = got  # floats from now on: nothing more to read for the loss
     except Exception as e:  # a detector bug must not stop training
         guard.log.exception("guard_error", where="commit", error=str(e))
     late = guard.checksum.judge(point, data_fault=guard.inputs.judge(point))

@@ -8,7 +8,7 @@ nothing in the step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mscale import link as protocol
 from mscale.contracts.declare import Applied, active
@@ -41,7 +41,7 @@ class ContractPlugin:
         self._sent_for = guard.link.connects + (0 if guard.link.connected else 1)
 
 
-def join(guard: Any) -> None:
+def join(guard: Guard) -> None:
     """Add the contract plugin (and, unless the contract turned it off, the MSRP plugin) to
     `guard` when a contract is in force in this process."""
     applied = active()

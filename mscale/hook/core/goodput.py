@@ -24,9 +24,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mscale.link import TIME_CAUSES, StepReport
+
+if TYPE_CHECKING:
+    from mscale.hook.core.guard import Guard
 
 HANG_FACTOR = 10.0
 HANG_MIN_S = 1.0
@@ -52,7 +55,7 @@ class GoodputAccountant:
     def wall_s(self) -> float:
         return sum(self.totals.values())
 
-    def on_attach(self, guard: Any) -> None:
+    def on_attach(self, guard: Guard) -> None:
         self.guard = guard
         self.started_at = self.last_end = self.clock()
         self._stall = self._engine_stall()
@@ -69,7 +72,7 @@ class GoodputAccountant:
             self.totals[cause] += seconds
             self.pending[cause] = self.pending.get(cause, 0.0) + seconds
 
-    def _hang_part(self, seconds: float, recent: deque) -> float:
+    def _hang_part(self, seconds: float, recent: deque[float]) -> float:
         if len(recent) < 5:
             return 0.0
         median = statistics.median(recent)
@@ -122,7 +125,7 @@ class GoodputAccountant:
         return [(c, self.totals[c], self.totals[c] / wall if wall else 0.0) for c in TIME_CAUSES]
 
 
-def account(guard: Any) -> GoodputAccountant:
+def account(guard: Guard) -> GoodputAccountant:
     """Add the accountant to a guard (attach does)."""
     acc = GoodputAccountant()
     guard.add_plugin(acc)

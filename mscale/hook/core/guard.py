@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -45,24 +45,22 @@ from mscale.hook.checks.loss import LossConfig, LossDetector
 from mscale.hook.checks.stepstats import StepStatistics
 from mscale.hook.core.commit import CommitPoint, commit
 from mscale.hook.core.mpu import Mpu
-from mscale.hook.core.outputs import loss_of, output_tensors
-from mscale.hook.core.plugin import Plugins
+from mscale.hook.core.outputs import ModelInputs, loss_of, output_tensors
+from mscale.hook.core.plugin import PluginHooks
 from mscale.hook.core.ranks import identify
 from mscale.hook.core.report import step_report
-from mscale.hook.core.scaler import ScalerSteps
+from mscale.hook.core.scaler import ScalerWatch
+from mscale.hook.core.stepstate import StepFigures, StepState
 from mscale.hook.integrations.compiled import compiling, unwrap
+
+if TYPE_CHECKING:
+    from mscale.hook.fuse.fuse import FusePlugin
+    from mscale.snapshot.engine import SnapshotEngine
 
 log = structlog.get_logger("mscale.hook")
 
 
-class ModelInputs(NamedTuple):
-    """What a module was called with: the batch, as the model (or an MPU) saw it."""
-
-    args: tuple
-    kwargs: dict
-
-
-class Guard(ScalerSteps, StepStatistics, Plugins):
+class Guard:
     """Watches one model + optimizer. Public, stable surface for plugins:
 
     - `job_id`, `rank`, `model` (a torch.compile wrapper's inner model), `outer` (what the loop
@@ -71,14 +69,16 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
     - `checksum` (ChecksumDetector), `loss_detector` (LossDetector), `cmsa` (Cmsa or None)
     - `emit(finding)`, `request_skip(reason)`, `request_rerun(reason)`, `rebind(mpu, gpu, ...)`,
       `send_to_agent(msg)`, `commit_point` (the last step's verdicts, mscale.hook.core.commit)
+    - `step_state` (StepState: the step in progress), `figures` (StepFigures: the last step's,
+      or None), `summary()` (them as a dict)
     - `add_plugin(p)`, `plugins`, `plugin_errors`, `findings` (recent), `link` (or None)
     - `watch_scaler(scaler)`: end steps at the GradScaler's update (see the module docstring)
     - `fuse`, `snapshots`: the fuse plugin and SnapshotEngine `attach(snapshots=...)` added, or None
     """
 
     enabled = True
-    fuse: Any = None
-    snapshots: Any = None
+    fuse: FusePlugin | None = None
+    snapshots: SnapshotEngine | None = None
 
     def __init__(
         self,
@@ -109,29 +109,20 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
         self.log = log.bind(job_id=job_id, rank=self.rank)
         self.log.info("mpus_found", mpus=[f"{m.mpu_id}={m.name}@{m.path or '<root>'} gpu={m.gpu}" for m in self.mpus])
         self.current_step = 0
-        self.plugins: list[Any] = []
-        self.plugin_errors = 0
+        self.hooks = PluginHooks(self, self.log)  # the plugins and their dispatch
+        self.plugins: list[Any] = self.hooks.plugins  # in the order they were added (one list, never rebound)
         self.findings: collections.deque[Finding] = collections.deque(maxlen=1000)
         self.times = StepTimes()
         self._detectors(checksum or ChecksumConfig(), loss or LossConfig(), CmsaConfig() if cmsa is True else cmsa)
         self._handles: list[Any] = []
-        self._commands: collections.deque[dict] = collections.deque(maxlen=1024)
-        self._in_step = False
-        self._losses: list[torch.Tensor | float] = []
-        self.inputs = InputCheck(self.emit, self._losses)  # the batch checked before the first MPU
-        self._skip_reason = ""
-        self._rerun_reason = ""  # a fault found at the commit point: re-run the step (request_rerun)
-        self._committed = -1  # the step whose commit point was read
+        self._commands: collections.deque[protocol.Wire] = collections.deque(maxlen=1024)
+        self.inputs = InputCheck(self.emit, self.step_state.losses)  # the batch checked before the first MPU
         self.commit_point: CommitPoint | None = None  # the last step's (mscale.hook.core.commit)
-        self._step_findings: list[Finding] = []
-        self._last: dict[str, Any] = {}
+        self.figures: StepFigures | None = None  # the last step's (summary())
         self._mpu_by_module = {id(m.module): m for m in self.mpus}
         self._gpu_uuids = {m.gpu: m.gpu_uuid for m in self.mpus if m.gpu_uuid}  # index -> uuid seen
-        self._grad_stats = GradStatistics()
         self._main_thread = threading.get_ident()
-        self._scaler: Any = None  # a watched GradScaler: the step ends at its update()
-        self._opt_stepped = False  # optimizer.step() ran in this step (scaler mode)
-        self._scaler_used = False  # the loop calls scaler.update(): steps end there
+        self.scaler_watch = ScalerWatch(self._scaler_update)  # a watched GradScaler: steps end at its update()
         self._install()
         if scaler is not None:
             self.watch_scaler(scaler)
@@ -140,11 +131,26 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
             self.add_plugin(p)
 
     def _detectors(self, checksum: ChecksumConfig, loss: LossConfig, cmsa: CmsaConfig | None | bool) -> None:
+        """The detectors, the step state and the step's statistics over them."""
         # the share of step time the detectors may take
         self.budget = Budget(checksum.budget, headroom=checksum.headroom)
         self.checksum = ChecksumDetector(checksum, emit=self.emit, step=lambda: self.current_step, budget=self.budget)
         self.loss_detector = LossDetector(loss)
         self.cmsa: Cmsa | None = Cmsa(self.mpus, cmsa) if isinstance(cmsa, CmsaConfig) else None
+        self.step_state = StepState()
+        self._grad_stats = GradStatistics()
+        self.statistics = StepStatistics(
+            mpus=self.mpus,
+            optimizer=self.optimizer,
+            model=self.model,
+            cmsa=self.cmsa,
+            loss_detector=self.loss_detector,
+            grad_stats=self._grad_stats,
+            times=self.times,
+            state=self.step_state,
+            emit=self.emit,
+            log=self.log,
+        )
 
     def _connect(self, socket_path: str | None, report_queue: int) -> Any:
         """The link to the node's agent, started (it connects, and reconnects, on its own thread)."""
@@ -165,13 +171,27 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
         Hooks that must run outside a compiled graph go there (see `_install`)."""
         return self._outer
 
+    @property
+    def plugin_errors(self) -> int:  # plugin calls that raised (logged, counted, never passed on)
+        return self.hooks.errors
+
+    def add_plugin(self, plugin: Any) -> None:
+        self.hooks.add(plugin)
+
+    def remove_plugin(self, plugin: Any) -> None:
+        self.hooks.remove(plugin)
+
+    def watch_scaler(self, scaler: Any) -> None:
+        """End each step at `scaler.update()` once the loop calls it (mscale.hook.core.scaler)."""
+        self.scaler_watch.watch(scaler)
+
     def mpu(self, key: str) -> Mpu:
         return mpumod.by_key(self.mpus, key)
 
     def set_step(self, step: int) -> None:
         """The step to run next (a restored snapshot continues at its step + 1)."""
         self.current_step = int(step)
-        self._step_set = True
+        self.step_state.step_set = True
 
     def emit(self, finding: Finding) -> None:
         """Record a finding: log it, tell the plugins, send it to the agent with the step's report."""
@@ -183,24 +203,25 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
                 pass
         finding = Finding(finding.source, finding.reason, finding.severity, finding.message, labels, finding.time)
         self.findings.append(finding)
-        self._step_findings.append(finding)
+        self.step_state.findings.append(finding)
         for mpu_id, why in suspicions(finding, self.mpus):  # incident mode: full coverage, replay
             self.checksum.suspect(mpu_id, why)
         method = {Severity.CRITICAL: "error", Severity.WARNING: "warning"}.get(finding.severity, "info")
         getattr(self.log, method)(finding.reason.value, source=finding.source, message=finding.message, labels=labels)
-        self._dispatch("on_finding", finding)
+        self.hooks.dispatch("on_finding", finding)
 
     def request_skip(self, reason: str) -> None:
         """Make this step's optimizer update a no-op (its gradients are dropped). For plugins
         reacting to a finding before the optimizer step."""
-        self._skip_reason = reason or "requested"
+        self.step_state.skip_reason = reason or "requested"
 
     def request_rerun(self, reason: str) -> None:
         """Drop this step's update and, with the fuse (`snapshots=`), re-run the step on the same
         batch: the fuse's rollback that keeps the batch (FusePlugin.rerun_step), after the
         agreement, on every rank alike. Without the fuse the update is only dropped."""
-        self.request_skip(self._skip_reason or reason)
-        self._rerun_reason = self._rerun_reason or reason or "requested"
+        state = self.step_state
+        self.request_skip(state.skip_reason or reason)
+        state.rerun_reason = state.rerun_reason or reason or "requested"
 
     def rebind(
         self, mpu: Mpu | str, gpu: int, *, gpu_uuid: str | None = None, device: torch.device | str | None = None
@@ -223,7 +244,7 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
             self.link.update_registration()
         return m
 
-    def send_to_agent(self, message: dict) -> bool:
+    def send_to_agent(self, message: protocol.Wire) -> bool:
         """Queue a message (a dict with "type") for the agent; False without a link."""
         if self.link is None:
             return False
@@ -246,12 +267,12 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
         """Tell the guard the step's loss (when the model's output carries none)."""
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()
-        self._losses.append(loss)
+        self.step_state.losses.append(loss)
 
     def step(self, loss: torch.Tensor | float | None = None) -> None:
         """`optimizer.step()` with the loss given: the three-line alternative to auto-capture."""
         if loss is not None:
-            self._losses.clear()
+            self.step_state.losses.clear()
             self.observe(loss)
         if self.optimizer is None:
             self._pre_step()
@@ -273,7 +294,7 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
             for mpu_id, why in suspicions(command, self.mpus):
                 self.checksum.suspect(mpu_id, why)  # the agent's GPU finding on an MPU's GPU
             for p in list(self.plugins):
-                reply = self._call(p, "on_command", command)
+                reply = self.hooks.call(p, "on_command", command)
                 if isinstance(reply, dict) and self.link is not None:
                     self.link.send(protocol.Reply(command.get("id"), reply).to_wire())
         return n
@@ -283,46 +304,25 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if self._scaler is not None:
-            if self._scaler.__dict__.get("update") is self._scaler_patch:
-                del self._scaler.update
-            self._scaler = None
+        self.scaler_watch.unwatch()
         self.checksum.detach()
-        for p in list(self.plugins):
-            self._call(p, "on_detach", self)
+        self.hooks.dispatch("on_detach", self)
         if self.link is not None:
             self.link.stop()
             self.link = None
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """The last step's figures (what the report carries)."""
-        return dict(self._last)
+        return self.figures.summary() if self.figures is not None else {}
 
     # --- hooks -----------------------------------------------------------------------
-
-    def _entry(self, fn: Any) -> Any:
-        """`fn` as an entry point torch calls: its whole host time is charged to the budget
-        ("guard", less what was charged inside it: mscale.hook.checks.budget), so the measured overhead
-        is everything the guard and its plugins do, not only the checks."""
-        budget = self.budget
-
-        def entry(*args: Any, **kwargs: Any) -> Any:
-            if compiling():  # traced (an MPU's hooks under torch.compile): no host timer in a graph
-                return fn(*args, **kwargs)
-            mark = budget.enter("guard")
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                budget.leave(mark)
-
-        return entry
 
     def _install(self) -> None:
         # The step's begin and the loss capture are Python bookkeeping, never traced: on a
         # torch.compile wrapper given to attach they sit on the wrapper, which runs them before
         # entering the graph; on a model compiled after attach dynamo would trace them, so they
         # are disabled for it (a graph break at the model's entry and exit, none inside).
-        entry, outer = self._entry, self._outer
+        entry, outer = self.budget.entry, self._outer  # each entry point's host time charged whole
         pre, post = torch._dynamo.disable(entry(self._model_pre)), torch._dynamo.disable(entry(self._model_post))
         self._handles.append(outer.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(outer.register_forward_hook(post))
@@ -342,34 +342,31 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
             self._handles.append(self.optimizer.register_step_pre_hook(entry(lambda opt, a, k: self._pre_step())))
             self._handles.append(self.optimizer.register_step_post_hook(entry(lambda opt, a, k: self._post_step())))
 
-    def _model_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _model_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.model.training and not self.checksum.replaying:  # (the model the wrapper compiles)
-            if not self._in_step:
+            if not self.step_state.in_step:
                 self._begin_step(ModelInputs(args, kwargs))
             self.inputs.begin(args, kwargs)
 
-    def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _model_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self.checksum.replaying or not self.model.training:
             return
         loss = loss_of(output)
         if loss is not None:
-            self._losses.append(loss.detach())
+            self.step_state.losses.append(loss.detach())
 
     def _begin_step(self, batch: ModelInputs) -> None:
         self.budget.step_began()  # the step the budget is a share of starts here
         self.poll_commands()  # between steps: plugins may rebind or restore before this one
-        self._in_step = True
+        self.step_state.begin()  # (findings made between steps stay queued)
         self.times.reset()
         self.checksum.abft_s = self.checksum.replay_s = 0.0
-        # (findings made between steps, e.g. by commands polled after the last report, stay queued)
-        self._skip_reason = self._rerun_reason = ""
-        self._committed = -1  # a step re-run after a rollback commits again
         for m in self.mpus:
             m._reset_step()
         self.checksum.begin_step()  # this step's checks, within the budget
-        self._dispatch("on_step_begin", self.current_step, batch)
+        self.hooks.dispatch("on_step_begin", self.current_step, batch)
 
-    def _mpu_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _mpu_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if compiling():
             return  # traced: no timers, no replay (mscale.hook.integrations.compiled)
         if self.checksum.replaying:
@@ -378,7 +375,7 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
         m._fwd_start = time.perf_counter()
         self.checksum.before_forward(m, args, kwargs)
 
-    def _mpu_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    def _mpu_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         if compiling():  # traced: the output's non-finite check and statistic, as tensor ops
             self.checksum.traced_output(self._mpu_by_module[id(module)], output_tensors(output))
             return None
@@ -400,75 +397,84 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
         self.times.hooks_s += (t1 - t0) - (self.checksum.abft_s - a0) - (self.checksum.replay_s - r0)
         replaced = None
         for p in list(self.plugins):
-            r = self._call(p, "on_mpu_output", m, inputs, output)
+            r = self.hooks.call(p, "on_mpu_output", m, inputs, output)
             if r is not None:
                 replaced = output = r
         self.times.plugins_s += time.perf_counter() - t1
         if torch.is_grad_enabled():
             for t in output_tensors(output):
                 if t.requires_grad:
-                    t.register_hook(self._entry(lambda g, m=m: m._mark_backward_start()))
+                    t.register_hook(self.budget.entry(lambda g, m=m: m._mark_backward_start()))
         return replaced
 
     def _pre_step(self) -> None:
         self._commit_checks(plugins=True)  # the one read, the agreement's all-reduce in it
-        self._dispatch("on_step_decide", self.current_step)  # before the statistics: see mscale.hook.core.agree
-        if self._rerun_reason and self.fuse is not None:
+        self.hooks.dispatch("on_step_decide", self.current_step)  # before the statistics: see mscale.hook.core.agree
+        state = self.step_state
+        if state.rerun_reason and self.fuse is not None:
             try:  # a fault found at the commit point: the step re-run on the same batch
-                self.fuse.rerun_step(self._rerun_reason)
+                self.fuse.rerun_step(state.rerun_reason)
             except Exception as e:
                 self.log.exception("guard_error", where="rerun", error=str(e))
         self._halt()
-        try:
-            self._statistics()
-        except Exception as e:
-            self.log.exception("guard_error", where="pre_step", error=str(e))
-        if self._skip_reason and self.optimizer is not None:
-            self.log.warning("step_skipped", step=self.current_step, reason=self._skip_reason)
+        self.figures = self.statistics.measure_safe(self.current_step, "pre_step") or self.figures
+        if state.skip_reason and self.optimizer is not None:
+            self.log.warning("step_skipped", step=self.current_step, reason=state.skip_reason)
             for group in self.optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = None
 
     def _post_step(self) -> None:
-        if self._scaler is None or not self._scaler_used:
+        if not self.scaler_watch.ends_steps:
             self._end_step()
         else:
-            self._opt_stepped = True  # the step ends at scaler.update(), after the scale is updated
+            self.scaler_watch.opt_stepped = True  # the step ends at scaler.update(), after the scale is updated
+
+    def _scaler_update(self, stepped: bool) -> None:
+        """The watched scaler's update() ran: the step ends (skipped by it unless `stepped`)."""
+        if not self.step_state.in_step:
+            return
+        if not stepped:
+            self.figures = self.statistics.scaler_skipped(self.current_step)
+        self._end_step()
 
     def _commit_checks(self, *, plugins: bool = False) -> None:
         """The commit point, once a step (mscale.hook.core.commit.commit: the one read; a failure
         judged there drops the update on every rank and asks for a re-run)."""
-        if self._committed != self.current_step:
-            self._committed = self.current_step
+        if self.step_state.committed != self.current_step:
+            self.step_state.committed = self.current_step
             self.commit_point = commit(self, plugins=plugins)
 
     def _end_step(self) -> None:
         self._commit_checks()
         self.times.abft_s, self.times.replay_s = self.checksum.abft_s, self.checksum.replay_s
-        if self.optimizer is None or not self._last or self._last.get("step") != self.current_step:
-            self._statistics_safe()
-        step, loss = self.current_step, self._last.get("loss")
-        self._step_set = False
+        if self.optimizer is None or self.figures is None or self.figures.step != self.current_step:
+            self.figures = self.statistics.measure_safe(self.current_step, "end_step") or self.figures
+        state, step = self.step_state, self.current_step
+        loss = self.figures.loss if self.figures is not None else None
+        state.step_set = False
         t0 = time.perf_counter()
-        self._dispatch("on_step_end", step, loss)
+        self.hooks.dispatch("on_step_end", step, loss)
         t1 = time.perf_counter()
         self.times.plugins_s += t1 - t0
         if self.link is not None or any(hasattr(p, "on_report") for p in self.plugins):
             try:  # plugins add their fields (mscale.hook.core.goodput: the step's seconds by cause)
-                self._dispatch("on_report", report := self._report())
+                self.hooks.dispatch("on_report", report := self._report())
                 if self.link is not None:
                     self.link.report(report)
             except Exception as e:
                 self.log.exception("report_error", error=str(e))
-        self._step_findings = []  # reported (or no link): the next report starts afresh
+        state.findings = []  # reported (or no link): the next report starts afresh
         self.times.report_s += time.perf_counter() - t1
         self.checksum.end_step()  # (the guard's own work is charged by its entry points: _entry)
-        self._last.update(checksum=self.checksum.figures(), guard_overhead_ratio=self.budget.overhead_ratio)
-        self._losses.clear()
-        self._in_step = False
-        if not getattr(self, "_step_set", False):  # a plugin's rollback in on_step_end sets it
+        if self.figures is not None:
+            self.figures.checksum = self.checksum.figures()
+            self.figures.guard_overhead_ratio = self.budget.overhead_ratio
+        state.losses.clear()
+        state.in_step = False
+        if not state.step_set:  # a plugin's rollback in on_step_end sets it
             self.current_step = step + 1
-        self._step_set = False
+        state.step_set = False
         self.poll_commands()
         self._halt()
 
@@ -482,11 +488,11 @@ class Guard(ScalerSteps, StepStatistics, Plugins):
     def _report(self) -> protocol.StepReport:
         return step_report(
             step=self.current_step,
-            last=self._last,
+            figures=self.figures,
             mpus=self.mpus,
-            figures=self.checksum.figures(),
+            checksum=self.checksum.figures(),
             cmsa=self.cmsa,
-            skipped=bool(self._skip_reason),
+            skipped=bool(self.step_state.skip_reason),
             overhead_ratio=self.budget.overhead_ratio,
-            findings=self._step_findings,
+            findings=self.step_state.findings,
         )

@@ -32,7 +32,7 @@ import structlog
 
 from mscale import link as protocol
 from mscale.findings import Finding, Reason, Severity
-from mscale.link import Msg
+from mscale.link import Msg, Wire
 
 log = structlog.get_logger("mscale.hook.core.link")
 
@@ -47,7 +47,7 @@ class LinkClient:
         socket_path: str,
         *,
         registration: Callable[[], protocol.Register],
-        on_command: Callable[[dict], Any],
+        on_command: Callable[[Wire], Any],
         queue_max: int = 256,
         backoff_s: tuple[float, float] = (0.05, 2.0),
         connect_timeout_s: float = 2.0,
@@ -72,7 +72,7 @@ class LinkClient:
         self.commands_received = 0
         self.last_error = ""
         self.node = ""  # the agent's node name, once registered
-        self._messages: collections.deque[dict] = collections.deque(maxlen=1024)
+        self._messages: collections.deque[Wire] = collections.deque(maxlen=1024)
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -98,7 +98,7 @@ class LinkClient:
             self.queue.append(report)
         self._poke()
 
-    def send(self, message: dict) -> None:
+    def send(self, message: Wire) -> None:
         """Queue any other message (reply, pong, plugin message); oldest dropped past 1024."""
         self._messages.append(message)
         self._poke()
@@ -202,7 +202,7 @@ class LinkClient:
             )
         raise UntrustedAgent(f"socket served by uid {uid}, not a trusted agent uid")
 
-    async def _send_loop(self, ws: aiohttp.ClientWebSocketResponse, receiver: asyncio.Future) -> None:
+    async def _send_loop(self, ws: aiohttp.ClientWebSocketResponse, receiver: asyncio.Future[None]) -> None:
         assert self._wake is not None and self._stop is not None
         while not self._stop.is_set() and not receiver.done() and not ws.closed:
             self._wake.clear()

@@ -110,7 +110,7 @@ class Mpu:
             params=sum(p.numel() for p in self.module.parameters()),
         )
 
-    def memory(self) -> dict:
+    def memory(self) -> dict[str, int]:
         """Device memory in use and in all (bytes), for the step report; empty off CUDA."""
         dev = self.device
         if dev.type != "cuda":

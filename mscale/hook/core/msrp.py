@@ -22,12 +22,15 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mscale import link as protocol
+
+if TYPE_CHECKING:
+    from mscale.hook.core.guard import Guard
 
 CPU_COPY_BYTES, GPU_COPY_BYTES = 8 << 20, 64 << 20
 CPU_MATMUL_N, GPU_MATMUL_N = 256, 2048
@@ -133,16 +136,16 @@ class MsrpPlugin:
         self.devices: dict[int, dict[str, Any]] = {}  # GPU index -> device profile
         self.mpus: dict[str, dict[str, float]] = {}  # mpu_id -> MPU profile
         self._counts: dict[str, _FlopCount] = {}
-        self._achieved: dict[str, deque] = {}
+        self._achieved: dict[str, deque[float]] = {}
         self._probed_at = -float("inf")
         self._reported_at = -float("inf")
 
-    def on_attach(self, guard: Any) -> None:
+    def on_attach(self, guard: Guard) -> None:
         self.guard = guard
         self._counts = {m.mpu_id: _FlopCount(m.module) for m in guard.mpus}
         self._probe()
 
-    def on_detach(self, guard: Any) -> None:
+    def on_detach(self, guard: Guard) -> None:
         for c in self._counts.values():
             c.remove()
 
@@ -190,5 +193,5 @@ class MsrpPlugin:
                 ).to_wire()
             )
 
-    def msrp_profiles(self) -> tuple[dict[int, dict], dict[str, dict]]:
+    def msrp_profiles(self) -> tuple[dict[int, dict[str, Any]], dict[str, dict[str, float]]]:
         return dict(self.devices), dict(self.mpus)

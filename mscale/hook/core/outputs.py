@@ -1,12 +1,20 @@
 """The tensors and the loss in what a module or a model returns (a tensor, a tuple, a dict, a
-Hugging Face ModelOutput): what the checks look at and where the guard finds the step's loss."""
+Hugging Face ModelOutput): what the checks look at and where the guard finds the step's loss;
+and what a module was called with (ModelInputs)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+
+class ModelInputs(NamedTuple):
+    """What a module was called with: the batch, as the model (or an MPU) saw it."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from mscale.hook.core.guard import Guard, ModelInputs
     from mscale.hook.core.mpu import Mpu
     from mscale.link import StepReport
+    from mscale.link.wire import Wire
 
 HOOKS: tuple[str, ...] = (
     "on_attach",
@@ -92,41 +93,43 @@ class Plugin(Protocol):
 
     def on_report(self, report: StepReport) -> None: ...
 
-    def on_command(self, command: dict) -> dict | None: ...
+    def on_command(self, command: Wire) -> Wire | None: ...
 
     def on_detach(self, guard: Guard) -> None: ...
 
 
-class Plugins:
-    """The guard's plugin list and its dispatch, mixed into mscale.hook.core.guard.Guard: each hook
-    called on every plugin that has it, in the order they were added; one that raises is logged
-    and counted (`plugin_errors`), never passed on to the training loop."""
+class PluginHooks:
+    """The guard's plugin list and its dispatch, a part mscale.hook.core.guard.Guard holds: each
+    hook called on every plugin that has it, in the order they were added; one that raises is
+    logged and counted (`errors`), never passed on to the training loop. `owner`: what
+    `on_attach` and `on_detach` receive (the guard)."""
 
-    plugins: list[Any]
-    plugin_errors: int
-    log: structlog.typing.FilteringBoundLogger
+    def __init__(self, owner: object, log: structlog.typing.FilteringBoundLogger) -> None:
+        self.owner, self.log = owner, log
+        self.plugins: list[Any] = []
+        self.errors = 0
 
-    def add_plugin(self, plugin: Any) -> None:
+    def add(self, plugin: Any) -> None:
         if not any(hasattr(plugin, h) for h in HOOKS):
             raise TypeError(f"{type(plugin).__name__} has none of the plugin methods {', '.join(HOOKS)}")
         self.plugins.append(plugin)
-        self._call(plugin, "on_attach", self)
+        self.call(plugin, "on_attach", self.owner)
 
-    def remove_plugin(self, plugin: Any) -> None:
+    def remove(self, plugin: Any) -> None:
         self.plugins.remove(plugin)
-        self._call(plugin, "on_detach", self)
+        self.call(plugin, "on_detach", self.owner)
 
-    def _dispatch(self, hook: str, *args: Any) -> None:
+    def dispatch(self, hook: str, *args: Any) -> None:
         for p in list(self.plugins):
-            self._call(p, hook, *args)
+            self.call(p, hook, *args)
 
-    def _call(self, plugin: Any, hook: str, *args: Any) -> Any:
+    def call(self, plugin: Any, hook: str, *args: Any) -> Any:
         fn = getattr(plugin, hook, None)
         if fn is None:
             return None
         try:
             return fn(*args)
         except Exception as e:  # a plugin must never break the training step
-            self.plugin_errors += 1
+            self.errors += 1
             self.log.exception("plugin_error", plugin=type(plugin).__name__, hook=hook, error=str(e))
             return None

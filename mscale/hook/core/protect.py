@@ -42,6 +42,7 @@ from mscale.findings import Reason
 from mscale.snapshot.config import SnapshotConfig
 
 if TYPE_CHECKING:
+    from mscale.findings import Finding
     from mscale.hook.core.guard import Guard
     from mscale.snapshot.engine import SnapshotEngine
 
@@ -79,12 +80,12 @@ class LoopData:
     def __init__(self, loader: Any = None) -> None:
         self.loader = loader
         self.restoring = False  # set around the start-up resume
-        self.last_batch_position: dict = {}  # a rollback's "skip the faulty batch": the loop already did
+        self.last_batch_position: dict[str, Any] = {}  # a rollback's "skip the faulty batch": the loop already did
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return self.loader.state_dict() if self.loader is not None else {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.restoring and self.loader is not None:
             self.loader.load_state_dict(state)
         elif not self.restoring:
@@ -94,7 +95,7 @@ class LoopData:
                 why="the loop's iterator cannot be rewound: it goes on with the batch after the faulty one",
             )
 
-    def skip_batch_at(self, position: dict) -> None:
+    def skip_batch_at(self, position: dict[str, Any]) -> None:
         pass
 
 
@@ -203,10 +204,10 @@ def protect(
     the fuse's mscale.healing.settings.HealingSection (None: the defaults)."""
     from mscale.hook.fuse.fuse import FusePlugin
 
-    fuse: Any = None
-    early: list[Any] = []  # the engine's findings before the fuse exists (its tiers, said at start-up)
+    fuse: FusePlugin | None = None
+    early: list[Finding] = []  # the engine's findings before the fuse exists (its tiers, said at start-up)
 
-    def emit(finding: Any) -> None:  # the writer thread's findings reach the guard through the fuse
+    def emit(finding: Finding) -> None:  # the writer thread's findings reach the guard through the fuse
         if fuse is None:
             early.append(finding)
         else:

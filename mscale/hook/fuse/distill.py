@@ -89,7 +89,7 @@ class Captured:
     attention_mask: torch.Tensor | None = None
     outputs: dict[str, Any] = field(default_factory=dict)  # mpu_id -> output
     calls: list[tuple[str, Any]] = field(default_factory=list)  # (mpu_id, output) of this forward, in order
-    text_inputs: tuple = ()
+    text_inputs: tuple[Any, ...] = ()
     text_kwargs: dict[str, Any] = field(default_factory=dict)  # the text MPU's keyword inputs
     hidden: Any = None  # the text MPU's final hidden states, where it has an LM head (its input)
 
@@ -112,7 +112,7 @@ class Term:
         self.cross = bool(getattr(cfg, "is_encoder_decoder", False))
         self.projection: nn.Linear | None = None
         self._opt: torch.optim.Optimizer | None = None
-        self._initial: dict | None = None  # the projection's state as made
+        self._initial: dict[str, Any] | None = None  # the projection's state as made
         self.lr = optimizer_lr
 
     @property
@@ -255,7 +255,7 @@ class Term:
             self._initial = self.state()
         return self.projection(student.to(self.projection.weight.dtype))
 
-    def state(self) -> dict | None:
+    def state(self) -> dict[str, Any] | None:
         """The projection made here and its optimizer's state (None when there is none): what
         a snapshot holds of this term."""
         if self.projection is None or self._opt is None:
@@ -266,7 +266,7 @@ class Term:
             "optimizer": self._opt.state_dict(),
         }
 
-    def restore(self, state: dict | None) -> None:
+    def restore(self, state: dict[str, Any] | None) -> None:
         """Back to a snapshot's `state()`; None (the snapshot predates the projection): back to
         the projection as it was made, with a fresh optimizer."""
         state = state if state is not None else self._initial

@@ -33,9 +33,9 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -53,6 +53,11 @@ from mscale.healing.words import Result, TargetKind
 from mscale.hook.fuse import actions as executors
 from mscale.hook.fuse.actions.base import ActionFailed
 from mscale.snapshot.sharded import is_sharded
+
+if TYPE_CHECKING:
+    from mscale.hook.core.guard import Guard
+    from mscale.hook.core.mpu import Mpu
+    from mscale.snapshot.engine import SnapshotEngine
 
 log = structlog.get_logger("mscale.fuse")
 SOURCE = "fuse"
@@ -84,7 +89,7 @@ class FusePlugin:
         *,
         config: HealingSection | None = None,
         policy: Policy | str | None = None,
-        snapshot_engine: Any = None,
+        snapshot_engine: SnapshotEngine | None = None,
         gpu_count: int | None = None,
         l2_resolution: float = 0.5,
         l2_clip_factor: float = 2.0,
@@ -94,7 +99,7 @@ class FusePlugin:
     ) -> None:
         self.cfg = config or HealingSection()
         self.policy = policy if isinstance(policy, Policy) else policymod.load(policy or self.cfg.policy)
-        self.snapshot_engine = snapshot_engine  # an mscale.snapshot.engine.SnapshotEngine (or None)
+        self.snapshot_engine = snapshot_engine
         self.drive_snapshots = drive_snapshots  # call snapshot_engine.step_end after each good step
         self.gpu_count = gpu_count  # GPUs of the node (None: CUDA's count, or 8 simulated)
         self.l2_resolution = l2_resolution
@@ -104,7 +109,7 @@ class FusePlugin:
             self.cfg.l2_precision_fallback if l2_precision_fallback is None else l2_precision_fallback
         )
         self.clock = clock
-        self.guard: Any = None
+        self._guard: Guard | None = None  # from on_attach on (`guard`)
         self.engine: HealingEngine | None = None
         self.books: HealingSnapshot | None = None  # the engine's latest published books (the exporter reads them)
         self.seq = 0  # steps run (unlike the training step, it never goes back on a rollback)
@@ -116,6 +121,7 @@ class FusePlugin:
         self.step_dropped = False  # an action dropped this step's update
         self.reruns: list[tuple[int, str, int, float]] = []  # (step, mpu_id, gpu, when done) of each re-run
         self._rerunning: str | None = None
+        self.ask_standby: Callable[[Mpu, Iterable[int]], int | None] | None = None  # the agent's choice (protect.py)
         self.progress = Keeper(self)  # forward progress: lost calls per culprit, the bound (mscale.healing.progress)
         self._thread = threading.get_ident()
         self._foreign: deque[Finding] = deque()
@@ -146,9 +152,10 @@ class FusePlugin:
         last = agreement.history[-1] if agreement is not None and agreement.history else None
         if last is not None and last.step == g.current_step:
             return not (last.skip or last.nonfinite or last.gradient)
-        if g._skip_reason != g._rerun_reason or not all(_finite(v) for v in g._losses):
+        state = g.step_state
+        if state.skip_reason != state.rerun_reason or not all(_finite(v) for v in state.losses):
             return False
-        return not any(f.reason is Reason.NONFINITE_OUTPUT for f in g._step_findings)
+        return not any(f.reason is Reason.NONFINITE_OUTPUT for f in state.findings)
 
     def keep_update(self, why: str) -> None:
         """The step's update kept but the gradients of the MPUs that failed in it (on any rank:
@@ -161,7 +168,7 @@ class FusePlugin:
             if m.mpu_id in failed:
                 for p in m.parameters():
                     p.grad = None
-        g._skip_reason = ""
+        g.step_state.skip_reason = ""
         log.info("step_kept", step=g.current_step, dropped=sorted(failed), why=why)
 
     @property
@@ -173,6 +180,13 @@ class FusePlugin:
         """Drop this step's update (the guard skips the optimizer step)."""
         self.guard.request_skip(why)
         self.step_dropped = True
+
+    @property
+    def guard(self) -> Guard:
+        """The guard the plugin is attached to, from `on_attach` on."""
+        if self._guard is None:
+            raise RuntimeError("the fuse plugin is not attached to a guard")
+        return self._guard
 
     @property
     def _engine(self) -> HealingEngine:
@@ -188,8 +202,8 @@ class FusePlugin:
 
     # --- plugin hooks --------------------------------------------------------------------
 
-    def on_attach(self, guard: Any) -> None:
-        self.guard = guard
+    def on_attach(self, guard: Guard) -> None:
+        self._guard = guard
         self._thread = threading.get_ident()
         self.engine = HealingEngine(
             self.policy, self.cfg, source=SOURCE, clock=self.clock, emit=guard.emit, publish=self._published
@@ -200,13 +214,13 @@ class FusePlugin:
         self.engine.publish()
         self.dispatch("attach")
 
-    def on_detach(self, guard: Any) -> None:
+    def on_detach(self, guard: Guard) -> None:
         self.dispatch("detach")
 
     def snapshot_emit(self, f: Finding) -> None:
         """`emit` for the snapshot engine: its writer thread's findings reach the guard in the
         training thread, at the next hook call, as the guard expects."""
-        if self.guard is not None and threading.get_ident() == self._thread:
+        if self._guard is not None and threading.get_ident() == self._thread:
             self.guard.emit(f)
         else:
             self._foreign.append(f)
@@ -294,7 +308,7 @@ class FusePlugin:
             if self.snapshot_engine is not None and self.drive_snapshots:
                 self.snapshot_engine.step_end(step)
 
-    def on_command(self, command: dict) -> dict | None:
+    def on_command(self, command: link.Wire) -> link.Wire | None:
         if command.get("type") != link.Command.HEAL:
             return None
         try:
@@ -408,7 +422,7 @@ class FusePlugin:
     def _in_forward(self) -> bool:
         # between the step's first forward and the optimizer step (not at a step boundary),
         # in a step whose update is kept
-        return self.guard._in_step and not self.step_dropped
+        return self.guard.step_state.in_step and not self.step_dropped
 
     def _mpu_failed(self, mpu_id: str, f: Finding) -> None:
         try:

@@ -103,7 +103,9 @@ def _follow(optimizer: Any, before: list[nn.Parameter], after: list[nn.Parameter
             optimizer.state[new[id(a)]] = optimizer.state.pop(a)
 
 
-def wrap_forward(module: nn.Module, forward: Callable[[Callable, tuple, dict], Any]) -> Callable[[], None]:
+def wrap_forward(
+    module: nn.Module, forward: Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+) -> Callable[[], None]:
     """Route module(...) through `forward(inner, args, kwargs)`; returns the undo."""
     own = module.__dict__.get("forward")  # an earlier instance override, kept under ours
     inner = module.forward
@@ -132,7 +134,7 @@ class Boundary:
         self.calls = 0
         self._undo = wrap_forward(module, self._forward)
 
-    def _forward(self, inner: Callable, args: tuple, kwargs: dict) -> Any:
+    def _forward(self, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.calls += 1
         here = device_of(self.module)
         seen = [t.device for t in tensors((args, kwargs))]

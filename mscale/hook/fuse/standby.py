@@ -15,30 +15,35 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from mscale import link as protocol
+
+if TYPE_CHECKING:
+    from mscale.hook.core.guard import Guard
+    from mscale.hook.core.mpu import Mpu
+    from mscale.link.wire import Wire
 
 log = structlog.get_logger("mscale.hook")
 MAX_PENDING = 64  # answers held for requests (late ones are dropped past it)
 
 
 class AgentStandby:
-    def __init__(self, guard: Any, timeout_s: float = 2.0) -> None:
+    def __init__(self, guard: Guard, timeout_s: float = 2.0) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: expected seconds > 0, got {timeout_s!r}")
         self.guard, self.timeout_s = guard, timeout_s
-        self.answers: list[dict] = []  # every answer received, in order (bounded)
+        self.answers: list[Wire] = []  # every answer received, in order (bounded)
         self._ids = itertools.count(1)
-        self._pending: dict[int, dict] = {}
+        self._pending: dict[int, Wire] = {}
         self._cond = threading.Condition()
         link = guard.link
         if link is not None:
             inner = link.on_command
 
-            def route(command: dict) -> Any:
+            def route(command: Wire) -> Any:
                 if command.get("type") != protocol.STANDBY:
                     return inner(command)
                 with self._cond:
@@ -50,7 +55,7 @@ class AgentStandby:
 
             link.on_command = route
 
-    def __call__(self, m: Any, avoid: Iterable[int]) -> int | None:
+    def __call__(self, m: Mpu, avoid: Iterable[int]) -> int | None:
         link = self.guard.link
         if link is None or not link.connected:
             return None

@@ -84,10 +84,10 @@ class _SchedulerAtCommit:
     def __init__(self, prepared: AcceleratedScheduler) -> None:
         self.prepared = prepared
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return self.prepared.scheduler.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prepared.scheduler.load_state_dict(state)
 
     def step(self) -> None:

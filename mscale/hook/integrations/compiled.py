@@ -120,7 +120,7 @@ class GraphChecks:
                 slot.place(device)
             slot.phase.fill_(step % slot.stride)
 
-    def take(self) -> list[tuple[Any, list[tuple]]]:
+    def take(self) -> list[tuple[Any, list[tuple[Any, ...]]]]:
         """The checks of the MPUs traced since the last call, still on the device: per MPU, its
         rows as the checksum detector keeps them for the commit point's one read (method, layer,
         dtype, a tensor (residual, tolerance)). The state is cleared for the next forwards."""
@@ -131,14 +131,14 @@ class GraphChecks:
             kept = s.values.clone()  # the rows read at the commit; the slot starts afresh
             s.values.zero_()
             s.traced = False
-            rows: list[tuple] = [("abft", name, s.dtypes[i], kept[i]) for i, name in enumerate(s.names)]
+            rows: list[tuple[Any, ...]] = [("abft", name, s.dtypes[i], kept[i]) for i, name in enumerate(s.names)]
             rows.append(("nonfinite", "<output>", torch.float32, kept[len(s.names)]))
             out.append((s.mpu, rows))
         return out
 
     # --- traced (pure tensor ops) -----------------------------------------------------
 
-    def linear(self, mpu_id: str, kind: LinearKind, module: nn.Module, args: tuple, out: Any) -> None:
+    def linear(self, mpu_id: str, kind: LinearKind, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         """A linear layer's check, traced (the checksum detector's hook calls it under dynamo)."""
         slot, i = self._slots[mpu_id], self._index[id(module)]
         y = kind.output_of(out)

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import TrainerCallback
+from torch import nn
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from mscale.hook.core.attach import attach
 from mscale.hook.core.guard import Guard
@@ -49,7 +50,15 @@ class MscaleCallback(TrainerCallback):
         self.attach_kwargs = attach_kwargs
         self.guard: Guard | NullGuard | None = None
 
-    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> TrainerControl:
         if model is None:
             raise ValueError("MscaleCallback: the Trainer passed no model to on_train_begin")
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
@@ -61,13 +70,17 @@ class MscaleCallback(TrainerCallback):
                 protect_attached(guard, self.snapshot_config, self.attach_kwargs, on_failure=guard.detach)
         return control
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
         # the Trainer's step counter is the truth (resumes, skipped steps, rollbacks)
         if isinstance(self.guard, Guard) and self.guard.current_step != state.global_step:
             self.guard.set_step(state.global_step)
         return control
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
         if self.guard is not None:
             self.guard.detach()
         return control

@@ -64,7 +64,7 @@ class MscaleCallback(Callback):
         self._optimizer: torch.optim.Optimizer | None = None
         self._step_before: Any = None  # the optimizer's own `step` instance attribute, if it had one
         self._forward_seen = False
-        self._restored_cmsa: dict | None = None  # from Lightning's checkpoint, for the guard to come
+        self._restored_cmsa: dict[str, Any] | None = None  # from Lightning's checkpoint, for the guard to come
 
     # --- Lightning's hooks ---------------------------------------------------------------
 
@@ -179,10 +179,10 @@ class _Schedulers:
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"schedulers": [c.scheduler.state_dict() for c in self.trainer.lr_scheduler_configs]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         configs = self.trainer.lr_scheduler_configs
         if len(state["schedulers"]) != len(configs):
             raise ValueError(f"snapshot holds {len(state['schedulers'])} LR schedulers, the Trainer has {len(configs)}")

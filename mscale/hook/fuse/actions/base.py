@@ -34,13 +34,19 @@ with itself first (`fuse.dispatch(hook, *args)`):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mscale.healing.actions.base import ActionSpec
 from mscale.healing.engine import Decision, HealingEngine
 from mscale.healing.settings import HealingSection
+
+if TYPE_CHECKING:
+    from mscale.hook.core.guard import Guard
+    from mscale.hook.core.mpu import Mpu
+    from mscale.hook.fuse.fuse import Placement
+    from mscale.snapshot.engine import SnapshotEngine
 
 
 class ActionFailed(RuntimeError):
@@ -50,11 +56,16 @@ class ActionFailed(RuntimeError):
 class FuseContext(Protocol):
     """What an executor may use of the fuse plugin (mscale.hook.fuse.fuse.FusePlugin)."""
 
-    guard: Any  # the mscale.hook.core.guard.Guard the plugin is attached to
+    @property
+    def guard(self) -> Guard: ...  # the guard the plugin is attached to
+
     cfg: HealingSection
     engine: HealingEngine | None  # set when the plugin attaches
-    snapshot_engine: Any  # an mscale.snapshot.engine.SnapshotEngine, or None
+    snapshot_engine: SnapshotEngine | None
     states: dict[str, Any]  # every action's per-job state, by action name
+    placement: dict[str, Placement]  # mpu_id -> its placement's failure count
+    pending_rerun: set[str]  # MPUs whose forward is re-run on their new placement
+    ask_standby: Callable[[Mpu, Iterable[int]], int | None] | None  # the agent's choice of standby
     seq: int  # steps run (never set back by a rollback)
     progress: Any  # the forward-progress keeper (mscale.healing.progress.Keeper)
     gpu_count: int | None
@@ -71,7 +82,7 @@ class FuseContext(Protocol):
 
     def record(self, d: Decision, result: str, *, detail: str = "") -> None: ...
 
-    def reduction_failed(self, m: Any, spec: ActionSpec, detail: str) -> None: ...
+    def reduction_failed(self, m: Mpu, spec: ActionSpec, detail: str) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -43,6 +43,10 @@ from mscale.healing.words import Result
 from mscale.hook.fuse.actions.base import Executor, FuseContext
 from mscale.hook.fuse.placement import device_of, map_tensors, place, tensors, wrap_forward
 from mscale.snapshot.sharded import is_sharded
+
+if TYPE_CHECKING:
+    from mscale.hook.core.guard import Guard
+    from mscale.hook.core.mpu import Mpu
 
 log = structlog.get_logger("mscale.fuse")
 
@@ -73,7 +77,7 @@ def bf16_fallback(module: Any, dtype: Any = None) -> Fallback:
     default = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
     kind = device_of(module).type  # cuda's autocast for a sharded MPU kept there
 
-    def forward(inner: Callable, args: tuple, kwargs: dict) -> Any:
+    def forward(inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         back = next((t.dtype for t in tensors((args, kwargs)) if t.is_floating_point()), default)
         with torch.autocast(kind, dtype=dtype):
             out = inner(*args, **kwargs)
@@ -94,7 +98,7 @@ class Degraded:
     """Per job: the MPUs running degraded, each with its shape-preserving reduction (None when
     none applies to the model: mscale.hook.fuse.degrade) and its fallback."""
 
-    def __init__(self, fuse) -> None:
+    def __init__(self, fuse: FuseContext) -> None:
         self.resolution: float = fuse.l2_resolution
         self.clip_factor: float = fuse.l2_clip_factor
         self.precision: bool = fuse.l2_precision_fallback
@@ -108,7 +112,7 @@ class Degraded:
         """The fallback each degraded MPU runs on: mpu_id -> "cpu" or "bf16"."""
         return {k: fb.kind for k, (_, fb) in self.mpus.items() if fb is not None}
 
-    def degrade(self, guard: Any, m: Any) -> None:
+    def degrade(self, guard: Guard, m: Mpu) -> None:
         if m.mpu_id in self.mpus:
             return
         from mscale.hook.fuse.degrade import reduction_for, why_none
@@ -133,10 +137,10 @@ class Degraded:
         if guard.cmsa is not None:
             guard.cmsa.raise_threshold(m, self.clip_factor)
 
-    def in_force(self, fuse, m: Any) -> bool:
+    def in_force(self, fuse: FuseContext, m: Mpu) -> bool:
         return m.mpu_id in self.mpus
 
-    def mpu_output(self, fuse, m: Any, output: Any) -> None:
+    def mpu_output(self, fuse: FuseContext, m: Mpu, output: Any) -> None:
         """A reduced forward of `m` raised (its own forward ran instead): undo the reduction,
         book the failure, escalate to L3."""
         reduction = self.mpus.get(m.mpu_id, (None, None))[0]
@@ -150,7 +154,7 @@ class Degraded:
         log.error("mpu_reduction_failed", mpu_id=m.mpu_id, error=error, step=step)
         fuse.reduction_failed(m, EXECUTOR.spec, f"reduced forward raised ({error}); undone, this forward ran unreduced")
 
-    def undo(self, fuse, m: Any) -> None:
+    def undo(self, fuse: FuseContext, m: Mpu) -> None:
         if m.mpu_id not in self.mpus:
             return
         reduction, fallback = self.mpus.pop(m.mpu_id)
@@ -162,7 +166,7 @@ class Degraded:
         if fuse.guard.cmsa is not None:
             fuse.guard.cmsa.reset_threshold(m)
 
-    def detach(self, fuse) -> None:
+    def detach(self, fuse: FuseContext) -> None:
         for reduction, fallback in self.mpus.values():
             if reduction is not None:
                 reduction.undo()
@@ -176,7 +180,7 @@ def apply(fuse: FuseContext, state: Degraded, d: Decision) -> str:
     return Result.APPLIED
 
 
-def event(state: Degraded, d) -> tuple[str, dict[str, str]]:
+def event(state: Degraded, d: Decision) -> tuple[str, dict[str, str]]:
     if d.target.mpu_id not in state.mpus:
         return "", {}
     reduction, fallback = state.mpus[d.target.mpu_id]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -31,6 +31,9 @@ from mscale.healing.engine import Decision
 from mscale.healing.words import Result
 from mscale.hook.fuse.actions.base import ActionFailed, Executor, FuseContext
 from mscale.link import StepReport
+
+if TYPE_CHECKING:
+    from mscale.hook.core.mpu import Mpu
 
 log = structlog.get_logger("mscale.fuse")
 
@@ -58,7 +61,7 @@ class Distilling:
 
     snapshot_optional = True  # a snapshot from before this state existed restores as "none made"
 
-    def __init__(self, fuse) -> None:
+    def __init__(self, fuse: FuseContext) -> None:
         self.band = (fuse.cfg.distill_weight_min, fuse.cfg.distill_weight_max)
         self.mpus: dict[str, Distill] = {}
         # (step, mpu_id, share of the total loss, weight, calibration step?)
@@ -73,7 +76,7 @@ class Distilling:
         self.unavailable: dict[str, str] = {}
         self._checked: set[str] = set()
 
-    def attach(self, fuse) -> None:
+    def attach(self, fuse: FuseContext) -> None:
         from mscale.hook.fuse.distill import Captured, lm_head_of
 
         self._captured = Captured()
@@ -98,7 +101,7 @@ class Distilling:
         self._checked = {m.mpu_id for m in fuse.guard.mpus if m.name == "text"}  # the teacher
         self._say_unavailable(fuse, None)  # what the layout alone rules out
 
-    def detach(self, fuse) -> None:
+    def detach(self, fuse: FuseContext) -> None:
         extra = getattr(fuse.snapshot_engine, "extra", None)
         if isinstance(extra, dict) and extra.get(SNAPSHOT_NAME) is self:
             del extra[SNAPSHOT_NAME]
@@ -109,19 +112,19 @@ class Distilling:
             h.remove()
         self._handles.clear()
 
-    def report(self, fuse, report: StepReport) -> None:
+    def report(self, fuse: FuseContext, report: StepReport) -> None:
         """The step report's `loss` is what the model returned: the task loss plus the term."""
         task = report.task_loss
         if self._terms and task is not None and math.isfinite(task):
             report.loss = task + sum(self._terms) / len(self._terms)
 
-    def step_begin(self, fuse) -> None:
+    def step_begin(self, fuse: FuseContext) -> None:
         from mscale.hook.fuse.distill import Captured
 
         self._terms = []
         self._captured = Captured()
 
-    def step_end(self, fuse, step: int) -> None:
+    def step_end(self, fuse: FuseContext, step: int) -> None:
         for d in self.mpus.values():
             d.term.step()
             if d.weight is not None and not d.why_not:
@@ -135,7 +138,7 @@ class Distilling:
         # model's hidden states among them, stay alive one step longer for it)
         self._last = self._captured
 
-    def _say_unavailable(self, fuse, cap: Any) -> None:
+    def _say_unavailable(self, fuse: FuseContext, cap: Any) -> None:
         """Say once per MPU that L3 cannot be applied to it, and why: at attach what the layout rules
         out, at the end of the first step it ran what its placement does (docs/healing.md)."""
         import torch
@@ -167,17 +170,17 @@ class Distilling:
                 self.unavailable[m.mpu_id] = why
                 log.warning("l3_unavailable", mpu_id=m.mpu_id, mpu=m.name, why=why)
 
-    def in_force(self, fuse, m: Any) -> bool:
+    def in_force(self, fuse: FuseContext, m: Mpu) -> bool:
         return m.mpu_id in self.mpus
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """What a snapshot holds: per MPU at L3, its projection (None when it needs none) and weights."""
         return {
             mpu_id: {"projection": d.term.state(), "weight": d.weight, "next_weight": d.next_weight}
             for mpu_id, d in self.mpus.items()
         }
 
-    def load_state_dict(self, state: dict | None) -> None:
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """A rollback: each MPU still at L3 gets its projection and weights back as the snapshot
         held them; one the snapshot predates, its projection as made and a weight to calibrate
         again. MPUs the snapshot held that are no longer at L3 stay recovered (the fuse's levels
@@ -188,18 +191,18 @@ class Distilling:
             d.term.restore(held["projection"] if held else None)
             d.weight, d.next_weight = (held["weight"], held["next_weight"]) if held else (None, None)
 
-    def undo(self, fuse, m: Any) -> None:
+    def undo(self, fuse: FuseContext, m: Mpu) -> None:
         d = self.mpus.pop(m.mpu_id, None)
         if d is not None:
             d.term.close()
         m.distill_share = 0.0
 
-    def mpu_output(self, fuse, mpu: Any, output: Any) -> None:
+    def mpu_output(self, fuse: FuseContext, mpu: Mpu, output: Any) -> None:
         if self._captured is not None:
             self._captured.outputs[mpu.mpu_id] = output
             self._captured.calls.append((mpu.mpu_id, output))
 
-    def _model_input(self, module: Any, args: tuple, kwargs: dict) -> None:
+    def _model_input(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         import torch
 
         if module.training and self._captured is not None:
@@ -211,11 +214,11 @@ class Distilling:
             mask = kwargs.get("attention_mask")
             self._captured.attention_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
-    def _text_input(self, module: Any, args: tuple, kwargs: dict) -> None:
+    def _text_input(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if module.training and self._captured is not None:
             self._captured.text_inputs, self._captured.text_kwargs = args, kwargs
 
-    def _text_hidden(self, module: Any, args: tuple) -> None:
+    def _text_hidden(self, module: Any, args: tuple[Any, ...]) -> None:
         """The text MPU's LM head's input (its final hidden states): the teacher. A replay's
         forward is the check's, not the step's; a re-run's replaces the discarded one."""
         from mscale.hook.integrations.compiled import compiling
@@ -223,7 +226,7 @@ class Distilling:
         if module.training and args and self._captured is not None and not compiling() and not self._replaying():
             self._captured.hidden = args[0]
 
-    def _model_output(self, module: Any, args: tuple, output: Any) -> Any:
+    def _model_output(self, module: Any, args: tuple[Any, ...], output: Any) -> Any:
         """Add the term to the loss the model returns (before backward sees it). A hook on the
         model itself, outside the guard's plugin calls: an error here would reach the training
         loop, so it is logged and the step goes on with the task loss alone."""
@@ -307,7 +310,7 @@ def apply(fuse: FuseContext, state: Distilling, d: Decision) -> str:
     return Result.APPLIED
 
 
-def event(state: Distilling, d) -> tuple[str, dict[str, str]]:
+def event(state: Distilling, d: Decision) -> tuple[str, dict[str, str]]:
     dist = state.mpus.get(d.target.mpu_id)
     if dist is None:
         return "", {}

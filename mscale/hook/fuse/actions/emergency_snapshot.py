@@ -15,7 +15,7 @@ class Emergencies:
     """The faults already written for (one write per fault, whichever path reports it) and
     the futures of the writes (each resolves to the snapshot's directory)."""
 
-    def __init__(self, fuse) -> None:
+    def __init__(self, fuse: FuseContext) -> None:
         self.done: set[str] = set()
         self.writes: list[Any] = []
 

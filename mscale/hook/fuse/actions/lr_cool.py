@@ -6,10 +6,15 @@ ends after its steps, or early when the agent sends an end command (its alert re
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from mscale.healing import actions
 from mscale.healing.engine import Decision, Target
 from mscale.healing.words import FuseLevel, Result
 from mscale.hook.fuse.actions.base import ActionFailed, Executor, FuseContext
+
+if TYPE_CHECKING:
+    import torch
 
 NAME = "lr_cool"
 
@@ -18,31 +23,31 @@ class Cooling:
     """Per job: the window (in steps run, `fuse.seq`, which a rollback does not set back) and
     the learning rates saved while one step's update is cooled."""
 
-    def __init__(self, fuse) -> None:
+    def __init__(self, fuse: FuseContext) -> None:
         self.factor: float = fuse.cfg.lr_cool_factor
         self.steps: int = fuse.cfg.lr_cool_steps
         self.until = -1  # last seq of the window (-1: closed)
         self.rule = ""  # the rule that opened it
         self.saved_lr: list[float] | None = None
 
-    def step_begin(self, fuse) -> None:
+    def step_begin(self, fuse: FuseContext) -> None:
         if self.until >= fuse.seq:
             self.cool(fuse.guard.optimizer)
 
-    def step_end(self, fuse, step: int) -> None:
+    def step_end(self, fuse: FuseContext, step: int) -> None:
         if self.saved_lr is not None:
             self.uncool(fuse.guard.optimizer)
         if self.until >= 0 and fuse.seq >= self.until:
             end(fuse, self, "window over")
 
-    def cool(self, opt) -> None:
+    def cool(self, opt: torch.optim.Optimizer | None) -> None:
         if opt is None or self.saved_lr is not None:
             return
         self.saved_lr = [g["lr"] for g in opt.param_groups]
         for g in opt.param_groups:
             g["lr"] = g["lr"] * self.factor
 
-    def uncool(self, opt) -> None:
+    def uncool(self, opt: torch.optim.Optimizer | None) -> None:
         if opt is not None and self.saved_lr is not None:
             for g, lr in zip(opt.param_groups, self.saved_lr, strict=False):
                 g["lr"] = lr
@@ -58,7 +63,7 @@ def apply(fuse: FuseContext, state: Cooling, d: Decision) -> str:
     return Result.APPLIED
 
 
-def end(fuse, state: Cooling, why: str) -> None:
+def end(fuse: FuseContext, state: Cooling, why: str) -> None:
     """Close the window: restore the LR, book "ended" (the job is healthy again)."""
     if state.until < 0:
         return

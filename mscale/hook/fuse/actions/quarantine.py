@@ -11,10 +11,10 @@ from mscale.hook.fuse.actions.base import ActionFailed, Executor, FuseContext
 class Quarantine:
     """The GPUs this job no longer uses."""
 
-    def __init__(self, fuse) -> None:
+    def __init__(self, fuse: FuseContext) -> None:
         self.gpus: set[int] = set()
 
-    def avoid_gpus(self, fuse) -> set[int]:
+    def avoid_gpus(self, fuse: FuseContext) -> set[int]:
         return self.gpus
 
 

@@ -21,7 +21,7 @@ ones are repaired here, the MPU's forward re-run on them, the failure not counte
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mscale.findings import Reason
 from mscale.healing import actions
@@ -29,23 +29,28 @@ from mscale.healing.engine import Decision
 from mscale.healing.words import FuseLevel, Result
 from mscale.hook.fuse.actions.base import ActionFailed, Executor, FuseContext
 
+if TYPE_CHECKING:
+    from mscale.hook.core.mpu import Mpu
+
 
 class Watch:
     """Per job: the fingerprint watch, what each repair did, and the event checks of this step."""
 
-    def __init__(self, fuse) -> None:
+    def __init__(self, fuse: FuseContext) -> None:
         self.watch: Any = None
-        self.repairs: list[dict] = []  # {"step", "snapshot", "in_place", "tensors", "mpus"} per repair
+        self.repairs: list[dict[str, Any]] = []  # {"step", "snapshot", "in_place", "tensors", "mpus"} per repair
         self.source: Any = None  # the snapshot an event check chose for the repair it reports
         self.seen: dict[str, tuple[int, bool]] = {}  # mpu_id -> (fuse.seq checked at, repaired)
-        self.intact: dict[str, tuple] = {}  # mpu_id -> (placement epoch, newest snapshot) found intact at
+        self.intact: dict[
+            str, tuple[int, int | None]
+        ] = {}  # mpu_id -> (placement epoch, newest snapshot) found intact at
 
-    def attach(self, fuse) -> None:
+    def attach(self, fuse: FuseContext) -> None:
         from mscale.hook.checks.weights import WeightWatch
 
         self.watch = WeightWatch(fuse.guard, frozen_every=fuse.cfg.frozen_weights_every, groups=fuse.cfg.weight_groups)
 
-    def step_begin(self, fuse) -> None:
+    def step_begin(self, fuse: FuseContext) -> None:
         if self.watch is None:
             return
         self.watch.check(fuse.guard.current_step)
@@ -54,17 +59,17 @@ class Watch:
             if any(getattr(self.watch.owner.get(n), "mpu_id", None) == m.mpu_id for n in names):
                 self.check(fuse, m, why="its largest magnitude grew beyond any optimizer step", rerun=False)
 
-    def weights_settled(self, fuse) -> None:
+    def weights_settled(self, fuse: FuseContext) -> None:
         if self.watch is not None:
             self.watch.settle()
 
-    def mpu_failed(self, fuse, m: Any, f: Any) -> bool:
+    def mpu_failed(self, fuse: FuseContext, m: Mpu, f: Any) -> bool:
         """MPU `m`'s output failed: True when its weights, not the device, are the culprit."""
         if self.seen.get(m.mpu_id) == (fuse.seq, True):  # repaired: a finding of the discarded forward
             return getattr(fuse, "_rerunning", None) != m.mpu_id
         return f.reason is Reason.NONFINITE_OUTPUT and self.check(fuse, m)
 
-    def check(self, fuse, m: Any, *, why: str = "its output went non-finite", rerun: bool = True) -> bool:
+    def check(self, fuse: FuseContext, m: Mpu, *, why: str = "its output went non-finite", rerun: bool = True) -> bool:
         """Check MPU `m`'s weights (once a step, a placement and a snapshot while intact); report
         corrupted ones (the policy runs `apply`), re-run the forward on them (`rerun`: one ran on
         them already). True when repaired."""
@@ -90,7 +95,7 @@ class Watch:
         if len(self.repairs) == done:
             return False  # intact, or not repaired (no snapshot, healing off): the fuse counts it
         self.seen[m.mpu_id] = (fuse.seq, True)
-        if rerun and fuse.guard._in_step and not fuse.guard.checksum.commit_mode(m):
+        if rerun and fuse.guard.step_state.in_step and not fuse.guard.checksum.commit_mode(m):
             fuse.pending_rerun.add(m.mpu_id)  # the output just computed ran on the corrupted weights
         return True
 
@@ -120,7 +125,7 @@ def apply(fuse: FuseContext, state: Watch, d: Decision) -> str:
     names = {name for mpu_id, name in bad if not mpu_id}
     names |= {name for name, m in watch.owner.items() if m is not None and m.mpu_id in mpus}
     snap = state.source or (trust.trusted(engine, sorted(names)) if engine is not None else None)
-    if snap is None:
+    if snap is None or engine is None:
         raise ActionFailed("no in-memory snapshot to restore the weights from")
     snap.wait_ready()
     in_place = snap.step == engine.step  # the snapshot holds the state the fingerprints were taken of
@@ -157,7 +162,7 @@ def apply(fuse: FuseContext, state: Watch, d: Decision) -> str:
     return Result.APPLIED
 
 
-def event(state: Watch, d) -> tuple[str, dict[str, str]]:
+def event(state: Watch, d: Decision) -> tuple[str, dict[str, str]]:
     if not state.repairs:
         return "", {}
     r = state.repairs[-1]

@@ -13,7 +13,8 @@ losses were all finite and that did not ask (its batch was not at fault)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -22,6 +23,9 @@ from mscale.healing.engine import Decision
 from mscale.healing.progress import COMMIT_FAILURE
 from mscale.healing.words import Result
 from mscale.hook.fuse.actions.base import Executor, FuseContext
+
+if TYPE_CHECKING:
+    from mscale.snapshot.engine import SnapshotEngine
 
 log = structlog.get_logger("mscale.fuse")
 _REFUSED = "no rollback (its fault rolled back once already, or past the progress bound: docs/healing.md)"
@@ -41,21 +45,21 @@ WEIGHTS_BAD = ("weight_corruption",)
 class Rollbacks:
     """Per job: the decision whose rollback runs after this step, and what each one did."""
 
-    def __init__(self, fuse) -> None:
+    def __init__(self, fuse: FuseContext) -> None:
         self.pending: Any = None  # the Decision, until the step ends
-        self.rollbacks: list[dict] = []  # {"step", "to" (restored step or None), ["error"]} per rollback
+        self.rollbacks: list[dict[str, Any]] = []  # {"step", "to" (restored step or None), ["error"]} per rollback
         self.skipped_steps: list[int] = []
         self.to_step: int | None = None  # the next rollback's target when an action chose one, else the newest
         self.handled_seq = -1  # the fuse's step run whose fault was handled already (its batch skipped)
 
-    def detach(self, fuse) -> None:
+    def detach(self, fuse: FuseContext) -> None:
         if self.pending is not None:  # the step never ended: its one event says so
             d, self.pending = self.pending, None
             fuse.record(d, Result.FAILED, detail="the guard detached before the step ended: nothing restored")
 
-    def settle(self, fuse, step: int) -> bool:
+    def settle(self, fuse: FuseContext, step: int) -> bool:
         engine = fuse.snapshot_engine
-        if getattr(engine, "world_size", 1) > 1:
+        if engine is not None and engine.world_size > 1:
             return self._agree(fuse, engine, step)
         if self.pending is None:
             return False
@@ -64,7 +68,7 @@ class Rollbacks:
             return True
         return self._rollback(fuse, d, step)  # True: the step's state was replaced (not snapshotted)
 
-    def _agree(self, fuse, engine, step: int) -> bool:
+    def _agree(self, fuse: FuseContext, engine: SnapshotEngine, step: int) -> bool:
         """Several ranks: all ranks restore the same step or none does, whichever rank asked.
         When the step agreement ran for this step (mscale.hook.core.agree), the ranks already know:
         a rollback pending before it is in its count, and one decided after it was decided on
@@ -121,7 +125,7 @@ class Rollbacks:
         fuse.guard.set_step(int(to) + 1)
         return True
 
-    def _rollback(self, fuse, d, step: int) -> bool:
+    def _rollback(self, fuse: FuseContext, d: Decision, step: int) -> bool:
         skip = d.reason not in KEEP_BATCH
         engine = fuse.snapshot_engine
         if engine is None or not hasattr(engine, "rollback"):
@@ -160,7 +164,7 @@ class Rollbacks:
         return True
 
 
-def _rewind(fuse, d, step: int) -> bool:
+def _rewind(fuse: FuseContext, d: Decision, step: int) -> bool:
     """The step run again from its start on its batch (see REWIND); False: no step mark of the
     step before (the caller rolls back instead). Its cost was charged when it was asked for."""
     engine = fuse.snapshot_engine
@@ -191,13 +195,13 @@ def _dropped(step: int) -> str:
     return f"the update of step {step} dropped"
 
 
-def _bad(fuse) -> list[int]:
+def _bad(fuse: FuseContext) -> list[int]:
     """The step's micro-batches whose loss was not finite: the ones a rollback steps over."""
     inputs = getattr(fuse.guard, "inputs", None)  # mscale.hook.checks.inputs.InputCheck
     return inputs.nonfinite_micro_batches() if inputs is not None else []
 
 
-def _mine(fuse, d, skip: bool = True) -> tuple[bool, list[int]]:
+def _mine(fuse: FuseContext, d: Decision, skip: bool = True) -> tuple[bool, list[int]]:
     """This rank's part of a rollback every rank makes (skip_batch, micro_batches): when the
     batch is stepped over (`skip`), the micro-batches whose loss was not finite here; none when
     every loss here was finite and another rank asked, or the agreed loss was not finite (then
@@ -212,7 +216,7 @@ def _mine(fuse, d, skip: bool = True) -> tuple[bool, list[int]]:
     return (d is not None and d.reason != LOSS_NONFINITE), []
 
 
-def _skipped(engine, step: int) -> str:
+def _skipped(engine: SnapshotEngine, step: int) -> str:
     """What the rollback stepped over, for its event: the micro-batches of the step, by position."""
     skipped = list(getattr(engine, "last_skipped", None) or [])
     if not skipped:
@@ -221,7 +225,7 @@ def _skipped(engine, step: int) -> str:
     return f"{len(skipped)} micro-batch{'es' if len(skipped) > 1 else ''} of step {step} skipped ({where})"
 
 
-def _to_newest_common(engine, skip: bool = True, micro_batches: list[int] | tuple = ()) -> int:
+def _to_newest_common(engine: SnapshotEngine, skip: bool = True, micro_batches: Sequence[int] = ()) -> int:
     """Every rank, once the ranks agree there is a fault: restore the newest in-memory snapshot
     every rank holds (one gather of the steps held), the faulty batch skipped (`skip`: the
     `micro_batches` of it, all when none is named) or re-run."""

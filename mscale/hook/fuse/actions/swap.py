@@ -15,7 +15,7 @@ above, the binding moved on simulated GPUs only, the event says so (docs/healing
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -25,6 +25,10 @@ from mscale.healing.words import Result
 from mscale.hook.fuse.actions.base import ActionFailed, Executor, FuseContext
 from mscale.snapshot.sharded import is_sharded
 
+if TYPE_CHECKING:
+    from mscale.hook.core.guard import Guard
+    from mscale.hook.core.mpu import Mpu
+
 log = structlog.get_logger("mscale.fuse")
 
 
@@ -33,13 +37,13 @@ class Swaps:
     are the fingerprint watch's (restore_weights' state): a second per-step pass of its own
     over every MPU cost 5 ms of a 490 ms step on an 8M LLaVA."""
 
-    def __init__(self, fuse) -> None:
+    def __init__(self, fuse: FuseContext) -> None:
         self.gpu_count: int | None = fuse.gpu_count  # None: found on first use
         self.failed_on: dict[str, set[int]] = {}
         self.last: dict[str, tuple[int, int, bool]] = {}  # mpu_id -> (from gpu, to gpu, weights restored)
         self.kept_on: dict[str, str] = {}  # mpu_id -> the device its shards stayed on (FSDP2)
 
-    def avoid_gpus(self, fuse) -> set[int]:
+    def avoid_gpus(self, fuse: FuseContext) -> set[int]:
         return set().union(*self.failed_on.values())
 
 
@@ -62,7 +66,7 @@ def apply(fuse: FuseContext, state: Swaps, d: Decision) -> str:
     return Result.APPLIED
 
 
-def event(state: Swaps, d) -> tuple[str, dict[str, str]]:
+def event(state: Swaps, d: Decision) -> tuple[str, dict[str, str]]:
     if d.target.mpu_id not in state.last:
         return "", {}
     old, new, restored = state.last[d.target.mpu_id]
@@ -72,7 +76,7 @@ def event(state: Swaps, d) -> tuple[str, dict[str, str]]:
     return what, {"to_gpu": str(new)}
 
 
-def standby_for(fuse, state: Swaps, m: Any) -> int | None:
+def standby_for(fuse: FuseContext, state: Swaps, m: Mpu) -> int | None:
     """A healthy GPU for `m`: none the job avoids, not its own, preferably unused; among
     those, the one with the best measured profile (mscale.contracts.msrp)."""
     import torch
@@ -84,7 +88,7 @@ def standby_for(fuse, state: Swaps, m: Any) -> int | None:
             torch.cuda.device_count() if torch.cuda.is_available() else max(8, 1 + max(o.gpu for o in fuse.guard.mpus))
         )
     bad = set().union(*fuse.dispatch("avoid_gpus")) | {m.gpu}
-    asked = fuse.ask_standby(m, bad) if getattr(fuse, "ask_standby", None) else None  # the node's view
+    asked = fuse.ask_standby(m, bad) if fuse.ask_standby is not None else None  # the node's view
     if asked is not None:  # (mscale.hook.fuse.standby): a GPU, or -1 for none; None: no answer, choose here
         return asked if asked >= 0 else None
     used = {o.gpu for o in fuse.guard.mpus if o is not m}
@@ -94,7 +98,7 @@ def standby_for(fuse, state: Swaps, m: Any) -> int | None:
     return choose_standby(fuse.guard, m, candidates)  # the best measured profile (MSRP) first
 
 
-def move_mpu(guard: Any, m: Any, gpu: int, *, shards: bool = False) -> None:
+def move_mpu(guard: Guard, m: Mpu, gpu: int, *, shards: bool = False) -> None:
     """Rebind `m` to GPU `gpu`: on a GPU node its parameters, gradients, buffers and optimizer
     state move to that device behind a device-boundary adapter (`Guard.rebind`, through
     mscale.hook.fuse.placement.place, the helper the L2 CPU fallback uses too), and it takes that
@@ -105,7 +109,7 @@ def move_mpu(guard: Any, m: Any, gpu: int, *, shards: bool = False) -> None:
     guard.rebind(m, gpu, device=device)
 
 
-def verify_weights(fuse, state: Swaps, m: Any) -> bool:
+def verify_weights(fuse: FuseContext, state: Swaps, m: Mpu) -> bool:
     """Check the MPU's weights against the newest trusted in-memory snapshot (restore_weights',
     once a step) and repair them when corrupted: only verified weights move. True when repaired."""
     weights = fuse.states.get("restore_weights")
