@@ -40,8 +40,8 @@ class Condition:
         )
 
 
-@dataclass(frozen=True)
-class Decision:
+@dataclass(frozen=True, kw_only=True)
+class Decision:  # built with keywords: nine fields, four of them strings, read by name
     rule: str
     action: str
     level: str  # L1, L2, L3 or none

@@ -34,7 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -290,15 +290,15 @@ class FusePlugin:
                     spec = actions.recovery()
                     self.run(
                         Decision(
-                            "recovery",
-                            spec.name,
-                            spec.level,
-                            self._target(m),
-                            tr.before.value,
-                            "clean_steps",
-                            f"{self.cfg.recovery_clean_steps} clean steps",
-                            step,
-                            self.clock(),
+                            rule="recovery",
+                            action=spec.name,
+                            level=spec.level,
+                            target=self._target(m),
+                            before=tr.before.value,
+                            reason="clean_steps",
+                            why=f"{self.cfg.recovery_clean_steps} clean steps",
+                            step=step,
+                            time=self.clock(),
                         )
                     )
         replaced = any(self.dispatch("settle", step))  # a rollback: the step's state is not kept
@@ -327,16 +327,11 @@ class FusePlugin:
                 m = self.guard.mpu(d.target.mpu_id)
             except KeyError as e:
                 return {"ok": False, "error": str(e)}
-            d = Decision(
-                d.rule,
-                d.action,
-                d.level,
-                self._target(m, d.target.gpu, d.target.gpu_uuid),
-                m.fuse_level,
-                d.reason,
-                d.why,
-                self.guard.current_step,
-                d.time,
+            d = replace(
+                d,
+                target=self._target(m, d.target.gpu, d.target.gpu_uuid),
+                before=m.fuse_level,
+                step=self.guard.current_step,
             )
         result = self.run(d)
         return {"ok": result in (Result.APPLIED, Result.NOOP), "result": result}
@@ -374,17 +369,7 @@ class FusePlugin:
             if spec.escalate_on_failure and spec.escalates_to:
                 nxt = actions.get(spec.escalates_to)
                 return self.run(
-                    Decision(
-                        d.rule,
-                        nxt.name,
-                        nxt.level,
-                        d.target,
-                        d.before,
-                        d.reason,
-                        f"{spec.level} impossible: {e}",
-                        d.step,
-                        self.clock(),
-                    )
+                    replace(d, action=nxt.name, level=nxt.level, why=f"{spec.level} impossible: {e}", time=self.clock())
                 )
             return Result.FAILED
         except Exception as e:  # an action bug must not break the step; the event says what
@@ -410,14 +395,35 @@ class FusePlugin:
         step = self.guard.current_step
         target, level = self._target(m), m.fuse_level
         self._engine.record(
-            Decision("fuse", spec.name, spec.level, target, level, "action_error", detail, step, self.clock()),
+            Decision(
+                rule="fuse",
+                action=spec.name,
+                level=spec.level,
+                target=target,
+                before=level,
+                reason="action_error",
+                why=detail,
+                step=step,
+                time=self.clock(),
+            ),
             Result.FAILED,
             detail=detail,
         )
         if spec.escalates_to:
             nxt = actions.get(spec.escalates_to)
             why = f"{spec.level} failed: {detail}"
-            self.run(Decision("fuse", nxt.name, nxt.level, target, level, "action_error", why, step, self.clock()))
+            failed = Decision(
+                rule="fuse",
+                action=nxt.name,
+                level=nxt.level,
+                target=target,
+                before=level,
+                reason="action_error",
+                why=why,
+                step=step,
+                time=self.clock(),
+            )
+            self.run(failed)
 
     def _in_forward(self) -> bool:
         # between the step's first forward and the optimizer step (not at a step boundary),
@@ -448,12 +454,12 @@ class FusePlugin:
             # step is new evidence (it escalates), a second finding at the old one is not
             self._decide(
                 Condition(
-                    "reason",
-                    Reason.CHECKSUM_L1_TRIGGER.value,
-                    labels,
-                    SOURCE,
-                    "critical",
-                    self.clock(),
+                    kind="reason",
+                    name=Reason.CHECKSUM_L1_TRIGGER.value,
+                    labels=labels,
+                    source=SOURCE,
+                    severity="critical",
+                    time=self.clock(),
                     step=step,
                     occurrence=(self.seq, p.epoch),
                 )

@@ -71,15 +71,15 @@ def end(fuse: FuseContext, state: Cooling, why: str) -> None:
     state.until = -1
     fuse.record(
         Decision(
-            state.rule,
-            NAME,
-            FuseLevel.NONE,
-            Target(fuse.guard.job_id),
-            "cooling",
-            "cooling_end",
-            why,
-            fuse.guard.current_step,
-            fuse.clock(),
+            rule=state.rule,
+            action=NAME,
+            level=FuseLevel.NONE,
+            target=Target(fuse.guard.job_id),
+            before="cooling",
+            reason="cooling_end",
+            why=why,
+            step=fuse.guard.current_step,
+            time=fuse.clock(),
         ),
         Result.ENDED,
     )

@@ -21,6 +21,7 @@ ones are repaired here, the MPU's forward re-run on them, the failure not counte
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from mscale.findings import Reason
@@ -154,9 +155,7 @@ def apply(fuse: FuseContext, state: Watch, d: Decision) -> str:
         rollbacks = fuse.states.get("rollback")
         if rollbacks is not None:
             rollbacks.to_step = snap.step
-        result = fuse.run(
-            Decision(d.rule, "rollback", FuseLevel.NONE, d.target, d.before, d.reason, why, d.step, fuse.clock())
-        )
+        result = fuse.run(replace(d, action="rollback", level=FuseLevel.NONE, why=why, time=fuse.clock()))
         if result == Result.FAILED:
             raise ActionFailed(f"the rollback to step {snap.step} failed")
     return Result.APPLIED
