@@ -627,7 +627,7 @@ def test_catalogue_action_maps_to_the_matching_healing_action(make_rig, code, ac
     cond = Condition.of(f)
     rule = eng.match(cond)
     assert rule is not None
-    done = [d.action for d in eng.decide(cond, lambda r, c: [Target("j1", "001", "1", g.uuid)], rule)]
+    done = [d.action for d in eng.decide(cond, lambda r, c: [Target("j1", "001", 1, g.uuid)], rule)]
     if action == "RESET_GPU":  # swap off and quarantine the GPU until it resets
         assert g.health == "failed" and rule.name == "gpu_fatal"
         assert {"quarantine_gpu", "l1_swap"} <= set(done), done

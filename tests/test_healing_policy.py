@@ -132,7 +132,7 @@ def test_engine_escalates_per_level_and_books_every_decision():
     eng, clock, events = _engine()
 
     def tgt(rule, cond):
-        return [Target("j1", "001", "0")]
+        return [Target("j1", "001", 0)]
 
     for step, expect in ((10, "l1_swap"), (20, "l2_degrade"), (30, "l3_distill")):
         (d,) = eng.decide(
@@ -155,7 +155,7 @@ def test_same_fault_from_probe_and_alert_acts_once_within_the_window():
     eng, clock, events = _engine()
 
     def tgt(rule, cond):
-        return [Target("j1", "002", "3", "GPU-x")]
+        return [Target("j1", "002", 3, "GPU-x")]
 
     probe = Condition("reason", "gpu_xid", {"gpu_uuid": "GPU-x"}, severity="critical")
     alert = Condition("alert", "MscaleGpuFatalXid", {"gpu_uuid": "GPU-x"})
@@ -205,7 +205,7 @@ def test_swap_rate_limit_escalates_to_l2():
     eng, clock, events = _engine(max_swaps_per_hour=2)
 
     def tgt(rule, cond):
-        return [Target("j1", "001", "0")]
+        return [Target("j1", "001", 0)]
 
     for step in (1, 2):
         (d,) = eng.decide(Condition("alert", "MscaleGpuFatalXid", {}, occurrence=step), tgt)[-1:]
@@ -254,7 +254,7 @@ def test_swap_rate_limit_past_l2_escalates_to_l3():
     eng, clock, events = _engine(max_swaps_per_hour=1)
 
     def tgt(rule, cond):
-        return [Target("j1", "001", "0")]
+        return [Target("j1", "001", 0)]
 
     (d,) = eng.decide(Condition("alert", "MscaleGpuFatalXid", {}), tgt)[-1:]
     eng.record(d, "applied")  # one swap: the budget is spent
@@ -268,7 +268,7 @@ def test_job_and_gpu_scoped_actions_run_once_per_job_mpu_scoped_ones_per_mpu():
     eng, clock, events = _engine()
 
     def both(rule, cond):
-        return [Target("j1", "001", "2", "GPU-2"), Target("j1", "002", "2", "GPU-2"), Target("j2", "001", "2", "GPU-2")]
+        return [Target("j1", "001", 2, "GPU-2"), Target("j1", "002", 2, "GPU-2"), Target("j2", "001", 2, "GPU-2")]
 
     out = eng.decide(Condition("reason", "gpu_xid", {"gpu": "2"}, severity="critical"), both)
     got = sorted((d.action, d.target.job_id, d.target.mpu_id) for d in out)
@@ -362,10 +362,10 @@ def test_a_gpu_fault_stays_one_fault_after_its_mpus_moved_off():
     eng, clock, events = _engine()
 
     def on_gpu(rule, cond):
-        return [Target("j1", "001", "2", "GPU-2")]
+        return [Target("j1", "001", 2, "GPU-2")]
 
     def moved(rule, cond):
-        return [Target("", "", "2", "GPU-2")]  # the agent finds no MPU there any more
+        return [Target("", "", 2, "GPU-2")]  # the agent finds no MPU there any more
 
     assert len(eng.decide(Condition("reason", "gpu_xid", {"gpu": "2"}, severity="critical"), on_gpu)) == 3
     clock.t += 2

@@ -110,7 +110,7 @@ def test_the_engines_heal_command_is_the_protocols():
         rule="xid_fatal",
         action="l1_swap",
         level="L1",
-        target=Target("job", "001", "3", "GPU-x"),
+        target=Target("job", "001", 3, "GPU-x"),
         before="healthy",
         reason="gpu_xid",
         why="Xid 79",
@@ -374,3 +374,14 @@ def test_client_says_which_agent_it_cannot_reach():
         AgentClient("ftp-ish://x").status()
     with pytest.raises(ValueError, match="timeout"):
         AgentClient(timeout=0)
+
+
+def test_a_heal_commands_gpu_is_read_once_at_the_wire_edge_as_an_index_in_range():
+    from mscale.healing.engine import Decision
+
+    def target_gpu(text: str) -> int | None:
+        return Decision.from_command(protocol.Heal("quarantine_gpu", gpu=text), "job").target.gpu
+
+    assert target_gpu("3") == 3 and target_gpu("0") == 0 and target_gpu("4095") == 4095
+    for bad in ("", "4096", "007", "-1", "²", "3.0", " 3"):
+        assert target_gpu(bad) is None, bad

@@ -208,7 +208,7 @@ def test_a_slow_mpu_is_recorded_by_default_and_swapped_only_where_the_policy_say
     from mscale.healing.settings import HealingSection
 
     def tgt(rule, cond):
-        return [Target("j", "001", "2")]
+        return [Target("j", "001", 2)]
 
     slow = Condition("reason", "mpu_straggler", {"job_id": "j", "mpu_id": "001", "gpu": "2"}, severity="warning")
     shipped = policymod.load("")

@@ -247,12 +247,12 @@ def test_engine_under_a_budget_marks_a_fault_acted_only_when_an_action_ran():
     clock = Clock()
     engine = HealingEngine(policymod.load(""), clock=clock)
     cond = Condition("alert", "MscaleGpuFatalXid", {"gpu": "0"}, severity="critical")
-    run, over = engine.decide_within(cond, lambda rule, c: [Target(gpu="0")], budget=lambda n: 0)
+    run, over = engine.decide_within(cond, lambda rule, c: [Target(gpu=0)], budget=lambda n: 0)
     assert run == [] and [d.action for d in over] == GPU_FATAL and len(engine.acted) == 0
-    run, over = engine.decide_within(cond, lambda rule, c: [Target(gpu="0")], budget=lambda n: 2)
+    run, over = engine.decide_within(cond, lambda rule, c: [Target(gpu=0)], budget=lambda n: 2)
     assert [d.action for d in run] == GPU_FATAL[:2] and [d.action for d in over] == GPU_FATAL[2:]
     assert len(engine.acted) == 1  # acted on: the same fault again is a duplicate
-    assert engine.decide_within(cond, lambda rule, c: [Target(gpu="0")], budget=lambda n: n) == ([], [])
+    assert engine.decide_within(cond, lambda rule, c: [Target(gpu=0)], budget=lambda n: n) == ([], [])
     booked = {(k[1], k[3]): v for k, v in engine.actions.items()}
     assert booked[("l1_swap", "rate_limited")] == 2 and booked[("quarantine_gpu", "rate_limited")] == 1
 

@@ -3,21 +3,17 @@ what a GPU index label may be (mscale.daemon.link_labels, mscale.daemon.standby)
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Protocol
 
-from mscale.link.wire import MAX_GPU_INDEX
-
-_INDEX = re.compile(r"0|[1-9][0-9]{0,3}")
+from mscale.healing.target import gpu_label, gpu_of
 
 
 def gpu_index(v: object) -> str:
     """`v` as a GPU index label ("0".."4095", no sign, no leading zero, ASCII digits only), or ""
-    when it is not one: "²".isdigit() is true, "007" is another string than "7"."""
-    if not isinstance(v, str) or not _INDEX.fullmatch(v):
-        return ""
-    return v if int(v) < MAX_GPU_INDEX else ""
+    when it is not one: "²".isdigit() is true, "007" is another string than "7" (the rule is
+    mscale.healing.target.gpu_of's, the one place a label becomes an index)."""
+    return gpu_label(gpu_of(v))
 
 
 class GpuSample(Protocol):

@@ -40,12 +40,12 @@ from aiohttp import web
 
 from mscale.daemon import keys
 from mscale.daemon.alert import Alert
-from mscale.daemon.gpus import gpu_index
 from mscale.daemon.state import AgentState
 from mscale.findings import Finding, Reason, Severity
 from mscale.healing import policy as policymod
 from mscale.healing.engine import Condition, Decision, HealingEngine, Plan, Step
 from mscale.healing.ledger import Budget
+from mscale.healing.target import gpu_of
 from mscale.healing.view import NodeRow, NodeView
 from mscale.healing.words import Result
 
@@ -61,12 +61,9 @@ _BUDGET = web.AppKey("alert_action_budget", Budget)  # actions taken from alerts
 def node_view(state: AgentState) -> NodeView:
     """The node as the engine reads it: a row per job, rank and MPU with its GPU, every job,
     and the GPU probe's index <-> UUID map."""
-    gpus: dict[str, str] = {}
-    for g in getattr(state.snapshots.get("gpu"), "gpus", ()) or ():
-        gpus[str(g.index)] = g.uuid
-        gpus[g.uuid] = str(g.index)
+    gpus = {g.index: g.uuid for g in getattr(state.snapshots.get("gpu"), "gpus", ()) or ()}
     rows = tuple(
-        NodeRow(job_id, rs.rank, m.mpu_id, m.name, str(m.gpu), m.gpu_uuid)
+        NodeRow(job_id, rs.rank, m.mpu_id, m.name, m.gpu, m.gpu_uuid)
         for job_id, job in list(state.jobs.items())
         for rs, m in list(job.iter_mpus())
     )
@@ -181,9 +178,9 @@ def _mirror(state: AgentState, f: Finding) -> None:
         return
     if "state" in f.labels and hasattr(mpu, "fuse_level"):
         mpu.fuse_level = f.labels["state"]
-    to_gpu = f.labels.get("to_gpu", "")
-    if to_gpu and to_gpu == gpu_index(to_gpu):  # the event of an action that moved the MPU (the link checked it)
-        mpu.gpu = int(to_gpu)
+    to_gpu = gpu_of(f.labels.get("to_gpu"))
+    if to_gpu is not None:  # the event of an action that moved the MPU (the link checked it)
+        mpu.gpu = to_gpu
         if hasattr(mpu, "place"):
             mpu.place(mpu.gpu)
 

@@ -32,7 +32,7 @@ from mscale.healing.fsm import IllegalTransition, JobLossState, Level, MpuFuseSt
 from mscale.healing.ledger import Ledger
 from mscale.healing.policy import Policy, Rule
 from mscale.healing.settings import HealingSection
-from mscale.healing.target import Target
+from mscale.healing.target import Target, gpu_label, gpu_of
 from mscale.healing.words import DONE, FuseLevel, Result, TargetKind
 
 __all__ = ["ACTED_CAP", "ALERT_TTL_S", "RANK", "RECENT", "HealingBooks", "HealingSnapshot"]
@@ -211,7 +211,7 @@ class HealingBooks:
             "result": result,
             "job_id": t.job_id,
             "mpu_id": t.mpu_id,
-            "gpu": t.gpu,
+            "gpu": gpu_label(t.gpu),
             "gpu_uuid": t.gpu_uuid,
             "reason": d.reason,
             "fault_key": d.fault_key,
@@ -297,7 +297,7 @@ class HealingBooks:
                 kind = self.policy.rule(rule).target
             except KeyError:
                 kind = TargetKind.MPU if mpu_id else TargetKind.JOB
-            target = Target(job_id, mpu_id, lab.get("gpu", ""), lab.get("gpu_uuid", ""))
+            target = Target(job_id, mpu_id, gpu_of(lab.get("gpu")), lab.get("gpu_uuid", ""))
             self.acted.mark((rule,) + target.key(kind), self.clock())
             if spec.drift and result == Result.APPLIED:
                 self.drift[(job_id, mpu_id)] += 1

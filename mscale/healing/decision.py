@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from mscale import link
 from mscale.findings import Finding
 from mscale.healing import actions
-from mscale.healing.target import Target
+from mscale.healing.target import Target, gpu_label, gpu_of
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Decision:  # built with keywords: nine fields, four of them strings, read 
     @property
     def fault_key(self) -> str:
         t = self.target
-        return "/".join((self.rule, t.job_id, t.mpu_id, t.gpu_uuid or t.gpu))
+        return "/".join((self.rule, t.job_id, t.mpu_id, t.gpu_key))
 
     def command(self, *, end: bool = False) -> link.Heal:
         """The link command carrying this decision to a job (`end`: end what the action
@@ -66,7 +66,7 @@ class Decision:  # built with keywords: nine fields, four of them strings, read 
             rule=self.rule,
             level=self.level,
             mpu_id=t.mpu_id,
-            gpu=t.gpu,
+            gpu=gpu_label(t.gpu),
             gpu_uuid=t.gpu_uuid,
             reason=self.reason,
             why=self.why,
@@ -82,7 +82,7 @@ class Decision:  # built with keywords: nine fields, four of them strings, read 
             rule="command" if cmd.rule is None else cmd.rule,
             action=cmd.action,
             level=spec.level,
-            target=Target(job_id=job_id, mpu_id=cmd.mpu_id or "", gpu=cmd.gpu or "", gpu_uuid=cmd.gpu_uuid or ""),
+            target=Target(job_id=job_id, mpu_id=cmd.mpu_id or "", gpu=gpu_of(cmd.gpu), gpu_uuid=cmd.gpu_uuid or ""),
             before="",
             reason="command" if cmd.reason is None else cmd.reason,
             why=cmd.why or "",

@@ -47,7 +47,7 @@ from mscale.healing.fsm import JobLossState, Level, MpuFuseState, Transition
 from mscale.healing.ledger import Budget, Ledger
 from mscale.healing.policy import Policy, Rule
 from mscale.healing.settings import HealingSection
-from mscale.healing.target import Target
+from mscale.healing.target import Target, gpu_of
 from mscale.healing.view import NodeView
 from mscale.healing.words import Result, TargetKind
 
@@ -227,9 +227,7 @@ class HealingEngine:
             for name in rule.actions_at(level):
                 spec, why = self._rate_limited(actions.get(name), target, now)
                 if spec.scope != TargetKind.MPU:
-                    key = (spec.name, target.job_id) + (
-                        (target.gpu_uuid or target.gpu,) if spec.scope == TargetKind.GPU else ()
-                    )
+                    key = (spec.name, target.job_id) + ((target.gpu_key,) if spec.scope == TargetKind.GPU else ())
                     if key in once:
                         continue
                     once.add(key)
@@ -357,7 +355,7 @@ class HealingEngine:
         target = Target(
             job_id=lab.get("job_id", ""),
             mpu_id=lab.get("mpu_id", ""),
-            gpu=lab.get("gpu", ""),
+            gpu=gpu_of(lab.get("gpu")),
             gpu_uuid=lab.get("gpu_uuid", ""),
         )
         d = Decision(

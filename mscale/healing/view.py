@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from mscale.healing.target import Target
+from mscale.healing.target import Target, gpu_of
 from mscale.healing.words import TargetKind
 
 
@@ -22,29 +22,31 @@ class NodeRow:
     rank: int
     mpu_id: str
     mpu_name: str = ""
-    gpu: str = ""  # index as text
+    gpu: int | None = None  # index (None when unknown)
     gpu_uuid: str = ""
 
 
 @dataclass(frozen=True)
 class NodeView:
     """The rows in the agent's order (jobs as registered, ranks and MPUs sorted), every job id
-    the agent holds, and GPU index -> UUID and UUID -> index."""
+    the agent holds, and GPU index -> UUID."""
 
     rows: tuple[NodeRow, ...] = ()
     jobs: tuple[str, ...] = ()
-    gpus: Mapping[str, str] = field(default_factory=dict)
+    gpus: Mapping[int, str] = field(default_factory=dict)
 
     def targets(self, kind: str, labels: Mapping[str, str]) -> list[Target]:
         """What a rule of target `kind` acts on, from a condition's labels."""
         job_id = labels.get("job_id", "")
         if kind == TargetKind.GPU:
-            uuid = labels.get("gpu_uuid", "") or self.gpus.get(labels.get("gpu", ""), "")
-            index = labels.get("gpu", "") or self.gpus.get(uuid, "")
+            index = gpu_of(labels.get("gpu"))
+            uuid = labels.get("gpu_uuid", "") or ("" if index is None else self.gpus.get(index, ""))
+            if index is None:
+                index = next((i for i, u in self.gpus.items() if uuid and u == uuid), None)
             hits = [
                 Target(r.job_id, r.mpu_id, r.gpu, r.gpu_uuid or uuid)
                 for r in self.rows
-                if (index and r.gpu == index) or (uuid and r.gpu_uuid == uuid)
+                if (index is not None and r.gpu == index) or (uuid and r.gpu_uuid == uuid)
             ]
             if job_id:
                 hits = [t for t in hits if t.job_id == job_id]
@@ -64,7 +66,7 @@ class NodeView:
     def ranks(self, t: Target) -> tuple[int, ...] | None:
         """The ranks a decision on a GPU goes to: those whose MPU is bound to it (None: every
         rank of the job, for job and MPU targets, or when no rank is known to be there)."""
-        if not t.gpu or t.job_id not in self.jobs:
+        if t.gpu is None or t.job_id not in self.jobs:
             return None
         ranks = sorted(
             {

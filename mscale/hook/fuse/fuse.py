@@ -49,6 +49,7 @@ from mscale.healing.fsm import Level
 from mscale.healing.policy import Policy, Rule
 from mscale.healing.progress import Keeper
 from mscale.healing.settings import HealingSection
+from mscale.healing.target import gpu_of
 from mscale.healing.words import Result, TargetKind
 from mscale.hook.fuse import actions as executors
 from mscale.hook.fuse.actions.base import ActionFailed
@@ -338,18 +339,18 @@ class FusePlugin:
 
     # --- deciding and acting -------------------------------------------------------------
 
-    def _target(self, m: Any, gpu: str | None = None, gpu_uuid: str = "") -> Target:
-        if gpu in (None, ""):
-            return Target(self.guard.job_id, m.mpu_id, str(m.gpu), m.gpu_uuid)
-        return Target(self.guard.job_id, m.mpu_id, gpu, gpu_uuid or (m.gpu_uuid if gpu == str(m.gpu) else ""))
+    def _target(self, m: Any, gpu: int | None = None, gpu_uuid: str = "") -> Target:
+        if gpu is None:
+            return Target(self.guard.job_id, m.mpu_id, m.gpu, m.gpu_uuid)
+        return Target(self.guard.job_id, m.mpu_id, gpu, gpu_uuid or (m.gpu_uuid if gpu == m.gpu else ""))
 
     def _targets(self, rule: Rule, cond: Condition) -> list[Target]:
         if rule.target == TargetKind.JOB:
             return [Target(self.guard.job_id)]
         key = cond.labels.get("mpu_id", "")
         if rule.target == TargetKind.GPU:
-            gpu = cond.labels.get("gpu", "")
-            return [self._target(m) for m in self.guard.mpus if str(m.gpu) == gpu]
+            gpu = gpu_of(cond.labels.get("gpu"))
+            return [self._target(m) for m in self.guard.mpus if m.gpu == gpu]
         return [self._target(m) for m in self.guard.mpus if key in (m.mpu_id, m.name)]
 
     def _decide(self, cond: Condition) -> None:

@@ -19,9 +19,9 @@ class Quarantine:
 
 
 def apply(fuse: FuseContext, state: Quarantine, d: Decision) -> str:
-    if not d.target.gpu.isdigit():
-        raise ActionFailed(f"no GPU index in the command (gpu={d.target.gpu!r})")
-    gpu = int(d.target.gpu)
+    gpu = d.target.gpu
+    if gpu is None:
+        raise ActionFailed("no GPU index in the command")
     if gpu in state.gpus:
         return Result.NOOP
     state.gpus.add(gpu)

@@ -49,7 +49,7 @@ class Swaps:
 
 def apply(fuse: FuseContext, state: Swaps, d: Decision) -> str:
     m = fuse.guard.mpu(d.target.mpu_id)
-    if d.target.gpu and d.target.gpu.isdigit() and int(d.target.gpu) != m.gpu:
+    if d.target.gpu is not None and d.target.gpu != m.gpu:
         return Result.NOOP  # a command about a GPU this MPU has already left (another path moved it)
     old = m.gpu
     sharded = is_sharded(fuse.guard.model)
