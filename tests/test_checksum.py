@@ -223,3 +223,62 @@ def test_corrupt_kinds() -> None:
     assert int(bad.isnan().sum()) == 1
     with pytest.raises(ValueError, match="kind"):
         inject(type("G", (), {"mpus": [], "current_step": 0})(), kind="cosmic", mpu="x")
+
+
+def _l1_run(failing_steps: int, **kw):
+    """The tiny model with the vision tower's first linear computing a wrong output (this test's
+    own faulty forward, as a failing GEMM would) for the first `failing_steps` steps; attach's
+    keywords `kw`. The guard and the `consecutive` label of each of the detector's L1 triggers."""
+    torch.manual_seed(0)
+    model = TinyMultimodal(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    steps = {"n": 0}
+
+    linear = model.vision_tower.layers[0].linear1
+    clean = linear.forward
+
+    def faulty(x):
+        y = clean(x)
+        return y * 4.0 if model.training and steps["n"] < failing_steps else y
+
+    linear.forward = faulty
+    rec = Findings()
+    guard = attach(model, opt, job_id="t", connect=False, plugins=[rec], cmsa=False, **kw)
+    data = SyntheticCaptions(CFG, size=1000, seed=0)
+    for i in range(failing_steps):
+        b = torch.utils.data.default_collate([data[i * 4 + j] for j in range(4)])
+        model(b["images"], b["tokens"])["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+        steps["n"] += 1
+    guard.detach()
+    return guard, [int(f.labels["consecutive"]) for f in rec.of(Reason.CHECKSUM_L1_TRIGGER)]
+
+
+def test_the_detectors_l1_trigger_is_the_healing_sections_threshold() -> None:
+    from mscale.healing.settings import HealingSection
+
+    checks = ChecksumConfig(replay_every=0, full=True)
+    guard, triggers = _l1_run(4, checksum=checks, healing=HealingSection(checksum_failures_l1=2))
+    assert triggers == [2, 4]  # not the old detector-only default of 3
+    assert guard.healing.checksum_failures_l1 == 2
+
+
+def test_the_old_checksum_key_is_a_deprecated_alias_that_must_agree() -> None:
+    import dataclasses
+    import warnings
+
+    from mscale.healing.settings import HealingSection
+
+    old = ChecksumConfig(replay_every=0, full=True, failures_l1=2)
+    with pytest.warns(FutureWarning, match=r"ChecksumConfig.failures_l1 is deprecated.*healing.checksum_failures_l1"):
+        guard, triggers = _l1_run(2, checksum=old)
+    assert triggers == [2]  # alone, it sets the one value: the detector's and the fuse's
+    assert guard.healing.checksum_failures_l1 == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # both keys saying the same: no warning
+        _l1_run(0, checksum=old, healing=HealingSection(checksum_failures_l1=2))
+    with pytest.raises(ValueError, match=r"ChecksumConfig.failures_l1 \(2\) and healing.checksum_failures_l1 \(3\)"):
+        _l1_run(0, checksum=old, healing=HealingSection())
+    with pytest.raises(ValueError, match="failures_l1: expected >= 1"):
+        dataclasses.replace(old, failures_l1=0)

@@ -153,9 +153,10 @@ class Run:
             connect=cfg.socket_path is not None,
             socket_path=cfg.socket_path,
             checksum=cfg.checksum,
+            healing=cfg.healing,  # its checksum_failures_l1: the detector's trigger and the fuse's
         )
         g = self.guard
-        self.fuse = FusePlugin(config=cfg.healing, gpu_count=cfg.gpu_count)
+        self.fuse = FusePlugin(config=g.healing, gpu_count=cfg.gpu_count)
         self.snapshots = SnapshotEngine(
             self.model,
             self.optimizer,

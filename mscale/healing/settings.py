@@ -14,7 +14,11 @@ class HealingSection:
     HELP: ClassVar[str] = "the healing engine"
     enabled: bool = opt(True, "let the healing engine act (false: detect and report only)")
     checksum_failures_l1: int = opt(
-        3, "consecutive checksum failures of an MPU that trigger an L1 swap", min=1, max=1000
+        3,
+        "consecutive checksum failures of an MPU that trigger an L1 swap: the one L1 threshold, the fuse's "
+        "decision and the checksum detector's checksum_l1_trigger (ChecksumConfig.failures_l1: a deprecated alias)",
+        min=1,
+        max=1000,
     )
     max_swaps_per_hour: int = opt(4, "L1 swaps of one MPU per hour before escalating to L2", min=1, max=1000)
     recovery_clean_steps: int = opt(50, "clean steps an MPU needs before it counts as recovered", min=1, max=1_000_000)

@@ -36,7 +36,7 @@ outside any linear layer, at a tower's output) is not cleared by clean ABFT pass
 
 Counting is per optimizer step: the checks of all forwards of a step (gradient accumulation)
 make one verdict per MPU at the step's commit point (`commit`, from the optimizer step
-pre-hook); `failures_l1` (3) failed checked steps in a row emit CHECKSUM_L1_TRIGGER. The
+pre-hook); healing.checksum_failures_l1 (3) failed checked steps in a row emit CHECKSUM_L1_TRIGGER. The
 recomputation of a checkpointed forward (inside backward) is not checked again. A non-finite
 MPU output is always a failure. Nothing here raises into training: results are findings
 passed to `emit`.
@@ -113,9 +113,15 @@ class ChecksumDetector:
     forward, `commit` at the optimizer step and `end_step` at the step's end."""
 
     def __init__(
-        self, config: ChecksumConfig, *, emit: Callable[[Finding], None], step: Callable[[], int], budget: Budget
+        self,
+        config: ChecksumConfig,
+        *,
+        emit: Callable[[Finding], None],
+        step: Callable[[], int],
+        budget: Budget,
+        l1: int,
     ) -> None:
-        self.config = config
+        self.config, self.l1 = config, l1  # l1: healing.checksum_failures_l1 (checksum_config.one_l1)
         self.budget = budget
         self._emit = emit
         self._step = step
@@ -473,28 +479,19 @@ class ChecksumDetector:
         self.suspect(mpu.mpu_id, f"{failures[0][1]} check failed")
 
     def _labels(self, mpu: Any) -> dict[str, str]:
-        labels = {"mpu_id": mpu.mpu_id, "mpu": mpu.name, "gpu": str(mpu.gpu)}
-        if mpu.gpu_uuid:
-            labels["gpu_uuid"] = mpu.gpu_uuid
-        return labels
+        uuid = {"gpu_uuid": mpu.gpu_uuid} if mpu.gpu_uuid else {}
+        return {"mpu_id": mpu.mpu_id, "mpu": mpu.name, "gpu": str(mpu.gpu), **uuid}
 
     def _record(self, mpu: Any, st: _MpuChecks) -> None:
         """Count one optimizer step of the MPU: checked (it always is: the non-finite check),
-        failed or not; the L1 trigger at every `failures_l1` failed steps in a row."""
+        failed or not; the L1 trigger at every `l1` (healing.checksum_failures_l1) failed steps in a row."""
         mpu.checksum_checks_total += 1
         if not st.failures:
             mpu.consecutive_failures = 0
             return
         mpu.consecutive_failures += 1
         mpu.checksum_failures_total += 1
-        n = self.config.failures_l1
-        if mpu.consecutive_failures % n == 0:
-            self._emit(
-                Finding(
-                    SOURCE,
-                    Reason.CHECKSUM_L1_TRIGGER,
-                    Severity.CRITICAL,
-                    f"{mpu.name}: {mpu.consecutive_failures} consecutive failed checked steps",
-                    {**self._labels(mpu), "consecutive": str(mpu.consecutive_failures)},
-                )
-            )
+        if mpu.consecutive_failures % self.l1 == 0:
+            why = f"{mpu.name}: {mpu.consecutive_failures} consecutive failed checked steps"
+            labels = {**self._labels(mpu), "consecutive": str(mpu.consecutive_failures)}
+            self._emit(Finding(SOURCE, Reason.CHECKSUM_L1_TRIGGER, Severity.CRITICAL, why, labels))

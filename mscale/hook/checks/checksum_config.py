@@ -3,10 +3,13 @@ with which tolerances. `mscale.ChecksumConfig`; see docs/hook.md for every field
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+
+from mscale.healing.settings import HealingSection
 
 DEFAULT_RTOL: dict[torch.dtype, float] = {
     torch.float32: 2e-6,
@@ -64,7 +67,9 @@ class ChecksumConfig:
     # each MPU output's scale (ln mean square) against its own baseline, every step: a shift held
     # 3 steps is a warning `output_shift` and a suspicion (mscale.hook.checks.outstats); False: off
     output_stats: bool = True
-    failures_l1: int = 3  # consecutive failed checked optimizer steps that make an L1 trigger
+    # deprecated alias of healing.checksum_failures_l1, the one L1 threshold (see one_l1): set,
+    # it must agree with that key; None: that key alone
+    failures_l1: int | None = None
     # where verdicts are read: "in_step" after each MPU forward (a fault re-run in the step),
     # "commit" once per step at the optimizer step (no host read inside forward or backward);
     # "auto": in_step on a CPU (a read there costs no synchronisation), commit elsewhere
@@ -97,7 +102,7 @@ class ChecksumConfig:
             raise ValueError(f"replay_every: expected >= 0, got {self.replay_every}")
         if self.incident_steps < 1:
             raise ValueError(f"incident_steps: expected >= 1, got {self.incident_steps}")
-        if self.failures_l1 < 1:
+        if self.failures_l1 is not None and self.failures_l1 < 1:
             raise ValueError(f"failures_l1: expected >= 1, got {self.failures_l1}")
         if not 0.0 <= self.rounding_sigmas < 1e3:
             raise ValueError(f"rounding_sigmas: expected 0 (off) or a multiple below 1000, got {self.rounding_sigmas}")
@@ -123,3 +128,27 @@ class ChecksumConfig:
         if tf32 is None:
             tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
         return max(rtol, self.tf32_rtol) if tf32 else rtol
+
+
+def one_l1(checksum: ChecksumConfig | None, healing: HealingSection | None) -> HealingSection:
+    """The healing section in force, with its checksum_failures_l1 the one L1 threshold: the
+    fuse's decision (mscale.hook.fuse.fuse) and the detector's CHECKSUM_L1_TRIGGER both read it.
+    ChecksumConfig.failures_l1 is a deprecated alias: set with a healing section that says
+    otherwise, it is an error naming both keys; set alone, a warning, and it sets the value."""
+    old = None if checksum is None else checksum.failures_l1
+    if old is None:
+        return healing or HealingSection()
+    if healing is not None:
+        if healing.checksum_failures_l1 != old:
+            raise ValueError(
+                f"ChecksumConfig.failures_l1 ({old}) and healing.checksum_failures_l1 "
+                f"({healing.checksum_failures_l1}) differ: they are one threshold; set "
+                "healing.checksum_failures_l1 only (ChecksumConfig.failures_l1 is deprecated)"
+            )
+        return healing
+    warnings.warn(
+        f"ChecksumConfig.failures_l1 is deprecated: set healing.checksum_failures_l1 (= {old}) instead",
+        FutureWarning,
+        stacklevel=3,
+    )
+    return replace(HealingSection(), checksum_failures_l1=old)

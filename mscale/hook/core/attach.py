@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mscale.healing.settings import HealingSection
 from mscale.hook.core.contract import join as contract_join
 from mscale.hook.core.goodput import account
 from mscale.hook.core.guard import Guard
@@ -29,7 +30,7 @@ def attach(
     scheduler: Any = None,
     resume: bool = True,
     enabled: bool | None = None,
-    healing: Any = None,
+    healing: HealingSection | None = None,
     **kwargs: Any,
 ) -> Guard | NullGuard:
     """Guard `model` (and `optimizer`); other keyword arguments are `Guard`'s. snapshots: None
@@ -55,7 +56,8 @@ def attach(
     if healing is not None and type(healing).__name__ != "HealingSection":
         raise TypeError(f"healing: expected a mscale.healing.settings.HealingSection, got {type(healing).__name__}")
     position = data_position(data) if cfg is not None else None
-    guard = Guard(model, optimizer, job_id=job_id, **kwargs)
+    guard = Guard(model, optimizer, job_id=job_id, healing=healing, **kwargs)
+    healing = guard.healing  # with the one L1 threshold (checksum_config.one_l1)
     agree(guard, healing)  # the gradient check; several ranks: decisions agreed at each step (mscale.hook.core.agree)
     account(guard)  # the rank's wall time by cause, in its step reports (mscale.hook.core.goodput)
     contract_join(guard)  # the contract in force in this process, if any (mscale.hook.core.contract)

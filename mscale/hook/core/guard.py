@@ -38,6 +38,7 @@ from mscale import link as protocol
 from mscale.findings import Finding, Severity
 from mscale.hook.checks.budget import Budget, StepTimes
 from mscale.hook.checks.checksum import ChecksumConfig, ChecksumDetector
+from mscale.hook.checks.checksum_config import one_l1
 from mscale.hook.checks.cmsa import Cmsa, CmsaConfig, GradStatistics
 from mscale.hook.checks.coverage import suspicions
 from mscale.hook.checks.inputs import InputCheck
@@ -54,6 +55,7 @@ from mscale.hook.core.stepstate import StepFigures, StepState
 from mscale.hook.integrations.compiled import compiling, unwrap
 
 if TYPE_CHECKING:
+    from mscale.healing.settings import HealingSection
     from mscale.hook.fuse.fuse import FusePlugin
     from mscale.snapshot.engine import SnapshotEngine
 
@@ -97,6 +99,7 @@ class Guard:
         connect: bool = True,
         report_queue: int = 256,
         scaler: Any = None,
+        healing: HealingSection | None = None,
     ) -> None:
         if not isinstance(job_id, str) or not job_id:
             raise ValueError("job_id: expected a non-empty string naming the training job")
@@ -113,6 +116,7 @@ class Guard:
         self.plugins: list[Any] = self.hooks.plugins  # in the order they were added (one list, never rebound)
         self.findings: collections.deque[Finding] = collections.deque(maxlen=1000)
         self.times = StepTimes()
+        self.healing = one_l1(checksum, healing)  # its checksum_failures_l1: the detector's and the fuse's L1
         self._detectors(checksum or ChecksumConfig(), loss or LossConfig(), CmsaConfig() if cmsa is True else cmsa)
         self._handles: list[Any] = []
         self._commands: collections.deque[protocol.Wire] = collections.deque(maxlen=1024)
@@ -134,7 +138,8 @@ class Guard:
         """The detectors, the step state and the step's statistics over them."""
         # the share of step time the detectors may take
         self.budget = Budget(checksum.budget, headroom=checksum.headroom)
-        self.checksum = ChecksumDetector(checksum, emit=self.emit, step=lambda: self.current_step, budget=self.budget)
+        l1, step = self.healing.checksum_failures_l1, lambda: self.current_step
+        self.checksum = ChecksumDetector(checksum, emit=self.emit, step=step, budget=self.budget, l1=l1)
         self.loss_detector = LossDetector(loss)
         self.cmsa: Cmsa | None = Cmsa(self.mpus, cmsa) if isinstance(cmsa, CmsaConfig) else None
         self.step_state = StepState()
@@ -246,10 +251,9 @@ class Guard:
 
     def send_to_agent(self, message: protocol.Wire) -> bool:
         """Queue a message (a dict with "type") for the agent; False without a link."""
-        if self.link is None:
-            return False
-        self.link.send(message)
-        return True
+        if self.link is not None:
+            self.link.send(message)
+        return self.link is not None
 
     def registration(self) -> protocol.Register:
         return protocol.Register(
@@ -367,10 +371,8 @@ class Guard:
         self.hooks.dispatch("on_step_begin", self.current_step, batch)
 
     def _mpu_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if compiling():
+        if compiling() or self.checksum.replaying:
             return  # traced: no timers, no replay (mscale.hook.integrations.compiled)
-        if self.checksum.replaying:
-            return
         m = self._mpu_by_module[id(module)]
         m._fwd_start = time.perf_counter()
         self.checksum.before_forward(m, args, kwargs)

@@ -43,6 +43,7 @@ from mscale.snapshot.config import SnapshotConfig
 
 if TYPE_CHECKING:
     from mscale.findings import Finding
+    from mscale.healing.settings import HealingSection
     from mscale.hook.core.guard import Guard
     from mscale.snapshot.engine import SnapshotEngine
 
@@ -149,18 +150,17 @@ class Protection:
         self.engine.close()
 
 
-def agree(guard: Guard, healing: Any = None) -> None:
+def agree(guard: Guard, healing: HealingSection | None = None) -> None:
     """The gradient check (mscale.hook.checks.gradcheck, `guard.gradients`), and with several ranks in
     the process group: the step agreement (mscale.hook.core.agree) and the replica check
     (mscale.hook.checks.replicas, every healing.replica_check_steps steps), kept as `guard.agreement`
-    and `guard.replicas` (None with one rank). healing: the HealingSection (None: defaults)."""
-    from mscale.healing.settings import HealingSection
+    and `guard.replicas` (None with one rank). healing: the HealingSection (None: the guard's)."""
     from mscale.hook.checks.gradcheck import GradCheck
     from mscale.hook.checks.replicas import ReplicaCheck
     from mscale.hook.core.agree import Agreement
     from mscale.snapshot.sharded import is_sharded
 
-    cfg = healing or HealingSection()
+    cfg = healing or guard.healing
     gradients = GradCheck(cfg.gradient_groups)
     guard.add_plugin(gradients)  # ahead of the agreement: its verdict is in the agreement's count
     setattr(guard, "gradients", gradients)  # noqa: B010 (not Guard's own attribute)
@@ -196,12 +196,12 @@ def protect(
     scheduler: Any = None,
     scaler: Any = None,
     resume: bool = True,
-    healing: Any = None,
+    healing: HealingSection | None = None,
 ) -> None:
     """Put the fuse and the snapshot engine on `guard` (see the module docstring). `data` is
     what `data_position` made. resume: restore the newest valid disk snapshot now; False refuses
     a directory that already holds snapshots (an older run's would outlive this one's). healing:
-    the fuse's mscale.healing.settings.HealingSection (None: the defaults)."""
+    the fuse's mscale.healing.settings.HealingSection (None: the guard's, `guard.healing`)."""
     from mscale.hook.fuse.fuse import FusePlugin
 
     fuse: FusePlugin | None = None
@@ -214,7 +214,7 @@ def protect(
             fuse.snapshot_emit(finding)
 
     engine = _engine(guard, cfg, data=data, scheduler=scheduler, scaler=scaler, emit=emit)
-    fuse = FusePlugin(snapshot_engine=engine, config=healing)
+    fuse = FusePlugin(snapshot_engine=engine, config=healing or guard.healing)
     for finding in early:
         fuse.snapshot_emit(finding)
     if guard.link is not None:  # an L1 swap's standby from the agent's node view
