@@ -53,6 +53,7 @@ from typing import Any
 import structlog
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from mscale.findings import Finding, Reason, Severity
 from mscale.hook.checks import abft, outstats, rounding
@@ -67,7 +68,8 @@ from mscale.hook.checks.coverage import Schedule
 from mscale.hook.checks.linears import LinearKind, kind_of
 from mscale.hook.checks.replay import Copies, Rng, compare, fresh_copies, rng_get, run_again, runs_collectives
 from mscale.hook.checks.weight_sums import WeightSums
-from mscale.hook.core.commit import on
+from mscale.hook.core.commit import CommitPoint, on
+from mscale.hook.core.mpu import Mpu
 from mscale.hook.core.outputs import output_tensors
 from mscale.hook.integrations.compiled import GraphChecks, compiling
 
@@ -76,13 +78,13 @@ log = structlog.get_logger("mscale.hook")
 _Row = abft.Row  # one check: (method, layer, dtype, value)
 
 
-def _distilling(mpu: Any) -> bool:
+def _distilling(mpu: Mpu) -> bool:
     """At L3 the distillation trains through the MPU's failing output, as in-step verdicts do:
     at the commit point only a non-finite output fails its step (mscale.healing.progress)."""
     return getattr(mpu, "fuse_level", "") == "l3_distilling"
 
 
-def _fails_step(mpu: Any, row: _Row) -> bool:
+def _fails_step(mpu: Mpu, row: _Row) -> bool:
     """Whether a failed row fails the MPU's step at the commit point (see _distilling)."""
     return row[0] == "nonfinite" or not _distilling(mpu)
 
@@ -137,8 +139,8 @@ class ChecksumDetector:
         self.graph = GraphChecks(stride=1 if config.full else config.max_gap_steps, rtol=config.tolerance)
         self._graph_mpus: set[str] = set()  # MPUs whose forwards ran in a compiled graph
         self._mpus: dict[int, _MpuChecks] = {}
-        self._by_id: dict[str, Any] = {}
-        self._handles: list[Any] = []
+        self._by_id: dict[str, Mpu] = {}
+        self._handles: list[RemovableHandle] = []
         self.wsums = WeightSums()
         # the bf16 check's signs; float32's rtol for its float32 arithmetic (no TF32 in a bf16 GEMM)
         rounding_cfg = {"sigmas": config.rounding_sigmas, "rtol32": config.tolerance(torch.float32)}
@@ -146,7 +148,7 @@ class ChecksumDetector:
         self._planned = -1  # the step planned last
         self._committed = -1  # the step packed last for the commit point
         self._judged = -1  # the step judged last
-        self._packed: list[Any] = []  # the MPUs whose rows went into the step's commit point
+        self._packed: list[Mpu] = []  # the MPUs whose rows went into the step's commit point
         self.replaying = False
         self.readbacks = 0  # host reads of check results (tests count them per step)
         # seconds spent in ABFT (linear hooks + evaluation) and in replays; the Guard resets
@@ -159,7 +161,7 @@ class ChecksumDetector:
             emit=emit, suspect=self.suspect, labels=self._labels, enabled=config.output_stats
         )
 
-    def attach(self, mpu: Any) -> None:
+    def attach(self, mpu: Mpu) -> None:
         linears = [(n or "<self>", m, k) for n, m in mpu.module.named_modules() if (k := kind_of(m)) is not None]
         self._mpus[id(mpu)] = _MpuChecks({id(m): n for n, m, _ in linears})
         self._by_id[mpu.mpu_id] = mpu
@@ -175,7 +177,7 @@ class ChecksumDetector:
         for _, m, kind in linears:
             self._handles.append(m.register_forward_hook(functools.partial(self._linear, mpu, kind), prepend=True))
 
-    def traced_output(self, mpu: Any, outs: list[torch.Tensor]) -> None:
+    def traced_output(self, mpu: Mpu, outs: list[torch.Tensor]) -> None:
         """An MPU's output in a compiled graph: its non-finite check and its statistics, as tensor ops."""
         self.graph.output(mpu, outs)
         self.stats.traced(mpu, outs)
@@ -187,12 +189,12 @@ class ChecksumDetector:
         self.graph.detach()
         self.wsums.clear()
 
-    def forget(self, mpu: Any) -> None:
+    def forget(self, mpu: Mpu) -> None:
         """Drop cached weight sums (the MPU moved device); its outputs' baselines start again."""
         self.wsums.clear()
         self.stats.forget(mpu)
 
-    def commit_mode(self, mpu: Any) -> bool:
+    def commit_mode(self, mpu: Mpu) -> bool:
         v = self.config.verdicts
         if mpu.mpu_id in self._graph_mpus:  # a compiled forward reads nothing back: commit verdicts
             return True
@@ -222,7 +224,7 @@ class ChecksumDetector:
         self.stats.begin_step()
         self.graph.begin_step(step, {mid: r.in_incident(step) for mid, r in self.schedule.mpus.items()})
 
-    def before_forward(self, mpu: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def before_forward(self, mpu: Mpu, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         st = self._mpus[id(mpu)]
         if self._planned != self._step():
             self.begin_step()  # a forward outside the guard's steps (no optimizer, eval loops)
@@ -231,7 +233,7 @@ class ChecksumDetector:
         if st.forwards == 1 and mpu.mpu_id in self.schedule.replays:
             st.replay = (rng_get(mpu.device), fresh_copies(args, kwargs))
 
-    def _linear(self, mpu: Any, kind: LinearKind, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+    def _linear(self, mpu: Mpu, kind: LinearKind, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         if compiling():  # a compiled forward: the in-graph check (mscale.hook.integrations.compiled)
             self.graph.linear(mpu.mpu_id, kind, module, args, out)
             return
@@ -269,7 +271,7 @@ class ChecksumDetector:
             self.abft_s += time.perf_counter() - t0
 
     def _abft_sums(
-        self, mpu: Any, st: _MpuChecks, module: nn.Module, kind: LinearKind, x: torch.Tensor, out: torch.Tensor
+        self, mpu: Mpu, st: _MpuChecks, module: nn.Module, kind: LinearKind, x: torch.Tensor, out: torch.Tensor
     ) -> None:
         rot = self.schedule.mpus[mpu.mpu_id]
         if id(module) not in rot.sizes:  # what a check of it reads: input, output, weight
@@ -279,7 +281,7 @@ class ChecksumDetector:
         value = self._check.row(module, kind, x, out, step=self._step(), on_device=on_device)
         (st.rows if commit else st.pending).append(("abft", st.layer_names.get(id(module), "?"), out.dtype, value))
 
-    def after_forward(self, mpu: Any, inputs: Any, output: Any, *, rerun: bool = False) -> bool:
+    def after_forward(self, mpu: Mpu, inputs: Any, output: Any, *, rerun: bool = False) -> bool:
         """This forward's checks: read and judged now (in_step verdicts, findings emitted) or
         kept for the commit point. `rerun`: the forward re-ran a failed one (the fuse's).
         Returns whether the checks read so far passed."""
@@ -327,7 +329,7 @@ class ChecksumDetector:
         return not failures
 
     def _replay(
-        self, mpu: Any, st: _MpuChecks, rng: Rng, copies: Copies, inputs: Any, outs: list[Any], commit: bool
+        self, mpu: Mpu, st: _MpuChecks, rng: Rng, copies: Copies, inputs: Any, outs: list[Any], commit: bool
     ) -> None:
         self.replaying = True
         try:
@@ -356,7 +358,7 @@ class ChecksumDetector:
         self.readbacks += reads
         return failures
 
-    def pack(self, point: Any, data_fault: torch.Tensor | None = None) -> None:
+    def pack(self, point: CommitPoint, data_fault: torch.Tensor | None = None) -> None:
         """At the commit point (the optimizer step pre-hook): the rows kept for it go into the
         step's one read (mscale.hook.core.commit), and so do, still on the device, per MPU, whether
         its kept rows failed (`checksum/failed`, one flag per MPU, none of them when the batch
@@ -405,7 +407,7 @@ class ChecksumDetector:
             self._packed = []
         self.abft_s += time.perf_counter() - t0
 
-    def judge(self, point: Any, *, data_fault: bool = False) -> list[str]:
+    def judge(self, point: CommitPoint, *, data_fault: bool = False) -> list[str]:
         """After the read: the kept rows judged from their values, findings emitted, every MPU's
         step counted. Returns the ids of the MPUs judged here (commit verdicts) whose step
         failed: the guard drops its update and, with the fuse, re-runs the step (once per
@@ -471,18 +473,18 @@ class ChecksumDetector:
 
     # --- counting --------------------------------------------------------------------
 
-    def _report(self, mpu: Any, failures: list[tuple[Reason, str, str]]) -> None:
+    def _report(self, mpu: Mpu, failures: list[tuple[Reason, str, str]]) -> None:
         labels = self._labels(mpu)
         for reason, method, detail in failures:
             sev = Severity.CRITICAL if reason is Reason.NONFINITE_OUTPUT else Severity.WARNING
             self._emit(Finding(SOURCE, reason, sev, f"{mpu.name}: {detail}", {**labels, "method": method}))
         self.suspect(mpu.mpu_id, f"{failures[0][1]} check failed")
 
-    def _labels(self, mpu: Any) -> dict[str, str]:
+    def _labels(self, mpu: Mpu) -> dict[str, str]:
         uuid = {"gpu_uuid": mpu.gpu_uuid} if mpu.gpu_uuid else {}
         return {"mpu_id": mpu.mpu_id, "mpu": mpu.name, "gpu": str(mpu.gpu), **uuid}
 
-    def _record(self, mpu: Any, st: _MpuChecks) -> None:
+    def _record(self, mpu: Mpu, st: _MpuChecks) -> None:
         """Count one optimizer step of the MPU: checked (it always is: the non-finite check),
         failed or not; the L1 trigger at every `l1` (healing.checksum_failures_l1) failed steps in a row."""
         mpu.checksum_checks_total += 1

@@ -58,6 +58,7 @@ from mscale.snapshot.sharded import is_sharded
 if TYPE_CHECKING:
     from mscale.hook.core.guard import Guard
     from mscale.hook.core.mpu import Mpu
+    from mscale.hook.core.outputs import ModelInputs
     from mscale.snapshot.engine import SnapshotEngine
 
 log = structlog.get_logger("mscale.fuse")
@@ -250,7 +251,7 @@ class FusePlugin:
             return
         self._decide(Condition.of(f, step=self.guard.current_step, occurrence=self.seq))
 
-    def on_mpu_output(self, mpu: Any, inputs: Any, output: Any) -> Any:
+    def on_mpu_output(self, mpu: Mpu, inputs: ModelInputs, output: Any) -> Any:
         if self._rerunning is not None:
             return None
         self.dispatch("mpu_output", mpu, output)
@@ -339,7 +340,7 @@ class FusePlugin:
 
     # --- deciding and acting -------------------------------------------------------------
 
-    def _target(self, m: Any, gpu: int | None = None, gpu_uuid: str = "") -> Target:
+    def _target(self, m: Mpu, gpu: int | None = None, gpu_uuid: str = "") -> Target:
         if gpu is None:
             return Target(self.guard.job_id, m.mpu_id, m.gpu, m.gpu_uuid)
         return Target(self.guard.job_id, m.mpu_id, gpu, gpu_uuid or (m.gpu_uuid if gpu == m.gpu else ""))
@@ -390,7 +391,7 @@ class FusePlugin:
                     self.pending_rerun.add(m.mpu_id)
         return result
 
-    def reduction_failed(self, m: Any, spec: ActionSpec, detail: str) -> None:
+    def reduction_failed(self, m: Mpu, spec: ActionSpec, detail: str) -> None:
         """A measure of `spec` in force on `m` failed while running (its action state undid it):
         book a failed event of that action and run the next level's action."""
         step = self.guard.current_step

@@ -65,7 +65,7 @@ def device_of(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def move(module: nn.Module, optimizer: Any, device: torch.device | str) -> None:
+def move(module: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device | str) -> None:
     """Move `module` (parameters, gradients, buffers) and its parameters' optimizer state to
     `device`; see the module docstring for the scalar step counters."""
     device = torch.device(device)
@@ -88,7 +88,7 @@ def move(module: nn.Module, optimizer: Any, device: torch.device | str) -> None:
                 st[k] = v.to(device)
 
 
-def _follow(optimizer: Any, before: list[nn.Parameter], after: list[nn.Parameter]) -> None:
+def _follow(optimizer: torch.optim.Optimizer, before: list[nn.Parameter], after: list[nn.Parameter]) -> None:
     """Point the optimizer at the module's parameters where `Module.to` made new ones (a move
     between tensor types that cannot share a Parameter, e.g. to meta, or
     torch.__future__.set_overwrite_module_params_on_conversion(True)): its param groups and
@@ -167,7 +167,7 @@ def adapt(module: nn.Module, home: torch.device | str) -> Boundary:
     return b
 
 
-def place(module: nn.Module, optimizer: Any, device: torch.device | str) -> None:
+def place(module: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device | str) -> None:
     """Move `module` with its optimizer state to `device` and keep its callers unchanged: an
     adapter while it is away from its home device, none once it is back."""
     device = torch.device(device)

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import structlog
+import torch
+from torch import nn
 
 from mscale.healing import actions
 from mscale.healing.engine import Decision
@@ -57,7 +59,9 @@ class Fallback:
     undo: Callable[[], None]
 
 
-def run_degraded(module: Any, optimizer: Any = None, *, precision: bool = False, fsdp: bool = False) -> Fallback | None:
+def run_degraded(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, precision: bool = False, fsdp: bool = False
+) -> Fallback | None:
     """Put `module` on its fallback: the CPU when it runs on cuda (not sharded: `fsdp`); else bf16
     autocast when `precision` is set; else none (None: the MPU runs as it did)."""
     import torch
@@ -70,7 +74,7 @@ def run_degraded(module: Any, optimizer: Any = None, *, precision: bool = False,
     return None
 
 
-def bf16_fallback(module: Any, dtype: Any = None) -> Fallback:
+def bf16_fallback(module: nn.Module, dtype: torch.dtype | None = None) -> Fallback:
     import torch
 
     dtype = dtype or torch.bfloat16
@@ -86,7 +90,7 @@ def bf16_fallback(module: Any, dtype: Any = None) -> Fallback:
     return Fallback("bf16", wrap_forward(module, forward))
 
 
-def cpu_fallback(module: Any, optimizer: Any = None) -> Fallback:
+def cpu_fallback(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Fallback:
     """Move the module and its optimizer state to the CPU behind the device-boundary adapter
     (mscale.hook.fuse.placement, the helper the L1 swap uses too); undo moves it back."""
     home = device_of(module)

@@ -31,6 +31,7 @@ from mscale.healing.words import FuseLevel, Result
 from mscale.hook.fuse.actions.base import ActionFailed, Executor, FuseContext
 
 if TYPE_CHECKING:
+    from mscale.findings import Finding
     from mscale.hook.core.mpu import Mpu
 
 
@@ -64,7 +65,7 @@ class Watch:
         if self.watch is not None:
             self.watch.settle()
 
-    def mpu_failed(self, fuse: FuseContext, m: Mpu, f: Any) -> bool:
+    def mpu_failed(self, fuse: FuseContext, m: Mpu, f: Finding) -> bool:
         """MPU `m`'s output failed: True when its weights, not the device, are the culprit."""
         if self.seen.get(m.mpu_id) == (fuse.seq, True):  # repaired: a finding of the discarded forward
             return getattr(fuse, "_rerunning", None) != m.mpu_id
