@@ -35,6 +35,9 @@ import torch
 from mscale.findings import Finding, Reason, Severity
 from mscale.snapshot.trust import PLAUSIBLE
 
+# what a group of tensors is laid out as: (shape, dtype, device) each
+Layout = tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...]
+
 SOURCE = "weights"
 # 64-bit words of one fused pass (its int64 copy: 8 MiB)
 BATCH_MAX = 1 << 20
@@ -74,15 +77,15 @@ class Fingerprint:
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.tensors = list(tensors)
-        self._ptrs: tuple[Any, ...] = ()
+        self._ptrs: tuple[int, ...] = ()
         self._plan: list[tuple[list[int], list[torch.Tensor], torch.Tensor | None]] = []
 
-    def layout(self) -> tuple[Any, ...]:
+    def layout(self) -> Layout:
         return tuple((tuple(t.shape), t.dtype, t.device) for t in self.tensors)
 
     def _build(self) -> None:
-        groups: dict[Any, list[list[int]]] = {}  # device -> chunks of indices
-        filled: dict[Any, int] = {}  # words in each group's last chunk
+        groups: dict[torch.device, list[list[int]]] = {}  # device -> chunks of indices
+        filled: dict[torch.device, int] = {}  # words in each group's last chunk
         plan: list[tuple[list[int], list[torch.Tensor], torch.Tensor | None]] = []
         for i, t in enumerate(self.tensors):
             words = _words(t)
@@ -110,7 +113,7 @@ class Fingerprint:
             self._build()
             self._ptrs = ptrs
         out = torch.zeros(len(self.tensors), dtype=torch.int64)
-        parts: dict[Any, tuple[list[int], list[torch.Tensor]]] = {}  # device -> (indices, sums)
+        parts: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}  # device -> (indices, sums)
         with torch.no_grad():
             for idx, views, ends in self._plan:
                 if ends is None:
@@ -199,8 +202,8 @@ class WeightWatch:
             key: Fingerprint([trained[i][1] for i in idx]) for key, idx in zip(self.trained_keys, split, strict=True)
         }
         self.prints["frozen"] = Fingerprint([p for _, p in frozen])
-        self.ref: dict[str, tuple[tuple[Any, ...], torch.Tensor]] = {}
-        self.peaks: dict[str, tuple[tuple[Any, ...], torch.Tensor]] = {}  # each trained group's largest magnitudes
+        self.ref: dict[str, tuple[Layout, torch.Tensor]] = {}
+        self.peaks: dict[str, tuple[Layout, torch.Tensor]] = {}  # each trained group's largest magnitudes
         self.implausible: list[str] = []  # trained tensors whose largest magnitude jumped (see `_peaks`)
         self.tensors = {n: _local(p) for n, p in g.model.named_parameters()}  # by name: the event check's
         self.settle(frozen=True)

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("mscale.hook")
 
 
-def snapshot_config(snapshots: Any) -> SnapshotConfig | None:
+def snapshot_config(snapshots: object) -> SnapshotConfig | None:
     """`attach`'s `snapshots` argument as a SnapshotConfig (None: no snapshots)."""
     if snapshots is None or snapshots is False:
         return None
@@ -100,7 +100,7 @@ class LoopData:
         pass
 
 
-def data_position(data: Any) -> Any:
+def data_position(data: object) -> Any:
     """What the snapshot engine gets as `data` for `attach`'s `data` argument."""
     if data is None:
         return LoopData()
@@ -134,10 +134,10 @@ class Protection:
     writes) when the guard detaches, and flags the snapshots a checksum, gradient or weight
     finding puts in doubt (engine.flag_steps: never restored from, in any tier)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: SnapshotEngine) -> None:
         self.engine = engine
 
-    def on_finding(self, finding: Any) -> None:
+    def on_finding(self, finding: Finding) -> None:
         if finding.reason not in _DOUBT:
             return
         try:
@@ -146,7 +146,7 @@ class Protection:
             step = self.engine.step
         self.engine.flag_steps(step - 1, step, f"{finding.reason.value} at step {step}")
 
-    def on_detach(self, guard: Any) -> None:
+    def on_detach(self, guard: Guard) -> None:
         self.engine.close()
 
 
@@ -177,7 +177,7 @@ def agree(guard: Guard, healing: HealingSection | None = None) -> None:
     setattr(guard, "replicas", replicas)  # noqa: B010
 
 
-def _step_scheduler_past(scheduler: Any) -> None:
+def _step_scheduler_past(scheduler: object) -> None:
     """A disk snapshot is taken at the optimizer's step (the guard's commit point), before the
     loop's `scheduler.step()` of that step; a rollback is followed by that call, a start-up
     resume is not (the loop begins with the next step): make it here, as the loop would have."""

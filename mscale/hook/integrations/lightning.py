@@ -162,7 +162,7 @@ class _StepWatch:
     def __init__(self, callback: MscaleCallback) -> None:
         self.callback = callback
 
-    def on_step_begin(self, step: int, batch: Any) -> None:
+    def on_step_begin(self, step: int, batch: object) -> None:
         self.callback._forward_seen = True
 
     def on_step_end(self, step: int, loss: Any) -> None:
