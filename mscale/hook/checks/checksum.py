@@ -224,7 +224,7 @@ class ChecksumDetector:
         self.stats.begin_step()
         self.graph.begin_step(step, {mid: r.in_incident(step) for mid, r in self.schedule.mpus.items()})
 
-    def before_forward(self, mpu: Mpu, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def before_forward(self, mpu: Mpu, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         st = self._mpus[id(mpu)]
         if self._planned != self._step():
             self.begin_step()  # a forward outside the guard's steps (no optimizer, eval loops)

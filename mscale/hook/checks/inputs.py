@@ -27,7 +27,7 @@ from mscale.findings import Finding, Reason, Severity
 SOURCE = "guard"
 
 
-def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+def _tensors(args: tuple[object, ...], kwargs: dict[str, object]) -> list[tuple[str, torch.Tensor]]:
     out: list[tuple[str, torch.Tensor]] = []
 
     def add(name: str, v: Any, depth: int) -> None:
@@ -68,7 +68,7 @@ class InputCheck:
         self.findings = 0
         self._own: list[int] | None = None  # this rank's non-finite micro-batches, once the losses are agreed
 
-    def begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def begin(self, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         micro_batch, named = len(self.losses), _tensors(args, kwargs)
         self.bad_forward = None
         if micro_batch == 0:  # a step's first forward

@@ -45,7 +45,7 @@ def _is_cache(v: Any) -> bool:
     return any(c.__name__ == "Cache" and "transformers" in c.__module__ for c in type(v).__mro__)
 
 
-def fresh_copies(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Copies:
+def fresh_copies(args: tuple[object, ...], kwargs: dict[str, object]) -> Copies:
     """Deep copies of the cache arguments of a forward, keyed by ("arg", i) or ("kw", name),
     taken before the forward fills them."""
     out: dict[tuple[str, Any], Any] = {}
@@ -59,7 +59,7 @@ def fresh_copies(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Copies:
 
 
 def _with_copies(
-    args: tuple[Any, ...], kwargs: dict[str, Any], copies: dict[tuple[str, Any], Any]
+    args: tuple[object, ...], kwargs: dict[str, object], copies: dict[tuple[str, Any], Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if not copies:
         return args, kwargs

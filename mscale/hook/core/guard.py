@@ -346,13 +346,13 @@ class Guard:
             self._handles.append(self.optimizer.register_step_pre_hook(entry(lambda opt, a, k: self._pre_step())))
             self._handles.append(self.optimizer.register_step_post_hook(entry(lambda opt, a, k: self._post_step())))
 
-    def _model_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _model_pre(self, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         if self.model.training and not self.checksum.replaying:  # (the model the wrapper compiles)
             if not self.step_state.in_step:
                 self._begin_step(ModelInputs(args, kwargs))
             self.inputs.begin(args, kwargs)
 
-    def _model_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def _model_post(self, module: nn.Module, args: tuple[object, ...], output: Any) -> None:
         if self.checksum.replaying or not self.model.training:
             return
         loss = loss_of(output)
@@ -370,14 +370,14 @@ class Guard:
         self.checksum.begin_step()  # this step's checks, within the budget
         self.hooks.dispatch("on_step_begin", self.current_step, batch)
 
-    def _mpu_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _mpu_pre(self, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         if compiling() or self.checksum.replaying:
             return  # traced: no timers, no replay (mscale.hook.integrations.compiled)
         m = self._mpu_by_module[id(module)]
         m._fwd_start = time.perf_counter()
         self.checksum.before_forward(m, args, kwargs)
 
-    def _mpu_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+    def _mpu_post(self, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], output: Any) -> Any:
         if compiling():  # traced: the output's non-finite check and statistic, as tensor ops
             self.checksum.traced_output(self._mpu_by_module[id(module)], output_tensors(output))
             return None

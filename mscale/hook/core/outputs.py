@@ -13,8 +13,8 @@ import torch
 class ModelInputs(NamedTuple):
     """What a module was called with: the batch, as the model (or an MPU) saw it."""
 
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+    args: tuple[object, ...]
+    kwargs: dict[str, object]
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:

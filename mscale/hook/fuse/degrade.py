@@ -123,7 +123,7 @@ def _guarded(
 ) -> Reduction:
     red = Reduction(kind, detail, undo=lambda: None)
 
-    def forward(inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def forward(inner: Callable[..., Any], args: tuple[object, ...], kwargs: dict[str, object]) -> Any:
         try:
             out = reduced(inner, args, kwargs)
         except Exception as e:  # the module's own forward for this call; the fuse undoes the reduction
@@ -158,7 +158,7 @@ def _vit(module: nn.Module, scale: float) -> Reduction | None:
     full = grid * grid
     small_n = (small // patch) ** 2
 
-    def reduced(inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def reduced(inner: Callable[..., Any], args: tuple[object, ...], kwargs: dict[str, object]) -> Any:
         kwargs = dict(kwargs)
         key = "pixel_values" if "pixel_values" in kwargs else None
         x = kwargs[key] if key else (args[0] if args else None)
@@ -226,7 +226,7 @@ def _merge(module: nn.Module, scale: float) -> Reduction | None:
     if p <= 0:
         return None
 
-    def reduced(inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def reduced(inner: Callable[..., Any], args: tuple[object, ...], kwargs: dict[str, object]) -> Any:
         kwargs = dict(kwargs)
         x = kwargs.pop("hidden_states", args[0] if args else None)
         grid = kwargs.pop("grid_thw", args[1] if len(args) > 1 else None)

@@ -90,7 +90,7 @@ class Captured:
     outputs: dict[str, Any] = field(default_factory=dict)  # mpu_id -> output
     calls: list[tuple[str, Any]] = field(default_factory=list)  # (mpu_id, output) of this forward, in order
     text_inputs: tuple[Any, ...] = ()
-    text_kwargs: dict[str, Any] = field(default_factory=dict)  # the text MPU's keyword inputs
+    text_kwargs: dict[str, object] = field(default_factory=dict)  # the text MPU's keyword inputs
     hidden: Any = None  # the text MPU's final hidden states, where it has an LM head (its input)
 
 

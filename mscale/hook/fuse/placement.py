@@ -134,7 +134,7 @@ class Boundary:
         self.calls = 0
         self._undo = wrap_forward(module, self._forward)
 
-    def _forward(self, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _forward(self, inner: Callable[..., Any], args: tuple[object, ...], kwargs: dict[str, object]) -> Any:
         self.calls += 1
         here = device_of(self.module)
         seen = [t.device for t in tensors((args, kwargs))]

@@ -138,7 +138,7 @@ class GraphChecks:
 
     # --- traced (pure tensor ops) -----------------------------------------------------
 
-    def linear(self, mpu_id: str, kind: LinearKind, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+    def linear(self, mpu_id: str, kind: LinearKind, module: nn.Module, args: tuple[object, ...], out: Any) -> None:
         """A linear layer's check, traced (the checksum detector's hook calls it under dynamo)."""
         slot, i = self._slots[mpu_id], self._index[id(module)]
         y = kind.output_of(out)

@@ -81,7 +81,7 @@ def bf16_fallback(module: nn.Module, dtype: torch.dtype | None = None) -> Fallba
     default = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
     kind = device_of(module).type  # cuda's autocast for a sharded MPU kept there
 
-    def forward(inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def forward(inner: Callable[..., Any], args: tuple[object, ...], kwargs: dict[str, object]) -> Any:
         back = next((t.dtype for t in tensors((args, kwargs)) if t.is_floating_point()), default)
         with torch.autocast(kind, dtype=dtype):
             out = inner(*args, **kwargs)

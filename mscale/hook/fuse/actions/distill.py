@@ -203,7 +203,7 @@ class Distilling:
             self._captured.outputs[mpu.mpu_id] = output
             self._captured.calls.append((mpu.mpu_id, output))
 
-    def _model_input(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _model_input(self, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         import torch
 
         if module.training and self._captured is not None:
@@ -215,11 +215,11 @@ class Distilling:
             mask = kwargs.get("attention_mask")
             self._captured.attention_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
-    def _text_input(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _text_input(self, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         if module.training and self._captured is not None:
             self._captured.text_inputs, self._captured.text_kwargs = args, kwargs
 
-    def _text_hidden(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def _text_hidden(self, module: nn.Module, args: tuple[object, ...]) -> None:
         """The text MPU's LM head's input (its final hidden states): the teacher. A replay's
         forward is the check's, not the step's; a re-run's replaces the discarded one."""
         from mscale.hook.integrations.compiled import compiling
@@ -227,7 +227,7 @@ class Distilling:
         if module.training and args and self._captured is not None and not compiling() and not self._replaying():
             self._captured.hidden = args[0]
 
-    def _model_output(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    def _model_output(self, module: nn.Module, args: tuple[object, ...], output: Any) -> Any:
         """Add the term to the loss the model returns (before backward sees it). A hook on the
         model itself, outside the guard's plugin calls: an error here would reach the training
         loop, so it is logged and the step goes on with the task loss alone."""
