@@ -120,7 +120,7 @@ class Budget:
         was charged inside it), so the measured overhead is everything the guard and its plugins
         do, not only the checks. Traced (an MPU's hooks under torch.compile): no host timer."""
 
-        def entry(*args: Any, **kwargs: Any) -> T:
+        def entry(*args: object, **kwargs: object) -> T:
             if compiling():
                 return fn(*args, **kwargs)
             mark = self.enter("guard")

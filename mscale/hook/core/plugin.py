@@ -119,11 +119,11 @@ class PluginHooks:
         self.plugins.remove(plugin)
         self.call(plugin, "on_detach", self.owner)
 
-    def dispatch(self, hook: str, *args: Any) -> None:
+    def dispatch(self, hook: str, *args: object) -> None:
         for p in list(self.plugins):
             self.call(p, hook, *args)
 
-    def call(self, plugin: Any, hook: str, *args: Any) -> Any:
+    def call(self, plugin: Any, hook: str, *args: object) -> Any:
         fn = getattr(plugin, hook, None)
         if fn is None:
             return None

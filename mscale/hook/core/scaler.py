@@ -37,7 +37,7 @@ class ScalerWatch:
         self.used = False
         original = scaler.update
 
-        def update(*args: Any, **kwargs: Any) -> Any:
+        def update(*args: object, **kwargs: object) -> Any:
             result = original(*args, **kwargs)
             self._updated()
             return result

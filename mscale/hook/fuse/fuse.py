@@ -130,7 +130,7 @@ class FusePlugin:
 
     # --- what the actions use ------------------------------------------------------------
 
-    def dispatch(self, hook: str, *args: Any) -> list[Any]:
+    def dispatch(self, hook: str, *args: object) -> list[Any]:
         """Call `hook(self, *args)` on every action state that has it (registry order); their results."""
         return [getattr(st, hook)(self, *args) for st in self.states.values() if hasattr(st, hook)]
 

@@ -110,7 +110,7 @@ def wrap_forward(
     own = module.__dict__.get("forward")  # an earlier instance override, kept under ours
     inner = module.forward
 
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
+    def wrapped(*args: object, **kwargs: object) -> Any:
         return forward(inner, args, kwargs)
 
     module.forward = wrapped
