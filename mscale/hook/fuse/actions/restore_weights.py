@@ -17,6 +17,13 @@ when the fuse attaches, checked at each step's begin, re-recorded whenever the w
 Before the fuse counts an MPU's non-finite output (`mpu_failed`) all the MPU's weights are
 checked against the newest trusted snapshot (mscale.snapshot.trust), on the event only; corrupted
 ones are repaired here, the MPU's forward re-run on them, the failure not counted.
+
+Each new in-memory snapshot is verified once it is ready (at the next step's begin): its
+optimizer state not poisoned, its weights explained by optimizer steps since the snapshot
+before it (mscale.snapshot.trust). A write the rotating fingerprints did not see (a weight in
+a group not due, an embedding row no batch has read yet) and the weights an absurd exp_avg
+blew up are found there, reported per tensor, and restored from the newest snapshot that
+passes: one pass over the weights and the state every `memory_every` steps.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ class Watch:
         self.source: Any = None  # the snapshot an event check chose for the repair it reports
         self.seen: dict[str, tuple[int, bool]] = {}  # mpu_id -> (fuse.seq checked at, repaired)
         self.intact: dict[str, tuple] = {}  # mpu_id -> (placement epoch, newest snapshot) found intact at
+        self.verified: int | None = None  # the newest in-memory snapshot verified
 
     def attach(self, fuse) -> None:
         from mscale.hook.checks.weights import WeightWatch
@@ -48,6 +56,34 @@ class Watch:
     def step_begin(self, fuse) -> None:
         if self.watch is not None:
             self.watch.check(fuse.guard.current_step)
+            self.verify(fuse)
+
+    def verify(self, fuse) -> list[str]:
+        """Verify the newest in-memory snapshot once it is ready (the module docstring); the
+        tensors it finds unexplained are reported, the policy restores them. Returns them."""
+        import time
+
+        from mscale.hook.checks.weights import charge
+        from mscale.snapshot import trust
+
+        engine = fuse.snapshot_engine
+        latest = getattr(engine, "latest", None)
+        newest = latest() if callable(latest) else None
+        if newest is None or newest.step == self.verified or not newest.is_ready():
+            return []
+        t0 = time.perf_counter()
+        self.verified = newest.step
+        older = [s for s in engine.memory_steps if s < newest.step]
+        before = engine.latest(max(older)) if older else None
+        names = list(self.watch.tensors)
+        bad = trust.state_bad(newest, trust.moment_bound(fuse.guard.optimizer))
+        if before is not None and before.is_ready():
+            bad |= trust.beyond(trust.host_copies(newest, names), trust.host_copies(before, names))
+        charge(fuse.guard, "weights", t0)
+        found = [n for n in names if n in bad]
+        if found:
+            self.watch.report(found, fuse.guard.current_step, why=f"the snapshot of step {newest.step} was verified")
+        return found
 
     def weights_settled(self, fuse) -> None:
         if self.watch is not None:
