@@ -47,6 +47,7 @@ class Watch:
         self.seen: dict[str, tuple[int, bool]] = {}  # mpu_id -> (fuse.seq checked at, repaired)
         self.intact: dict[str, tuple] = {}  # mpu_id -> (placement epoch, newest snapshot) found intact at
         self.verified: int | None = None  # the newest in-memory snapshot verified
+        self.verify_s, self.verifies = 0.0, 0  # seconds spent verifying snapshots, and how many (rare work)
 
     def attach(self, fuse) -> None:
         from mscale.hook.checks.weights import WeightWatch
@@ -80,6 +81,7 @@ class Watch:
         if before is not None and before.is_ready():
             bad |= trust.beyond(trust.host_copies(newest, names), trust.host_copies(before, names))
         charge(fuse.guard, "weights", t0)
+        self.verify_s, self.verifies = self.verify_s + time.perf_counter() - t0, self.verifies + 1
         found = [n for n in names if n in bad]
         if found:
             self.watch.report(found, fuse.guard.current_step, why=f"the snapshot of step {newest.step} was verified")
