@@ -61,7 +61,7 @@ def moment_bound(optimizer: Any) -> float | None:
     docstring), with MARGIN; None where no bound holds (b1^2 >= b2) or none is known."""
     bound = 0.0
     for group in getattr(optimizer, "param_groups", None) or [{}]:
-        b1, b2 = group.get("betas", (0.9, 0.999))
+        b1, b2 = (float(b) for b in group.get("betas", (0.9, 0.999)))  # (tensors too)
         if not (0 <= b1 < 1 and 0 < b2 < 1) or b1 * b1 >= b2:
             return None
         bound = max(bound, (1 - b1) ** 2 / (1 - b2) / (1 - b1 * b1 / b2))
@@ -87,7 +87,8 @@ def state_bad(snap: Any, bound: float | None) -> set[str]:
             if bound is None or m is None or v is None or m.shape != v.shape or not m.numel():
                 continue
             m32 = m.to(torch.float32)
-            if bool((torch.addcmul(v.to(torch.float32), m32, m32, value=-1.0 / bound) < -1e-30).any()):
+            floor = torch.finfo(v.dtype).tiny if v.is_floating_point() else 0.0  # v below it: rounded to 0
+            if bool((torch.addcmul(v.to(torch.float32) + floor, m32, m32, value=-1.0 / bound) < 0).any()):
                 bad.add(fqn)
     return bad
 
