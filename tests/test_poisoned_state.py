@@ -9,7 +9,8 @@ the newest snapshot that passes; the fault put in by the test's own code:
   weights go NaN, the rollback skips the snapshot that holds the poisoned state;
 - an embedding row no batch reads, set to 1e30 in a window whose fingerprint group is not due.
 
-The moment bound itself is checked on a real AdamW's state: clean moments pass, a scaled one fails.
+The moment bound itself is checked on a real AdamW's state: clean moments pass, a scaled one
+fails, element by element (a snapshot trusted) and on the largest magnitudes (each new snapshot).
 """
 
 from __future__ import annotations
@@ -91,11 +92,19 @@ def test_the_moment_bound_passes_real_adam_state_and_fails_a_scaled_moment() -> 
             self.tensors = {"f": {f"optim/w/{k}": v.clone() for k, v in state.items()}}
 
     state = opt.state[w]
-    assert trust.state_bad(Snap(state), bound) == set()
-    for key, factor in (("exp_avg", 1e3), ("exp_avg_sq", 1e-8), ("exp_avg", float("inf"))):
+    assert trust.state_bad(Snap(state), bound) == set() == trust.suspect(Snap(state), {}, bound, None)
+    for key, factor, per_tensor in (
+        ("exp_avg", 1e3, None),  # on the largest magnitudes, found where this m becomes the largest
+        ("exp_avg", 1e6, True),
+        ("exp_avg_sq", 1e-8, False),  # element by element only: the largest v is another element's
+        ("exp_avg", float("inf"), True),
+    ):
         bad = {k: v.clone() for k, v in state.items()}
         bad[key].view(-1)[7] *= factor
         assert trust.state_bad(Snap(bad), bound) == {"w"}, key
+        # the per-step test on the largest magnitudes: what it finds, the exact test finds too
+        found = trust.suspect(Snap(bad), {}, bound, None)
+        assert found <= {"w"} and (per_tensor is None or found == ({"w"} if per_tensor else set())), (key, factor)
 
 
 def test_an_absurd_exp_avg_is_found_at_the_next_snapshot_and_the_run_ends_as_the_clean_one(clean) -> None:

@@ -18,12 +18,14 @@ an exp_avg scaled up, or an exp_avg_sq scaled down, past that is no gradient's d
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 PLAUSIBLE = float(1 << 16)
 MARGIN = 4.0  # on m^2 / v: float rounding of the moments, far below any corruption worth finding
+TINY = torch.finfo(torch.float32).tiny  # an exp_avg_sq below it rounds to 0 (state_bad: its own dtype's)
 
 
 def host_copies(snap: Any, names: list[str]) -> dict[str, torch.Tensor]:
@@ -90,6 +92,40 @@ def state_bad(snap: Any, bound: float | None) -> set[str]:
             floor = torch.finfo(v.dtype).tiny if v.is_floating_point() else 0.0  # v below it: rounded to 0
             if bool((torch.addcmul(v.to(torch.float32) + floor, m32, m32, value=-1.0 / bound) < 0).any()):
                 bad.add(fqn)
+    return bad
+
+
+def maxima(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each floating-point tensor's largest magnitude (NaN or Inf where it holds one): one
+    `_foreach_norm` of order inf, one read of each tensor, nothing allocated its size."""
+    keys = [k for k, t in tensors.items() if t.is_floating_point() and t.numel()]
+    if not keys:
+        return {}
+    with torch.no_grad():
+        norms = torch._foreach_norm([tensors[k] for k in keys], float("inf"))
+        return dict(zip(keys, torch.stack([n.to(torch.float64) for n in norms]).tolist(), strict=True))
+
+
+def suspect(snap: Any, weights: dict[str, float], bound: float | None, before: dict[str, float] | None) -> set[str]:
+    """The per-step test of a new snapshot (restore_weights' verification), on each tensor's
+    largest magnitude alone (`weights`: its weights' `maxima`; one read of the state): a weight or
+    a state tensor not finite, max |exp_avg|^2 > bound * max exp_avg_sq, or a weight's largest
+    magnitude past (PLAUSIBLE + 1) times the larger of 1 and its largest at the snapshot
+    before (`before`, its maxima). Whatever it names, `state_bad` and `beyond` name too (the
+    largest m's element breaks the bound; a largest magnitude that grew so moved by more than
+    PLAUSIBLE), so the snapshot `trusted` then picks is an older one."""
+    state: dict[str, dict[str, float]] = {}
+    for k, top in maxima({k: t for d in snap.tensors.values() for k, t in d.items() if k.startswith("optim/")}).items():
+        fqn, _, key = k[6:].rpartition("/")
+        state.setdefault(fqn, {})[key] = top
+    bad = {n for n, w in weights.items() if not math.isfinite(w)}
+    bad |= {n for n, w in weights.items() if before and n in before and w > (PLAUSIBLE + 1) * max(1.0, before[n])}
+    for fqn, st in state.items():
+        m, v = st.get("exp_avg"), st.get("exp_avg_sq")
+        if not all(math.isfinite(x) for x in st.values()) or (
+            bound is not None and m is not None and v is not None and m * m > bound * (v + TINY)
+        ):
+            bad.add(fqn)
     return bad
 
 

@@ -48,6 +48,7 @@ class Watch:
         self.intact: dict[str, tuple] = {}  # mpu_id -> (placement epoch, newest snapshot) found intact at
         self.verified: int | None = None  # the newest in-memory snapshot verified
         self.verify_s, self.verifies = 0.0, 0  # seconds spent verifying snapshots, and how many (rare work)
+        self.maxima: tuple[int | None, dict[str, float]] = (None, {})  # a snapshot's weights' largest magnitudes
 
     def attach(self, fuse) -> None:
         from mscale.hook.checks.weights import WeightWatch
@@ -77,9 +78,11 @@ class Watch:
         older = [s for s in engine.memory_steps if s < newest.step]
         before = engine.latest(max(older)) if older else None
         names = list(self.watch.tensors)
-        bad = trust.state_bad(newest, trust.moment_bound(fuse.guard.optimizer))
-        if before is not None and before.is_ready():
-            bad |= trust.beyond(trust.host_copies(newest, names), trust.host_copies(before, names))
+        if before is not None and self.maxima[0] != before.step and before.is_ready():
+            self.maxima = (before.step, trust.maxima(trust.host_copies(before, names)))
+        was = self.maxima[1] if before is not None and self.maxima[0] == before.step else None
+        self.maxima = (newest.step, trust.maxima(trust.host_copies(newest, names)))
+        bad = trust.suspect(newest, self.maxima[1], trust.moment_bound(fuse.guard.optimizer), was)
         charge(fuse.guard, "weights", t0)
         self.verify_s, self.verifies = self.verify_s + time.perf_counter() - t0, self.verifies + 1
         found = [n for n in names if n in bad]
