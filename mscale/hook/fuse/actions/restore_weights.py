@@ -18,7 +18,8 @@ Before the fuse counts an MPU's non-finite output (`mpu_failed`) all the MPU's w
 checked against the newest trusted snapshot (mscale.snapshot.trust), on the event only; corrupted
 ones are repaired here, the MPU's forward re-run on them, the failure not counted.
 
-Each new in-memory snapshot is verified once it is ready (at the next step's begin): its
+Each new in-memory snapshot is verified once it is ready (at a step's end, when the weights
+settle, before that step's own snapshot): its
 optimizer state not poisoned, its weights explained by optimizer steps since the snapshot
 before it (mscale.snapshot.trust). A write the rotating fingerprints did not see (a weight in
 a group not due, an embedding row no batch has read yet) and the weights an absurd exp_avg
@@ -58,7 +59,6 @@ class Watch:
     def step_begin(self, fuse) -> None:
         if self.watch is not None:
             self.watch.check(fuse.guard.current_step)
-            self.verify(fuse)
 
     def verify(self, fuse) -> list[str]:
         """Verify the newest in-memory snapshot once it is ready (the module docstring); the
@@ -92,6 +92,7 @@ class Watch:
 
     def weights_settled(self, fuse) -> None:
         if self.watch is not None:
+            self.verify(fuse)  # at the step's end, after its agreement: no read inside a step
             self.watch.settle()
 
     def mpu_failed(self, fuse, m: Any, f: Any) -> bool:
