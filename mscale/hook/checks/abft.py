@@ -87,6 +87,13 @@ class LayerCheck:
             return (t - p, rtol * scale + 1e-30)
 
 
+def layer_path(mpu_path: str, layer: str) -> str:
+    """The model's name of a module blamed: `layer` (its name inside the MPU, "<self>" the MPU
+    itself, "" its output) under the MPU's path ("<model>": the whole model)."""
+    inner = "" if layer in ("", "<self>") else layer
+    return ".".join(p for p in (mpu_path, inner) if p) or "<model>"
+
+
 Failure = tuple[Reason, str, str, str]  # (reason, method, detail, the layer blamed: "" for the MPU's output)
 
 

@@ -76,13 +76,6 @@ log = structlog.get_logger("mscale.hook")
 _Row = abft.Row  # one check: (method, layer, dtype, value)
 
 
-def layer_path(mpu_path: str, layer: str) -> str:
-    """The model's name of a module blamed: `layer` (its name inside the MPU, "<self>" the MPU
-    itself, "" its output) under the MPU's path ("<model>": the whole model)."""
-    inner = "" if layer in ("", "<self>") else layer
-    return ".".join(p for p in (mpu_path, inner) if p) or "<model>"
-
-
 def _distilling(mpu: Any) -> bool:
     """At L3 the distillation trains through the MPU's failing output, as in-step verdicts do:
     at the commit point only a non-finite output fails its step (mscale.healing.progress)."""
@@ -473,16 +466,14 @@ class ChecksumDetector:
     # --- counting --------------------------------------------------------------------
 
     def _report(self, mpu: Any, failures: list[abft.Failure]) -> None:
-        labels = self._labels(mpu)
         for reason, method, detail, layer in failures:
             sev = Severity.CRITICAL if reason is Reason.NONFINITE_OUTPUT else Severity.WARNING
-            blame = {"layer": layer_path(mpu.path, layer)} if layer else {}  # else the MPU's output: _labels
-            self._emit(Finding(SOURCE, reason, sev, f"{mpu.name}: {detail}", {**labels, **blame, "method": method}))
+            blame = {**self._labels(mpu), "layer": abft.layer_path(mpu.path, layer), "method": method}  # "": its output
+            self._emit(Finding(SOURCE, reason, sev, f"{mpu.name}: {detail}", blame))
         self.suspect(mpu.mpu_id, f"{failures[0][1]} check failed")
 
     def _labels(self, mpu: Any) -> dict[str, str]:
-        """An MPU's labels; "layer": the module blamed (here its output, the MPU's path)."""
-        labels = {"mpu_id": mpu.mpu_id, "mpu": mpu.name, "gpu": str(mpu.gpu), "layer": layer_path(mpu.path, "")}
+        labels = {"mpu_id": mpu.mpu_id, "mpu": mpu.name, "gpu": str(mpu.gpu), "layer": abft.layer_path(mpu.path, "")}
         if mpu.gpu_uuid:
             labels["gpu_uuid"] = mpu.gpu_uuid
         return labels
