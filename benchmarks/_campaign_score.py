@@ -6,7 +6,8 @@ magnitude 10x the fault-free run's); the guarded run tells whether it was detect
 warning or critical finding at or after the fault's first step that the guarded clean run
 did not raise at that step; heal actions, rollbacks and snapshots are consequences, not
 detections), after how many steps, blamed on the right MPU (an `mpu_id` label of the
-fault's MPU) and layer (a `tensor` label inside the fault's layer), healed (final loss
+fault's MPU) and layer (a `tensor` or `layer` label naming the fault's layer or a module or
+tensor inside it: `blamed`), healed (final loss
 within 2% of the fault-free run), escaped (it mattered and was not healed and did not stop
 cleanly), a loop (the optimizer-call cap reached before the target step), a crash (an
 exception not raised by mscale).
@@ -52,6 +53,13 @@ def fault_layer(f: Fault) -> str:
     return m.group(1) if m else f.module_path
 
 
+def blamed(labels: dict, layer: str) -> bool:
+    """Whether a finding's labels name `layer` or a tensor or module inside it (the DDP
+    wrapper's `module.` prefix aside; replicas' findings name several tensors)."""
+    named = [*labels.get("tensor", "").split(","), labels.get("layer", "")]
+    return any((n := x.removeprefix("module.")) == layer or n.startswith(layer + ".") for x in named if x)
+
+
 def _detections(f: Fault, guarded: dict, clean_guarded: dict) -> list[dict]:
     seen = {(x["reason"], x["step"]) for x in clean_guarded["findings"]}
     return [
@@ -91,9 +99,7 @@ def score(f: Fault, bare: dict, guarded: dict, clean: dict, clean_guarded: dict,
         "right_rank": None
         if not ranked or first is None
         else any(str(x["labels"].get("rank", x.get("rank"))) == str(f.rank) for x in at_first),
-        "right_layer": None
-        if layer is None or first is None
-        else any(x["labels"].get("tensor", "").startswith(layer) for x in hits),
+        "right_layer": None if layer is None or first is None else any(blamed(x["labels"], layer) for x in hits),
         "healed": healed,
         "stopped": stopped,
         "escaped": mattered and not healed and not stopped,

@@ -64,7 +64,8 @@ repeat: `--steps 450 --repeats 5 --no-guard-only --no-incident` gives 90.
 
 Rare work. Some of what the line does happens one step in many: a replay of an MPU's forward
 (one step in 50 to 150, paid from the budget's replay bank), an in-memory snapshot every 10
-steps (its capture on the training thread, its copy on a background thread). A median step
+steps (its capture on the training thread, its copy on a background thread, its verification
+on the training thread once the copy is ready: the fuse's `verify_s`). A median step
 leaves such work out, so an arm's cost per repeat is the median of its steps with each step's
 rare work taken out (timed where it runs: the replays by the guard, `checksum.replay_s`; the
 capture's waits by the snapshot engine, `stall_s`; the background copy's CPU time by a timer
@@ -216,9 +217,12 @@ class Arm:
 
     def snapshot_s(self) -> float:
         """Snapshot seconds so far: the training thread's waits on captures (their foreground
-        part) and the CPU time of their background copies."""
-        engine = getattr(getattr(self.guard, "fuse", None), "snapshot_engine", None)
-        return 0.0 if engine is None else engine.stall_s + COPY_CPU.get(id(engine.copier), 0.0)
+        part), the CPU time of their background copies, and the verification of each one once
+        ready (mscale.hook.fuse.actions.restore_weights.Watch.verify)."""
+        fuse = getattr(self.guard, "fuse", None)
+        engine = getattr(fuse, "snapshot_engine", None)
+        verify = getattr(getattr(fuse, "states", {}).get("restore_weights"), "verify_s", 0.0)  # each snapshot's check
+        return 0.0 if engine is None else engine.stall_s + COPY_CPU.get(id(engine.copier), 0.0) + verify
 
     def step(self, keep: bool) -> None:
         s0 = self.snapshot_s()
@@ -413,6 +417,14 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
             + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(b["cost_s"].items()))
         )
         rep.figure(f"{tag}: guard's own overhead ratio", [b["overhead_ratio"]], unit="x", show=False)
+        w = attached.fuse.states.get("restore_weights") if attached.fuse is not None else None
+        if w is not None and w.verifies:
+            every = attached.fuse.snapshot_engine.memory_every
+            each = w.verify_s / w.verifies
+            print(
+                f"  snapshot verification: {w.verifies} snapshots, {each * 1e3:.2f} ms each, one in {every} steps: "
+                f"{each / every / b['step_s']:.2%} of its step"
+            )
     for k, a in enumerate(arms):
         rep.figure(f"{tag}: {a.name} step (wall)", [x for arm in repeats for x in arm[k].wall], unit="s")
         rep.figure(f"{tag}: {a.name} step (cpu)", [x for arm in repeats for x in arm[k].cpu], unit="s", show=False)

@@ -4,6 +4,7 @@ surface, magnitude, timing and MPU, and false alarms per 1,000 clean steps.
 
     python benchmarks/fault_campaign.py benchmarks/campaigns/ci.json [--steps 40] [--json OUT]
         [--markdown OUT.md] [--limit N] [--every K] [--setup one|ddp] [--clean-runs 1] [--clean-steps 40]
+    python benchmarks/fault_campaign.py --combine A.json B.json     # runs split by --model, as one table
 
 Set-ups: one process, or `--setup ddp`: 2 gloo ranks under DistributedDataParallel, the fault
 on rank 1, each run in a fresh process (benchmarks/_campaign_ddp.py); FSDP2 is not run yet. The fault-free run, the guarded
@@ -122,9 +123,30 @@ def campaign(
     }
 
 
+def combine(paths: list[Path]) -> dict:
+    """Several runs' JSON (one campaign split by --model, run side by side) as one result:
+    every fault's row, the aggregates again, the clean runs' alarms added up."""
+    parts = [json.loads(p.read_text()) for p in paths]
+    rows = [r for d in parts for r in d["faults"]]
+    fa = [d["false_alarms"] for d in parts]
+    steps = sum(a["clean_steps"] for a in fa)
+    alarms: dict = {"clean_steps": steps, "reasons": sorted({x for a in fa for x in a["reasons"]})}
+    for sev in ("warning", "critical"):
+        alarms[sev] = sum(a[sev] for a in fa)
+        alarms[f"{sev}_per_1000"] = round(1000 * alarms[sev] / steps, 2) if steps else None
+    return {
+        "faults": rows,
+        "all": summarize(rows),
+        "by": {k: by(rows, k) for k in ("surface", "magnitude", "timing", "mpu", "model", "op")},
+        "false_alarms": alarms,
+        "parts": [str(p) for p in paths],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("campaign", help="a campaign file (benchmarks/campaigns/*.json)")
+    ap.add_argument("campaign", nargs="?", help="a campaign file (benchmarks/campaigns/*.json)")
+    ap.add_argument("--combine", type=Path, nargs="+", default=None, help="print the table of these --json results")
     ap.add_argument("--steps", type=int, default=40, help="training steps per run (the target)")
     ap.add_argument("--clean-runs", type=int, default=1, help="guarded clean runs per model (false alarms)")
     ap.add_argument("--clean-steps", type=int, default=None, help="steps of each clean run (default: --steps)")
@@ -135,6 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--markdown", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.combine:
+        res = combine(args.combine)
+        table = markdown(res["faults"], res["false_alarms"])
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=1, default=str))
+        print(table)
+        return 0
+    if not args.campaign:
+        ap.error("a campaign file, or --combine")
     torch.set_num_threads(1)
     head, faults = load(args.campaign)
     faults = [f for f in faults[:: args.every] if args.model in (None, f.model)][: args.limit]

@@ -120,7 +120,8 @@ def test_replay_with_a_dynamic_cache_is_quiet_on_clean_idefics3(monkeypatch) -> 
 
 def test_a_corrupted_conv1d_output_in_a_tiny_gpt2_is_caught() -> None:
     """GPT-2's linears are Hugging Face `Conv1D` (y = x W + b, W stored (in, out)): checked
-    through the registration (mscale.hook.checks.linears), clean steps pass, a corrupted output fails."""
+    through the registration (mscale.hook.checks.linears), clean steps pass, a corrupted output fails
+    and its finding names the layer by its path in the model (the campaign's right-layer blame)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.pytorch_utils import Conv1D
 
@@ -159,6 +160,7 @@ def test_a_corrupted_conv1d_output_in_a_tiny_gpt2_is_caught() -> None:
     assert {id(m) for m in checked} == {id(m) for m in conv}
     name = next(n for n, m in model.transformer.named_modules() if m is conv[3])  # h.0.mlp.c_proj
     assert failed[0].labels["method"] == "abft" and f"layer {name} " in failed[0].message
+    assert failed[0].labels["layer"] == f"transformer.{name}"  # the model's name of the layer blamed
 
 
 def test_on_a_tiny_llava_the_replays_ceiling_catches_a_towers_output_fault_the_bank_cannot_pay() -> None:

@@ -211,3 +211,37 @@ def test_recorded_tinymm_curve() -> None:
     spiked = list(recorded)
     spiked[250] *= 25
     assert {f.labels["step"] for f in run(spiked) if f.severity is Severity.CRITICAL} == {"250"}
+
+
+def test_an_mpus_gradient_norm_jump_names_the_tensor_whose_gradient_jumped() -> None:
+    """The tiny LLaVA under mscale.attach (no snapshots); from step 15 the test's own tensor hook
+    scales one vision weight's gradient by 1e4: the MPU's gradient-norm finding names that tensor
+    (`tensor`), which is how the fault campaign judges the right layer."""
+    import torch
+
+    import mscale
+    from support.tiny_hf import tiny_llava
+
+    torch.manual_seed(0)
+    model, make_batch = tiny_llava(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = mscale.attach(model, opt, job_id="grad-blame", connect=False)
+    name = "model.vision_tower.encoder.layers.0.self_attn.v_proj.weight"
+    at = {"on": False}
+    dict(model.named_parameters())[name].register_hook(lambda g: g * 1e4 if at["on"] else None)
+    try:
+        for step in range(18):
+            at["on"] = step == 15
+            model(**make_batch(step, torch.Generator().manual_seed(step))).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        guard.detach()
+    vision = guard.mpu("vision").mpu_id
+    found = [
+        f
+        for f in guard.findings
+        if f.reason in (Reason.GRAD_NORM_JUMP, Reason.GRAD_NORM_SPIKE) and f.labels.get("mpu_id") == vision
+    ]
+    assert found and found[0].labels["step"] == "15", [f.labels for f in guard.findings]
+    assert found[0].labels["tensor"] == name and name in found[0].message

@@ -20,7 +20,7 @@ import torch
 
 import mscale
 from mscale.findings import Finding, Reason
-from mscale.hook.checks.outstats import CONFIRM, FLOOR, WARMUP, Series
+from mscale.hook.checks.outstats import CONFIRM, FLOOR, RECENT, WARMUP, Series
 from support import REPO, free_port
 from support.ddp_run import run_group
 from support.noise_job import add_noise
@@ -167,3 +167,21 @@ def test_a_held_step_is_a_shift_on_its_confirming_step_and_drift_or_a_spike_is_n
     assert _shifts(small) == []
     early = drift[: WARMUP - 2] + [x + 1.0 for x in drift[WARMUP - 2 :]]  # before the baseline: its level
     assert _shifts(early) == []
+
+
+def test_a_swing_of_training_coming_back_is_not_a_shift_and_a_rise_past_it_is() -> None:
+    # bf16-mixed clean runs: the tower's output falls ever faster for a dozen steps, then comes
+    # back within 3 steps to a level it had 6 steps before; the trend, still pointing down,
+    # mispredicts the turn by x1.8 of the RMS, but the output has had that scale just before
+    flat = [2.1 + 0.02 * math.sin(t) for t in range(30)]
+    fall = [2.1 - 0.02 * 1.3**k for k in range(1, 15)]
+    back = [fall[-1] + d for d in (0.55, 0.8, 0.95, 0.95)]
+    after = [back[-1] + 0.01 * t for t in range(20)]
+    assert _shifts(flat + fall + back + after) == []
+    # the same turn taken past every level of the last RECENT steps (above the swing's start): a shift
+    past = [x + flat[0] - fall[-1] for x in back]
+    assert _shifts(flat + fall + past) == [len(flat + fall) + CONFIRM - 1]
+    # and a fault's step once the swing is RECENT steps behind: found as from a flat baseline
+    held = flat + fall + back + after[: RECENT - len(back)]
+    fault = [x + math.log(2) for x in after[RECENT - len(back) :]]
+    assert _shifts(held + fault) == [len(held) + CONFIRM - 1]

@@ -261,12 +261,7 @@ def assert_progress(result: dict, ref: dict, fault: str) -> None:
 MATRIX_ONLY: set[str] = set()
 # What each cell that fails shows, by its id. Measured on main after this wave's fixes (the
 # other non-compiled fault cells pass): a strict xfail, so a fix turns it into an XPASS.
-KNOWN: dict[str, str] = {
-    # bf16-mixed, both: the vision tower's output RMS rises ~1.8x within 3 clean steps, past
-    # output_stats' threshold (x1.3-1.4, which the tower fault's 1x-std noise, x1.41, must cross)
-    "lightning-clean": "1 warning in 900 steps: output_shift, vision RMS x1.8 (threshold x1.38) at step 117, seed 2",
-    "accelerate-clean": "1 warning in 900 steps: output_shift, vision RMS x1.73 (threshold x1.31) at step 69, seed 2",
-}
+KNOWN: dict[str, str] = {}
 # Measured before this wave's fixes only (not re-measured since: `make matrix` tells): a mark that
 # does not fail the run when the cell passes. Every cell is measured now.
 BEFORE_FIXES: dict[str, str] = {}

@@ -87,7 +87,17 @@ class LayerCheck:
             return (t - p, rtol * scale + 1e-30)
 
 
-def judge(rows: list[Row]) -> tuple[list[tuple[Reason, str, str]], int]:
+def layer_path(mpu_path: str, layer: str) -> str:
+    """The model's name of a module blamed: `layer` (its name inside the MPU, "<self>" the MPU
+    itself, "" its output) under the MPU's path ("<model>": the whole model)."""
+    inner = "" if layer in ("", "<self>") else layer
+    return ".".join(p for p in (mpu_path, inner) if p) or "<model>"
+
+
+Failure = tuple[Reason, str, str, str]  # (reason, method, detail, the layer blamed: "" for the MPU's output)
+
+
+def judge(rows: list[Row]) -> tuple[list[Failure], int]:
     """The failures among `rows`, at most one per method (ABFT's names the layer, so a replay's
     is left out beside it), and the host reads made (one for all the tensors among them)."""
     tensors = [r[3] for r in rows if isinstance(r[3], torch.Tensor)]
@@ -106,14 +116,14 @@ def judge(rows: list[Row]) -> tuple[list[tuple[Reason, str, str]], int]:
             continue
         if method == "nonfinite" and not nonfinite:
             nonfinite = True
-            failures.append((Reason.NONFINITE_OUTPUT, "nonfinite", "MPU output has NaN or Inf"))
+            failures.append((Reason.NONFINITE_OUTPUT, "nonfinite", "MPU output has NaN or Inf", ""))
         elif method == "abft" and not abft:
             abft = True
             if not math.isfinite(resid):
-                failures.append((Reason.NONFINITE_OUTPUT, "abft", f"layer {layer}: non-finite output"))
+                failures.append((Reason.NONFINITE_OUTPUT, "abft", f"layer {layer}: non-finite output", layer))
             else:
                 detail = f"layer {layer} ({dtype}): residual {abs(resid):.3g} > tolerance {tol:.3g}"
-                failures.append((Reason.CHECKSUM_FAILURE, "abft", detail))
+                failures.append((Reason.CHECKSUM_FAILURE, "abft", detail, layer))
         elif method == "replay" and not (replayed or abft):
             replayed = True
             detail = (
@@ -121,5 +131,5 @@ def judge(rows: list[Row]) -> tuple[list[tuple[Reason, str, str]], int]:
                 if not math.isfinite(resid) and tol == 0.0
                 else (f"replay {layer}: max difference {resid:.3g} > tolerance {tol:.3g}")
             )
-            failures.append((Reason.CHECKSUM_FAILURE, "replay", detail))
+            failures.append((Reason.CHECKSUM_FAILURE, "replay", detail, ""))
     return failures, 1 if tensors else 0

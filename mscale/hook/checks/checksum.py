@@ -99,7 +99,7 @@ class _MpuChecks:
         self.forwards = 0
         self.pending: list[_Row] = []  # this forward's checks (in_step verdicts)
         self.rows: list[_Row] = []  # the step's checks, read at the commit point (commit verdicts)
-        self.failures: list[tuple[Reason, str, str]] = []  # (reason, method, detail) this step
+        self.failures: list[abft.Failure] = []  # (reason, method, detail, layer) this step
         self.ran: set[str] = set()  # the methods run this step
         self.unresolved = False  # a forward failed and was not re-run clean since
         self.replay: tuple[Rng, Copies] | None = None  # (rng state, fresh cache copies) for this step's replay
@@ -352,7 +352,7 @@ class ChecksumDetector:
                 ("replay", detail, outs[0].dtype if outs else torch.float32, (math.inf, 0.0))
             )
 
-    def _judge(self, rows: list[_Row]) -> list[tuple[Reason, str, str]]:
+    def _judge(self, rows: list[_Row]) -> list[abft.Failure]:
         """Read the rows (one read-back for all the tensors among them) and judge them."""
         failures, reads = abft.judge(rows)
         self.readbacks += reads
@@ -441,7 +441,7 @@ class ChecksumDetector:
                 st.rows = []
                 mpu.last_checksum_ok = not st.unresolved
                 self._record(mpu, st)
-                nonfinite = any(r is Reason.NONFINITE_OUTPUT for r, _, _ in st.failures)
+                nonfinite = any(r is Reason.NONFINITE_OUTPUT for r, *_ in st.failures)
                 if st.unresolved and self.commit_mode(mpu) and (nonfinite or not _distilling(mpu)):
                     bad.append(mpu.mpu_id)
             return bad
@@ -473,16 +473,17 @@ class ChecksumDetector:
 
     # --- counting --------------------------------------------------------------------
 
-    def _report(self, mpu: Mpu, failures: list[tuple[Reason, str, str]]) -> None:
-        labels = self._labels(mpu)
-        for reason, method, detail in failures:
+    def _report(self, mpu: Mpu, failures: list[abft.Failure]) -> None:
+        for reason, method, detail, layer in failures:
             sev = Severity.CRITICAL if reason is Reason.NONFINITE_OUTPUT else Severity.WARNING
-            self._emit(Finding(SOURCE, reason, sev, f"{mpu.name}: {detail}", {**labels, "method": method}))
+            blame = {**self._labels(mpu), "layer": abft.layer_path(mpu.path, layer), "method": method}  # "": its output
+            self._emit(Finding(SOURCE, reason, sev, f"{mpu.name}: {detail}", blame))
         self.suspect(mpu.mpu_id, f"{failures[0][1]} check failed")
 
     def _labels(self, mpu: Mpu) -> dict[str, str]:
         uuid = {"gpu_uuid": mpu.gpu_uuid} if mpu.gpu_uuid else {}
-        return {"mpu_id": mpu.mpu_id, "mpu": mpu.name, "gpu": str(mpu.gpu), **uuid}
+        layer = abft.layer_path(mpu.path, "")
+        return {"mpu_id": mpu.mpu_id, "mpu": mpu.name, "gpu": str(mpu.gpu), "layer": layer, **uuid}
 
     def _record(self, mpu: Mpu, st: _MpuChecks) -> None:
         """Count one optimizer step of the MPU: checked (it always is: the non-finite check),

@@ -7,7 +7,9 @@ tensors is taken on the device (no host read); at the commit point they join the
 and each output's x = ln(mean square) over the step's forwards is compared with its own baseline
 (`Series`): Holt's smoothing of level and trend, so training's drift is predicted, and the mean
 absolute one-step error as spread. `CONFIRM` steps in a row departing on one side by more than
-max(`SIGMAS` sigmas, `FLOOR`) are a shift: a warning `output_shift` naming the MPU and a
+max(`SIGMAS` sigmas, `FLOOR`), each to a scale the output has not had in its last `RECENT` baseline
+steps (past their range by `FLOOR`: a swing of training's coming back is not new), are a shift: a
+warning `output_shift` naming the MPU and a
 suspicion (incident mode: every layer checked, the forward replayed, for `incident_steps`), whose
 replays make the verdict the fuse acts on. Bounds, costs and limits: docs/hook.md, "Faults
 outside the linears".
@@ -16,6 +18,7 @@ outside the linears".
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -30,19 +33,21 @@ SIGMAS = 6.0  # the departure, in standard deviations of the one-step prediction
 FLOOR = 0.25  # the least departure looked at, in ln(mean square)
 CONFIRM = 3  # departing steps in a row that make a shift
 WARMUP = 8  # steps before the baseline is tested
+RECENT = 16  # the baseline steps whose range a shift must leave (a swing of training's stays inside)
 
 
 class Series:
     """One output's baseline (see the module docstring); `add(x)` returns the shift when `x` is
     the `CONFIRM`th departing step in a row: (departure, threshold), else None."""
 
-    __slots__ = ("level", "trend", "spread", "n", "pending")
+    __slots__ = ("level", "trend", "spread", "n", "pending", "recent")
 
     def __init__(self) -> None:
         self.level: float | None = None
         self.trend = self.spread = 0.0
         self.n = 0
         self.pending: list[float] = []  # the departures of the steps departing now
+        self.recent: deque[float] = deque(maxlen=RECENT)  # the last baseline steps' x
 
     def threshold(self) -> float:
         return max(SIGMAS * 1.25 * self.spread, FLOOR)
@@ -50,17 +55,20 @@ class Series:
     def add(self, x: float) -> tuple[float, float] | None:
         if self.level is None:
             self.level, self.n = x, 1
+            self.recent.append(x)
             return None
         pred = self.level + self.trend * (len(self.pending) + 1)
         r = x - pred
         if self.n >= WARMUP:
             thr = self.threshold()
-            if abs(r) > thr and (not self.pending or (r > 0) == (self.pending[0] > 0)):
+            if self._departs(x, r, thr):
                 self.pending.append(r)
                 if len(self.pending) < CONFIRM:
                     return None
                 # the baseline starts again from the new level
                 self.level, self.trend, self.spread, self.n, self.pending = x, 0.0, 0.0, 1, []
+                self.recent.clear()
+                self.recent.append(x)
                 return r, thr
         if self.pending:  # a transient: the baseline carries on past the steps it departed
             self.level += self.trend * len(self.pending)
@@ -70,7 +78,17 @@ class Series:
         self.level = level
         self.spread = abs(r) if self.n == 1 else (1 - SPREAD) * self.spread + SPREAD * abs(r)
         self.n += 1
+        self.recent.append(x)
         return None
+
+    def _departs(self, x: float, r: float, thr: float) -> bool:
+        """`x` is off the prediction by more than `thr`, on the side of the steps departing now,
+        and past the range of the last `RECENT` baseline steps by `FLOOR` on that side: a level
+        the output had a few steps ago (training's swing coming back, which the trend, still
+        pointing the other way, mispredicts) is not a shift."""
+        if abs(r) <= thr or (self.pending and (r > 0) != (self.pending[0] > 0)):
+            return False
+        return x > max(self.recent) + FLOOR if r > 0 else x < min(self.recent) - FLOOR
 
 
 class _Mpu:

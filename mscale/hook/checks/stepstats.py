@@ -69,7 +69,7 @@ class StepStatistics:
         t1 = time.perf_counter()
         self.times.grad_stats_s += t1 - t0
         for f in self.loss_detector.observe(step, loss, global_norm, {m.mpu_id: m.grad_norm for m in self.mpus}):
-            self.emit(f)
+            self.emit(self._blamed(f))
         t2 = time.perf_counter()
         self.times.loss_s += t2 - t1
         clipped: dict[str, bool] = {}
@@ -77,6 +77,26 @@ class StepStatistics:
             clipped = self.cmsa.apply(step, loss)
         self.times.cmsa_s += time.perf_counter() - t2
         return StepFigures(step=step, time=time.time(), loss=loss, grad_norm=global_norm, clipped=clipped)
+
+    def _blamed(self, f: Finding) -> Finding:
+        """An MPU's gradient-norm jump or spike names the tensor that carries the largest
+        gradient norm in that MPU (a `tensor` label): the norms taken again on the event only,
+        one `_foreach_norm`, nothing per step. A non-finite norm names none (a NaN spreads to
+        every gradient before it)."""
+        mpu_id, level = f.labels.get("mpu_id"), f.labels.get("level")
+        if f.labels.get("series") != "mpu_grad_norm" or level not in ("jump", "action", "warn"):
+            return f
+        mpu = next((m for m in self.mpus if m.mpu_id == mpu_id), None)
+        ps = [p for p in mpu.parameters() if p.grad is not None] if mpu is not None else []
+        if not ps:
+            return f
+        with torch.no_grad():
+            norms = torch._foreach_norm([p.grad.detach() for p in ps if p.grad is not None], 2)
+            top = ps[int(torch.stack([n.to(torch.float32) for n in norms]).argmax())]
+        name = next((n for n, p in self.model.named_parameters() if p is top), None)
+        if name is None:
+            return f
+        return Finding(f.source, f.reason, f.severity, f"{f.message} (largest: {name})", {**f.labels, "tensor": name})
 
     def measure_safe(self, step: int, where: str) -> StepFigures | None:
         """`measure`, or None (logged) when it raised: a detector bug must not stop training."""

@@ -134,6 +134,8 @@ class Rollbacks:
             fuse.record(d, Result.NOOP, detail=f"{_dropped(step)}; no snapshot engine: nothing restored")
             return True
         to_step, self.to_step = self.to_step, None
+        if to_step is None:
+            to_step = sound_step(engine)  # past a snapshot of poisoned optimizer state, if the newest is one
         held = [s for s in getattr(engine, "held_steps", []) if to_step is None or s == to_step]
         cost = step - held[-1] if held else 1
         forced = to_step is not None or d.reason in WEIGHTS_BAD  # the weights are bad: restore them
@@ -235,6 +237,24 @@ def _to_newest_common(engine: SnapshotEngine, skip: bool = True, micro_batches: 
     if target is None:
         raise RuntimeError("no in-memory snapshot common to every rank: no rank rolls back")
     return engine.rollback(target, skip_batch=skip, micro_batches=micro_batches)
+
+
+def sound_step(engine: Any) -> int | None:
+    """None when the newest in-memory snapshot's optimizer state is sound (mscale.snapshot.trust:
+    restoring it is the plain rollback), else the step of the newest trusted one (-1: none is,
+    which no rollback finds: the step stays dropped, the progress bound counts it)."""
+    from mscale.snapshot import trust
+
+    latest = getattr(engine, "latest", None)
+    newest = latest() if callable(latest) else None
+    if newest is None or not hasattr(newest, "tensors"):
+        return None
+    newest.wait_ready()
+    if not trust.state_bad(newest, trust.moment_bound(getattr(engine, "optimizer", None))):
+        return None
+    model = getattr(engine, "model", None)
+    snap = trust.trusted(engine, [n for n, _ in model.named_parameters()] if model is not None else [])
+    return -1 if snap is None else int(snap.step)
 
 
 def apply(fuse: FuseContext, state: Rollbacks, d: Decision) -> str:
