@@ -31,12 +31,16 @@ commit verdicts do not use, and L3's capture of the MPU output).
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from mscale.hook.checks.linears import LinearKind
+
+if TYPE_CHECKING:
+    from mscale.hook.core.mpu import Mpu
 
 
 def compiling() -> bool:
@@ -57,7 +61,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 class _Slot:
     """One MPU's in-graph check state (a plain object: dynamo traces its attributes)."""
 
-    def __init__(self, mpu: Any, layers: list[tuple[str, nn.Module, LinearKind]], stride: int) -> None:
+    def __init__(self, mpu: Mpu, layers: list[tuple[str, nn.Module, LinearKind]], stride: int) -> None:
         self.mpu = mpu
         self.names = [n for n, _, _ in layers]
         self.dtypes = [kind.weight_of(m).dtype for _, m, kind in layers]
@@ -83,7 +87,7 @@ def _keep(old: torch.Tensor, resid: torch.Tensor, tol: torch.Tensor) -> torch.Te
 class GraphChecks:
     """The in-graph ABFT and non-finite checks of the checksum detector's MPUs."""
 
-    def __init__(self, *, stride: int, rtol: Any) -> None:
+    def __init__(self, *, stride: int, rtol: Callable[[torch.dtype, torch.device], float]) -> None:
         if stride < 1:
             raise ValueError(f"stride: expected >= 1, got {stride}")
         self.stride = stride
@@ -91,7 +95,7 @@ class GraphChecks:
         self._slots: dict[str, _Slot] = {}
         self._index: dict[int, int] = {}  # a linear layer's position in its MPU's slot, by module id
 
-    def attach(self, mpu: Any, layers: list[tuple[str, nn.Module, LinearKind]]) -> None:
+    def attach(self, mpu: Mpu, layers: list[tuple[str, nn.Module, LinearKind]]) -> None:
         """The MPU's slot; its layers' checks are called by the checksum detector's one forward
         hook per linear layer (`linear`), which comes here while dynamo traces."""
         self._slots[mpu.mpu_id] = _Slot(mpu, layers, self.stride)
@@ -101,7 +105,7 @@ class GraphChecks:
         self._slots.clear()
         self._index.clear()
 
-    def traced(self, mpu: Any) -> bool:
+    def traced(self, mpu: Mpu) -> bool:
         """The MPU's forward ran in a compiled graph (since the last commit)."""
         slot = self._slots.get(mpu.mpu_id)
         return slot is not None and slot.traced
@@ -120,7 +124,7 @@ class GraphChecks:
                 slot.place(device)
             slot.phase.fill_(step % slot.stride)
 
-    def take(self) -> list[tuple[Any, list[tuple[Any, ...]]]]:
+    def take(self) -> list[tuple[Mpu, list[tuple[Any, ...]]]]:
         """The checks of the MPUs traced since the last call, still on the device: per MPU, its
         rows as the checksum detector keeps them for the commit point's one read (method, layer,
         dtype, a tensor (residual, tolerance)). The state is cleared for the next forwards."""
@@ -174,7 +178,7 @@ class GraphChecks:
             tol = scale * self._rtol(y.dtype, y.device) + 1e-30
             slot.values[i].copy_(_keep(slot.values[i], resid, tol))
 
-    def output(self, mpu: Any, outs: list[torch.Tensor]) -> None:
+    def output(self, mpu: Mpu, outs: list[torch.Tensor]) -> None:
         """The MPU output's non-finite check, traced (every forward, every MPU)."""
         slot = self._slots.get(mpu.mpu_id)
         if slot is None or not outs:
