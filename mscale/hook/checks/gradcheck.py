@@ -101,7 +101,7 @@ class GradCheck:
             h.remove()
         self._handles.clear()
 
-    def on_step_begin(self, step: int, batch: Any) -> None:
+    def on_step_begin(self, step: int, batch: object) -> None:
         self.norms = {}
         if not self.split:
             return

@@ -85,7 +85,7 @@ class ReplicaCheck:
         self.guard = guard
         self.rank, self.world_size = rank_and_size(self.group)
 
-    def on_step_end(self, step: int, loss: Any = None) -> None:
+    def on_step_end(self, step: int, loss: object = None) -> None:
         if self.world_size < 2 or not self.every or (step + 1) % self.every:
             return
         self.check(step)

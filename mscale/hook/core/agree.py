@@ -134,7 +134,7 @@ class Agreement:
         self.guard = guard
         self.rank, self.world_size = rank_and_size(self.group)
 
-    def on_step_begin(self, step: int, batch: Any) -> None:
+    def on_step_begin(self, step: int, batch: object) -> None:
         fuse = getattr(self.guard, "fuse", None)
         self._reruns_at_begin = len(fuse.reruns) if fuse is not None else 0
 
@@ -186,7 +186,7 @@ class Agreement:
         cmsa = getattr(self.guard, "cmsa", None)
         return [float(cmsa.multiplier[m.mpu_id]) for m in self.guard.mpus] if cmsa is not None else []
 
-    def on_step_end(self, step: int, loss: Any = None) -> None:
+    def on_step_end(self, step: int, loss: object = None) -> None:
         own, self._own = self._own, None
         if own is not None and self.guard.cmsa is not None:
             self.guard.cmsa.multiplier.update(own)

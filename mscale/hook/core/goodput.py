@@ -78,7 +78,7 @@ class GoodputAccountant:
         median = statistics.median(recent)
         return seconds - median if seconds > max(HANG_FACTOR * median, HANG_MIN_S) else 0.0
 
-    def on_step_begin(self, step: int, batch: Any) -> None:
+    def on_step_begin(self, step: int, batch: object) -> None:
         now = self.clock()
         gap = now - self.last_end
         if self.steps == 0:

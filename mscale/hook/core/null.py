@@ -27,11 +27,11 @@ class NullGuard:
         self.cmsa = None
         self.current_step = 0
 
-    def step(self, loss: Any = None) -> None:
+    def step(self, loss: object = None) -> None:
         if self.optimizer is not None:
             self.optimizer.step()
 
-    def observe(self, loss: Any) -> None:
+    def observe(self, loss: object) -> None:
         pass
 
     def add_plugin(self, plugin: Any) -> None:

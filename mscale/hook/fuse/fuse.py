@@ -231,7 +231,7 @@ class FusePlugin:
         while self._foreign:
             self.guard.emit(self._foreign.popleft())
 
-    def on_step_begin(self, step: int, batch: Any) -> None:
+    def on_step_begin(self, step: int, batch: object) -> None:
         self._drain()
         self.seq += 1
         self.failed_step = set()

@@ -111,7 +111,7 @@ class MscaleCallback(Callback):
             )
 
     def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, i: int
+        self, trainer: Trainer, pl_module: LightningModule, outputs: object, batch: object, i: int
     ) -> None:
         # after a rollback the guard's step is the truth: Lightning's loop goes back to it
         guard = self.guard
@@ -165,7 +165,7 @@ class _StepWatch:
     def on_step_begin(self, step: int, batch: object) -> None:
         self.callback._forward_seen = True
 
-    def on_step_end(self, step: int, loss: Any) -> None:
+    def on_step_end(self, step: int, loss: object) -> None:
         self.callback._forward_seen = False
 
     def on_finding(self, finding: Finding) -> None:
