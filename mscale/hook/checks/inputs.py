@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from mscale.findings import Finding, Reason, Severity
+from mscale.hook.core.commit import CommitPoint
 
 SOURCE = "guard"
 
@@ -30,7 +31,7 @@ SOURCE = "guard"
 def _tensors(args: tuple[object, ...], kwargs: dict[str, object]) -> list[tuple[str, torch.Tensor]]:
     out: list[tuple[str, torch.Tensor]] = []
 
-    def add(name: str, v: Any, depth: int) -> None:
+    def add(name: str, v: object, depth: int) -> None:
         if isinstance(v, torch.Tensor):
             if v.is_floating_point() or v.is_complex():
                 out.append((name, v))
@@ -93,7 +94,7 @@ class InputCheck:
             self.bad_forward = None
         return self.bad_forward is not None
 
-    def pack(self, point: Any) -> torch.Tensor | None:
+    def pack(self, point: CommitPoint) -> torch.Tensor | None:
         """At the commit point: the unread flags go into its one read (`inputs`); the returned
         device flag is 1 when any of them is bad (or a forward already read was), None when
         there is nothing to read."""
@@ -104,7 +105,7 @@ class InputCheck:
         bad = (~flags.bool()).any().to(torch.float64)
         return bad if self.bad_forward is None else torch.ones_like(bad)
 
-    def judge(self, point: Any) -> bool:
+    def judge(self, point: CommitPoint) -> bool:
         """After the read: the findings of the flags `pack` put; whether the step's batch (any
         of its forwards) was not finite."""
         pending, self._pending = self._pending, []

@@ -37,7 +37,7 @@ CPU_MATMUL_N, GPU_MATMUL_N = 256, 2048
 STEP_FLOPS_FACTOR = 3.0  # forward + backward (about twice the forward)
 
 
-def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Median seconds of fn() after one warm-up, synchronised on a GPU."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     fn()
@@ -72,7 +72,7 @@ def probe_device(device: torch.device | str, *, repeats: int = 5) -> dict[str, A
     }
 
 
-def mpu_memory_bytes(module: torch.nn.Module, optimizer: Any) -> float:
+def mpu_memory_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> float:
     """Bytes the MPU holds: its parameters, their gradients and their optimizer state."""
     params = list(module.parameters())
     total = sum(p.numel() * p.element_size() for p in params)
@@ -98,12 +98,12 @@ class _FlopCount:
             module.register_forward_hook(self._post, prepend=True, always_call=True),
         ]
 
-    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+    def _pre(self, module: torch.nn.Module, args: tuple[object, ...]) -> None:
         if self.flops is None and self._mode is None and module.training and torch.is_grad_enabled():
             self._mode = FlopCounterMode(display=False)
             self._mode.__enter__()
 
-    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _post(self, module: torch.nn.Module, args: tuple[object, ...], output: object) -> None:
         mode, self._mode = self._mode, None
         if mode is None:
             return
