@@ -94,7 +94,8 @@ class Budget:
         self.last_spent_s: dict[str, float] = {}  # the last step that ended
         self.last_ratio = 0.0
         self.steps = 0
-        self._events: list[tuple[str, Any, Any]] = []  # (who, start, end) CUDA events in flight
+        # (who, start, end) CUDA events in flight
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._ended_at: float | None = None  # host time of the last step end (step_ended)
         self._began_at: float | None = None  # host time of this step's begin (step_began)
         self._charged = 0.0  # every host charge so far (monotonic): enter/leave subtract it
@@ -219,7 +220,7 @@ class Budget:
             return 0.0
         return sum(self.cost_s.values()) / self.step_s
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self) -> dict[str, float | dict[str, float]]:
         """What the guard reports: the share, the measured ratios, the cost by detector."""
         return {
             "budget": self.share,
