@@ -103,7 +103,7 @@ class MscaleCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored_cmsa = state_dict.get("cmsa")
 
-    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: object) -> None:
         if isinstance(self.guard, Guard) and not self._forward_seen:
             raise RuntimeError(
                 "MscaleCallback: the LightningModule's forward did not run in this step: call self(...) "
