@@ -14,7 +14,7 @@ collapses the images onto one target, benchmarks/fuse_real_models.py); it needs 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from torch.nn import functional as F
 
 from mscale.hook.core.families import config_of, placeholders
 from mscale.hook.fuse.placement import tensors
+
+if TYPE_CHECKING:
+    from mscale.hook.core.mpu import Mpu
 
 TEMPERATURE = 0.1  # of the contrastive term's cosine similarities (CLIP's learned value is about 0.01)
 
@@ -45,7 +48,7 @@ def lm_head_of(text: nn.Module) -> nn.Module | None:
     return head if isinstance(head, nn.Module) and head is not text else None
 
 
-def teacher_of(output: Any, width: int) -> torch.Tensor | None:
+def teacher_of(output: object, width: int) -> torch.Tensor | None:
     t = getattr(output, "last_hidden_state", None)
     if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[-1] == width:
         return t
@@ -55,7 +58,7 @@ def teacher_of(output: Any, width: int) -> torch.Tensor | None:
     return None
 
 
-def student_of(output: Any, keys: tuple[str, ...] = ("pooler_output", "last_hidden_state")) -> torch.Tensor | None:
+def student_of(output: object, keys: tuple[str, ...] = ("pooler_output", "last_hidden_state")) -> torch.Tensor | None:
     """The student in an MPU's output: the first of `keys` there (a decoder's cross-attention
     reads an encoder's `last_hidden_state`, not its pooled output), else its first tensor."""
     for key in keys:
@@ -70,7 +73,7 @@ def student_of(output: Any, keys: tuple[str, ...] = ("pooler_output", "last_hidd
     return None
 
 
-def _leads(lead: Any, student: torch.Tensor, b: int) -> bool:
+def _leads(lead: object, student: torch.Tensor, b: int) -> bool:
     """The student is the text MPU's leading input (the tiny model) or its first rows (GIT
     concatenates the projected image before the text embeddings: a prefix without placeholders)."""
     if not (isinstance(lead, torch.Tensor) and lead.dim() == 3 and student.dim() == 3 and lead.shape[0] == b):
@@ -98,7 +101,7 @@ class Term:
     """The distillation term of one failing MPU: where its student comes from, how it is
     placed against the teacher, the projection when one is needed."""
 
-    def __init__(self, model: nn.Module, mpus: list[Any], failing: Any, optimizer_lr: float = 1e-3) -> None:
+    def __init__(self, model: nn.Module, mpus: list[Mpu], failing: Mpu, optimizer_lr: float = 1e-3) -> None:
         self.model, self.failing = model, failing
         self.text = next((m for m in mpus if m.name == "text"), None)
         aligner = next((m for m in mpus if m.name == "aligner"), None)
