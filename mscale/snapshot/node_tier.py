@@ -139,7 +139,7 @@ class NodeTier:
 
     @classmethod
     def open(cls, engine: Any) -> NodeTier | None:
-        """The tier for `engine` (a SnapshotCapture with a directory), or None: off, with the reason."""
+        """The tier for `engine` (a SnapshotEngine with a directory), or None: off, with the reason."""
         cfg = engine.config
         every = default_every(cfg.memory_every) if cfg.node_every is None else cfg.node_every
         root = Path(cfg.node_root_path)
