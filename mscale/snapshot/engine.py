@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import structlog
 import torch
@@ -61,14 +61,15 @@ from mscale.snapshot.writer import DiskWriter
 __all__ = ["SnapshotEngine", "RollbackUnavailable"]
 
 log = structlog.get_logger("mscale.snapshot")
+_T = TypeVar("_T")
 
 
 class RollbackUnavailable(SnapshotError):
     """No in-memory snapshot to roll back to (on every rank)."""
 
 
-def _failed(why: str) -> Future[Path]:
-    fut: Future[Path] = Future()
+def _failed(why: str) -> Future[_T]:
+    fut: Future[_T] = Future()
     fut.set_exception(SnapshotError(why))
     return fut
 
@@ -233,7 +234,7 @@ class SnapshotEngine:
         getattr(self.data, "mark_step", lambda: None)()
 
     # -- disk -------------------------------------------------------------------------
-    def _queue_write(self, snap: MemorySnapshot, *, why: str, writer: DiskWriter | None = None) -> Future[Path]:
+    def _queue_write(self, snap: MemorySnapshot, *, why: str, writer: DiskWriter | None = None) -> Future[Path | None]:
         writer = writer if writer is not None else self._disk
         if writer is None:
             return _failed("no snapshot directory configured")
@@ -253,7 +254,7 @@ class SnapshotEngine:
         if dirs:
             log.warning("snapshots flagged", first=first, last=last, why=why)
 
-    def save(self, *, wait: bool = False, timeout: float | None = None) -> Future[Path]:
+    def save(self, *, wait: bool = False, timeout: float | None = None) -> Future[Path | None]:
         """On demand: snapshot the current state and write it to disk in the background."""
         latest = self.latest()
         snap = latest if latest is not None and latest.step == self.step else self.snapshot()

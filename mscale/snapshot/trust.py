@@ -14,9 +14,12 @@ is taken beside the next forward (memory.py).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from mscale.snapshot.engine import SnapshotEngine
 
 PLAUSIBLE = float(1 << 16)
 
@@ -51,7 +54,7 @@ def differs(now: dict[str, torch.Tensor], snap: Any) -> set[str]:
     return {n for n in same if not torch.equal(now[n].detach().cpu(), host[n])}
 
 
-def trusted(engine: Any, names: list[str]) -> Any:
+def trusted(engine: SnapshotEngine, names: list[str]) -> Any:
     """The newest in-memory snapshot whose copy of `names` passes `beyond` against the copy
     before it (the oldest held is trusted), or None when none is held. Waits for the copies."""
     held = [s for s in (engine.latest(t) for t in sorted(getattr(engine, "memory_steps", None) or [])) if s]
@@ -64,7 +67,7 @@ def trusted(engine: Any, names: list[str]) -> Any:
     return held[0] if held else None
 
 
-def unexplained(live: dict[str, torch.Tensor], frozen: set[str], engine: Any) -> tuple[list[str], Any]:
+def unexplained(live: dict[str, torch.Tensor], frozen: set[str], engine: SnapshotEngine) -> tuple[list[str], Any]:
     """The names of `live` (one MPU's weights) its newest trusted snapshot does not explain:
     bitwise against one of the last completed step (`engine.step`), else beyond what optimizer
     steps move (the `frozen` skipped: they are checked bitwise before each forward); and that
