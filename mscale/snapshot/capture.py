@@ -9,7 +9,7 @@ from __future__ import annotations
 import platform
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from mscale.snapshot.format import FORMAT, NONMPU_FILE, NONMPU_OPTIM_FILE, mpu_f
 from mscale.snapshot.memory import rng_state, to_host
 from mscale.snapshot.node_tier import NodeTier
 from mscale.snapshot.ownership import dir_refused
+from mscale.snapshot.values import JSONObject, StateDict
 from mscale.snapshot.writer import DiskWriter
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class MpuLayout:
         return NONMPU_OPTIM_FILE if optim else NONMPU_FILE
 
 
-def live_state(engine: SnapshotEngine) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+def live_state(engine: SnapshotEngine) -> tuple[dict[str, dict[str, torch.Tensor]], StateDict]:
     """References to the live tensors per file, and a host copy of everything else."""
     layout = engine.layout
     files: dict[str, dict[str, torch.Tensor]] = {}
@@ -66,7 +67,7 @@ def live_state(engine: SnapshotEngine) -> tuple[dict[str, dict[str, torch.Tensor
             files[optim_file(f)] = {}
     for key, t in engine.model.state_dict().items():
         files[layout.file_of(key)]["model/" + key] = t
-    objects: dict[str, Any] = {"format": FORMAT, "step": engine.step}
+    objects: StateDict = {"format": FORMAT, "step": engine.step}
     if engine.named_optimizer is not None:
         objects["optimizer"] = engine.named_optimizer.capture(files, lambda fqn: layout.file_of(fqn, optim=True))
     if engine.scaler is not None:
@@ -80,7 +81,7 @@ def live_state(engine: SnapshotEngine) -> tuple[dict[str, dict[str, torch.Tensor
     return files, objects
 
 
-def binding(engine: SnapshotEngine) -> dict[str, Any]:
+def binding(engine: SnapshotEngine) -> JSONObject:
     """The MPU-to-device binding a snapshot records: read from the device of each MPU's first
     parameter, overridden by the engine's binding function where it gives one."""
     custom = dict(engine._binding_fn() or {}) if engine._binding_fn else {}
@@ -88,7 +89,7 @@ def binding(engine: SnapshotEngine) -> dict[str, Any]:
     for mpu_id, module in engine.layout.modules.items():
         p = next(module.parameters(), None)
         dev = p.device if p is not None else torch.device("cpu")
-        entry: dict[str, Any] = {"name": engine.layout.names[mpu_id], "device": str(dev), "gpu": None, "gpu_uuid": None}
+        entry: JSONObject = {"name": engine.layout.names[mpu_id], "device": str(dev), "gpu": None, "gpu_uuid": None}
         if dev.type == "cuda":
             entry["gpu"] = dev.index if dev.index is not None else torch.cuda.current_device()
             entry["gpu_uuid"] = str(getattr(torch.cuda.get_device_properties(entry["gpu"]), "uuid", "")) or None

@@ -39,6 +39,7 @@ from typing import Any, Self, TypeVar
 import structlog
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 import mscale.snapshot.distributed as mdist
 import mscale.snapshot.memory as mem
@@ -56,6 +57,7 @@ from mscale.snapshot.node_tier import Flags, NodeTier
 from mscale.snapshot.optim import NamedOptimizer
 from mscale.snapshot.peer_tier import PeerTier
 from mscale.snapshot.store import MemoryStore
+from mscale.snapshot.values import JSONObject, StateDict, Stateful
 from mscale.snapshot.writer import DiskWriter
 
 __all__ = ["SnapshotEngine", "RollbackUnavailable"]
@@ -100,14 +102,14 @@ class SnapshotEngine:
         *,
         config: SnapshotConfig | None = None,
         mpus: Mapping[str, tuple[str, nn.Module]] | None = None,
-        scaler: Any = None,
-        scheduler: Any = None,
+        scaler: Stateful | None = None,
+        scheduler: Stateful | None = None,
         data: Any = None,
-        extra: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Stateful] | None = None,
         binding: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
         emit: Callable[[Finding], None] | None = None,
         job_id: str = "",
-        group: Any = None,
+        group: ProcessGroup | None = None,
         copy_threads: int | None = None,
     ) -> None:
         cfg = config if config is not None else SnapshotConfig()
@@ -124,7 +126,7 @@ class SnapshotEngine:
         self.rank, self.world_size = mdist.rank_and_size(group)
         self.step = 0
         self.findings: deque[Finding] = deque(maxlen=256)
-        self.last_skipped: list[dict[str, Any]] = []  # the data positions the last rollback stepped over
+        self.last_skipped: list[StateDict] = []  # the data positions the last rollback stepped over
         self.recovery_seconds: dict[str, float] = {}  # checkpoint_recovery_time_seconds{tag}
         self.stall_s = 0.0  # seconds training waited on in-memory snapshots and restores (hook.goodput)
         self.layout = capture.MpuLayout(model, mpus or {})  # which file each key goes to
@@ -162,7 +164,7 @@ class SnapshotEngine:
         self.peer = PeerTier.open(self, self.node)
 
     @property
-    def last_write(self) -> dict[str, Any]:
+    def last_write(self) -> JSONObject:
         """The last disk write: step, bytes, seconds, path (empty before the first)."""
         return self._disk.last_write if self._disk is not None else {}
 
@@ -184,7 +186,7 @@ class SnapshotEngine:
         return finding
 
     # -- capture ----------------------------------------------------------------------
-    def _binding(self) -> dict[str, Any]:
+    def _binding(self) -> JSONObject:
         return capture.binding(self)
 
     def snapshot(self, step: int | None = None) -> MemorySnapshot:

@@ -158,7 +158,7 @@ def safetensors_header(entries: Sequence[tuple[str, str, Sequence[int], int]], m
     """The first bytes of a safetensors file whose tensors follow in the order of `entries`,
     each (key, dtype name such as "F32", shape, size in bytes): the header's length as 8
     little-endian bytes, then the JSON header, padded with spaces to a multiple of 8."""
-    header: dict[str, Any] = {}
+    header: JSONObject = {}
     offset = 0
     for key, dtype, shape, nbytes in entries:
         header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}

@@ -7,9 +7,10 @@ state are what they were, the rest is put back. The engine holds one `StepMark` 
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mscale.snapshot.memory import rng_state, set_rng_state, to_host
+from mscale.snapshot.values import StateDict
 
 if TYPE_CHECKING:
     from mscale.snapshot.engine import SnapshotEngine
@@ -38,7 +39,7 @@ class StepMark:
     """The newest step mark (None before the first)."""
 
     def __init__(self) -> None:
-        self.objects: dict[str, Any] | None = None
+        self.objects: StateDict | None = None
 
     @property
     def step(self) -> int | None:
@@ -46,7 +47,7 @@ class StepMark:
         return None if self.objects is None else int(self.objects["step"])
 
     def take(self, engine: SnapshotEngine) -> None:
-        objects: dict[str, Any] = {"step": engine.step, "rng": rng_state()}
+        objects: StateDict = {"step": engine.step, "rng": rng_state()}
         if engine.data is not None and getattr(engine.data, "rewinds", True):
             objects["data"] = _light(engine.data.state_dict())
         if engine.optimizer is not None:

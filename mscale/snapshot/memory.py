@@ -150,7 +150,7 @@ def to_host(obj: Any) -> Any:
 
 
 def rng_state() -> StateDict:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    state: StateDict = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
     try:

@@ -94,7 +94,7 @@ class NamedOptimizer:
         tensors are the shape and dtype of their parameter, 0-d ones aside) the parameter's, and
         every parameter of a group holding the same keys (none missing)."""
         what = f"{where} does not fit the optimizer"
-        state: dict[str, dict[str, Any]] = {}
+        state: dict[str, StateDict] = {}
         for key, t in tensors.items():
             fqn, _, name = key.rpartition("/")
             state.setdefault(fqn, {})[name] = t

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mscale.snapshot.format import SnapshotError
+from mscale.snapshot.sharded import ShardingMarker
 from mscale.snapshot.tensors import load_snapshot
 from mscale.snapshot.values import StateDict
 
@@ -86,7 +87,9 @@ def read(engine: SnapshotEngine, found: Candidate) -> tuple[dict[str, dict[str, 
     """(tensors per file, objects) of the snapshot at `found.step`, written by `found.world_size`
     ranks, as this rank of `engine` holds it (see the module docstring). Raises SnapshotError
     (SnapshotInvalid naming the file) where an old rank's snapshot fails or does not fit."""
-    mine: dict[str, StateDict] = engine.extra["sharding"].layout
+    marker = engine.extra["sharding"]
+    assert isinstance(marker, ShardingMarker)  # (worlds.py reshards only with one)
+    mine: dict[str, StateDict] = marker.layout
     source = engine.rank % found.world_size
     out: dict[str, dict[str, torch.Tensor]] = {}
     written: dict[str, int] = {}

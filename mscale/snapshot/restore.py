@@ -8,7 +8,7 @@ import copy
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +18,7 @@ from mscale.snapshot import worlds
 from mscale.snapshot.fit import check_fits
 from mscale.snapshot.inplace import load_newest_valid
 from mscale.snapshot.memory import set_rng_state
+from mscale.snapshot.values import StateDict
 
 if TYPE_CHECKING:
     from mscale.snapshot.engine import SnapshotEngine
@@ -44,7 +45,7 @@ def _split(
 def apply(
     engine: SnapshotEngine,
     tensors: dict[str, dict[str, torch.Tensor]],
-    objects: dict[str, Any],
+    objects: StateDict,
     *,
     where: str,
     owned: bool = False,

@@ -14,17 +14,18 @@ is taken beside the next forward (memory.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from mscale.snapshot.engine import SnapshotEngine
+    from mscale.snapshot.memory import MemorySnapshot
 
 PLAUSIBLE = float(1 << 16)
 
 
-def host_copies(snap: Any, names: list[str]) -> dict[str, torch.Tensor]:
+def host_copies(snap: MemorySnapshot, names: list[str]) -> dict[str, torch.Tensor]:
     """The snapshot's host copies of the model tensors `names` (those it holds)."""
     wanted = {f"model/{n}": n for n in names}
     return {wanted[k]: t for d in snap.tensors.values() for k, t in d.items() if k in wanted}
@@ -47,14 +48,14 @@ def beyond(now: dict[str, torch.Tensor], was: dict[str, torch.Tensor]) -> set[st
     return bad
 
 
-def differs(now: dict[str, torch.Tensor], snap: Any) -> set[str]:
+def differs(now: dict[str, torch.Tensor], snap: MemorySnapshot) -> set[str]:
     """The names whose tensor in `now` is not bitwise the snapshot's copy (same shape and dtype)."""
     host = host_copies(snap, list(now))
     same = {n for n, h in host.items() if h.shape == now[n].shape and h.dtype == now[n].dtype}
     return {n for n in same if not torch.equal(now[n].detach().cpu(), host[n])}
 
 
-def trusted(engine: SnapshotEngine, names: list[str]) -> Any:
+def trusted(engine: SnapshotEngine, names: list[str]) -> MemorySnapshot | None:
     """The newest in-memory snapshot whose copy of `names` passes `beyond` against the copy
     before it (the oldest held is trusted), or None when none is held. Waits for the copies."""
     held = [s for s in (engine.latest(t) for t in sorted(getattr(engine, "memory_steps", None) or [])) if s]
@@ -67,7 +68,9 @@ def trusted(engine: SnapshotEngine, names: list[str]) -> Any:
     return held[0] if held else None
 
 
-def unexplained(live: dict[str, torch.Tensor], frozen: set[str], engine: SnapshotEngine) -> tuple[list[str], Any]:
+def unexplained(
+    live: dict[str, torch.Tensor], frozen: set[str], engine: SnapshotEngine
+) -> tuple[list[str], MemorySnapshot | None]:
     """The names of `live` (one MPU's weights) its newest trusted snapshot does not explain:
     bitwise against one of the last completed step (`engine.step`), else beyond what optimizer
     steps move (the `frozen` skipped: they are checked bitwise before each forward); and that

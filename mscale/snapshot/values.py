@@ -5,12 +5,20 @@ are read (manifest.py, fit.py), not by these names."""
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
-__all__ = ["JSONObject", "StateDict"]
+__all__ = ["JSONObject", "StateDict", "Stateful"]
 
 StateDict: TypeAlias = dict[str, Any]
 """A state dict: names to tensors, numbers, strings and nested containers of them."""
 
 JSONObject: TypeAlias = dict[str, Any]
 """A JSON object as `json.loads` gives it, or one about to be written with `json.dumps`."""
+
+
+class Stateful(Protocol):
+    """What the engine snapshots beside the model: a grad scaler, an LR scheduler, an extra."""
+
+    def state_dict(self) -> StateDict: ...
+
+    def load_state_dict(self, state_dict: StateDict, /) -> None: ...

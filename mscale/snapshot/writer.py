@@ -88,7 +88,7 @@ class DiskWriter:
         rank_dir: Path,
         *,
         keep: int,
-        identity: dict[str, Any],
+        identity: JSONObject,
         emit: Callable[..., Any],
         unpin: Callable[[MemorySnapshot], None],
         tier: str = "disk",
