@@ -93,7 +93,7 @@ COMPONENTS: list[tuple[str, str, str]] = [
     ("mscale.hook.fuse.fuse", "FusePlugin", "on_step_end"),
     ("mscale.hook.checks.weights", "WeightWatch", "check"),
     ("mscale.hook.checks.weights", "WeightWatch", "settle"),
-    ("mscale.snapshot.capture", "SnapshotCapture", "step_end"),
+    ("mscale.snapshot.engine", "SnapshotEngine", "step_end"),
     ("torch.nn.utils", "", "clip_grad_norm_"),
 ]
 

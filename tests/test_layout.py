@@ -435,9 +435,7 @@ ALLOWED_ROOTS = frozenset(
     {"Protocol", "ABC", "ABCMeta", "BaseException", "Exception", "Enum", "IntEnum", "StrEnum", "NamedTuple"}
 )
 # "file:Class" -> why it still subclasses a class of another file
-CROSS_FILE_BASES: dict[str, str] = {
-    "snapshot/engine.py:SnapshotEngine": "SnapshotEngine(SnapshotCapture): restore and capture, issue 40's next step",
-}
+CROSS_FILE_BASES: dict[str, str] = {}
 
 
 @cache
@@ -543,8 +541,10 @@ def test_the_base_rule_sees_mixins_and_spares_contracts() -> None:
     Protocol, an exception family and a class of the same file are not."""
     assert _allowed_base("mscale.hook.core.plugin:Plugin")  # a Protocol
     assert _allowed_base("mscale.snapshot.format:SnapshotError")  # an exception
-    assert not _allowed_base("mscale.snapshot.capture:SnapshotCapture")  # a plain class
-    assert "snapshot/engine.py:SnapshotEngine" in cross_file_bases()
+    assert not _allowed_base("mscale.snapshot.capture:MpuLayout")  # a plain class
+    # a base named in a module is resolved through its import to the file that defines it
+    # (the package holds no mixin any more to find: the engine's former base is checked above)
+    assert _classes("mscale.snapshot.engine")["RollbackUnavailable"][0] == ["mscale.snapshot.format:SnapshotError"]
 
 
 def any_names() -> dict[str, int]:
@@ -562,3 +562,14 @@ def any_names() -> dict[str, int]:
         )
         out[room] = out.get(room, 0) + n
     return out
+
+
+# Rooms whose uses of `Any` stay below a bound (issue 40): a new `Any` there names a real type,
+# `object` for a value only passed along, or one of the room's named shapes instead.
+ANY_BOUNDS: dict[str, int] = {"snapshot": 100}
+
+
+def test_typed_rooms_keep_any_below_their_bound() -> None:
+    anys = any_names()
+    over = {room: anys.get(room, 0) for room, most in ANY_BOUNDS.items() if anys.get(room, 0) >= most}
+    assert not over, f"rooms using `Any` at or over their bound {ANY_BOUNDS}: {over}"

@@ -10,8 +10,12 @@
     optim.py        optimizer state keyed by parameter name
     writer.py       the background thread that writes snapshots to disk
     config.py       SnapshotConfig: the snapshots' settings, validated once
-    capture.py      the engine's capturing half: in-memory snapshots, schedule, disk writes
-    engine.py       SnapshotEngine: capture (capture.py), rollback, resume
+    capture.py      what a snapshot takes and where it goes: MPU files, binding, directories
+    store.py        the kept in-memory snapshots, pinned while read, their buffers reused
+    mark.py         the step mark: what a step's rerun puts back without a rollback
+    restore.py      a snapshot into the live objects; the start-up resume
+    engine.py       SnapshotEngine: holds the parts above; snapshot, rollback, resume
+    values.py       the untyped values passed around, named once: StateDict, JSONObject
     plugin.py       SnapshotPlugin: the engine as a Guard plugin
     data.py         resumable data positions; distributed.py: the collectives of agreed rollback
     cli.py          `mscale snapshot list|verify|inspect`

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TextIO
 
 from mscale.snapshot import format as snap
 
@@ -132,7 +133,7 @@ def _list(root: Path, args: argparse.Namespace) -> int:
 class _Progress:
     """A byte-count progress bar on stderr, drawn only on a terminal; thread-safe."""
 
-    def __init__(self, total: int, stream=None) -> None:
+    def __init__(self, total: int, stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stderr
         self.enabled = hasattr(self.stream, "isatty") and self.stream.isatty() and total > 0
         self.total, self.done = total, 0
@@ -174,7 +175,7 @@ def _verify(root: Path, args: argparse.Namespace) -> int:
     if args.step is not None:
         complete = [i for i in complete if i.step == args.step]
     if args.newest:
-        newest: dict = {}
+        newest: dict[int | None, snap.SnapshotInfo] = {}
         for i in complete:
             if i.rank not in newest or i.step > newest[i.rank].step:
                 newest[i.rank] = i
@@ -227,7 +228,7 @@ def _export(root: Path, args: argparse.Namespace) -> int:
     return 0
 
 
-def _chosen(root: Path, args: argparse.Namespace) -> list:
+def _chosen(root: Path, args: argparse.Namespace) -> list[snap.SnapshotInfo]:
     infos = [i for i in snap.list_snapshots(root) if i.complete or i.problem]  # a bad newest one is refused
     if args.rank is not None:
         infos = [i for i in infos if i.rank == args.rank]

@@ -38,14 +38,14 @@ class SnapshotConfig:
     take in the node root; a write past it is refused with a finding (None: no cap but the room).
     """
 
-    directory: str | os.PathLike | None = None
+    directory: str | os.PathLike[str] | None = None
     memory_every: int = 10
     memory_keep: int = 2
     disk_every: int = 100
     disk_keep: int = 3
     node_every: int | None = None
     node_keep: int = 2
-    node_root: str | os.PathLike | None = None
+    node_root: str | os.PathLike[str] | None = None
     peer_every: int = 50
     peer_keep: int = 1
     peer_timeout_s: float = 120.0

@@ -24,11 +24,13 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
+
+from mscale.snapshot.values import StateDict
 
 __all__ = ["ResumableLoader", "ResumableFileStream", "epoch_order"]
 
@@ -71,7 +73,7 @@ class ResumableLoader:
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: Dataset[Any],
         *,
         batch_size: int,
         seed: int = 0,
@@ -79,7 +81,7 @@ class ResumableLoader:
         drop_last: bool = True,
         rank: int = 0,
         world_size: int = 1,
-        collate_fn: Callable[[list], Any] = default_collate,
+        collate_fn: Callable[[list[Any]], Any] = default_collate,
         num_workers: int = 0,
     ) -> None:
         if batch_size < 1:
@@ -94,10 +96,10 @@ class ResumableLoader:
         self.epoch = 0
         self.index = 0
         self.skip: set[tuple[int, int]] = set()
-        self.last_batch_position: dict | None = None
-        self.step_positions: list[dict] = []  # the batches drawn since mark_step(), in order
+        self.last_batch_position: StateDict | None = None
+        self.step_positions: list[StateDict] = []  # the batches drawn since mark_step(), in order
         self._order_cache: tuple[int, list[int]] | None = None
-        self._it: Iterator | None = None  # worker-backed iterator, valid for (epoch, index) at creation
+        self._it: Iterator[Any] | None = None  # worker-backed iterator, valid for (epoch, index) at creation
 
     # -- position ------------------------------------------------------------------------
     def order(self, epoch: int) -> list[int]:
@@ -119,7 +121,7 @@ class ResumableLoader:
         n = len(self.order(self.epoch))
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
-    def position(self) -> dict:
+    def position(self) -> StateDict:
         return {"epoch": self.epoch, "index": self.index}
 
     def _normalise(self) -> None:
@@ -154,7 +156,7 @@ class ResumableLoader:
         self.index += self.batch_size
         return batch
 
-    def _worker_iter(self) -> Iterator:
+    def _worker_iter(self) -> Iterator[Any]:
         # The batches this iterator yields are exactly the ones _normalise would pick, in order,
         # until the epoch ends; any change of position (load, skip) drops the iterator.
         plan, index = [], self.index
@@ -166,7 +168,7 @@ class ResumableLoader:
         loader = DataLoader(self.dataset, batch_sampler=plan, collate_fn=self.collate_fn, num_workers=self.num_workers)
         return iter(loader)
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Iterator[Any]:
         while True:
             yield self.next_batch()
 
@@ -177,7 +179,7 @@ class ResumableLoader:
             self.index += self.batch_size
             self._it = None
 
-    def skip_batch_at(self, position: dict) -> None:
+    def skip_batch_at(self, position: StateDict) -> None:
         """Marks the batch starting at `position` (a `last_batch_position`) to be stepped over
         when reached; kept in the state, so a later resume skips it too."""
         self.skip.add((int(position["epoch"]), int(position["index"])))
@@ -187,12 +189,12 @@ class ResumableLoader:
         """A step ended: the next batch drawn opens the next step's `step_positions`."""
         self.step_positions = []
 
-    def _drawn(self, position: dict) -> None:
+    def _drawn(self, position: StateDict) -> None:
         if len(self.step_positions) < MAX_STEP_POSITIONS:  # a loop that never marks stays bounded
             self.step_positions.append(dict(position))
 
     # -- state ---------------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self) -> StateDict:
         return {
             "kind": "resumable_loader",
             "epoch": self.epoch,
@@ -207,7 +209,7 @@ class ResumableLoader:
             "last_batch_position": dict(self.last_batch_position) if self.last_batch_position else None,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         if state.get("kind") != "resumable_loader":
             raise ValueError(f"not a ResumableLoader position: kind={state.get('kind')!r}")
         for key in ("length", "batch_size", "world_size", "rank", "shuffle"):
@@ -233,7 +235,7 @@ class ResumableFileStream:
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike[str],
         *,
         batch_size: int,
         parse: Callable[[bytes], Any] | None = None,
@@ -247,13 +249,13 @@ class ResumableFileStream:
         self.rank, self.world_size = rank, world_size
         self.epoch, self.offset, self.record = 0, 0, 0  # record: number of the next record in the file
         self.skip: set[tuple[int, int]] = set()
-        self.last_batch_position: dict | None = None
-        self.step_positions: list[dict] = []  # the batches drawn since mark_step(), in order
+        self.last_batch_position: StateDict | None = None
+        self.step_positions: list[StateDict] = []  # the batches drawn since mark_step(), in order
 
-    def position(self) -> dict:
+    def position(self) -> StateDict:
         return {"epoch": self.epoch, "offset": self.offset}
 
-    def _read_batch(self, f) -> tuple[list[bytes], int, int]:
+    def _read_batch(self, f: BinaryIO) -> tuple[list[bytes], int, int]:
         f.seek(self.offset)
         records: list[bytes] = []
         offset, record = self.offset, self.record
@@ -268,7 +270,7 @@ class ResumableFileStream:
                 records.append(line.rstrip(b"\n"))
         return records, offset, record
 
-    def next_batch(self) -> list:
+    def next_batch(self) -> list[Any]:
         wrapped = False
         with open(self.path, "rb") as f:
             while True:
@@ -290,17 +292,17 @@ class ResumableFileStream:
                 self.offset, self.record = offset, record
                 return [self.parse(r) for r in records]
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Iterator[list[Any]]:
         while True:
             yield self.next_batch()
 
-    def skip_batch_at(self, position: dict) -> None:
+    def skip_batch_at(self, position: StateDict) -> None:
         self.skip.add((int(position["epoch"]), int(position["offset"])))
 
     def mark_step(self) -> None:
         self.step_positions = []
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> StateDict:
         return {
             "kind": "file_stream",
             "path": self.path,
@@ -315,7 +317,7 @@ class ResumableFileStream:
             "last_batch_position": dict(self.last_batch_position) if self.last_batch_position else None,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         if state.get("kind") != "file_stream":
             raise ValueError(f"not a ResumableFileStream position: kind={state.get('kind')!r}")
         for key in ("batch_size", "rank", "world_size"):
@@ -335,7 +337,7 @@ class ResumableFileStream:
         self.step_positions = []
 
 
-def step_batches(data: Any, micro_batches: Sequence[int] = ()) -> list[dict] | None:
+def step_batches(data: Any, micro_batches: Sequence[int] = ()) -> list[StateDict] | None:
     """The positions a rollback of the offending step steps over: every batch the step drew
     (`step_positions`), or only those at the indices `micro_batches` names when the step drew
     that many; a data object without `step_positions` has its last batch. None: the data cannot
@@ -348,7 +350,7 @@ def step_batches(data: Any, micro_batches: Sequence[int] = ()) -> list[dict] | N
     return picked if micro_batches and len(picked) == len(micro_batches) else drawn
 
 
-def describe_batches(positions: list[dict]) -> str:
+def describe_batches(positions: list[StateDict]) -> str:
     """'the batch at epoch 0, index 8' or 'the 4 batches at ...', for a rollback's finding."""
     where = "; ".join(", ".join(f"{k} {v}" for k, v in p.items()) for p in positions)
     return f"the batch at {where}" if len(positions) == 1 else f"the {len(positions)} batches at {where}"

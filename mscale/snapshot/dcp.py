@@ -26,9 +26,10 @@ import torch.distributed.checkpoint as dcp
 
 from mscale.snapshot.format import SnapshotError
 from mscale.snapshot.tensors import load_snapshot
+from mscale.snapshot.values import StateDict
 
 
-def state_dict_of(snapshot: str | os.PathLike) -> dict:
+def state_dict_of(snapshot: str | os.PathLike[str]) -> StateDict:
     """The DCP state dict (see the module docstring) of one verified snapshot directory."""
     tensors, objects, _manifest = load_snapshot(snapshot)
     sharding = (objects.get("extra") or {}).get("sharding") or {}
@@ -39,7 +40,7 @@ def state_dict_of(snapshot: str | os.PathLike) -> dict:
             "with torch.distributed.checkpoint from the job"
         )
     model: dict[str, torch.Tensor] = {}
-    state: dict[str, dict] = {}
+    state: dict[str, StateDict] = {}
     for file in tensors.values():
         for key, t in file.items():
             kind, _, rest = key.partition("/")
@@ -51,13 +52,13 @@ def state_dict_of(snapshot: str | os.PathLike) -> dict:
     opt = objects.get("optimizer") or {}
     for fqn, scalars in (opt.get("scalars") or {}).items():
         state.setdefault(fqn, {}).update(scalars)
-    out: dict = {"model": model, "train": {"step": int(objects["step"])}}
+    out: StateDict = {"model": model, "train": {"step": int(objects["step"])}}
     if opt:
         out["optim"] = {"state": state, "param_groups": opt.get("param_groups", [])}
     return out
 
 
-def export(snapshot: str | os.PathLike, out: str | os.PathLike) -> dict:
+def export(snapshot: str | os.PathLike[str], out: str | os.PathLike[str]) -> StateDict:
     """Write the snapshot at `snapshot` as a DCP checkpoint in `out` (a new or empty directory);
     a summary of what was written."""
     out = Path(out)

@@ -28,6 +28,7 @@ from typing import Any
 import blake3
 
 from mscale.snapshot.manifest import SnapshotInvalid
+from mscale.snapshot.values import JSONObject
 
 __all__ = ["TREE_CHUNK", "TreeHasher", "read_and_verify", "DIGESTS"]
 
@@ -132,7 +133,7 @@ def _fill(fd: int, window: list[memoryview], offset: int, hasher: Any, progress:
 def read_and_verify(
     path: Path,
     fds: dict[str, int],
-    metas: dict[str, dict],
+    metas: dict[str, JSONObject],
     *,
     into: Callable[[str, int], Any] | None = None,
     hashes: bool = True,
@@ -175,7 +176,7 @@ class _Pass:
     def __init__(
         self,
         fds: dict[str, int],
-        metas: dict[str, dict],
+        metas: dict[str, JSONObject],
         into: Callable[[str, int], Any] | None,
         hashes: bool,
         progress: Callable[[int], None] | None,
@@ -183,7 +184,7 @@ class _Pass:
         self.fds, self.hashes, self.progress = fds, hashes, progress
         self.bufs: dict[str, Any] = {}
         self.dests: dict[str, _Pieces] = {}
-        self.leaves: dict[str, list] = {}
+        self.leaves: dict[str, list[bytes]] = {}
         self.whole: dict[str, Any] = {}
         self.tasks: list[tuple[int, str, int]] = []
         self.scratch = threading.local()  # a buffer per thread when nothing is kept

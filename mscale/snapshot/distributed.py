@@ -9,25 +9,24 @@ Without an initialised process group everything is local (rank 0 of 1).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 
-def rank_and_size(group: Any = None) -> tuple[int, int]:
+def rank_and_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _device(group: Any) -> torch.device:
+def _device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def any_flag(flag: bool, group: Any = None) -> bool:
+def any_flag(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
     """True on every rank when any rank passes True (all_reduce MAX)."""
     if rank_and_size(group)[1] == 1:
         return bool(flag)
@@ -36,7 +35,7 @@ def any_flag(flag: bool, group: Any = None) -> bool:
     return bool(t.item())
 
 
-def gather_steps(steps: Sequence[int], group: Any = None) -> list[list[int]]:
+def gather_steps(steps: Sequence[int], group: dist.ProcessGroup | None = None) -> list[list[int]]:
     """Every rank's list of steps, on every rank."""
     world = rank_and_size(group)[1]
     if world == 1:
@@ -53,14 +52,14 @@ def gather_steps(steps: Sequence[int], group: Any = None) -> list[list[int]]:
     return [[int(s) for s in t.tolist() if s >= 0] for t in out]
 
 
-def common_steps(steps: Sequence[int], group: Any = None) -> list[int]:
+def common_steps(steps: Sequence[int], group: dist.ProcessGroup | None = None) -> list[int]:
     """Steps every rank holds, newest first (identical on every rank)."""
     lists = gather_steps(steps, group)
     common = set(lists[0]).intersection(*map(set, lists[1:]))
     return sorted(common, reverse=True)
 
 
-def newest_common(steps: Sequence[int], group: Any = None) -> int | None:
+def newest_common(steps: Sequence[int], group: dist.ProcessGroup | None = None) -> int | None:
     """The newest step every rank holds: the MIN over ranks when all snapshot at the same
     steps, the newest of the intersection in general. None when there is none."""
     common = common_steps(steps, group)

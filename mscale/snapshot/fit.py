@@ -11,12 +11,15 @@ import torch
 
 from mscale.snapshot.format import SnapshotError
 from mscale.snapshot.optim import fits
+from mscale.snapshot.values import StateDict
 
 if TYPE_CHECKING:
     from mscale.snapshot.engine import SnapshotEngine
 
 
-def check_fits(engine: SnapshotEngine, tensors: dict[str, dict[str, torch.Tensor]], objects: dict, where: str) -> None:
+def check_fits(
+    engine: SnapshotEngine, tensors: dict[str, dict[str, torch.Tensor]], objects: StateDict, where: str
+) -> None:
     """Refuse (SnapshotError naming the tensor, both shapes or dtypes) a snapshot that does not fit
     `engine`'s live model, optimizer and state objects, before any byte of it is applied."""
     model_keys = {k[6:]: t for d in tensors.values() for k, t in d.items() if k.startswith("model/")}

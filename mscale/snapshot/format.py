@@ -59,6 +59,7 @@ from mscale.snapshot.manifest import (
     step_dir_name,
 )
 from mscale.snapshot.train_state import TensorInfo, read_train_state
+from mscale.snapshot.values import JSONObject
 
 __all__ = [
     "SnapshotError",
@@ -97,7 +98,7 @@ class SnapshotInfo:
     step: int
     rank: int | None  # None: a single-process directory without rank subdirectories
     complete: bool  # manifest present and valid (written last: present means the rename happened)
-    manifest: dict | None = None
+    manifest: JSONObject | None = None
     problem: str | None = None  # why a step_ directory's manifest is refused
 
     @property
@@ -130,7 +131,7 @@ def write_file(
     *,
     fsync: bool = True,
     mode: int = 0o644,
-) -> tuple[int, dict]:
+) -> tuple[int, JSONObject]:
     """Writes parts to a new file of `mode` (and fsyncs it unless told not to); returns (size,
     digest entry for the manifest). The hash of each chunk runs in a helper thread while the chunk
     is written (both release the GIL)."""
@@ -157,7 +158,7 @@ def safetensors_header(entries: Sequence[tuple[str, str, Sequence[int], int]], m
     """The first bytes of a safetensors file whose tensors follow in the order of `entries`,
     each (key, dtype name such as "F32", shape, size in bytes): the header's length as 8
     little-endian bytes, then the JSON header, padded with spaces to a multiple of 8."""
-    header: dict[str, Any] = {}
+    header: JSONObject = {}
     offset = 0
     for key, dtype, shape, nbytes in entries:
         header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
@@ -171,7 +172,7 @@ def safetensors_header(entries: Sequence[tuple[str, str, Sequence[int], int]], m
 # -- listing and verifying --------------------------------------------------------------
 
 
-def read_manifest(path: str | os.PathLike) -> dict:
+def read_manifest(path: str | os.PathLike[str]) -> JSONObject:
     """The manifest of the snapshot at `path`, checked (manifest.py), or SnapshotInvalid."""
     path = Path(path)
     dirfd = open_dir(path)
@@ -181,7 +182,7 @@ def read_manifest(path: str | os.PathLike) -> dict:
         os.close(dirfd)
 
 
-def _read_manifest_at(dirfd: int, path: Path) -> dict:
+def _read_manifest_at(dirfd: int, path: Path) -> JSONObject:
     try:
         raw = read_small(dirfd, path, MANIFEST, MAX_MANIFEST_BYTES)
     except SnapshotInvalid as e:
@@ -201,12 +202,12 @@ class Verified:
     the train state and the binding) is exactly the bytes verified. A context manager:
     closing it closes the descriptors."""
 
-    def __init__(self, path: Path, dirfd: int, manifest: dict) -> None:
+    def __init__(self, path: Path, dirfd: int, manifest: JSONObject) -> None:
         self.path, self.dirfd, self.manifest = path, dirfd, manifest
         self.fds: dict[str, int] = {}
         self.contents: dict[str, Any] = {}  # file name -> the buffer it was read into
-        self.binding: dict = {}
-        self.objects: dict = {}  # the train state, read without torch (read_train_state)
+        self.binding: JSONObject = {}
+        self.objects: JSONObject = {}  # the train state, read without torch (read_train_state)
 
     def reader(self, name: str) -> IO[bytes]:
         """A binary file over the verified contents of `name` (close it after use)."""
@@ -225,7 +226,7 @@ class Verified:
 
 
 def open_verified(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     *,
     hashes: bool = True,
     progress: Callable[[int], None] | None = None,
@@ -280,15 +281,15 @@ def open_verified(
 
 
 def verify_snapshot(
-    path: str | os.PathLike, *, progress: Callable[[int], None] | None = None, workers: int | None = None
-) -> dict:
+    path: str | os.PathLike[str], *, progress: Callable[[int], None] | None = None, workers: int | None = None
+) -> JSONObject:
     """Checks every file of a snapshot against its manifest (open_verified); returns the
     manifest, or raises SnapshotInvalid naming the first file at fault."""
     with open_verified(path, progress=progress, workers=workers) as v:
         return v.manifest
 
 
-def list_snapshots(root: str | os.PathLike, *, include_incomplete: bool = False) -> list[SnapshotInfo]:
+def list_snapshots(root: str | os.PathLike[str], *, include_incomplete: bool = False) -> list[SnapshotInfo]:
     """Snapshots under `root`: a snapshot directory, a directory of them, or one of rank
     subdirectories. Sorted by (rank, step). Incomplete ones (temporary names left by a crash)
     only with include_incomplete."""
@@ -329,7 +330,7 @@ def _info(path: Path, rank: int | None) -> SnapshotInfo:
 # -- inspecting ------------------------------------------------------------------------------
 
 
-def summarize(info: SnapshotInfo) -> dict:
+def summarize(info: SnapshotInfo) -> JSONObject:
     """What a complete snapshot holds, as JSON-friendly values: manifest fields, files, MPU
     binding, optimizer groups, scaler, scheduler, data position, RNG kinds. Every file is
     verified first (open_verified), and the train state read only then (SnapshotInvalid)."""
@@ -341,7 +342,7 @@ def summarize(info: SnapshotInfo) -> dict:
         raise SnapshotInvalid(info.path, TRAIN_STATE, f"holds an unexpected structure: {e!r}") from None
 
 
-def _summary(info: SnapshotInfo, manifest: dict, binding: dict, objects: dict) -> dict:
+def _summary(info: SnapshotInfo, manifest: JSONObject, binding: JSONObject, objects: JSONObject) -> JSONObject:
     return {
         "path": str(info.path),
         "step": manifest["step"],
@@ -368,7 +369,7 @@ def _summary(info: SnapshotInfo, manifest: dict, binding: dict, objects: dict) -
     }
 
 
-def _optimizer_summary(opt: dict | None) -> dict | None:
+def _optimizer_summary(opt: JSONObject | None) -> JSONObject | None:
     if not opt:
         return None
     groups = [

@@ -29,6 +29,7 @@ from mscale.snapshot.fit import check_fits
 from mscale.snapshot.format import SnapshotError, SnapshotInvalid, step_dir_name
 from mscale.snapshot.keys import renamed_for
 from mscale.snapshot.tensors import MAX_HEADER, Entry, load_snapshot, parse_header
+from mscale.snapshot.values import StateDict
 
 if TYPE_CHECKING:
     from mscale.snapshot.engine import SnapshotEngine
@@ -122,9 +123,9 @@ def load_newest_valid(
     *,
     collective: bool,
     where: Callable[[int], Path] | None = None,
-    read: Callable[[int], tuple[dict, dict] | None] | None = None,
+    read: Callable[[int], tuple[StateDict, StateDict] | None] | None = None,
     sources: list[tuple[int, Path, str]] | None = None,
-) -> tuple[int, Path, Any, dict] | None:
+) -> tuple[int, Path, Any, StateDict] | None:
     """(step, path, tensors, objects) of the newest of `steps` that verifies and fits, read
     into the live tensors where it fits them (or by `read(step)`, when it gives (tensors,
     objects): another world's shards re-sharded); each refused one a finding naming the next
@@ -139,7 +140,7 @@ def load_newest_valid(
     overwritten: Path | None = None
     landed: list[bool] = []  # whether the snapshot being read goes into the live tensors
 
-    def plan(path: Path, fds: dict[str, int]) -> dict:
+    def plan(path: Path, fds: dict[str, int]) -> StateDict:
         plans = plan_in_place(live_targets(engine), path, fds)
         landed.append(bool(plans))
         return plans

@@ -14,9 +14,15 @@ model now: DDP on 2 ranks then the plain model on 1 (or the reverse), compiled t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
+
+from mscale.snapshot.values import StateDict
+
+if TYPE_CHECKING:
+    from mscale.snapshot.engine import SnapshotEngine
 
 __all__ = ["bare", "canonical", "renamed", "renamed_for", "wrapper_prefix"]
 
@@ -83,8 +89,8 @@ def _split(key: str) -> tuple[str, str, str]:
 
 
 def renamed(
-    tensors: dict[str, dict[str, Any]], objects: dict, model_names: set[str], param_names: set[str]
-) -> tuple[dict[str, dict[str, Any]], dict]:
+    tensors: dict[str, dict[str, torch.Tensor]], objects: StateDict, model_names: set[str], param_names: set[str]
+) -> tuple[dict[str, dict[str, torch.Tensor]], StateDict]:
     """A loaded snapshot's (tensors per file, objects) with its model keys and optimizer
     parameter names renamed to the live `model_names` (state dict keys) and `param_names`
     (parameter names) where they differ only by wrappers; unchanged when nothing needs it."""
@@ -102,7 +108,7 @@ def renamed(
     param_map = _mapping(saved_params, param_names)
     if not model_map and not param_map:
         return tensors, objects
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, dict[str, torch.Tensor]] = {}
     for f, d in tensors.items():
         out[f] = {}
         for key, t in d.items():
@@ -126,8 +132,8 @@ def renamed(
 
 
 def renamed_for(
-    engine: Any, tensors: dict[str, dict[str, Any]], objects: dict
-) -> tuple[dict[str, dict[str, Any]], dict]:
+    engine: SnapshotEngine, tensors: dict[str, dict[str, torch.Tensor]], objects: StateDict
+) -> tuple[dict[str, dict[str, torch.Tensor]], StateDict]:
     """`renamed` to the names of `engine`'s live model and its optimizer's parameters."""
     named = engine.named_optimizer
     params = set(named.names) if named is not None else set()

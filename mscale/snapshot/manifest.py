@@ -25,6 +25,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
+from mscale.snapshot.values import JSONObject
+
 __all__ = [
     "SnapshotError",
     "SnapshotInvalid",
@@ -213,7 +215,7 @@ _KEYS = {"format", "step", "rank", "world_size", "job_id", "created_unix", "why"
 _OPTIONAL = {"optimizer"}  # written since the manifest declared it; older ones: all optimizer files or none
 
 
-def parse_manifest(raw: bytes, path: Path) -> dict:
+def parse_manifest(raw: bytes, path: Path) -> JSONObject:
     """The manifest in `raw`, checked against the schema and for completeness, or
     SnapshotInvalid(path, "manifest.json", why)."""
     m = parse_json(raw, path, MANIFEST)
@@ -281,7 +283,7 @@ def _check_files(files: Any, bad: Any) -> None:
             raise bad(f"{name}: {kind} must be 64 lowercase hex digits")
 
 
-def required_files(manifest: dict) -> dict[str, str]:
+def required_files(manifest: JSONObject) -> dict[str, str]:
     """File name -> what it holds, for every file the format requires of a manifest that
     declares these MPUs (and an optimizer, or not): exactly the files the engine writes."""
     optimizer = manifest.get("optimizer")
@@ -297,7 +299,7 @@ def required_files(manifest: dict) -> dict[str, str]:
     return want
 
 
-def check_binding(raw: bytes, path: Path, manifest: dict) -> dict:
+def check_binding(raw: bytes, path: Path, manifest: JSONObject) -> JSONObject:
     """The binding file (already hashed): JSON naming the same MPUs as the manifest."""
     binding = parse_json(raw, path, BINDING)
     mpus = binding.get("mpus") if isinstance(binding, dict) else None

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from mscale.snapshot.keys import wrapper_prefix
+from mscale.snapshot.values import StateDict
 
 __all__ = ["MemorySnapshot", "HostCopier", "Completion", "to_host", "rng_state", "set_rng_state"]
 
@@ -42,8 +43,8 @@ class Completion:
     `done()` never blocks (the emergency write asks it about a GPU that may be lost)."""
 
     def __init__(self) -> None:
-        self.events: list = []  # CUDA events recorded after the last copy, one per device
-        self.devices: list = []  # the device of each event
+        self.events: list[torch.cuda.Event] = []  # CUDA events recorded after the last copy, one per device
+        self.devices: list[torch.device] = []  # the device of each event
         self._host = threading.Event()
         self._host.set()  # nothing in flight until the copier says so
         self.error: BaseException | None = None
@@ -82,8 +83,8 @@ class MemorySnapshot:
 
     step: int
     tensors: dict[str, dict[str, torch.Tensor]]  # file name -> key -> host tensor
-    objects: dict  # everything else, weights_only-serialisable
-    binding: dict
+    objects: StateDict  # everything else, weights_only-serialisable
+    binding: StateDict
     nbytes: int
     created: float = field(default_factory=time.time)
     ready: Completion = field(default_factory=Completion)  # when the copies have landed
@@ -148,8 +149,8 @@ def to_host(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
-def rng_state() -> dict:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+def rng_state() -> StateDict:
+    state: StateDict = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
     try:
@@ -163,7 +164,7 @@ def rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: StateDict) -> None:
     random.setstate(_as_tuple(state["python"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
@@ -246,7 +247,7 @@ class HostCopier:
         copies, and for the late ones at the next fence."""
         self.fence()  # the previous snapshot's copy first: its sources may be written next
         done = Completion()
-        started: set = set()
+        started: set[torch.device] = set()
         now: Pairs = []
         later: Pairs = []
         device: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
@@ -348,14 +349,14 @@ class HostCopier:
                     dst.copy_(src)
             return
         pool = self.pool()
-        buckets: list[list] = [[] for _ in range(n)]
+        buckets: list[Pairs] = [[] for _ in range(n)]
         loads = [0] * n
         for dst, src in sorted(pairs, key=lambda p: -p[0].numel() * p[0].element_size()):
             i = loads.index(min(loads))
             buckets[i].append((dst, src))
             loads[i] += dst.numel() * dst.element_size()
 
-        def run(bucket: list) -> None:
+        def run(bucket: Pairs) -> None:
             with torch.no_grad():
                 for dst, src in bucket:
                     dst.copy_(src)

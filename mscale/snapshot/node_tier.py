@@ -31,11 +31,15 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mscale.findings import Reason, Severity
 from mscale.snapshot.format import SnapshotInfo, list_snapshots, rank_dir_name
 from mscale.snapshot.ownership import dir_refused
+from mscale.snapshot.values import JSONObject
+
+if TYPE_CHECKING:
+    from mscale.snapshot.engine import SnapshotEngine
 
 __all__ = ["NodeTier", "Flags", "node_job_dir", "estimate_bytes", "make_private", "tier_bytes"]
 
@@ -44,7 +48,7 @@ MAX_FLAGS = 64  # entries kept, newest last: a bounded file
 DEFAULT_EVERY = 10  # steps between node-tier snapshots by default, at least (default_every)
 
 
-def node_job_dir(root: str | os.PathLike, job_id: str, directory: str | os.PathLike) -> Path:
+def node_job_dir(root: str | os.PathLike[str], job_id: str, directory: str | os.PathLike[str]) -> Path:
     """Where a job's node tier lives under `root` (see the module docstring)."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "-", job_id)[:64] or "job"
     key = hashlib.sha256(os.fspath(Path(directory).absolute()).encode()).hexdigest()[:12]
@@ -91,7 +95,7 @@ class Flags:
     def __init__(self, rank_dir: Path) -> None:
         self.path = rank_dir / FLAGS
 
-    def entries(self) -> list[dict]:
+    def entries(self) -> list[JSONObject]:
         try:
             raw = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -131,15 +135,15 @@ class NodeTier:
     """Where this rank's node-tier snapshots go, and which of them a resume may take.
     `open()` decides whether the tier is on (a finding says so either way)."""
 
-    def __init__(self, engine: Any, root: Path, job_dir: Path, every: int, explicit: bool) -> None:
+    def __init__(self, engine: SnapshotEngine, root: Path, job_dir: Path, every: int, explicit: bool) -> None:
         self.engine, self.root, self.job_dir, self.every = engine, root, job_dir, every
         self.rank_dir = job_dir / rank_dir_name(engine.rank)
         self.explicit = explicit  # node_every given: on even when the room looks short
         self.flags = Flags(self.rank_dir)
 
     @classmethod
-    def open(cls, engine: Any) -> NodeTier | None:
-        """The tier for `engine` (a SnapshotCapture with a directory), or None: off, with the reason."""
+    def open(cls, engine: SnapshotEngine) -> NodeTier | None:
+        """The tier for `engine` (a SnapshotEngine with a directory), or None: off, with the reason."""
         cfg = engine.config
         every = default_every(cfg.memory_every) if cfg.node_every is None else cfg.node_every
         root = Path(cfg.node_root_path)

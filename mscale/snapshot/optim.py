@@ -18,6 +18,7 @@ from torch import nn
 
 from mscale.snapshot.format import SnapshotError
 from mscale.snapshot.memory import to_host
+from mscale.snapshot.values import StateDict
 
 __all__ = ["NamedOptimizer", "fits"]
 
@@ -47,13 +48,13 @@ class NamedOptimizer:
         if len(self.names) != sum(len(g["params"]) for g in self.optimizer.param_groups):
             self.names = self._names()
 
-    def capture(self, files: dict[str, dict[str, torch.Tensor]], file_of: Callable[[str], str]) -> dict:
+    def capture(self, files: dict[str, dict[str, torch.Tensor]], file_of: Callable[[str], str]) -> StateDict:
         """Adds references to the live state tensors to `files` (parameter name -> file name by
         file_of, key "optim/<fqn>/<key>"); returns a host copy of the rest: the class, the
         groups with parameters by name, and the non-tensor state per parameter."""
         self._refresh()
         osd = self.optimizer.state_dict()
-        scalars: dict[str, dict] = {}
+        scalars: dict[str, StateDict] = {}
         for idx, st in osd["state"].items():
             fqn = self.names[idx]
             f = file_of(fqn)
@@ -68,7 +69,7 @@ class NamedOptimizer:
         ]
         return {"class": type(self.optimizer).__name__, "param_groups": groups, "scalars": scalars}
 
-    def check(self, saved: dict | None, where: str, tensors: dict[str, torch.Tensor] | None = None) -> None:
+    def check(self, saved: StateDict | None, where: str, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """Refuses a snapshot whose optimizer groups name other parameters than the live ones,
         and (given its state `tensors`, "<fqn>/<key>") one whose state does not fit (check_state)."""
         self._refresh()
@@ -85,13 +86,15 @@ class NamedOptimizer:
         if tensors is not None:
             self.check_state(saved, where, tensors, ours)
 
-    def check_state(self, saved: dict, where: str, tensors: dict[str, torch.Tensor], groups: list[list[str]]) -> None:
+    def check_state(
+        self, saved: StateDict, where: str, tensors: dict[str, torch.Tensor], groups: list[list[str]]
+    ) -> None:
         """Every state tensor fits before a byte is applied: the same keys, shapes and dtypes as
         the live optimizer's state where it holds some; for torch's own optimizers (whose state
         tensors are the shape and dtype of their parameter, 0-d ones aside) the parameter's, and
         every parameter of a group holding the same keys (none missing)."""
         what = f"{where} does not fit the optimizer"
-        state: dict[str, dict[str, Any]] = {}
+        state: dict[str, StateDict] = {}
         for key, t in tensors.items():
             fqn, _, name = key.rpartition("/")
             state.setdefault(fqn, {})[name] = t
@@ -123,7 +126,7 @@ class NamedOptimizer:
     def restore(
         self,
         opt_tensors: dict[str, dict[str, torch.Tensor]],
-        saved: dict,
+        saved: StateDict,
         *,
         copy_pairs: Callable[[Pairs], Any],
         owned: bool = False,
@@ -190,7 +193,7 @@ def fits(key: str, saved: Any, live: torch.Tensor, what: str, whose: str) -> Non
         )
 
 
-def _same_layout(cur: dict, want: dict) -> bool:
+def _same_layout(cur: StateDict, want: StateDict) -> bool:
     """Whether the live state `cur` of a parameter can take `want` in place."""
     return cur.keys() == want.keys() and not any(
         isinstance(v, torch.Tensor) != isinstance(cur[k], torch.Tensor)

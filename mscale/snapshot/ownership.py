@@ -26,6 +26,7 @@ from typing import Any
 
 from mscale.findings import Reason, Severity
 from mscale.snapshot.format import RANK_DIR, SnapshotInfo
+from mscale.snapshot.values import JSONObject
 
 __all__ = ["Ownership", "dir_refused"]
 
@@ -55,7 +56,7 @@ class Ownership:
         self.job_id, self.uid, self._emit = job_id, os.geteuid(), emit
         self._reported: set[Path] = set()
 
-    def why_not(self, path: Path, manifest: dict | None) -> str:
+    def why_not(self, path: Path, manifest: JSONObject | None) -> str:
         """'' when this engine's run wrote the snapshot at `path`, else why not."""
         why = dir_refused(path, self.uid)
         if why:

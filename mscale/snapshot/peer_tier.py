@@ -36,7 +36,7 @@ import time
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch.distributed as dist
@@ -46,6 +46,10 @@ from mscale.findings import Reason, Severity
 from mscale.snapshot.format import list_snapshots, rank_dir_name
 from mscale.snapshot.node_tier import Flags, NodeTier, make_private, tier_bytes
 from mscale.snapshot.peer_wire import Landing, Outgoing, exchange
+from mscale.snapshot.values import StateDict
+
+if TYPE_CHECKING:
+    from mscale.snapshot.engine import SnapshotEngine
 
 __all__ = ["PeerTier", "replicate_to"]
 
@@ -63,7 +67,7 @@ def replicate_to(rank: int, world: int, ranks_per_node: int) -> int:
 class PeerTier:
     """This rank's side of the peer tier (see the module docstring); `open` decides whether it is on."""
 
-    def __init__(self, engine: Any, node: NodeTier, group: Any, per_node: int, every: int) -> None:
+    def __init__(self, engine: SnapshotEngine, node: NodeTier, group: Any, per_node: int, every: int) -> None:
         self.engine, self.node, self.group, self.every = engine, node, group, every
         cfg = engine.config
         self.keep, self.timeout = cfg.peer_keep, timedelta(seconds=cfg.peer_timeout_s)
@@ -74,13 +78,13 @@ class PeerTier:
         self.dir = node.job_dir / "peer" / rank_dir_name(self.source)
         self.fetched = node.job_dir / "fetched" / rank_dir_name(rank)
         self.broken = ""  # why replication stopped on this rank
-        self.last: dict = {}  # the last exchange: step, seconds, bytes sent
-        self._jobs: queue.Queue = queue.Queue()
+        self.last: StateDict = {}  # the last exchange: step, seconds, bytes sent
+        self._jobs: queue.Queue[tuple[str, int, Future[Any] | None]] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="mscale-snapshot-peer", daemon=True)
         self._thread.start()
 
     @classmethod
-    def open(cls, engine: Any, node: NodeTier | None) -> PeerTier | None:
+    def open(cls, engine: SnapshotEngine, node: NodeTier | None) -> PeerTier | None:
         """The tier for `engine`, or None: off, with a finding saying why. Collective over the
         engine's group (every rank decides alike: the gloo group is made by all or none)."""
         cfg = engine.config
@@ -119,7 +123,7 @@ class PeerTier:
         return tier
 
     # -- replication (the thread) ----------------------------------------------------------
-    def replicate(self, step: int, written: Future) -> None:
+    def replicate(self, step: int, written: Future[Path | None]) -> None:
         """After step `step`: send its node-tier snapshot (`written`'s result) once it is written."""
         if self._jobs.qsize() >= MAX_QUEUED and not self.broken:
             self._stop(f"{MAX_QUEUED} replications queued behind a stuck one")
@@ -127,7 +131,7 @@ class PeerTier:
 
     def flush(self, timeout: float | None = None) -> None:
         """Waits until every replication queued so far is done (sent, refused or stopped)."""
-        done: Future = Future()
+        done: Future[None] = Future()
         self._jobs.put(("barrier", 0, done))
         done.result(timeout)
 
@@ -141,9 +145,10 @@ class PeerTier:
             if kind == "stop":
                 return
             if kind == "barrier":
+                assert fut is not None
                 fut.set_result(None)
                 continue
-            if self.broken:
+            if self.broken or fut is None:
                 continue
             try:
                 path = fut.result(self.timeout.total_seconds())

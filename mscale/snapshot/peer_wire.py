@@ -32,6 +32,7 @@ import torch.distributed as dist
 from mscale.snapshot.digest import TreeHasher
 from mscale.snapshot.format import MANIFEST, SnapshotInvalid, fsync_dir, step_dir_name
 from mscale.snapshot.manifest import parse_manifest
+from mscale.snapshot.values import JSONObject
 
 __all__ = ["CHUNK", "Outgoing", "Landing", "exchange"]
 
@@ -132,7 +133,7 @@ class Landing:
             self._left = self._queue[0][1] if self._queue else 0
             self._skip_empty()
 
-    def _refusal(self, head: dict, job_id: str, source: int, room: int) -> str:
+    def _refusal(self, head: JSONObject, job_id: str, source: int, room: int) -> str:
         m = self.manifest
         if str(head.get("job_id")) != job_id or m["job_id"] != job_id:
             return f"it is a snapshot of job {str(m['job_id'])[:64]!r}, not of this one ({job_id!r})"

@@ -11,6 +11,7 @@ from mscale.contracts.msrp import msrp_binding
 from mscale.findings import Finding, Reason, Severity
 from mscale.snapshot.engine import SnapshotEngine
 from mscale.snapshot.format import SnapshotError
+from mscale.snapshot.values import StateDict
 
 __all__ = ["SnapshotPlugin"]
 
@@ -52,7 +53,7 @@ class SnapshotPlugin:
         self._thread: threading.Thread | None = None
         self._pending: deque[Finding] = deque()
         self._fault: Finding | None = None
-        self.rollbacks: list[dict] = []
+        self.rollbacks: list[StateDict] = []
 
     def on_attach(self, guard: Any) -> None:
         self.guard, self._thread = guard, threading.current_thread()
@@ -83,7 +84,7 @@ class SnapshotPlugin:
             raise RuntimeError("the snapshot plugin is not attached to a guard")
         return self.engine
 
-    def _binding(self) -> dict:
+    def _binding(self) -> StateDict:
         g = self.guard
         return {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None, **msrp_binding(g, m)} for m in g.mpus}
 

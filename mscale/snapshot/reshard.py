@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from mscale.snapshot.format import SnapshotError
+from mscale.snapshot.sharded import ShardingMarker
 from mscale.snapshot.tensors import load_snapshot
+from mscale.snapshot.values import StateDict
 
 if TYPE_CHECKING:
     from mscale.snapshot.engine import SnapshotEngine
@@ -55,7 +57,7 @@ def tiling_error(shape: list[int], boxes: dict[int, Box]) -> str:
     return ""
 
 
-def _param_of(key: str, t: torch.Tensor, layout: dict[str, dict]) -> str | None:
+def _param_of(key: str, t: torch.Tensor, layout: dict[str, StateDict]) -> str | None:
     """The parameter whose shard `key` (a snapshot key) is, or None for a whole tensor."""
     kind, _, rest = key.partition("/")
     fqn = rest if kind == "model" else rest.rpartition("/")[0] if kind == "optim" else ""
@@ -81,16 +83,18 @@ def _overlap(src: torch.Tensor, src_at: list[int], dst: torch.Tensor, dst_at: li
     return part.numel()
 
 
-def read(engine: SnapshotEngine, found: Candidate) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+def read(engine: SnapshotEngine, found: Candidate) -> tuple[dict[str, dict[str, torch.Tensor]], StateDict]:
     """(tensors per file, objects) of the snapshot at `found.step`, written by `found.world_size`
     ranks, as this rank of `engine` holds it (see the module docstring). Raises SnapshotError
     (SnapshotInvalid naming the file) where an old rank's snapshot fails or does not fit."""
-    mine: dict[str, dict] = engine.extra["sharding"].layout
+    marker = engine.extra["sharding"]
+    assert isinstance(marker, ShardingMarker)  # (worlds.py reshards only with one)
+    mine: dict[str, StateDict] = marker.layout
     source = engine.rank % found.world_size
     out: dict[str, dict[str, torch.Tensor]] = {}
     written: dict[str, int] = {}
     boxes: dict[str, dict[int, Box]] = {}  # fqn -> old rank -> its box: they must tile the tensor
-    objects: dict | None = None
+    objects: StateDict | None = None
     for rank in range(found.world_size):
         path = found.shards[rank]
         tensors, objs, _ = load_snapshot(path, pool=engine.copier.pool())

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mscale.snapshot.values import StateDict
+
 
 def is_sharded(model: nn.Module) -> bool:
     """A parameter is a DTensor, or an FSDP2 `fully_shard` module is in `model` (during a forward
@@ -36,11 +38,11 @@ def _local(t: Any) -> Any:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-class _Group(MutableMapping):
+class _Group(MutableMapping[str, Any]):
     """An optimizer param group seen through the mirror: its params are the mirror's; every
     other key reads and writes the real group (a restored lr reaches the real optimizer)."""
 
-    def __init__(self, group: dict, params: list[nn.Parameter]) -> None:
+    def __init__(self, group: StateDict, params: list[nn.Parameter]) -> None:
         self._group, self._params = group, params
 
     def __getitem__(self, k: str) -> Any:
@@ -61,11 +63,11 @@ class _Group(MutableMapping):
         return len(self._group)
 
 
-class _State(MutableMapping):
+class _State(MutableMapping[str, Any]):
     """One parameter's optimizer state: DTensor values read as their local tensors (views:
     an in-place copy lands in the shard), others as they are; writes go to the real state."""
 
-    def __init__(self, state: dict) -> None:
+    def __init__(self, state: StateDict) -> None:
         self._state = state
 
     def __getitem__(self, k: str) -> Any:
@@ -97,11 +99,11 @@ class LocalOptimizer:
         self._mirror_of = mirror_of
 
     @property
-    def param_groups(self) -> list[MutableMapping]:
+    def param_groups(self) -> list[MutableMapping[str, Any]]:
         return [_Group(g, [self._mirror_of[id(p)] for p in g["params"]]) for g in self.optimizer.param_groups]
 
     @property
-    def state(self) -> dict[nn.Parameter, MutableMapping]:
+    def state(self) -> dict[nn.Parameter, MutableMapping[str, Any]]:
         return {
             self._mirror_of[id(p)]: _State(self.optimizer.state[p])
             for g in self.optimizer.param_groups
@@ -109,11 +111,11 @@ class LocalOptimizer:
             if p in self.optimizer.state
         }
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> StateDict:
         sd = self.optimizer.state_dict()
         return {**sd, "state": {i: {k: _local(v) for k, v in st.items()} for i, st in sd["state"].items()}}
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: StateDict) -> None:
         from torch.distributed.tensor import DTensor
 
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -156,7 +158,7 @@ class LocalView:
         return self._modules[id(real)]
 
 
-def layout_of(model: nn.Module) -> dict[str, dict]:
+def layout_of(model: nn.Module) -> dict[str, StateDict]:
     """Where each sharded parameter's local tensor on this rank lies in the whole one: fqn ->
     {"shape": global shape, "offset": global offset of the local box, "local": its shape}, or
     {"unsupported": placements} for a placement whose local part is not one box (Partial,
@@ -165,7 +167,7 @@ def layout_of(model: nn.Module) -> dict[str, dict]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    out: dict[str, dict] = {}
+    out: dict[str, StateDict] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if not hasattr(param, "device_mesh"):
             continue
@@ -188,8 +190,8 @@ class ShardingMarker:
         self.world_size = world_size
         self.layout = layout_of(model) if model is not None else {}
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> StateDict:
         return {"sharded": True, "world_size": self.world_size, "layout": self.layout}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         pass

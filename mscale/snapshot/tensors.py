@@ -19,6 +19,7 @@ from mscale.snapshot.format import (
     safetensors_header,
 )
 from mscale.snapshot.manifest import parse_json
+from mscale.snapshot.values import StateDict
 
 __all__ = ["load_snapshot", "safetensors_parts"]
 
@@ -48,7 +49,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data
 
 
-def safetensors_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> list:
+def safetensors_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> list[bytes | memoryview]:
     """The safetensors encoding of `tensors`, as a header plus zero-copy views of the data.
 
     Larger element sizes first, so every tensor lands aligned (the header is padded to 8).
@@ -125,13 +126,14 @@ def tensors_from_bytes(data: torch.Tensor, path: Path, name: str) -> dict[str, t
 
 
 def load_snapshot(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     *,
     verify: bool = True,
     workers: int | None = None,
     pool: Any = None,
-    plan: Callable[[Path, dict[str, int]], dict[str, tuple[list, dict[str, torch.Tensor], bytes]]] | None = None,
-) -> tuple[dict[str, dict[str, torch.Tensor]], dict, dict]:
+    plan: Callable[[Path, dict[str, int]], dict[str, tuple[list[torch.Tensor], dict[str, torch.Tensor], bytes]]]
+    | None = None,
+) -> tuple[dict[str, dict[str, torch.Tensor]], StateDict, StateDict]:
     """(tensors per file, train-state objects, manifest) of a snapshot, verified as it is
     read (open_verified: the manifest's schema and completeness, regular files only, sizes, and
     each file's digest unless verify=False). Every file is read once, in parallel chunks, into
@@ -140,7 +142,7 @@ def load_snapshot(
     its header bytes) where the caller has chosen the memory (inplace.py)."""
     path = Path(path)
     raw: dict[str, torch.Tensor] = {}
-    planned: dict[str, tuple[list, dict[str, torch.Tensor], bytes]] = {}
+    planned: dict[str, tuple[list[torch.Tensor], dict[str, torch.Tensor], bytes]] = {}
 
     def opened(fds: dict[str, int]) -> None:
         if plan is not None:

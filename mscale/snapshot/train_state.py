@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from mscale.snapshot.manifest import FORMAT, SnapshotInvalid
+from mscale.snapshot.values import StateDict
 
 __all__ = ["TensorInfo", "read_train_state"]
 
@@ -144,7 +145,7 @@ def _encode(text: str, encoding: str = "utf-8") -> bytes:
     return codecs.encode(text, encoding)
 
 
-def read_train_state(path: str | os.PathLike, source: IO[bytes] | None = None) -> dict:
+def read_train_state(path: str | os.PathLike[str], source: IO[bytes] | None = None) -> StateDict:
     """The objects of a `train_state.pt` (read from `source` when given, `path` naming it),
     without torch: tensors become TensorInfo. Raises SnapshotInvalid when the file is not a
     torch.save archive of allowed objects."""

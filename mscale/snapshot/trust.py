@@ -19,16 +19,20 @@ an exp_avg scaled up, or an exp_avg_sq scaled down, past that is no gradient's d
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from mscale.snapshot.engine import SnapshotEngine
+    from mscale.snapshot.memory import MemorySnapshot
 
 PLAUSIBLE = float(1 << 16)
 MARGIN = 4.0  # on m^2 / v: float rounding of the moments, far below any corruption worth finding
 TINY = torch.finfo(torch.float32).tiny  # an exp_avg_sq below it rounds to 0 (state_bad: its own dtype's)
 
 
-def host_copies(snap: Any, names: list[str]) -> dict[str, torch.Tensor]:
+def host_copies(snap: MemorySnapshot, names: list[str]) -> dict[str, torch.Tensor]:
     """The snapshot's host copies of the model tensors `names` (those it holds)."""
     wanted = {f"model/{n}": n for n in names}
     return {wanted[k]: t for d in snap.tensors.values() for k, t in d.items() if k in wanted}
@@ -51,14 +55,14 @@ def beyond(now: dict[str, torch.Tensor], was: dict[str, torch.Tensor]) -> set[st
     return bad
 
 
-def differs(now: dict[str, torch.Tensor], snap: Any) -> set[str]:
+def differs(now: dict[str, torch.Tensor], snap: MemorySnapshot) -> set[str]:
     """The names whose tensor in `now` is not bitwise the snapshot's copy (same shape and dtype)."""
     host = host_copies(snap, list(now))
     same = {n for n, h in host.items() if h.shape == now[n].shape and h.dtype == now[n].dtype}
     return {n for n in same if not torch.equal(now[n].detach().cpu(), host[n])}
 
 
-def moment_bound(optimizer: Any) -> float | None:
+def moment_bound(optimizer: object) -> float | None:
     """The largest m^2 / v Adam's moments reach under the optimizer's betas (the module
     docstring), with MARGIN; None where no bound holds (b1^2 >= b2) or none is known."""
     bound = 0.0
@@ -70,7 +74,7 @@ def moment_bound(optimizer: Any) -> float | None:
     return MARGIN * bound
 
 
-def state_bad(snap: Any, bound: float | None) -> set[str]:
+def state_bad(snap: MemorySnapshot, bound: float | None) -> set[str]:
     """The parameters whose optimizer state in the snapshot is poisoned: a floating-point
     tensor of it not finite, or exp_avg^2 > bound * exp_avg_sq somewhere (no bound: None)."""
     state: dict[str, dict[str, torch.Tensor]] = {}
@@ -106,7 +110,9 @@ def maxima(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
         return dict(zip(keys, torch.stack([n.to(torch.float64) for n in norms]).tolist(), strict=True))
 
 
-def suspect(snap: Any, weights: dict[str, float], bound: float | None, before: dict[str, float] | None) -> set[str]:
+def suspect(
+    snap: MemorySnapshot, weights: dict[str, float], bound: float | None, before: dict[str, float] | None
+) -> set[str]:
     """The per-step test of a new snapshot (restore_weights' verification), on each tensor's
     largest magnitude alone (`weights`: its weights' `maxima`; one read of the state): a weight or
     a state tensor not finite, max |exp_avg|^2 > bound * max exp_avg_sq, or a weight's largest
@@ -129,7 +135,7 @@ def suspect(snap: Any, weights: dict[str, float], bound: float | None, before: d
     return bad
 
 
-def trusted(engine: Any, names: list[str]) -> Any:
+def trusted(engine: SnapshotEngine, names: list[str]) -> MemorySnapshot | None:
     """The newest in-memory snapshot whose optimizer state is not poisoned (`state_bad`) and
     whose copy of `names` passes `beyond` against the copy before it (the oldest held: its
     state alone), or None when none is. Waits for the copies."""
@@ -146,7 +152,9 @@ def trusted(engine: Any, names: list[str]) -> Any:
     return None
 
 
-def unexplained(live: dict[str, torch.Tensor], frozen: set[str], engine: Any) -> tuple[list[str], Any]:
+def unexplained(
+    live: dict[str, torch.Tensor], frozen: set[str], engine: SnapshotEngine
+) -> tuple[list[str], MemorySnapshot | None]:
     """The names of `live` (one MPU's weights) its newest trusted snapshot does not explain:
     bitwise against one of the last completed step (`engine.step`), else beyond what optimizer
     steps move (the `frozen` skipped: they are checked bitwise before each forward); and that

@@ -38,6 +38,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mscale.snapshot.format import (
     RANK_DIR,
@@ -50,6 +51,10 @@ from mscale.snapshot.format import (
     read_train_state,
 )
 from mscale.snapshot.ownership import dir_refused
+from mscale.snapshot.values import JSONObject
+
+if TYPE_CHECKING:
+    from mscale.snapshot.engine import SnapshotEngine
 
 __all__ = ["Candidate", "WorldSizeChanged", "candidates", "per_rank", "rank_dir", "resplit"]
 
@@ -134,7 +139,7 @@ def candidates(
     return out
 
 
-def resplit(state: dict | None, rank: int, world_size: int, old_world: int) -> dict | None:
+def resplit(state: JSONObject | None, rank: int, world_size: int, old_world: int) -> JSONObject | None:
     """A data position written by `old_world` ranks, for `rank` of `world_size` (the module
     docstring says what each loader keeps)."""
     if not isinstance(state, dict) or state.get("kind") not in ("resumable_loader", "file_stream"):
@@ -145,7 +150,9 @@ def resplit(state: dict | None, rank: int, world_size: int, old_world: int) -> d
     return out
 
 
-def plan(engine, keep: Callable[[list[SnapshotInfo]], list[SnapshotInfo]] | None = None) -> dict[int, Candidate]:
+def plan(
+    engine: SnapshotEngine, keep: Callable[[list[SnapshotInfo]], list[SnapshotInfo]] | None = None
+) -> dict[int, Candidate]:
     """The steps `engine` (a SnapshotEngine with a directory) may resume, agreed across its ranks
     (collective with several); raises WorldSizeChanged, with a finding, where the newest was
     written by another world size and this job's state cannot take it (sharded, and not
@@ -153,6 +160,7 @@ def plan(engine, keep: Callable[[list[SnapshotInfo]], list[SnapshotInfo]] | None
     import mscale.snapshot.distributed as mdist  # torch: job side only
     from mscale.findings import Reason, Severity
 
+    assert engine.directory is not None and engine.rank_dir is not None  # (with a directory)
     several = engine.world_size > 1
     if several:
         mdist.any_flag(False, engine.group)  # rank 0 moved a single rank's snapshots (adopt_single) first
@@ -200,11 +208,13 @@ def unshardable(found: Candidate) -> str | None:
     return None
 
 
-def reader(engine, found: dict[int, Candidate]) -> Callable[[int], tuple[dict, dict] | None]:
+def reader(
+    engine: SnapshotEngine, found: dict[int, Candidate]
+) -> Callable[[int], tuple[JSONObject, JSONObject] | None]:
     """For load_newest_valid: another world's sharded snapshot re-sharded for this rank
     (reshard.read); None for the others (read as they are)."""
 
-    def read(step: int) -> tuple[dict, dict] | None:
+    def read(step: int) -> tuple[JSONObject, JSONObject] | None:
         if found[step].world_size == engine.world_size or "sharding" not in engine.extra:
             return None
         from mscale.snapshot.reshard import read as reshard  # torch: job side only
@@ -221,7 +231,7 @@ def note(found: Candidate, world_size: int, sharded: bool = False) -> str:
     return f", written by {found.world_size} rank(s), resumed on {world_size}: data positions re-split{shards}"
 
 
-def fit(engine, step: int, objects: dict, found: dict[int, Candidate]) -> dict:
+def fit(engine: SnapshotEngine, step: int, objects: JSONObject, found: dict[int, Candidate]) -> JSONObject:
     """The loaded objects of `step`, the data position re-split when another world wrote it."""
     old = found[step].world_size
     if old == engine.world_size:

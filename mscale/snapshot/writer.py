@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 import torch
@@ -49,7 +49,12 @@ from mscale.snapshot.manifest import parse_manifest
 from mscale.snapshot.memory import MemorySnapshot
 from mscale.snapshot.ownership import Ownership
 from mscale.snapshot.tensors import safetensors_parts
+from mscale.snapshot.values import JSONObject
 from mscale.version import __version__
+
+_T = TypeVar("_T")
+# (kind, payload: a MemorySnapshot to write or a function to call, its future, why)
+_Job = tuple[str, Any, "Future[Any]", str]
 
 __all__ = ["DiskWriter"]
 
@@ -83,7 +88,7 @@ class DiskWriter:
         rank_dir: Path,
         *,
         keep: int,
-        identity: dict[str, Any],
+        identity: JSONObject,
         emit: Callable[..., Any],
         unpin: Callable[[MemorySnapshot], None],
         tier: str = "disk",
@@ -94,9 +99,9 @@ class DiskWriter:
         self.tier, self._file_mode, self._dir_mode = tier, (0o600 if private else 0o644), (0o700 if private else 0o777)
         self._emit, self._unpin = emit, unpin
         self.own = Ownership(str(identity.get("job_id", "")), emit)  # only this run's snapshots
-        self.last_write: dict = {}
+        self.last_write: JSONObject = {}
         self._clean_leftovers()
-        self._jobs: deque = deque()
+        self._jobs: deque[_Job] = deque()
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -114,7 +119,7 @@ class DiskWriter:
                 shutil.rmtree(p, ignore_errors=True)
 
     # -- the queue --------------------------------------------------------------------
-    def _post(self, job: tuple) -> Future:
+    def _post(self, job: _Job) -> Future[Any]:
         # Lock-free, so it is safe from a signal handler: deque.append is atomic, and the
         # pipe write end is non-blocking (a full pipe already means a wake-up is pending).
         if self._closed:
@@ -127,17 +132,17 @@ class DiskWriter:
             pass
         return job[2]
 
-    def write(self, snap: MemorySnapshot, why: str) -> Future:
+    def write(self, snap: MemorySnapshot, why: str) -> Future[Path | None]:
         """Queues a write of `snap` (pinned by the caller; unpinned when done). Its future
         gives the snapshot's directory. A scheduled write with a newer one queued behind it
         is skipped (result None): the disk is slower than the schedule."""
         return self._post(("write", snap, Future(), why))
 
-    def call(self, fn: Callable[[], Any]) -> Future:
+    def call(self, fn: Callable[[], _T]) -> Future[_T]:
         """Runs fn() in the writer thread, in queue order; its future gives what fn returns."""
         return self._post(("call", fn, Future(), ""))
 
-    def prune_after(self, step: int) -> Future:
+    def prune_after(self, step: int) -> Future[None]:
         """Removes, in queue order, the snapshots newer than `step` (an abandoned timeline)."""
         return self.call(lambda: self._prune_after(step))
 
@@ -229,13 +234,13 @@ class DiskWriter:
             log.error("could not remove old snapshots", error=str(e), keep=self.keep)
         return final
 
-    def _write_files(self, snap: MemorySnapshot, tmp: Path, train_state: io.BytesIO) -> dict[str, dict]:
+    def _write_files(self, snap: MemorySnapshot, tmp: Path, train_state: io.BytesIO) -> dict[str, JSONObject]:
         """Every file but the manifest, fsynced: the tensors (the largest first, on the file
         writers' threads), the train state and the binding. Returns name -> size and digest."""
-        files: dict[str, dict] = {}
+        files: dict[str, JSONObject] = {}
         meta = {"format": FORMAT, "step": str(snap.step)}
 
-        def write(fname: str) -> tuple[str, tuple[int, dict]]:
+        def write(fname: str) -> tuple[str, tuple[int, JSONObject]]:
             # fsync in the writer: the device flushes one file while the other writer
             # thread is still hashing and copying the next.
             parts = safetensors_parts(snap.tensors[fname], meta)
@@ -255,7 +260,7 @@ class DiskWriter:
         files[BINDING] = {"size": size, **digest}
         return files
 
-    def _write_manifest(self, snap: MemorySnapshot, tmp: Path, files: dict[str, dict], why: str) -> None:
+    def _write_manifest(self, snap: MemorySnapshot, tmp: Path, files: dict[str, JSONObject], why: str) -> None:
         manifest = {
             "format": FORMAT,
             "step": snap.step,
