@@ -396,34 +396,22 @@ class FusePlugin:
         book a failed event of that action and run the next level's action."""
         step = self.guard.current_step
         target, level = self._target(m), m.fuse_level
-        self._engine.record(
-            Decision(
-                rule="fuse",
-                action=spec.name,
-                level=spec.level,
-                target=target,
-                before=level,
-                reason="action_error",
-                why=detail,
-                step=step,
-                time=self.clock(),
-            ),
-            Result.FAILED,
-            detail=detail,
+        here = Decision(
+            rule="fuse",
+            action=spec.name,
+            level=spec.level,
+            target=target,
+            before=level,
+            reason="action_error",
+            why=detail,
+            step=step,
+            time=self.clock(),
         )
+        self._engine.record(here, Result.FAILED, detail=detail)
         if spec.escalates_to:
             nxt = actions.get(spec.escalates_to)
-            why = f"{spec.level} failed: {detail}"
-            failed = Decision(
-                rule="fuse",
-                action=nxt.name,
-                level=nxt.level,
-                target=target,
-                before=level,
-                reason="action_error",
-                why=why,
-                step=step,
-                time=self.clock(),
+            failed = replace(
+                here, action=nxt.name, level=nxt.level, why=f"{spec.level} failed: {detail}", time=self.clock()
             )
             self.run(failed)
 
