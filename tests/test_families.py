@@ -24,6 +24,7 @@ import mscale
 from mscale.findings import Reason, Severity
 from support import tiny_families as tf
 from support.family_scope import GAPS, OUT_OF_SCOPE
+from support.fuse_runs import fuse_decision
 from support.tiny_families import blip2, idefics3
 from support.tiny_hf import tiny_llava, tiny_qwen2vl
 
@@ -185,8 +186,6 @@ def test_l3_without_placeholders_is_applied_and_adds_its_term(family: str) -> No
     (`encoder_hidden_states`), GIT puts the projected image before the caption, an encoder-decoder
     reads its encoder by cross-attention. L3 builds its term on each (it stopped at L2 saying the
     student's positions were unknown), and the next step's loss carries it."""
-    from mscale.healing.engine import Decision
-
     model, make_batch = getattr(tf, family)(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = mscale.attach(model, opt, job_id=family, snapshots=True, connect=False)
@@ -195,22 +194,7 @@ def test_l3_without_placeholders_is_applied_and_adds_its_term(family: str) -> No
         opt.step()
         opt.zero_grad()
     fuse, m = guard.fuse, guard.mpu("vision")
-    assert (
-        fuse.run(
-            Decision(
-                rule="t",
-                action="l3_distill",
-                level="L3",
-                target=fuse._target(m),
-                before=m.fuse_level,
-                reason="test",
-                why="",
-                step=1,
-                time=0.0,
-            )
-        )
-        == "applied"
-    )
+    assert fuse.run(fuse_decision(fuse, m, "l3_distill", step=1)) == "applied"
     out = model(**make_batch(2, torch.Generator().manual_seed(2)))
     guard.detach()
     assert "task_loss" in out and float(out.loss) > float(out["task_loss"])

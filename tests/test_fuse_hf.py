@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 
 import mscale  # noqa: E402
 from mscale.findings import Reason  # noqa: E402
-from mscale.healing.engine import Decision  # noqa: E402
 from mscale.hook.fuse.degrade import family, reduction_for  # noqa: E402
+from support.fuse_runs import fuse_decision  # noqa: E402
 from support.tiny_hf import tiny_llava, tiny_qwen2vl  # noqa: E402
 
 # the tiny LLaVA at 32x32 (an 8x8 patch grid): its 16x16 default (4x4) is below what L2 shrinks
@@ -227,17 +227,7 @@ def test_l3_without_a_text_mpu_is_not_applied_and_says_why():
     opt.zero_grad()
     fuse = guard.fuse
     m = guard.mpu("vision")
-    d = Decision(
-        rule="t",
-        action="l3_distill",
-        level="L3",
-        target=fuse._target(m),
-        before=m.fuse_level,
-        reason="test",
-        why="",
-        step=guard.current_step,
-        time=0.0,
-    )
+    d = fuse_decision(fuse, m, "l3_distill", step=guard.current_step)
     assert fuse.run(d) == "failed"
     assert not fuse.states["l3_distill"].mpus and m.fuse_level != "l3_distilling"
     booked = [f for f in guard.findings if f.reason is Reason.HEAL_ACTION and f.labels.get("action") == "l3_distill"]
@@ -343,17 +333,7 @@ def test_l3_with_a_zero_band_adds_nothing_and_never_raises_into_the_loop():
     losses = []
     for s in range(4):
         if s == 1:
-            d = Decision(
-                rule="t",
-                action="l3_distill",
-                level="L3",
-                target=fuse._target(m),
-                before=m.fuse_level,
-                reason="test",
-                why="",
-                step=s,
-                time=0.0,
-            )
+            d = fuse_decision(fuse, m, "l3_distill", step=s)
             assert fuse.run(d) == "applied"
         out = model(**make_batch(s, torch.Generator().manual_seed(s)))
         out.loss.backward()
@@ -389,17 +369,7 @@ def test_l2_never_shrinks_a_patch_grid_below_the_minimum():
     watch = Watch()
     guard = mscale.attach(small, opt, job_id="min-grid", snapshots=True, connect=False, plugins=[watch])
     vision = guard.mpu("vision")
-    d = Decision(
-        rule="t",
-        action="l2_degrade",
-        level="L2",
-        target=guard.fuse._target(vision),
-        before=vision.fuse_level,
-        reason="test",
-        why="",
-        step=0,
-        time=0.0,
-    )
+    d = fuse_decision(guard.fuse, vision, "l2_degrade", step=0)
     assert guard.fuse.run(d) == "applied"
     (event,) = watch.heal("l2_degrade")
     assert event.labels["reduction"] == "none" and "its 4x4 patch grid cannot shrink and keep 4x4" in event.message
@@ -415,17 +385,7 @@ def test_l2_on_an_mpu_without_a_reduction_says_so_and_changes_no_shape():
     batch = make_batch(0, torch.Generator().manual_seed(0))
     ref = model(**batch).logits.shape
     fuse, text = guard.fuse, guard.mpu("text")
-    d = Decision(
-        rule="t",
-        action="l2_degrade",
-        level="L2",
-        target=fuse._target(text),
-        before=text.fuse_level,
-        reason="test",
-        why="",
-        step=0,
-        time=0.0,
-    )
+    d = fuse_decision(fuse, text, "l2_degrade", step=0)
     assert fuse.run(d) == "applied"
     (event,) = [f for f in watch.heal("l2_degrade") if f.labels["mpu_id"] == "003"]
     assert event.labels["reduction"] == "none" and "no shape-preserving reduction applies" in event.message
@@ -446,17 +406,7 @@ def test_l3_that_cannot_place_its_student_is_not_applied():
     opt.zero_grad()
     model.config.image_token_id = None  # the term reads the model's config when L3 starts
     fuse, m = guard.fuse, guard.mpu("vision")
-    d = Decision(
-        rule="t",
-        action="l3_distill",
-        level="L3",
-        target=fuse._target(m),
-        before=m.fuse_level,
-        reason="test",
-        why="",
-        step=1,
-        time=0.0,
-    )
+    d = fuse_decision(fuse, m, "l3_distill", step=1)
     assert fuse.run(d) == "failed" and m.fuse_level == "healthy"
     booked = [f for f in guard.findings if f.reason is Reason.HEAL_ACTION and f.labels.get("action") == "l3_distill"]
     assert "positions in the text sequence are not known" in booked[-1].message
@@ -516,17 +466,7 @@ def test_a_rollback_at_l3_restores_its_projection_and_recovery_removes_it():
         guard.set_step(to + 1)
 
     step(0)
-    d = Decision(
-        rule="t",
-        action="l3_distill",
-        level="L3",
-        target=fuse._target(m),
-        before=m.fuse_level,
-        reason="test",
-        why="",
-        step=1,
-        time=0.0,
-    )
+    d = fuse_decision(fuse, m, "l3_distill", step=1)
     assert fuse.run(d) == "applied"
     term = state.mpus[m.mpu_id].term
     assert term.carrier is m and term.projection is not None  # made at L3 entry

@@ -136,12 +136,15 @@ def test_engine_escalates_per_level_and_books_every_decision():
 
     for step, expect in ((10, "l1_swap"), (20, "l2_degrade"), (30, "l3_distill")):
         (d,) = eng.decide(
-            Condition("reason", "checksum_l1_trigger", {"mpu_id": "001"}, step=step, occurrence=step), tgt
+            Condition(kind="reason", name="checksum_l1_trigger", labels={"mpu_id": "001"}, step=step, occurrence=step),
+            tgt,
         )
         assert d.action == expect
         eng.record(d, "applied")
     assert eng.mpu("j1", "001").level is Level.L3_DISTILLING
-    assert eng.decide(Condition("reason", "checksum_l1_trigger", {}, occurrence=40), tgt) == []  # last level: keep
+    assert (
+        eng.decide(Condition(kind="reason", name="checksum_l1_trigger", labels={}, occurrence=40), tgt) == []
+    )  # last level: keep
     assert eng.drift[("j1", "001")] == 1
     assert eng.actions[("L1", "l1_swap", "001", "applied")] == 1
     assert eng.actions[("L3", "l3_distill", "001", "applied")] == 1
@@ -157,8 +160,8 @@ def test_same_fault_from_probe_and_alert_acts_once_within_the_window():
     def tgt(rule, cond):
         return [Target("j1", "002", 3, "GPU-x")]
 
-    probe = Condition("reason", "gpu_xid", {"gpu_uuid": "GPU-x"}, severity="critical")
-    alert = Condition("alert", "MscaleGpuFatalXid", {"gpu_uuid": "GPU-x"})
+    probe = Condition(kind="reason", name="gpu_xid", labels={"gpu_uuid": "GPU-x"}, severity="critical")
+    alert = Condition(kind="alert", name="MscaleGpuFatalXid", labels={"gpu_uuid": "GPU-x"})
     first = eng.decide(probe, tgt)
     assert [d.action for d in first] == ["emergency_snapshot", "quarantine_gpu", "l1_swap"]
     clock.t += 30
@@ -174,13 +177,13 @@ def test_loss_spike_cools_then_a_persisting_spike_rolls_back():
     def tgt(rule, cond):
         return [Target("j1")]
 
-    (d,) = eng.decide(Condition("reason", "loss_spike_action", {}, occurrence=100), tgt)
+    (d,) = eng.decide(Condition(kind="reason", name="loss_spike_action", labels={}, occurrence=100), tgt)
     assert d.action == "lr_cool"
     # the ratio detector fires for the same step: one fault, acted on once
-    assert eng.decide(Condition("reason", "loss_jump", {}, occurrence=100), tgt) == []
+    assert eng.decide(Condition(kind="reason", name="loss_jump", labels={}, occurrence=100), tgt) == []
     eng.record(d, "applied")  # the job's cooling window opens
     assert eng.job("j1").level == "cooling"
-    (d,) = eng.decide(Condition("reason", "loss_spike_action", {}, occurrence=101), tgt)
+    (d,) = eng.decide(Condition(kind="reason", name="loss_spike_action", labels={}, occurrence=101), tgt)
     assert d.action == "rollback"
     eng.record(
         Decision(
@@ -195,9 +198,9 @@ def test_loss_spike_cools_then_a_persisting_spike_rolls_back():
         "ended",
     )
     assert eng.job("j1").level == "healthy"
-    (d,) = eng.decide(Condition("reason", "loss_spike_action", {}, occurrence=102), tgt)
+    (d,) = eng.decide(Condition(kind="reason", name="loss_spike_action", labels={}, occurrence=102), tgt)
     assert d.action == "lr_cool"
-    (d,) = eng.decide(Condition("reason", "loss_nonfinite", {}, occurrence=300), tgt)
+    (d,) = eng.decide(Condition(kind="reason", name="loss_nonfinite", labels={}, occurrence=300), tgt)
     assert d.action == "rollback"
 
 
@@ -208,18 +211,20 @@ def test_swap_rate_limit_escalates_to_l2():
         return [Target("j1", "001", 0)]
 
     for step in (1, 2):
-        (d,) = eng.decide(Condition("alert", "MscaleGpuFatalXid", {}, occurrence=step), tgt)[-1:]
+        (d,) = eng.decide(Condition(kind="alert", name="MscaleGpuFatalXid", labels={}, occurrence=step), tgt)[-1:]
         assert d.action == "l1_swap"
         eng.record(d, "applied")
         clock.t += 1
-    decisions = eng.decide(Condition("alert", "MscaleGpuFatalXid", {}, occurrence=3), tgt)
+    decisions = eng.decide(Condition(kind="alert", name="MscaleGpuFatalXid", labels={}, occurrence=3), tgt)
     assert decisions[-1].action == "l2_degrade" and "swaps in the last hour" in decisions[-1].why
     assert eng.actions[("L1", "l1_swap", "001", "rate_limited")] == 1
 
 
 def test_disabled_engine_records_but_does_not_act():
     eng, clock, events = _engine(enabled=False)
-    out = eng.decide(Condition("reason", "loss_nonfinite", {}, occurrence=1), lambda r, c: [Target("j")])
+    out = eng.decide(
+        Condition(kind="reason", name="loss_nonfinite", labels={}, occurrence=1), lambda r, c: [Target("j")]
+    )
     assert out == [] and eng.actions[("none", "rollback", "", "disabled")] == 1
 
 
@@ -247,7 +252,12 @@ def test_observing_a_jobs_own_action_makes_the_alert_a_duplicate():
     def tgt(rule, cond):
         return [Target("j1", "001")]
 
-    assert eng.decide(Condition("alert", "MscaleChecksumFailures", {"job_id": "j1", "mpu_id": "001"}), tgt) == []
+    assert (
+        eng.decide(
+            Condition(kind="alert", name="MscaleChecksumFailures", labels={"job_id": "j1", "mpu_id": "001"}), tgt
+        )
+        == []
+    )
 
 
 def test_swap_rate_limit_past_l2_escalates_to_l3():
@@ -256,11 +266,11 @@ def test_swap_rate_limit_past_l2_escalates_to_l3():
     def tgt(rule, cond):
         return [Target("j1", "001", 0)]
 
-    (d,) = eng.decide(Condition("alert", "MscaleGpuFatalXid", {}), tgt)[-1:]
+    (d,) = eng.decide(Condition(kind="alert", name="MscaleGpuFatalXid", labels={}), tgt)[-1:]
     eng.record(d, "applied")  # one swap: the budget is spent
     eng.move("j1", "001", Level.L2_DEGRADED)
     clock.t += 61
-    (d,) = eng.decide(Condition("alert", "MscaleGpuFatalXid", {}), tgt)[-1:]
+    (d,) = eng.decide(Condition(kind="alert", name="MscaleGpuFatalXid", labels={}), tgt)[-1:]
     assert d.action == "l3_distill" and "swaps in the last hour" in d.why  # not L2 again: it holds L2
 
 
@@ -270,7 +280,7 @@ def test_job_and_gpu_scoped_actions_run_once_per_job_mpu_scoped_ones_per_mpu():
     def both(rule, cond):
         return [Target("j1", "001", 2, "GPU-2"), Target("j1", "002", 2, "GPU-2"), Target("j2", "001", 2, "GPU-2")]
 
-    out = eng.decide(Condition("reason", "gpu_xid", {"gpu": "2"}, severity="critical"), both)
+    out = eng.decide(Condition(kind="reason", name="gpu_xid", labels={"gpu": "2"}, severity="critical"), both)
     got = sorted((d.action, d.target.job_id, d.target.mpu_id) for d in out)
     assert got == [
         ("emergency_snapshot", "j1", "001"),
@@ -300,9 +310,9 @@ def test_a_resolved_alert_ends_only_the_cooling_its_rule_started():
         )
     )
     assert eng.snapshot().cooling == ("j1",)
-    hang = Condition("alert", "MscaleTrainingHang", {"job_id": "j1"})
+    hang = Condition(kind="alert", name="MscaleTrainingHang", labels={"job_id": "j1"})
     assert eng.resolve(hang, tgt, eng.match(hang)) == []  # its rule cools nothing
-    spike = Condition("alert", "MscaleLossSpike", {"job_id": "j1"})
+    spike = Condition(kind="alert", name="MscaleLossSpike", labels={"job_id": "j1"})
     (end,) = eng.resolve(spike, tgt, eng.match(spike))
     assert end.action == "lr_cool" and end.command(end=True).end is True and "resolved" in end.why
     assert eng.snapshot().cooling == ("j1",)  # until the job says the window ended
@@ -367,9 +377,13 @@ def test_a_gpu_fault_stays_one_fault_after_its_mpus_moved_off():
     def moved(rule, cond):
         return [Target("", "", 2, "GPU-2")]  # the agent finds no MPU there any more
 
-    assert len(eng.decide(Condition("reason", "gpu_xid", {"gpu": "2"}, severity="critical"), on_gpu)) == 3
+    assert (
+        len(eng.decide(Condition(kind="reason", name="gpu_xid", labels={"gpu": "2"}, severity="critical"), on_gpu)) == 3
+    )
     clock.t += 2
-    assert eng.decide(Condition("alert", "MscaleGpuFatalXid", {"gpu": "2"}), moved) == []  # the same fault
+    assert (
+        eng.decide(Condition(kind="alert", name="MscaleGpuFatalXid", labels={"gpu": "2"}), moved) == []
+    )  # the same fault
 
 
 # --- issue 16 item 8: malformed bytes and values, fuzzing (parser only) ---------------------

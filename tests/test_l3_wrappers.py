@@ -22,6 +22,7 @@ import transformers as T  # noqa: E402
 
 import mscale  # noqa: E402
 from mscale.findings import Reason  # noqa: E402
+from support.fuse_runs import fuse_decision  # noqa: E402
 from support.tiny_hf import BATCH, VOCAB, Samples, _captions, _images, _patterns, tiny_llava  # noqa: E402
 
 IMAGE, PATCH, FRAMES = 32, 8, 2  # 32x32: a 4x4 grid L2 can shrink to 2x2
@@ -261,8 +262,6 @@ def one_rank_group():
 def test_l3_finds_the_model_inside_each_wrapper(kind: str, one_rank_group, accelerate_reset) -> None:
     """Each wrapper the guard may be given (a one-rank gloo group for DDP and FSDP2): the term
     finds the LLaVA's image token and is built at L3 entry, and the next step's loss carries it."""
-    from mscale.healing.engine import Decision
-
     model, make_batch = tiny_llava(0)
     outer = wrapped(kind, model)
     opt = torch.optim.AdamW(outer.parameters(), lr=1e-3)
@@ -272,17 +271,7 @@ def test_l3_finds_the_model_inside_each_wrapper(kind: str, one_rank_group, accel
         opt.step()
         opt.zero_grad()
     fuse, m = guard.fuse, guard.mpu("vision")
-    decision = Decision(
-        rule="t",
-        action="l3_distill",
-        level="L3",
-        target=fuse._target(m),
-        before=m.fuse_level,
-        reason="test",
-        why="",
-        step=1,
-        time=0.0,
-    )
+    decision = fuse_decision(fuse, m, "l3_distill", step=1)
     assert fuse.run(decision) == "applied", [f.message for f in guard.findings][-3:]
     out = outer(**make_batch(2, torch.Generator().manual_seed(2)))
     assert float(out.loss) > float(out["task_loss"])

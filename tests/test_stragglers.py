@@ -210,7 +210,9 @@ def test_a_slow_mpu_is_recorded_by_default_and_swapped_only_where_the_policy_say
     def tgt(rule, cond):
         return [Target("j", "001", 2)]
 
-    slow = Condition("reason", "mpu_straggler", {"job_id": "j", "mpu_id": "001", "gpu": "2"}, severity="warning")
+    slow = Condition(
+        kind="reason", name="mpu_straggler", labels={"job_id": "j", "mpu_id": "001", "gpu": "2"}, severity="warning"
+    )
     shipped = policymod.load("")
     assert shipped.match("reason", "mpu_straggler").name == "mpu_straggler"
     assert HealingEngine(shipped, HealingSection(), emit=lambda f: None).decide(slow, tgt) == []

@@ -225,19 +225,21 @@ def test_engine_dedup_ledger_stays_within_its_cap_after_many_distinct_conditions
     engine = HealingEngine(policymod.load(""), clock=clock)
     n = ACTED_CAP + 500
     for i in range(n):
-        cond = Condition("alert", "MscaleGpuFatalXid", {"gpu": str(i)}, severity="critical", time=clock.now)
+        cond = Condition(
+            kind="alert", name="MscaleGpuFatalXid", labels={"gpu": str(i)}, severity="critical", time=clock.now
+        )
         assert [d.action for d in engine.decide(cond, lambda rule, c: [Target(gpu=c.labels["gpu"])])] == GPU_FATAL
         assert len(engine.acted) <= ACTED_CAP
     assert len(engine.acted) == ACTED_CAP and engine.acted.evicted == 500
     # the newest is still deduplicated within the policy's window
-    cond = Condition("alert", "MscaleGpuFatalXid", {"gpu": str(n - 1)}, severity="critical")
+    cond = Condition(kind="alert", name="MscaleGpuFatalXid", labels={"gpu": str(n - 1)}, severity="critical")
     assert engine.decide(cond, lambda rule, c: [Target(gpu=c.labels["gpu"])]) == []
     # past the window it acts again (the entry stays until the ledger's longer expiry)
     clock.now += engine.policy.dedup_window_s
     assert engine.decide(cond, lambda rule, c: [Target(gpu=c.labels["gpu"])])
     # past the ledger's expiry, the next condition expires the whole table from its old end
     clock.now += ALERT_TTL_S
-    cond = Condition("alert", "MscaleGpuFatalXid", {"gpu": "fresh"}, severity="critical")
+    cond = Condition(kind="alert", name="MscaleGpuFatalXid", labels={"gpu": "fresh"}, severity="critical")
     assert engine.decide(cond, lambda rule, c: [Target(gpu=c.labels["gpu"])])
     assert len(engine.acted) == 1
     assert len(engine.recent) <= 50
@@ -246,7 +248,7 @@ def test_engine_dedup_ledger_stays_within_its_cap_after_many_distinct_conditions
 def test_engine_under_a_budget_marks_a_fault_acted_only_when_an_action_ran():
     clock = Clock()
     engine = HealingEngine(policymod.load(""), clock=clock)
-    cond = Condition("alert", "MscaleGpuFatalXid", {"gpu": "0"}, severity="critical")
+    cond = Condition(kind="alert", name="MscaleGpuFatalXid", labels={"gpu": "0"}, severity="critical")
     run, over = engine.decide_within(cond, lambda rule, c: [Target(gpu=0)], budget=lambda n: 0)
     assert run == [] and [d.action for d in over] == GPU_FATAL and len(engine.acted) == 0
     run, over = engine.decide_within(cond, lambda rule, c: [Target(gpu=0)], budget=lambda n: 2)
@@ -289,7 +291,7 @@ def test_a_batch_publishes_the_engines_books_once():
     published.clear()
     with engine.batch():
         for i in range(100):
-            cond = Condition("alert", "MscaleGpuFatalXid", {"gpu": str(i)}, severity="critical")
+            cond = Condition(kind="alert", name="MscaleGpuFatalXid", labels={"gpu": str(i)}, severity="critical")
             for d in engine.decide(cond, lambda rule, c: [Target(gpu=c.labels["gpu"])]):
                 engine.record(d, "noop")
         assert published == []

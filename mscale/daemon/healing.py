@@ -137,7 +137,7 @@ async def alert(app: web.Application, a: Alert, *, source: str) -> AlertOutcome:
     engine: HealingEngine = app[keys.ENGINE]
     state, now = app[keys.STATE], app[keys.CLOCK]()
     labels, name, firing = a.labels, a.name, a.firing
-    cond = Condition("alert", name, labels, source=source, severity=a.severity, time=now)
+    cond = Condition(kind="alert", name=name, labels=labels, source=source, severity=a.severity, time=now)
     state.events.emit(
         Finding(
             source,

@@ -20,7 +20,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import structlog
 
@@ -35,7 +35,7 @@ from mscale.healing.settings import HealingSection
 from mscale.healing.target import Target, gpu_label, gpu_of
 from mscale.healing.words import DONE, FuseLevel, Result, TargetKind
 
-__all__ = ["ACTED_CAP", "ALERT_TTL_S", "RANK", "RECENT", "HealingBooks", "HealingSnapshot"]
+__all__ = ["ACTED_CAP", "ALERT_TTL_S", "RANK", "RECENT", "BookHooks", "HealingBooks", "HealingSnapshot"]
 
 log = structlog.get_logger("mscale.healing")
 
@@ -62,6 +62,16 @@ class HealingSnapshot:
     levels: tuple[tuple[str, str, str], ...]  # (job_id, mpu_id, state)
     cooling: tuple[str, ...]  # jobs in an LR cooling window
     recent: tuple[dict[str, Any], ...]  # last decisions, newest last
+
+
+class BookHooks(TypedDict, total=False):
+    """What the books are told besides policy and config (HealingBooks' keywords), as the
+    engine that owns them passes them on."""
+
+    source: str
+    clock: Callable[[], float]
+    emit: Callable[[Finding], Any] | None
+    publish: Callable[[HealingSnapshot], Any] | None
 
 
 class HealingBooks:

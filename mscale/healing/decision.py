@@ -13,8 +13,8 @@ from mscale.healing import actions
 from mscale.healing.target import Target, gpu_label, gpu_of
 
 
-@dataclass(frozen=True)
-class Condition:
+@dataclass(frozen=True, kw_only=True)
+class Condition:  # built with keywords: two leading strings and a mapping, easy to swap
     kind: str  # "reason" (a Finding's reason code) or "alert" (an Alertmanager alert name)
     name: str
     labels: Mapping[str, str] = field(default_factory=dict)

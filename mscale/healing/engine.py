@@ -33,15 +33,14 @@ conditions.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 from mscale.findings import Finding
 from mscale.healing import actions
 from mscale.healing.actions.base import ActionSpec
-from mscale.healing.books import ACTED_CAP, ALERT_TTL_S, RANK, HealingBooks, HealingSnapshot
+from mscale.healing.books import ACTED_CAP, ALERT_TTL_S, RANK, BookHooks, HealingBooks, HealingSnapshot
 from mscale.healing.decision import Condition, Decision, Plan, Step
 from mscale.healing.fsm import JobLossState, Level, MpuFuseState, Transition
 from mscale.healing.ledger import Budget, Ledger
@@ -67,18 +66,9 @@ __all__ = [
 class HealingEngine:
     """Conditions in, decisions out (see the module docstring); it owns its books."""
 
-    def __init__(
-        self,
-        policy: Policy,
-        cfg: HealingSection | None = None,
-        *,
-        source: str = "healing",
-        clock: Callable[[], float] = time.time,
-        emit: Callable[[Finding], Any] | None = None,
-        publish: Callable[[HealingSnapshot], Any] | None = None,
-    ) -> None:
-        self.books = HealingBooks(policy, cfg, source=source, clock=clock, emit=emit, publish=publish)
-        self.policy, self.cfg, self.clock = policy, self.books.cfg, clock
+    def __init__(self, policy: Policy, cfg: HealingSection | None = None, **hooks: Unpack[BookHooks]) -> None:
+        self.books = HealingBooks(policy, cfg, **hooks)
+        self.policy, self.cfg, self.clock = policy, self.books.cfg, self.books.clock
 
     # --- the books, as the callers that book outcomes reach them ------------------------------
 

@@ -252,12 +252,12 @@ class Keeper:
         step = fuse.guard.current_step
         labels = {"mpu_id": m.mpu_id, "mpu": m.name, "gpu": str(m.gpu), "job_id": fuse.guard.job_id}
         cond = Condition(
-            "reason",
-            Reason.CHECKSUM_L1_TRIGGER.value,
-            {**labels, "progress_rung": str(rung)},
-            "fuse",
-            "critical",
-            fuse.clock(),
+            kind="reason",
+            name=Reason.CHECKSUM_L1_TRIGGER.value,
+            labels={**labels, "progress_rung": str(rung)},
+            source="fuse",
+            severity="critical",
+            time=fuse.clock(),
             step=step,
             occurrence=("progress", fuse.seq),
         )

@@ -140,12 +140,20 @@ class EbpfProbe:
         while True:
             if self._stop.wait(max(0.0, start + window - time.monotonic())):
                 return
-            self._set_high(False)
+            self._switch(False)
             start += period
             start = max(start, time.monotonic())  # attach/detach slower than the period: skip ahead
             if self._stop.wait(start - time.monotonic()):
                 return
-            self._set_high(True)
+            self._switch(True)
+
+    def _switch(self, on: bool) -> None:
+        """One window edge; an error is logged, never the end of the thread (a dead duty cycle
+        would leave the launch probes attached, at full cost, for the agent's lifetime)."""
+        try:
+            self._set_high(on)
+        except Exception:
+            log.error("ebpf_duty_cycle_failed", attach=on, exc_info=True)
 
     def _set_high(self, on: bool) -> None:
         with self._lock:

@@ -131,7 +131,12 @@ def wait_duty_state(probe: Any, attached: bool) -> tuple[int, bool]:
         if on == attached:
             return seq, on
         time.sleep(0.002)
-    raise AssertionError(f"duty cycle never {'attached' if attached else 'detached'}")
+    duty = getattr(probe, "_duty", None)
+    alive = duty is not None and duty.is_alive()
+    raise AssertionError(
+        f"duty cycle never {'attached' if attached else 'detached'} in {DEADLINE_S} s"
+        f" (state {probe.duty_state()}, duty thread alive: {alive})"
+    )
 
 
 @contextlib.contextmanager

@@ -16,6 +16,9 @@ import time
 import torch
 
 import mscale
+from mscale.healing.engine import Decision
+from mscale.hook.core.mpu import Mpu
+from mscale.hook.fuse.fuse import FusePlugin
 from support.tiny_hf import CAPTION, CLASSES, tiny_llava, tiny_qwen2vl
 
 VARIANTS = ("clean", "no-fuse", "fuse", "fuse-no-l2", "fuse-no-l3", "fuse-bare")
@@ -118,3 +121,13 @@ def fuse_run(
         "applied": timeline.applied,
         "seconds": secs,
     }
+
+
+def fuse_decision(fuse: FusePlugin, mpu: Mpu, action: str, *, step: int | None) -> Decision:
+    """The decision a test hands the fuse to apply `action` to `mpu` now, as the healing
+    engine would have decided it (its level from the action's name: l2_degrade -> L2)."""
+    level = action.split("_", 1)[0].upper()
+    target = fuse._target(mpu)
+    return Decision(
+        rule="t", action=action, level=level, target=target, before=mpu.fuse_level, reason="test", step=step
+    )
