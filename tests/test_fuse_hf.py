@@ -238,7 +238,9 @@ def test_l3_without_a_text_mpu_is_not_applied_and_says_why():
 def test_trainer_path_escalates_and_recovers_on_tiny_llava(tmp_path):
     """The same persistent fault under the Hugging Face Trainer with the project's callback:
     L1 -> L2 -> L3 without an exception, to the last step, and recovery undoes L2 and L3."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
+
+    from support.hf_trainer import cpu_args
 
     model, make_batch = tiny_llava(0, 32)  # an 8x8 patch grid, which L2 halves
 
@@ -261,20 +263,7 @@ def test_trainer_path_escalates_and_recovers_on_tiny_llava(tmp_path):
             faults["f"].on = 5 <= step < 60
 
     callback = mscale.MscaleCallback(job_id="trainer", connect=False, snapshots=True, plugins=[watch, FaultFrom5To60()])
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=130,
-        per_device_train_batch_size=4,
-        learning_rate=3e-3,
-        lr_scheduler_type="constant",
-        logging_steps=10,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
+    args = cpu_args(tmp_path, 130, 4, learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=10)
     trainer = Trainer(model=model, args=args, train_dataset=Items(), callbacks=[callback])
     trainer.train()
     guard = callback.guard

@@ -14,7 +14,6 @@ from transformers import (  # noqa: E402
     LlavaConfig,
     LlavaForConditionalGeneration,
     Trainer,
-    TrainingArguments,
 )
 
 import mscale  # noqa: E402
@@ -22,6 +21,7 @@ from mscale.findings import Reason  # noqa: E402
 from mscale.healing.settings import HealingSection  # noqa: E402
 from mscale.hook.core.guard import Guard  # noqa: E402
 from mscale.sim.inject import inject  # noqa: E402
+from support.hf_trainer import cpu_args  # noqa: E402
 
 IMAGE_TOKEN = 127
 PATCHES = (16 // 4) ** 2
@@ -105,19 +105,7 @@ def test_trainer_callback_on_tiny_llava(tmp_path) -> None:
     callback = mscale.MscaleCallback(
         job_id="llava", connect=False, plugins=[watch, Inject()], checksum=full, healing=healing
     )
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=6,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
+    args = cpu_args(tmp_path, 6, 2, logging_steps=1)
     trainer = Trainer(model=model, args=args, train_dataset=Captions(), callbacks=[callback])
     trainer.train()
     guard = callback.guard
@@ -185,19 +173,7 @@ def test_trainer_rolls_back_a_nan_step(tmp_path) -> None:
     watch, rec = Watch(), Weights()
     snapshots = mscale.SnapshotConfig(directory=tmp_path / "snapshots", memory_every=2, disk_every=2)
     callback = mscale.MscaleCallback(job_id="llava-nan", connect=False, plugins=[watch, rec], snapshots=snapshots)
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=8,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
+    args = cpu_args(tmp_path / "out", 8, 2, logging_steps=1)
     trainer = Trainer(model=model, args=args, train_dataset=Captions(), callbacks=[callback])
     trainer.train()
     guard = callback.guard

@@ -122,8 +122,9 @@ def test_a_loss_spike_a_nan_and_a_gradient_jump_are_caught_in_their_step() -> No
 
 @pytest.mark.slow  # 300 steps under the Trainer
 def test_300_clean_steps_under_the_trainer_raise_no_critical_finding(tmp_path) -> None:
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
+    from support.hf_trainer import cpu_args
     from support.tiny_hf import tiny_llava
 
     model, make_batch = tiny_llava(seed=1)
@@ -133,18 +134,7 @@ def test_300_clean_steps_under_the_trainer_raise_no_critical_finding(tmp_path) -
         for i in range(4)
     ]
     callback = mscale.MscaleCallback(job_id="calib-trainer", connect=False, snapshots=True)
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=STEPS,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=1,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
+    args = cpu_args(tmp_path, STEPS, 4, seed=1)
     Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback]).train()
     guard = callback.guard
     assert isinstance(guard, Guard) and guard.current_step == STEPS

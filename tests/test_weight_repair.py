@@ -244,7 +244,9 @@ def _trainer(tmp_path, model_name: str, *, at: int | None, memory_every: int = 1
     """The real Trainer on the tiny LLaVA or the tiny multimodal model (whose forward takes
     images= and tokens= and returns a dict with the loss); the test's callback corrupts a
     vision weight after the optimizer step of step `at`."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
+
+    from support.hf_trainer import cpu_args
 
     if model_name == "llava":
         from support.tiny_hf import tiny_llava
@@ -284,18 +286,7 @@ def _trainer(tmp_path, model_name: str, *, at: int | None, memory_every: int = 1
         snapshots=mscale.SnapshotConfig(memory_every=memory_every),
         healing=EVERY_WEIGHT,
     )
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=8,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
+    args = cpu_args(tmp_path, 8, 4)
     trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback, CorruptAfterStep()])
     trainer.train()
     return model, findings
