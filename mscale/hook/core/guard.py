@@ -156,12 +156,12 @@ class Guard:
             log=self.log,
         )
 
-    def _connect(self, socket_path: str | None, report_queue: int) -> LinkClient:
+    def _connect(self, socket_path: str | None, queue_max: int) -> LinkClient:
         """The link to the node's agent, started (it connects, and reconnects, on its own thread)."""
         from mscale.hook.core.link import LinkClient
 
-        path, queue = protocol.socket_path(socket_path), report_queue
-        link = LinkClient(path, registration=self.registration, on_command=self._commands.append, queue_max=queue)
+        path = protocol.socket_path(socket_path)
+        link = LinkClient(path, registration=self.registration, on_command=self._commands.append, queue_max=queue_max)
         link.start()
         return link
 
