@@ -60,7 +60,7 @@ import collections
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -71,7 +71,9 @@ from mscale.hook.fuse.actions.rollback import KEEP_BATCH
 from mscale.snapshot.distributed import _device, rank_and_size
 
 if TYPE_CHECKING:
+    from mscale.hook.core.commit import CommitPoint
     from mscale.hook.core.guard import Guard
+    from mscale.hook.core.mpu import Mpu
 
 SOURCE = "agree"
 FIELDS = (
@@ -119,37 +121,37 @@ class Agreement:
     """The guard plugin (see the module docstring). `group`: the process group (default: the
     world); `seconds` sums the time spent in the collective (the benchmark reads it)."""
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
         self.rank, self.world_size = rank_and_size(group)
-        self.guard: Any = None
+        self.guard: Guard | None = None
         self.history: collections.deque[Agreed] = collections.deque(maxlen=HISTORY)
         self.seconds = 0.0
         self.collectives = 0
         self._reruns_at_begin = 0
         self._own: dict[str, float] | None = None  # this rank's CMSA multipliers, while agreed ones apply
-        self._point: Any = None  # this step's commit point (mscale.hook.core.commit)
+        self._point: CommitPoint | None = None  # this step's commit point (mscale.hook.core.commit)
 
     def on_attach(self, guard: Guard) -> None:
         self.guard = guard
         self.rank, self.world_size = rank_and_size(self.group)
 
     def on_step_begin(self, step: int, batch: object) -> None:
-        fuse = getattr(self.guard, "fuse", None)
+        fuse = self.guard.fuse if self.guard is not None else None
         self._reruns_at_begin = len(fuse.reruns) if fuse is not None else 0
 
-    def on_commit(self, point: Any) -> None:
+    def on_commit(self, point: CommitPoint) -> None:
         """This rank's contribution to the step's one all-reduce, in FIELDS order, then the CMSA
         multipliers, the failed MPUs and the faulty rank: built on the device from the verdicts
         the guard and the gradient check put in the commit point, so nothing is read first."""
-        if self.world_size < 2:
-            return
         g = self.guard
+        if self.world_size < 2 or g is None:
+            return
         self._point = point
         losses, commit, grad = (point.tensor(k) for k in ("losses", "checksum/failed", "gradients/bad"))
         dev = next((t.device for t in (commit, grad, losses) if t is not None), torch.device("cpu"))
         zero = torch.zeros((), dtype=torch.float64, device=dev)
-        fuse = getattr(g, "fuse", None)
+        fuse = g.fuse
         pending = getattr(getattr(fuse, "states", {}).get("rollback"), "pending", None)
         swaps = len(fuse.reruns) - self._reruns_at_begin if fuse is not None else 0
         skip, rollback = (
@@ -179,16 +181,15 @@ class Agreement:
             (skip, nonfinite, checksum_failed, rollback, on(torch.tensor(float(swaps)), dev), loss_sum, loss_n)
             + (commit_failed, gradient, keep)
         )
-        multipliers = on(torch.tensor(self._multipliers(), dtype=torch.float64), dev)
+        multipliers = on(torch.tensor(self._multipliers(g), dtype=torch.float64), dev)
         point.agree(torch.cat((head, multipliers, failed, ranks)), self._reduce, _device(self.group))
 
-    def _multipliers(self) -> list[float]:
-        cmsa = getattr(self.guard, "cmsa", None)
-        return [float(cmsa.multiplier[m.mpu_id]) for m in self.guard.mpus] if cmsa is not None else []
+    def _multipliers(self, g: Guard) -> list[float]:
+        return [float(g.cmsa.multiplier[m.mpu_id]) for m in g.mpus] if g.cmsa is not None else []
 
     def on_step_end(self, step: int, loss: object = None) -> None:
         own, self._own = self._own, None
-        if own is not None and self.guard.cmsa is not None:
+        if own is not None and self.guard is not None and self.guard.cmsa is not None:
             self.guard.cmsa.multiplier.update(own)
 
     def _reduce(self, t: torch.Tensor) -> None:
@@ -199,14 +200,14 @@ class Agreement:
 
     def on_step_decide(self, step: int) -> None:
         point, self._point = self._point, None
-        if self.world_size < 2 or point is None or not point.agreed():
-            return
         g = self.guard
+        if self.world_size < 2 or g is None or point is None or not point.agreed():
+            return
         total = point.agreed()
         skip, nonfinite, failed, rollback, swaps = (round(v) for v in total[:5])
         loss_sum, loss_n = total[5], total[6]
         commit_failed, gradient, keep = (round(v) for v in total[7:10])
-        cmsa = getattr(g, "cmsa", None)
+        cmsa = g.cmsa
         n_mult = len(total) - len(FIELDS) - len(g.mpus) - self.world_size
         if cmsa is not None and n_mult:
             self._own = dict(cmsa.multiplier)
@@ -225,9 +226,7 @@ class Agreement:
         a = Agreed(step, skip, nonfinite, failed, rollback, swaps, loss, commit_failed, gradient, keep, culprits)
         self.history.append(a)
         if loss is not None:
-            inputs = getattr(g, "inputs", None)
-            if inputs is not None:  # which micro-batch of this rank was not finite: what a rollback skips
-                inputs.keep_own()
+            g.inputs.keep_own()  # which micro-batch of this rank was not finite: what a rollback skips
             g.step_state.losses[:] = [loss]  # every rank's detector judges the same loss
         at_fault = ",".join(str(r) for r in faulty)
         if a.drop:
@@ -256,14 +255,14 @@ class Agreement:
                     )
                 )
         elif failed and not g.step_state.skip_reason:
-            self._drop_mpu_gradients(step, [m for m, v in zip(g.mpus, per_mpu, strict=True) if v > 0.5], at_fault)
+            self._drop_mpu_gradients(g, step, [m for m, v in zip(g.mpus, per_mpu, strict=True) if v > 0.5], at_fault)
 
-    def _drop_mpu_gradients(self, step: int, mpus: list[Any], at_fault: str) -> None:
+    def _drop_mpu_gradients(self, g: Guard, step: int, mpus: list[Mpu], at_fault: str) -> None:
         """Every rank: the failed MPUs' averaged gradients are dropped (see the module docstring)."""
         for m in mpus:
             for p in m.parameters():
                 p.grad = None
-            self.guard.emit(
+            g.emit(
                 Finding(
                     SOURCE,
                     Reason.MPU_GRADIENT_DROPPED_AGREED,

@@ -6,7 +6,7 @@ accountant (mscale.hook.core.goodput) and the contract in force (mscale.hook.cor
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Unpack
 
 import torch
 from torch import nn
@@ -19,6 +19,10 @@ from mscale.hook.core.null import NullGuard
 from mscale.hook.core.protect import SnapshotConfig, agree, data_position, protect, snapshot_config
 from mscale.options import parse_bool
 
+if TYPE_CHECKING:
+    from mscale.hook.core.options import GuardOptions
+    from mscale.snapshot.values import Stateful
+
 
 def attach(
     model: nn.Module,
@@ -26,12 +30,12 @@ def attach(
     *,
     job_id: str,
     snapshots: str | os.PathLike[str] | bool | SnapshotConfig | None = None,
-    data: Any = None,
-    scheduler: Any = None,
+    data: object = None,
+    scheduler: Stateful | None = None,
     resume: bool = True,
     enabled: bool | None = None,
     healing: HealingSection | None = None,
-    **kwargs: Any,
+    **kwargs: Unpack[GuardOptions],
 ) -> Guard | NullGuard:
     """Guard `model` (and `optimizer`); other keyword arguments are `Guard`'s. snapshots: None
     drops the update of a step with a non-finite loss or gradient; a directory, True (in memory

@@ -19,9 +19,12 @@ synchronisation for its checks. `get(key)` gives a key's floats, `agreed()` the 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from mscale.hook.core.guard import Guard
 
 
 def on(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
@@ -99,7 +102,7 @@ class CommitPoint:
         return self._agreed_values
 
 
-def commit(guard: Any, *, plugins: bool) -> CommitPoint:
+def commit(guard: Guard, *, plugins: bool) -> CommitPoint:
     """The guard's commit point of its current step: the inputs' flags, the checksums' rows and
     the losses, with the plugins' (`on_commit`, when `plugins`: at the optimizer step, not at a
     step the grad scaler skipped) read back in one read; then judged. A checksum failure judged

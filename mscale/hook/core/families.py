@@ -3,8 +3,6 @@ torch-free, one place to add a family's layout."""
 
 from __future__ import annotations
 
-from typing import Any
-
 # attribute name in the module tree -> MPU name. First match per MPU name wins (shallowest).
 KNOWN_NAMES: dict[str, str] = {
     "vision_tower": "vision",
@@ -51,8 +49,9 @@ PLACEHOLDER_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
-def placeholder_ids(cfg: Any) -> dict[str, int]:
-    """modality -> the placeholder token id a model's config gives for it."""
+def placeholder_ids(cfg: object) -> dict[str, int]:
+    """modality -> the placeholder token id a model's config (a transformers PretrainedConfig, read
+    by attribute; None: none) gives for it."""
     found: dict[str, int] = {}
     for modality, keys in PLACEHOLDER_KEYS.items():
         v = next((v for k in keys if isinstance(v := getattr(cfg, k, None), int) and not isinstance(v, bool)), None)
@@ -61,7 +60,7 @@ def placeholder_ids(cfg: Any) -> dict[str, int]:
     return found
 
 
-def placeholders(cfg: Any, name: str, path: str = "") -> list[tuple[str, int]]:
+def placeholders(cfg: object, name: str, path: str = "") -> list[tuple[str, int]]:
     """(modality, token id) of every placeholder `cfg` names, the MPU's own modality first: the one
     its name or attribute says ("video", "audio", else images; a `video_tower` mapped as an MPU
     fills the video tokens, a Qwen2-VL tower either)."""
@@ -70,7 +69,7 @@ def placeholders(cfg: Any, name: str, path: str = "") -> list[tuple[str, int]]:
     return sorted(placeholder_ids(cfg).items(), key=lambda kv: kv[0] != own)
 
 
-def config_of(model: Any, path: str) -> Any:
+def config_of(model: object, path: str) -> object:
     """The config of the model that holds the MPU at `path` (dotted, from `model`), whatever wraps
     it: the first on the way down whose config names a placeholder (a LightningModule's
     `self.model`, DDP's and FSDP1's `module`, compile's `_orig_mod`, Accelerate's DDP), else the

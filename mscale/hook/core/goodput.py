@@ -24,7 +24,8 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from mscale.link import TIME_CAUSES, StepReport
 
@@ -38,9 +39,9 @@ DEGRADED_LEVELS = ("l2_degraded", "l3_distilling")
 
 
 class GoodputAccountant:
-    def __init__(self, clock: Any = time.perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
-        self.guard: Any = None
+        self.guard: Guard | None = None
         self.totals: dict[str, float] = {c: 0.0 for c in TIME_CAUSES}
         self.pending: dict[str, float] = {}
         self.started_at = self.last_end = 0.0
@@ -91,13 +92,16 @@ class GoodputAccountant:
         self.step_begin = now
 
     def on_report(self, report: StepReport) -> None:
+        guard = self.guard
+        if guard is None:  # reports come only from the guard it is attached to
+            return
         now = self.clock()
         begin = self.step_begin if self.step_begin is not None else self.last_end
         seconds = now - begin
         stall = self._engine_stall()
         snapshot = min(seconds, max(0.0, stall - self._stall))
         self._stall = stall
-        times = self.guard.times
+        times = guard.times
         checks = min(seconds - snapshot, max(0.0, times.abft_s + times.replay_s))
         rest = seconds - snapshot - checks
         hang = self._hang_part(rest, self._steps)
@@ -105,7 +109,7 @@ class GoodputAccountant:
         step = report.step
         if report.skipped or step <= self.done_upto:
             cause = "rerun"
-        elif any(m.fuse_level in DEGRADED_LEVELS for m in self.guard.mpus):
+        elif any(m.fuse_level in DEGRADED_LEVELS for m in guard.mpus):
             cause = "degraded"
         else:
             cause = "productive"

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import collections
 import os
-import threading
 import time
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -56,6 +55,7 @@ from mscale.hook.integrations.compiled import compiling, unwrap
 
 if TYPE_CHECKING:
     from mscale.healing.settings import HealingSection
+    from mscale.hook.core.link import LinkClient
     from mscale.hook.fuse.fuse import FusePlugin
     from mscale.snapshot.engine import SnapshotEngine
 
@@ -94,11 +94,11 @@ class Guard:
         checksum: ChecksumConfig | None = None,
         loss: LossConfig | None = None,
         cmsa: CmsaConfig | bool | None = True,
-        plugins: Iterable[Any] = (),
+        plugins: Iterable[object] = (),
         socket_path: str | None = None,
         connect: bool = True,
         report_queue: int = 256,
-        scaler: Any = None,
+        scaler: torch.amp.GradScaler | None = None,
         healing: HealingSection | None = None,
     ) -> None:
         if not isinstance(job_id, str) or not job_id:
@@ -113,19 +113,18 @@ class Guard:
         self.log.info("mpus_found", mpus=[f"{m.mpu_id}={m.name}@{m.path or '<root>'} gpu={m.gpu}" for m in self.mpus])
         self.current_step = 0
         self.hooks = PluginHooks(self, self.log)  # the plugins and their dispatch
-        self.plugins: list[Any] = self.hooks.plugins  # in the order they were added (one list, never rebound)
+        self.plugins: list[object] = self.hooks.plugins  # in the order they were added (one list, never rebound)
         self.findings: collections.deque[Finding] = collections.deque(maxlen=1000)
         self.times = StepTimes()
         self.healing = one_l1(checksum, healing)  # its checksum_failures_l1: the detector's and the fuse's L1
         self._detectors(checksum or ChecksumConfig(), loss or LossConfig(), CmsaConfig() if cmsa is True else cmsa)
-        self._handles: list[Any] = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._commands: collections.deque[protocol.Wire] = collections.deque(maxlen=1024)
         self.inputs = InputCheck(self.emit, self.step_state.losses)  # the batch checked before the first MPU
         self.commit_point: CommitPoint | None = None  # the last step's (mscale.hook.core.commit)
         self.figures: StepFigures | None = None  # the last step's (summary())
         self._mpu_by_module = {id(m.module): m for m in self.mpus}
         self._gpu_uuids = {m.gpu: m.gpu_uuid for m in self.mpus if m.gpu_uuid}  # index -> uuid seen
-        self._main_thread = threading.get_ident()
         self.scaler_watch = ScalerWatch(self._scaler_update)  # a watched GradScaler: steps end at its update()
         self._install()
         if scaler is not None:
@@ -157,14 +156,12 @@ class Guard:
             log=self.log,
         )
 
-    def _connect(self, socket_path: str | None, report_queue: int) -> Any:
+    def _connect(self, socket_path: str | None, queue_max: int) -> LinkClient:
         """The link to the node's agent, started (it connects, and reconnects, on its own thread)."""
         from mscale.hook.core.link import LinkClient
 
         path = protocol.socket_path(socket_path)
-        link = LinkClient(
-            path, registration=self.registration, on_command=self._commands.append, queue_max=report_queue
-        )
+        link = LinkClient(path, registration=self.registration, on_command=self._commands.append, queue_max=queue_max)
         link.start()
         return link
 
@@ -180,13 +177,13 @@ class Guard:
     def plugin_errors(self) -> int:  # plugin calls that raised (logged, counted, never passed on)
         return self.hooks.errors
 
-    def add_plugin(self, plugin: Any) -> None:
+    def add_plugin(self, plugin: object) -> None:
         self.hooks.add(plugin)
 
-    def remove_plugin(self, plugin: Any) -> None:
+    def remove_plugin(self, plugin: object) -> None:
         self.hooks.remove(plugin)
 
-    def watch_scaler(self, scaler: Any) -> None:
+    def watch_scaler(self, scaler: torch.amp.GradScaler) -> None:
         """End each step at `scaler.update()` once the loop calls it (mscale.hook.core.scaler)."""
         self.scaler_watch.watch(scaler)
 
@@ -315,7 +312,7 @@ class Guard:
             self.link.stop()
             self.link = None
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, object]:
         """The last step's figures (what the report carries)."""
         return self.figures.summary() if self.figures is not None else {}
 
@@ -352,7 +349,7 @@ class Guard:
                 self._begin_step(ModelInputs(args, kwargs))
             self.inputs.begin(args, kwargs)
 
-    def _model_post(self, module: nn.Module, args: tuple[object, ...], output: Any) -> None:
+    def _model_post(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         if self.checksum.replaying or not self.model.training:
             return
         loss = loss_of(output)
@@ -377,7 +374,9 @@ class Guard:
         m._fwd_start = time.perf_counter()
         self.checksum.before_forward(m, args, kwargs)
 
-    def _mpu_post(self, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], output: Any) -> Any:
+    def _mpu_post(
+        self, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], output: object
+    ) -> object:
         if compiling():  # traced: the output's non-finite check and statistic, as tensor ops
             self.checksum.traced_output(self._mpu_by_module[id(module)], output_tensors(output))
             return None

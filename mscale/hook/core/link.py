@@ -25,7 +25,6 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import aiohttp
 import structlog
@@ -47,7 +46,7 @@ class LinkClient:
         socket_path: str,
         *,
         registration: Callable[[], protocol.Register],
-        on_command: Callable[[Wire], Any],
+        on_command: Callable[[Wire], object],
         queue_max: int = 256,
         backoff_s: tuple[float, float] = (0.05, 2.0),
         connect_timeout_s: float = 2.0,

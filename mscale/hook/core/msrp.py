@@ -22,7 +22,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -35,6 +35,15 @@ if TYPE_CHECKING:
 CPU_COPY_BYTES, GPU_COPY_BYTES = 8 << 20, 64 << 20
 CPU_MATMUL_N, GPU_MATMUL_N = 256, 2048
 STEP_FLOPS_FACTOR = 3.0  # forward + backward (about twice the forward)
+
+
+class DeviceProfile(TypedDict):
+    """A device's micro-probe results (`probe_device`), as the MSRP message carries them."""
+
+    bandwidth_bytes_per_s: float
+    matmul_flops: float
+    dtype: str
+    measured_at: float
 
 
 def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -51,8 +60,8 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> floa
     return max(statistics.median(times), 1e-9)
 
 
-def probe_device(device: torch.device | str, *, repeats: int = 5) -> dict[str, Any]:
-    """{"bandwidth_bytes_per_s", "matmul_flops", "dtype", "measured_at"} measured on `device`."""
+def probe_device(device: torch.device | str, *, repeats: int = 5) -> DeviceProfile:
+    """The device's profile (bandwidth, matmul FLOP/s, the matmul's dtype, when) measured on `device`."""
     device = torch.device(device)
     gpu = device.type == "cuda"
     size = GPU_COPY_BYTES if gpu else CPU_COPY_BYTES
@@ -64,7 +73,7 @@ def probe_device(device: torch.device | str, *, repeats: int = 5) -> dict[str, A
         a = torch.ones(n, n, dtype=dtype, device=device)
         b = torch.ones(n, n, dtype=dtype, device=device)
         mm_s = _timed(lambda: torch.mm(a, b), device, repeats)
-    return {
+    return {  # (a DeviceProfile)
         "bandwidth_bytes_per_s": 2.0 * size / copy_s,
         "matmul_flops": 2.0 * n**3 / mm_s,
         "dtype": str(dtype).removeprefix("torch."),
@@ -127,13 +136,13 @@ class MsrpPlugin:
         *,
         interval_s: float = 900.0,
         report_s: float = 10.0,
-        probe: Callable[[torch.device], dict[str, Any]] = probe_device,
+        probe: Callable[[torch.device], DeviceProfile] = probe_device,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.interval_s, self.report_s = interval_s, report_s
         self.probe, self.clock = probe, clock
-        self.guard: Any = None
-        self.devices: dict[int, dict[str, Any]] = {}  # GPU index -> device profile
+        self.guard: Guard | None = None
+        self.devices: dict[int, DeviceProfile] = {}  # GPU index -> device profile
         self.mpus: dict[str, dict[str, float]] = {}  # mpu_id -> MPU profile
         self._counts: dict[str, _FlopCount] = {}
         self._achieved: dict[str, deque[float]] = {}
@@ -143,20 +152,20 @@ class MsrpPlugin:
     def on_attach(self, guard: Guard) -> None:
         self.guard = guard
         self._counts = {m.mpu_id: _FlopCount(m.module) for m in guard.mpus}
-        self._probe()
+        self._probe(guard)
 
     def on_detach(self, guard: Guard) -> None:
         for c in self._counts.values():
             c.remove()
 
-    def _probe(self) -> None:
-        by_device: dict[str, dict[str, Any]] = {}
-        for m in self.guard.mpus:
+    def _probe(self, guard: Guard) -> None:
+        by_device: dict[str, DeviceProfile] = {}
+        for m in guard.mpus:
             key = str(m.device)
             if key not in by_device:
                 by_device[key] = self.probe(m.device)
             self.devices[m.gpu] = by_device[key]
-        if any(m.device.type == "cuda" for m in self.guard.mpus):
+        if any(m.device.type == "cuda" for m in guard.mpus):
             # every GPU of the node, so that a standby is chosen by measurement too
             for i in range(torch.cuda.device_count()):
                 key = f"cuda:{i}"
@@ -164,7 +173,10 @@ class MsrpPlugin:
         self._probed_at = self.clock()
 
     def on_step_end(self, step: int, loss: float | None) -> None:
-        for m in self.guard.mpus:
+        guard = self.guard
+        if guard is None:  # steps end only on the guard it is attached to
+            return
+        for m in guard.mpus:
             count = self._counts.get(m.mpu_id)
             if count is None or count.flops is None:
                 continue
@@ -177,21 +189,21 @@ class MsrpPlugin:
             self.mpus[m.mpu_id] = {
                 "flops_per_step": step_flops,
                 "achieved_flops": statistics.median(recent),  # robust to one slow step
-                "memory_bytes": mpu_memory_bytes(m.module, self.guard.optimizer),
+                "memory_bytes": mpu_memory_bytes(m.module, guard.optimizer),
             }
         now = self.clock()
         if now - self._probed_at >= self.interval_s:
-            self._probe()
+            self._probe(guard)
         if self.mpus and now - self._reported_at >= self.report_s:
             self._reported_at = now
-            self.guard.send_to_agent(
+            guard.send_to_agent(
                 protocol.Msrp(
-                    self.guard.job_id,
-                    self.guard.rank,
+                    guard.job_id,
+                    guard.rank,
                     {str(g): dict(p) for g, p in self.devices.items()},
                     {k: dict(v) for k, v in self.mpus.items()},
                 ).to_wire()
             )
 
-    def msrp_profiles(self) -> tuple[dict[int, dict[str, Any]], dict[str, dict[str, float]]]:
+    def msrp_profiles(self) -> tuple[dict[int, DeviceProfile], dict[str, dict[str, float]]]:
         return dict(self.devices), dict(self.mpus)

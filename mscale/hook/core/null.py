@@ -3,7 +3,7 @@ MSCALE_GUARD=0) returns: the Guard's calls a training loop makes, no hooks, noth
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -11,18 +11,22 @@ from torch import nn
 from mscale.findings import Finding
 from mscale.hook.core.mpu import Mpu
 
+if TYPE_CHECKING:
+    from mscale.hook.fuse.fuse import FusePlugin
+    from mscale.snapshot.engine import SnapshotEngine
+
 
 class NullGuard:
     """What `attach(..., enabled=False)` returns: the same calls, no hooks, nothing changed."""
 
     enabled = False
-    fuse: Any = None
-    snapshots: Any = None
+    fuse: FusePlugin | None = None
+    snapshots: SnapshotEngine | None = None
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, **_: Any) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, **_: object) -> None:
         self.model, self.optimizer = model, optimizer
         self.mpus: list[Mpu] = []
-        self.plugins: list[Any] = []
+        self.plugins: list[object] = []
         self.link = None
         self.cmsa = None
         self.current_step = 0
@@ -34,7 +38,7 @@ class NullGuard:
     def observe(self, loss: object) -> None:
         pass
 
-    def add_plugin(self, plugin: Any) -> None:
+    def add_plugin(self, plugin: object) -> None:
         self.plugins.append(plugin)
 
     def emit(self, finding: Finding) -> None:

@@ -5,7 +5,7 @@ and what a module was called with (ModelInputs)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -17,7 +17,7 @@ class ModelInputs(NamedTuple):
     kwargs: dict[str, object]
 
 
-def output_tensors(output: Any) -> list[torch.Tensor]:
+def output_tensors(output: object) -> list[torch.Tensor]:
     """The floating-point tensors in a module's output (tensor, tuple, dict, ModelOutput)."""
     if isinstance(output, torch.Tensor):
         return [output] if output.is_floating_point() else []
@@ -28,7 +28,7 @@ def output_tensors(output: Any) -> list[torch.Tensor]:
     return []
 
 
-def loss_of(output: Any) -> torch.Tensor | None:
+def loss_of(output: object) -> torch.Tensor | None:
     """The scalar loss in a model's output (a 0-d tensor, or a mapping or ModelOutput with
     "loss"); None when there is none."""
     if isinstance(output, torch.Tensor):

@@ -49,12 +49,13 @@ not finite, with or without a plugin.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
 if TYPE_CHECKING:
     from mscale.findings import Finding
+    from mscale.hook.core.commit import CommitPoint
     from mscale.hook.core.guard import Guard, ModelInputs
     from mscale.hook.core.mpu import Mpu
     from mscale.link import StepReport
@@ -81,9 +82,9 @@ class Plugin(Protocol):
 
     def on_step_begin(self, step: int, batch: ModelInputs) -> None: ...
 
-    def on_mpu_output(self, mpu: Mpu, inputs: ModelInputs, output: Any) -> Any: ...
+    def on_mpu_output(self, mpu: Mpu, inputs: ModelInputs, output: object) -> object: ...
 
-    def on_commit(self, point: Any) -> None: ...
+    def on_commit(self, point: CommitPoint) -> None: ...
 
     def on_step_decide(self, step: int) -> None: ...
 
@@ -106,16 +107,16 @@ class PluginHooks:
 
     def __init__(self, owner: object, log: structlog.typing.FilteringBoundLogger) -> None:
         self.owner, self.log = owner, log
-        self.plugins: list[Any] = []
+        self.plugins: list[object] = []  # any object with some of the methods above
         self.errors = 0
 
-    def add(self, plugin: Any) -> None:
+    def add(self, plugin: object) -> None:
         if not any(hasattr(plugin, h) for h in HOOKS):
             raise TypeError(f"{type(plugin).__name__} has none of the plugin methods {', '.join(HOOKS)}")
         self.plugins.append(plugin)
         self.call(plugin, "on_attach", self.owner)
 
-    def remove(self, plugin: Any) -> None:
+    def remove(self, plugin: object) -> None:
         self.plugins.remove(plugin)
         self.call(plugin, "on_detach", self.owner)
 
@@ -123,7 +124,7 @@ class PluginHooks:
         for p in list(self.plugins):
             self.call(p, hook, *args)
 
-    def call(self, plugin: Any, hook: str, *args: object) -> Any:
+    def call(self, plugin: object, hook: str, *args: object) -> object:
         fn = getattr(plugin, hook, None)
         if fn is None:
             return None

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import structlog
 
@@ -42,10 +43,13 @@ from mscale.findings import Reason
 from mscale.snapshot.config import SnapshotConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from mscale.findings import Finding
     from mscale.healing.settings import HealingSection
     from mscale.hook.core.guard import Guard
     from mscale.snapshot.engine import SnapshotEngine
+    from mscale.snapshot.values import Stateful
 
 log = structlog.get_logger("mscale.hook")
 
@@ -78,15 +82,15 @@ class LoopData:
 
     rewinds = False  # the step mark (a step run again from its start) leaves it alone: its batch is lost
 
-    def __init__(self, loader: Any = None) -> None:
+    def __init__(self, loader: Stateful | None = None) -> None:
         self.loader = loader
         self.restoring = False  # set around the start-up resume
-        self.last_batch_position: dict[str, Any] = {}  # a rollback's "skip the faulty batch": the loop already did
+        self.last_batch_position: dict[str, object] = {}  # a rollback's "skip the faulty batch": the loop already did
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return self.loader.state_dict() if self.loader is not None else {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, object]) -> None:
         if self.restoring and self.loader is not None:
             self.loader.load_state_dict(state)
         elif not self.restoring:
@@ -96,12 +100,13 @@ class LoopData:
                 why="the loop's iterator cannot be rewound: it goes on with the batch after the faulty one",
             )
 
-    def skip_batch_at(self, position: dict[str, Any]) -> None:
+    def skip_batch_at(self, position: dict[str, object]) -> None:
         pass
 
 
-def data_position(data: object) -> Any:
-    """What the snapshot engine gets as `data` for `attach`'s `data` argument."""
+def data_position(data: object) -> Stateful:
+    """What the snapshot engine gets as `data` for `attach`'s `data` argument: a LoopData, or `data`
+    itself when it rewinds in place (ResumableLoader)."""
     if data is None:
         return LoopData()
     if not (callable(getattr(data, "state_dict", None)) and callable(getattr(data, "load_state_dict", None))):
@@ -110,9 +115,10 @@ def data_position(data: object) -> Any:
             "cannot be snapshotted; use mscale.ResumableLoader or torchdata's StatefulDataLoader, or "
             "leave data out (then a rollback does not rewind the data and a restart starts it afresh)"
         )
+    loader = cast("Stateful", data)  # its state_dict()/load_state_dict(), checked just above
     if hasattr(data, "last_batch_position") and callable(getattr(data, "skip_batch_at", None)):
-        return data  # rewound in place, the faulty batch stepped over on the replay
-    return LoopData(data)
+        return loader  # rewound in place, the faulty batch stepped over on the replay
+    return LoopData(loader)
 
 
 # Findings that put the state of the step in flight, and of the one before it (whose snapshot
@@ -192,9 +198,9 @@ def protect(
     guard: Guard,
     cfg: SnapshotConfig,
     *,
-    data: Any = None,
-    scheduler: Any = None,
-    scaler: Any = None,
+    data: Stateful | None = None,
+    scheduler: Stateful | None = None,
+    scaler: torch.amp.GradScaler | None = None,
     resume: bool = True,
     healing: HealingSection | None = None,
 ) -> None:
@@ -246,7 +252,15 @@ def protect(
     )
 
 
-def _engine(guard: Guard, cfg: SnapshotConfig, *, data: Any, scheduler: Any, scaler: Any, emit: Any) -> SnapshotEngine:
+def _engine(
+    guard: Guard,
+    cfg: SnapshotConfig,
+    *,
+    data: Stateful | None,
+    scheduler: Stateful | None,
+    scaler: torch.amp.GradScaler | None,
+    emit: Callable[[Finding], None],
+) -> SnapshotEngine:
     """The snapshot engine over the guard's model (each rank's shard, for FSDP2) and MPUs,
     holding CMSA's fitted state as an extra."""
     from mscale.hook.checks.cmsa import CmsaState
@@ -254,11 +268,12 @@ def _engine(guard: Guard, cfg: SnapshotConfig, *, data: Any, scheduler: Any, sca
     from mscale.snapshot.sharded import LocalView, ShardingMarker, is_sharded
 
     model, module_of = guard.model, (lambda m: m)
-    optimizer: Any = guard.optimizer
-    extra: dict[str, Any] = {CmsaState.SNAPSHOT_NAME: CmsaState(guard.cmsa, guard._grad_stats)}
+    optimizer = guard.optimizer
+    extra: dict[str, Stateful] = {CmsaState.SNAPSHOT_NAME: CmsaState(guard.cmsa, guard._grad_stats)}
     if is_sharded(model):  # FSDP2: the engine holds each rank's shard, through local views
         view = LocalView(model, optimizer)
-        model, optimizer, module_of = view.model, view.optimizer, view.module
+        # (a LocalOptimizer: the optimizer's surface the engine reads, over the local shards)
+        model, optimizer, module_of = view.model, view.optimizer, view.module  # type: ignore[assignment]
         extra["sharding"] = ShardingMarker(guard.world_size, guard.model)
     return SnapshotEngine(
         model,
@@ -277,7 +292,9 @@ def _engine(guard: Guard, cfg: SnapshotConfig, *, data: Any, scheduler: Any, sca
     )
 
 
-def _resume(engine: SnapshotEngine, cfg: SnapshotConfig, *, data: Any, scheduler: Any, resume: bool) -> int | None:
+def _resume(
+    engine: SnapshotEngine, cfg: SnapshotConfig, *, data: Stateful | None, scheduler: Stateful | None, resume: bool
+) -> int | None:
     """Start-up: the step restored from the newest valid disk snapshot (None: none); with
     `resume` False, a directory that holds snapshots is refused."""
     from mscale.snapshot.format import list_snapshots
@@ -292,14 +309,14 @@ def _resume(engine: SnapshotEngine, cfg: SnapshotConfig, *, data: Any, scheduler
         )
     step = None
     if held or (resume and engine.world_size > 1):  # with several ranks resume is collective
-        restoring = isinstance(data, LoopData)
-        if restoring:
-            data.restoring = True
+        loop = data if isinstance(data, LoopData) else None
+        if loop is not None:
+            loop.restoring = True
         try:
             step = engine.resume()
         finally:
-            if restoring:
-                data.restoring = False
+            if loop is not None:
+                loop.restoring = False
         if step is not None:
             _step_scheduler_past(scheduler)
     return step

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mscale.findings import Finding
 from mscale.hook.core.stepstate import StepFigures
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from mscale.hook.core.mpu import Mpu
 
 
-def _float(v: Any) -> float:
+def _float(v: float | None) -> float:
     """A figure as the report carries it: a float, NaN when unknown."""
     return math.nan if v is None else float(v)
 

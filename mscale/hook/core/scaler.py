@@ -5,7 +5,10 @@ kept apart because it is the one path that ends a step outside the optimizer's h
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ScalerWatch:
@@ -14,8 +17,8 @@ class ScalerWatch:
 
     def __init__(self, on_update: Callable[[bool], None]) -> None:
         self.on_update = on_update
-        self.scaler: Any = None  # a watched torch.amp.GradScaler (or one alike): its update() ends steps
-        self._patch: Callable[..., Any] | None = None
+        self.scaler: torch.amp.GradScaler | None = None  # the watched one (or a subclass): its update() ends steps
+        self._patch: Callable[..., None] | None = None
         self.used = False  # the loop calls scaler.update(): steps end there
         self.opt_stepped = False  # optimizer.step() ran in this step
 
@@ -24,7 +27,7 @@ class ScalerWatch:
         """Steps end at the scaler's update, not at the optimizer step."""
         return self.scaler is not None and self.used
 
-    def watch(self, scaler: Any) -> None:
+    def watch(self, scaler: torch.amp.GradScaler) -> None:
         """End each step at `scaler.update()` (called once per iteration after `scaler.step`),
         so a step whose `optimizer.step()` the scaler skipped still ends: the loss detector sees
         its loss, plugins get `on_step_end` (a NaN rollback), the report says skipped. Snapshots
@@ -35,14 +38,14 @@ class ScalerWatch:
         if self.scaler is not None:
             raise ValueError("the guard already watches another GradScaler")
         self.used = False
-        original = scaler.update
+        original: Callable[..., None] = scaler.update  # called with the loop's arguments
 
-        def update(*args: object, **kwargs: object) -> Any:
-            result = original(*args, **kwargs)
+        def update(*args: object, **kwargs: object) -> None:
+            original(*args, **kwargs)
             self._updated()
-            return result
 
-        scaler.update = update  # on the instance; unwatch() deletes it, uncovering the class's
+        # on the instance; unwatch() deletes it, uncovering the class's
+        scaler.update = update  # type: ignore[method-assign]
         self.scaler, self._patch = scaler, update
 
     def unwatch(self) -> None:

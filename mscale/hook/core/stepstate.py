@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -47,7 +46,7 @@ class StepFigures:
     checksum: dict[str, dict[str, float]] | None = None
     guard_overhead_ratio: float | None = None
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, object]:
         """The figures as `Guard.summary()` returns them: the end-of-step ones once there."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for late in ("checksum", "guard_overhead_ratio"):

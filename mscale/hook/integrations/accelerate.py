@@ -28,7 +28,7 @@ The model is the prepared one (DDP-wrapped with several processes; its MPUs are 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Unpack
 
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
@@ -39,6 +39,10 @@ from mscale.hook.core.attach import attach as plain_attach
 from mscale.hook.core.guard import Guard
 from mscale.hook.core.null import NullGuard
 
+if TYPE_CHECKING:
+    from mscale.hook.core.options import AttachOptions
+    from mscale.snapshot.values import Stateful
+
 __all__ = ["attach"]
 
 
@@ -48,9 +52,9 @@ def attach(
     optimizer: AcceleratedOptimizer,
     *,
     job_id: str,
-    scheduler: Any = None,
-    data: Any = None,
-    **kwargs: Any,
+    scheduler: Stateful | None = None,
+    data: object = None,
+    **kwargs: Unpack[AttachOptions],
 ) -> Guard | NullGuard:
     """Guard what `accelerator.prepare` returned; other keyword arguments are `mscale.attach`'s."""
     if not isinstance(accelerator, Accelerator):
@@ -84,10 +88,10 @@ class _SchedulerAtCommit:
     def __init__(self, prepared: AcceleratedScheduler) -> None:
         self.prepared = prepared
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return self.prepared.scheduler.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, object]) -> None:
         self.prepared.scheduler.load_state_dict(state)
 
     def step(self) -> None:

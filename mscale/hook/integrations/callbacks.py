@@ -4,14 +4,19 @@ the fuse and the snapshots on a guard once the framework has built the model and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from mscale.hook.core.guard import Guard
 from mscale.hook.core.protect import LoopData, protect
 
+if TYPE_CHECKING:
+    from mscale.hook.core.options import CallbackOptions
+    from mscale.snapshot.config import SnapshotConfig
+    from mscale.snapshot.values import Stateful
 
-def refuse_owned(attach_kwargs: Mapping[str, Any], owns: Mapping[str, str], *, under: str, owner: str) -> None:
+
+def refuse_owned(attach_kwargs: Mapping[str, object], owns: Mapping[str, str], *, under: str, owner: str) -> None:
     """TypeError for an attach argument that names something the framework keeps (its data
     loader, its schedulers, its own checkpoints)."""
     for key, what in owns.items():
@@ -20,7 +25,12 @@ def refuse_owned(attach_kwargs: Mapping[str, Any], owns: Mapping[str, str], *, u
 
 
 def protect_attached(
-    guard: Guard, snapshots: Any, attach_kwargs: Mapping[str, Any], *, scheduler: Any = None, on_failure: Any
+    guard: Guard,
+    snapshots: SnapshotConfig,
+    attach_kwargs: CallbackOptions,
+    *,
+    scheduler: Stateful | None = None,
+    on_failure: Callable[[], None],
 ) -> None:
     """The fuse and the snapshot engine on a guard the callback attached. The framework owns the
     data loader and restarts, so the loop's data is a placeholder and nothing is resumed here.

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -124,7 +124,7 @@ class GraphChecks:
                 slot.place(device)
             slot.phase.fill_(step % slot.stride)
 
-    def take(self) -> list[tuple[Mpu, list[tuple[Any, ...]]]]:
+    def take(self) -> list[tuple[Mpu, list[tuple[str, str, torch.dtype, torch.Tensor]]]]:
         """The checks of the MPUs traced since the last call, still on the device: per MPU, its
         rows as the checksum detector keeps them for the commit point's one read (method, layer,
         dtype, a tensor (residual, tolerance)). The state is cleared for the next forwards."""
@@ -135,14 +135,16 @@ class GraphChecks:
             kept = s.values.clone()  # the rows read at the commit; the slot starts afresh
             s.values.zero_()
             s.traced = False
-            rows: list[tuple[Any, ...]] = [("abft", name, s.dtypes[i], kept[i]) for i, name in enumerate(s.names)]
+            rows: list[tuple[str, str, torch.dtype, torch.Tensor]] = [
+                ("abft", name, s.dtypes[i], kept[i]) for i, name in enumerate(s.names)
+            ]
             rows.append(("nonfinite", "<output>", torch.float32, kept[len(s.names)]))
             out.append((s.mpu, rows))
         return out
 
     # --- traced (pure tensor ops) -----------------------------------------------------
 
-    def linear(self, mpu_id: str, kind: LinearKind, module: nn.Module, args: tuple[object, ...], out: Any) -> None:
+    def linear(self, mpu_id: str, kind: LinearKind, module: nn.Module, args: tuple[object, ...], out: object) -> None:
         """A linear layer's check, traced (the checksum detector's hook calls it under dynamo)."""
         slot, i = self._slots[mpu_id], self._index[id(module)]
         y = kind.output_of(out)

@@ -24,8 +24,10 @@ already holds snapshots is refused (give each run its own).
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Unpack
 
+import torch
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
@@ -35,6 +37,10 @@ from mscale.hook.core.null import NullGuard
 from mscale.hook.core.protect import snapshot_config
 from mscale.hook.integrations.callbacks import protect_attached, refuse_owned
 
+if TYPE_CHECKING:
+    from mscale.hook.core.options import CallbackOptions
+    from mscale.snapshot.config import SnapshotConfig
+
 _TRAINER_OWNS = {
     "data": "the Trainer's data loader",
     "scheduler": "the Trainer's LR scheduler",
@@ -43,7 +49,13 @@ _TRAINER_OWNS = {
 
 
 class MscaleCallback(TrainerCallback):
-    def __init__(self, *, job_id: str, snapshots: Any = None, **attach_kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        snapshots: str | os.PathLike[str] | bool | SnapshotConfig | None = None,
+        **attach_kwargs: Unpack[CallbackOptions],
+    ) -> None:
         refuse_owned(attach_kwargs, _TRAINER_OWNS, under="the Trainer", owner="the Trainer's")
         self.job_id = job_id
         self.snapshot_config = snapshot_config(snapshots)  # refused here, before training starts
@@ -56,8 +68,8 @@ class MscaleCallback(TrainerCallback):
         state: TrainerState,
         control: TrainerControl,
         model: nn.Module | None = None,
-        optimizer: Any = None,
-        **kwargs: Any,
+        optimizer: torch.optim.Optimizer | None = None,
+        **kwargs: object,
     ) -> TrainerControl:
         if model is None:
             raise ValueError("MscaleCallback: the Trainer passed no model to on_train_begin")
@@ -71,7 +83,7 @@ class MscaleCallback(TrainerCallback):
         return control
 
     def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
     ) -> TrainerControl:
         # the Trainer's step counter is the truth (resumes, skipped steps, rollbacks)
         if isinstance(self.guard, Guard) and self.guard.current_step != state.global_step:
@@ -79,7 +91,7 @@ class MscaleCallback(TrainerCallback):
         return control
 
     def on_train_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
     ) -> TrainerControl:
         if self.guard is not None:
             self.guard.detach()

@@ -32,7 +32,9 @@ restarted run clips as the uninterrupted one did (a checkpoint without it: CMSA 
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Unpack
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -45,6 +47,10 @@ from mscale.hook.core.null import NullGuard
 from mscale.hook.core.protect import snapshot_config
 from mscale.hook.integrations.callbacks import protect_attached, refuse_owned
 
+if TYPE_CHECKING:
+    from mscale.hook.core.options import CallbackOptions
+    from mscale.snapshot.config import SnapshotConfig
+
 __all__ = ["MscaleCallback"]
 
 _LIGHTNING_OWNS = {
@@ -55,16 +61,22 @@ _LIGHTNING_OWNS = {
 
 
 class MscaleCallback(Callback):
-    def __init__(self, *, job_id: str, snapshots: Any = None, **attach_kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        snapshots: str | os.PathLike[str] | bool | SnapshotConfig | None = None,
+        **attach_kwargs: Unpack[CallbackOptions],
+    ) -> None:
         refuse_owned(attach_kwargs, _LIGHTNING_OWNS, under="Lightning", owner="Lightning's")
         self.job_id = job_id
         self.snapshot_config = snapshot_config(snapshots)  # refused here, before training starts
         self.attach_kwargs = attach_kwargs
         self.guard: Guard | NullGuard | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._step_before: Any = None  # the optimizer's own `step` instance attribute, if it had one
+        self._step_before: Callable[..., object] | None = None  # the optimizer's own `step` instance attribute, if any
         self._forward_seen = False
-        self._restored_cmsa: dict[str, Any] | None = None  # from Lightning's checkpoint, for the guard to come
+        self._restored_cmsa: dict[str, object] | None = None  # from Lightning's checkpoint, for the guard to come
 
     # --- Lightning's hooks ---------------------------------------------------------------
 
@@ -83,7 +95,8 @@ class MscaleCallback(Callback):
             raise ValueError("MscaleCallback: LBFGS evaluates its closure many times a step: not supported")
         self.attach_kwargs.setdefault("rank", trainer.global_rank)
         plugins = [*self.attach_kwargs.pop("plugins", ()), _StepWatch(self)]
-        guard = self.guard = attach(pl_module, optimizer, job_id=self.job_id, plugins=plugins, **self.attach_kwargs)
+        options: CallbackOptions = {**self.attach_kwargs, "plugins": plugins}
+        guard = self.guard = attach(pl_module, optimizer, job_id=self.job_id, **options)
         if not isinstance(guard, Guard):
             return
         guard.set_step(trainer.global_step)
@@ -95,13 +108,14 @@ class MscaleCallback(Callback):
                 guard, self.snapshot_config, self.attach_kwargs, scheduler=_Schedulers(trainer), on_failure=self._detach
             )
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """What Lightning's checkpoints hold of the callback: CMSA's fitted state."""
         guard = self.guard
         return {"cmsa": CmsaState(guard.cmsa, guard._grad_stats).state_dict()} if isinstance(guard, Guard) else {}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored_cmsa = state_dict.get("cmsa")
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
+        cmsa = state_dict.get("cmsa")  # (a checkpoint from before CMSA's state was held: none)
+        self._restored_cmsa = cmsa if isinstance(cmsa, dict) else None
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: object) -> None:
         if isinstance(self.guard, Guard) and not self._forward_seen:
@@ -130,10 +144,10 @@ class MscaleCallback(Callback):
     def _closure_first(self, optimizer: torch.optim.Optimizer) -> None:
         """optimizer.step(closure) runs the closure (forward, backward) and then the step with its
         hooks, so the guard's commit point comes after the gradients."""
-        stepped = optimizer.step  # bound, or an LR scheduler's wrapper around it
+        stepped: Callable[..., object] = optimizer.step  # bound, or an LR scheduler's wrapper around it
         self._optimizer, self._step_before = optimizer, optimizer.__dict__.get("step")
 
-        def step(closure: Any = None, **kwargs: Any) -> Any:
+        def step(closure: Callable[[], object] | None = None, **kwargs: object) -> object:
             loss = None
             if closure is not None:
                 with torch.enable_grad():
@@ -143,12 +157,12 @@ class MscaleCallback(Callback):
 
         if hasattr(stepped, "_wrapped_by_lr_sched"):  # the LR scheduler's check that step() is still its wrapper
             step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        optimizer.step = step  # type: ignore[method-assign]  # an instance attribute, removed at detach
+        optimizer.step = step  # type: ignore[method-assign,assignment]  # an instance attribute, removed at detach
 
     def _detach(self) -> None:
         if self._optimizer is not None:
             if self._step_before is not None:
-                self._optimizer.step = self._step_before  # type: ignore[method-assign]
+                self._optimizer.step = self._step_before  # type: ignore[method-assign,assignment]
             else:
                 del self._optimizer.step
             self._optimizer = None
@@ -179,14 +193,15 @@ class _Schedulers:
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {"schedulers": [c.scheduler.state_dict() for c in self.trainer.lr_scheduler_configs]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        configs = self.trainer.lr_scheduler_configs
-        if len(state["schedulers"]) != len(configs):
-            raise ValueError(f"snapshot holds {len(state['schedulers'])} LR schedulers, the Trainer has {len(configs)}")
-        for config, sd in zip(configs, state["schedulers"], strict=True):
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        configs, held = self.trainer.lr_scheduler_configs, state["schedulers"]
+        if not isinstance(held, list) or len(held) != len(configs):
+            n = len(held) if isinstance(held, list) else type(held).__name__
+            raise ValueError(f"snapshot holds {n} LR schedulers, the Trainer has {len(configs)}")
+        for config, sd in zip(configs, held, strict=True):
             config.scheduler.load_state_dict(sd)
 
 
