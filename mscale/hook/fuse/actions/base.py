@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from mscale.healing.actions.base import ActionSpec
 from mscale.healing.engine import Decision, HealingEngine
@@ -92,15 +92,19 @@ class FuseContext(Protocol):
 
 
 @dataclass(frozen=True)
-class Executor:
+class Executor(Generic[S]):
+    """One action's executor; `S` its per-job state (None for an action that keeps none), which
+    its functions all take: mypy checks they agree. The registry holds every action's, so the
+    fuse hands each the state it keeps under the action's name."""
+
     spec: ActionSpec
-    apply: Callable[[FuseContext, Any, Decision], str]
+    apply: Callable[[FuseContext, S, Decision], str]
     # the per-job state, built by the fuse plugin (see the module docstring)
-    state: Callable[[FuseContext], Any] | None = None
+    state: Callable[[FuseContext], S] | None = None
     # (detail text, extra labels) for the event of an applied result, from the action's state
-    event: Callable[[Any, Decision], tuple[str, Mapping[str, str]]] | None = None
+    event: Callable[[S, Decision], tuple[str, Mapping[str, str]]] | None = None
     # end what the action started (an end command from the agent): end(fuse, state, why)
-    end: Callable[[FuseContext, Any, str], None] | None = None
+    end: Callable[[FuseContext, S, str], None] | None = None
 
     @property
     def name(self) -> str:
