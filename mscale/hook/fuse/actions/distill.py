@@ -84,9 +84,8 @@ class Distilling:
         self._handles: list[RemovableHandle] = []
         self._calibrating: set[str] = set()
         self._terms: list[float] = []  # this step's L3 term value per training forward (0: none added)
-        self._replaying: Callable[[], bool] = lambda: (
-            False
-        )  # the guard's replay check is running (not the step's forward)
+        # the guard's replay check is running (not the step's forward)
+        self._replaying: Callable[[], bool] = lambda: False
         # MPUs L3 cannot be applied to, and why: said once each (`_say_unavailable`)
         self.unavailable: dict[str, str] = {}
         self._checked: set[str] = set()
