@@ -72,9 +72,12 @@ def _fault_row(f: ScriptedFault, until: int | None, r: Run, agent_events: list[d
     row["duplicates"] = sum(
         1 for a in _heal_actions(fs, f.sent_step, until) if a.labels.get("result") == Result.DUPLICATE
     )
+    from mscale.hook.fuse.actions.rollback import Rollbacks
+
+    rolled = r.fuse.state_of(Rollbacks)
     lost = [
         rb
-        for rb in r.fuse.states["rollback"].rollbacks
+        for rb in (rolled.rollbacks if rolled is not None else [])
         if rb["step"] >= f.sent_step and (until is None or rb["step"] < until)
     ]
     row["steps_lost"] = sum(rb["step"] - (rb["to"] if rb["to"] is not None else rb["step"] - 1) for rb in lost)

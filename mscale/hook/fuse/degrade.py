@@ -33,13 +33,12 @@ import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from mscale.hook.fuse.placement import map_tensors, wrap_forward
+from mscale.hook.fuse.placement import Forward, Inner, map_tensors, wrap_forward
 
 MIN_GRID = 4  # patches per side below which no image is shrunk
 
@@ -62,18 +61,21 @@ def _accepts(module: nn.Module, name: str) -> bool:
     return False
 
 
-def _config(module: nn.Module) -> Any:
+def _config(module: nn.Module) -> object:
+    """The module's config (a Hugging Face `config`, the tiny model's `cfg`), read by name."""
     return getattr(module, "config", None) or getattr(module, "cfg", None)
+
+
+def _vit_sizes(module: nn.Module) -> tuple[int, int] | None:
+    """(image size, patch size) in pixels from the module's config, when it gives both."""
+    cfg = _config(module)
+    size, patch = getattr(cfg, "image_size", None), getattr(cfg, "patch_size", None)
+    return (size, patch) if isinstance(size, int) and isinstance(patch, int) else None
 
 
 def family(module: nn.Module) -> str | None:
     """The reduction that applies to `module`: "vit", "merge" or None."""
-    cfg = _config(module)
-    if (
-        _accepts(module, "interpolate_pos_encoding")
-        and isinstance(getattr(cfg, "image_size", None), int)
-        and isinstance(getattr(cfg, "patch_size", None), int)
-    ):
+    if _accepts(module, "interpolate_pos_encoding") and _vit_sizes(module) is not None:
         return "vit"
     if _accepts(module, "grid_thw") and isinstance(getattr(module, "spatial_merge_size", None), int):
         return "merge"
@@ -95,9 +97,9 @@ def why_none(module: nn.Module, scale: float) -> str:
     kind = family(module)
     if kind is None:
         return "no shape-preserving reduction applies to this model"
-    if kind == "vit":
-        cfg = _config(module)
-        grid = int(cfg.image_size) // int(cfg.patch_size)
+    sizes = _vit_sizes(module)
+    if kind == "vit" and sizes is not None:
+        grid = sizes[0] // sizes[1]
         if _small_grid(grid, scale) >= grid:
             return f"its {grid}x{grid} patch grid cannot shrink and keep {MIN_GRID}x{MIN_GRID}"
     return ""
@@ -119,11 +121,11 @@ def _guarded(
     module: nn.Module,
     kind: str,
     detail: str,
-    reduced: Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any],
+    reduced: Forward,
 ) -> Reduction:
     red = Reduction(kind, detail, undo=lambda: None)
 
-    def forward(inner: Callable[..., Any], args: tuple[object, ...], kwargs: dict[str, object]) -> Any:
+    def forward(inner: Inner, args: tuple[object, ...], kwargs: dict[str, object]) -> object:
         try:
             out = reduced(inner, args, kwargs)
         except Exception as e:  # the module's own forward for this call; the fuse undoes the reduction
@@ -149,8 +151,10 @@ def _resample_tokens(t: torch.Tensor, grid: tuple[int, int], cls: int) -> torch.
 
 
 def _vit(module: nn.Module, scale: float) -> Reduction | None:
-    cfg = _config(module)
-    size, patch = int(cfg.image_size), int(cfg.patch_size)
+    sizes = _vit_sizes(module)
+    if sizes is None:
+        return None
+    size, patch = sizes
     grid = size // patch
     small = _small_grid(grid, scale) * patch  # pixels, a multiple of the patch size
     if small >= size:
@@ -158,7 +162,7 @@ def _vit(module: nn.Module, scale: float) -> Reduction | None:
     full = grid * grid
     small_n = (small // patch) ** 2
 
-    def reduced(inner: Callable[..., Any], args: tuple[object, ...], kwargs: dict[str, object]) -> Any:
+    def reduced(inner: Inner, args: tuple[object, ...], kwargs: dict[str, object]) -> object:
         kwargs = dict(kwargs)
         key = "pixel_values" if "pixel_values" in kwargs else None
         x = kwargs[key] if key else (args[0] if args else None)
@@ -226,7 +230,7 @@ def _merge(module: nn.Module, scale: float) -> Reduction | None:
     if p <= 0:
         return None
 
-    def reduced(inner: Callable[..., Any], args: tuple[object, ...], kwargs: dict[str, object]) -> Any:
+    def reduced(inner: Inner, args: tuple[object, ...], kwargs: dict[str, object]) -> object:
         kwargs = dict(kwargs)
         x = kwargs.pop("hidden_states", args[0] if args else None)
         grid = kwargs.pop("grid_thw", args[1] if len(args) > 1 else None)

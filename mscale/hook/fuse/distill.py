@@ -14,7 +14,7 @@ collapses the images onto one target, benchmarks/fuse_real_models.py); it needs 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch import nn
@@ -90,11 +90,19 @@ class Captured:
 
     input_ids: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
-    outputs: dict[str, Any] = field(default_factory=dict)  # mpu_id -> output
-    calls: list[tuple[str, Any]] = field(default_factory=list)  # (mpu_id, output) of this forward, in order
-    text_inputs: tuple[Any, ...] = ()
+    outputs: dict[str, object] = field(default_factory=dict)  # mpu_id -> output
+    calls: list[tuple[str, object]] = field(default_factory=list)  # (mpu_id, output) of this forward, in order
+    text_inputs: tuple[object, ...] = ()
     text_kwargs: dict[str, object] = field(default_factory=dict)  # the text MPU's keyword inputs
-    hidden: Any = None  # the text MPU's final hidden states, where it has an LM head (its input)
+    hidden: object = None  # the text MPU's final hidden states, where it has an LM head (its input)
+
+
+class Projection(TypedDict):
+    """A term's projection as a snapshot holds it (`Term.state`)."""
+
+    in_features: int
+    weights: dict[str, torch.Tensor]  # its state dict, detached copies
+    optimizer: dict[str, object]  # its optimizer's state dict
 
 
 class Term:
@@ -115,7 +123,7 @@ class Term:
         self.cross = bool(getattr(cfg, "is_encoder_decoder", False))
         self.projection: nn.Linear | None = None
         self._opt: torch.optim.Optimizer | None = None
-        self._initial: dict[str, Any] | None = None  # the projection's state as made
+        self._initial: Projection | None = None  # the projection's state as made
         self.lr = optimizer_lr
 
     @property
@@ -160,7 +168,7 @@ class Term:
         logits = F.normalize(s.float(), dim=-1) @ F.normalize(t.float(), dim=-1).T / TEMPERATURE
         return F.cross_entropy(logits, torch.arange(s.shape[0], device=logits.device)), ""
 
-    def _carried(self, cap: Captured) -> Any:
+    def _carried(self, cap: Captured) -> object:
         """The carrier's output for the failing MPU: a projector shared by several towers
         (Video-LLaVA's images and videos) runs once for each, so its call after the failing
         MPU's last one (the last of a re-run's); None when the failing MPU did not run."""
@@ -179,7 +187,7 @@ class Term:
             at += 1
         return cap.calls[at][1]
 
-    def _student(self, cap: Captured, out: Any) -> torch.Tensor | None:
+    def _student(self, cap: Captured, out: object) -> torch.Tensor | None:
         """The carrier's output as the text model reads it: the tensor the text MPU takes as
         `encoder_hidden_states` (BLIP), an encoder-decoder's `last_hidden_state`, else `pooler_output` first."""
         read = cap.text_kwargs.get("encoder_hidden_states")
@@ -258,7 +266,7 @@ class Term:
             self._initial = self.state()
         return self.projection(student.to(self.projection.weight.dtype))
 
-    def state(self) -> dict[str, Any] | None:
+    def state(self) -> Projection | None:
         """The projection made here and its optimizer's state (None when there is none): what
         a snapshot holds of this term."""
         if self.projection is None or self._opt is None:
@@ -269,7 +277,7 @@ class Term:
             "optimizer": self._opt.state_dict(),
         }
 
-    def restore(self, state: dict[str, Any] | None) -> None:
+    def restore(self, state: Projection | None) -> None:
         """Back to a snapshot's `state()`; None (the snapshot predates the projection): back to
         the projection as it was made, with a fresh optimizer."""
         state = state if state is not None else self._initial

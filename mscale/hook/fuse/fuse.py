@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, SupportsFloat, TypeVar
 
 import structlog
 
@@ -47,7 +47,7 @@ from mscale.healing.actions.base import ActionSpec
 from mscale.healing.engine import Condition, Decision, HealingEngine, HealingSnapshot, Target
 from mscale.healing.fsm import Level
 from mscale.healing.policy import Policy, Rule
-from mscale.healing.progress import Keeper
+from mscale.healing.progress import Keeper, ProgressBoundExceeded
 from mscale.healing.settings import HealingSection
 from mscale.healing.target import gpu_of
 from mscale.healing.words import Result, TargetKind
@@ -66,9 +66,10 @@ SOURCE = "fuse"
 _FAIL = (Reason.CHECKSUM_FAILURE, Reason.NONFINITE_OUTPUT)
 _OWN = (Reason.HEAL_ACTION, Reason.FUSE_STATE, Reason.CHECKSUM_L1_TRIGGER)  # the trigger: counted here
 MAX_RERUNS = 3  # forward re-runs of one MPU in one step (one per escalation)
+S = TypeVar("S")
 
 
-def _finite(v: Any) -> bool:
+def _finite(v: SupportsFloat) -> bool:
     try:
         return math.isfinite(float(v))
     except (TypeError, ValueError):
@@ -116,7 +117,7 @@ class FusePlugin:
         self.books: HealingSnapshot | None = None  # the engine's latest published books (the exporter reads them)
         self.seq = 0  # steps run (unlike the training step, it never goes back on a rollback)
         # each action's per-job state, in registry order
-        self.states: dict[str, Any] = {e.name: e.state(self) for e in executors.executors() if e.state is not None}
+        self.states: dict[str, object] = {e.name: e.state(self) for e in executors.executors() if e.state is not None}
         self.placement: dict[str, Placement] = {}
         self.pending_rerun: set[str] = set()
         self.failed_step: set[str] = set()
@@ -130,9 +131,14 @@ class FusePlugin:
 
     # --- what the actions use ------------------------------------------------------------
 
-    def dispatch(self, hook: str, *args: object) -> list[Any]:
+    def dispatch(self, hook: str, *args: object) -> list[object]:
         """Call `hook(self, *args)` on every action state that has it (registry order); their results."""
         return [getattr(st, hook)(self, *args) for st in self.states.values() if hasattr(st, hook)]
+
+    def state_of(self, kind: type[S]) -> S | None:
+        """The action state of type `kind` (mscale.hook.fuse.actions: `Rollbacks`, `Degraded`...),
+        None when no action keeps one."""
+        return next((st for st in self.states.values() if isinstance(st, kind)), None)
 
     def record(self, d: Decision, result: str, *, detail: str = "") -> None:
         """Book the outcome of `d` in the engine (an event, the counters, the MPU's state)."""
@@ -174,7 +180,7 @@ class FusePlugin:
         log.info("step_kept", step=g.current_step, dropped=sorted(failed), why=why)
 
     @property
-    def stopping(self) -> Any:
+    def stopping(self) -> ProgressBoundExceeded | None:
         """The mscale.ProgressBoundExceeded the guard raises (None: training goes on)."""
         return self.progress.stopping
 
@@ -251,7 +257,7 @@ class FusePlugin:
             return
         self._decide(Condition.of(f, step=self.guard.current_step, occurrence=self.seq))
 
-    def on_mpu_output(self, mpu: Mpu, inputs: ModelInputs, output: Any) -> Any:
+    def on_mpu_output(self, mpu: Mpu, inputs: ModelInputs, output: object) -> object:
         if self._rerunning is not None:
             return None
         self.dispatch("mpu_output", mpu, output)

@@ -21,33 +21,46 @@ module, the guard's among them, see its inputs and outputs as the model does.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar, cast
 
 import torch
 from torch import nn
 
 _ADAPTER = "_mscale_boundary"  # the module attribute holding its adapter
 
+T = TypeVar("T")
 
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+# a module's own forward, as `wrap_forward` hands it on: called with the arguments it is given
+Inner = Callable[..., object]
+# `forward(inner, args, kwargs)`: what `wrap_forward` routes a module's calls through
+Forward = Callable[[Inner, tuple[object, ...], dict[str, object]], object]
+
+
+def map_tensors(obj: T, fn: Callable[[torch.Tensor], torch.Tensor]) -> T:
     """Apply `fn` to every tensor in nested tuples, lists and dicts (a plain dict is copied,
-    a dict subclass such as transformers' ModelOutput is changed in place to keep its type)."""
+    a dict subclass such as transformers' ModelOutput is changed in place to keep its type).
+    The result has the structure, so the type, of `obj`."""
+    return cast(T, _mapped(obj, fn))
+
+
+def _mapped(obj: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> object:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if type(obj) is dict:
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
+        return {k: _mapped(v, fn) for k, v in obj.items()}
     if isinstance(obj, dict):
         for k in list(obj):
-            obj[k] = map_tensors(obj[k], fn)
+            obj[k] = _mapped(obj[k], fn)
         return obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(map_tensors(v, fn) for v in obj))
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple: built from its fields
+        make: Callable[..., object] = type(obj)
+        return make(*(_mapped(v, fn) for v in obj))
     if isinstance(obj, (tuple, list)):
-        return type(obj)(map_tensors(v, fn) for v in obj)
+        return type(obj)(_mapped(v, fn) for v in obj)
     return obj
 
 
-def tensors(obj: Any) -> list[torch.Tensor]:
+def tensors(obj: object) -> list[torch.Tensor]:
     """Every tensor in `obj`, in `map_tensors` order."""
     out: list[torch.Tensor] = []
 
@@ -103,14 +116,12 @@ def _follow(optimizer: torch.optim.Optimizer, before: list[nn.Parameter], after:
             optimizer.state[new[id(a)]] = optimizer.state.pop(a)
 
 
-def wrap_forward(
-    module: nn.Module, forward: Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
-) -> Callable[[], None]:
+def wrap_forward(module: nn.Module, forward: Forward) -> Callable[[], None]:
     """Route module(...) through `forward(inner, args, kwargs)`; returns the undo."""
     own = module.__dict__.get("forward")  # an earlier instance override, kept under ours
     inner = module.forward
 
-    def wrapped(*args: object, **kwargs: object) -> Any:
+    def wrapped(*args: object, **kwargs: object) -> object:
         return forward(inner, args, kwargs)
 
     module.forward = wrapped
@@ -134,7 +145,7 @@ class Boundary:
         self.calls = 0
         self._undo = wrap_forward(module, self._forward)
 
-    def _forward(self, inner: Callable[..., Any], args: tuple[object, ...], kwargs: dict[str, object]) -> Any:
+    def _forward(self, inner: Inner, args: tuple[object, ...], kwargs: dict[str, object]) -> object:
         self.calls += 1
         here = device_of(self.module)
         seen = [t.device for t in tensors((args, kwargs))]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -43,7 +43,7 @@ class AgentStandby:
         if link is not None:
             inner = link.on_command
 
-            def route(command: Wire) -> Any:
+            def route(command: Wire) -> object:
                 if command.get("type") != protocol.STANDBY:
                     return inner(command)
                 with self._cond:

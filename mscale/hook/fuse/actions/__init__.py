@@ -5,6 +5,8 @@ order (tests/test_healing_policy.py holds them to it)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from mscale.healing import actions as specs
 from mscale.hook.fuse.actions import (
     degrade,
@@ -20,7 +22,9 @@ from mscale.hook.fuse.actions import (
 )
 from mscale.hook.fuse.actions.base import ActionFailed, Executor, FuseContext
 
-_EXECUTORS: tuple[Executor, ...] = (
+# each action's executor checks against its own state type; the registry holds them all, so
+# the state type of one taken from it is any of theirs (the fuse passes each the state it built)
+_EXECUTORS: tuple[Executor[Any], ...] = (
     mark_suspect.EXECUTOR,
     swap.EXECUTOR,
     degrade.EXECUTOR,
@@ -33,16 +37,16 @@ _EXECUTORS: tuple[Executor, ...] = (
     quarantine.EXECUTOR,
 )
 
-REGISTRY: dict[str, Executor] = {e.name: e for e in _EXECUTORS}
+REGISTRY = {e.name: e for e in _EXECUTORS}
 
 
-def get(name: str) -> Executor:
+def get(name: str) -> Executor[Any]:
     if name not in REGISTRY:
         raise KeyError(f"unknown healing action {name!r} (known: {', '.join(specs.NAMES)})")
     return REGISTRY[name]
 
 
-def executors() -> list[Executor]:
+def executors() -> list[Executor[Any]]:
     """Every executor, in registry order."""
     return list(_EXECUTORS)
 

@@ -36,17 +36,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from mscale.healing.actions.base import ActionSpec
 from mscale.healing.engine import Decision, HealingEngine
 from mscale.healing.settings import HealingSection
 
 if TYPE_CHECKING:
+    from mscale.healing.progress import Keeper
     from mscale.hook.core.guard import Guard
     from mscale.hook.core.mpu import Mpu
     from mscale.hook.fuse.fuse import Placement
     from mscale.snapshot.engine import SnapshotEngine
+
+
+S = TypeVar("S")
 
 
 class ActionFailed(RuntimeError):
@@ -62,19 +66,21 @@ class FuseContext(Protocol):
     cfg: HealingSection
     engine: HealingEngine | None  # set when the plugin attaches
     snapshot_engine: SnapshotEngine | None
-    states: dict[str, Any]  # every action's per-job state, by action name
+    states: dict[str, object]  # every action's per-job state, by action name
     placement: dict[str, Placement]  # mpu_id -> its placement's failure count
     pending_rerun: set[str]  # MPUs whose forward is re-run on their new placement
     ask_standby: Callable[[Mpu, Iterable[int]], int | None] | None  # the agent's choice of standby
     seq: int  # steps run (never set back by a rollback)
-    progress: Any  # the forward-progress keeper (mscale.healing.progress.Keeper)
+    progress: Keeper  # the forward-progress keeper
     gpu_count: int | None
     l2_resolution: float
     l2_clip_factor: float
     l2_precision_fallback: bool
     clock: Callable[[], float]
 
-    def dispatch(self, hook: str, *args: object) -> list[Any]: ...
+    def dispatch(self, hook: str, *args: object) -> list[object]: ...
+
+    def state_of(self, kind: type[S]) -> S | None: ...  # the action state of that type
 
     def drop_step(self, why: str) -> None: ...
 
@@ -86,15 +92,19 @@ class FuseContext(Protocol):
 
 
 @dataclass(frozen=True)
-class Executor:
+class Executor(Generic[S]):
+    """One action's executor; `S` its per-job state (None for an action that keeps none), which
+    its functions all take: mypy checks they agree. The registry holds every action's, so the
+    fuse hands each the state it keeps under the action's name."""
+
     spec: ActionSpec
-    apply: Callable[[FuseContext, Any, Decision], str]
+    apply: Callable[[FuseContext, S, Decision], str]
     # the per-job state, built by the fuse plugin (see the module docstring)
-    state: Callable[[FuseContext], Any] | None = None
+    state: Callable[[FuseContext], S] | None = None
     # (detail text, extra labels) for the event of an applied result, from the action's state
-    event: Callable[[Any, Decision], tuple[str, Mapping[str, str]]] | None = None
+    event: Callable[[S, Decision], tuple[str, Mapping[str, str]]] | None = None
     # end what the action started (an end command from the agent): end(fuse, state, why)
-    end: Callable[[FuseContext, Any, str], None] | None = None
+    end: Callable[[FuseContext, S, str], None] | None = None
 
     @property
     def name(self) -> str:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -43,12 +43,13 @@ from mscale.healing import actions
 from mscale.healing.engine import Decision
 from mscale.healing.words import Result
 from mscale.hook.fuse.actions.base import Executor, FuseContext
-from mscale.hook.fuse.placement import device_of, map_tensors, place, tensors, wrap_forward
+from mscale.hook.fuse.placement import Inner, device_of, map_tensors, place, tensors, wrap_forward
 from mscale.snapshot.sharded import is_sharded
 
 if TYPE_CHECKING:
     from mscale.hook.core.guard import Guard
     from mscale.hook.core.mpu import Mpu
+    from mscale.hook.fuse.degrade import Reduction
 
 log = structlog.get_logger("mscale.fuse")
 
@@ -81,7 +82,7 @@ def bf16_fallback(module: nn.Module, dtype: torch.dtype | None = None) -> Fallba
     default = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
     kind = device_of(module).type  # cuda's autocast for a sharded MPU kept there
 
-    def forward(inner: Callable[..., Any], args: tuple[object, ...], kwargs: dict[str, object]) -> Any:
+    def forward(inner: Inner, args: tuple[object, ...], kwargs: dict[str, object]) -> object:
         back = next((t.dtype for t in tensors((args, kwargs)) if t.is_floating_point()), default)
         with torch.autocast(kind, dtype=dtype):
             out = inner(*args, **kwargs)
@@ -106,7 +107,7 @@ class Degraded:
         self.resolution: float = fuse.l2_resolution
         self.clip_factor: float = fuse.l2_clip_factor
         self.precision: bool = fuse.l2_precision_fallback
-        self.mpus: dict[str, tuple[Any, Fallback | None]] = {}  # mpu_id -> (Reduction or None, fallback)
+        self.mpus: dict[str, tuple[Reduction | None, Fallback | None]] = {}  # mpu_id -> (reduction, fallback)
         self.why_none: dict[str, str] = {}  # mpu_id -> why no reduction applies
         self.pinned: set[str] = set()  # sharded MPUs on a GPU: no CPU fallback
         self.failed: list[tuple[int, str, str]] = []  # (step, mpu_id, error) of reduced forwards that raised
@@ -144,7 +145,7 @@ class Degraded:
     def in_force(self, fuse: FuseContext, m: Mpu) -> bool:
         return m.mpu_id in self.mpus
 
-    def mpu_output(self, fuse: FuseContext, m: Mpu, output: Any) -> None:
+    def mpu_output(self, fuse: FuseContext, m: Mpu, output: object) -> None:
         """A reduced forward of `m` raised (its own forward ran instead): undo the reduction,
         book the failure, escalate to L3."""
         reduction = self.mpus.get(m.mpu_id, (None, None))[0]

@@ -20,9 +20,9 @@ in place, `task_loss` beside it. The step report carries both (`mscale_job_loss`
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import structlog
 from torch import nn
@@ -34,7 +34,11 @@ from mscale.hook.fuse.actions.base import ActionFailed, Executor, FuseContext
 from mscale.link import StepReport
 
 if TYPE_CHECKING:
+    import torch
+    from torch.utils.hooks import RemovableHandle
+
     from mscale.hook.core.mpu import Mpu
+    from mscale.hook.fuse.distill import Captured, Projection, Term
 
 log = structlog.get_logger("mscale.fuse")
 
@@ -47,11 +51,19 @@ class Distill:
     """L3 state of one MPU."""
 
     mpu_id: str
-    term: Any  # mscale.hook.fuse.distill.Term
+    term: Term
     weight: float | None = None  # None until the first L3 step calibrates it
     next_weight: float | None = None  # from this step's ratio, used at the next step
     share: float = 0.0  # the term's share of the total loss at the last step (measured)
     why_not: str = ""  # why the term could not be added at the last step ("" when it was)
+
+
+class Held(TypedDict):
+    """One MPU's L3 state as a snapshot holds it (`Distilling.state_dict`)."""
+
+    projection: Projection | None  # None: the term needs none
+    weight: float | None
+    next_weight: float | None
 
 
 class Distilling:
@@ -67,12 +79,13 @@ class Distilling:
         self.mpus: dict[str, Distill] = {}
         # (step, mpu_id, share of the total loss, weight, calibration step?)
         self.shares: list[tuple[int, str, float, float, bool]] = []
-        self._captured: Any = None
-        self._last: Any = None  # the previous complete step's capture (L3 entry checks the term on it)
-        self._handles: list[Any] = []
+        self._captured: Captured | None = None
+        self._last: Captured | None = None  # the previous complete step's capture (L3 entry checks the term on it)
+        self._handles: list[RemovableHandle] = []
         self._calibrating: set[str] = set()
         self._terms: list[float] = []  # this step's L3 term value per training forward (0: none added)
-        self._replaying: Any = lambda: False  # the guard's replay check is running (not the step's forward)
+        # the guard's replay check is running (not the step's forward)
+        self._replaying: Callable[[], bool] = lambda: False
         # MPUs L3 cannot be applied to, and why: said once each (`_say_unavailable`)
         self.unavailable: dict[str, str] = {}
         self._checked: set[str] = set()
@@ -139,7 +152,7 @@ class Distilling:
         # model's hidden states among them, stay alive one step longer for it)
         self._last = self._captured
 
-    def _say_unavailable(self, fuse: FuseContext, cap: Any) -> None:
+    def _say_unavailable(self, fuse: FuseContext, cap: Captured | None) -> None:
         """Say once per MPU that L3 cannot be applied to it, and why: at attach what the layout rules
         out, at the end of the first step it ran what its placement does (docs/healing.md)."""
         import torch
@@ -160,7 +173,7 @@ class Distilling:
                 why = term.why_not()
                 if not why and compiled:
                     why = "the model is compiled: the MPUs' outputs stay inside its graph, where the term cannot read them"
-                elif not why and ran:
+                elif not why and ran and cap is not None:
                     with torch.no_grad():
                         why = term.loss(cap)[1]
             finally:
@@ -174,14 +187,14 @@ class Distilling:
     def in_force(self, fuse: FuseContext, m: Mpu) -> bool:
         return m.mpu_id in self.mpus
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Held]:
         """What a snapshot holds: per MPU at L3, its projection (None when it needs none) and weights."""
         return {
             mpu_id: {"projection": d.term.state(), "weight": d.weight, "next_weight": d.next_weight}
             for mpu_id, d in self.mpus.items()
         }
 
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+    def load_state_dict(self, state: Mapping[str, Held] | None) -> None:
         """A rollback: each MPU still at L3 gets its projection and weights back as the snapshot
         held them; one the snapshot predates, its projection as made and a weight to calibrate
         again. MPUs the snapshot held that are no longer at L3 stay recovered (the fuse's levels
@@ -198,7 +211,7 @@ class Distilling:
             d.term.close()
         m.distill_share = 0.0
 
-    def mpu_output(self, fuse: FuseContext, mpu: Mpu, output: Any) -> None:
+    def mpu_output(self, fuse: FuseContext, mpu: Mpu, output: object) -> None:
         if self._captured is not None:
             self._captured.outputs[mpu.mpu_id] = output
             self._captured.calls.append((mpu.mpu_id, output))
@@ -227,7 +240,7 @@ class Distilling:
         if module.training and args and self._captured is not None and not compiling() and not self._replaying():
             self._captured.hidden = args[0]
 
-    def _model_output(self, module: nn.Module, args: tuple[object, ...], output: Any) -> Any:
+    def _model_output(self, module: nn.Module, args: tuple[object, ...], output: object) -> object:
         """Add the term to the loss the model returns (before backward sees it). A hook on the
         model itself, outside the guard's plugin calls: an error here would reach the training
         loop, so it is logged and the step goes on with the task loss alone."""
@@ -239,20 +252,19 @@ class Distilling:
                 d.why_not = f"{type(e).__name__}: {e}"
             return None
 
-    def _add_term(self, module: nn.Module, output: Any) -> Any:
+    def _add_term(self, module: nn.Module, output: object) -> object:
         import torch
 
         if not self.mpus or not module.training or self._captured is None:
             return None
-        is_map = isinstance(output, dict)
-        loss = output.get("loss") if is_map else getattr(output, "loss", None)
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             return None
         task = float(loss.detach())
         self._terms.append(0.0)
         lo, hi = self.band
         target = (lo + hi) / 2
-        terms: list[tuple[Distill, float, Any, float]] = []  # (state, weight, term, its value)
+        terms: list[tuple[Distill, float, torch.Tensor, float]] = []  # (state, weight, term, its value)
         for d in self.mpus.values():
             kl, d.why_not = d.term.loss(self._captured)
             if kl is None:
@@ -280,12 +292,16 @@ class Distilling:
         self._terms[-1] = extra
         for d, w, _, k in terms:
             d.share = w * k / (task + extra)
-        new_loss = loss + sum(w * kl for _, w, kl, _ in terms).to(loss.dtype)
-        if is_map:
+        total = terms[0][1] * terms[0][2]
+        for _, w, kl, _ in terms[1:]:
+            total = total + w * kl
+        new_loss = loss + total.to(loss.dtype)
+        if isinstance(output, dict):
             output["loss"] = new_loss  # in place: the output keeps its type
             output["task_loss"] = loss  # the task loss alone, beside the total (also the guard's `loss`)
-        else:
-            output.loss, output.task_loss = new_loss, loss
+        else:  # an output object with a `loss` attribute (read above): the same two, by name
+            setattr(output, "loss", new_loss)  # noqa: B010
+            setattr(output, "task_loss", loss)  # noqa: B010
         return output
 
 
@@ -299,11 +315,12 @@ def apply(fuse: FuseContext, state: Distilling, d: Decision) -> str:
         return Result.NOOP
     term = Term(fuse.guard.model, fuse.guard.mpus, m)
     why = term.why_not()
-    if not why and state._last is None:
+    last = state._last
+    if not why and last is None:
         why = "no complete step yet to build the term on"
-    if not why:  # the term, built on the last complete step: "applied" means it exists
+    if not why and last is not None:  # the term, built on the last complete step: "applied" means it exists
         with torch.no_grad():
-            _, why = term.loss(state._last)
+            _, why = term.loss(last)
     if why:
         term.close()
         raise ActionFailed(f"no distillation term for this model: {why}")

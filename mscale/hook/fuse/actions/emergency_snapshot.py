@@ -3,7 +3,8 @@ else can go wrong."""
 
 from __future__ import annotations
 
-from typing import Any
+from concurrent.futures import Future
+from pathlib import Path
 
 from mscale.healing import actions
 from mscale.healing.engine import Decision
@@ -17,7 +18,7 @@ class Emergencies:
 
     def __init__(self, fuse: FuseContext) -> None:
         self.done: set[str] = set()
-        self.writes: list[Any] = []
+        self.writes: list[Future[Path]] = []
 
 
 def apply(fuse: FuseContext, state: Emergencies, d: Decision) -> str:

@@ -30,7 +30,7 @@ passes: one pass over the weights and the state every `memory_every` steps.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from mscale.findings import Reason
 from mscale.healing import actions
@@ -40,16 +40,28 @@ from mscale.hook.fuse.actions.base import ActionFailed, Executor, FuseContext
 
 if TYPE_CHECKING:
     from mscale.findings import Finding
+    from mscale.hook.checks.weights import WeightWatch
     from mscale.hook.core.mpu import Mpu
+    from mscale.snapshot.memory import MemorySnapshot
+
+
+class Repair(TypedDict):
+    """What one repair did (a dict: the benchmarks read it as one)."""
+
+    step: int  # the step it ran in
+    snapshot: int  # the step of the snapshot the weights came from
+    in_place: bool  # restored in place (no step lost), else the job rolls back to `snapshot`
+    tensors: int  # tensors copied back
+    mpus: list[str]  # the MPUs whose weights were corrupted
 
 
 class Watch:
     """Per job: the fingerprint watch, what each repair did, and the event checks of this step."""
 
     def __init__(self, fuse: FuseContext) -> None:
-        self.watch: Any = None
-        self.repairs: list[dict[str, Any]] = []  # {"step", "snapshot", "in_place", "tensors", "mpus"} per repair
-        self.source: Any = None  # the snapshot an event check chose for the repair it reports
+        self.watch: WeightWatch | None = None
+        self.repairs: list[Repair] = []
+        self.source: MemorySnapshot | None = None  # the snapshot an event check chose for the repair it reports
         self.seen: dict[str, tuple[int, bool]] = {}  # mpu_id -> (fuse.seq checked at, repaired)
         self.intact: dict[
             str, tuple[int, int | None]
@@ -80,15 +92,15 @@ class Watch:
         from mscale.hook.checks.weights import charge
         from mscale.snapshot import trust
 
-        engine = fuse.snapshot_engine
+        engine, watch = fuse.snapshot_engine, self.watch
         newest = engine.latest() if engine is not None else None
-        if engine is None or newest is None or newest.step == self.verified or not newest.is_ready():
+        if watch is None or engine is None or newest is None or newest.step == self.verified or not newest.is_ready():
             return []
         t0 = time.perf_counter()
         self.verified = newest.step
         older = [s for s in engine.memory_steps if s < newest.step]
         before = engine.latest(max(older)) if older else None
-        names = list(self.watch.tensors)
+        names = list(watch.tensors)
         if before is not None and self.maxima[0] != before.step and before.is_ready():
             self.maxima = (before.step, trust.maxima(trust.host_copies(before, names)))
         was = self.maxima[1] if before is not None and self.maxima[0] == before.step else None
@@ -98,7 +110,7 @@ class Watch:
         self.verify_s, self.verifies = self.verify_s + time.perf_counter() - t0, self.verifies + 1
         found = [n for n in names if n in bad]
         if found:
-            self.watch.report(found, fuse.guard.current_step, why=f"the snapshot of step {newest.step} was verified")
+            watch.report(found, fuse.guard.current_step, why=f"the snapshot of step {newest.step} was verified")
         return found
 
     def weights_settled(self, fuse: FuseContext) -> None:
@@ -143,7 +155,7 @@ class Watch:
         return True
 
 
-def _restore(fuse: FuseContext, snap: Any, names: set[str], *, optimizer: bool) -> int:
+def _restore(fuse: FuseContext, snap: MemorySnapshot, names: set[str], *, optimizer: bool) -> int:
     """Copy the parameters `names` (and, with `optimizer`, their optimizer state) back from the
     in-memory snapshot `snap`; returns how many tensors were copied. Under FSDP2 into the
     engine's model, whose tensors are this rank's shards (mscale/snapshot/sharded.py)."""
@@ -160,10 +172,10 @@ def apply(fuse: FuseContext, state: Watch, d: Decision) -> str:
     from mscale.snapshot import trust
 
     watch = state.watch
-    bad = list(watch.corrupted) if watch is not None else []
-    if not bad:
+    if watch is None or not watch.corrupted:
         return Result.NOOP  # found and repaired already (another finding of the same step)
     engine = fuse.snapshot_engine
+    bad = list(watch.corrupted)
     mpus = {mpu_id for mpu_id, _ in bad if mpu_id}
     names = {name for mpu_id, name in bad if not mpu_id}
     names |= {name for name, m in watch.owner.items() if m is not None and m.mpu_id in mpus}
@@ -194,7 +206,9 @@ def apply(fuse: FuseContext, state: Watch, d: Decision) -> str:
     watch.corrupted = []
     if not in_place:
         why = f"weights of step {snap.step} restored for this step's forward; roll the job back to it"
-        rollbacks = fuse.states.get("rollback")
+        from mscale.hook.fuse.actions.rollback import Rollbacks
+
+        rollbacks = fuse.state_of(Rollbacks)
         if rollbacks is not None:
             rollbacks.to_step = snap.step
         result = fuse.run(replace(d, action="rollback", level=FuseLevel.NONE, why=why, time=fuse.clock()))

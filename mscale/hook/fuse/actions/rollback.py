@@ -14,7 +14,7 @@ losses were all finite and that did not ask (its batch was not at fault)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 import structlog
 
@@ -42,12 +42,22 @@ REWIND = ("gradient_corruption", COMMIT_FAILURE)
 WEIGHTS_BAD = ("weight_corruption",)
 
 
+class Rolled(TypedDict):
+    """What one rollback did (a dict: the demo, the tests and the benchmarks read it as one)."""
+
+    step: int  # the step whose update was dropped
+    to: int | None  # the step restored (None: none was)
+    error: NotRequired[str]  # why the restore failed
+    refused: NotRequired[int]  # the steps it would have cost past the progress bound (none was run)
+    rewind: NotRequired[bool]  # the step was run again from its start, not rolled back
+
+
 class Rollbacks:
     """Per job: the decision whose rollback runs after this step, and what each one did."""
 
     def __init__(self, fuse: FuseContext) -> None:
-        self.pending: Any = None  # the Decision, until the step ends
-        self.rollbacks: list[dict[str, Any]] = []  # {"step", "to" (restored step or None), ["error"]} per rollback
+        self.pending: Decision | None = None  # until the step ends
+        self.rollbacks: list[Rolled] = []
         self.skipped_steps: list[int] = []
         self.to_step: int | None = None  # the next rollback's target when an action chose one, else the newest
         self.handled_seq = -1  # the fuse's step run whose fault was handled already (its batch skipped)
@@ -64,7 +74,7 @@ class Rollbacks:
         if self.pending is None:
             return False
         d, self.pending = self.pending, None
-        if d.reason in REWIND and self.to_step is None and _rewind(fuse, d, step):
+        if d.reason in REWIND and self.to_step is None and _rewind(fuse, self, d, step):
             return True
         return self._rollback(fuse, d, step)  # True: the step's state was replaced (not snapshotted)
 
@@ -80,7 +90,7 @@ class Rollbacks:
         last = agreement.history[-1] if agreement is not None and agreement.history else None
         skip = True
         agreed = last is not None and last.step == step and not last.rollback
-        if d is not None and d.reason in REWIND and agreed and _rewind(fuse, d, step):
+        if d is not None and d.reason in REWIND and agreed and _rewind(fuse, self, d, step):
             # agreed (every rank re-runs the step alike, none had a rollback pending before it):
             # each rank rewinds its own step mark, no collective
             return True
@@ -166,7 +176,7 @@ class Rollbacks:
         return True
 
 
-def _rewind(fuse: FuseContext, d: Decision, step: int) -> bool:
+def _rewind(fuse: FuseContext, state: Rollbacks, d: Decision, step: int) -> bool:
     """The step run again from its start on its batch (see REWIND); False: no step mark of the
     step before (the caller rolls back instead). Its cost was charged when it was asked for."""
     engine = fuse.snapshot_engine
@@ -177,7 +187,6 @@ def _rewind(fuse: FuseContext, d: Decision, step: int) -> bool:
     except Exception as e:  # no mark (a step after a restore the engine did not see): roll back
         log.info("rewind_unavailable", step=step, error=str(e))
         return False
-    state = fuse.states[EXECUTOR.name]
     state.rollbacks.append({"step": step, "to": step - 1, "rewind": True})
     rewound = (
         "data position, RNG and scheduler"
@@ -203,7 +212,7 @@ def _bad(fuse: FuseContext) -> list[int]:
     return inputs.nonfinite_micro_batches() if inputs is not None else []
 
 
-def _mine(fuse: FuseContext, d: Decision, skip: bool = True) -> tuple[bool, list[int]]:
+def _mine(fuse: FuseContext, d: Decision | None, skip: bool = True) -> tuple[bool, list[int]]:
     """This rank's part of a rollback every rank makes (skip_batch, micro_batches): when the
     batch is stepped over (`skip`), the micro-batches whose loss was not finite here; none when
     every loss here was finite and another rank asked, or the agreed loss was not finite (then
@@ -239,7 +248,7 @@ def _to_newest_common(engine: SnapshotEngine, skip: bool = True, micro_batches: 
     return engine.rollback(target, skip_batch=skip, micro_batches=micro_batches)
 
 
-def sound_step(engine: Any) -> int | None:
+def sound_step(engine: SnapshotEngine) -> int | None:
     """None when the newest in-memory snapshot's optimizer state is sound (mscale.snapshot.trust:
     restoring it is the plain rollback), else the step of the newest trusted one (-1: none is,
     which no rollback finds: the step stays dropped, the progress bound counts it)."""

@@ -87,7 +87,7 @@ def standby_for(fuse: FuseContext, state: Swaps, m: Mpu) -> int | None:
         state.gpu_count = (
             torch.cuda.device_count() if torch.cuda.is_available() else max(8, 1 + max(o.gpu for o in fuse.guard.mpus))
         )
-    bad = set().union(*fuse.dispatch("avoid_gpus")) | {m.gpu}
+    bad = {m.gpu}.union(*(g for g in fuse.dispatch("avoid_gpus") if isinstance(g, set)))
     asked = fuse.ask_standby(m, bad) if fuse.ask_standby is not None else None  # the node's view
     if asked is not None:  # (mscale.hook.fuse.standby): a GPU, or -1 for none; None: no answer, choose here
         return asked if asked >= 0 else None
@@ -112,7 +112,9 @@ def move_mpu(guard: Guard, m: Mpu, gpu: int, *, shards: bool = False) -> None:
 def verify_weights(fuse: FuseContext, state: Swaps, m: Mpu) -> bool:
     """Check the MPU's weights against the newest trusted in-memory snapshot (restore_weights',
     once a step) and repair them when corrupted: only verified weights move. True when repaired."""
-    weights = fuse.states.get("restore_weights")
+    from mscale.hook.fuse.actions.restore_weights import Watch
+
+    weights = fuse.state_of(Watch)
     return weights is not None and bool(weights.check(fuse, m))  # it logs its finding
 
 
