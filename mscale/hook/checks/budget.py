@@ -75,14 +75,11 @@ class StepTimes:
             setattr(self, k, 0.0)
 
 
-@dataclass(slots=True)
-class Mark:
-    """An entry point open now (`Budget.enter`): whose time it is, when it started and what
-    had been charged by then (restarted at a step end inside it: `_flush_open`)."""
-
-    who: str
-    start: float
-    charged: float
+# An entry point open now (`Budget.enter`): whose time it is, and [when it started, what had been
+# charged by then], restarted in place at a step end inside it (`_flush_open`). A tuple and a
+# list, not a dataclass: entries run in every hook torch calls, and a slotted dataclass made
+# enter + leave about 0.4 us (15%) dearer on this CPU, this form 0.05 us against a bare list.
+Mark = tuple[str, list[float]]
 
 
 class Budget:
@@ -121,7 +118,7 @@ class Budget:
 
     def enter(self, who: str = "guard") -> Mark:
         """A mark at an entry point's start, for `leave`: the entry's time goes to `who`."""
-        mark = Mark(who, time.perf_counter(), self._charged)
+        mark = (who, [time.perf_counter(), self._charged])
         if len(self._open) < MAX_OPEN:
             self._open.append(mark)
         return mark
@@ -146,22 +143,23 @@ class Budget:
         """Charge the mark's `who` the host time since `enter` (or since the last step end, for
         an entry open across it), less what was charged since (nested entries and detectors'
         own charges are not counted twice)."""
+        who, (t0, c0) = mark
         if self._open and self._open[-1] is mark:
             self._open.pop()
         else:  # (left out of order)
             self._open = [m for m in self._open if m is not mark]
-        self.charge(mark.who, time.perf_counter() - mark.start - (self._charged - mark.charged))
+        self.charge(who, time.perf_counter() - t0 - (self._charged - c0))
 
     def _flush_open(self) -> None:
         """At a step end inside entries (the optimizer hook that ends the step): their time so
         far belongs to this step; the outermost is charged and every open mark restarts now."""
         if not self._open:
             return
-        first = self._open[0]
-        self.charge(first.who, time.perf_counter() - first.start - (self._charged - first.charged))
+        who, (t0, c0) = self._open[0]
+        self.charge(who, time.perf_counter() - t0 - (self._charged - c0))
         now = time.perf_counter()
-        for mark in self._open:
-            mark.start, mark.charged = now, self._charged
+        for _, times in self._open:
+            times[0], times[1] = now, self._charged
 
     @contextlib.contextmanager
     def timer(self, who: str, device: torch.device | str | None = None) -> Iterator[None]:
