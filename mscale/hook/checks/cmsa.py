@@ -477,7 +477,7 @@ class CmsaState:
 def _pearson(pairs: list[tuple[float, float]]) -> float | None:
     if len(pairs) < 3:
         return None
-    xs, ys = zip(*pairs, strict=True)
+    xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     sxy = sum((x - mx) * (y - my) for x, y in pairs)
     sxx = sum((x - mx) ** 2 for x in xs)
