@@ -10,7 +10,8 @@ its residual is not finite or exceeds its tolerance.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import TypedDict
 
 import torch
 from torch import nn
@@ -20,7 +21,16 @@ from mscale.hook.checks import rounding
 from mscale.hook.checks.linears import LinearKind
 from mscale.hook.checks.weight_sums import WeightSums
 
-Row = tuple[str, str, torch.dtype, Any]
+# a check's (residual, tolerance): floats decided on the host, or a tensor of the two on the device
+RowValue = torch.Tensor | tuple[float, float]
+Row = tuple[str, str, torch.dtype, RowValue]
+
+
+class RoundingSettings(TypedDict):
+    """The bf16 check's settings (mscale.hook.checks.rounding.residual_and_tolerance's keywords)."""
+
+    sigmas: float
+    rtol32: float
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -36,12 +46,18 @@ class LayerCheck:
     """The settings a layer's check needs from its detector: the weight sums' cache, the bf16
     check's signs and settings, the tolerance by dtype and device (ChecksumConfig.tolerance)."""
 
-    def __init__(self, wsums: WeightSums, signs: rounding.Signs, rounding_cfg: dict[str, Any], tolerance: Any) -> None:
+    def __init__(
+        self,
+        wsums: WeightSums,
+        signs: rounding.Signs,
+        rounding_cfg: RoundingSettings,
+        tolerance: Callable[[torch.dtype, torch.device], float],
+    ) -> None:
         self.wsums, self.signs, self.rounding, self.tolerance = wsums, signs, rounding_cfg, tolerance
 
     def row(
         self, module: nn.Module, kind: LinearKind, x: torch.Tensor, out: torch.Tensor, *, step: int, on_device: bool
-    ) -> Any:
+    ) -> RowValue:
         """The (residual, tolerance) of y = x W^T + b for this forward: floats when `on_device`
         is False (a CPU decides at once), else a tensor of two left on the device."""
         acc = acc_dtype(out.dtype)

@@ -44,7 +44,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -75,6 +75,13 @@ class StepTimes:
             setattr(self, k, 0.0)
 
 
+# An entry point open now (`Budget.enter`): whose time it is, and [when it started, what had been
+# charged by then], restarted in place at a step end inside it (`_flush_open`). A tuple and a
+# list, not a dataclass: entries run in every hook torch calls, and a slotted dataclass made
+# enter + leave about 0.4 us (15%) dearer on this CPU, this form 0.05 us against a bare list.
+Mark = tuple[str, list[float]]
+
+
 class Budget:
     """The share of step time the guard's detectors may take (see the module docstring)."""
 
@@ -99,7 +106,7 @@ class Budget:
         self._ended_at: float | None = None  # host time of the last step end (step_ended)
         self._began_at: float | None = None  # host time of this step's begin (step_began)
         self._charged = 0.0  # every host charge so far (monotonic): enter/leave subtract it
-        self._open: list[list[Any]] = []  # the entries open now ([who, start, charged at start]), outermost first
+        self._open: list[Mark] = []  # the entries open now, outermost first
 
     # --- what detectors call -----------------------------------------------------------
 
@@ -109,9 +116,9 @@ class Budget:
         self.spent_s[who] = self.spent_s.get(who, 0.0) + seconds
         self._charged += seconds
 
-    def enter(self, who: str = "guard") -> list[Any]:
+    def enter(self, who: str = "guard") -> Mark:
         """A mark at an entry point's start, for `leave`: the entry's time goes to `who`."""
-        mark = [who, time.perf_counter(), self._charged]
+        mark = (who, [time.perf_counter(), self._charged])
         if len(self._open) < MAX_OPEN:
             self._open.append(mark)
         return mark
@@ -132,11 +139,11 @@ class Budget:
 
         return entry
 
-    def leave(self, mark: list[Any]) -> None:
+    def leave(self, mark: Mark) -> None:
         """Charge the mark's `who` the host time since `enter` (or since the last step end, for
         an entry open across it), less what was charged since (nested entries and detectors'
         own charges are not counted twice)."""
-        who, t0, c0 = mark
+        who, (t0, c0) = mark
         if self._open and self._open[-1] is mark:
             self._open.pop()
         else:  # (left out of order)
@@ -148,11 +155,11 @@ class Budget:
         far belongs to this step; the outermost is charged and every open mark restarts now."""
         if not self._open:
             return
-        who, t0, c0 = self._open[0]
+        who, (t0, c0) = self._open[0]
         self.charge(who, time.perf_counter() - t0 - (self._charged - c0))
         now = time.perf_counter()
-        for mark in self._open:
-            mark[1], mark[2] = now, self._charged
+        for _, times in self._open:
+            times[0], times[1] = now, self._charged
 
     @contextlib.contextmanager
     def timer(self, who: str, device: torch.device | str | None = None) -> Iterator[None]:

@@ -48,7 +48,6 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from typing import Any
 
 import structlog
 import torch
@@ -66,11 +65,11 @@ from mscale.hook.checks.checksum_config import (  # noqa: F401  (re-exported: th
 )
 from mscale.hook.checks.coverage import Schedule
 from mscale.hook.checks.linears import LinearKind, kind_of
-from mscale.hook.checks.replay import Copies, Rng, compare, fresh_copies, rng_get, run_again, runs_collectives
+from mscale.hook.checks.replay import Saved, compare, fresh_copies, rng_get, run_again, runs_collectives
 from mscale.hook.checks.weight_sums import WeightSums
 from mscale.hook.core.commit import CommitPoint, on
 from mscale.hook.core.mpu import Mpu
-from mscale.hook.core.outputs import output_tensors
+from mscale.hook.core.outputs import ModelInputs, output_tensors
 from mscale.hook.integrations.compiled import GraphChecks, compiling
 
 SOURCE = "checksum"
@@ -102,7 +101,7 @@ class _MpuChecks:
         self.failures: list[abft.Failure] = []  # (reason, method, detail, layer) this step
         self.ran: set[str] = set()  # the methods run this step
         self.unresolved = False  # a forward failed and was not re-run clean since
-        self.replay: tuple[Rng, Copies] | None = None  # (rng state, fresh cache copies) for this step's replay
+        self.replay: Saved | None = None  # (rng state, fresh cache copies) for this step's replay
 
     def reset(self) -> None:
         self.forwards, self.pending, self.rows, self.failures = 0, [], [], []
@@ -143,7 +142,7 @@ class ChecksumDetector:
         self._handles: list[RemovableHandle] = []
         self.wsums = WeightSums()
         # the bf16 check's signs; float32's rtol for its float32 arithmetic (no TF32 in a bf16 GEMM)
-        rounding_cfg = {"sigmas": config.rounding_sigmas, "rtol32": config.tolerance(torch.float32)}
+        rounding_cfg = abft.RoundingSettings(sigmas=config.rounding_sigmas, rtol32=config.tolerance(torch.float32))
         self._check = abft.LayerCheck(self.wsums, rounding.Signs(), rounding_cfg, config.tolerance)
         self._planned = -1  # the step planned last
         self._committed = -1  # the step packed last for the commit point
@@ -233,7 +232,7 @@ class ChecksumDetector:
         if st.forwards == 1 and mpu.mpu_id in self.schedule.replays:
             st.replay = (rng_get(mpu.device), fresh_copies(args, kwargs))
 
-    def _linear(self, mpu: Mpu, kind: LinearKind, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+    def _linear(self, mpu: Mpu, kind: LinearKind, module: nn.Module, args: tuple[object, ...], out: object) -> None:
         if compiling():  # a compiled forward: the in-graph check (mscale.hook.integrations.compiled)
             self.graph.linear(mpu.mpu_id, kind, module, args, out)
             return
@@ -244,13 +243,14 @@ class ChecksumDetector:
             # checks' (charged at the step's end: a charge per call would cost more than it)
             self._idle_s += time.perf_counter() - t0
             return
-        out = kind.output_of(out)
-        on_cpu = out is None or out.device.type == "cpu"
+        y = kind.output_of(out)
+        on_cpu = y is None or y.device.type == "cpu"
         # the whole hook is the check's cost (host); on a device its kernels are timed by CUDA
         # events and the host's launches go to "guard"
         mark = self.budget.enter(SOURCE if on_cpu else "guard")
         try:
-            if self.replaying or not args or out is None:
+            x = args[0] if args else None
+            if self.replaying or not isinstance(x, torch.Tensor) or y is None:
                 return
             if torch._C._current_graph_task_id() != -1:
                 return  # the recomputation of a checkpointed forward, inside backward: checked once already
@@ -261,11 +261,11 @@ class ChecksumDetector:
             if st is None:
                 return
             if on_cpu:
-                with rounding.no_autocast(out.device):
-                    self._abft_sums(mpu, st, module, kind, args[0], out)
+                with rounding.no_autocast(y.device):
+                    self._abft_sums(mpu, st, module, kind, x, y)
             else:
-                with self.budget.timer(SOURCE, out.device), rounding.no_autocast(out.device):
-                    self._abft_sums(mpu, st, module, kind, args[0], out)
+                with self.budget.timer(SOURCE, y.device), rounding.no_autocast(y.device):
+                    self._abft_sums(mpu, st, module, kind, x, y)
         finally:
             self.budget.leave(mark)
             self.abft_s += time.perf_counter() - t0
@@ -281,7 +281,7 @@ class ChecksumDetector:
         value = self._check.row(module, kind, x, out, step=self._step(), on_device=on_device)
         (st.rows if commit else st.pending).append(("abft", st.layer_names.get(id(module), "?"), out.dtype, value))
 
-    def after_forward(self, mpu: Mpu, inputs: Any, output: Any, *, rerun: bool = False) -> bool:
+    def after_forward(self, mpu: Mpu, inputs: ModelInputs, output: object, *, rerun: bool = False) -> bool:
         """This forward's checks: read and judged now (in_step verdicts, findings emitted) or
         kept for the commit point. `rerun`: the forward re-ran a failed one (the fuse's).
         Returns whether the checks read so far passed."""
@@ -305,11 +305,10 @@ class ChecksumDetector:
         t1 = time.perf_counter()
         self.abft_s += t1 - t0
         if st.replay is not None:
-            rng, copies = st.replay
-            st.replay = None
+            saved, st.replay = st.replay, None
             st.ran.add("replay")
             with self.budget.timer("replay", mpu.device):
-                self._replay(mpu, st, rng, copies, inputs, outs, commit)
+                self._replay(mpu, st, saved, inputs, outs, commit)
             seconds = time.perf_counter() - t1
             self.replay_s += seconds
             self.schedule.replayed(mpu.mpu_id, seconds)
@@ -329,8 +328,9 @@ class ChecksumDetector:
         return not failures
 
     def _replay(
-        self, mpu: Mpu, st: _MpuChecks, rng: Rng, copies: Copies, inputs: Any, outs: list[Any], commit: bool
+        self, mpu: Mpu, st: _MpuChecks, saved: Saved, inputs: ModelInputs, outs: list[torch.Tensor], commit: bool
     ) -> None:
+        rng, copies = saved
         self.replaying = True
         try:
             again = output_tensors(run_again(mpu.module, mpu.device, rng, inputs, copies))
@@ -373,7 +373,7 @@ class ChecksumDetector:
         try:
             with self.budget.timer(SOURCE):
                 tensors: list[torch.Tensor] = []
-                flags: list[Any] = []
+                flags: list[bool | torch.Tensor] = []  # per MPU: a kept host row failed, then | its tensors'
                 for mpu in self._by_id.values():
                     st = self._mpus[id(mpu)]
                     mine = [r[3] for r in st.rows if isinstance(r[3], torch.Tensor)]

@@ -23,11 +23,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
 from mscale.hook.core.mpu import Mpu, by_key
+from mscale.snapshot.values import StateDict
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,10 @@ GVC_EVERY = 8
 ROW = 5
 SHARDED, PLAIN = 0, 1
 
+# one MPU's sample buffer, kept while its gradients' shapes hold: (the sampled shapes, the
+# float32 buffer, a view of it per sampled gradient)
+_Buffer = tuple[tuple[torch.Size, ...], torch.Tensor, list[torch.Tensor]]
+
 
 def _sample(g: torch.Tensor) -> torch.Tensor:
     return g[::GVC_ROWS] if g.dim() >= 2 and g.shape[0] >= 8 * GVC_ROWS else g
@@ -81,13 +90,13 @@ def _local(g: torch.Tensor) -> torch.Tensor:
     return g.to_local() if hasattr(g, "to_local") else g
 
 
-def _shard_group(mesh: Any) -> Any:
+def _shard_group(mesh: DeviceMesh) -> ProcessGroup:
     """The process group a sharded parameter's shards are spread over: the mesh's last dimension
     (FSDP2's 1-D mesh, or the shard dimension of HSDP's (replicate, shard) mesh)."""
     return mesh.get_group(mesh.ndim - 1)
 
 
-def _over_shards(values: torch.Tensor, counts: list[int], mesh: Any) -> torch.Tensor:
+def _over_shards(values: torch.Tensor, counts: list[int], mesh: DeviceMesh | None) -> torch.Tensor:
     """Sums the per-shard sums (norms squared, GVC sums, sample counts appended) over the shard
     group when the MPUs' parameters are sharded (FSDP2: `mesh`, their device mesh), so that the
     norms and GVC are the whole gradient's on every rank; `values` unchanged otherwise (mesh
@@ -106,7 +115,7 @@ def _over_shards(values: torch.Tensor, counts: list[int], mesh: Any) -> torch.Te
 
 
 def _gvc_row(
-    mpu_id: str, grads: list[torch.Tensor], l2sq: torch.Tensor, buffers: dict[str, Any] | None
+    mpu_id: str, grads: list[torch.Tensor], l2sq: torch.Tensor, buffers: dict[str, _Buffer] | None
 ) -> tuple[torch.Tensor, int]:
     """One MPU's row for grad_stats' one read, on the device: (its norms squared, sharded and
     not: `l2sq`, sum |g|, sum g^2, sum g) over every GVC_ROWS-th row of each gradient matrix (vectors whole), gathered in one
@@ -163,23 +172,21 @@ def _norms(
     object, same version) and of the dtype this pass would give."""
     if not known:
         return list(torch._foreach_norm(grads, 2))
-    out: list[Any] = [
+    out: list[torch.Tensor | None] = [
         k[2]
         if (k := known.get(id(p))) and k[0] is p.grad and k[1] == p.grad._version and k[2].dtype == g.dtype
         else None
         for p, g in zip(with_grad, grads, strict=True)
     ]
     missing = [i for i, n in enumerate(out) if n is None]
-    if missing:
-        for i, n in zip(missing, torch._foreach_norm([grads[i] for i in missing], 2), strict=True):
-            out[i] = n
-    return out
+    taken = iter(torch._foreach_norm([grads[i] for i in missing], 2) if missing else ())
+    return [n if n is not None else next(taken) for n in out]  # the missing ones in their order
 
 
 def grad_stats(
     mpus: Sequence[Mpu],
     params: Iterable[torch.nn.Parameter],
-    buffers: dict[str, Any] | None = None,
+    buffers: dict[str, _Buffer] | None = None,
     *,
     gvc: bool = True,
     known: dict[int, tuple[torch.Tensor, int, torch.Tensor]] | None = None,
@@ -197,7 +204,7 @@ def grad_stats(
     rows: list[torch.Tensor] = []
     counts: list[int] = []
     in_mpus: set[int] = set()
-    mesh = None  # the parameters' device mesh when sharded (FSDP2)
+    mesh: DeviceMesh | None = None  # the parameters' device mesh when sharded (FSDP2)
     for m in mpus:
         ps = m.parameters()  # (its module tree walked once, the parameters read live: Mpu._tree)
         in_mpus.update(id(p) for p in ps)
@@ -256,6 +263,12 @@ def _split(with_grad: Sequence[torch.nn.Parameter], norms: list[torch.Tensor]) -
         return torch.stack((sq[mask].sum(), sq[~mask].sum()))
 
 
+class GvcState(TypedDict):
+    """What GradStatistics' state_dict holds: the kept GVC estimates, step -> {mpu_id: GVC}."""
+
+    estimates: dict[int, dict[str, float]]
+
+
 class GradStatistics:
     """The guard's gradient statistics of each step: exact norms every step, GVC when CMSA's
     schedule asks (`Cmsa.wants_gvc`), and otherwise the GVC in force, the latest estimate at or
@@ -266,7 +279,7 @@ class GradStatistics:
     KEPT_ESTIMATES = 64
 
     def __init__(self) -> None:
-        self._buffers: dict[str, tuple[Any, ...]] = {}  # grad_stats' sample buffers, reused
+        self._buffers: dict[str, _Buffer] = {}  # grad_stats' sample buffers, reused
         self._estimates: dict[int, dict[str, float]] = {}  # step -> {mpu_id: GVC}
         # norms another detector took this step (the gradient check at the commit point, one
         # rank), reused by the next `measure` and cleared by it: a pass over those gradients saved
@@ -300,11 +313,23 @@ class GradStatistics:
                 del self._estimates[min(self._estimates)]
         return total
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> GvcState:
         return {"estimates": {s: dict(e) for s, e in self._estimates.items()}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: GvcState) -> None:
         self._estimates = {int(s): dict(e) for s, e in state["estimates"].items()}
+
+
+class CmsaFit(TypedDict):
+    """What Cmsa's state_dict holds: the fit and its progress (see Cmsa.state_dict)."""
+
+    alpha: float | None
+    rho: float | None
+    steps: int
+    clipped: dict[str, int]
+    clip: dict[str, float]
+    first: int | None
+    warm: dict[int, tuple[float, float]]
 
 
 class Cmsa:
@@ -388,7 +413,7 @@ class Cmsa:
 
     # --- snapshotted (CmsaState): the fit and its progress, not the fuse's multipliers -----
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> CmsaFit:
         return {
             "alpha": self.alpha,
             "rho": self.rho,
@@ -396,10 +421,10 @@ class Cmsa:
             "clipped": dict(self.clipped),
             "clip": dict(self.clip),
             "first": self._first,
-            "warm": {s: tuple(v) for s, v in self._warm.items()},
+            "warm": dict(self._warm),  # (mean GVC, loss) tuples: immutable, shared
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: CmsaFit) -> None:
         unknown = set(state["clipped"]) - set(self.clipped)
         if unknown:
             raise ValueError(f"CMSA state: MPUs {sorted(unknown)} are not this guard's {sorted(self.clipped)}")
@@ -435,13 +460,13 @@ class CmsaState:
     def __init__(self, cmsa: Cmsa | None, grad_stats: GradStatistics) -> None:
         self.cmsa, self.grad_stats = cmsa, grad_stats
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return {
             "cmsa": self.cmsa.state_dict() if self.cmsa is not None else None,
             "gvc": self.grad_stats.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+    def load_state_dict(self, state: StateDict | None) -> None:
         if state is None:  # an older snapshot: nothing of CMSA in it
             return
         if self.cmsa is not None and state["cmsa"] is not None:
@@ -452,7 +477,7 @@ class CmsaState:
 def _pearson(pairs: list[tuple[float, float]]) -> float | None:
     if len(pairs) < 3:
         return None
-    xs, ys = zip(*pairs, strict=True)
+    xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     sxy = sum((x - mx) * (y - my) for x, y in pairs)
     sxx = sum((x - mx) ** 2 for x in xs)

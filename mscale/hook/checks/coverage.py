@@ -27,8 +27,13 @@ Incident mode (`suspect`): every layer checked and the forward replayed, every s
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mscale.findings import Finding
+    from mscale.hook.core.mpu import Mpu
 
 SMOOTHING = 0.2
 
@@ -271,7 +276,7 @@ _ANOMALIES = frozenset(
 )
 
 
-def suspicions(event: Any, mpus: list[Any]) -> list[tuple[str, str]]:
+def suspicions(event: Finding | dict[str, object], mpus: Sequence[Mpu]) -> list[tuple[str, str]]:
     """The (mpu_id, why) an event puts under suspicion. `event`: a Finding (a loss or gradient
     anomaly: its MPU, or every MPU when it names none; a replica mismatch: its MPU; a GPU
     finding: the MPUs on that GPU) or an agent's heal command carrying a GPU reason (Xid, ECC,

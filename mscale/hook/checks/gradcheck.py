@@ -37,16 +37,18 @@ import collections
 import math
 import statistics
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from mscale.findings import Finding, Reason, Severity
 from mscale.hook.checks.weights import charge, split_by_bytes
-from mscale.hook.core.commit import on
+from mscale.hook.core.commit import CommitPoint, on
 
 if TYPE_CHECKING:
     from mscale.hook.core.guard import Guard
+    from mscale.hook.core.mpu import Mpu
 
 SOURCE = "gradients"
 
@@ -55,6 +57,17 @@ def _local(g: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a sharded gradient (an FSDP2 DTensor, reduce-scattered by the time
     its hook runs: the norm is of this rank's shard of the reduced gradient); a plain one as is."""
     return g.to_local() if hasattr(g, "to_local") else g
+
+
+class Corruption(TypedDict):
+    """One corrupted gradient found (GradCheck.found)."""
+
+    step: int
+    rank: int
+    mpu_id: str
+    tensor: str
+    norm: float
+    median: float
 
 
 class GradCheck:
@@ -68,20 +81,20 @@ class GradCheck:
         if not factor > 1 or warmup < 1 or history < warmup:
             raise ValueError(f"factor > 1, 1 <= warmup <= history: got {factor}, {warmup}, {history}")
         self.groups, self.factor, self.warmup, self.history = groups, factor, warmup, history
-        self.guard: Any = None
-        self.params: list[tuple[str, Any, torch.nn.Parameter]] = []  # (name, mpu, parameter)
+        self.guard: Guard | None = None  # the guard attached to (on_attach)
+        self.params: list[tuple[str, Mpu, torch.nn.Parameter]] = []  # (name, mpu, parameter)
         self.split: list[list[int]] = []
         self.turn = 0
         self.due: set[int] = set()  # indices into params checked this step
         self.norms: dict[int, torch.Tensor] = {}  # this step's norms, on the gradients' devices
         self.seen: dict[int, collections.deque[float]] = {}
-        self.found: list[dict[str, Any]] = []  # {"step", "rank", "mpu_id", "tensor", "norm", "median"} per finding
+        self.found: list[Corruption] = []  # one per finding
         self.flagged: collections.deque[int] = collections.deque(maxlen=64)  # steps found corrupted
         self.reproduced: list[int] = []  # flagged steps whose re-run gave the same outlier: let through
         self.checks = 0
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         self._order: list[int] = []  # the indices of the norms put in the commit point, in order
-        self._point: Any = None
+        self._point: CommitPoint | None = None
 
     def on_attach(self, guard: Guard) -> None:
         self.guard = guard
@@ -110,15 +123,18 @@ class GradCheck:
         self._unhook()
         self.due = set(self.split[self.turn % len(self.split)])
         self.turn += 1
-        if getattr(self.guard, "world_size", 1) <= 1:
+        if self._one_rank():
             return  # one rank: no reduction to get ahead of; the norms are taken at the commit point
         for i in sorted(self.due):
             hook = self.params[i][2].register_post_accumulate_grad_hook(lambda p, i=i: self._accumulated(i, p))
             self._handles.append(hook)
 
+    def _one_rank(self) -> bool:
+        return self.guard is None or self.guard.world_size <= 1
+
     def _accumulated(self, i: int, p: torch.nn.Parameter) -> None:
         # a hook from the autograd engine: its whole time is the check's (mscale.hook.checks.budget)
-        budget = getattr(self.guard, "budget", None)
+        budget = self.guard.budget if self.guard is not None else None
         mark = budget.enter(SOURCE) if budget is not None else None
         try:
             if p.grad is not None:
@@ -132,10 +148,10 @@ class GradCheck:
         pass per device at the commit point (no Python hook per parameter inside backward);
         the gradient statistics that follow take them instead of reading those gradients again."""
         due = [(i, p.grad) for i in sorted(self.due) if (p := self.params[i][2]).grad is not None]
-        by_device: dict[Any, list[tuple[int, torch.Tensor]]] = {}
+        by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for i, g in due:
             by_device.setdefault(g.device, []).append((i, g))
-        stats = getattr(self.guard, "_grad_stats", None)  # the statistics that follow reuse them
+        stats = self.guard._grad_stats if self.guard is not None else None  # the statistics that follow reuse them
         with torch.no_grad():
             for items in by_device.values():
                 norms = torch._foreach_norm([_local(g.detach()) for _, g in items], 2, dtype=torch.float32)
@@ -144,11 +160,11 @@ class GradCheck:
                     for (i, _), n in zip(items, norms, strict=True):
                         stats.offer(self.params[i][2], n)
 
-    def on_commit(self, point: Any) -> None:
+    def on_commit(self, point: CommitPoint) -> None:
         """The step's norms go into the commit point's one read (mscale.hook.core.commit), with the
         verdict the agreement carries to the other ranks, on the device: `gradients/bad`, 1 when
         a norm is over `factor` times its median (known on the host from earlier steps)."""
-        if self.split and not self._handles and getattr(self.guard, "world_size", 1) <= 1:
+        if self.split and not self._handles and self._one_rank():
             t0 = time.perf_counter()
             self._norms_now()  # one rank: taken here, not by hooks inside backward
             charge(self.guard, SOURCE, t0)
@@ -200,6 +216,8 @@ class GradCheck:
 
     def _corrupted(self, step: int, bad: list[tuple[int, float, float]]) -> None:
         g = self.guard
+        if g is None:
+            raise RuntimeError("GradCheck: a corrupted gradient judged before on_attach")
         where = ", ".join(f"{self.params[i][0]} ({self.params[i][1].name})" for i, _, _ in bad)
         g.request_skip(f"corrupted gradient: {where}")
         if g.optimizer is not None:  # the statistics of this step must not read them
@@ -208,8 +226,7 @@ class GradCheck:
                     p.grad = None
         for i, v, median in bad:
             name, m, _ = self.params[i]
-            record = {"step": step, "rank": g.rank, "mpu_id": m.mpu_id, "tensor": name, "norm": v, "median": median}
-            self.found.append(record)
+            self.found.append(Corruption(step=step, rank=g.rank, mpu_id=m.mpu_id, tensor=name, norm=v, median=median))
             labels = {
                 "mpu_id": m.mpu_id,
                 "mpu": m.name,

@@ -17,8 +17,7 @@ job back with the batch stepped over, as for a non-finite loss.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -114,7 +113,7 @@ class InputCheck:
             self._flagged(pending, [v > 0.5 for v in values])
         return self.bad_forward is not None
 
-    def _flagged(self, pending: list[Any], ok: list[Any]) -> None:
+    def _flagged(self, pending: list[tuple[int, list[str], torch.Tensor]], ok: Sequence[object]) -> None:
         off = 0
         for micro_batch, names, _ in pending:
             mine = ok[off : off + len(names)]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import importlib
 import sys
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -47,7 +46,7 @@ class LinearKind:
         b = getattr(module, self.bias, None)
         return b if isinstance(b, torch.Tensor) and b.numel() else None
 
-    def output_of(self, out: Any) -> torch.Tensor | None:
+    def output_of(self, out: object) -> torch.Tensor | None:
         if isinstance(out, torch.Tensor):
             return out
         if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
 
 import torch
 from torch import nn
 
-Rng = tuple[Any, ...]  # a device's RNG state, as rng_get takes it
-Copies = dict[tuple[str, Any], Any]  # fresh copies of a forward's cache inputs (fresh_copies)
+from mscale.hook.core.outputs import ModelInputs
+
+Rng = tuple[torch.Tensor, torch.Tensor | None]  # a device's RNG state (CPU, CUDA's or None), as rng_get takes it
+# fresh copies of a forward's cache inputs (fresh_copies), by ("arg", index) or ("kw", name)
+Copies = dict[tuple[str, int | str], object]
+Saved = tuple[Rng, Copies]  # what a replay needs of the step's forward, taken before it ran
 
 
 def rng_get(device: torch.device) -> Rng:
@@ -40,7 +43,7 @@ def rng_set(device: torch.device, state: Rng) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-def _is_cache(v: Any) -> bool:
+def _is_cache(v: object) -> bool:
     # transformers.Cache and its subclasses (DynamicCache, ...) without importing transformers
     return any(c.__name__ == "Cache" and "transformers" in c.__module__ for c in type(v).__mro__)
 
@@ -48,7 +51,7 @@ def _is_cache(v: Any) -> bool:
 def fresh_copies(args: tuple[object, ...], kwargs: dict[str, object]) -> Copies:
     """Deep copies of the cache arguments of a forward, keyed by ("arg", i) or ("kw", name),
     taken before the forward fills them."""
-    out: dict[tuple[str, Any], Any] = {}
+    out: Copies = {}
     for i, v in enumerate(args):
         if _is_cache(v):
             out[("arg", i)] = copy.deepcopy(v)
@@ -59,17 +62,17 @@ def fresh_copies(args: tuple[object, ...], kwargs: dict[str, object]) -> Copies:
 
 
 def _with_copies(
-    args: tuple[object, ...], kwargs: dict[str, object], copies: dict[tuple[str, Any], Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    args: tuple[object, ...], kwargs: dict[str, object], copies: Copies
+) -> tuple[tuple[object, ...], dict[str, object]]:
     if not copies:
         return args, kwargs
     a = list(args)
     kw = dict(kwargs)
-    for (where, key), v in copies.items():
+    for (_, key), v in copies.items():
         fresh = copy.deepcopy(v)  # the replay fills it; the stored copy stays as it was
-        if where == "arg":
+        if isinstance(key, int):  # ("arg", index)
             a[key] = fresh
-        else:
+        else:  # ("kw", name)
             kw[key] = fresh
     return tuple(a), kw
 
@@ -91,9 +94,7 @@ def stand_in_stats(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor
     return out
 
 
-def run_again(
-    module: nn.Module, device: torch.device, rng: tuple[Any, ...], inputs: Any, copies: dict[tuple[str, Any], Any]
-) -> Any:
+def run_again(module: nn.Module, device: torch.device, rng: Rng, inputs: ModelInputs, copies: Copies) -> object:
     """The module's forward again on `inputs` with the RNG state `rng`, under no_grad."""
     saved = rng_get(device)
     rng_set(device, rng)

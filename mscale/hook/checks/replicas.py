@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,17 @@ if TYPE_CHECKING:
     from mscale.hook.core.mpu import Mpu
 
 SOURCE = "replicas"
+
+
+class Repair(TypedDict):
+    """One repair of an MPU's replicas (ReplicaCheck.repairs): the ranks that diverged, the
+    rank copied from, whether the replicas agreed after."""
+
+    step: int
+    mpu_id: str
+    ranks: list[int]
+    from_rank: int
+    ok: bool
 
 
 def fingerprint(params: list[torch.Tensor]) -> int:
@@ -70,13 +81,13 @@ class ReplicaCheck:
     """The guard plugin (see the module docstring). `every`: steps between checks (0: never);
     `seconds` sums the time spent in the checks (the benchmark reads it)."""
 
-    def __init__(self, every: int = 100, group: Any = None) -> None:
+    def __init__(self, every: int = 100, group: dist.ProcessGroup | None = None) -> None:
         if not isinstance(every, int) or every < 0:
             raise ValueError(f"every: expected steps >= 0 (0: never), got {every!r}")
         self.every, self.group = every, group
         self.rank, self.world_size = rank_and_size(group)
-        self.guard: Any = None
-        self.repairs: list[dict[str, Any]] = []
+        self.guard: Guard | None = None  # the guard attached to (on_attach)
+        self.repairs: list[Repair] = []
         self.checks = 0
         self.seconds = 0.0
         self._prints: dict[str, Fingerprint] = {}  # per MPU, its trained parameters' fingerprints
@@ -90,10 +101,10 @@ class ReplicaCheck:
             return
         self.check(step)
 
-    def check(self, step: int) -> list[dict[str, Any]]:
+    def check(self, step: int) -> list[Repair]:
         """Compare and repair now (a collective: every rank calls it at the same step)."""
         t0 = time.perf_counter()
-        mpus = list(self.guard.mpus)
+        mpus = list(self._guard().mpus)
         dev = _device(self.group)
         per = [self._tensors(m) for m in mpus]  # each MPU's per-tensor fingerprints (CPU int64)
         mine = torch.stack([t.sum() if t.numel() else torch.zeros((), dtype=torch.int64) for t in per]).to(dev)
@@ -101,7 +112,7 @@ class ReplicaCheck:
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         n = len(mpus)
         self.checks += 1
-        done: list[dict[str, Any]] = []
+        done: list[Repair] = []
         if not torch.equal(both[:n], -both[n:]):
             rows = [torch.empty(n, dtype=torch.int64, device=dev) for _ in range(self.world_size)]
             dist.all_gather(rows, mine, group=self.group)
@@ -109,6 +120,11 @@ class ReplicaCheck:
                 done.append(self._repair(mpus[j], bad, src, step, self._which(mpus[j], per[j], src)))
         self.seconds += time.perf_counter() - t0
         return done
+
+    def _guard(self) -> Guard:
+        if self.guard is None:
+            raise RuntimeError("ReplicaCheck: not attached to a guard (on_attach)")
+        return self.guard
 
     def _tensors(self, m: Mpu) -> torch.Tensor:
         """The per-tensor fingerprints of the MPU's trained parameters (one pass, one read-back)."""
@@ -128,13 +144,14 @@ class ReplicaCheck:
         dev = _device(self.group)
         rows = [torch.empty(per.numel(), dtype=torch.int64, device=dev) for _ in range(self.world_size)]
         dist.all_gather(rows, per.to(dev), group=self.group)
-        names = {id(p): n for n, p in self.guard.model.named_parameters()}
+        names = {id(p): n for n, p in self._guard().model.named_parameters()}
         params = list(m.parameters())
         differ = (rows[self.rank].cpu() != rows[src].cpu()).nonzero().flatten().tolist()
         return [names.get(id(params[i]), str(i)) for i in differ]
 
-    def _repair(self, m: Mpu, bad: list[int], src: int, step: int, tensors: list[str] | None = None) -> dict[str, Any]:
-        opt = self.guard.optimizer
+    def _repair(self, m: Mpu, bad: list[int], src: int, step: int, tensors: list[str] | None = None) -> Repair:
+        guard = self._guard()
+        opt = guard.optimizer
         with torch.no_grad():
             for p in m.parameters():
                 dist.broadcast(p.data, src, group=self.group)
@@ -146,13 +163,13 @@ class ReplicaCheck:
         check = torch.cat([after, -after])
         dist.all_reduce(check, op=dist.ReduceOp.MAX, group=self.group)
         ok = bool(torch.equal(check[:1], -check[1:]))
-        record = {"step": step, "mpu_id": m.mpu_id, "ranks": bad, "from_rank": src, "ok": ok}
+        record = Repair(step=step, mpu_id=m.mpu_id, ranks=bad, from_rank=src, ok=ok)
         self.repairs.append(record)
         if self.rank in bad:
             labels = {"mpu_id": m.mpu_id, "rank": str(self.rank), "from_rank": str(src), "step": str(step)}
             if tensors:  # on this rank: its tensors that differ from the source's
                 labels["tensor"] = ",".join(tensors)
-            self.guard.emit(
+            guard.emit(
                 Finding(
                     SOURCE,
                     Reason.REPLICA_DIVERGED,
@@ -162,7 +179,7 @@ class ReplicaCheck:
                     labels,
                 )
             )
-            self.guard.emit(
+            guard.emit(
                 Finding(
                     SOURCE,
                     Reason.REPLICA_REPAIRED if ok else Reason.REPLICA_DIVERGED,

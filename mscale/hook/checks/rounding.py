@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any
 
 import torch
 
@@ -34,7 +33,7 @@ from mscale.hook.checks.checksum_config import BF16_ROUNDING
 SIGN_SEED = 0x5EED  # one fixed draw: the same weights every step, so a frozen layer's W^T r is cached
 
 
-def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """A context in which the check's own products run in the dtype of their operands."""
     if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
         return torch.autocast(device.type, enabled=False)
@@ -71,13 +70,13 @@ def weighted_colsums(wd: torch.Tensor, r: torch.Tensor, transposed: bool) -> tor
 def residual_and_tolerance(
     x2: torch.Tensor,
     y2: torch.Tensor,
-    sums: tuple[Any, ...],
+    sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     signs: Signs,
     *,
     sigmas: float,
     rtol32: float,
     host: bool = False,
-) -> Any:
+) -> torch.Tensor | tuple[float, float]:
     """(residual, tolerance) of a bf16 layer's check, s^T Y r against (x^T s) . (W^T r) +
     (sum s)(r . b): x2 (N, K) the input as the GEMM saw it, y2 (N, M) its output, sums (W^T r,
     c(|W|), r . b, sum|b|) with r = signs.of(M). A float32 tensor of 2 on the device (no host

@@ -5,8 +5,6 @@ not on the forward being checked."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -15,12 +13,21 @@ from mscale.hook.checks.linears import LinearKind
 
 ABS_REFRESH = 16  # steps between refreshes of the |W| column sums (tolerance scale only)
 
+# (c(W) or W^T r, c(|W|), sum(b) or r . b, sum|b|)
+Sums = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# what the signed sums were taken of: (step or -1 when frozen, version, storage, accumulation
+# dtype, cast, floats, signed by r)
+_Key = tuple[int, int, int, torch.dtype, torch.dtype | None, bool, bool]
+# a layer's cache entry: (key, sums, step of the |W| sums, step of the signed sums, first step seen)
+_Cached = tuple[_Key, Sums, int, int, int]
+
 
 class WeightSums:
     def __init__(self) -> None:
-        self.cache: dict[int, tuple[Any, ...]] = {}
-        self.zeros: dict[tuple[Any, ...], torch.Tensor] = {}  # a 0-d zero per (dtype, device): no allocation a check
-        self._ones_cache: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.cache: dict[int, _Cached] = {}  # by id(module)
+        # a 0-d zero per (dtype, device): no allocation a check
+        self.zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._ones_cache: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
         # the CPU's in-step check adds the bias terms as Python floats, read once per refresh
         self.bias_floats: dict[int, tuple[float, float]] = {}
 
@@ -36,7 +43,7 @@ class WeightSums:
         cast: torch.dtype | None,
         floats: bool,
         signs: torch.Tensor | None = None,
-    ) -> tuple[Any, ...]:
+    ) -> Sums:
         """(c(W), c(|W|), sum(b), sum|b|) of the weight as the GEMM saw it, cached; with `signs`
         (r, bf16 layers: mscale.hook.checks.rounding) the weighted W^T r and r . b for the first and third.
 

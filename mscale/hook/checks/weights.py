@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch import nn
 
 from mscale.findings import Finding, Reason, Severity
 from mscale.snapshot.trust import PLAUSIBLE
+
+if TYPE_CHECKING:
+    from mscale.hook.core.mpu import Mpu
 
 # what a group of tensors is laid out as: (shape, dtype, device) each
 Layout = tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...]
@@ -131,7 +135,7 @@ class Fingerprint:
         return out
 
 
-def charge(guard: Any, who: str, since: float) -> None:
+def charge(guard: object, who: str, since: float) -> None:
     """Charge the host time since `since` to the guard's budget, where the guard keeps one
     (`guard.budget.charge`, mscale.hook.checks.budget): the fuse's per-step work is in the budget."""
     budget = getattr(guard, "budget", None)
@@ -152,6 +156,19 @@ def split_by_bytes(tensors: Sequence[torch.Tensor], groups: int) -> list[list[in
     return [sorted(g) for g in out]
 
 
+class Watched(Protocol):
+    """What WeightWatch reads of the guard it watches (mscale.hook.core.guard.Guard): its model,
+    its MPUs (the owners named in findings) and, without an `emit` of its own, where findings go."""
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def mpus(self) -> Sequence[Mpu]: ...
+
+    def emit(self, finding: Finding) -> None: ...
+
+
 class WeightWatch:
     """The fingerprints of a guard's model and their checks (see the module docstring).
     `emit` receives the findings; `check(step)` returns the corrupted tensors' names.
@@ -161,7 +178,7 @@ class WeightWatch:
 
     def __init__(
         self,
-        guard: Any,
+        guard: Watched,
         *,
         frozen_every: int = 1,
         groups: int = 1,
@@ -183,7 +200,7 @@ class WeightWatch:
 
     def _build(self) -> None:
         g = self.guard
-        owner: dict[int, Any] = {}
+        owner: dict[int, Mpu] = {}
         for m in g.mpus:
             for p in m.module.parameters():  # frozen ones too (Mpu.parameters() is the trained)
                 owner.setdefault(id(p), m)
