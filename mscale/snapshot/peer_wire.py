@@ -220,9 +220,11 @@ class PeerSilent(TimeoutError):
         self.rank = rank
 
 
-def _wait(works: list[tuple[Any, int]], timeout: timedelta, what: str) -> None:
+def _wait(works: list[tuple[dist.Work | None, int]], timeout: timedelta, what: str) -> None:
     """Waits for each (work, the rank it talks to) in turn; PeerSilent names the first that did not answer."""
     for w, peer in works:
+        if w is None:  # this rank is not in the group: nothing to wait for
+            continue
         try:
             done = w.wait(timeout)
         except RuntimeError as e:  # gloo: a timeout, or the link to the peer gone
