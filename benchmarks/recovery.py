@@ -25,6 +25,16 @@ under --dir (default /tmp) and one under /dev/shm, both removed at the end. --mo
 17.8M-parameter LLaVA of benchmarks/attach_overhead.py (CLIP 384x4 + Llama 384x4) instead of the
 MLP of --gib.
 
+--peer: the peer tier's recovery instead, in a 2-rank gloo group (two "nodes": LOCAL_WORLD_SIZE=1,
+a node root each) of the MLP of --gib (or the LLaVA): both ranks train to step K with the step
+in the node tier, replicated to the other rank, and on disk, then both SIGKILL themselves and
+node 1's root is emptied (the node lost, a fresh one in its place). Arms, two new processes
+each: peer (rank 0 resumes from its node tier, rank 1 from the replica rank 0 holds, fetched
+back over gloo), disk
+evicted (the node tier off: both from the disk, its pages dropped: the lost node's replacement
+never cached them), peer again (the control). The figure is the kill to the later rank's first
+completed step, as above; verdict: disk evicted / peer.
+
 --cost: the capture and replication cost as a share of a step instead. A 2-rank gloo DDP group
 (forked, two "nodes": LOCAL_WORLD_SIZE=1, a node root each) trains the model --cost-steps steps
 per arm, in three arms run one after another, their order alternating per round: today's tiers
@@ -35,6 +45,7 @@ snapshot steps included) against today's; the median of --repeats rounds, "incon
 the control's noise exceeds the effect.
 
     .venv/bin/python benchmarks/recovery.py [--gib 1.0 | --model llava] [--dir /tmp] [--repeats 5] [--json PATH]
+    .venv/bin/python benchmarks/recovery.py --peer [--gib 0.25 | --model llava] [--repeats 3]
     .venv/bin/python benchmarks/recovery.py --cost [--model llava] [--cost-steps 110] [--repeats 3]
 """
 
@@ -90,10 +101,27 @@ def child(args: argparse.Namespace) -> None:
 
     imported = time.time()  # the interpreter started, torch and mscale imported
     torch.set_num_threads(1)
+    if args.rank is not None:  # --peer: one of 2 ranks, a node each
+        import datetime
+
+        import torch.distributed as dist
+
+        os.environ.update(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+        os.environ["MSCALE_SNAPSHOT_NODE_ROOT"] = str(Path(os.environ["MSCALE_SNAPSHOT_NODE_ROOT"], f"node{args.rank}"))
+        dist.init_process_group("gloo", rank=args.rank, world_size=2, timeout=datetime.timedelta(seconds=300))
     model, loss = build(args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    node_every = K if args.child in ("prepare", "node") else 0
-    cfg = SnapshotConfig(directory=args.snaps, memory_every=K, disk_every=K, node_every=node_every, node_keep=1)
+    node_every = K if args.child in ("prepare", "node", "peer") else 0
+    peer_every = K if args.rank is not None and node_every else 0
+    cfg = SnapshotConfig(
+        directory=args.snaps,
+        memory_every=K,
+        disk_every=K,
+        node_every=node_every,
+        node_keep=1,
+        peer_every=peer_every,
+        peer_timeout_s=300,
+    )
     engine = SnapshotEngine(model, opt, config=cfg, job_id="recovery-bench")
     built = time.time()
 
@@ -107,6 +135,8 @@ def child(args: argparse.Namespace) -> None:
         for n in range(1, K + 1):
             step(n)
         engine.flush()
+        if args.rank is not None:
+            torch.distributed.barrier()  # both ranks' replicas landed
         Path(args.out).write_text(json.dumps({"killed": time.time()}))
         os.kill(os.getpid(), 9)
     resumed = engine.resume()
@@ -128,6 +158,86 @@ def run_child(kind: str, args: argparse.Namespace, snaps: Path, out: Path, env: 
     return {**json.loads(out.read_text()), "launched": launched}
 
 
+def run_ranks(kind: str, args: argparse.Namespace, snaps: Path, work: Path, env: dict) -> list[dict]:
+    """--peer: the two ranks of `kind` (new processes, at once); what each wrote."""
+    port, launched = free_port(), time.time()
+    procs = []
+    for rank in range(2):
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            kind,
+            "--gib",
+            str(args.gib),
+            "--model",
+            args.model,
+            "--rank",
+            str(rank),
+        ]
+        cmd += ["--port", str(port), "--snaps", str(snaps), "--out", str(work / f"{kind}-{rank}.json")]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, err = proc.communicate(timeout=900)
+        if kind != "prepare" and proc.returncode != 0:
+            raise SystemExit(f"{kind} restart failed:\n{err[-3000:]}")
+    return [{**json.loads((work / f"{kind}-{r}.json").read_text()), "launched": launched} for r in range(2)]
+
+
+def peer_recovery(args: argparse.Namespace) -> None:
+    """--peer: see the module docstring."""
+    work = Path(tempfile.mkdtemp(prefix="mscale-recovery-peer-", dir=args.dir))
+    shm = Path(tempfile.mkdtemp(prefix="mscale-recovery-peer-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "MSCALE_SNAPSHOT_NODE_ROOT": str(shm), "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    arms, tiers = ("peer", "disk evicted", "peer again"), {"peer": "peer", "disk evicted": "disk", "peer again": "peer"}
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    resumes: dict[str, list[float]] = {a: [] for a in arms}
+    phases: dict[str, dict[str, list[float]]] = {a: {p: [] for p in PHASES} for a in arms}
+    what = "the 17.8M LLaVA" if args.model == "llava" else f"{args.gib} GiB of state"
+    print(f"recovery of a lost node from the peer tier: {what} a rank, 2 ranks, {args.repeats} rounds")
+    try:
+        for r in range(args.repeats):
+            snaps = work / f"round{r}"
+            for n in (0, 1):
+                (shm / f"node{n}").mkdir(mode=0o700)
+            killed = max(g["killed"] for g in run_ranks("prepare", args, snaps, work, env))
+            shutil.rmtree(shm / "node1")
+            (shm / "node1").mkdir(mode=0o700)  # node 1 lost: a fresh node's empty /dev/shm
+            gap = time.time() - killed
+            for arm in arms if r % 2 == 0 else arms[::-1]:
+                if arm == "disk evicted":
+                    evict(snaps)
+                got = run_ranks(arm.split()[0], args, snaps, work, env)
+                assert list(got[1]["resume_s"]) == [tiers[arm]], (arm, got[1]["resume_s"])  # rank 1's source
+                times[arm].append(max(g["done"] for g in got) - got[0]["launched"] + gap)
+                resumes[arm].append(got[1]["resume_s"][tiers[arm]])
+                at = got[1]["at"]  # rank 1's restart, phase by phase
+                marks = [got[1]["launched"], at["imported"], at["built"], at["resumed"], got[1]["done"]]
+                for phase, a, b in zip(PHASES, marks, marks[1:], strict=False):
+                    phases[arm][phase].append(b - a)
+            shutil.rmtree(snaps, ignore_errors=True)
+            shutil.rmtree(shm, ignore_errors=True)
+            shm.mkdir()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    rep = Report("recovery_peer", args.json)
+    for arm in arms:
+        rep.figure(f"kill to first step, {arm}", times[arm])
+        rep.figure(f"resume alone (rank 1), {arm}", resumes[arm])
+    control = [a / b for a, b in zip(times["peer again"], times["peer"], strict=True)]
+    ratio = [d / p for d, p in zip(times["disk evicted"], times["peer"], strict=True)]
+    rep.verdict("kill to first step: disk evicted / peer", ratio, 5.0, control=control)
+    alone = [d / p for d, p in zip(resumes["disk evicted"], resumes["peer"], strict=True)]
+    rep.verdict("resume alone (rank 1): disk evicted / peer", alone, 5.0, control=control)
+    print("  rank 1's restart (medians):")
+    for arm in arms:
+        parts = " + ".join(f"{p} {statistics.median(phases[arm][p]):.2f} s" for p in PHASES)
+        print(f"    {arm:<13} {statistics.median(times[arm]):6.2f} s from the kill: {parts}")
+    rep.write()
+
+
 def evict(directory: Path) -> None:
     for p in directory.rglob("*"):
         if p.is_file():
@@ -147,7 +257,10 @@ def main() -> None:
     ap.add_argument("--cost", action="store_true", help="the capture and replication cost a step instead")
     ap.add_argument("--cost-steps", type=int, default=110)
     ap.add_argument("--threads", type=int, default=1, help="torch threads a rank (--cost)")
+    ap.add_argument("--peer", action="store_true", help="the peer tier's recovery of a lost node instead")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--snaps", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     add_json_arg(ap)
@@ -157,6 +270,9 @@ def main() -> None:
         return
     if args.cost:
         cost(args)
+        return
+    if args.peer:
+        peer_recovery(args)
         return
     recovery(args)
 

@@ -1,7 +1,8 @@
 """Issue 39: a process killed with SIGKILL resumes from the node tier (its snapshots in the
 node's shared memory outlive it), bitwise, at a step newer than the newest disk snapshot: a
 guarded tiny LLaVA on one process, and a 2-rank gloo DDP group one of whose ranks is killed, the
-restarted group resuming every rank at the same node-tier step. The node root is a per-test
+restarted group resuming every rank at the same node-tier step (forked, and under torchrun
+--max-restarts, which restarts the group itself). The node root is a per-test
 directory under /dev/shm (conftest.py), inherited by the processes and removed after."""
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import pytest
 from mscale.snapshot.format import list_snapshots
 from mscale.snapshot.node_tier import node_job_dir
 from support import REPO, free_port
-from support.ddp_run import run_group
+from support.ddp_run import run_group, torchrun_argv, torchrun_env
 
-pytestmark = pytest.mark.slow  # eight job runs, five of them 2-rank groups: about 3.5 min on 2 busy cores
+pytestmark = pytest.mark.slow  # nine job runs, six of them 2-rank groups (one under torchrun): about 5 min on 2 busy cores
 
 LLAVA = Path(__file__).parent / "support" / "guarded_llava_job.py"
 STEPS, KILL_AT = 20, 13  # node-tier snapshots every 2 steps (10, 12 kept), disk ones every 8 (8)
@@ -87,6 +88,29 @@ def test_a_rank_killed_in_a_2_rank_group_resumes_every_rank_from_the_node_tier_a
     for r in again:  # every rank at step 10, the node tier's newest, bitwise the uninterrupted run's
         assert r["start"] == 11, r
         assert any("(node tier, step 10)" in m for m in r["resumed"]), r["resumed"]
+        assert r["start_hash"] == plain[r["rank"]]["hashes"]["10"]
+        assert r["start_optimizer_hash"] == plain[r["rank"]]["optimizer_hashes"]["10"]
+        assert r["hashes"]["11"] == plain[r["rank"]]["hashes"]["11"]  # and the next step is the same
+
+
+def test_under_torchrun_max_restarts_a_sigkilled_rank_s_group_restarts_from_the_node_tier(tmp_path, plain) -> None:
+    """torchrun --max-restarts 1: rank 1 SIGKILLs itself at step 11 of the first attempt; torchrun
+    stops rank 0 and restarts the group, which resumes every rank from the node tier's step 10
+    (newer than the disk's 8), bitwise the uninterrupted run's, and ends with exit status 0."""
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = torchrun_argv(nnodes=1, nproc=2, endpoint=f"127.0.0.1:{free_port()}", restarts=1)
+    argv += ["tests/support/world_job.py", "--torchrun", "--world", "2", "--out", str(out)]
+    argv += ["--dir", str(tmp_path / "snaps"), "--steps", "12", "--every", "8", "--node-every", "2"]
+    argv += ["--kill-at", "11", "--kill-rank", "1"]
+    log = tmp_path / "torchrun.log"
+    code = run_group(argv, log, env=torchrun_env(), timeout_s=400)
+    assert code == 0, log.read_text()[-3000:]
+    again = [json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"))]
+    assert [r["attempt"] for r in again] == [1, 1], again  # written by the restarted group
+    assert max(i.step for i in list_snapshots(tmp_path / "snaps")) == 8
+    for r in again:
+        assert r["start"] == 11 and any("(node tier, step 10)" in m for m in r["resumed"]), r
         assert r["start_hash"] == plain[r["rank"]]["hashes"]["10"]
         assert r["start_optimizer_hash"] == plain[r["rank"]]["optimizer_hashes"]["10"]
         assert r["hashes"]["11"] == plain[r["rank"]]["hashes"]["11"]  # and the next step is the same

@@ -5,8 +5,10 @@ removed, an empty one in its place, as a fresh node's): the restarted group resu
 the replica rank 0 holds and rank 0 from its own node tier, both at step 10, bitwise the
 uninterrupted run's. A replica with a flipped bit, a truncated one, one of another job and one
 of a step flagged later are each refused with a finding naming why, and every rank goes to the
-next tier together (the disk's step 8: rank 1 has nothing newer left). And a 4-rank FSDP2 group
-of two nodes loses its second: both its ranks resume from their replicas."""
+next tier together (the disk's step 8: rank 1 has nothing newer left), as when the rank holding
+the replica does not answer at resume. Under torchrun (two agents, --max-restarts 1) the
+restarted rank of a fresh node resumes from its replica. And a 4-rank FSDP2 group of two nodes
+loses its second: both its ranks resume from their replicas."""
 
 from __future__ import annotations
 
@@ -21,9 +23,9 @@ import pytest
 
 from mscale.snapshot.node_tier import node_job_dir
 from support import REPO, free_port
-from support.ddp_run import run_group
+from support.ddp_run import run_agents, run_group, torchrun_argv, torchrun_env
 
-pytestmark = pytest.mark.slow  # eight 2-rank and three 4-rank group runs: about 7 min on 2 busy cores
+pytestmark = pytest.mark.slow  # nine 2-rank group runs, one torchrun pair, three 4-rank runs: about 8.5 min on 2 busy cores
 
 # node-tier snapshots and replicas every 2 steps (node tier: 8 and 10 kept, replicas: 10),
 # disk ones every 8 (8); rank 1 killed at step 11
@@ -73,8 +75,8 @@ class Run:
         job = node_job_dir(self.base / "node0", "world-job", self.snaps)
         return job / "peer" / "rank_00001" / "step_00000010"
 
-    def restart(self, name: str) -> dict[int, dict]:
-        code, again, log = world(self.tmp / name, self.snaps, self.base, *self.wrap, ranks=self.ranks)
+    def restart(self, name: str, *extra: str) -> dict[int, dict]:
+        code, again, log = world(self.tmp / name, self.snaps, self.base, *self.wrap, *extra, ranks=self.ranks)
         assert code == 0 and len(again) == self.ranks, log[-3000:]
         return {r["rank"]: r for r in again}
 
@@ -156,6 +158,21 @@ def test_a_bad_replica_is_refused_with_why_and_every_rank_takes_the_next_tier(ki
         resumed_at(r, "disk", 8, plain)
 
 
+def test_a_peer_that_does_not_answer_at_resume_is_named_and_every_rank_takes_the_disk(killed, plain) -> None:
+    """Rank 0 holds rank 1's replica of step 10 but its sends on the peer group never arrive (the
+    job's own hook: another tag): rank 1's wait for it ends at peer_timeout_s (10 s) with a
+    finding naming rank 0, and both ranks resume from the disk's step 8 together (rank 1's node
+    tier is gone, so no node-tier step is common), bitwise; the run goes on to its end."""
+    killed.reset()
+    killed.lose_node_1()
+    by_rank = killed.restart("silent", "--mute-peer-rank", "0", "--peer-timeout", "10")
+    refused = by_rank[1]["refused"]
+    assert any("the peer tier did not answer at resume" in m and "rank 0 did not answer" in m for m in refused), refused
+    for r in by_rank.values():
+        resumed_at(r, "disk", 8, plain)
+        assert sorted(map(int, r["hashes"])) == [9, 10, 11], r["hashes"].keys()  # trained on to the end
+
+
 def test_a_replica_of_a_step_flagged_later_is_never_restored_from(tmp_path, plain) -> None:
     run = Run(tmp_path, "--flag-rank", "1")  # rank 1 flags step 10 before it is killed
     try:
@@ -167,6 +184,33 @@ def test_a_replica_of_a_step_flagged_later_is_never_restored_from(tmp_path, plai
     assert any("replica of step 10 refused: the step was flagged after it was taken" in m for m in refused), refused
     for r in by_rank.values():
         resumed_at(r, "disk", 8, plain)
+
+
+def test_under_torchrun_a_restarted_rank_on_a_fresh_node_resumes_from_its_peer_replica(tmp_path, plain) -> None:
+    """Two torchrun agents of one rank each (two nodes, one c10d rendezvous, --max-restarts 1):
+    rank 1 SIGKILLs itself at step 11; its agent restarts it and the new rendezvous round
+    restarts rank 0 too. The restarted rank 1 finds its node's tier empty (--lose-node: the node
+    that replaced the lost one) and takes rank 0's replica: rank 0 resumes from its node tier,
+    rank 1 from the peer tier, both at step 10, bitwise, and both agents end with status 0."""
+    base = Path(tempfile.mkdtemp(prefix="torchrun-", dir=os.environ["MSCALE_SNAPSHOT_NODE_ROOT"]))
+    out = tmp_path / "out"
+    out.mkdir()
+    for n in ("node0", "node1"):
+        (base / n).mkdir()
+    job = ["tests/support/world_job.py", "--torchrun", "--world", "2", "--out", str(out)]
+    job += ["--dir", str(tmp_path / "snaps"), "--node-base", str(base), *ARGS]
+    job += ["--kill-at", "11", "--kill-rank", "1", "--lose-node"]
+    launch = torchrun_argv(nnodes=2, nproc=1, endpoint=f"127.0.0.1:{free_port()}", restarts=1)
+    logs = [tmp_path / "agent0.log", tmp_path / "agent1.log"]
+    try:
+        codes = run_agents([launch + job, launch + job], logs, env=torchrun_env())
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    by_rank = {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob("rank_*.json"))}
+    assert by_rank[1]["attempt"] == 1, by_rank[1]  # written by the restarted rank
+    resumed_at(by_rank[0], "node", 10, plain)
+    resumed_at(by_rank[1], "peer", 10, plain)  # its node tier emptied: rank 0's replica of it
 
 
 def test_a_lost_node_of_a_4_rank_fsdp2_group_resumes_both_its_ranks_from_replicas(tmp_path) -> None:

@@ -23,7 +23,9 @@ where that holds none (its node was lost) from its replica, are the candidates; 
 rank needs come back to it (into `<node job dir>/fetched/rank_<r>/`), and what was refused on the
 way drops out of the candidates on every rank alike. The engine then loads the newest candidate
 (each rank from its own node tier or from its replica), falling back together to older ones and
-to the disk.
+to the disk. A peer that does not answer within `peer_timeout_s` at resume (or a peer group that
+fails) is a finding naming it; every rank learns it over the engine's group, replication stops,
+and all take the steps every rank holds in its node tier alone, then the disk.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import mscale.snapshot.distributed as mdist
 from mscale.findings import Reason, Severity
 from mscale.snapshot.format import list_snapshots, rank_dir_name
 from mscale.snapshot.node_tier import Flags, NodeTier, make_private, tier_bytes
-from mscale.snapshot.peer_wire import Landing, Outgoing, exchange
+from mscale.snapshot.peer_wire import Landing, Outgoing, PeerSilent, exchange
 from mscale.snapshot.values import StateDict
 
 if TYPE_CHECKING:
@@ -228,7 +230,34 @@ class PeerTier:
     def fetch(self, node: dict[int, Path]) -> dict[int, tuple[Path, str]]:
         """step -> (path, tier) of the steps every rank can resume from its node tier (`node`:
         this rank's candidates) or its replica, for this rank, newest first (see the module
-        docstring). Collective over the peer group."""
+        docstring). Collective over the peer group, then over the engine's group: a peer that
+        does not answer within `peer_timeout_s` on any rank (or a peer group that fails) is a
+        finding naming it, replication stops, and every rank takes the steps every rank holds
+        in its node tier alone (none where a node was lost: the disk's, then)."""
+        why, peer = "", -1
+        try:
+            found = self._fetch(node)
+        except PeerSilent as e:
+            found, why, peer = {}, str(e), e.rank
+        except (RuntimeError, TimeoutError) as e:  # a collective of the peer group timed out or broke
+            found, why = {}, f"the peer group failed at resume: {str(e)[:300]}"
+        if not mdist.any_flag(bool(why), self.engine.group):  # the training group still answers
+            return found
+        if why:
+            self.engine.emit(
+                Reason.SNAPSHOT_REFUSED,
+                Severity.WARNING,
+                f"the peer tier did not answer at resume ({why}); every rank takes its node tier's steps "
+                "alone, then the disk",
+                tier="peer",
+                **({"peer": str(peer)} if peer >= 0 else {}),
+            )
+        self._stop(why or "the peer tier failed at resume on another rank")
+        shutil.rmtree(self.fetched, ignore_errors=True)
+        common = mdist.common_steps(sorted(node), self.engine.group)
+        return {s: (node[s], "node") for s in common}
+
+    def _fetch(self, node: dict[int, Path]) -> dict[int, tuple[Path, str]]:
         world, per = self.engine.world_size, self.per_node
         shutil.rmtree(self.fetched, ignore_errors=True)
         make_private(self.fetched)

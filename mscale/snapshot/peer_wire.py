@@ -34,7 +34,7 @@ from mscale.snapshot.format import MANIFEST, SnapshotInvalid, fsync_dir, step_di
 from mscale.snapshot.manifest import parse_manifest
 from mscale.snapshot.values import JSONObject
 
-__all__ = ["CHUNK", "Outgoing", "Landing", "exchange"]
+__all__ = ["CHUNK", "Landing", "Outgoing", "PeerSilent", "exchange"]
 
 CHUNK = 8 << 20  # bytes per message of a file stream
 MAX_INDEX = 1 << 22  # an index is a manifest and a file list: a few KiB; more is refused
@@ -212,10 +212,25 @@ class Landing:
         return final
 
 
-def _wait(works: list[Any], timeout: timedelta, what: str) -> None:
-    for w in works:
-        if not w.wait(timeout):
-            raise TimeoutError(f"{what}: no answer in {timeout.total_seconds():.0f} s")
+class PeerSilent(TimeoutError):
+    """A rank that did not answer an exchange within its bound (or whose link broke): `rank`."""
+
+    def __init__(self, rank: int, what: str) -> None:
+        super().__init__(what)
+        self.rank = rank
+
+
+def _wait(works: list[tuple[dist.Work | None, int]], timeout: timedelta, what: str) -> None:
+    """Waits for each (work, the rank it talks to) in turn; PeerSilent names the first that did not answer."""
+    for w, peer in works:
+        if w is None:  # this rank is not in the group: nothing to wait for
+            continue
+        try:
+            done = w.wait(timeout)
+        except RuntimeError as e:  # gloo: a timeout, or the link to the peer gone
+            raise PeerSilent(peer, f"{what}: rank {peer} did not answer ({str(e)[:200]})") from e
+        if done is False:
+            raise PeerSilent(peer, f"{what}: rank {peer} did not answer in {timeout.total_seconds():.0f} s")
 
 
 def exchange(
@@ -229,21 +244,24 @@ def exchange(
 ) -> Landing | None:
     """Sends `outgoing` (None: nothing) to `send_to` and takes what `recv_from` sends, as one
     exchange of `step` (see the module docstring). land(index bytes) -> Landing makes the
-    receiving side. The Landing of what came (finished: its `path` or `why`), or None."""
+    receiving side. The Landing of what came (finished: its `path` or `why`), or None. A wait
+    past `timeout` raises PeerSilent naming the rank that did not answer."""
     mine = torch.tensor([step, 0, 0, 0], dtype=torch.int64)
     if outgoing is not None:
         mine = torch.tensor([step, 1, len(outgoing.index), outgoing.total], dtype=torch.int64)
     theirs = torch.zeros(4, dtype=torch.int64)
     what = f"the peer replica exchange of step {step} (to rank {send_to}, from rank {recv_from})"
-    _wait([dist.isend(mine, send_to, group=group), dist.irecv(theirs, recv_from, group=group)], timeout, what)
+    works = [(dist.isend(mine, send_to, group=group), send_to), (dist.irecv(theirs, recv_from, group=group), recv_from)]
+    _wait(works, timeout, what)
     their_step, comes, index_len, total = (int(v) for v in theirs.tolist())
     if their_step != step or not 0 <= index_len <= MAX_INDEX or total < 0:
         raise RuntimeError(f"{what}: out of step (rank {recv_from} sent step {their_step}, index {index_len} bytes)")
     works, index = [], torch.empty(index_len if comes else 0, dtype=torch.uint8)
     if outgoing is not None:
-        works.append(dist.isend(torch.frombuffer(bytearray(outgoing.index), dtype=torch.uint8), send_to, group=group))
+        raw_index = torch.frombuffer(bytearray(outgoing.index), dtype=torch.uint8)
+        works.append((dist.isend(raw_index, send_to, group=group), send_to))
     if comes:
-        works.append(dist.irecv(index, recv_from, group=group))
+        works.append((dist.irecv(index, recv_from, group=group), recv_from))
     _wait(works, timeout, what)
     landing = land(index.numpy().tobytes()) if comes else None
     sends = outgoing.chunks() if outgoing is not None else iter(())
@@ -253,10 +271,10 @@ def exchange(
     while True:
         works, out = [], next(sends, None)
         if out is not None:
-            works.append(dist.isend(out, send_to, group=group))
+            works.append((dist.isend(out, send_to, group=group), send_to))
         n = min(left, CHUNK)
         if n:
-            works.append(dist.irecv(inbox[:n], recv_from, group=group))
+            works.append((dist.irecv(inbox[:n], recv_from, group=group), recv_from))
         if not works:
             break
         _wait(works, timeout, what)

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from support import REPO, free_port
@@ -23,6 +24,49 @@ def run_group(argv: list[str], log: Path, *, timeout_s: float = 300, env: dict |
             os.killpg(proc.pid, signal.SIGKILL)  # the ranks too
             proc.wait(timeout=10)
             raise AssertionError("the job timed out:\n" + log.read_text()[-3000:]) from None
+
+
+def run_agents(argvs: list[list[str]], logs: list[Path], *, env: dict, timeout_s: float = 400) -> list[int]:
+    """Several launchers of one job at once (torchrun agents: a node each), each a process group
+    with its log; their exit codes. Every group is killed on a timeout, which fails with the logs' tails."""
+    files = [open(log, "w") for log in logs]  # noqa: SIM115 (closed below)
+    procs = [
+        subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        for argv, f in zip(argvs, files, strict=True)
+    ]
+    deadline = time.monotonic() + timeout_s
+    try:
+        return [p.wait(timeout=max(deadline - time.monotonic(), 0.1)) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)  # the ranks too
+                p.wait(timeout=10)
+        raise AssertionError("the agents timed out:\n" + "\n".join(log.read_text()[-2000:] for log in logs)) from None
+    finally:
+        for f in files:
+            f.close()
+
+
+def torchrun_argv(*, nnodes: int, nproc: int, endpoint: str, restarts: int, node_rank: int | None = None) -> list[str]:
+    """torchrun (`python -m torch.distributed.run`) of `nnodes` agents of `nproc` ranks each,
+    restarting the group up to `restarts` times, its rendezvous c10d at `endpoint` (127.0.0.1:
+    a free port the test chose); the script and its flags follow. Run it with
+    `torchrun_env`: every restart then gets a TCPStore of its own. On this torch (2.13) a store
+    shared with the agent (the static rendezvous of --master-port, or c10d's shared one) keeps
+    the previous attempt's keys, so a restarted rank's gloo group can read a dead peer's
+    address and fail with "connectFullMesh ... Connection refused" (pytorch#135712)."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc)]
+    argv += ["--max-restarts", str(restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+    argv += ["--rdzv-id", "world-job", "--monitor-interval", "0.5"]
+    return argv + (["--node-rank", str(node_rank)] if node_rank is not None else [])
+
+
+def torchrun_env(**extra: str) -> dict[str, str]:
+    """The environment for `torchrun_argv`: the repository and tests/ importable, and the
+    rendezvous store not shared with the restarted workers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE)."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return {**env, **extra}
 
 
 def run_job(
