@@ -11,11 +11,11 @@ import threading
 
 import pytest
 import torch
+from test_snapshot import assert_same_state
 
 from mscale.findings import Reason
 from mscale.snapshot import trust
 from support.snapshot_inproc import Job
-from test_snapshot import assert_same_state
 
 WAIT_S = 60.0  # the longest any test wait takes (none is a timing: each waits for an event)
 

@@ -76,7 +76,10 @@ class Verifier:
 
     def __init__(self, store: MemoryStore, copier: HostCopier, flag: Callable[[int, int, str], None], emit: Emit):
         self.timeout_s = VERIFY_TIMEOUT_S
-        self._store, self._copier, self._flag, self._emit = store, copier, flag, emit
+        self._store, self._flag, self._emit = store, flag, emit
+        # where a verification runs: the copier's thread, after the copies queued before it
+        # (benchmarks/verify_thread.py runs them on the training thread to compare)
+        self.schedule: Callable[[Callable[[], None]], None] = copier.after_copy
         self._lock = threading.Lock()
         self._seq = 0
         self._results: deque[tuple[int, int, Verdict]] = deque(maxlen=RESULTS)  # (seq, step, verdict)
@@ -88,7 +91,7 @@ class Verifier:
         names = [n for n, _ in model.named_parameters()]
         bound = trust.moment_bound(optimizer)
         self._store.pin(snap)
-        self._copier.after_copy(lambda: self._run(snap, names, bound))
+        self.schedule(lambda: self._run(snap, names, bound))
 
     def _run(self, snap: MemorySnapshot, names: list[str], bound: float | None) -> None:
         verdict, t0 = snap.verdict, time.thread_time()
