@@ -452,7 +452,7 @@ class SnapshotEngine:
         """Steps a rollback can go to: the in-memory snapshots whose verification passed (one in
         flight waited for: verify.py), and the disk snapshot resumed from until the first
         in-memory one replaces it."""
-        steps = self.verifier.passed_steps() if self.memory_steps else []
+        steps = self.verifier.passed_steps()
         if self._resumed and not steps:
             steps = [self._resumed[0]]
         return steps
