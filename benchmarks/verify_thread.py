@@ -15,11 +15,11 @@ The cost is the training thread's CPU time (time.thread_time) over windows of `m
 rounds: any 10 consecutive steps hold exactly one snapshot and one verification, so the ratio of
 an arm's summed window to clip's same window keeps the verification in (a median of single
 steps would leave it out). Each repeat builds fresh arms, runs --warmup untimed steps, then
---windows windows; its figure is the median of its windows' ratios, the verdict on the median
+--windows windows; its figure is the median of its windows' ratios, the one printed the median
 of the repeats. Besides: the verification's own CPU time a snapshot, on whichever thread it ran,
 as a share of clip's median step. The machine's load average is printed.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/verify_thread.py [--windows 2] [--repeats 3]
+    PYTHONPATH=. .venv/bin/python benchmarks/verify_thread.py [--windows 1] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def window_ratios(arm: Timed, clip: Timed, every: int) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--windows", type=int, default=2, help="timed windows of memory_every rounds per repeat")
+    ap.add_argument("--windows", type=int, default=1, help="timed windows of memory_every rounds per repeat")
     ap.add_argument("--repeats", type=int, default=3, help="repeats, fresh arms each (>= 3)")
     add_warmup_arg(ap)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="realistic")
