@@ -64,18 +64,18 @@ repeat: `--steps 450 --repeats 5 --no-guard-only --no-incident` gives 90.
 
 Rare work. Some of what the line does happens one step in many: a replay of an MPU's forward
 (one step in 50 to 150, paid from the budget's replay bank), an in-memory snapshot every 10
-steps (its capture on the training thread, its copy on a background thread, its verification
-on the training thread once the copy is ready: the fuse's `verify_s`). A median step
-leaves such work out, so an arm's cost per repeat is the median of its steps with each step's
-rare work taken out (timed where it runs: the replays by the guard, `checksum.replay_s`; the
-capture's waits by the snapshot engine, `stall_s`; the background copy's CPU time by a timer
-this script wraps around it), plus what that work costs a step over a run: the snapshot's
-timed seconds as they came, and the replays at the rate the bank pays for them, `replay_share`
-x budget x step time a step at most, paid only from what the budget leaves, or the ceiling's
-turns (each MPU once in `replay_max_gap_steps`) where they cost more: `Schedule.replay_rate_s`
-(a repeat is shorter than the gap between two replays, so the replays timed in it say little). The
-copy's CPU counts on both clocks, as if it ran on the training thread (on an idle 2-core
-machine it runs beside it: conservative). In incident mode every step replays: nothing rare.
+steps (its capture on the training thread, its copy and then its verification on the copier's
+thread: mscale/snapshot/verify.py). A median step leaves such work out, so an arm's cost per
+repeat is the median of its steps with each step's rare work taken out (timed where it runs:
+the replays by the guard, `checksum.replay_s`; the capture's waits by the snapshot engine,
+`stall_s`; the background copy's CPU time by a timer this script wraps around it, the
+verification's by the engine, `verifier.cpu_s`), plus what that work costs a step over a run:
+the snapshot's timed seconds as they came, and the replays at the rate the bank pays for them,
+`replay_share` x budget x step time a step at most, paid only from what the budget leaves, or
+the ceiling's turns (each MPU once in `replay_max_gap_steps`) where they cost more:
+`Schedule.replay_rate_s` (a repeat is shorter than the gap between two replays). The copier's
+CPU counts on both clocks, as if on the training thread (conservative; verify_thread.py: the
+training thread alone). Incident mode: nothing rare.
 
 Printed besides: each MPU's coverage (share of its layers checked in the last step), the largest
 gap between checks of any layer, and the guard's own measured overhead ratio and cost by part.
@@ -216,13 +216,13 @@ class Arm:
         self.charged: list[float] = []  # what it costs a step over a run (see the docstring)
 
     def snapshot_s(self) -> float:
-        """Snapshot seconds so far: the training thread's waits on captures (their foreground
-        part), the CPU time of their background copies, and the verification of each one once
-        ready (mscale.hook.fuse.actions.restore_weights.Watch.verify)."""
+        """Snapshot seconds so far: the training thread's waits on captures, the CPU time of their
+        copies and verifications (on the copier's thread), and the fuse's reading of the verdicts."""
         fuse = getattr(self.guard, "fuse", None)
         engine = getattr(fuse, "snapshot_engine", None)
-        verify = getattr(getattr(fuse, "states", {}).get("restore_weights"), "verify_s", 0.0)  # each snapshot's check
-        return 0.0 if engine is None else engine.stall_s + COPY_CPU.get(id(engine.copier), 0.0) + verify
+        verify = getattr(getattr(fuse, "states", {}).get("restore_weights"), "verify_s", 0.0)  # reading the verdicts
+        copies = 0.0 if engine is None else COPY_CPU.get(id(engine.copier), 0.0) + engine.verifier.cpu_s
+        return 0.0 if engine is None else engine.stall_s + copies + verify
 
     def step(self, keep: bool) -> None:
         s0 = self.snapshot_s()
@@ -417,13 +417,13 @@ def run_load(load: str, args: argparse.Namespace, rep: Report) -> None:
             + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(b["cost_s"].items()))
         )
         rep.figure(f"{tag}: guard's own overhead ratio", [b["overhead_ratio"]], unit="x", show=False)
-        w = attached.fuse.states.get("restore_weights") if attached.fuse is not None else None
-        if w is not None and w.verifies:
-            every = attached.fuse.snapshot_engine.memory_every
-            each = w.verify_s / w.verifies
+        w, v = attached.fuse.states.get("restore_weights"), attached.fuse.snapshot_engine.verifier
+        if w is not None and v.checked:
+            every, each = attached.fuse.snapshot_engine.memory_every, v.cpu_s / v.checked
+            read = w.verify_s / max(1, w.verifies)
             print(
-                f"  snapshot verification: {w.verifies} snapshots, {each * 1e3:.2f} ms each, one in {every} steps: "
-                f"{each / every / b['step_s']:.2%} of its step"
+                f"  snapshot verification: {v.checked}, {each * 1e3:.2f} ms CPU each on the copier's thread (rare work) "
+                f"= {each / every / b['step_s']:.2%} of a step at 1 in {every}, {read * 1e3:.3f} ms on the training thread"
             )
     for k, a in enumerate(arms):
         rep.figure(f"{tag}: {a.name} step (wall)", [x for arm in repeats for x in arm[k].wall], unit="s")

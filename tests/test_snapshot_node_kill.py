@@ -20,7 +20,8 @@ from mscale.snapshot.node_tier import node_job_dir
 from support import REPO, free_port
 from support.ddp_run import run_group, torchrun_argv, torchrun_env
 
-pytestmark = pytest.mark.slow  # nine job runs, six of them 2-rank groups (one under torchrun): about 5 min on 2 busy cores
+# nine job runs, six of them 2-rank groups (one under torchrun): about 5 min on 2 busy cores
+pytestmark = pytest.mark.slow
 
 LLAVA = Path(__file__).parent / "support" / "guarded_llava_job.py"
 STEPS, KILL_AT = 20, 13  # node-tier snapshots every 2 steps (10, 12 kept), disk ones every 8 (8)

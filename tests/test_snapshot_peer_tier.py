@@ -25,7 +25,8 @@ from mscale.snapshot.node_tier import node_job_dir
 from support import REPO, free_port
 from support.ddp_run import run_agents, run_group, torchrun_argv, torchrun_env
 
-pytestmark = pytest.mark.slow  # nine 2-rank group runs, one torchrun pair, three 4-rank runs: about 8.5 min on 2 busy cores
+# nine 2-rank group runs, one torchrun pair, three 4-rank runs: about 8.5 min on 2 busy cores
+pytestmark = pytest.mark.slow
 
 # node-tier snapshots and replicas every 2 steps (node tier: 8 and 10 kept, replicas: 10),
 # disk ones every 8 (8); rank 1 killed at step 11

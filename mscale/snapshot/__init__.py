@@ -7,6 +7,7 @@
     tensors.py      the torch side of the format: tensors to safetensors, load_snapshot
     memory.py       snapshots in host memory and the copies that fill them; RNG states
     trust.py        live weights against the in-memory copies: which to trust, what they explain
+    verify.py       each in-memory snapshot verified on the copier's thread; restored once it passed
     optim.py        optimizer state keyed by parameter name
     writer.py       the background thread that writes snapshots to disk
     config.py       SnapshotConfig: the snapshots' settings, validated once

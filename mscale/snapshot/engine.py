@@ -58,6 +58,7 @@ from mscale.snapshot.optim import NamedOptimizer
 from mscale.snapshot.peer_tier import PeerTier
 from mscale.snapshot.store import MemoryStore
 from mscale.snapshot.values import JSONObject, StateDict, Stateful
+from mscale.snapshot.verify import Verifier
 from mscale.snapshot.writer import DiskWriter
 
 __all__ = ["SnapshotEngine", "RollbackUnavailable"]
@@ -140,6 +141,7 @@ class SnapshotEngine:
         self._late = mem.late_keys(model, optimizer)  # copied beside training, fenced by the next step
         self._fence = mem.fence_on_step(optimizer, self.copier)
         self.wait_copy = self.copier.fence  # before writing parameters outside optimizer.step()
+        self.verifier = Verifier(self.store, self.copier, self.flag_steps, self.emit)  # on the copier's thread
         self._closed = False
         self._prev_handler: tuple[int, Any] | None = None
         self._resumed: tuple[int, Path] | None = None
@@ -200,6 +202,7 @@ class SnapshotEngine:
         nbytes = sum(t.numel() * t.element_size() for d in bufs.values() for t in d.values())
         snap = MemorySnapshot(self.step, bufs, objects, self._binding(), nbytes, ready=ready)
         self.store.keep(snap, self.memory_keep)
+        self.verifier.submit(snap, model=self.model, optimizer=self.optimizer)  # restored once it passed
         self.stall_s += time.perf_counter() - t0
         if debug_wanted():  # not by default: the library configures no logging (mscale.logs)
             log.debug("memory snapshot", step=self.step, bytes=nbytes, seconds=round(time.perf_counter() - t0, 6))
@@ -219,6 +222,7 @@ class SnapshotEngine:
         """Call after step `step` completed (optimizer and scheduler stepped)."""
         self.step = step
         self.mark_step()
+        self.verifier.settle()  # failed verifications flagged and reported here, on this thread
         to_disk = self.directory is not None and self.disk_every and step % self.disk_every == 0
         to_node = self.node is not None and step % self.node.every == 0
         if (self.memory_every and step % self.memory_every == 0) or to_disk or to_node:
@@ -378,7 +382,8 @@ class SnapshotEngine:
         return step
 
     def rollback(self, step: int | None = None, *, skip_batch: bool = False, micro_batches: Sequence[int] = ()) -> int:
-        """Restores the newest in-memory snapshot (or the one at `step`) into the live objects;
+        """Restores the newest in-memory snapshot that passed its verification (or the one at
+        `step`, if it passed; one in flight is waited for: verify.py) into the live objects;
         training continues at the returned step + 1. skip_batch: the offending step's batches are
         stepped over on the replay (mscale.snapshot.data.step_batches); `last_skipped` lists them."""
         try:
@@ -389,7 +394,7 @@ class SnapshotEngine:
 
     def _rollback(self, step: int | None, skip_batch: bool, micro_batches: Sequence[int]) -> int:
         t0 = time.perf_counter()
-        snap = self.store.latest(step, pin=True)
+        snap = self.verifier.newest_passed(step)  # pinned; one in flight waited for (verify.py)
         resumed = self._resumed if snap is None and self._resumed and step in (None, self._resumed[0]) else None
         if snap is None and resumed is None:
             raise RollbackUnavailable(
@@ -422,6 +427,7 @@ class SnapshotEngine:
         for position in bad:
             self.data.skip_batch_at(position)
         self.last_skipped = bad
+        self.verifier.forget_after(target)
         self.store.drop_after(target)  # newer snapshots belong to the abandoned timeline
         for writer in (self._disk, self._node_writer):
             if writer is not None:
@@ -443,9 +449,10 @@ class SnapshotEngine:
 
     @property
     def held_steps(self) -> list[int]:
-        """Steps a rollback can go to: the in-memory snapshots, and the disk snapshot resumed
-        from until the first in-memory one replaces it."""
-        steps = self.memory_steps
+        """Steps a rollback can go to: the in-memory snapshots whose verification passed (one in
+        flight waited for: verify.py), and the disk snapshot resumed from until the first
+        in-memory one replaces it."""
+        steps = self.verifier.passed_steps()
         if self._resumed and not steps:
             steps = [self._resumed[0]]
         return steps

@@ -32,7 +32,7 @@ import torch
 from mscale.snapshot.keys import wrapper_prefix
 from mscale.snapshot.values import StateDict
 
-__all__ = ["MemorySnapshot", "HostCopier", "Completion", "to_host", "rng_state", "set_rng_state"]
+__all__ = ["MemorySnapshot", "HostCopier", "Completion", "Verdict", "to_host", "rng_state", "set_rng_state"]
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -76,6 +76,32 @@ class Completion:
             ev.synchronize()
 
 
+class Verdict:
+    """A snapshot's verification (verify.py): pending until the copier's thread has run it,
+    then set once. `passed()` never blocks; `wait` does, at most `timeout` seconds."""
+
+    def __init__(self) -> None:
+        self.bad: frozenset[str] = frozenset()  # the parameters it found implausible (weight or state)
+        self.maxima: dict[str, float] = {}  # the weights' largest magnitudes (the next one's baseline)
+        self.error = ""  # why it could not run (the snapshot is then not trusted either)
+        self.cpu_s = 0.0  # CPU seconds it took on the copier's thread
+        self.abandoned = False  # of a timeline a rollback left (its result goes unreported)
+        self._done = threading.Event()
+
+    def finish(self) -> None:
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._done.wait(timeout)
+
+    def passed(self) -> bool:
+        """Completed, and found nothing (never blocks)."""
+        return self._done.is_set() and not self.error and not self.bad
+
+
 @dataclass(eq=False)
 class MemorySnapshot:
     """One snapshot held in host memory. Buffers are reused by later snapshots once this one
@@ -91,6 +117,7 @@ class MemorySnapshot:
     pins: int = 0  # disk writes in progress or queued
     retired: bool = False  # no longer kept; buffers free once unpinned
     disk_path: Path | None = None
+    verdict: Verdict = field(default_factory=Verdict)  # restored only once it passed (verify.py)
 
     def wait_ready(self, timeout: float | None = None) -> None:
         self.ready.wait(timeout)
@@ -287,6 +314,10 @@ class HostCopier:
             self._background.submit(self._copy_late, later, done)
         self._pending = done
         return done
+
+    def after_copy(self, fn: Callable[[], None]) -> None:
+        """Runs `fn` on the copier's thread once every copy queued so far has run there."""
+        self._background.submit(fn)
 
     def _copy_late(self, pairs: Pairs, done: Completion) -> None:
         # One thread: the training thread has the other cores for its forward and backward.

@@ -82,6 +82,26 @@ class MemoryStore:
                 snap.pins += 1
             return snap
 
+    def snapshots(self) -> list[MemorySnapshot]:
+        """The kept snapshots, oldest first (a copy of the list)."""
+        with self.lock:
+            return list(self.kept)
+
+    def pin_kept(self, snap: MemorySnapshot) -> bool:
+        """Pins `snap` if it is still kept (the caller unpins it); False when it is not."""
+        with self.lock:
+            if snap not in self.kept:
+                return False
+            snap.pins += 1
+            return True
+
+    def drop(self, snap: MemorySnapshot) -> None:
+        """Retires `snap` (one that failed its verification: never restored)."""
+        with self.lock:
+            if snap in self.kept:
+                self.kept.remove(snap)
+                self._retire(snap)
+
     def drop_after(self, step: int) -> None:
         """Retires the snapshots newer than `step`: they belong to an abandoned timeline."""
         with self.lock:

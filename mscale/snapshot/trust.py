@@ -136,10 +136,11 @@ def suspect(
 
 
 def trusted(engine: SnapshotEngine, names: list[str]) -> MemorySnapshot | None:
-    """The newest in-memory snapshot whose optimizer state is not poisoned (`state_bad`) and
-    whose copy of `names` passes `beyond` against the copy before it (the oldest held: its
-    state alone), or None when none is. Waits for the copies."""
-    held = [s for s in (engine.latest(t) for t in sorted(getattr(engine, "memory_steps", None) or [])) if s]
+    """The newest in-memory snapshot that passed its verification (verify.py: one in flight
+    waited for), whose optimizer state is not poisoned (`state_bad`) and whose copy of `names`
+    passes `beyond` against the copy before it (the oldest held: its state alone), or None
+    when none is. Waits for the copies."""
+    held = [s for s in (engine.latest(t) for t in sorted(getattr(engine, "held_steps", None) or [])) if s]
     for s in held:
         s.wait_ready()
     bound = moment_bound(getattr(engine, "optimizer", None))

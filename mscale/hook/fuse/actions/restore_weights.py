@@ -18,13 +18,13 @@ Before the fuse counts an MPU's non-finite output (`mpu_failed`) all the MPU's w
 checked against the newest trusted snapshot (mscale.snapshot.trust), on the event only; corrupted
 ones are repaired here, the MPU's forward re-run on them, the failure not counted.
 
-Each new in-memory snapshot is verified once it is ready (at a step's end, when the weights
-settle, before that step's own snapshot): its
-optimizer state not poisoned, its weights explained by optimizer steps since the snapshot
-before it (mscale.snapshot.trust). A write the rotating fingerprints did not see (a weight in
-a group not due, an embedding row no batch has read yet) and the weights an absurd exp_avg
-blew up are found there, reported per tensor, and restored from the newest snapshot that
-passes: one pass over the weights and the state every `memory_every` steps.
+Each new in-memory snapshot is verified by the snapshot engine on its copier's thread, after
+the copy (mscale.snapshot.verify): its optimizer state not poisoned, its weights explained by
+optimizer steps since the snapshot before it (mscale.snapshot.trust). A write the rotating
+fingerprints did not see (a weight in a group not due, an embedding row no batch has read yet)
+and the weights an absurd exp_avg blew up are found there; at the first step end after a
+verification completes (when the weights settle) what it found is reported here per tensor,
+and restored from the newest snapshot that passes. The training thread reads the verdicts only.
 """
 
 from __future__ import annotations
@@ -66,9 +66,8 @@ class Watch:
         self.intact: dict[
             str, tuple[int, int | None]
         ] = {}  # mpu_id -> (placement epoch, newest snapshot) found intact at
-        self.verified: int | None = None  # the newest in-memory snapshot verified
-        self.verify_s, self.verifies = 0.0, 0  # seconds spent verifying snapshots, and how many (rare work)
-        self.maxima: tuple[int | None, dict[str, float]] = (None, {})  # a snapshot's weights' largest magnitudes
+        self.verified = 0  # the engine's last verification read (mscale.snapshot.verify.Verifier.since)
+        self.verify_s, self.verifies = 0.0, 0  # seconds spent reading them on this thread, and how many
 
     def attach(self, fuse: FuseContext) -> None:
         from mscale.hook.checks.weights import WeightWatch
@@ -85,32 +84,30 @@ class Watch:
                 self.check(fuse, m, why="its largest magnitude grew beyond any optimizer step", rerun=False)
 
     def verify(self, fuse: FuseContext) -> list[str]:
-        """Verify the newest in-memory snapshot once it is ready (the module docstring); the
-        tensors it finds unexplained are reported, the policy restores them. Returns them."""
+        """Report the weights that the snapshot verifications completed since the last call
+        found (the module docstring); the policy restores them. Returns them."""
         import time
 
         from mscale.hook.checks.weights import charge
-        from mscale.snapshot import trust
+        from mscale.snapshot.keys import wrapper_prefix
 
         engine, watch = fuse.snapshot_engine, self.watch
-        newest = engine.latest() if engine is not None else None
-        if watch is None or engine is None or newest is None or newest.step == self.verified or not newest.is_ready():
+        if engine is None or watch is None:
             return []
+        verifier = engine.verifier
         t0 = time.perf_counter()
-        self.verified = newest.step
-        older = [s for s in engine.memory_steps if s < newest.step]
-        before = engine.latest(max(older)) if older else None
-        names = list(watch.tensors)
-        if before is not None and self.maxima[0] != before.step and before.is_ready():
-            self.maxima = (before.step, trust.maxima(trust.host_copies(before, names)))
-        was = self.maxima[1] if before is not None and self.maxima[0] == before.step else None
-        self.maxima = (newest.step, trust.maxima(trust.host_copies(newest, names)))
-        bad = trust.suspect(newest, self.maxima[1], trust.moment_bound(fuse.guard.optimizer), was)
-        charge(fuse.guard, "weights", t0)
-        self.verify_s, self.verifies = self.verify_s + time.perf_counter() - t0, self.verifies + 1
-        found = [n for n in names if n in bad]
+        done = verifier.since(self.verified)
+        if not done:
+            return []
+        self.verified = done[-1][0]
+        pre = wrapper_prefix(fuse.guard.model)  # the verdicts name the bare model's parameters
+        bad = {pre + n for _, _, v in done for n in v.bad}
+        found = [n for n in watch.tensors if n in bad]
         if found:
-            watch.report(found, fuse.guard.current_step, why=f"the snapshot of step {newest.step} was verified")
+            step = max(s for _, s, v in done if v.bad)
+            watch.report(found, fuse.guard.current_step, why=f"the snapshot of step {step} was verified")
+        charge(fuse.guard, "weights", t0)
+        self.verify_s, self.verifies = self.verify_s + time.perf_counter() - t0, self.verifies + len(done)
         return found
 
     def weights_settled(self, fuse: FuseContext) -> None:
