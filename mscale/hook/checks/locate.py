@@ -7,10 +7,10 @@ module looks inside, at a cost paid by that event alone:
 - **A non-finite output** (`graph_blame`): the forward's autograd graph is still whole in the
   step (in-step verdicts judge it right after the MPU's forward). The tensors its nodes saved
   for backward are the forward's own intermediates: the earliest node that saved a non-finite
-  tensor consumed the first bad value, and the module that made it is the nearest one, among
-  the producers of that node's inputs, that owns a trained parameter (its `AccumulateGrad`),
-  the latest of them in module order (an earlier module's bad output would have been saved
-  bad by an earlier node). Works for a fault that a re-run does not repeat. Cost: one
+  tensor consumed the first bad value, and the module that made it is, of the modules owning a
+  trained parameter (its `AccumulateGrad`) a few nodes below it, the latest in the order the
+  first forward called them (an earlier module's bad output would have been saved bad by an
+  earlier node). Works for a fault that a re-run does not repeat. Cost: one
   `isfinite` over every saved tensor of the MPU, about one pass over its activations.
 - **A shift of the output's scale** (`profile`, `departure`): the MPU's forward is run
   again on the step's inputs with a temporary forward hook on every submodule taking the
@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,13 +54,20 @@ Profile = list[tuple[str, float]]  # (submodule's path, ln mean square; nan: not
 Node = torch.autograd.graph.Node
 
 
-def owners(module: nn.Module, prefix: str) -> dict[int, tuple[int, str]]:
-    """id(parameter) -> (its module's place in module order, that module's path under `prefix`)."""
-    out: dict[int, tuple[int, str]] = {}
-    for i, (name, m) in enumerate(module.named_modules()):
-        path = ".".join(p for p in (prefix, name) if p)
+def owners(module: nn.Module, prefix: str) -> dict[int, str]:
+    """id(parameter) -> the path (under `prefix`) of the module that holds it."""
+    out: dict[int, str] = {}
+    for name, m in module.named_modules():
         for p in m.parameters(recurse=False):
-            out.setdefault(id(p), (i, path))
+            out.setdefault(id(p), ".".join(x for x in (prefix, name) if x))
+    return out
+
+
+def call_order(p: Profile) -> dict[str, int]:
+    """Each submodule's place in the order a forward called them (its first call), from a profile."""
+    out: dict[str, int] = {}
+    for i, (name, _) in enumerate(p):
+        out.setdefault(name, i)
     return out
 
 
@@ -122,47 +129,50 @@ def _bad_below(order: list[Node], bad: set[int]) -> dict[int, bool]:
     return below
 
 
-def _owner(start: Node, params: dict[int, tuple[int, str]]) -> tuple[int, str] | None:
-    """The module owning a parameter nearest below `start` (breadth first, `MAX_DEPTH` deep)."""
-    level, seen = [start], {id(start)}
+def _owners(start: Node, params: dict[int, str]) -> list[str]:
+    """The modules owning a parameter within `MAX_DEPTH` nodes below `start`."""
+    level, seen, found = [start], {id(start)}, []
     for _ in range(MAX_DEPTH):
-        found = [params[id(v)] for n in level if (v := getattr(n, "variable", None)) is not None and id(v) in params]
-        if found:
-            return max(found)
+        found += [params[id(v)] for n in level if (v := getattr(n, "variable", None)) is not None and id(v) in params]
         nxt = []
         for c in (c for n in level for c in _kids(n)):
             if id(c) not in seen:
                 seen.add(id(c))
                 nxt.append(c)
         level = nxt
-    return None
+    return found
 
 
-def graph_blame(outs: Iterable[torch.Tensor], params: dict[int, tuple[int, str]]) -> str | None:
+def graph_blame(outs: Sequence[torch.Tensor], params: dict[int, str], order: dict[str, int]) -> str | None:
     """The module whose output first went non-finite in the forward that made `outs`, read off
-    its autograd graph (see the module docstring); None when the graph names none of `params`."""
+    its autograd graph (see the module docstring): of the modules holding `params` a few nodes
+    below the first node that saved a non-finite tensor, the latest in call `order` (going up a
+    graph towards its inputs reaches modules called earlier, so the latest of those that feed
+    the node is the one whose output it consumed); None when it names none."""
     roots = [t.grad_fn for t in outs if t.grad_fn is not None]
-    order = _nodes(roots)
-    if not order:
+    nodes = _nodes(roots)
+    if not nodes:
         return None
     try:
         with torch.no_grad():
-            saved = [_saved(n) for n in order]
+            saved = [_saved(n) for n in nodes]
     except _Freed:
         return None
     flat = [t.isfinite().all() for ts in saved for t in ts]
     ok = torch.stack([f.cpu() for f in flat]).tolist() if flat else []  # one read
     bad, at = set(), 0
-    for n, ts in zip(order, saved, strict=True):
+    for n, ts in zip(nodes, saved, strict=True):
         if not all(ok[at : at + len(ts)]):
             bad.add(id(n))
         at += len(ts)
-    below = _bad_below(order, bad)
-    first = [n for n in order if id(n) in bad and not below.get(id(n), False)]
+    below = _bad_below(nodes, bad)
+    first = [n for n in nodes if id(n) in bad and not below.get(id(n), False)]
+    if not first and all(bool(t.isfinite().all()) for t in outs):
+        return None  # nothing non-finite: nothing to name
     # the producers of the first bad node's inputs; none saved bad: the outputs' own producers
     starts = [c for n in first for c in _kids(n)] if first else roots
-    found = [o for s in starts if (o := _owner(s, params)) is not None]
-    return max(found)[1] if found else None
+    found = {o for s in starts for o in _owners(s, params)}
+    return max(found, key=lambda o: order.get(o, -1)) if found else None
 
 
 def _record(rows: list[tuple[str, torch.Tensor]], name: str, module: nn.Module, args: object, out: object) -> None:
@@ -284,7 +294,8 @@ class Locator:
         """The module a non-finite output of the MPU came from: off the forward's graph while it
         is whole (in-step verdicts), else the first non-finite submodule output of a re-run (a
         fault the re-run repeats)."""
-        found = graph_blame(outs, owners(mpu.module, mpu.path)) if outs else None
+        order = call_order(self._base.get(mpu.mpu_id, []))
+        found = graph_blame(outs, owners(mpu.module, mpu.path), order) if outs else None
         if found is None:
             now = self._profile(mpu) or []
             found = next((n for n, x in now if math.isnan(x)), None)
