@@ -295,7 +295,11 @@ class Locator:
         is whole (in-step verdicts), else the first non-finite submodule output of a re-run (a
         fault the re-run repeats)."""
         order = call_order(self._base.get(mpu.mpu_id, []))
-        found = graph_blame(outs, owners(mpu.module, mpu.path), order) if outs else None
+        self._quiet(True)  # a checkpointed forward recomputes when its saved tensors are read
+        try:
+            found = graph_blame(outs, owners(mpu.module, mpu.path), order) if outs else None
+        finally:
+            self._quiet(False)
         if found is None:
             now = self._profile(mpu) or []
             found = next((n for n, x in now if math.isnan(x)), None)
