@@ -14,7 +14,16 @@ import torch
 
 import mscale
 from mscale.findings import Finding, Reason
-from mscale.hook.checks.locate import FLOOR, call_order, departure, graph_blame, nonfinite_state, owners, profile
+from mscale.hook.checks.locate import (
+    FLOOR,
+    call_order,
+    departure,
+    graph_blame,
+    nonfinite_state,
+    owners,
+    profile,
+    read,
+)
 from support.tiny_hf import tiny_llava
 
 TEXT = "model.language_model"
@@ -58,7 +67,7 @@ def test_the_graph_names_the_linear_whose_output_went_non_finite_and_nothing_whe
     seen: list[torch.Tensor] = []
     model.model.language_model.register_forward_hook(lambda m, a, out: seen.append(out.last_hidden_state))
     batch = make_batch(0, torch.Generator().manual_seed(0))
-    order = call_order(profile(model.model.language_model, TEXT, lambda: model(**batch)))
+    order = call_order(read(profile(model.model.language_model, TEXT, lambda: model(**batch))))
     assert graph_blame(seen[-1:], params, order) is None  # finite: no blame
     for name in ("layers.1.mlp.up_proj", "layers.0.self_attn.o_proj", "layers.1.mlp.down_proj"):
         state = {"on": True}

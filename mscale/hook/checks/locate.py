@@ -51,6 +51,7 @@ MAX_NAMED = 4  # tensors named at most on one finding
 TIES = 0.1  # submodules moved within this share of the largest move are one move (the first named)
 
 Profile = list[tuple[str, float]]  # (submodule's path, ln mean square; nan: not finite), in call order
+Unread = tuple[list[str], torch.Tensor]  # a profile's paths and its mean squares, still on the device
 Node = torch.autograd.graph.Node
 
 
@@ -182,9 +183,10 @@ def _record(rows: list[tuple[str, torch.Tensor]], name: str, module: nn.Module, 
         rows.append((name, torch.linalg.vector_norm(t, dtype=torch.float32).square() / max(t.numel(), 1)))
 
 
-def profile(module: nn.Module, prefix: str, run: Callable[[], object]) -> Profile:
+def profile(module: nn.Module, prefix: str, run: Callable[[], object]) -> Unread | None:
     """`run()` (a forward of `module`) with a forward hook on every submodule and the module
-    itself: each call's output ln(mean square) (nan: not finite), in call order, one host read."""
+    itself: each call's output mean square, in call order, left on the device (`read` reads it:
+    a profile taken inside a step reads nothing there)."""
     rows: list[tuple[str, torch.Tensor]] = []
     handles = [
         m.register_forward_hook(functools.partial(_record, rows, ".".join(p for p in (prefix, n) if p)))
@@ -197,11 +199,18 @@ def profile(module: nn.Module, prefix: str, run: Callable[[], object]) -> Profil
         for h in handles:
             h.remove()
     if not rows:
+        return None
+    return [n for n, _ in rows], torch.stack([v.to(rows[0][1].device, torch.float64) for _, v in rows])
+
+
+def read(p: Unread | None) -> Profile:
+    """A profile's ln(mean square) per call (nan: not finite), one host read."""
+    if p is None:
         return []
-    values = torch.stack([v.to("cpu", torch.float64) for _, v in rows]).tolist()
+    names, values = p
     return [
         (n, math.log(v) if math.isfinite(v) and v > 0 else (-math.inf if v == 0 else math.nan))
-        for (n, _), v in zip(rows, values, strict=True)
+        for n, v in zip(names, values.tolist(), strict=True)
     ]
 
 
@@ -263,20 +272,27 @@ class Locator:
     def __init__(self, quiet: Callable[[bool], None]) -> None:
         self._quiet = quiet
         self._inputs: dict[str, ModelInputs] = {}  # each MPU's last training forward's, by id
-        self._base: dict[str, Profile] = {}  # each MPU's profile at its first training forward
+        self._raw: dict[str, Unread | None] = {}  # each MPU's profile at its first training forward
+        self._base: dict[str, Profile] = {}  # ... read, at the first event that needs it
 
     def forget(self, mpu: Mpu) -> None:
         """The MPU moved (device, fuse level): its baseline is taken again at its next forward."""
+        self._raw.pop(mpu.mpu_id, None)
         self._base.pop(mpu.mpu_id, None)
 
     def saw(self, mpu: Mpu, inputs: ModelInputs) -> None:
         if not mpu.module.training:
             return
         self._inputs[mpu.mpu_id] = inputs  # a reference: nothing copied
-        if mpu.mpu_id not in self._base:
-            self._base[mpu.mpu_id] = self._profile(mpu) or []
+        if mpu.mpu_id not in self._raw:
+            self._raw[mpu.mpu_id] = self._profile(mpu)
 
-    def _profile(self, mpu: Mpu) -> Profile | None:
+    def _baseline(self, mpu: Mpu) -> Profile:
+        if mpu.mpu_id not in self._base:
+            self._base[mpu.mpu_id] = read(self._raw.get(mpu.mpu_id))
+        return self._base[mpu.mpu_id]
+
+    def _profile(self, mpu: Mpu) -> Unread | None:
         """The MPU's forward on this step's inputs again (no_grad, the RNG put back), profiled."""
         inputs = self._inputs.get(mpu.mpu_id)
         if inputs is None:
@@ -291,21 +307,22 @@ class Locator:
             self._quiet(False)
 
     def nonfinite(self, mpu: Mpu, outs: list[torch.Tensor] | None) -> str | None:
-        """The module a non-finite output of the MPU came from: off the forward's graph while it
-        is whole (in-step verdicts), else the first non-finite submodule output of a re-run (a
-        fault the re-run repeats)."""
-        order = call_order(self._base.get(mpu.mpu_id, []))
+        """The module a non-finite output of the MPU came from: off the forward's graph, given
+        the `outs` of a forward judged in its step (no re-run: a transient fault would not
+        repeat, and the graph has what the forward made); for an output judged at the commit
+        point (`outs` None: backward has freed the graph), the first non-finite submodule output
+        of a re-run (a fault the re-run repeats)."""
+        if outs is None:
+            now = read(self._profile(mpu))
+            return next((n for n, x in now if math.isnan(x)), None)
+        order = call_order(self._baseline(mpu))
         self._quiet(True)  # a checkpointed forward recomputes when its saved tensors are read
         try:
-            found = graph_blame(outs, owners(mpu.module, mpu.path), order) if outs else None
+            return graph_blame(outs, owners(mpu.module, mpu.path), order)
         finally:
             self._quiet(False)
-        if found is None:
-            now = self._profile(mpu) or []
-            found = next((n for n, x in now if math.isnan(x)), None)
-        return found
 
     def shifted(self, mpu: Mpu) -> str | None:
         """The first submodule of the MPU that moved from its baseline in a re-run of this step."""
-        now = self._profile(mpu)
-        return departure(now, self._base.get(mpu.mpu_id, []), mpu.path) if now else None
+        now = read(self._profile(mpu))
+        return departure(now, self._baseline(mpu), mpu.path) if now else None
