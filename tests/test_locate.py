@@ -80,6 +80,22 @@ def test_the_graph_names_the_linear_whose_output_went_non_finite_and_nothing_whe
     assert graph_blame(seen[-1:], params, order) is None
 
 
+def test_the_graph_walk_looks_past_the_minus_inf_a_masked_attention_saves() -> None:
+    """torch's own encoder layer with a padding mask: its attention saves -Inf (the mask, a
+    masked row's log-sum-exp) in every forward; a NaN after it is still traced to its linear."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    pad = torch.tensor([[False] * 6, [False] * 3 + [True] * 3])
+    state = {"on": True}
+    layer.linear1.register_forward_hook(_nan_once(state))
+    order = call_order(read(profile(layer, "enc", lambda: layer(x.detach(), src_key_padding_mask=pad))))
+    state["on"] = True
+    out = layer(x, src_key_padding_mask=pad)
+    assert not torch.isfinite(out).all()
+    assert graph_blame([out], owners(layer, "enc"), order) == "enc.linear1"
+
+
 def test_a_transient_nan_from_a_gemm_is_blamed_on_its_linear_not_its_mpu() -> None:
     model, make_batch = tiny_llava(seed=0)
     state = {"on": False}

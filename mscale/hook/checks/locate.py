@@ -6,8 +6,8 @@ module looks inside, at a cost paid by that event alone:
 
 - **A non-finite output** (`graph_blame`): the forward's autograd graph is still whole in the
   step (in-step verdicts judge it right after the MPU's forward). The tensors its nodes saved
-  for backward are the forward's own intermediates: the earliest node that saved a non-finite
-  tensor consumed the first bad value, and the module that made it is, of the modules owning a
+  for backward are the forward's own intermediates: the earliest node that saved a NaN or +Inf
+  (-Inf is an attention mask's, or a masked row's log-sum-exp) consumed the first bad value, and the module that made it is, of the modules owning a
   trained parameter (its `AccumulateGrad`) a few nodes below it, the latest in the order the
   first forward called them (an earlier module's bad output would have been saved bad by an
   earlier node). Works for a fault that a re-run does not repeat. Cost: one
@@ -113,7 +113,7 @@ def _nodes(roots: list[Node]) -> list[Node]:
 
 
 def _bad_below(order: list[Node], bad: set[int]) -> dict[int, bool]:
-    """Per node: whether a node below it (towards the inputs) saved a non-finite tensor."""
+    """Per node: whether a node below it (towards the inputs) is `bad` (saved a NaN or +Inf)."""
     below: dict[int, bool] = {}
     for root in order:
         stack = [(root, False)]
@@ -147,7 +147,7 @@ def _owners(start: Node, params: dict[int, str]) -> list[str]:
 def graph_blame(outs: Sequence[torch.Tensor], params: dict[int, str], order: dict[str, int]) -> str | None:
     """The module whose output first went non-finite in the forward that made `outs`, read off
     its autograd graph (see the module docstring): of the modules holding `params` a few nodes
-    below the first node that saved a non-finite tensor, the latest in call `order` (going up a
+    below the first node that saved a NaN or +Inf, the latest in call `order` (going up a
     graph towards its inputs reaches modules called earlier, so the latest of those that feed
     the node is the one whose output it consumed); None when it names none."""
     roots = [t.grad_fn for t in outs if t.grad_fn is not None]
@@ -159,7 +159,7 @@ def graph_blame(outs: Sequence[torch.Tensor], params: dict[int, str], order: dic
             saved = [_saved(n) for n in nodes]
     except _Freed:
         return None
-    flat = [t.isfinite().all() for ts in saved for t in ts]
+    flat = [~(t.isnan().any() | t.isposinf().any()) for ts in saved for t in ts]  # -inf: masks, logsumexp
     ok = torch.stack([f.cpu() for f in flat]).tolist() if flat else []  # one read
     bad, at = set(), 0
     for n, ts in zip(nodes, saved, strict=True):
