@@ -91,8 +91,8 @@ def binding(engine: SnapshotEngine) -> JSONObject:
         dev = p.device if p is not None else torch.device("cpu")
         entry: JSONObject = {"name": engine.layout.names[mpu_id], "device": str(dev), "gpu": None, "gpu_uuid": None}
         if dev.type == "cuda":
-            entry["gpu"] = dev.index if dev.index is not None else torch.cuda.current_device()
-            entry["gpu_uuid"] = str(getattr(torch.cuda.get_device_properties(entry["gpu"]), "uuid", "")) or None
+            entry["gpu"] = gpu = dev.index if dev.index is not None else torch.cuda.current_device()
+            entry["gpu_uuid"] = str(getattr(torch.cuda.get_device_properties(gpu), "uuid", "")) or None
         entry.update({k: v for k, v in dict(custom.get(mpu_id, {})).items()})
         mpus[mpu_id] = entry
     return {

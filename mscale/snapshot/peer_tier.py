@@ -208,7 +208,7 @@ class PeerTier:
                 tier="peer",
             )
             return
-        nbytes = sum(int(f["size"]) for f in got.manifest["files"].values())
+        nbytes = sum(f["size"] for f in got.manifest["files"].values())
         eng.emit(
             Reason.SNAPSHOT_WRITTEN,
             Severity.INFO,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from mscale.snapshot.digest import TreeHasher
 from mscale.snapshot.format import MANIFEST, SnapshotInvalid, fsync_dir, step_dir_name
 from mscale.snapshot.manifest import parse_manifest
-from mscale.snapshot.values import JSONObject
+from mscale.snapshot.values import JSONObject, as_int
 
 __all__ = ["CHUNK", "Outgoing", "Landing", "exchange"]
 
@@ -137,11 +137,11 @@ class Landing:
         m = self.manifest
         if str(head.get("job_id")) != job_id or m["job_id"] != job_id:
             return f"it is a snapshot of job {str(m['job_id'])[:64]!r}, not of this one ({job_id!r})"
-        if int(head.get("source_rank", -1)) != source or m["rank"] != source:
+        if as_int(head.get("source_rank", -1), "source_rank") != source or m["rank"] != source:
             return f"it is rank {m['rank']}'s, not rank {source}'s"
         if m["step"] != self.step:
             return f"its manifest is of step {m['step']}, not {self.step}"
-        listed = {n: int(f["size"]) for n, f in m["files"].items()}
+        listed = {n: f["size"] for n, f in m["files"].items()}
         if {n for n, _ in self._files} != set(listed):
             return "the files sent are not the files its manifest lists"
         for name, size in self._files:
