@@ -138,8 +138,8 @@ def write_file(
     mode: int = 0o644,
 ) -> tuple[int, FileMeta]:
     """Writes parts to a new file of `mode` (and fsyncs it unless told not to); returns (size,
-    its entry for the manifest: size and digest). The hash of each chunk runs in a helper thread while the chunk
-    is written (both release the GIL)."""
+    its entry for the manifest: size and digest). The hash of each chunk runs in a helper
+    thread while the chunk is written (both release the GIL)."""
     sha = TreeHasher()
     size = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)

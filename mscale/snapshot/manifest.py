@@ -24,7 +24,7 @@ import stat
 from collections.abc import Callable
 from itertools import accumulate
 from pathlib import Path
-from typing import NotRequired, TypedDict, cast
+from typing import NoReturn, NotRequired, TypedDict, cast
 
 from mscale.snapshot.values import JSONObject
 
@@ -230,7 +230,7 @@ def parse_json(raw: bytes, path: Path, name: str) -> object:
     if brackets and max(accumulate(_DEPTH[c] for c in brackets)) > MAX_DEPTH:
         raise SnapshotInvalid(path, name, f"nested deeper than {MAX_DEPTH} levels")
 
-    def constant(word: str) -> float:
+    def constant(word: str) -> NoReturn:
         raise ValueError(f"{word} is not a number")
 
     try:
