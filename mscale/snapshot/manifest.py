@@ -30,6 +30,7 @@ from mscale.snapshot.values import JSONObject
 
 __all__ = [
     "FileMeta",
+    "Identity",
     "Manifest",
     "MpuFiles",
     "SnapshotError",
@@ -70,6 +71,16 @@ class MpuFiles(TypedDict):
     name: str
     file: str
     optim_file: str
+
+
+class Identity(TypedDict):
+    """What a writer stamps on every manifest it writes: whose snapshot, and what it holds."""
+
+    rank: int
+    world_size: int
+    job_id: str
+    optimizer: bool
+    mpus: dict[str, MpuFiles]
 
 
 class Manifest(TypedDict):

@@ -45,11 +45,11 @@ from mscale.snapshot.format import (
     step_dir_name,
     write_file,
 )
-from mscale.snapshot.manifest import FileMeta, parse_manifest
+from mscale.snapshot.manifest import FileMeta, Identity, parse_manifest
 from mscale.snapshot.memory import MemorySnapshot
 from mscale.snapshot.ownership import Ownership
 from mscale.snapshot.tensors import safetensors_parts
-from mscale.snapshot.values import JSONObject, as_int
+from mscale.snapshot.values import JSONObject
 from mscale.version import __version__
 
 _T = TypeVar("_T")
@@ -88,7 +88,7 @@ class DiskWriter:
         rank_dir: Path,
         *,
         keep: int,
-        identity: JSONObject,
+        identity: Identity,
         emit: Callable[..., object],
         unpin: Callable[[MemorySnapshot], None],
         tier: str = "disk",
@@ -98,7 +98,7 @@ class DiskWriter:
         # the node tier (node_tier.py): its findings say so; private: 0700 directories, 0600 files
         self.tier, self._file_mode, self._dir_mode = tier, (0o600 if private else 0o644), (0o700 if private else 0o777)
         self._emit, self._unpin = emit, unpin
-        self.own = Ownership(str(identity.get("job_id", "")), emit)  # only this run's snapshots
+        self.own = Ownership(identity["job_id"], emit)  # only this run's snapshots
         self.last_write: JSONObject = {}
         self._clean_leftovers()
         self._jobs: deque[_Job] = deque()
@@ -320,14 +320,14 @@ class DiskWriter:
             self._remove(info.path)
         fsync_dir(self.rank_dir)
         kept = sorted(i.step for i in complete)[-self.keep :]
-        if self.identity.get("rank") == 0 and len(kept) == self.keep and RANK_DIR.match(self.rank_dir.name):
+        if self.identity["rank"] == 0 and len(kept) == self.keep and RANK_DIR.match(self.rank_dir.name):
             self._prune_outside_world(kept[0])
 
     def _prune_outside_world(self, oldest_kept: int) -> None:
         """Rank 0: the rank directories of ranks beyond this world (an older run's, on more ranks:
         mscale/snapshot/worlds.py) lose their snapshots older than every one this rank keeps; no
         rank of this world would ever prune them, nor resume them over the newer ones."""
-        world = as_int(self.identity.get("world_size") or 1, "world_size")
+        world = self.identity["world_size"] or 1
         for d in self.rank_dir.parent.iterdir():
             m = RANK_DIR.match(d.name)
             if not (m and d.is_dir() and int(m.group(1)) >= world):
