@@ -41,7 +41,10 @@ def main() -> None:
         print(f"  mscale/{cls}({', '.join(theirs)})  ({layout.CROSS_FILE_BASES.get(cls, 'NOT NAMED')})")
     anys = layout.any_names()
     rooms = ", ".join(f"{room}/ {anys.get(room, 0)}" for room in ("hook", "snapshot", "healing", "daemon", "link"))
-    print(f"Any (names used, imports not counted): {sum(anys.values())} in the package; {rooms}")
+    print(
+        "Any (names used, each use of an alias that holds it counted as its value, imports not counted): "
+        f"{sum(anys.values())} in the package; {rooms}"
+    )
     long = layout.long_functions()
     print(f"functions over {layout.MAX_FUNCTION_LINES} lines: {len(long)}")
     for where, n in sorted(long.items(), key=lambda kv: (-kv[1], kv[0])):

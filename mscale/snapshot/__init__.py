@@ -16,7 +16,7 @@
     mark.py         the step mark: what a step's rerun puts back without a rollback
     restore.py      a snapshot into the live objects; the start-up resume
     engine.py       SnapshotEngine: holds the parts above; snapshot, rollback, resume
-    values.py       the untyped values passed around, named once: StateDict, JSONObject
+    values.py       the opaque values passed around (StateDict, JSONObject) and their checked reads
     plugin.py       SnapshotPlugin: the engine as a Guard plugin
     data.py         resumable data positions; distributed.py: the collectives of agreed rollback
     cli.py          `mscale snapshot list|verify|inspect`

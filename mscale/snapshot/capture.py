@@ -18,6 +18,7 @@ import mscale.snapshot.distributed as mdist
 from mscale.findings import Reason, Severity
 from mscale.snapshot import worlds
 from mscale.snapshot.format import FORMAT, NONMPU_FILE, NONMPU_OPTIM_FILE, mpu_file, optim_file
+from mscale.snapshot.manifest import Identity
 from mscale.snapshot.memory import rng_state, to_host
 from mscale.snapshot.node_tier import NodeTier
 from mscale.snapshot.ownership import dir_refused
@@ -91,8 +92,8 @@ def binding(engine: SnapshotEngine) -> JSONObject:
         dev = p.device if p is not None else torch.device("cpu")
         entry: JSONObject = {"name": engine.layout.names[mpu_id], "device": str(dev), "gpu": None, "gpu_uuid": None}
         if dev.type == "cuda":
-            entry["gpu"] = dev.index if dev.index is not None else torch.cuda.current_device()
-            entry["gpu_uuid"] = str(getattr(torch.cuda.get_device_properties(entry["gpu"]), "uuid", "")) or None
+            entry["gpu"] = gpu = dev.index if dev.index is not None else torch.cuda.current_device()
+            entry["gpu_uuid"] = str(getattr(torch.cuda.get_device_properties(gpu), "uuid", "")) or None
         entry.update({k: v for k, v in dict(custom.get(mpu_id, {})).items()})
         mpus[mpu_id] = entry
     return {
@@ -145,7 +146,7 @@ def open_directory(engine: SnapshotEngine, directory: Path) -> tuple[Path, DiskW
         engine.emit(Reason.SNAPSHOT_REFUSED, Severity.CRITICAL, message, file=rank_dir.name)
         return None
     _report_foreign(engine, directory)
-    identity = {
+    identity: Identity = {
         "rank": engine.rank,
         "world_size": engine.world_size,
         "job_id": engine.job_id,

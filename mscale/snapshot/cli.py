@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TextIO
 
 from mscale.snapshot import format as snap
+from mscale.snapshot.values import as_dict, as_float, as_int, as_list
 
 HELP = "list, verify or inspect training snapshots on disk"
 
@@ -100,15 +101,15 @@ def _list(root: Path, args: argparse.Namespace) -> int:
         return 2
     if args.json:
         for tier, i in rows:
-            m = i.manifest or {}
+            m = i.manifest
             entry = {
                 "path": str(i.path),
                 "step": i.step,
                 "rank": i.rank,
                 "complete": i.complete,
                 "bytes": i.nbytes,
-                "created_unix": m.get("created_unix"),
-                "files": len(m.get("files", {})),
+                "created_unix": m["created_unix"] if m is not None else None,
+                "files": len(m["files"]) if m is not None else 0,
                 "problem": i.problem,
             }
             print(json.dumps({**entry, "tier": tier} if args.job else entry))
@@ -116,13 +117,13 @@ def _list(root: Path, args: argparse.Namespace) -> int:
     tiers = f"{'TIER':<4}  " if args.job else ""
     print(f"{tiers}{'RANK':>4}  {'STEP':>10}  {'STATUS':<10}  {'SIZE':>10}  {'CREATED (UTC)':<19}  {'FILES':>5}  PATH")
     for tier, i in rows:
-        m = i.manifest or {}
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m["created_unix"])) if "created_unix" in m else "-"
+        m = i.manifest
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m["created_unix"])) if m is not None else "-"
         status = "complete" if i.complete else "invalid" if i.problem else "incomplete"
         rank = "-" if i.rank is None else str(i.rank)
         print(
             f"{f'{tier:<4}  ' if args.job else ''}{rank:>4}  {i.step:>10}  {status:<10}  "
-            f"{_size(i.nbytes) if i.complete else '-':>10}  {created:<19}  {len(m.get('files', {})):>5}  {_clean(i.path)}"
+            f"{_size(i.nbytes) if i.complete else '-':>10}  {created:<19}  {len(m['files']) if m is not None else 0:>5}  {_clean(i.path)}"
         )
     for i in infos:
         if i.problem:
@@ -261,10 +262,13 @@ def _inspect(root: Path, args: argparse.Namespace) -> int:
         f"step       {summary['step']}   rank {summary['rank']} of {summary['world_size']}   job {summary['job_id'] or '-'}   written: {summary['why']}"
     )
     if summary["created_unix"]:
-        print(f"created    {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(summary['created_unix']))}")
-    print(f"versions   {', '.join(f'{k} {v}' for k, v in (summary['versions'] or {}).items())}")
+        print(
+            f"created    {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(as_float(summary['created_unix'], 'created_unix')))}"
+        )
+    print(f"versions   {', '.join(f'{k} {v}' for k, v in as_dict(summary['versions'] or {}, 'versions').items())}")
     print("mpus")
-    for mpu_id, m in sorted(summary["mpus"].items()):
+    for mpu_id, binding in sorted(as_dict(summary["mpus"], "mpus").items()):
+        m = as_dict(binding, f"MPU {mpu_id}")
         where = (
             f"gpu {m.get('gpu')} {m.get('gpu_uuid') or ''}".strip()
             if m.get("gpu") is not None
@@ -272,11 +276,12 @@ def _inspect(root: Path, args: argparse.Namespace) -> int:
         )
         print(f"  {_clean(mpu_id)}  {_clean(m.get('name', '-')):<10} {_clean(where)}")
     print("files")
-    for name, m in summary["files"].items():
-        kind = "blake3_tree" if "blake3_tree" in m else "sha256"
-        print(f"  {name:<40} {_size(m['size']):>10}  {kind} {m[kind][:16]}…")
+    for name, listed in as_dict(summary["files"], "files").items():
+        f = as_dict(listed, name)
+        kind = "blake3_tree" if "blake3_tree" in f else "sha256"
+        print(f"  {name:<40} {_size(as_int(f['size'], 'size')):>10}  {kind} {str(f[kind])[:16]}…")
     for key in ("optimizer", "scaler", "scheduler", "data"):
         if summary[key] is not None:
             print(f"{key:<10} {json.dumps(summary[key], default=str)}")
-    print(f"rng        {', '.join(summary['rng'])}")
+    print(f"rng        {', '.join(map(str, as_list(summary['rng'], 'rng')))}")
     return 0

@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
-from mscale.snapshot.values import StateDict
+from mscale.snapshot.values import StateDict, as_dict, as_int, as_list
 
 __all__ = ["ResumableLoader", "ResumableFileStream", "epoch_order"]
 
@@ -182,7 +182,7 @@ class ResumableLoader:
     def skip_batch_at(self, position: StateDict) -> None:
         """Marks the batch starting at `position` (a `last_batch_position`) to be stepped over
         when reached; kept in the state, so a later resume skips it too."""
-        self.skip.add((int(position["epoch"]), int(position["index"])))
+        self.skip.add((as_int(position["epoch"], "epoch"), as_int(position["index"], "index")))
         self._it = None
 
     def mark_step(self) -> None:
@@ -217,10 +217,10 @@ class ResumableLoader:
                 raise ValueError(
                     f"data position does not fit this loader: {key} was {state[key]!r}, now {getattr(self, key)!r}"
                 )
-        self.epoch, self.index, self.seed = int(state["epoch"]), int(state["index"]), int(state["seed"])
-        self.skip = {(int(e), int(i)) for e, i in state.get("skip", [])}
+        self.epoch, self.index, self.seed = (as_int(state[k], k) for k in ("epoch", "index", "seed"))
+        self.skip = {_pair(p) for p in as_list(state.get("skip", []), "skip")}
         last = state.get("last_batch_position")
-        self.last_batch_position = dict(last) if last else None
+        self.last_batch_position = dict(as_dict(last, "last_batch_position")) if last else None
         self.step_positions = []
         self._order_cache = None
         self._it = None
@@ -297,7 +297,7 @@ class ResumableFileStream:
             yield self.next_batch()
 
     def skip_batch_at(self, position: StateDict) -> None:
-        self.skip.add((int(position["epoch"]), int(position["offset"])))
+        self.skip.add((as_int(position["epoch"], "epoch"), as_int(position["offset"], "offset")))
 
     def mark_step(self) -> None:
         self.step_positions = []
@@ -326,15 +326,21 @@ class ResumableFileStream:
                     f"data position does not fit this stream: {key} was {state[key]!r}, now {getattr(self, key)!r}"
                 )
         size = os.path.getsize(self.path)
-        if int(state["offset"]) > size:
+        if as_int(state["offset"], "offset") > size:
             raise ValueError(
                 f"{self.path}: saved byte offset {state['offset']} is past the end of the file ({size} bytes)"
             )
-        self.epoch, self.offset, self.record = int(state["epoch"]), int(state["offset"]), int(state["record"])
-        self.skip = {(int(e), int(o)) for e, o in state.get("skip", [])}
+        self.epoch, self.offset, self.record = (as_int(state[k], k) for k in ("epoch", "offset", "record"))
+        self.skip = {_pair(p) for p in as_list(state.get("skip", []), "skip")}
         last = state.get("last_batch_position")
-        self.last_batch_position = dict(last) if last else None
+        self.last_batch_position = dict(as_dict(last, "last_batch_position")) if last else None
         self.step_positions = []
+
+
+def _pair(skipped: object) -> tuple[int, int]:
+    """One skipped batch of a saved position: (epoch, index or offset)."""
+    epoch, at = as_list(skipped, "a skipped batch")
+    return as_int(epoch, "a skipped batch's epoch"), as_int(at, "a skipped batch's position")
 
 
 def step_batches(data: Any, micro_batches: Sequence[int] = ()) -> list[StateDict] | None:

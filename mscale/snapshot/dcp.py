@@ -26,13 +26,13 @@ import torch.distributed.checkpoint as dcp
 
 from mscale.snapshot.format import SnapshotError
 from mscale.snapshot.tensors import load_snapshot
-from mscale.snapshot.values import StateDict
+from mscale.snapshot.values import StateDict, as_dict, as_int
 
 
 def state_dict_of(snapshot: str | os.PathLike[str]) -> StateDict:
     """The DCP state dict (see the module docstring) of one verified snapshot directory."""
     tensors, objects, _manifest = load_snapshot(snapshot)
-    sharding = (objects.get("extra") or {}).get("sharding") or {}
+    sharding = as_dict(as_dict(objects.get("extra") or {}, "the extras' state").get("sharding") or {}, "sharding")
     if sharding.get("sharded"):
         raise SnapshotError(
             f"{snapshot}: holds one rank's shard of a model sharded over {sharding.get('world_size')} ranks "
@@ -49,10 +49,11 @@ def state_dict_of(snapshot: str | os.PathLike[str]) -> StateDict:
             elif kind == "optim":
                 fqn, _, name = rest.rpartition("/")
                 state.setdefault(fqn, {})[name] = t
-    opt = objects.get("optimizer") or {}
-    for fqn, scalars in (opt.get("scalars") or {}).items():
-        state.setdefault(fqn, {}).update(scalars)
-    out: StateDict = {"model": model, "train": {"step": int(objects["step"])}}
+    opt = as_dict(objects.get("optimizer") or {}, "the optimizer state")
+    for fqn, scalars in as_dict(opt.get("scalars") or {}, "the optimizer's scalars").items():
+        state.setdefault(fqn, {}).update(as_dict(scalars, f"the scalars of {fqn}"))
+    step = as_int(objects["step"], "the step")
+    out: StateDict = {"model": model, "train": {"step": step}}
     if opt:
         out["optim"] = {"state": state, "param_groups": opt.get("param_groups", [])}
     return out
@@ -67,10 +68,11 @@ def export(snapshot: str | os.PathLike[str], out: str | os.PathLike[str]) -> Sta
     sd = state_dict_of(snapshot)
     out.mkdir(parents=True, exist_ok=True)
     dcp.save(sd, checkpoint_id=str(out), no_dist=True)
+    optim = as_dict(sd.get("optim", {}), "optim")
     return {
         "snapshot": str(snapshot),
         "out": str(out),
-        "step": sd["train"]["step"],
-        "model_tensors": len(sd["model"]),
-        "optimizer_parameters": len(sd.get("optim", {}).get("state", {})),
+        "step": as_dict(sd["train"], "train")["step"],
+        "model_tensors": len(as_dict(sd["model"], "model")),
+        "optimizer_parameters": len(as_dict(optim.get("state", {}), "optim state")),
     }

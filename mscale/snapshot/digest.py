@@ -23,20 +23,31 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias
 
 import blake3
 
-from mscale.snapshot.manifest import SnapshotInvalid
-from mscale.snapshot.values import JSONObject
+from mscale.snapshot.manifest import FileMeta, SnapshotInvalid
 
-__all__ = ["TREE_CHUNK", "TreeHasher", "read_and_verify", "DIGESTS"]
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, WriteableBuffer
+
+__all__ = ["TREE_CHUNK", "TreeHasher", "read_and_verify", "DIGESTS", "Into"]
+
+# Where a file is read to (read_and_verify's `into`): a buffer, consecutive pieces, or None (not kept).
+Into: TypeAlias = "WriteableBuffer | list[WriteableBuffer] | None"
 
 TREE_CHUNK = 16 << 20  # the tree's leaf: the unit of parallel hashing
 READ = 1 << 20  # read and hashed at once: stays in the CPU's cache between the two
 IOV_MAX = 512  # pieces per preadv call (Linux allows 1024)
 DIGESTS = ("blake3_tree", "sha256")  # what a manifest may record per file, newest first
 _NAMES = {"blake3_tree": "BLAKE3", "sha256": "SHA-256"}
+
+
+class _Sink(Protocol):
+    """What the bytes read are hashed by: BLAKE3, SHA-256, or nothing (hashes=False)."""
+
+    def update(self, data: memoryview, /) -> object: ...
 
 
 def _root(leaves: list[bytes], size: int) -> str:
@@ -52,7 +63,7 @@ class TreeHasher:
         self._in_leaf = 0
         self.size = 0
 
-    def update(self, data: Any) -> None:
+    def update(self, data: ReadableBuffer) -> None:
         view = memoryview(data).cast("B")
         while view:
             n = min(len(view), TREE_CHUNK - self._in_leaf)
@@ -73,7 +84,7 @@ class _Pieces:
     """Where a file's bytes go: consecutive pieces of memory (a buffer, or the tensors a file
     holds with scratch between them), found by file offset."""
 
-    def __init__(self, pieces: list[Any], size: int) -> None:
+    def __init__(self, pieces: list[WriteableBuffer], size: int) -> None:
         self.views = [memoryview(p).cast("B") for p in pieces]
         self.starts = list(accumulate([0] + [len(v) for v in self.views]))
         if self.starts[-1] != size:
@@ -93,7 +104,7 @@ class _Pieces:
 
 
 def _read_into(
-    fd: int, views: list[memoryview], offset: int, hasher: Any, progress: Callable[[int], None] | None
+    fd: int, views: list[memoryview], offset: int, hasher: _Sink, progress: Callable[[int], None] | None
 ) -> None:
     """Reads consecutive file bytes from offset into views, about READ bytes a call (one
     preadv for many small tensors), hashing each window as it lands."""
@@ -111,7 +122,7 @@ def _read_into(
         _fill(fd, window, offset, hasher, progress)
 
 
-def _fill(fd: int, window: list[memoryview], offset: int, hasher: Any, progress: Callable[[int], None] | None) -> int:
+def _fill(fd: int, window: list[memoryview], offset: int, hasher: _Sink, progress: Callable[[int], None] | None) -> int:
     total = sum(len(v) for v in window)
     left, done = list(window), 0
     while left:
@@ -133,14 +144,14 @@ def _fill(fd: int, window: list[memoryview], offset: int, hasher: Any, progress:
 def read_and_verify(
     path: Path,
     fds: dict[str, int],
-    metas: dict[str, JSONObject],
+    metas: dict[str, FileMeta],
     *,
-    into: Callable[[str, int], Any] | None = None,
+    into: Callable[[str, int], Into] | None = None,
     hashes: bool = True,
     progress: Callable[[int], None] | None = None,
     workers: int | None = None,
     pool: ThreadPoolExecutor | None = None,
-) -> dict[str, Any]:
+) -> dict[str, WriteableBuffer | list[WriteableBuffer]]:
     """Reads every file (its size already checked) and checks its digest against `metas`, in
     one pass. into(name, size): a writable buffer the file is read into, or a list of
     buffers holding its consecutive bytes (returned per name, as given); without it, each
@@ -158,7 +169,7 @@ def read_and_verify(
         raise SnapshotInvalid(path, *problems[0])
     if hashes:
         for name in sorted(metas):
-            kind = "blake3_tree" if name in reads.leaves else "sha256"
+            kind: Literal["blake3_tree", "sha256"] = "blake3_tree" if name in reads.leaves else "sha256"
             got = (
                 _root(reads.leaves[name], metas[name]["size"])
                 if name in reads.leaves
@@ -176,16 +187,16 @@ class _Pass:
     def __init__(
         self,
         fds: dict[str, int],
-        metas: dict[str, JSONObject],
-        into: Callable[[str, int], Any] | None,
+        metas: dict[str, FileMeta],
+        into: Callable[[str, int], Into] | None,
         hashes: bool,
         progress: Callable[[int], None] | None,
     ) -> None:
         self.fds, self.hashes, self.progress = fds, hashes, progress
-        self.bufs: dict[str, Any] = {}
+        self.bufs: dict[str, WriteableBuffer | list[WriteableBuffer]] = {}
         self.dests: dict[str, _Pieces] = {}
         self.leaves: dict[str, list[bytes]] = {}
-        self.whole: dict[str, Any] = {}
+        self.whole: dict[str, hashlib._Hash] = {}
         self.tasks: list[tuple[int, str, int]] = []
         self.scratch = threading.local()  # a buffer per thread when nothing is kept
         for name in sorted(metas):
@@ -229,7 +240,7 @@ class _Pass:
 
 
 class _NoHash:
-    def update(self, data: Any) -> None:
+    def update(self, data: memoryview) -> None:
         pass
 
     def digest(self) -> bytes:

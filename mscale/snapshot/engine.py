@@ -107,7 +107,7 @@ class SnapshotEngine:
         scheduler: Stateful | None = None,
         data: Any = None,
         extra: Mapping[str, Stateful] | None = None,
-        binding: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
+        binding: Callable[[], Mapping[str, Mapping[str, object]]] | None = None,
         emit: Callable[[Finding], None] | None = None,
         job_id: str = "",
         group: ProcessGroup | None = None,

@@ -11,7 +11,7 @@ import torch
 
 from mscale.snapshot.format import SnapshotError
 from mscale.snapshot.optim import fits
-from mscale.snapshot.values import StateDict
+from mscale.snapshot.values import StateDict, as_dict
 
 if TYPE_CHECKING:
     from mscale.snapshot.engine import SnapshotEngine
@@ -33,10 +33,13 @@ def check_fits(
         fits(f"model/{k}", model_keys[k], t, f"{where} does not fit the model", "the model's")
     if engine.named_optimizer is not None:
         optim = {k[6:]: t for d in tensors.values() for k, t in d.items() if k.startswith("optim/")}
-        engine.named_optimizer.check(objects.get("optimizer"), where, optim)
+        saved = objects.get("optimizer")
+        engine.named_optimizer.check(None if saved is None else as_dict(saved, "the optimizer state"), where, optim)
     for name, obj in (("scaler", engine.scaler), ("scheduler", engine.scheduler), ("data", engine.data)):
         if obj is not None and name not in objects:
             raise SnapshotError(f"{where} holds no {name} state")
     for name, obj in engine.extra.items():  # one marked snapshot_optional may be missing (None)
-        if name not in objects.get("extra", {}) and not getattr(obj, "snapshot_optional", False):
+        if name not in as_dict(objects.get("extra", {}), "the extras' state") and not getattr(
+            obj, "snapshot_optional", False
+        ):
             raise SnapshotError(f"{where} holds no state for {name!r}")

@@ -34,9 +34,9 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 
-from mscale.snapshot.digest import TreeHasher, read_and_verify
+from mscale.snapshot.digest import Into, TreeHasher, read_and_verify
 from mscale.snapshot.manifest import (
     BINDING,
     FORMAT,
@@ -46,6 +46,8 @@ from mscale.snapshot.manifest import (
     NONMPU_FILE,
     NONMPU_OPTIM_FILE,
     TRAIN_STATE,
+    FileMeta,
+    Manifest,
     SnapshotError,
     SnapshotInvalid,
     check_binding,
@@ -59,7 +61,10 @@ from mscale.snapshot.manifest import (
     step_dir_name,
 )
 from mscale.snapshot.train_state import TensorInfo, read_train_state
-from mscale.snapshot.values import JSONObject
+from mscale.snapshot.values import JSONObject, as_dict, as_list
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 __all__ = [
     "SnapshotError",
@@ -98,12 +103,12 @@ class SnapshotInfo:
     step: int
     rank: int | None  # None: a single-process directory without rank subdirectories
     complete: bool  # manifest present and valid (written last: present means the rename happened)
-    manifest: JSONObject | None = None
+    manifest: Manifest | None = None
     problem: str | None = None  # why a step_ directory's manifest is refused
 
     @property
     def nbytes(self) -> int:
-        return sum(int(f["size"]) for f in (self.manifest or {}).get("files", {}).values())
+        return sum(f["size"] for f in self.manifest["files"].values()) if self.manifest is not None else 0
 
 
 # -- writing ------------------------------------------------------------------------------
@@ -131,10 +136,10 @@ def write_file(
     *,
     fsync: bool = True,
     mode: int = 0o644,
-) -> tuple[int, JSONObject]:
+) -> tuple[int, FileMeta]:
     """Writes parts to a new file of `mode` (and fsyncs it unless told not to); returns (size,
-    digest entry for the manifest). The hash of each chunk runs in a helper thread while the chunk
-    is written (both release the GIL)."""
+    its entry for the manifest: size and digest). The hash of each chunk runs in a helper
+    thread while the chunk is written (both release the GIL)."""
     sha = TreeHasher()
     size = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
@@ -151,7 +156,7 @@ def write_file(
             os.fsync(fd)
     finally:
         os.close(fd)
-    return size, {"blake3_tree": sha.hexdigest()}
+    return size, {"size": size, "blake3_tree": sha.hexdigest()}
 
 
 def safetensors_header(entries: Sequence[tuple[str, str, Sequence[int], int]], metadata: dict[str, str]) -> bytes:
@@ -172,7 +177,7 @@ def safetensors_header(entries: Sequence[tuple[str, str, Sequence[int], int]], m
 # -- listing and verifying --------------------------------------------------------------
 
 
-def read_manifest(path: str | os.PathLike[str]) -> JSONObject:
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """The manifest of the snapshot at `path`, checked (manifest.py), or SnapshotInvalid."""
     path = Path(path)
     dirfd = open_dir(path)
@@ -182,7 +187,7 @@ def read_manifest(path: str | os.PathLike[str]) -> JSONObject:
         os.close(dirfd)
 
 
-def _read_manifest_at(dirfd: int, path: Path) -> JSONObject:
+def _read_manifest_at(dirfd: int, path: Path) -> Manifest:
     try:
         raw = read_small(dirfd, path, MANIFEST, MAX_MANIFEST_BYTES)
     except SnapshotInvalid as e:
@@ -202,16 +207,17 @@ class Verified:
     the train state and the binding) is exactly the bytes verified. A context manager:
     closing it closes the descriptors."""
 
-    def __init__(self, path: Path, dirfd: int, manifest: JSONObject) -> None:
+    def __init__(self, path: Path, dirfd: int, manifest: Manifest) -> None:
         self.path, self.dirfd, self.manifest = path, dirfd, manifest
         self.fds: dict[str, int] = {}
-        self.contents: dict[str, Any] = {}  # file name -> the buffer it was read into
+        self.contents: dict[str, WriteableBuffer | list[WriteableBuffer]] = {}  # file name -> where it was read
         self.binding: JSONObject = {}
         self.objects: JSONObject = {}  # the train state, read without torch (read_train_state)
 
     def reader(self, name: str) -> IO[bytes]:
         """A binary file over the verified contents of `name` (close it after use)."""
-        return io.BytesIO(self.contents[name])
+        kept = self.contents[name]
+        return io.BytesIO(b"".join(kept) if isinstance(kept, list) else kept)
 
     def close(self) -> None:
         for fd in [*self.fds.values(), self.dirfd]:
@@ -221,7 +227,7 @@ class Verified:
     def __enter__(self) -> Verified:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -231,7 +237,7 @@ def open_verified(
     hashes: bool = True,
     progress: Callable[[int], None] | None = None,
     workers: int | None = None,
-    into: Callable[[str, int], Any] | None = None,
+    into: Callable[[str, int], Into] | None = None,
     pool: ThreadPoolExecutor | None = None,
     opened: Callable[[dict[str, int]], None] | None = None,
 ) -> Verified:
@@ -244,9 +250,14 @@ def open_verified(
     Raises SnapshotInvalid naming the first file at fault.
     `progress(n)` is called with each number of bytes read, from worker threads."""
     path = Path(path)
-    v = Verified(path, open_dir(path), {})
+    dirfd = open_dir(path)
     try:
-        v.manifest = manifest = _read_manifest_at(v.dirfd, path)
+        manifest = _read_manifest_at(dirfd, path)
+    except BaseException:
+        os.close(dirfd)
+        raise
+    v = Verified(path, dirfd, manifest)
+    try:
         files = manifest["files"]
         for name, meta in sorted(files.items()):
             fd, st = open_file(v.dirfd, path, name)
@@ -257,7 +268,7 @@ def open_verified(
         if files[BINDING]["size"] > MAX_BINDING_BYTES:
             raise SnapshotInvalid(path, BINDING, f"more than the {MAX_BINDING_BYTES} bytes allowed")
 
-        def keep(name: str, size: int) -> Any:
+        def keep(name: str, size: int) -> Into:
             if name in (BINDING, TRAIN_STATE):
                 return bytearray(size)
             return into(name, size) if into is not None else None
@@ -267,7 +278,8 @@ def open_verified(
         v.contents = read_and_verify(
             path, v.fds, files, into=keep, hashes=hashes, progress=progress, workers=workers, pool=pool
         )
-        v.binding = check_binding(bytes(v.contents[BINDING]), path, manifest)
+        with v.reader(BINDING) as f:
+            v.binding = check_binding(f.read(), path, manifest)
         with v.reader(TRAIN_STATE) as f:  # whether there is optimizer state is its to say
             v.objects = read_train_state(path / TRAIN_STATE, f)
         holds = v.objects.get("optimizer") is not None
@@ -282,7 +294,7 @@ def open_verified(
 
 def verify_snapshot(
     path: str | os.PathLike[str], *, progress: Callable[[int], None] | None = None, workers: int | None = None
-) -> JSONObject:
+) -> Manifest:
     """Checks every file of a snapshot against its manifest (open_verified); returns the
     manifest, or raises SnapshotInvalid naming the first file at fault."""
     with open_verified(path, progress=progress, workers=workers) as v:
@@ -342,7 +354,7 @@ def summarize(info: SnapshotInfo) -> JSONObject:
         raise SnapshotInvalid(info.path, TRAIN_STATE, f"holds an unexpected structure: {e!r}") from None
 
 
-def _summary(info: SnapshotInfo, manifest: JSONObject, binding: JSONObject, objects: JSONObject) -> JSONObject:
+def _summary(info: SnapshotInfo, manifest: Manifest, binding: JSONObject, objects: JSONObject) -> JSONObject:
     return {
         "path": str(info.path),
         "step": manifest["step"],
@@ -354,31 +366,32 @@ def _summary(info: SnapshotInfo, manifest: JSONObject, binding: JSONObject, obje
         "versions": manifest.get("versions"),
         "files": {n: dict(m) for n, m in sorted(manifest["files"].items())},  # size and digest
         "mpus": binding.get("mpus", manifest.get("mpus", {})),
-        "optimizer": _optimizer_summary(objects.get("optimizer")),
+        "optimizer": _optimizer_summary(as_dict(objects.get("optimizer") or {}, "optimizer")),
         "scaler": plain(objects.get("scaler")),
         "scheduler": plain(
             {
                 k: v
-                for k, v in (objects.get("scheduler") or {}).items()
+                for k, v in as_dict(objects.get("scheduler") or {}, "scheduler").items()
                 if k in ("last_epoch", "_last_lr", "_step_count", "base_lrs")
             }
         )
         or None,
-        "data": plain({k: v for k, v in (objects.get("data") or {}).items() if k != "skip"}) or None,
-        "rng": sorted((objects.get("rng") or {}).keys()),
+        "data": plain({k: v for k, v in as_dict(objects.get("data") or {}, "data").items() if k != "skip"}) or None,
+        "rng": sorted(as_dict(objects.get("rng") or {}, "rng").keys()),
     }
 
 
-def _optimizer_summary(opt: JSONObject | None) -> JSONObject | None:
+def _optimizer_summary(opt: JSONObject) -> JSONObject | None:
     if not opt:
         return None
     groups = [
-        {k: plain(v) for k, v in g.items() if k != "params"} | {"params": len(g["params"])} for g in opt["param_groups"]
+        {k: plain(v) for k, v in g.items() if k != "params"} | {"params": len(as_list(g["params"], "params"))}
+        for g in (as_dict(g, "a param group") for g in as_list(opt["param_groups"], "param_groups"))
     ]
     return {"class": opt.get("class"), "param_groups": groups}
 
 
-def plain(obj: Any) -> Any:
+def plain(obj: object) -> object:
     """JSON-friendly copy: a one-element tensor as its value, a larger one as `tensor(shape)`."""
     if isinstance(obj, TensorInfo):
         return obj.value if obj.numel == 1 else f"tensor{obj.shape}"

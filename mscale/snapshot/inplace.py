@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,10 +28,12 @@ from mscale.findings import Reason, Severity
 from mscale.snapshot.fit import check_fits
 from mscale.snapshot.format import SnapshotError, SnapshotInvalid, step_dir_name
 from mscale.snapshot.keys import renamed_for
-from mscale.snapshot.tensors import MAX_HEADER, Entry, load_snapshot, parse_header
+from mscale.snapshot.tensors import MAX_HEADER, Entry, Planned, Tensors, load_snapshot, parse_header
 from mscale.snapshot.values import StateDict
 
 if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
+
     from mscale.snapshot.engine import SnapshotEngine
 
 __all__ = ["live_targets", "plan_in_place", "load_newest_valid"]
@@ -70,9 +72,7 @@ def _writable(t: torch.Tensor) -> bool:
     )
 
 
-def plan_in_place(
-    live: dict[str, torch.Tensor], path: Path, fds: dict[str, int]
-) -> dict[str, tuple[list[Any], dict[str, torch.Tensor], bytes]]:
+def plan_in_place(live: dict[str, torch.Tensor], path: Path, fds: dict[str, int]) -> dict[str, Planned]:
     """For each safetensors file: (the buffers its consecutive bytes are read into, its
     tensors, its header bytes), the tensors live ones where the snapshot fits the live state
     as a whole, fresh memory otherwise. Empty when the snapshot does not fit: read as usual."""
@@ -95,7 +95,7 @@ def plan_in_place(
         seen[t.data_ptr()] = seen.get(t.data_ptr(), 0) + 1
     plans = {}
     for name, (head, base, entries) in headers.items():
-        pieces: list[Any] = [bytearray(base)]
+        pieces: list[WriteableBuffer] = [bytearray(base)]
         tensors: dict[str, torch.Tensor] = {}
         at = 0  # file offset reached, relative to the body
         for key, dtype, shape, start, end in sorted(entries, key=lambda e: (e[3], e[4])):
@@ -109,7 +109,7 @@ def plan_in_place(
             else:
                 dest = torch.empty(shape, dtype=dtype)
             if end > start:
-                pieces.append(dest.detach().view(-1).view(torch.uint8).numpy())
+                pieces.append(dest.detach().view(-1).view(torch.uint8).numpy().data)  # its bytes, not a copy
             tensors[key], at = dest, end
         if base + at < sizes[name]:
             pieces.append(bytearray(sizes[name] - base - at))
@@ -123,9 +123,9 @@ def load_newest_valid(
     *,
     collective: bool,
     where: Callable[[int], Path] | None = None,
-    read: Callable[[int], tuple[StateDict, StateDict] | None] | None = None,
+    read: Callable[[int], tuple[Tensors, StateDict] | None] | None = None,
     sources: list[tuple[int, Path, str]] | None = None,
-) -> tuple[int, Path, Any, StateDict] | None:
+) -> tuple[int, Path, Tensors, StateDict] | None:
     """(step, path, tensors, objects) of the newest of `steps` that verifies and fits, read
     into the live tensors where it fits them (or by `read(step)`, when it gives (tensors,
     objects): another world's shards re-sharded); each refused one a finding naming the next
@@ -140,7 +140,7 @@ def load_newest_valid(
     overwritten: Path | None = None
     landed: list[bool] = []  # whether the snapshot being read goes into the live tensors
 
-    def plan(path: Path, fds: dict[str, int]) -> StateDict:
+    def plan(path: Path, fds: dict[str, int]) -> dict[str, Planned]:
         plans = plan_in_place(live_targets(engine), path, fds)
         landed.append(bool(plans))
         return plans

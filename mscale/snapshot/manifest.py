@@ -21,13 +21,18 @@ import json
 import os
 import re
 import stat
+from collections.abc import Callable
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import NoReturn, NotRequired, TypedDict, cast
 
 from mscale.snapshot.values import JSONObject
 
 __all__ = [
+    "FileMeta",
+    "Identity",
+    "Manifest",
+    "MpuFiles",
     "SnapshotError",
     "SnapshotInvalid",
     "parse_manifest",
@@ -50,6 +55,48 @@ BINDING = "resource_binding.json"
 TRAIN_STATE = "train_state.pt"
 NONMPU_FILE = "nonmpu_state.safetensors"
 NONMPU_OPTIM_FILE = "nonmpu_optim.safetensors"
+
+
+class FileMeta(TypedDict):
+    """A file the manifest lists: its size and its digest (blake3_tree; sha256 in older ones)."""
+
+    size: int
+    blake3_tree: NotRequired[str]
+    sha256: NotRequired[str]
+
+
+class MpuFiles(TypedDict):
+    """An MPU the manifest declares: its name and the files of its state and optimizer state."""
+
+    name: str
+    file: str
+    optim_file: str
+
+
+class Identity(TypedDict):
+    """What a writer stamps on every manifest it writes: whose snapshot, and what it holds."""
+
+    rank: int
+    world_size: int
+    job_id: str
+    optimizer: bool
+    mpus: dict[str, MpuFiles]
+
+
+class Manifest(TypedDict):
+    """A manifest as parse_manifest checked it: every key and its type, as the schema says."""
+
+    format: str
+    step: int
+    rank: int
+    world_size: int
+    job_id: str
+    created_unix: float
+    why: str
+    versions: dict[str, str]
+    mpus: dict[str, MpuFiles]
+    files: dict[str, FileMeta]
+    optimizer: NotRequired[bool]  # written since the manifest declared it
 
 
 def step_dir_name(step: int) -> str:
@@ -183,7 +230,7 @@ def _printable(text: str, limit: int = 80) -> str:
     return shown + ("..." if len(text) > limit else "")
 
 
-def parse_json(raw: bytes, path: Path, name: str) -> Any:
+def parse_json(raw: bytes, path: Path, name: str) -> object:
     """JSON whose nesting is counted first (strings skipped), so it never recurses deeper
     than MAX_DEPTH; non-UTF-8, NaN and Infinity are refused."""
     try:
@@ -194,7 +241,7 @@ def parse_json(raw: bytes, path: Path, name: str) -> Any:
     if brackets and max(accumulate(_DEPTH[c] for c in brackets)) > MAX_DEPTH:
         raise SnapshotInvalid(path, name, f"nested deeper than {MAX_DEPTH} levels")
 
-    def constant(word: str) -> Any:
+    def constant(word: str) -> NoReturn:
         raise ValueError(f"{word} is not a number")
 
     try:
@@ -203,11 +250,11 @@ def parse_json(raw: bytes, path: Path, name: str) -> Any:
         raise SnapshotInvalid(path, name, f"not valid JSON: {e}") from None
 
 
-def _int(value: Any, lo: int, hi: int) -> bool:
+def _int(value: object, lo: int, hi: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
 
 
-def _text(value: Any) -> bool:
+def _text(value: object) -> bool:
     return isinstance(value, str) and len(value) <= MAX_TEXT and value.isprintable()
 
 
@@ -215,7 +262,7 @@ _KEYS = {"format", "step", "rank", "world_size", "job_id", "created_unix", "why"
 _OPTIONAL = {"optimizer"}  # written since the manifest declared it; older ones: all optimizer files or none
 
 
-def parse_manifest(raw: bytes, path: Path) -> JSONObject:
+def parse_manifest(raw: bytes, path: Path) -> Manifest:
     """The manifest in `raw`, checked against the schema and for completeness, or
     SnapshotInvalid(path, "manifest.json", why)."""
     m = parse_json(raw, path, MANIFEST)
@@ -245,16 +292,17 @@ def parse_manifest(raw: bytes, path: Path) -> JSONObject:
         raise bad("optimizer must be true or false")
     _check_mpus(m["mpus"], bad)
     _check_files(m["files"], bad)
-    want = required_files(m)
-    listed = set(m["files"])
+    manifest = cast(Manifest, m)  # every key and type checked above
+    want = required_files(manifest)
+    listed = set(manifest["files"])
     if missing := sorted(want.keys() - listed):
         raise bad(f"does not list {missing[0]} ({want[missing[0]]}), which the format requires")
     if extra := sorted(listed - want.keys()):
         raise bad(f"lists {extra[0]}, which is not a file of this snapshot's format")
-    return m
+    return manifest
 
 
-def _check_mpus(mpus: Any, bad: Any) -> None:
+def _check_mpus(mpus: object, bad: Callable[[str], SnapshotInvalid]) -> None:
     if not isinstance(mpus, dict) or len(mpus) > MAX_FILES // 2:
         raise bad("mpus must map MPU ids to their name and files")
     for mpu_id, entry in mpus.items():
@@ -267,7 +315,7 @@ def _check_mpus(mpus: Any, bad: Any) -> None:
             raise bad(f"MPU {mpu_id}: its files must be {file} and its _optim twin")
 
 
-def _check_files(files: Any, bad: Any) -> None:
+def _check_files(files: object, bad: Callable[[str], SnapshotInvalid]) -> None:
     if not isinstance(files, dict) or not files or len(files) > MAX_FILES:
         raise bad(f"files must list 1 to {MAX_FILES} files")
     for name, meta in files.items():
@@ -283,7 +331,7 @@ def _check_files(files: Any, bad: Any) -> None:
             raise bad(f"{name}: {kind} must be 64 lowercase hex digits")
 
 
-def required_files(manifest: JSONObject) -> dict[str, str]:
+def required_files(manifest: Manifest) -> dict[str, str]:
     """File name -> what it holds, for every file the format requires of a manifest that
     declares these MPUs (and an optimizer, or not): exactly the files the engine writes."""
     optimizer = manifest.get("optimizer")
@@ -299,11 +347,15 @@ def required_files(manifest: JSONObject) -> dict[str, str]:
     return want
 
 
-def check_binding(raw: bytes, path: Path, manifest: JSONObject) -> JSONObject:
+def check_binding(raw: bytes, path: Path, manifest: Manifest) -> JSONObject:
     """The binding file (already hashed): JSON naming the same MPUs as the manifest."""
     binding = parse_json(raw, path, BINDING)
     mpus = binding.get("mpus") if isinstance(binding, dict) else None
-    if not isinstance(mpus, dict) or not all(isinstance(v, dict) for v in mpus.values()):
+    if (
+        not isinstance(binding, dict)
+        or not isinstance(mpus, dict)
+        or not all(isinstance(v, dict) for v in mpus.values())
+    ):
         raise SnapshotInvalid(path, BINDING, "holds no MPU binding")
     theirs = {k: v.get("name") for k, v in mpus.items()}
     if theirs != {k: v["name"] for k, v in manifest["mpus"].items()}:

@@ -10,7 +10,7 @@ import copy
 from typing import TYPE_CHECKING
 
 from mscale.snapshot.memory import rng_state, set_rng_state, to_host
-from mscale.snapshot.values import StateDict
+from mscale.snapshot.values import StateDict, as_dict, as_int, as_list
 
 if TYPE_CHECKING:
     from mscale.snapshot.engine import SnapshotEngine
@@ -44,7 +44,7 @@ class StepMark:
     @property
     def step(self) -> int | None:
         """The step whose end the mark holds (None: none yet)."""
-        return None if self.objects is None else int(self.objects["step"])
+        return None if self.objects is None else as_int(self.objects["step"], "the mark's step")
 
     def take(self, engine: SnapshotEngine) -> None:
         objects: StateDict = {"step": engine.step, "rng": rng_state()}
@@ -67,14 +67,15 @@ class StepMark:
         mark = self.objects
         assert mark is not None
         if engine.data is not None and "data" in mark:
-            engine.data.load_state_dict(copy.deepcopy(mark["data"]))
+            engine.data.load_state_dict(copy.deepcopy(as_dict(mark["data"], "the mark's data position")))
         if engine.optimizer is not None and "groups" in mark:
-            for group, saved in zip(engine.optimizer.param_groups, mark["groups"], strict=True):
-                group.update(copy.deepcopy(saved))
+            for group, saved in zip(engine.optimizer.param_groups, as_list(mark["groups"], "groups"), strict=True):
+                group.update(copy.deepcopy(as_dict(saved, "a group")))
         if engine.scaler is not None:
-            engine.scaler.load_state_dict(copy.deepcopy(mark["scaler"]))
+            engine.scaler.load_state_dict(copy.deepcopy(as_dict(mark["scaler"], "the mark's scaler")))
         if engine.scheduler is not None:
-            engine.scheduler.load_state_dict(copy.deepcopy(mark["scheduler"]))
+            engine.scheduler.load_state_dict(copy.deepcopy(as_dict(mark["scheduler"], "the mark's scheduler")))
+        extra = as_dict(mark["extra"], "the mark's extras")
         for name, obj in engine.extra.items():
-            obj.load_state_dict(copy.deepcopy(mark["extra"].get(name)))
-        set_rng_state(mark["rng"])
+            obj.load_state_dict(copy.deepcopy(as_dict(extra.get(name), f"the mark's {name!r}")))
+        set_rng_state(as_dict(mark["rng"], "the mark's RNG state"))

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from mscale.snapshot.keys import wrapper_prefix
-from mscale.snapshot.values import StateDict
+from mscale.snapshot.values import StateDict, as_float, as_int, as_list
 
 __all__ = ["MemorySnapshot", "HostCopier", "Completion", "Verdict", "to_host", "rng_state", "set_rng_state"]
 
@@ -192,19 +192,29 @@ def rng_state() -> StateDict:
 
 
 def set_rng_state(state: StateDict) -> None:
-    random.setstate(_as_tuple(state["python"]))
-    torch.set_rng_state(state["torch"])
+    python = _as_tuple(state["python"])
+    if not isinstance(python, tuple):
+        raise TypeError(f"the Python RNG state must be a tuple, not {type(python).__name__}")
+    random.setstate(python)
+    torch.set_rng_state(_tensor(state["torch"], "the torch RNG state"))
     if "cuda" in state and torch.cuda.is_available():
-        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(s, i)
+        for i, s in enumerate(as_list(state["cuda"], "the CUDA RNG states")[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(_tensor(s, f"the RNG state of cuda:{i}"), i)
     if "numpy" in state:
         import numpy as np
 
-        name, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+        name, keys, pos, has_gauss, gauss = as_list(state["numpy"], "the numpy RNG state")
+        legacy = (str(name), _tensor(keys, "numpy's RNG keys").numpy().astype("uint32"), as_int(pos, "pos"))
+        np.random.set_state((*legacy, as_int(has_gauss, "has_gauss"), as_float(gauss, "gauss")))
 
 
-def _as_tuple(obj: Any) -> Any:
+def _tensor(value: object, what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what} must be a tensor, not {type(value).__name__}")
+    return value
+
+
+def _as_tuple(obj: object) -> object:
     return tuple(_as_tuple(v) for v in obj) if isinstance(obj, (list, tuple)) else obj
 
 
@@ -355,7 +365,7 @@ class HostCopier:
         self.last_wait = waited
         return waited
 
-    def fence_hook(self, *_: Any) -> None:
+    def fence_hook(self, *_: object) -> None:
         """fence() as an optimizer step pre-hook."""
         self.fence()
 

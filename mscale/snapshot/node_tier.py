@@ -31,12 +31,11 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from mscale.findings import Reason, Severity
 from mscale.snapshot.format import SnapshotInfo, list_snapshots, rank_dir_name
 from mscale.snapshot.ownership import dir_refused
-from mscale.snapshot.values import JSONObject
 
 if TYPE_CHECKING:
     from mscale.snapshot.engine import SnapshotEngine
@@ -89,20 +88,38 @@ def tier_bytes(directory: Path) -> int:
     return total
 
 
+class Flag(TypedDict):
+    """One entry of the flags file: the snapshots of steps first..last taken before `before`
+    (seconds since 1970) are flagged, and why."""
+
+    first: int
+    last: int
+    before: float
+    why: str
+
+
 class Flags:
     """The steps of a rank directory never to be restored from (see the module docstring)."""
 
     def __init__(self, rank_dir: Path) -> None:
         self.path = rank_dir / FLAGS
 
-    def entries(self) -> list[JSONObject]:
+    def entries(self) -> list[Flag]:
         try:
             raw = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return []
         if not isinstance(raw, list):
             return []
-        return [e for e in raw if isinstance(e, dict) and {"first", "last", "before", "why"} <= e.keys()]
+        return [
+            Flag(first=e["first"], last=e["last"], before=e["before"], why=e["why"])
+            for e in raw
+            if isinstance(e, dict)
+            and {"first", "last", "before", "why"} <= e.keys()
+            and all(isinstance(e[k], int) for k in ("first", "last"))
+            and isinstance(e["before"], int | float)
+            and isinstance(e["why"], str)
+        ]
 
     def add(self, first: int, last: int, why: str) -> None:
         """Flags the snapshots of steps first..last taken until now (atomically, 0600)."""
@@ -115,10 +132,10 @@ class Flags:
 
     def why(self, info: SnapshotInfo) -> str:
         """Why `info` is flagged ('' when it is not)."""
-        created = float((info.manifest or {}).get("created_unix", 0))
+        created = float(info.manifest["created_unix"]) if info.manifest is not None else 0.0
         for e in self.entries():
-            if int(e["first"]) <= info.step <= int(e["last"]) and created <= float(e["before"]):
-                return str(e["why"])
+            if e["first"] <= info.step <= e["last"] and created <= e["before"]:
+                return e["why"]
         return ""
 
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 
 from mscale.snapshot.format import SnapshotError
 from mscale.snapshot.memory import to_host
-from mscale.snapshot.values import StateDict
+from mscale.snapshot.values import StateDict, as_dict, as_list
 
 __all__ = ["NamedOptimizer", "fits"]
 
@@ -80,7 +79,7 @@ class NamedOptimizer:
         for g in self.optimizer.param_groups:
             ours.append(self.names[i : i + len(g["params"])])
             i += len(g["params"])
-        theirs = [g["params"] for g in saved["param_groups"]]
+        theirs = [list(as_list(as_dict(g, "a group")["params"], "its params")) for g in _groups(saved)]
         if ours != theirs:
             raise SnapshotError(f"{where}: the optimizer's parameter groups differ from the snapshot's")
         if tensors is not None:
@@ -98,8 +97,8 @@ class NamedOptimizer:
         for key, t in tensors.items():
             fqn, _, name = key.rpartition("/")
             state.setdefault(fqn, {})[name] = t
-        for fqn, scalars in saved.get("scalars", {}).items():
-            for name, v in scalars.items():
+        for fqn, scalars in as_dict(saved.get("scalars", {}), "the optimizer's scalars").items():
+            for name, v in as_dict(scalars, f"the scalars of {fqn}").items():
                 state.setdefault(fqn, {})[name] = v
         if unknown := sorted(state.keys() - set(self.names)):
             raise SnapshotError(f"{what}: it holds state for {unknown[:3]}, not parameters of the optimizer")
@@ -116,19 +115,19 @@ class NamedOptimizer:
                     )
                 if torch_own and theirs and (missing := sorted(every - theirs.keys())):
                     raise SnapshotError(f"{what}: optim/{fqn} lacks {missing} (its group's other parameters hold them)")
-                for name, t in theirs.items():
+                for name, held_value in theirs.items():
                     live = mine.get(name)
                     if isinstance(live, torch.Tensor):
-                        fits(f"optim/{fqn}/{name}", t, live, what, "the optimizer's")
-                    elif not mine and torch_own and isinstance(t, torch.Tensor) and t.dim() > 0:
-                        fits(f"optim/{fqn}/{name}", t, p, what, "its parameter's")
+                        fits(f"optim/{fqn}/{name}", held_value, live, what, "the optimizer's")
+                    elif not mine and torch_own and isinstance(held_value, torch.Tensor) and held_value.dim() > 0:
+                        fits(f"optim/{fqn}/{name}", held_value, p, what, "its parameter's")
 
     def restore(
         self,
         opt_tensors: dict[str, dict[str, torch.Tensor]],
         saved: StateDict,
         *,
-        copy_pairs: Callable[[Pairs], Any],
+        copy_pairs: Callable[[Pairs], object],
         owned: bool = False,
     ) -> None:
         """Puts the state back: opt_tensors is parameter name -> key -> tensor, saved what
@@ -136,10 +135,11 @@ class NamedOptimizer:
         and may become the optimizer's state without a copy."""
         opt = self.optimizer
         params = [p for g in opt.param_groups for p in g["params"]]
-        wanted = {}
+        wanted: dict[str, StateDict] = {}
+        scalars = as_dict(saved["scalars"], "the optimizer's scalars")
         for fqn in self.names:  # index order, as the optimizer itself would hold it
-            if fqn in opt_tensors or fqn in saved["scalars"]:
-                wanted[fqn] = {**saved["scalars"].get(fqn, {}), **opt_tensors.get(fqn, {})}
+            if fqn in opt_tensors or fqn in scalars:
+                wanted[fqn] = {**as_dict(scalars.get(fqn, {}), f"the scalars of {fqn}"), **opt_tensors.get(fqn, {})}
         # In place when the live state has the same structure (a rollback): no allocation, and
         # the snapshot's buffers are never aliased by the optimizer. Fresh tensors (owned, read
         # from disk) are handed over instead: copying them would only cost another pass.
@@ -157,8 +157,8 @@ class NamedOptimizer:
                         else:
                             cur[k] = copy.deepcopy(v)
                 copy_pairs(pairs)
-                for g, sg in zip(opt.param_groups, saved["param_groups"], strict=True):
-                    for k, v in sg.items():
+                for g, sg in zip(opt.param_groups, _groups(saved), strict=True):
+                    for k, v in as_dict(sg, "a group").items():
                         if k != "params":
                             g[k] = copy.deepcopy(v) if not isinstance(v, torch.Tensor) else v.clone()
                 return
@@ -174,14 +174,14 @@ class NamedOptimizer:
         groups = [
             {
                 **copy.deepcopy({k: v for k, v in sg.items() if k != "params"}),
-                "params": [index[n] for n in sg["params"]],
+                "params": [index[str(n)] for n in as_list(sg["params"], "a group's params")],
             }
-            for sg in saved["param_groups"]
+            for sg in (as_dict(g, "a group") for g in _groups(saved))
         ]
         opt.load_state_dict({"state": state, "param_groups": groups})
 
 
-def fits(key: str, saved: Any, live: torch.Tensor, what: str, whose: str) -> None:
+def fits(key: str, saved: object, live: torch.Tensor, what: str, whose: str) -> None:
     """Refuses (SnapshotError, naming the tensor and both) a saved tensor whose shape or dtype
     is not the live one's: loading it would cast or reshape it silently, or fail later."""
     if not isinstance(saved, torch.Tensor):
@@ -196,7 +196,12 @@ def fits(key: str, saved: Any, live: torch.Tensor, what: str, whose: str) -> Non
 def _same_layout(cur: StateDict, want: StateDict) -> bool:
     """Whether the live state `cur` of a parameter can take `want` in place."""
     return cur.keys() == want.keys() and not any(
-        isinstance(v, torch.Tensor) != isinstance(cur[k], torch.Tensor)
-        or (isinstance(v, torch.Tensor) and (v.shape != cur[k].shape or v.dtype != cur[k].dtype))
+        isinstance(v, torch.Tensor) != isinstance(c := cur[k], torch.Tensor)
+        or (isinstance(v, torch.Tensor) and isinstance(c, torch.Tensor) and (v.shape != c.shape or v.dtype != c.dtype))
         for k, v in want.items()
     )
+
+
+def _groups(saved: StateDict) -> list[object]:
+    """The parameter groups a captured optimizer state holds (each params by name)."""
+    return list(as_list(saved["param_groups"], "the optimizer's param_groups"))

@@ -22,11 +22,10 @@ import os
 import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 from mscale.findings import Reason, Severity
 from mscale.snapshot.format import RANK_DIR, SnapshotInfo
-from mscale.snapshot.values import JSONObject
+from mscale.snapshot.manifest import Manifest
 
 __all__ = ["Ownership", "dir_refused"]
 
@@ -52,11 +51,11 @@ def dir_refused(path: Path, uid: int | None = None) -> str:
 class Ownership:
     """The run identity of one engine (its job id and uid) and the test of a snapshot's."""
 
-    def __init__(self, job_id: str, emit: Callable[..., Any]) -> None:
+    def __init__(self, job_id: str, emit: Callable[..., object]) -> None:
         self.job_id, self.uid, self._emit = job_id, os.geteuid(), emit
         self._reported: set[Path] = set()
 
-    def why_not(self, path: Path, manifest: JSONObject | None) -> str:
+    def why_not(self, path: Path, manifest: Manifest | None) -> str:
         """'' when this engine's run wrote the snapshot at `path`, else why not."""
         why = dir_refused(path, self.uid)
         if why:

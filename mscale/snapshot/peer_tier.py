@@ -69,7 +69,9 @@ def replicate_to(rank: int, world: int, ranks_per_node: int) -> int:
 class PeerTier:
     """This rank's side of the peer tier (see the module docstring); `open` decides whether it is on."""
 
-    def __init__(self, engine: SnapshotEngine, node: NodeTier, group: Any, per_node: int, every: int) -> None:
+    def __init__(
+        self, engine: SnapshotEngine, node: NodeTier, group: dist.ProcessGroup | None, per_node: int, every: int
+    ) -> None:
         self.engine, self.node, self.group, self.every = engine, node, group, every
         cfg = engine.config
         self.keep, self.timeout = cfg.peer_keep, timedelta(seconds=cfg.peer_timeout_s)
@@ -210,7 +212,7 @@ class PeerTier:
                 tier="peer",
             )
             return
-        nbytes = sum(int(f["size"]) for f in got.manifest["files"].values())
+        nbytes = sum(f["size"] for f in got.manifest["files"].values())
         eng.emit(
             Reason.SNAPSHOT_WRITTEN,
             Severity.INFO,

@@ -21,10 +21,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -32,12 +32,37 @@ import torch.distributed as dist
 from mscale.snapshot.digest import TreeHasher
 from mscale.snapshot.format import MANIFEST, SnapshotInvalid, fsync_dir, step_dir_name
 from mscale.snapshot.manifest import parse_manifest
-from mscale.snapshot.values import JSONObject
+from mscale.snapshot.values import as_int
 
 __all__ = ["CHUNK", "Landing", "Outgoing", "PeerSilent", "exchange"]
 
 CHUNK = 8 << 20  # bytes per message of a file stream
 MAX_INDEX = 1 << 22  # an index is a manifest and a file list: a few KiB; more is refused
+
+
+class Index(TypedDict):
+    """What an exchange's index says: whose snapshot (job, source rank), of which step, its
+    manifest as the primary wrote it, and the files sent, (name, size) in the order sent."""
+
+    job_id: str
+    source_rank: int
+    step: int
+    manifest: str
+    files: list[tuple[str, int]]
+
+
+def read_index(raw: bytes) -> Index:
+    """The index in `raw`, each field of its type (ValueError, KeyError or TypeError if not)."""
+    head = json.loads(raw)
+    if not isinstance(head, dict):
+        raise TypeError(f"the index is a {type(head).__name__}, not an object")
+    return {
+        "job_id": str(head.get("job_id")),
+        "source_rank": as_int(head.get("source_rank", -1), "source_rank"),
+        "step": int(head["step"]),
+        "manifest": str(head["manifest"]),
+        "files": [(str(n), int(s)) for n, s in head["files"]],
+    }
 
 
 def _size(path: Path) -> int:
@@ -58,7 +83,7 @@ class Outgoing:
         names = sorted(manifest["files"])
         self.files = [(n, _size(path / n)) for n in names]  # as they are now, not as listed
         self.step = int(manifest["step"])
-        index = {
+        index: Index = {
             "job_id": job_id,
             "source_rank": rank,
             "step": self.step,
@@ -111,10 +136,10 @@ class Landing:
         self._queue: list[tuple[str, int]] = []
         self._tmp = target / f".tmp-replica-{os.getpid()}-{os.urandom(4).hex()}"
         try:
-            head = json.loads(index)
-            self._files = [(str(n), int(s)) for n, s in head["files"]]
-            self.step = int(head["step"])
-            self.manifest_raw = str(head["manifest"]).encode()
+            head = read_index(index)
+            self._files = head["files"]
+            self.step = head["step"]
+            self.manifest_raw = head["manifest"].encode()
             self.manifest = parse_manifest(self.manifest_raw, target / step_dir_name(self.step))
         except SnapshotInvalid as e:
             self.step = -1
@@ -133,15 +158,15 @@ class Landing:
             self._left = self._queue[0][1] if self._queue else 0
             self._skip_empty()
 
-    def _refusal(self, head: JSONObject, job_id: str, source: int, room: int) -> str:
+    def _refusal(self, head: Index, job_id: str, source: int, room: int) -> str:
         m = self.manifest
-        if str(head.get("job_id")) != job_id or m["job_id"] != job_id:
+        if head["job_id"] != job_id or m["job_id"] != job_id:
             return f"it is a snapshot of job {str(m['job_id'])[:64]!r}, not of this one ({job_id!r})"
-        if int(head.get("source_rank", -1)) != source or m["rank"] != source:
+        if head["source_rank"] != source or m["rank"] != source:
             return f"it is rank {m['rank']}'s, not rank {source}'s"
         if m["step"] != self.step:
             return f"its manifest is of step {m['step']}, not {self.step}"
-        listed = {n: int(f["size"]) for n, f in m["files"].items()}
+        listed = {n: f["size"] for n, f in m["files"].items()}
         if {n for n, _ in self._files} != set(listed):
             return "the files sent are not the files its manifest lists"
         for name, size in self._files:
@@ -234,12 +259,12 @@ def _wait(works: list[tuple[dist.Work | None, int]], timeout: timedelta, what: s
 
 
 def exchange(
-    group: Any,
+    group: dist.ProcessGroup | None,
     step: int,
     send_to: int,
     outgoing: Outgoing | None,
     recv_from: int,
-    land: Any,
+    land: Callable[[bytes], Landing],
     timeout: timedelta,
 ) -> Landing | None:
     """Sends `outgoing` (None: nothing) to `send_to` and takes what `recv_from` sends, as one

@@ -84,7 +84,7 @@ class SnapshotPlugin:
             raise RuntimeError("the snapshot plugin is not attached to a guard")
         return self.engine
 
-    def _binding(self) -> StateDict:
+    def _binding(self) -> dict[str, dict[str, object]]:
         g = self.guard
         return {m.mpu_id: {"gpu": m.gpu, "gpu_uuid": m.gpu_uuid or None, **msrp_binding(g, m)} for m in g.mpus}
 

@@ -28,7 +28,7 @@ import torch
 from mscale.snapshot.format import SnapshotError
 from mscale.snapshot.sharded import ShardingMarker
 from mscale.snapshot.tensors import load_snapshot
-from mscale.snapshot.values import StateDict
+from mscale.snapshot.values import StateDict, as_dict, as_int, as_list
 
 if TYPE_CHECKING:
     from mscale.snapshot.engine import SnapshotEngine
@@ -57,14 +57,14 @@ def tiling_error(shape: list[int], boxes: dict[int, Box]) -> str:
     return ""
 
 
-def _param_of(key: str, t: torch.Tensor, layout: dict[str, StateDict]) -> str | None:
+def _param_of(key: str, t: torch.Tensor, layout: dict[str, object]) -> str | None:
     """The parameter whose shard `key` (a snapshot key) is, or None for a whole tensor."""
     kind, _, rest = key.partition("/")
     fqn = rest if kind == "model" else rest.rpartition("/")[0] if kind == "optim" else ""
     box = layout.get(fqn)
     if box is None or t.dim() == 0:
         return None
-    if kind == "optim" and list(t.shape) != box["local"]:
+    if kind == "optim" and list(t.shape) != as_dict(box, fqn)["local"]:
         return None  # state of another shape than the shard's: kept whole
     return fqn
 
@@ -98,10 +98,11 @@ def read(engine: SnapshotEngine, found: Candidate) -> tuple[dict[str, dict[str, 
     for rank in range(found.world_size):
         path = found.shards[rank]
         tensors, objs, _ = load_snapshot(path, pool=engine.copier.pool())
-        theirs = ((objs.get("extra") or {}).get("sharding") or {}).get("layout") or {}
-        for fqn, box in theirs.items():
+        sharding = as_dict(as_dict(objs.get("extra") or {}, "the extras' state").get("sharding") or {}, "sharding")
+        theirs = as_dict(sharding.get("layout") or {}, "the shard layout")
+        for name, box in theirs.items():
             if isinstance(box, dict) and "shape" in box:
-                boxes.setdefault(fqn, {})[rank] = (list(box.get("offset") or []), list(box.get("local") or []))
+                boxes.setdefault(name, {})[rank] = (list(box.get("offset") or []), list(box.get("local") or []))
         if rank == source:
             objects = objs
         for file, entries in tensors.items():
@@ -111,7 +112,7 @@ def read(engine: SnapshotEngine, found: Candidate) -> tuple[dict[str, dict[str, 
                     if rank == source:  # a copy: a view would keep the old file's whole buffer alive
                         out.setdefault(file, {})[key] = t.clone()
                     continue
-                box, want = theirs[fqn], mine.get(fqn)
+                box, want = as_dict(theirs[fqn], f"the box of {fqn}"), mine.get(fqn)
                 if (
                     want is None
                     or "shape" not in want
@@ -124,11 +125,13 @@ def read(engine: SnapshotEngine, found: Candidate) -> tuple[dict[str, dict[str, 
                     )
                 dst = out.setdefault(file, {}).get(key)
                 if dst is None:
-                    dst = out[file][key] = torch.empty(want["local"], dtype=t.dtype)
-                written[key] = written.get(key, 0) + _overlap(t, box["offset"], dst, want["offset"])
+                    dst = out[file][key] = torch.empty(_ints(want["local"], "local"), dtype=t.dtype)
+                written[key] = written.get(key, 0) + _overlap(
+                    t, _ints(box["offset"], "offset"), dst, _ints(want["offset"], "offset")
+                )
         del tensors
     for fqn, theirs_boxes in boxes.items():
-        why = tiling_error(list(mine.get(fqn, {}).get("shape") or []), theirs_boxes)
+        why = tiling_error(_ints(mine.get(fqn, {}).get("shape") or [], "shape"), theirs_boxes)
         if fqn in mine and why:
             raise SnapshotError(f"the shards of step {found.step} do not tile {fqn}: {why}")
     short = [k for d in out.values() for k, t in d.items() if k in written and written[k] < t.numel()]
@@ -139,3 +142,8 @@ def read(engine: SnapshotEngine, found: Candidate) -> tuple[dict[str, dict[str, 
         )
     assert objects is not None  # source < world_size
     return out, objects
+
+
+def _ints(value: object, what: str) -> list[int]:
+    """A shape or an offset as the layout records it: a list of integers."""
+    return [as_int(x, what) for x in as_list(value, what)]

@@ -18,7 +18,7 @@ from mscale.snapshot import worlds
 from mscale.snapshot.fit import check_fits
 from mscale.snapshot.inplace import load_newest_valid
 from mscale.snapshot.memory import set_rng_state
-from mscale.snapshot.values import StateDict
+from mscale.snapshot.values import StateDict, as_dict, as_int
 
 if TYPE_CHECKING:
     from mscale.snapshot.engine import SnapshotEngine
@@ -66,16 +66,20 @@ def apply(
         engine.copier.parallel_copy([(live[k], t) for k, t in model_sd.items()])
     if engine.named_optimizer is not None:
         engine.named_optimizer.restore(
-            opt_tensors, objects["optimizer"], copy_pairs=engine.copier.parallel_copy, owned=owned
+            opt_tensors,
+            as_dict(objects["optimizer"], "the optimizer state"),
+            copy_pairs=engine.copier.parallel_copy,
+            owned=owned,
         )
     if engine.scaler is not None:
-        engine.scaler.load_state_dict(copy.deepcopy(objects["scaler"]))
+        engine.scaler.load_state_dict(copy.deepcopy(as_dict(objects["scaler"], "the scaler state")))
     if engine.scheduler is not None:
-        engine.scheduler.load_state_dict(copy.deepcopy(objects["scheduler"]))
+        engine.scheduler.load_state_dict(copy.deepcopy(as_dict(objects["scheduler"], "the scheduler state")))
+    extra = as_dict(objects["extra"], "the extras' state")
     for name, obj in engine.extra.items():
-        obj.load_state_dict(copy.deepcopy(objects["extra"].get(name)))
-    set_rng_state(objects["rng"])
-    engine.step = int(objects["step"])
+        obj.load_state_dict(copy.deepcopy(as_dict(extra.get(name), f"the state of {name!r}")))
+    set_rng_state(as_dict(objects["rng"], "the RNG state"))
+    engine.step = as_int(objects["step"], "the step")
     engine.step_mark.take(engine)  # the restored step's end: a step after it can be run again from its start
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mscale.snapshot.values import StateDict
+from mscale.snapshot.values import StateDict, as_dict
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -119,14 +119,17 @@ class LocalOptimizer:
         from torch.distributed.tensor import DTensor
 
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        state = {}
-        for i, st in sd["state"].items():
+        state: dict[int, StateDict] = {}
+        saved = sd["state"]
+        if not isinstance(saved, dict):
+            raise TypeError(f"the optimizer's state must be a dict, not {type(saved).__name__}")
+        for i, st in saved.items():  # parameter index -> its state
             p = params[int(i)]
             state[i] = {
                 k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
                 if isinstance(v, torch.Tensor) and hasattr(p, "device_mesh") and v.shape == p.to_local().shape
                 else v
-                for k, v in st.items()
+                for k, v in as_dict(st, f"the state of parameter {i}").items()
             }
         self.optimizer.load_state_dict({**sd, "state": state})
 

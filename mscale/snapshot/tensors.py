@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mscale.snapshot.digest import Into
 from mscale.snapshot.format import (
     FORMAT,
     TRAIN_STATE,
@@ -18,8 +19,11 @@ from mscale.snapshot.format import (
     open_verified,
     safetensors_header,
 )
-from mscale.snapshot.manifest import parse_json
+from mscale.snapshot.manifest import Manifest, parse_json
 from mscale.snapshot.values import StateDict
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 __all__ = ["load_snapshot", "safetensors_parts"]
 
@@ -69,6 +73,10 @@ MAX_HEADER = 100 << 20  # safetensors' own bound on the JSON header
 
 
 Entry = tuple[str, torch.dtype, list[int], int, int]  # key, dtype, shape, start, end (in the body)
+Tensors = dict[str, dict[str, torch.Tensor]]  # file name -> key -> tensor: a snapshot's tensors
+# A file read into memory the caller chose (inplace.py): the buffers its consecutive bytes go into
+# (bytearrays, and uint8 numpy views of tensors), the tensors they make, its header bytes.
+Planned = tuple[list["WriteableBuffer"], dict[str, torch.Tensor], bytes]
 
 
 def parse_header(head: bytes, size: int, path: Path, name: str) -> tuple[int, list[Entry]]:
@@ -131,9 +139,8 @@ def load_snapshot(
     verify: bool = True,
     workers: int | None = None,
     pool: Any = None,
-    plan: Callable[[Path, dict[str, int]], dict[str, tuple[list[torch.Tensor], dict[str, torch.Tensor], bytes]]]
-    | None = None,
-) -> tuple[dict[str, dict[str, torch.Tensor]], StateDict, StateDict]:
+    plan: Callable[[Path, dict[str, int]], dict[str, Planned]] | None = None,
+) -> tuple[Tensors, StateDict, Manifest]:
     """(tensors per file, train-state objects, manifest) of a snapshot, verified as it is
     read (open_verified: the manifest's schema and completeness, regular files only, sizes, and
     each file's digest unless verify=False). Every file is read once, in parallel chunks, into
@@ -142,19 +149,19 @@ def load_snapshot(
     its header bytes) where the caller has chosen the memory (inplace.py)."""
     path = Path(path)
     raw: dict[str, torch.Tensor] = {}
-    planned: dict[str, tuple[list[torch.Tensor], dict[str, torch.Tensor], bytes]] = {}
+    planned: dict[str, Planned] = {}
 
     def opened(fds: dict[str, int]) -> None:
         if plan is not None:
             planned.update(plan(path, fds))
 
-    def into(name: str, size: int) -> Any:
+    def into(name: str, size: int) -> Into:
         if name in planned:
             return planned[name][0]
         if not name.endswith(".safetensors"):
             return None
         raw[name] = torch.empty(size, dtype=torch.uint8)
-        return raw[name].numpy()
+        return raw[name].numpy().data  # the tensor's bytes, not a copy
 
     with open_verified(path, hashes=verify, into=into, workers=workers, pool=pool, opened=opened) as snap:
         manifest = snap.manifest

@@ -132,7 +132,7 @@ class _TrainStateUnpickler(pickle.Unpickler):
             self.storages[key] = _Storage(dtype, fmt, read)
         return self.storages[key]
 
-    def _tensor(self, storage: _Storage, offset: int, size: Sequence[int], *_: Any) -> TensorInfo:
+    def _tensor(self, storage: _Storage, offset: int, size: Sequence[int], *_: object) -> TensorInfo:
         info = TensorInfo(storage.dtype, tuple(int(d) for d in size))
         if info.numel == 1:
             return TensorInfo(info.dtype, info.shape, _decode(storage, int(offset), self.order))

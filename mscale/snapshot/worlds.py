@@ -51,10 +51,11 @@ from mscale.snapshot.format import (
     read_train_state,
 )
 from mscale.snapshot.ownership import dir_refused
-from mscale.snapshot.values import JSONObject
+from mscale.snapshot.values import JSONObject, StateDict, as_dict, as_int
 
 if TYPE_CHECKING:
     from mscale.snapshot.engine import SnapshotEngine
+    from mscale.snapshot.tensors import Tensors
 
 __all__ = ["Candidate", "WorldSizeChanged", "candidates", "per_rank", "rank_dir", "resplit"]
 
@@ -122,8 +123,8 @@ def candidates(
             if info.path.parent == own and info.step >= 0:
                 broken[info.step] = info.path
             continue
-        world = int(info.manifest.get("world_size") or 1)
-        by_step.setdefault(info.step, {})[int(info.manifest.get("rank") or 0)] = (info.path, world)
+        world = info.manifest["world_size"] or 1
+        by_step.setdefault(info.step, {})[info.manifest["rank"] or 0] = (info.path, world)
     out: dict[int, Candidate] = {}
     for step, ranks in by_step.items():
         worlds = {w for _, w in ranks.values()}
@@ -146,7 +147,7 @@ def resplit(state: JSONObject | None, rank: int, world_size: int, old_world: int
         return state
     out = {**state, "rank": rank, "world_size": world_size, "skip": [], "last_batch_position": None}
     if state["kind"] == "resumable_loader":
-        out["index"] = int(state["index"]) * old_world // world_size
+        out["index"] = as_int(state["index"], "index") * old_world // world_size
     return out
 
 
@@ -196,7 +197,7 @@ def unshardable(found: Candidate) -> str | None:
         objects = read_train_state(found.shards[0] / TRAIN_STATE)
     except SnapshotError as e:
         return f"rank 0's train state is unreadable ({e})"
-    marker = (objects.get("extra") or {}).get("sharding")
+    marker = as_dict(objects.get("extra") or {}, "the extras' state").get("sharding")
     if not isinstance(marker, dict):
         return "it does not say how it was sharded"
     layout = marker.get("layout")
@@ -208,13 +209,11 @@ def unshardable(found: Candidate) -> str | None:
     return None
 
 
-def reader(
-    engine: SnapshotEngine, found: dict[int, Candidate]
-) -> Callable[[int], tuple[JSONObject, JSONObject] | None]:
+def reader(engine: SnapshotEngine, found: dict[int, Candidate]) -> Callable[[int], tuple[Tensors, StateDict] | None]:
     """For load_newest_valid: another world's sharded snapshot re-sharded for this rank
     (reshard.read); None for the others (read as they are)."""
 
-    def read(step: int) -> tuple[JSONObject, JSONObject] | None:
+    def read(step: int) -> tuple[Tensors, StateDict] | None:
         if found[step].world_size == engine.world_size or "sharding" not in engine.extra:
             return None
         from mscale.snapshot.reshard import read as reshard  # torch: job side only
@@ -236,5 +235,6 @@ def fit(engine: SnapshotEngine, step: int, objects: JSONObject, found: dict[int,
     old = found[step].world_size
     if old == engine.world_size:
         return objects
-    objects["data"] = resplit(objects.get("data"), engine.rank, engine.world_size, old)
+    data = objects.get("data")
+    objects["data"] = resplit(data if isinstance(data, dict) else None, engine.rank, engine.world_size, old)
     return objects

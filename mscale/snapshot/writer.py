@@ -45,7 +45,7 @@ from mscale.snapshot.format import (
     step_dir_name,
     write_file,
 )
-from mscale.snapshot.manifest import parse_manifest
+from mscale.snapshot.manifest import FileMeta, Identity, parse_manifest
 from mscale.snapshot.memory import MemorySnapshot
 from mscale.snapshot.ownership import Ownership
 from mscale.snapshot.tensors import safetensors_parts
@@ -88,8 +88,8 @@ class DiskWriter:
         rank_dir: Path,
         *,
         keep: int,
-        identity: JSONObject,
-        emit: Callable[..., Any],
+        identity: Identity,
+        emit: Callable[..., object],
         unpin: Callable[[MemorySnapshot], None],
         tier: str = "disk",
         private: bool = False,
@@ -98,7 +98,7 @@ class DiskWriter:
         # the node tier (node_tier.py): its findings say so; private: 0700 directories, 0600 files
         self.tier, self._file_mode, self._dir_mode = tier, (0o600 if private else 0o644), (0o700 if private else 0o777)
         self._emit, self._unpin = emit, unpin
-        self.own = Ownership(str(identity.get("job_id", "")), emit)  # only this run's snapshots
+        self.own = Ownership(identity["job_id"], emit)  # only this run's snapshots
         self.last_write: JSONObject = {}
         self._clean_leftovers()
         self._jobs: deque[_Job] = deque()
@@ -234,13 +234,13 @@ class DiskWriter:
             log.error("could not remove old snapshots", error=str(e), keep=self.keep)
         return final
 
-    def _write_files(self, snap: MemorySnapshot, tmp: Path, train_state: io.BytesIO) -> dict[str, JSONObject]:
+    def _write_files(self, snap: MemorySnapshot, tmp: Path, train_state: io.BytesIO) -> dict[str, FileMeta]:
         """Every file but the manifest, fsynced: the tensors (the largest first, on the file
         writers' threads), the train state and the binding. Returns name -> size and digest."""
-        files: dict[str, JSONObject] = {}
+        files: dict[str, FileMeta] = {}
         meta = {"format": FORMAT, "step": str(snap.step)}
 
-        def write(fname: str) -> tuple[str, tuple[int, JSONObject]]:
+        def write(fname: str) -> tuple[str, tuple[int, FileMeta]]:
             # fsync in the writer: the device flushes one file while the other writer
             # thread is still hashing and copying the next.
             parts = safetensors_parts(snap.tensors[fname], meta)
@@ -251,16 +251,16 @@ class DiskWriter:
         )
         futures = [self._file_writers.submit(write, f) for f in by_size]
         wait_futures(futures)  # all of them, even when one failed: then the cleanup is whole
-        for fname, (size, digest) in sorted(f.result() for f in futures):
-            files[fname] = {"size": size, **digest}
-        size, digest = write_file(tmp / TRAIN_STATE, [train_state.getbuffer()], self._hasher, mode=self._file_mode)
-        files[TRAIN_STATE] = {"size": size, **digest}
+        for fname, (_, entry) in sorted((f.result() for f in futures), key=lambda done: done[0]):
+            files[fname] = entry
+        files[TRAIN_STATE] = write_file(
+            tmp / TRAIN_STATE, [train_state.getbuffer()], self._hasher, mode=self._file_mode
+        )[1]
         raw = json.dumps(snap.binding, indent=2, sort_keys=True).encode()
-        size, digest = write_file(tmp / BINDING, [raw], self._hasher, mode=self._file_mode)
-        files[BINDING] = {"size": size, **digest}
+        files[BINDING] = write_file(tmp / BINDING, [raw], self._hasher, mode=self._file_mode)[1]
         return files
 
-    def _write_manifest(self, snap: MemorySnapshot, tmp: Path, files: dict[str, JSONObject], why: str) -> None:
+    def _write_manifest(self, snap: MemorySnapshot, tmp: Path, files: dict[str, FileMeta], why: str) -> None:
         manifest = {
             "format": FORMAT,
             "step": snap.step,
@@ -320,14 +320,14 @@ class DiskWriter:
             self._remove(info.path)
         fsync_dir(self.rank_dir)
         kept = sorted(i.step for i in complete)[-self.keep :]
-        if self.identity.get("rank") == 0 and len(kept) == self.keep and RANK_DIR.match(self.rank_dir.name):
+        if self.identity["rank"] == 0 and len(kept) == self.keep and RANK_DIR.match(self.rank_dir.name):
             self._prune_outside_world(kept[0])
 
     def _prune_outside_world(self, oldest_kept: int) -> None:
         """Rank 0: the rank directories of ranks beyond this world (an older run's, on more ranks:
         mscale/snapshot/worlds.py) lose their snapshots older than every one this rank keeps; no
         rank of this world would ever prune them, nor resume them over the newer ones."""
-        world = int(self.identity.get("world_size") or 1)
+        world = self.identity["world_size"] or 1
         for d in self.rank_dir.parent.iterdir():
             m = RANK_DIR.match(d.name)
             if not (m and d.is_dir() and int(m.group(1)) >= world):
