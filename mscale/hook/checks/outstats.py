@@ -78,9 +78,10 @@ class Series:
             return None
         ahead = len(self.pending) + 1  # steps since the last baseline step
         errs = [x - (level + trend * ahead) for level, trend in zip(self.levels, self.trends, strict=True)]
-        if self.n >= WARMUP:
+        # (inside the last RANGE steps' range, widened by FLOOR, no step departs: no medians to take)
+        if self.n >= WARMUP and not min(self.recent) - FLOOR <= x <= max(self.recent) + FLOOR:
             spreads = self._spreads()
-            r, thr = errs[spreads.index(min(spreads))], self.threshold()  # the better predictor's
+            r, thr = errs[spreads.index(min(spreads))], max(SIGMAS * NORMAL * min(spreads), FLOOR)
             if self._departs(x, r, thr):
                 self.pending.append(r)
                 if len(self.pending) < CONFIRM:
@@ -99,10 +100,10 @@ class Series:
         return None
 
     def _departs(self, x: float, r: float, thr: float) -> bool:
-        """`x` is off the prediction by more than `thr`, on the side of the steps departing now,
-        and past the range of the last `RANGE` baseline steps by `FLOOR` on that side: a level
-        the output had a few steps ago (training's swing coming back, which the trend, still
-        pointing the other way, mispredicts) is not a shift."""
+        """`x` is off the better predictor's prediction by more than `thr`, on the side of the
+        steps departing now, and past the range of the last `RANGE` baseline steps by `FLOOR` on
+        that side: a level the output had a few steps ago (training's swing coming back, which
+        the trend, still pointing the other way, mispredicts) is not a shift."""
         if abs(r) <= thr or (self.pending and (r > 0) != (self.pending[0] > 0)):
             return False
         return x > max(self.recent) + FLOOR if r > 0 else x < min(self.recent) - FLOOR
