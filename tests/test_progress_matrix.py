@@ -6,8 +6,9 @@ of optimizer calls, so no cell can hang whatever the healing does.
 
 Each fault cell asserts: no crash (no rank ends on an exception other than the guard's clean stop,
 and every rank reports); the target step reached within target + PROGRESS_BOUND_STEPS[fault]
-optimizer calls; the fault found (a detection naming the vision MPU); no NaN or Inf in the
-weights, nor a weight left at a flipped exponent's magnitude (finite, ~1e37); the final held-out
+optimizer calls; the fault found (a detection naming the vision MPU), first within the bound
+docs/healing.md states for it (DETECTION_BOUND_STEPS: the tower's noise on its 3rd step); no NaN
+or Inf in the weights, nor a weight left at a flipped exponent's magnitude (finite, ~1e37); the final held-out
 loss within 10% of the fault-free run of the same set-up (its seed-0 clean run, measured when its
 step TARGET begins). Where the fault survives every level (nan: it never ends), a clean stop
 instead: the guard's own error (an mscale exception) on every rank, a critical finding, finite
@@ -50,6 +51,8 @@ from pathlib import Path
 import pytest
 
 from mscale.healing.settings import HealingSection
+from mscale.hook.checks.checksum_config import ChecksumConfig
+from mscale.hook.checks.outstats import CONFIRM
 from support import free_port
 from support.ddp_run import run_group
 
@@ -78,6 +81,18 @@ RANKED = ("ddp", "fsdp")  # 2 processes a run: one run at a time; the others are
 # Optimizer calls beyond the target a fault event may cost: the bound docs/healing.md states
 # ("Forward progress": healing.progress_event_calls lost calls a fault event, 24 by default).
 PROGRESS_BOUND_STEPS = {fault: HealingSection().progress_event_calls for fault in FAULTS}
+# Steps from a fault's first step to its first detection at most: the bounds docs/healing.md
+# states ("What happens on each fault"). The tower's 1x-std noise, outside every linear: a shift
+# of the output statistic on its CONFIRMth step; the noise at fc2's output: ABFT, every layer
+# within max_gap_steps; NaN: the non-finite check, in its own step; the flipped bit: before the
+# forward that would use it when its fingerprint group is checked, else by the output it breaks,
+# within weight_groups steps (replicas under DDP too).
+DETECTION_BOUND_STEPS = {
+    "tower": CONFIRM - 1,
+    "noise": ChecksumConfig().max_gap_steps,
+    "nan": 0,
+    "flip": HealingSection().weight_groups,
+}
 
 
 def run_progress(tmp: Path, setup: str, fault: str, *, bare: bool = False, **opts: object) -> dict:
@@ -208,6 +223,11 @@ def detections(result: dict, mpu_id: str) -> list[dict]:
     return out
 
 
+def fault_start(result: dict) -> int:
+    """The fault's first step: the flip's (before the forward of flip_at + 1), else its window's."""
+    return result["flip_at"] + 1 if result["fault"] == "flip" else result["window"][0]
+
+
 def clean_stop(result: dict) -> bool:
     """The job stopped itself: the guard's own error on every rank, after a critical finding."""
     errs = errors(result)
@@ -243,7 +263,11 @@ def assert_progress(result: dict, ref: dict, fault: str) -> None:
     assert all(r["finite"] for r in result["ranks"]), f"NaN/Inf in the weights\n{why}"
     largest = max(r["largest"] for r in result["ranks"])
     assert largest < LARGEST_WEIGHT, f"a weight of {largest:.3g} left in the model\n{why}"
-    assert detections(result, VISION), f"the fault was not found on the vision MPU\n{why}"
+    found = detections(result, VISION)
+    assert found, f"the fault was not found on the vision MPU\n{why}"
+    first, start = min(int(f["step"]) for f in found), fault_start(result)
+    latest = start + DETECTION_BOUND_STEPS[fault]
+    assert start <= first <= latest, f"first found at step {first}, the fault from {start}: not within {latest}\n{why}"
     if errors(result):
         assert clean_stop(result), f"a crash, not a clean stop\n{why}"
         return

@@ -5,11 +5,14 @@ replay sees only once in up to `replay_max_gap_steps` steps, found within a few 
 Every training forward of every MPU, the norm of each of its first `MAX_TENSORS` distinct output
 tensors is taken on the device (no host read); at the commit point they join the step's one read
 and each output's x = ln(mean square) over the step's forwards is compared with its own baseline
-(`Series`): Holt's smoothing of level and trend, so training's drift is predicted, and the mean
-absolute one-step error as spread. `CONFIRM` steps in a row departing on one side by more than
-max(`SIGMAS` sigmas, `FLOOR`), each to a scale the output has not had in its last `RECENT` baseline
-steps (past their range by `FLOOR`: a swing of training's coming back is not new), are a shift: a
-warning `output_shift` naming the MPU and a
+(`Series`): two of Holt's predictors of level and trend (`PREDICTORS`: a steady one, for an output
+that jitters, and a quick one, which follows training's swings), so training's drift is predicted,
+and of the two the one whose median absolute one-step error over the last `RECENT` baseline steps
+is the smaller, that median its spread (robust: the warm-up's ramp and a swing's few large errors
+leave it once out of that window, and do not widen it meanwhile). `CONFIRM` steps in a row
+departing on one side by more than max(`SIGMAS` sigmas, `FLOOR`), each to a scale the output has
+not had in its last `RANGE` baseline steps (past their range by `FLOOR`: a swing of training's
+coming back is not new), are a shift: a warning `output_shift` naming the MPU and a
 suspicion (incident mode: every layer checked, the forward replayed, for `incident_steps`), whose
 replays make the verdict the fuse acts on. Bounds, costs and limits: docs/hook.md, "Faults
 outside the linears".
@@ -18,6 +21,7 @@ outside the linears".
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -28,64 +32,78 @@ from mscale.findings import Finding, Reason, Severity
 
 SOURCE = "output_stats"
 MAX_TENSORS = 4  # output tensors followed per MPU (the first: a tower's last hidden state first)
-LEVEL, TREND, SPREAD = 0.5, 0.2, 0.1  # smoothing of the baseline's level, trend and spread
+# Holt's smoothings (level, trend) of the baseline's predictors: steady, and quick (a swing followed)
+PREDICTORS = ((0.5, 0.2), (0.9, 0.8))
 SIGMAS = 6.0  # the departure, in standard deviations of the one-step prediction error
+NORMAL = 1.4826  # a normal error's standard deviation over its median absolute value
 FLOOR = 0.25  # the least departure looked at, in ln(mean square)
 CONFIRM = 3  # departing steps in a row that make a shift
 WARMUP = 8  # steps before the baseline is tested
-RECENT = 16  # the baseline steps whose range a shift must leave (a swing of training's stays inside)
+RECENT = 16  # the baseline steps whose one-step errors make the spread
+RANGE = 8  # the baseline steps whose range a shift must leave (a swing of training's stays inside)
 
 
 class Series:
     """One output's baseline (see the module docstring); `add(x)` returns the shift when `x` is
     the `CONFIRM`th departing step in a row: (departure, threshold), else None."""
 
-    __slots__ = ("level", "trend", "spread", "n", "pending", "recent")
+    __slots__ = ("levels", "trends", "n", "pending", "errors", "recent")
 
     def __init__(self) -> None:
-        self.level: float | None = None
-        self.trend = self.spread = 0.0
+        self.levels: list[float] = []  # per predictor; empty before the first step
+        self.trends = [0.0] * len(PREDICTORS)
         self.n = 0
         self.pending: list[float] = []  # the departures of the steps departing now
-        self.recent: deque[float] = deque(maxlen=RECENT)  # the last baseline steps' x
+        # per predictor, the last baseline steps' |one-step error|
+        self.errors: list[deque[float]] = [deque(maxlen=RECENT) for _ in PREDICTORS]
+        self.recent: deque[float] = deque(maxlen=RANGE)  # the last baseline steps' x
+
+    def _start(self, x: float) -> None:
+        """The baseline from `x`, its first step (again after a shift: from the new level)."""
+        self.levels, self.trends, self.n, self.pending = [x] * len(PREDICTORS), [0.0] * len(PREDICTORS), 1, []
+        for errors in self.errors:
+            errors.clear()
+        self.recent.clear()
+        self.recent.append(x)
+
+    def _spreads(self) -> list[float]:
+        return [statistics.median(e) if e else 0.0 for e in self.errors]
 
     def threshold(self) -> float:
-        return max(SIGMAS * 1.25 * self.spread, FLOOR)
+        return max(SIGMAS * NORMAL * min(self._spreads()), FLOOR)
 
     def add(self, x: float) -> tuple[float, float] | None:
-        if self.level is None:
-            self.level, self.n = x, 1
-            self.recent.append(x)
+        if not self.levels:
+            self._start(x)
             return None
-        pred = self.level + self.trend * (len(self.pending) + 1)
-        r = x - pred
-        if self.n >= WARMUP:
-            thr = self.threshold()
+        ahead = len(self.pending) + 1  # steps since the last baseline step
+        errs = [x - (level + trend * ahead) for level, trend in zip(self.levels, self.trends, strict=True)]
+        # (inside the last RANGE steps' range, widened by FLOOR, no step departs: no medians to take)
+        if self.n >= WARMUP and not min(self.recent) - FLOOR <= x <= max(self.recent) + FLOOR:
+            spreads = self._spreads()
+            r, thr = errs[spreads.index(min(spreads))], max(SIGMAS * NORMAL * min(spreads), FLOOR)
             if self._departs(x, r, thr):
                 self.pending.append(r)
                 if len(self.pending) < CONFIRM:
                     return None
-                # the baseline starts again from the new level
-                self.level, self.trend, self.spread, self.n, self.pending = x, 0.0, 0.0, 1, []
-                self.recent.clear()
-                self.recent.append(x)
+                self._start(x)
                 return r, thr
-        if self.pending:  # a transient: the baseline carries on past the steps it departed
-            self.level += self.trend * len(self.pending)
-            self.pending = []
-        level = LEVEL * x + (1 - LEVEL) * (self.level + self.trend)
-        self.trend = TREND * (level - self.level) + (1 - TREND) * self.trend
-        self.level = level
-        self.spread = abs(r) if self.n == 1 else (1 - SPREAD) * self.spread + SPREAD * abs(r)
+        for i, (a, b) in enumerate(PREDICTORS):  # (a transient: carried on past the steps it departed)
+            last = self.levels[i] + self.trends[i] * (ahead - 1)
+            level = a * x + (1 - a) * (last + self.trends[i])
+            self.trends[i] = b * (level - last) + (1 - b) * self.trends[i]
+            self.levels[i] = level
+            self.errors[i].append(abs(errs[i]))
+        self.pending = []
         self.n += 1
         self.recent.append(x)
         return None
 
     def _departs(self, x: float, r: float, thr: float) -> bool:
-        """`x` is off the prediction by more than `thr`, on the side of the steps departing now,
-        and past the range of the last `RECENT` baseline steps by `FLOOR` on that side: a level
-        the output had a few steps ago (training's swing coming back, which the trend, still
-        pointing the other way, mispredicts) is not a shift."""
+        """`x` is off the better predictor's prediction by more than `thr`, on the side of the
+        steps departing now, and past the range of the last `RANGE` baseline steps by `FLOOR` on
+        that side: a level the output had a few steps ago (training's swing coming back, which
+        the trend, still pointing the other way, mispredicts) is not a shift."""
         if abs(r) <= thr or (self.pending and (r > 0) != (self.pending[0] > 0)):
             return False
         return x > max(self.recent) + FLOOR if r > 0 else x < min(self.recent) - FLOOR
