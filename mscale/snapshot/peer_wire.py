@@ -24,7 +24,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist

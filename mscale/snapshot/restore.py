@@ -8,7 +8,7 @@ import copy
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -18,7 +18,7 @@ from mscale.snapshot import worlds
 from mscale.snapshot.fit import check_fits
 from mscale.snapshot.inplace import load_newest_valid
 from mscale.snapshot.memory import set_rng_state
-from mscale.snapshot.values import StateDict, as_dict, as_int
+from mscale.snapshot.values import OptionalStateful, StateDict, as_dict, as_int
 
 if TYPE_CHECKING:
     from mscale.snapshot.engine import SnapshotEngine
@@ -77,7 +77,11 @@ def apply(
         engine.scheduler.load_state_dict(copy.deepcopy(as_dict(objects["scheduler"], "the scheduler state")))
     extra = as_dict(objects["extra"], "the extras' state")
     for name, obj in engine.extra.items():
-        obj.load_state_dict(copy.deepcopy(as_dict(extra.get(name), f"the state of {name!r}")))
+        state = extra.get(name)
+        if state is None:  # fit.py let only a snapshot_optional extra be missing: restored as "none made"
+            cast(OptionalStateful, obj).load_state_dict(None)
+            continue
+        obj.load_state_dict(copy.deepcopy(as_dict(state, f"the state of {name!r}")))
     set_rng_state(as_dict(objects["rng"], "the RNG state"))
     engine.step = as_int(objects["step"], "the step")
     engine.step_mark.take(engine)  # the restored step's end: a step after it can be run again from its start

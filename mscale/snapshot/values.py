@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, SupportsFloat, SupportsInt, TypeAlias
 
-__all__ = ["JSONObject", "StateDict", "Stateful", "as_dict", "as_float", "as_int", "as_list"]
+__all__ = ["JSONObject", "OptionalStateful", "StateDict", "Stateful", "as_dict", "as_float", "as_int", "as_list"]
 
 StateDict: TypeAlias = dict[str, object]
 """A state dict: names to tensors, numbers, strings and nested containers of them."""
@@ -24,6 +24,13 @@ class Stateful(Protocol):
     def state_dict(self) -> StateDict: ...
 
     def load_state_dict(self, state_dict: StateDict, /) -> None: ...
+
+
+class OptionalStateful(Protocol):
+    """An extra marked `snapshot_optional`: a snapshot made before it existed holds no state
+    of it, and restoring that snapshot hands it None ("none made")."""
+
+    def load_state_dict(self, state_dict: StateDict | None, /) -> None: ...
 
 
 def as_int(value: object, what: str) -> int:

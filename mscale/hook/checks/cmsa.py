@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import torch
 
@@ -469,9 +469,14 @@ class CmsaState:
     def load_state_dict(self, state: StateDict | None) -> None:
         if state is None:  # an older snapshot: nothing of CMSA in it
             return
-        if self.cmsa is not None and state["cmsa"] is not None:
-            self.cmsa.load_state_dict(state["cmsa"])
-        self.grad_stats.load_state_dict(state["gvc"])
+        fit, gvc = state.get("cmsa"), state.get("gvc")
+        if not isinstance(gvc, dict) or not isinstance(fit, dict | None):
+            raise ValueError(
+                f"the snapshot's CMSA state is malformed: cmsa {type(fit).__name__}, gvc {type(gvc).__name__}"
+            )
+        if self.cmsa is not None and fit is not None:
+            self.cmsa.load_state_dict(cast(CmsaFit, fit))  # the tables its own state_dict() wrote
+        self.grad_stats.load_state_dict(cast(GvcState, gvc))
 
 
 def _pearson(pairs: list[tuple[float, float]]) -> float | None:
