@@ -40,6 +40,8 @@ from mscale.snapshot.values import JSONObject
 
 if TYPE_CHECKING:
     from mscale.snapshot.engine import SnapshotEngine
+    from mscale.snapshot.memory import MemorySnapshot
+    from mscale.snapshot.writer import DiskWriter
 
 __all__ = ["NodeTier", "Flags", "node_job_dir", "estimate_bytes", "make_private", "tier_bytes"]
 
@@ -195,23 +197,25 @@ class NodeTier:
         held = sum(i.nbytes for i in list_snapshots(self.rank_dir))
         return (self.engine.config.node_keep + 1) * size * max(local, 1), st.f_bavail * st.f_frsize + held
 
-    def past_cap(self, peer: Any, writer: Any) -> bool:
-        """Whether the next snapshot would take this rank's node-tier bytes (its snapshots and the
-        replicas it holds: `peer`) past node_cap_bytes; a finding says so each time it is refused."""
+    def past_cap(self, snap: MemorySnapshot, writer: DiskWriter) -> bool:
+        """Whether writing `snap` would take this rank's node-tier bytes (its snapshots and the
+        replicas it holds) past node_cap_bytes; a finding says so each time it is refused. Asked
+        by the node tier's writer thread before it writes (its `admit`): the directories are
+        walked there, never on the training thread."""
         cap = self.engine.config.node_cap_bytes
         if cap is None:
             return False
+        peer = self.engine.peer
         held = sum(tier_bytes(d) for d in (self.rank_dir, *((peer.dir, peer.fetched) if peer is not None else ())))
-        size = int(writer.last_write.get("bytes") or 0) if writer is not None else 0
-        size = size or estimate_bytes(self.engine.model, self.engine.optimizer)
+        size = int(writer.last_write.get("bytes") or 0) or snap.nbytes
         if held + size <= cap:
             return False
         self.engine.emit(
             Reason.SNAPSHOT_FAILED,
             Severity.WARNING,
-            f"node-tier snapshot of step {self.engine.step} not written: {size} bytes more would take this rank's "
+            f"node-tier snapshot of step {snap.step} not written: {size} bytes more would take this rank's "
             f"node tier past node_cap_bytes ({held} of {cap} bytes held)",
-            step=self.engine.step,
+            step=snap.step,
             tier="node",
         )
         return True

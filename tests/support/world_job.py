@@ -94,6 +94,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         node_every=args.node_every,
         peer_every=args.peer_every,
         peer_timeout_s=60,
+        node_cap_bytes=args.node_cap if rank == args.cap_rank else None,
     )
     out: dict = {"rank": rank, "world": args.world}
     hashes = Hashes(model, opt)
@@ -125,6 +126,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
     out["resumed"] = [f.message for f in guard.findings if f.reason.value == "snapshot_resumed"]
     out["refused"] = [f.message for f in guard.findings if f.reason.value == "snapshot_refused"]
     out["tiers"] = [f.message for f in guard.findings if f.reason.value == "snapshot_tier"]
+    out["failed"] = [f.message for f in guard.findings if f.reason.value == "snapshot_failed"]
     guard.detach()
     out["hashes"], out["optimizer_hashes"] = hashes.at, hashes.opt_at
     Path(args.out, f"rank_{rank}.json").write_text(json.dumps(out))
@@ -149,6 +151,8 @@ def main() -> int:
     ap.add_argument("--peer-every", type=int, default=50)
     ap.add_argument("--nodes", type=int, default=0)  # 0: LOCAL_WORLD_SIZE unset, one node root
     ap.add_argument("--node-base", default="")
+    ap.add_argument("--cap-rank", type=int, default=None)  # this rank's node tier capped at --node-cap bytes
+    ap.add_argument("--node-cap", type=int, default=1)
     args = ap.parse_args()
     if args.nodes and (args.world % args.nodes or not args.node_base):
         ap.error("--nodes must divide --world, and needs --node-base")
