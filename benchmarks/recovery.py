@@ -32,12 +32,13 @@ per arm, in three arms run one after another, their order alternating per round:
 replica every 50 (issue 39's target: at most +0.1% step time), and today's again (the control,
 truly +0%). Per step (the two ranks' mean of the steps after the first 10, snapshot steps
 included): the wall time; the training thread's CPU time (time.thread_time: what the tiers cost
-the thread itself, blind to the machine's other load, which takes the cores but not this
-thread's CPU time); the time the training thread spent in the engine (step_end, and the
-optimizer's pre-hook waiting for a snapshot's copy: blocked on the tiers) and its CPU time in
-step_end; the CPU time of the process's other threads (gloo's, the copier's, the tiers'). Each
-against today's of the same round, the median of --repeats rounds, "inconclusive" when the
-control's noise exceeds the effect.
+the thread itself, far less moved than the wall time by the machine's other load, though not
+blind to it: caches and cores are shared); the time the training thread spent in the engine
+(step_end, and the optimizer's pre-hook waiting for a snapshot's copy: blocked on the tiers)
+and its CPU time in step_end (the tiers' own work on the training thread, which the machine's
+load hardly moves); the CPU time of the process's other threads (gloo's, the copier's, the
+tiers'). Each against today's of the same round, the median of --repeats rounds,
+"inconclusive" when the control's noise exceeds the effect.
 
     .venv/bin/python benchmarks/recovery.py [--gib 1.0 | --model llava] [--dir /tmp] [--repeats 5] [--json PATH]
     .venv/bin/python benchmarks/recovery.py --cost [--model llava] [--cost-steps 110] [--repeats 3]
