@@ -40,9 +40,15 @@ completed step, as above; verdict: disk evicted / peer.
 per arm, in three arms run one after another, their order alternating per round: today's tiers
 (in memory every 10 steps, disk every 100), the same plus the node tier every 10 steps and a peer
 replica every 50 (issue 39's target: at most +0.1% step time), and today's again (the control,
-truly +0%). The figure is the mean step time of the two ranks (the steps after the first 10,
-snapshot steps included) against today's; the median of --repeats rounds, "inconclusive" when
-the control's noise exceeds the effect.
+truly +0%). Per step (the two ranks' mean of the steps after the first 10, snapshot steps
+included): the wall time; the training thread's CPU time (time.thread_time: what the tiers cost
+the thread itself, far less moved than the wall time by the machine's other load, though not
+blind to it: caches and cores are shared); the time the training thread spent in the engine
+(step_end, and the optimizer's pre-hook waiting for a snapshot's copy: blocked on the tiers)
+and its CPU time in step_end (the tiers' own work on the training thread, which the machine's
+load hardly moves); the CPU time of the process's other threads (gloo's, the copier's, the
+tiers'). Each against today's of the same round, the median of --repeats rounds,
+"inconclusive" when the control's noise exceeds the effect.
 
     .venv/bin/python benchmarks/recovery.py [--gib 1.0 | --model llava] [--dir /tmp] [--repeats 5] [--json PATH]
     .venv/bin/python benchmarks/recovery.py --peer [--gib 0.25 | --model llava] [--repeats 3]
@@ -354,6 +360,7 @@ def arithmetic(
     )
 
 
+COLUMNS = ("wall", "cpu", "others", "engine", "engine cpu")  # --cost: per step, see cost_rank
 ARMS = {  # --cost: (node_every, peer_every) beside memory_every=10, disk_every=100
     "today": (0, 0),
     "node 10 + peer 50": (10, 50),
@@ -362,7 +369,11 @@ ARMS = {  # --cost: (node_every, peer_every) beside memory_every=10, disk_every=
 
 
 def cost_rank(args: argparse.Namespace, rank: int, arm: str, snaps: Path, shm: Path, out: Path) -> None:
-    """One rank of a --cost arm: trains --cost-steps steps, writes its mean step time past the first 10."""
+    """One rank of a --cost arm: trains --cost-steps steps, writes the means past the first 10 of, per
+    step: its wall time, the training thread's CPU time (time.thread_time), the CPU time of the
+    process's other threads (gloo's, the copier's, the tiers' writers and the replication), the
+    time the training thread spent in the engine (step_end, and the optimizer's pre-hook waiting
+    for a snapshot's copy: blocked on the tiers) and the training thread's CPU time in step_end."""
     import datetime
 
     import torch
@@ -381,23 +392,28 @@ def cost_rank(args: argparse.Namespace, rank: int, arm: str, snaps: Path, shm: P
     cfg = SnapshotConfig(directory=snaps, memory_every=10, disk_every=100, node_every=node_every, peer_every=peer_every)
     engine = SnapshotEngine(model, opt, config=cfg, job_id="cost-bench")
     assert (engine.peer is not None) == bool(peer_every), [f.message for f in engine.findings]
-    times = []
+    rows = []  # per step: wall, training-thread CPU, process CPU, the engine's wall and CPU on this thread
     for n in range(1, args.cost_steps + 1):
-        t0 = time.perf_counter()
+        waited = engine.copier.waited_seconds
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         loss(ddp).backward()
-        opt.step()
+        opt.step()  # its pre-hook: the fence, waiting for what is left of a snapshot's copy
         opt.zero_grad()
+        e0, ec0 = time.perf_counter(), time.thread_time()
         engine.step_end(n)
-        times.append(time.perf_counter() - t0)
+        t1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
+        fence = engine.copier.waited_seconds - waited
+        rows.append((t1 - t0, c1 - c0, (p1 - p0) - (c1 - c0), t1 - e0 + fence, c1 - ec0))
     engine.flush(timeout=300)
     sent = engine.peer.last if engine.peer is not None else {}
     engine.close()
-    out.write_text(json.dumps({"mean": statistics.fmean(times[10:]), "peer": sent}))
+    means = {k: statistics.fmean(r[i] for r in rows[10:]) for i, k in enumerate(COLUMNS)}
+    out.write_text(json.dumps({**means, "peer": sent}))
     dist.destroy_process_group()
 
 
-def cost_arm(args: argparse.Namespace, arm: str, work: Path, shm: Path, port: int) -> tuple[float, dict]:
-    """Runs the two ranks of one arm (forked); (their mean step time, rank 0's last replication)."""
+def cost_arm(args: argparse.Namespace, arm: str, work: Path, shm: Path, port: int) -> tuple[dict[str, float], dict]:
+    """Runs the two ranks of one arm (forked); (the two ranks' means of COLUMNS, rank 0's last replication)."""
     snaps = work / "snaps"
     pids = []
     for rank in range(2):
@@ -422,7 +438,7 @@ def cost_arm(args: argparse.Namespace, arm: str, work: Path, shm: Path, port: in
     got = [json.loads((work / f"rank{r}.json").read_text()) for r in range(2)]
     shutil.rmtree(snaps, ignore_errors=True)
     shutil.rmtree(shm, ignore_errors=True)
-    return statistics.fmean(g["mean"] for g in got), got[0]["peer"]
+    return {k: statistics.fmean(g[k] for g in got) for k in COLUMNS}, got[0]["peer"]
 
 
 def free_port() -> int:
@@ -439,28 +455,57 @@ def cost(args: argparse.Namespace) -> None:
     shm = Path(tempfile.mkdtemp(prefix="mscale-recovery-cost-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     what = "the 17.8M LLaVA" if args.model == "llava" else f"{args.gib} GiB of state"
     print(f"capture and replication cost: {what}, 2 ranks, {args.cost_steps} steps an arm, {args.repeats} rounds")
-    means: dict[str, list[float]] = {a: [] for a in ARMS}
+    print(f"  load average at the start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    got: dict[str, dict[str, list[float]]] = {a: {k: [] for k in COLUMNS} for a in ARMS}
     sent: dict = {}
     try:
         for r in range(args.repeats):
             for arm in list(ARMS) if r % 2 == 0 else list(ARMS)[::-1]:
-                mean, peer = cost_arm(args, arm, work, shm, free_port())
-                means[arm].append(mean)
+                means, peer = cost_arm(args, arm, work, shm, free_port())
+                for k in COLUMNS:
+                    got[arm][k].append(means[k])
                 sent = peer or sent
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
+    print(f"  load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     rep = Report("recovery_cost", args.json)
     for arm in ARMS:
-        rep.figure(f"mean step time, {arm}", means[arm])
+        for k, label in zip(COLUMNS, LABELS, strict=True):
+            rep.figure(f"{label}, {arm}", got[arm][k], digits=4)
     if sent:
         print(
             f"  last replication, rank 0: {sent['bytes'] / 2**20:.1f} MiB sent in {sent['seconds']:.3f} s (its thread)"
         )
-    added = [t / b - 1 for t, b in zip(means["node 10 + peer 50"], means["today"], strict=True)]
-    control = [a / b for a, b in zip(means["today again"], means["today"], strict=True)]
-    rep.verdict("added step time: node 10 + peer 50 vs today", added, 0.001, control=control, at_most=True)
+    cost_verdicts(rep, got)
     rep.write()
+
+
+LABELS = (  # COLUMNS' figures, per step
+    "wall time a step",
+    "training thread's CPU a step",
+    "other threads' CPU a step",
+    "training thread in the engine a step",
+    "training thread's CPU in step_end a step",
+)
+
+
+def cost_verdicts(rep: Report, got: dict[str, dict[str, list[float]]]) -> None:
+    """Round by round, against today's tiers of the same round: the added wall time and training
+    thread CPU time a step (control: today's again, truly +0%), and the training thread's added
+    time in the engine (blocked on the tiers or working for them) and CPU time in step_end, as a
+    share of today's step."""
+    new, base, again = got["node 10 + peer 50"], got["today"], got["today again"]
+    for k, what in (("wall", "wall time"), ("cpu", "training thread's CPU")):
+        added = [t / b - 1 for t, b in zip(new[k], base[k], strict=True)]
+        control = [a / b for a, b in zip(again[k], base[k], strict=True)]
+        rep.verdict(f"added {what}: node 10 + peer 50 vs today", added, 0.001, control=control, at_most=True)
+    for k, step, what in (("engine", "wall", "in the engine"), ("engine cpu", "cpu", "CPU in step_end")):
+        added = [(t - b) / s for t, b, s in zip(new[k], base[k], base[step], strict=True)]
+        control = [1 + (a - b) / s for a, b, s in zip(again[k], base[k], base[step], strict=True)]
+        rep.verdict(f"training thread's added {what} / step", added, 0.001, control=control, at_most=True)
+    others = [t / b for t, b in zip(new["others"], base["others"], strict=True)]
+    rep.figure("other threads' CPU: node 10 + peer 50 / today", others, unit="x")
 
 
 if __name__ == "__main__":

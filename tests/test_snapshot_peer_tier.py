@@ -233,3 +233,21 @@ def test_a_lost_node_of_a_4_rank_fsdp2_group_resumes_both_its_ranks_from_replica
         run.cleanup()
     for rank, r in by_rank.items():
         resumed_at(r, "node" if rank < 2 else "peer", 10, ref)
+
+
+def test_a_node_write_its_cap_refuses_on_one_rank_keeps_the_replication_in_step(tmp_path) -> None:
+    """Rank 0's node tier is capped at 1 byte: every node write of its is refused (its writer
+    thread weighs the cap, with a finding) and it sends nothing in each exchange, in step with
+    rank 1, whose replicas it refuses for want of room; rank 1's node tier and replication go on.
+    Were rank 0 to skip the exchange, rank 1 would wait for it and replication would stop."""
+    base = Path(tempfile.mkdtemp(prefix="peers-", dir=os.environ["MSCALE_SNAPSHOT_NODE_ROOT"]))
+    for n in ("node0", "node1"):
+        (base / n).mkdir()
+    code, ranks, log = world(tmp_path / "capped", tmp_path / "snaps", base, "--cap-rank", "0", "--steps", "6")
+    shutil.rmtree(base, ignore_errors=True)
+    assert code == 0 and len(ranks) == 2, log[-3000:]
+    r0, r1 = ranks
+    assert [m for r in ranks for m in r["failed"] if "replication stopped" in m] == []
+    assert sum("past node_cap_bytes" in m and "not written" in m for m in r0["failed"]) == 3, r0["failed"]
+    assert sum("past node_cap_bytes" in m for m in r0["refused"]) == 3, r0["refused"]  # rank 1's replicas
+    assert r1["failed"] == [] and r1["refused"] == []

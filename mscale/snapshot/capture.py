@@ -118,6 +118,8 @@ def open_node_tier(engine: SnapshotEngine, disk: DiskWriter) -> tuple[NodeTier, 
         unpin=engine.store.unpin,
         tier="node",
         private=True,
+        # the cap is weighed in the writer thread, as the write comes up
+        admit=lambda snap: not tier.past_cap(snap, writer),
     )
     return tier, writer
 

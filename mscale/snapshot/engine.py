@@ -229,10 +229,11 @@ class SnapshotEngine:
             snap = self.snapshot()
             if to_disk:
                 self._queue_write(snap, why="schedule")
-            if to_node and self.node is not None and not self.node.past_cap(self.peer, self._node_writer):
+            if to_node and self.node is not None:  # (its writer weighs the cap: node_tier.past_cap)
                 written = self._queue_write(snap, why="schedule", writer=self._node_writer)
                 if self.peer is not None and step % self.peer.every == 0:
-                    self.peer.replicate(step, written)  # sent by its thread once written
+                    # sent by its thread once written; nothing, in step with the peer, if it was not
+                    self.peer.replicate(step, written)
         if self.mark_step_held != step:  # (a snapshot of this step took it already)
             self.step_mark.take(self)
 

@@ -36,9 +36,12 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from mscale.findings import Reason, Severity
 from mscale.snapshot.format import SnapshotInfo, list_snapshots, rank_dir_name
 from mscale.snapshot.ownership import dir_refused
+from mscale.snapshot.values import as_int
 
 if TYPE_CHECKING:
     from mscale.snapshot.engine import SnapshotEngine
+    from mscale.snapshot.memory import MemorySnapshot
+    from mscale.snapshot.writer import DiskWriter
 
 __all__ = ["NodeTier", "Flags", "node_job_dir", "estimate_bytes", "make_private", "tier_bytes"]
 
@@ -212,23 +215,25 @@ class NodeTier:
         held = sum(i.nbytes for i in list_snapshots(self.rank_dir))
         return (self.engine.config.node_keep + 1) * size * max(local, 1), st.f_bavail * st.f_frsize + held
 
-    def past_cap(self, peer: Any, writer: Any) -> bool:
-        """Whether the next snapshot would take this rank's node-tier bytes (its snapshots and the
-        replicas it holds: `peer`) past node_cap_bytes; a finding says so each time it is refused."""
+    def past_cap(self, snap: MemorySnapshot, writer: DiskWriter) -> bool:
+        """Whether writing `snap` would take this rank's node-tier bytes (its snapshots and the
+        replicas it holds) past node_cap_bytes; a finding says so each time it is refused. Asked
+        by the node tier's writer thread before it writes (its `admit`): the directories are
+        walked there, never on the training thread."""
         cap = self.engine.config.node_cap_bytes
         if cap is None:
             return False
+        peer = self.engine.peer
         held = sum(tier_bytes(d) for d in (self.rank_dir, *((peer.dir, peer.fetched) if peer is not None else ())))
-        size = int(writer.last_write.get("bytes") or 0) if writer is not None else 0
-        size = size or estimate_bytes(self.engine.model, self.engine.optimizer)
+        size = as_int(writer.last_write.get("bytes") or 0, "the last node write's size") or snap.nbytes
         if held + size <= cap:
             return False
         self.engine.emit(
             Reason.SNAPSHOT_FAILED,
             Severity.WARNING,
-            f"node-tier snapshot of step {self.engine.step} not written: {size} bytes more would take this rank's "
+            f"node-tier snapshot of step {snap.step} not written: {size} bytes more would take this rank's "
             f"node tier past node_cap_bytes ({held} of {cap} bytes held)",
-            step=self.engine.step,
+            step=snap.step,
             tier="node",
         )
         return True

@@ -81,6 +81,9 @@ class DiskWriter:
     identity: the manifest's rank, world_size, job_id and mpus entries.
     emit(reason, severity, message, **labels): how findings are reported.
     unpin(snap): called once a queued snapshot is written, failed or skipped.
+    admit(snap): asked in the writer thread before a queued snapshot is written; False skips it
+    (result None; admit's finding says why): the node tier's cap (node_tier.py), off the
+    training thread.
     """
 
     def __init__(
@@ -93,11 +96,12 @@ class DiskWriter:
         unpin: Callable[[MemorySnapshot], None],
         tier: str = "disk",
         private: bool = False,
+        admit: Callable[[MemorySnapshot], bool] | None = None,
     ) -> None:
         self.rank_dir, self.keep, self.identity = rank_dir, keep, identity
         # the node tier (node_tier.py): its findings say so; private: 0700 directories, 0600 files
         self.tier, self._file_mode, self._dir_mode = tier, (0o600 if private else 0o644), (0o700 if private else 0o777)
-        self._emit, self._unpin = emit, unpin
+        self._emit, self._unpin, self._admit = emit, unpin, admit
         self.own = Ownership(identity["job_id"], emit)  # only this run's snapshots
         self.last_write: JSONObject = {}
         self._clean_leftovers()
@@ -184,9 +188,8 @@ class DiskWriter:
                     fut.set_exception(e)
                 continue
             snap = payload
-            if why == "schedule" and any(j[0] == "write" for j in list(self._jobs)):
+            if self._skipped(snap, why):
                 self._unpin(snap)
-                log.warning("scheduled snapshot superseded before it was written", step=snap.step, tier=self.tier)
                 fut.set_result(None)
                 continue
             try:
@@ -195,6 +198,18 @@ class DiskWriter:
                 fut.set_exception(e)
             finally:
                 self._unpin(snap)
+
+    def _skipped(self, snap: MemorySnapshot, why: str) -> bool:
+        """Whether a queued write is not to be done: a scheduled one with a newer one queued
+        behind it, or one `admit` refuses (an admit that fails refuses it, with a finding)."""
+        if why == "schedule" and any(j[0] == "write" for j in list(self._jobs)):
+            log.warning("scheduled snapshot superseded before it was written", step=snap.step, tier=self.tier)
+            return True
+        try:
+            return self._admit is not None and not self._admit(snap)
+        except Exception as e:  # never kill the writer
+            self._emit_failed(snap, e, why)
+            return True
 
     # -- writing ----------------------------------------------------------------------
     def write_now(self, snap: MemorySnapshot, why: str) -> Path:

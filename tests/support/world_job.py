@@ -124,6 +124,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
         node_every=args.node_every,
         peer_every=args.peer_every,
         peer_timeout_s=args.peer_timeout,
+        node_cap_bytes=args.node_cap if rank == args.cap_rank else None,
     )
     out: dict = {"rank": rank, "world": args.world, "attempt": attempt}
     hashes = Hashes(model, opt)
@@ -155,6 +156,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> int:
     out["resumed"] = [f.message for f in guard.findings if f.reason.value == "snapshot_resumed"]
     out["refused"] = [f.message for f in guard.findings if f.reason.value == "snapshot_refused"]
     out["tiers"] = [f.message for f in guard.findings if f.reason.value == "snapshot_tier"]
+    out["failed"] = [f.message for f in guard.findings if f.reason.value == "snapshot_failed"]
     guard.detach()
     out["hashes"], out["optimizer_hashes"] = hashes.at, hashes.opt_at
     Path(args.out, f"rank_{rank}.json").write_text(json.dumps(out))
@@ -183,6 +185,8 @@ def main() -> int:
     ap.add_argument("--lose-node", action="store_true")  # --torchrun: the restarted kill rank's node root emptied
     ap.add_argument("--peer-timeout", type=float, default=60)
     ap.add_argument("--mute-peer-rank", type=int, default=None)
+    ap.add_argument("--cap-rank", type=int, default=None)  # this rank's node tier capped at --node-cap bytes
+    ap.add_argument("--node-cap", type=int, default=1)
     args = ap.parse_args()
     if args.nodes and (args.world % args.nodes or not args.node_base):
         ap.error("--nodes must divide --world, and needs --node-base")
