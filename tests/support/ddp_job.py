@@ -40,6 +40,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -87,9 +88,12 @@ READS = ("item", "tolist", "__float__", "__bool__")
 
 
 class Reads:
-    """Counts tensor read-backs (READS) by phase, for the commit scenario."""
+    """Counts the training thread's tensor read-backs (READS) by phase, for the commit scenario
+    (the snapshot copier's verification reads its host copies on a thread of its own: no wait
+    of the training's stream, so not counted)."""
 
     def __init__(self) -> None:
+        self.thread = threading.get_ident()
         self.phase = ""
         self.now: dict[str, int] = {}
         self.steps: list[dict] = []  # per optimizer step: {"step", "forward", "commit"}
@@ -99,7 +103,7 @@ class Reads:
         for name, original in self._originals.items():
 
             def read(t, *a, _original=original, **k):
-                if self.phase:
+                if self.phase and threading.get_ident() == self.thread:
                     self.now[self.phase] = self.now.get(self.phase, 0) + 1
                 return _original(t, *a, **k)
 
