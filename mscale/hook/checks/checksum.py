@@ -1,43 +1,45 @@
-"""Tensor checksums on MPU outputs, in-process, within a budget: ABFT on a rotating share of the linear
-layers, replay of whole MPU forwards, full coverage for an MPU under suspicion.
+"""Tensor checksums on MPU outputs, in-process, within a budget: ABFT on a rotating share of
+the linear layers, replay of whole MPU forwards, full coverage for an MPU under suspicion.
 
-ABFT (algorithm-based fault tolerance, Huang & Abraham 1984) for y = x W^T + b with x of shape (N, in):
-the sum of all outputs is predictable from the input's column sums and the weight's column sums, without
-the GEMM:
+ABFT (algorithm-based fault tolerance, Huang & Abraham 1984) for y = x W^T + b with x of
+shape (N, in): the sum of all outputs is predictable from the input's column sums and the
+weight's column sums, without the GEMM:
 
     sum(y) = sum_n x_n . c(W) + N * sum(b)          c(W)_k = sum_o W_ok
     |sum(y) - prediction| <= rtol[dtype] * S        S = sum_n |x_n| . c(|W|) + N * sum|b|
 
-S bounds every product term of the GEMM, so the tolerance scales with the rounding the GEMM itself can
-make. Cost per checked linear and step: one pass over x (a GEMV for its column sums), one over y, one over
-W for c(W) (a trained weight changes every step; a frozen one is cached); c(|W|) only sizes the tolerance
-and is refreshed every 16 steps. On CPU, S itself (another pass over x) is computed only when the residual
-exceeds rtol times its lower bound |sum_n x_n| . c(|W|): the same decision, paid for only by a fault or
-cancelling inputs. The check sums run in float32 (float64 for float64 layers), with autocast off. rtol per
-output dtype (`DEFAULT_RTOL`): float32 2e-6, float16 2e-3, float64 1e-12; float32 on CUDA while TF32
-matmuls are allowed at least `TF32_RTOL` (2e-3, see there). A bfloat16 output's tolerance comes from its
-own rounding instead (mscale.hook.checks.rounding: +-1-weighted sums, `rounding_sigmas` x 2^-7/sqrt(12) x
-||y||_2), which finds noise of the output's own size where rtol x S cannot.
+S bounds every product term of the GEMM, so the tolerance scales with the rounding the GEMM
+itself can make. Cost per checked linear and step: one pass over x (a GEMV for its column
+sums), one over y, one over W for c(W) (a trained weight changes every step; a frozen one is
+cached); c(|W|) only sizes the tolerance and is refreshed every 16 steps. On CPU, S itself
+(another pass over x) is computed only when the residual exceeds rtol times its lower bound
+|sum_n x_n| . c(|W|): the same decision, paid for only by a fault or cancelling inputs.
+The check sums run in float32 (float64 for float64 layers), with autocast off. rtol per output
+dtype (`DEFAULT_RTOL`): float32 2e-6, float16 2e-3, float64 1e-12; float32 on CUDA while TF32
+matmuls are allowed at least `TF32_RTOL` (2e-3, see there). A bfloat16 output's tolerance comes
+from its own rounding instead (mscale.hook.checks.rounding: +-1-weighted sums, `rounding_sigmas` x
+2^-7/sqrt(12) x ||y||_2), which finds noise of the output's own size where rtol x S cannot.
 
-Which layers, which steps (mscale.hook.checks.coverage, mscale.hook.checks.budget): the guard measures
-what the checks cost against the step they ride on and checks, each step, as many layers of each MPU as
-`budget` (default 0.01, the share of step time) allows, never fewer than keep every layer checked at least
-once every `max_gap_steps` (default 8), in rotation; replays rotate across the MPUs, paid from what the
-budget leaves, at least once in `replay_max_gap_steps` (400) each. `full=True` checks every layer every
-step (the old default).
+Which layers, which steps (mscale.hook.checks.coverage, mscale.hook.checks.budget): the guard measures what
+the checks cost against the step they ride on and checks, each step, as many layers of each MPU
+as `budget` (default 0.01, the share of step time) allows, never fewer than keep every layer
+checked at least once every `max_gap_steps` (default 8), in rotation; replays rotate across the
+MPUs, paid from what the budget leaves, at least once in `replay_max_gap_steps` (400) each.
+`full=True` checks every layer every step (the old default).
 
-Escalation (`suspect`): a failed check, a loss or gradient anomaly, an agent's GPU finding on the MPU's
-GPU, a replica mismatch or a shift of its output's scale (mscale.hook.checks.outstats, every step) put the
-MPU in incident mode for `incident_steps` (16): every layer checked and its forward replayed, every step.
-Since every failure opens an incident, the clean steps that follow a failure include a replay: a fault
-only replay sees (outside any linear) is not cleared by clean ABFT passes. A non-finite output or a shift
-is traced to its layer on the event (mscale.hook.checks.locate).
+Escalation (`suspect`): a failed check, a loss or gradient anomaly, an agent's GPU finding on
+the MPU's GPU, a replica mismatch or a shift of its output's scale (mscale.hook.checks.outstats, every
+step) put the MPU in incident mode for `incident_steps` (16):
+every layer checked and its forward replayed, every step. Since every failure opens an
+incident, the clean steps that follow a failure include a replay: a fault only replay sees (one
+outside any linear layer, at a tower's output) is not cleared by clean ABFT passes.
 
-Counting is per optimizer step: the checks of all forwards of a step (gradient accumulation) make one
-verdict per MPU at the step's commit point (`commit`, from the optimizer step pre-hook);
-healing.checksum_failures_l1 (3) failed checked steps in a row emit CHECKSUM_L1_TRIGGER. The recomputation
-of a checkpointed forward (inside backward) is not checked again. A non-finite MPU output is always a
-failure. Nothing here raises into training: findings go to `emit`.
+Counting is per optimizer step: the checks of all forwards of a step (gradient accumulation)
+make one verdict per MPU at the step's commit point (`commit`, from the optimizer step
+pre-hook); healing.checksum_failures_l1 (3) failed checked steps in a row emit CHECKSUM_L1_TRIGGER. The
+recomputation of a checkpointed forward (inside backward) is not checked again. A non-finite
+MPU output is always a failure. Nothing here raises into training: results are findings
+passed to `emit`.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from mscale.findings import Finding, Reason, Severity
-from mscale.hook.checks import abft, locate, outstats, rounding
+from mscale.hook.checks import abft, outstats, rounding
 from mscale.hook.checks.budget import Budget
 from mscale.hook.checks.checksum_config import (  # noqa: F401  (re-exported: the config's public home)
     DEFAULT_RTOL,
@@ -121,7 +123,9 @@ class ChecksumDetector:
         l1: int,
     ) -> None:
         self.config, self.l1 = config, l1  # l1: healing.checksum_failures_l1 (checksum_config.one_l1)
-        self.budget, self._emit, self._step = budget, emit, step
+        self.budget = budget
+        self._emit = emit
+        self._step = step
         share, gap = config.replays()
         self.schedule = Schedule(
             max_gap_steps=1 if config.full else config.max_gap_steps,
@@ -148,14 +152,13 @@ class ChecksumDetector:
         self.readbacks = 0  # host reads of check results (tests count them per step)
         # seconds spent in ABFT (linear hooks + evaluation) and in replays; the Guard resets
         # them each step (benchmarks/hook_overhead.py reads them)
-        self.abft_s = self.replay_s = 0.0
+        self.abft_s = 0.0
+        self.replay_s = 0.0
         self._idle_s = 0.0  # this step's time in the hooks of layers not checked (charged at its end)
         # each MPU output's scale against its own baseline: faults outside the linears (mscale.hook.checks.outstats)
         self.stats = outstats.OutputStats(
             emit=emit, suspect=self.suspect, labels=self._labels, enabled=config.output_stats
         )
-        self.locate = locate.Locator(lambda on: setattr(self, "replaying", on))  # which layer, on an event only
-        self.stats.locate = self.locate.shifted
 
     def attach(self, mpu: Mpu) -> None:
         linears = [(n or "<self>", m, k) for n, m in mpu.module.named_modules() if (k := kind_of(m)) is not None]
@@ -189,7 +192,6 @@ class ChecksumDetector:
         """Drop cached weight sums (the MPU moved device); its outputs' baselines start again."""
         self.wsums.clear()
         self.stats.forget(mpu)
-        self.locate.forget(mpu)
 
     def commit_mode(self, mpu: Mpu) -> bool:
         v = self.config.verdicts
@@ -300,7 +302,6 @@ class ChecksumDetector:
                 (st.rows if commit else st.pending).append(row)
         with torch.no_grad(), self.budget.timer(outstats.SOURCE, mpu.device):  # its own cost, not ABFT's
             self.stats.observe(mpu, distinct)
-        self.locate.saw(mpu, inputs)  # a reference kept for the step (an event's re-run)
         t1 = time.perf_counter()
         self.abft_s += t1 - t0
         if st.replay is not None:
@@ -320,7 +321,7 @@ class ChecksumDetector:
         if failures:
             st.unresolved = True
             st.failures.extend(failures)
-            self._report(mpu, failures, outs)
+            self._report(mpu, failures)
         elif rerun:
             st.unresolved = False
         mpu.last_checksum_ok = not st.unresolved
@@ -472,11 +473,10 @@ class ChecksumDetector:
 
     # --- counting --------------------------------------------------------------------
 
-    def _report(self, mpu: Mpu, failures: list[abft.Failure], outs: list[torch.Tensor] | None = None) -> None:
+    def _report(self, mpu: Mpu, failures: list[abft.Failure]) -> None:
         for reason, method, detail, layer in failures:
             sev = Severity.CRITICAL if reason is Reason.NONFINITE_OUTPUT else Severity.WARNING
-            found = self.locate.nonfinite(mpu, outs) if method == "nonfinite" else None  # layer "": its output
-            blame = {**self._labels(mpu), "layer": found or abft.layer_path(mpu.path, layer), "method": method}
+            blame = {**self._labels(mpu), "layer": abft.layer_path(mpu.path, layer), "method": method}  # "": its output
             self._emit(Finding(SOURCE, reason, sev, f"{mpu.name}: {detail}", blame))
         self.suspect(mpu.mpu_id, f"{failures[0][1]} check failed")
 

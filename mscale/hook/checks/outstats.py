@@ -133,8 +133,6 @@ class OutputStats:
         enabled: bool = True,
     ) -> None:
         self._emit, self._suspect, self._labels, self.enabled = emit, suspect, labels, enabled
-        # the submodule a shift starts at, looked for on the event only (the checksum detector's)
-        self.locate: Callable[[Any], str | None] = lambda mpu: None
         self._mpus: dict[str, _Mpu] = {}
         self._by_id: dict[str, Any] = {}
         # this step's eager norms, by device (one stack each at the commit), and what each is:
@@ -246,15 +244,13 @@ class OutputStats:
     def _shift(self, mpu: Any, shifts: list[tuple[int, float, float]]) -> None:
         ratios = [(i, math.exp(d / 2), math.exp(thr / 2)) for i, d, thr in shifts]  # of the RMS
         what = ", ".join(f"output {i} RMS x{r:.3g} (threshold x{t:.3g})" for i, r, t in ratios)
-        layer = self.locate(mpu)
-        where = {"layer": layer} if layer else {}
         self._emit(
             Finding(
                 SOURCE,
                 Reason.OUTPUT_SHIFT,
                 Severity.WARNING,
                 f"{mpu.name}: {what} its baseline's prediction, {CONFIRM} steps in a row",
-                {**self._labels(mpu), **where, "output": str(ratios[0][0]), "rms_ratio": f"{ratios[0][1]:.4g}"},
+                {**self._labels(mpu), "output": str(ratios[0][0]), "rms_ratio": f"{ratios[0][1]:.4g}"},
             )
         )
         self._suspect(mpu.mpu_id, Reason.OUTPUT_SHIFT.value)

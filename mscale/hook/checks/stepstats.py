@@ -17,7 +17,6 @@ from torch import nn
 from mscale.findings import Finding
 from mscale.hook.checks.budget import StepTimes
 from mscale.hook.checks.cmsa import GVC_EVERY, Cmsa, GradStatistics
-from mscale.hook.checks.locate import nonfinite_state
 from mscale.hook.checks.loss import LossDetector
 from mscale.hook.core.mpu import Mpu
 from mscale.hook.core.stepstate import StepFigures, StepState
@@ -69,9 +68,8 @@ class StepStatistics:
                 self.state.skip_reason = f"non-finite {' and '.join(bad)}"
         t1 = time.perf_counter()
         self.times.grad_stats_s += t1 - t0
-        scanned: list[list[str]] = []  # the step's scan of the state for a non-finite loss, once
         for f in self.loss_detector.observe(step, loss, global_norm, {m.mpu_id: m.grad_norm for m in self.mpus}):
-            self.emit(self._poisoned(f, scanned) if f.labels.get("level") == "nonfinite" else self._blamed(f))
+            self.emit(self._blamed(f))
         t2 = time.perf_counter()
         self.times.loss_s += t2 - t1
         clipped: dict[str, bool] = {}
@@ -99,27 +97,6 @@ class StepStatistics:
         if name is None:
             return f
         return Finding(f.source, f.reason, f.severity, f"{f.message} (largest: {name})", {**f.labels, "tensor": name})
-
-    def _poisoned(self, f: Finding, scanned: list[list[str]]) -> Finding:
-        """A non-finite loss or global gradient norm names the parameters and optimizer state
-        tensors holding a NaN or Inf (`tensor`): an Inf in an `exp_avg` reaches the loss through
-        the weight it updates, outside every MPU's checks. The scan (one `isfinite` over each
-        tensor, mscale.hook.checks.locate) is paid on the event only, once a step; none found (a
-        NaN made in this step's forward): the finding is left as it is."""
-        if f.labels.get("series") not in ("loss", "grad_norm"):
-            return f
-        if not scanned:
-            scanned.append(nonfinite_state(self.model, self.optimizer))
-        names = scanned[0]
-        if not names:
-            return f
-        return Finding(
-            f.source,
-            f.reason,
-            f.severity,
-            f"{f.message} (not finite: {', '.join(names)})",
-            {**f.labels, "tensor": ",".join(names)},
-        )
 
     def measure_safe(self, step: int, where: str) -> StepFigures | None:
         """`measure`, or None (logged) when it raised: a detector bug must not stop training."""
