@@ -218,10 +218,7 @@ def peer_recovery(args: argparse.Namespace) -> None:
                 assert list(got[1]["resume_s"]) == [tiers[arm]], (arm, got[1]["resume_s"])  # rank 1's source
                 times[arm].append(max(g["done"] for g in got) - got[0]["launched"] + gap)
                 resumes[arm].append(got[1]["resume_s"][tiers[arm]])
-                at = got[1]["at"]  # rank 1's restart, phase by phase
-                marks = [got[1]["launched"], at["imported"], at["built"], at["resumed"], got[1]["done"]]
-                for phase, a, b in zip(PHASES, marks, marks[1:], strict=False):
-                    phases[arm][phase].append(b - a)
+                note_phases(phases[arm], got[1])  # rank 1's restart, phase by phase
             shutil.rmtree(snaps, ignore_errors=True)
             shutil.rmtree(shm, ignore_errors=True)
             shm.mkdir()
@@ -283,6 +280,14 @@ def main() -> None:
     recovery(args)
 
 
+def note_phases(into: dict[str, list[float]], got: dict) -> None:
+    """A restart's time by phase (PHASES), from the marks its child wrote."""
+    at = got["at"]
+    marks = [got["launched"], at["imported"], at["built"], at["resumed"], got["done"]]
+    for phase, a, b in zip(PHASES, marks, marks[1:], strict=False):
+        into[phase].append(b - a)
+
+
 def recovery(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="mscale-recovery-", dir=args.dir))
     shm = Path(tempfile.mkdtemp(prefix="mscale-recovery-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
@@ -306,10 +311,7 @@ def recovery(args: argparse.Namespace) -> None:
                 got = run_child(arm.split()[0], args, snaps, work / "restart.json", env)
                 times[arm].append(got["done"] - got["launched"] + gap[-1])
                 resumes[arm].append(sum(got["resume_s"].values()))
-                at = got["at"]
-                marks = [got["launched"], at["imported"], at["built"], at["resumed"], got["done"]]
-                for phase, a, b in zip(PHASES, marks, marks[1:], strict=False):
-                    phases[arm][phase].append(b - a)
+                note_phases(phases[arm], got)
             shutil.rmtree(snaps, ignore_errors=True)
             shutil.rmtree(shm, ignore_errors=True)
             shm.mkdir()
