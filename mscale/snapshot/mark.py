@@ -7,10 +7,10 @@ state are what they were, the rest is put back. The engine holds one `StepMark` 
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from mscale.snapshot.memory import rng_state, set_rng_state, to_host
-from mscale.snapshot.values import StateDict, as_dict, as_int, as_list
+from mscale.snapshot.values import OptionalStateful, StateDict, as_dict, as_int, as_list
 
 if TYPE_CHECKING:
     from mscale.snapshot.engine import SnapshotEngine
@@ -71,11 +71,21 @@ class StepMark:
         if engine.optimizer is not None and "groups" in mark:
             for group, saved in zip(engine.optimizer.param_groups, as_list(mark["groups"], "groups"), strict=True):
                 group.update(copy.deepcopy(as_dict(saved, "a group")))
-        if engine.scaler is not None:
-            engine.scaler.load_state_dict(copy.deepcopy(as_dict(mark["scaler"], "the mark's scaler")))
-        if engine.scheduler is not None:
-            engine.scheduler.load_state_dict(copy.deepcopy(as_dict(mark["scheduler"], "the mark's scheduler")))
-        extra = as_dict(mark["extra"], "the mark's extras")
-        for name, obj in engine.extra.items():
-            obj.load_state_dict(copy.deepcopy(as_dict(extra.get(name), f"the mark's {name!r}")))
-        set_rng_state(as_dict(mark["rng"], "the mark's RNG state"))
+        put_back_stateful(engine, mark, "the mark's")
+
+
+def put_back_stateful(engine: SnapshotEngine, objects: StateDict, whose: str) -> None:
+    """The scaler, the scheduler, the extras and the RNG from `objects` (a snapshot's or a step
+    mark's) into the engine's live objects, copies, not the held state itself."""
+    if engine.scaler is not None:
+        engine.scaler.load_state_dict(copy.deepcopy(as_dict(objects["scaler"], f"{whose} scaler state")))
+    if engine.scheduler is not None:
+        engine.scheduler.load_state_dict(copy.deepcopy(as_dict(objects["scheduler"], f"{whose} scheduler state")))
+    extra = as_dict(objects["extra"], f"{whose} extras' state")
+    for name, obj in engine.extra.items():
+        state = extra.get(name)
+        if state is None:  # fit.py let only a snapshot_optional extra be missing: restored as "none made"
+            cast(OptionalStateful, obj).load_state_dict(None)
+            continue
+        obj.load_state_dict(copy.deepcopy(as_dict(state, f"{whose} state of {name!r}")))
+    set_rng_state(as_dict(objects["rng"], f"{whose} RNG state"))

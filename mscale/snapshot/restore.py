@@ -8,7 +8,7 @@ import copy
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,8 +17,8 @@ from mscale.findings import Reason, Severity
 from mscale.snapshot import worlds
 from mscale.snapshot.fit import check_fits
 from mscale.snapshot.inplace import load_newest_valid
-from mscale.snapshot.memory import set_rng_state
-from mscale.snapshot.values import OptionalStateful, StateDict, as_dict, as_int
+from mscale.snapshot.mark import put_back_stateful
+from mscale.snapshot.values import StateDict, as_dict, as_int
 
 if TYPE_CHECKING:
     from mscale.snapshot.engine import SnapshotEngine
@@ -71,18 +71,7 @@ def apply(
             copy_pairs=engine.copier.parallel_copy,
             owned=owned,
         )
-    if engine.scaler is not None:
-        engine.scaler.load_state_dict(copy.deepcopy(as_dict(objects["scaler"], "the scaler state")))
-    if engine.scheduler is not None:
-        engine.scheduler.load_state_dict(copy.deepcopy(as_dict(objects["scheduler"], "the scheduler state")))
-    extra = as_dict(objects["extra"], "the extras' state")
-    for name, obj in engine.extra.items():
-        state = extra.get(name)
-        if state is None:  # fit.py let only a snapshot_optional extra be missing: restored as "none made"
-            cast(OptionalStateful, obj).load_state_dict(None)
-            continue
-        obj.load_state_dict(copy.deepcopy(as_dict(state, f"the state of {name!r}")))
-    set_rng_state(as_dict(objects["rng"], "the RNG state"))
+    put_back_stateful(engine, objects, "the snapshot's")
     engine.step = as_int(objects["step"], "the step")
     engine.step_mark.take(engine)  # the restored step's end: a step after it can be run again from its start
 
